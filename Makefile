@@ -1,0 +1,43 @@
+# Every target bootstraps .venv when it is missing; `make install` is idempotent.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-dev
+PYTEST_ARGS ?=
+
+.PHONY: install run test lint bench faults faults-sweep fuzz clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+
+$(STAMP): $(BIN)/python pyproject.toml
+	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+# Until the coordinator lands, the main job is the bus demo (flyd demo).
+run: $(STAMP)
+	$(BIN)/flyd demo
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q -n auto $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(BIN)/ruff check bus workers flyd tests bench
+	$(BIN)/mypy
+
+bench: $(STAMP)
+	$(BIN)/python bench/bus.py
+
+faults: $(STAMP)
+	@echo "the fault suite (tests/distribution) is not built yet"
+
+faults-sweep: faults
+
+fuzz: $(STAMP)
+	$(BIN)/python -m pytest -q tests/bus/test_fuzz.py --hypothesis-profile=fuzz
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,706 @@
+"""The asyncio client SDK (wire.md §17); works on the default loop and under uvloop.
+
+One `BusClient` is one connection and belongs to one event loop. It applies the same strict
+rules to the router's frames as the router applies to ours (§2–§4): any violation, EOF,
+`bus.closing` or `close()` fails everything pending with RouterLost (`unknown`), because after
+a lost connection nothing is known about what ran. Deadlines live here, on the caller's
+monotonic clock: at a deadline the SDK cancels and reports the certainty the cancel proved.
+
+Task ownership: every handler task is owned by its client, tracked in `_tasks` and cancelled
+and awaited when the connection ends; the SDK starts no other tasks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import types
+from collections import deque
+from collections.abc import Awaitable, Callable, Generator
+from dataclasses import dataclass
+from typing import Any, Final, cast
+
+import structlog
+
+from bus import codec
+from bus.errors import (
+    BusError,
+    CallDeadlineExceeded,
+    CallGone,
+    InvalidEnvelope,
+    RouterLost,
+    VersionMismatch,
+    from_wire,
+)
+from bus.framing import PREFIX, FrameDecoder
+from bus.limits import HELLO_KEYS, MAX_CONSUME_BATCH
+from bus.schema import Validator, contract_digest, validator
+
+log = structlog.get_logger("bus.client")
+
+CANCEL_WAIT_S: Final = 0.5
+MAX_ID: Final = 2**53 - 1
+_NOTIFICATIONS: Final = ("bus.request", "bus.result", "bus.callFailed", "bus.routeRemoved",
+                         "bus.closing")
+
+Handler = Callable[["Request"], Awaitable[dict[str, Any] | None]]
+RouteRemovedHook = Callable[[str, str, str], None]
+
+
+@dataclass(frozen=True, slots=True)
+class Identity:
+    client_id: str
+    client_incarnation: str
+
+
+@dataclass(frozen=True, slots=True)
+class CallResult:
+    call_id: int
+    service_incarnation: str
+    responder: Identity
+    outcome: dict[str, Any]
+
+
+def new_incarnation() -> str:
+    return "inc-" + os.urandom(16).hex()
+
+
+class _Validators:
+    """Compiled schemas for everything the router may send (loaded once per process)."""
+
+    _cache: _Validators | None = None
+
+    def __init__(self) -> None:
+        self.response = validator("response.json")
+        self.results: dict[str, Validator] = {
+            op: validator(f"ops/{op}.result.json")
+            for op in ("bus.hello", "bus.register", "bus.unregister", "bus.call", "bus.reply",
+                       "bus.release", "bus.cancel", "bus.consumed", "bus.services",
+                       "bus.stats", "bus.expect")
+        }
+        self.notifications = {m: validator(f"notifications/{m}.json") for m in _NOTIFICATIONS}
+        self.error = validator("error.json")
+
+    @classmethod
+    def get(cls) -> _Validators:
+        if cls._cache is None:
+            cls._cache = cls()
+        return cls._cache
+
+
+class Request:
+    """A `bus.request` delivered to one of our services; answer it once."""
+
+    __slots__ = ("_answered", "_client", "call_id", "caller", "delivery_id", "method", "payload",
+                 "service_incarnation", "target")
+
+    def __init__(self, client: BusClient, params: dict[str, Any]) -> None:
+        self._client = client
+        self.delivery_id: str = params["deliveryId"]
+        self.call_id: int = params["callId"]
+        caller = params["caller"]
+        self.caller = Identity(caller["clientId"], caller["clientIncarnation"])
+        self.target: str = params["target"]
+        self.service_incarnation: str = params["serviceIncarnation"]
+        self.method: str = params["method"]
+        self.payload: dict[str, Any] = params["payload"]
+        self._answered = False
+
+    @property
+    def answered(self) -> bool:
+        return self._answered
+
+    async def reply(self, outcome: dict[str, Any]) -> bool:
+        """Send the reply; True when routed to an attached caller."""
+        result = await self._client._command(
+            "bus.reply", {"deliveryId": self.delivery_id, "outcome": outcome}
+        )
+        self._answered = True
+        return bool(result["routed"])
+
+    async def release(self) -> bool:
+        """Give up the reply capability (the caller gets CALL_GONE `dispatched`)."""
+        self._answered = True
+        result = await self._client._command(
+            "bus.release", {"deliveryId": self.delivery_id}, wait_drain=False
+        )
+        return bool(result["released"])
+
+
+class Service:
+    """A registration; as an async context manager it unregisters on exit."""
+
+    def __init__(self, client: BusClient, name: str, incarnation: str, handler: Handler) -> None:
+        self._client = client
+        self.name = name
+        self.incarnation = incarnation
+        self.handler = handler
+
+    async def unregister(self) -> bool:
+        self._client._services.pop(self.name, None)
+        result = await self._client._command(
+            "bus.unregister", {"name": self.name, "serviceIncarnation": self.incarnation}
+        )
+        return bool(result["removed"])
+
+    async def __aenter__(self) -> Service:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if not self._client.closed:
+            with contextlib.suppress(RouterLost):
+                await self.unregister()
+
+
+class _CallState:
+    """SDK-side record of one bus.call: admission, then exactly one terminal outcome."""
+
+    __slots__ = ("admitted", "call_id", "done", "service_incarnation")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, call_id: int) -> None:
+        self.call_id = call_id
+        self.admitted: asyncio.Future[str] = loop.create_future()
+        self.done: asyncio.Future[CallResult] = loop.create_future()
+        self.service_incarnation: str | None = None
+        _quiet(self.admitted)
+        _quiet(self.done)
+
+
+def _quiet(fut: asyncio.Future[Any]) -> None:
+    """Mark a future's exception as retrieved: pending calls nobody awaits may fail."""
+    fut.add_done_callback(lambda f: f.cancelled() or f.exception())
+
+
+def _settle(fut: asyncio.Future[Any], exc: BaseException | None = None,
+            value: Any = None) -> None:
+    if not fut.done():
+        if exc is not None:
+            fut.set_exception(exc)
+        else:
+            fut.set_result(value)
+
+
+class PendingCall:
+    """An admitted call (`start_call`): await `result()`, or `cancel()` it."""
+
+    def __init__(self, client: BusClient, state: _CallState) -> None:
+        self._client = client
+        self._state = state
+        self.call_id = state.call_id
+        self.service_incarnation: str = state.service_incarnation or ""
+        self.cancel_state: str | None = None
+
+    async def result(self) -> CallResult:
+        """Wait for the outcome (no deadline; abandoning the wait does not cancel)."""
+        return await asyncio.shield(self._state.done)
+
+    async def cancel(self) -> str:
+        """`bus.cancel`; afterwards `result()` raises CallGone unless the state is completed."""
+        if self._state.done.done():
+            self.cancel_state = "completed" if not self._state.done.exception() else "call-gone"
+            return self.cancel_state
+        res = await self._client._command("bus.cancel", {"callId": self.call_id},
+                                          wait_drain=False)
+        state: str = res["state"]
+        self.cancel_state = state
+        if state != "completed":
+            self._client._finish_cancelled(self._state, state)
+        return state
+
+    async def __aenter__(self) -> PendingCall:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if not self._state.done.done() and not self._client.closed:
+            with contextlib.suppress(BusError):
+                await self.cancel()
+
+
+_CERTAINTY: Final = {
+    "cancelled-before-dispatch": "not-dispatched",
+    "execution-unknown": "dispatched",
+}
+
+
+class _Protocol(asyncio.Protocol):
+    def __init__(self, client: BusClient) -> None:
+        self.client = client
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.client._transport = cast(asyncio.Transport, transport)
+
+    def data_received(self, data: bytes) -> None:
+        self.client._on_data(data)
+
+    def eof_received(self) -> bool:
+        self.client._lost(RouterLost("the router closed the connection"))
+        return False
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.client._lost(RouterLost(
+            "the router connection was lost" + (f": {exc}" if exc else "")))
+
+    def pause_writing(self) -> None:
+        self.client._pause_writing()
+
+    def resume_writing(self) -> None:
+        self.client._resume_writing()
+
+
+class BusClient:
+    """One connection to the router (created by `connect`)."""
+
+    def __init__(self, path: str, client_id: str, client_incarnation: str,
+                 on_route_removed: RouteRemovedHook | None) -> None:
+        self.path = path
+        self.client_id = client_id
+        self.client_incarnation = client_incarnation
+        self.router_id = ""
+        self.connection_id = ""
+        self.limits: dict[str, int] = {}
+        self.grants: dict[str, list[str]] = {}
+        self._max_envelope = 16777216
+        self._on_route_removed = on_route_removed
+        self._loop = asyncio.get_running_loop()
+        self._transport: asyncio.Transport | None = None
+        self._decoder = FrameDecoder(16777216)
+        self._v = _Validators.get()
+        self._next_id = 0
+        self._pending: deque[tuple[int, str, asyncio.Future[dict[str, Any]]]] = deque()
+        self._calls: dict[int, _CallState] = {}
+        self._services: dict[str, Service] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._consume: list[str] = []
+        self._consume_scheduled = False
+        self._drained: asyncio.Future[None] | None = None
+        self._closed_with: BaseException | None = None
+        self._closed = self._loop.create_future()
+        _quiet(self._closed)
+
+    # connection ---------------------------------------------------------------------------
+    @property
+    def closed(self) -> bool:
+        return self._closed_with is not None
+
+    async def wait_closed(self) -> BusError | None:
+        """The closing BusError, RouterLost for EOF, or None after a local close."""
+        await asyncio.shield(self._closed)
+        result: BusError | None = self._closed.result()
+        return result
+
+    async def close(self) -> None:
+        """Close locally; everything pending fails with RouterLost `unknown`."""
+        self._lost(None)
+        await self._reap_tasks()
+
+    async def __aenter__(self) -> BusClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def _reap_tasks(self) -> None:
+        tasks = [t for t in self._tasks if t is not asyncio.current_task()]
+        for t in tasks:
+            t.cancel()
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    def _lost(self, error: BusError | None) -> None:
+        if self._closed_with is not None:
+            return
+        self._closed_with = error or RouterLost("the connection was closed locally")
+        failure = error if isinstance(error, RouterLost) else RouterLost(
+            error.message if error is not None else "the connection was closed locally")
+        failure.dispatch = "unknown"
+        if self._transport is not None:
+            self._transport.abort()
+        while self._pending:
+            _, _, fut = self._pending.popleft()
+            _settle(fut, RouterLost(failure.message))
+        for state in self._calls.values():
+            _settle(state.admitted, RouterLost(failure.message))
+            _settle(state.done, RouterLost(failure.message))
+        self._calls.clear()
+        self._services.clear()
+        if self._drained is not None:
+            _settle(self._drained, RouterLost(failure.message))
+        for t in self._tasks:
+            t.cancel()
+        _settle(self._closed, value=error)
+
+    def _violation(self, message: str) -> None:
+        log.warning("bus.client.protocol_violation", client_id=self.client_id, error=message)
+        self._lost(RouterLost(f"router protocol violation: {message}"))
+
+    def _check_open(self) -> None:
+        if self._closed_with is not None:
+            raise RouterLost("the connection is closed")
+
+    # outbound ----------------------------------------------------------------------------
+    def _pause_writing(self) -> None:
+        if self._drained is None or self._drained.done():
+            self._drained = self._loop.create_future()
+            _quiet(self._drained)
+
+    def _resume_writing(self) -> None:
+        if self._drained is not None:
+            _settle(self._drained)
+
+    def _write(self, body: bytes) -> None:
+        assert self._transport is not None
+        self._transport.write(PREFIX.pack(len(body)) + body)
+        if self._transport.get_write_buffer_size() > 4 * self._max_envelope:
+            self._lost(RouterLost("unsent bytes above 4 x maxEnvelopeBytes"))
+
+    def _encode_request(self, rid: int, method: str, params: dict[str, Any]) -> bytes:
+        return codec.encode({"jsonrpc": "2.0", "id": rid, "method": method, "params": params},
+                            self._max_envelope)
+
+    async def _command(self, method: str, params: dict[str, Any], *,
+                       wait_drain: bool = True) -> dict[str, Any]:
+        self._check_open()
+        if wait_drain and self._drained is not None and not self._drained.done():
+            await self._drained
+            self._check_open()
+        rid = self._next_id + 1
+        body = self._encode_request(rid, method, params)
+        self._next_id = rid
+        fut: asyncio.Future[dict[str, Any]] = self._loop.create_future()
+        _quiet(fut)
+        self._pending.append((rid, method, fut))
+        self._write(body)
+        return await fut
+
+    def _queue_consumed(self, delivery_id: str) -> None:
+        self._consume.append(delivery_id)
+        if not self._consume_scheduled:
+            self._consume_scheduled = True
+            self._loop.call_soon(self._flush_consumed)
+
+    def _flush_consumed(self) -> None:
+        self._consume_scheduled = False
+        while self._consume and self._closed_with is None:
+            batch = self._consume[:MAX_CONSUME_BATCH]
+            del self._consume[:MAX_CONSUME_BATCH]
+            self._send_nowait("bus.consumed", {"deliveryIds": batch})
+        self._consume.clear()
+
+    def _send_nowait(self, method: str, params: dict[str, Any]) -> asyncio.Future[dict[str, Any]]:
+        """A credit-returning command: never waits for the transport to drain."""
+        rid = self._next_id + 1
+        body = self._encode_request(rid, method, params)
+        self._next_id = rid
+        fut: asyncio.Future[dict[str, Any]] = self._loop.create_future()
+        _quiet(fut)
+        self._pending.append((rid, method, fut))
+        self._write(body)
+        return fut
+
+    # inbound -----------------------------------------------------------------------------
+    def _on_data(self, data: bytes) -> None:
+        if self._closed_with is not None:
+            return
+        self._decoder.feed(data)
+        while self._closed_with is None:
+            try:
+                body = self._decoder.next_frame()
+            except BusError as exc:
+                self._violation(exc.message)
+                return
+            if body is None:
+                return
+            try:
+                msg = codec.decode(body)
+            except BusError as exc:
+                self._violation(exc.message)
+                return
+            if type(msg) is not dict or msg.get("jsonrpc") != "2.0":
+                self._violation("not a JSON-RPC 2.0 object")
+                return
+            if "id" in msg:
+                self._on_response(msg)
+            else:
+                self._on_notification(msg)
+
+    def _on_response(self, msg: dict[str, Any]) -> None:
+        problem = self._v.response(msg)
+        if problem is not None:
+            self._violation(f"response: {problem}")
+            return
+        if not self._pending or self._pending[0][0] != msg["id"]:
+            self._violation(f"response id {msg['id']} is not the oldest outstanding request")
+            return
+        _, method, fut = self._pending.popleft()
+        if "error" in msg:
+            _settle(fut, from_wire(msg["error"]))
+            return
+        result = msg["result"]
+        problem = self._v.results[method](result)
+        if problem is not None:
+            self._violation(f"{method} result: {problem}")
+            return
+        if method == "bus.call":
+            state = self._calls.get(msg["id"])
+            if state is not None:
+                state.service_incarnation = result["serviceIncarnation"]
+                _settle(state.admitted, value=result["serviceIncarnation"])
+        _settle(fut, value=result)
+
+    def _on_notification(self, msg: dict[str, Any]) -> None:
+        method = msg.get("method")
+        check = self._v.notifications.get(method) if isinstance(method, str) else None
+        params = msg.get("params")
+        if check is None or set(msg) != {"jsonrpc", "method", "params"}:
+            self._violation(f"unexpected notification {method!r}")
+            return
+        problem = check(params)
+        if problem is not None:
+            self._violation(f"{method}: {problem}")
+            return
+        assert isinstance(params, dict)
+        if method == "bus.result":
+            self._queue_consumed(params["deliveryId"])
+            state = self._calls.pop(params["callId"], None)
+            if state is not None:
+                r = params["responder"]
+                _settle(state.done, value=CallResult(
+                    params["callId"], params["serviceIncarnation"],
+                    Identity(r["clientId"], r["clientIncarnation"]), params["outcome"]))
+        elif method == "bus.request":
+            self._on_request(params)
+        elif method == "bus.callFailed":
+            state = self._calls.pop(params["callId"], None)
+            if state is not None:
+                err = from_wire(params["error"])
+                _settle(state.admitted, err)
+                _settle(state.done, err)
+        elif method == "bus.routeRemoved":
+            hook = self._on_route_removed
+            if hook is not None:
+                try:
+                    hook(params["name"], params["serviceIncarnation"], params["reason"])
+                except Exception:
+                    log.exception("bus.client.route_removed_hook_failed")
+        else:
+            self._lost(from_wire(params["error"]))
+
+    def _on_request(self, params: dict[str, Any]) -> None:
+        svc = self._services.get(params["target"])
+        req = Request(self, params)
+        if svc is None or svc.incarnation != req.service_incarnation:
+            # Unregistered while the request was in flight: give the capability back.
+            self._send_nowait("bus.release", {"deliveryId": req.delivery_id})
+            self._queue_consumed(req.delivery_id)
+            return
+        task = self._loop.create_task(self._run_handler(svc, req))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _run_handler(self, svc: Service, req: Request) -> None:
+        try:
+            try:
+                outcome = await svc.handler(req)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.warning("bus.client.handler_failed", method=req.method, call_id=req.call_id,
+                            error=type(exc).__name__)
+                outcome = None
+            if not req.answered:
+                if outcome is not None:
+                    try:
+                        await req.reply(outcome)
+                    except InvalidEnvelope as exc:
+                        log.warning("bus.client.reply_refused", method=req.method,
+                                    call_id=req.call_id, error=exc.message)
+                if not req.answered:
+                    await req.release()
+        except RouterLost:
+            return
+        finally:
+            if self._closed_with is None:
+                self._queue_consumed(req.delivery_id)
+
+    def _finish_cancelled(self, state: _CallState, cancel_state: str) -> None:
+        self._calls.pop(state.call_id, None)
+        dispatch = _CERTAINTY.get(cancel_state, "unknown")
+        _settle(state.done, CallGone(f"call {state.call_id} cancelled ({cancel_state})",
+                                     dispatch))  # type: ignore[arg-type]
+
+    # API ---------------------------------------------------------------------------------
+    async def register(self, name: str, handler: Handler, *, max_queued: int = 16,
+                       max_in_flight: int = 4) -> Service:
+        result = await self._command("bus.register", {
+            "name": name, "maxQueued": max_queued, "maxInFlight": max_in_flight})
+        svc = Service(self, result["name"], result["serviceIncarnation"], handler)
+        self._services[svc.name] = svc
+        return svc
+
+    def _admit(self, target: str, method: str, payload: dict[str, Any],
+               expected_incarnation: str | None) -> _CallState:
+        self._check_open()
+        rid = self._next_id + 1
+        body = self._encode_request(rid, "bus.call", {
+            "target": target, "expectedIncarnation": expected_incarnation,
+            "method": method, "payload": payload})
+        self._next_id = rid
+        state = _CallState(self._loop, rid)
+        fut: asyncio.Future[dict[str, Any]] = self._loop.create_future()
+        _quiet(fut)
+        fut.add_done_callback(lambda f: self._admission_failed(state, f))
+        self._pending.append((rid, "bus.call", fut))
+        self._calls[rid] = state
+        self._write(body)
+        return state
+
+    def _admission_failed(self, state: _CallState, fut: asyncio.Future[dict[str, Any]]) -> None:
+        exc = None if fut.cancelled() else fut.exception()
+        if exc is not None:
+            self._calls.pop(state.call_id, None)
+            _settle(state.admitted, exc)
+            _settle(state.done, exc)
+
+    async def start_call(self, target: str, method: str, payload: dict[str, Any], *,
+                         expected_incarnation: str | None = None) -> PendingCall:
+        """Admit a call and return its handle (raises the refusal's BusError)."""
+        if self._drained is not None and not self._drained.done():
+            await self._drained
+        state = self._admit(target, method, payload, expected_incarnation)
+        await state.admitted
+        return PendingCall(self, state)
+
+    async def call(self, target: str, method: str, payload: dict[str, Any], *,
+                   timeout: float | None, expected_incarnation: str | None = None) -> CallResult:
+        """One call with a required deadline (seconds, or None for none)."""
+        if timeout is not None and not timeout > 0:
+            raise ValueError("timeout must be > 0 seconds, or None")
+        if self._drained is not None and not self._drained.done():
+            await self._drained
+        state = self._admit(target, method, payload, expected_incarnation)
+        try:
+            async with asyncio.timeout(timeout):
+                await state.admitted
+                return await asyncio.shield(state.done)
+        except TimeoutError:
+            return await self._deadline(state)
+        except asyncio.CancelledError:
+            if not state.done.done() and self._closed_with is None:
+                self._send_nowait("bus.cancel", {"callId": state.call_id})
+            raise
+
+    async def _deadline(self, state: _CallState) -> CallResult:
+        if state.done.done():
+            return state.done.result()
+        self._check_open()
+        fut = self._send_nowait("bus.cancel", {"callId": state.call_id})
+        try:
+            async with asyncio.timeout(CANCEL_WAIT_S):
+                cancel_state: str = (await fut)["state"]
+        except (TimeoutError, BusError):
+            self._calls.pop(state.call_id, None)
+            raise CallDeadlineExceeded(f"call {state.call_id}: deadline; no cancel answer",
+                                       "unknown") from None
+        if cancel_state == "completed":
+            return await asyncio.shield(state.done)
+        if cancel_state == "call-gone" and state.done.done():
+            return state.done.result()
+        self._calls.pop(state.call_id, None)
+        dispatch = _CERTAINTY.get(cancel_state, "unknown")
+        exc = CallDeadlineExceeded(f"call {state.call_id}: deadline ({cancel_state})",
+                                   dispatch, cancel_state)  # type: ignore[arg-type]
+        _settle(state.done, exc)
+        raise exc
+
+    async def services(self, prefix: str = "") -> list[dict[str, Any]]:
+        result = await self._command("bus.services", {"prefix": prefix})
+        services: list[dict[str, Any]] = result["services"]
+        return services
+
+    async def stats(self, detail: bool = False) -> dict[str, Any]:
+        return await self._command("bus.stats", {"detail": detail})
+
+    async def expect(self, client_id: str, pid: int, *, client_incarnation: str | None = None,
+                     ttl: float = 30.0, grants: dict[str, list[str]] | None = None) -> float:
+        """Pre-bind client_id to pid (launcher); returns the expiry in seconds."""
+        result = await self._command("bus.expect", {
+            "clientId": client_id, "pid": pid, "clientIncarnation": client_incarnation,
+            "ttlMs": max(1, int(ttl * 1000)), "grants": grants})
+        return float(result["expiresInMs"]) / 1000.0
+
+    # hello -------------------------------------------------------------------------------
+    async def _hello(self, supported_majors: tuple[int, ...]) -> None:
+        result = await self._command("bus.hello", {
+            "clientId": self.client_id, "clientIncarnation": self.client_incarnation,
+            "supportedMajors": list(supported_majors)})
+        if result["major"] != 1 or result["minor"] != 0:
+            raise VersionMismatch(f"router speaks {result['major']}.{result['minor']}, not 1.0")
+        if result["contractDigest"] != contract_digest():
+            raise VersionMismatch("the router's contractDigest differs from this SDK's schemas")
+        if set(result["limits"]) != set(HELLO_KEYS):
+            raise VersionMismatch("the router's limits keys differ from this SDK's")
+        self.router_id = result["routerId"]
+        self.connection_id = result["connectionId"]
+        self.limits = result["limits"]
+        self.grants = result["grants"]
+        self._max_envelope = self.limits["maxEnvelopeBytes"]
+        self._decoder = _rebound(self._decoder, self._max_envelope)
+
+
+def _rebound(decoder: FrameDecoder, max_bytes: int) -> FrameDecoder:
+    """The hello told us maxEnvelopeBytes; router frames above it are violations from now."""
+    fresh = FrameDecoder(max_bytes)
+    fresh.feed(decoder.take_buffer())
+    return fresh
+
+
+class _Connect:
+    """`connect(...)` is both awaitable (-> BusClient) and an async context manager."""
+
+    def __init__(self, path: str, client_id: str, client_incarnation: str | None,
+                 supported_majors: tuple[int, ...], timeout: float | None,
+                 on_route_removed: RouteRemovedHook | None) -> None:
+        self._args = (path, client_id, client_incarnation, supported_majors, timeout,
+                      on_route_removed)
+        self._client: BusClient | None = None
+
+    async def _open(self) -> BusClient:
+        path, client_id, incarnation, majors, timeout, hook = self._args
+        loop = asyncio.get_running_loop()
+        client = BusClient(path, client_id, incarnation or new_incarnation(), hook)
+        try:
+            async with asyncio.timeout(timeout):
+                transport, _ = await loop.create_unix_connection(
+                    lambda: _Protocol(client), path)
+                client._transport = transport
+                await client._hello(majors)
+        except TimeoutError:
+            await client.close()
+            raise RouterLost(f"connect to {path} timed out") from None
+        except (OSError, BusError) as exc:
+            await client.close()
+            if isinstance(exc, OSError):
+                raise RouterLost(f"cannot connect to {path}: {exc.strerror or exc}") from exc
+            raise
+        return client
+
+    def __await__(self) -> Generator[Any, None, BusClient]:
+        return self._open().__await__()
+
+    async def __aenter__(self) -> BusClient:
+        self._client = await self._open()
+        return self._client
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                        tb: types.TracebackType | None) -> None:
+        if self._client is not None:
+            await self._client.close()
+
+
+def connect(path: str, *, client_id: str, client_incarnation: str | None = None,
+            supported_majors: tuple[int, ...] = (1,), timeout: float | None = 5.0,
+            on_route_removed: RouteRemovedHook | None = None) -> _Connect:
+    """Open a connection and complete `bus.hello` (wire.md §17)."""
+    return _Connect(path, client_id, client_incarnation, tuple(supported_majors), timeout,
+                    on_route_removed)

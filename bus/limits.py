@@ -1,0 +1,118 @@
+"""Router limits (wire.md §14.1): defaults, ranges, wire names and config names.
+
+Limits are plain data, validated once at router start; an out-of-range value names its key so
+the operator can fix the configuration (the router then exits with code 2).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, fields
+from typing import Any, Final
+
+MAX_CONSUME_BATCH: Final = 64
+MAX_JSON_DEPTH: Final = 128
+REMEMBERED_INCARNATIONS: Final = 1024
+FRAMES_PER_TURN: Final = 32
+
+
+class LimitError(ValueError):
+    """A limit out of its range; `key` is the offending name as configured."""
+
+    def __init__(self, key: str, message: str) -> None:
+        super().__init__(f"{key}: {message}")
+        self.key = key
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    maxEnvelopeBytes: int = 1048576
+    maxClients: int = 64
+    maxServices: int = 256
+    maxServiceQueued: int = 16
+    maxServiceInFlight: int = 16
+    maxActiveCallsPerClient: int = 64
+    maxOpenRequestsPerClient: int = 256
+    maxQueuedCallBytes: int = 67108864
+    maxControlFrames: int = 128
+    maxControlBytes: int = 4194304
+    maxConsumeBatch: int = MAX_CONSUME_BATCH
+    maxExpectations: int = 256
+    helloTimeoutMs: int = 5000
+    writeHighWaterBytes: int = 262144
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise LimitError(f.name, f"must be an integer, got {value!r}")
+        for name, (lo, hi) in _RANGES.items():
+            value = getattr(self, name)
+            if not lo <= value <= hi:
+                raise LimitError(name, f"{value} is outside {lo}..{hi}")
+        if self.maxQueuedCallBytes < self.maxEnvelopeBytes:
+            raise LimitError("maxQueuedCallBytes", "must be >= maxEnvelopeBytes")
+        if self.maxControlBytes < self.maxEnvelopeBytes:
+            raise LimitError("maxControlBytes", "must be >= maxEnvelopeBytes")
+        if self.maxConsumeBatch != MAX_CONSUME_BATCH:
+            raise LimitError("maxConsumeBatch", f"is fixed at {MAX_CONSUME_BATCH}")
+
+    def hello(self) -> dict[str, int]:
+        """The `limits` object of the hello result: exactly the keys marked "hello"."""
+        return {name: getattr(self, name) for name in HELLO_KEYS}
+
+    def replace(self, **overrides: Any) -> Limits:
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        values.update(overrides)
+        return Limits(**values)
+
+    @classmethod
+    def from_config(cls, table: dict[str, Any]) -> Limits:
+        """Build from a `[bus.limits]` table with snake_case keys; unknown keys are refused."""
+        by_snake = {snake_case(f.name): f.name for f in fields(cls)}
+        values: dict[str, Any] = {}
+        for key, value in table.items():
+            if key not in by_snake:
+                raise LimitError(key, "unknown [bus.limits] key")
+            values[by_snake[key]] = value
+        try:
+            return cls(**values)
+        except LimitError as exc:
+            raise LimitError(snake_case(exc.key), str(exc).split(": ", 1)[1]) from None
+
+
+_RANGES: Final[dict[str, tuple[int, int]]] = {
+    "maxEnvelopeBytes": (65536, 16777216),
+    "maxClients": (1, 4096),
+    "helloTimeoutMs": (100, 60000),
+    "maxServices": (1, 65535),
+    "maxServiceQueued": (1, 65535),
+    "maxServiceInFlight": (1, 65535),
+    "maxActiveCallsPerClient": (1, 65535),
+    "maxOpenRequestsPerClient": (1, 65535),
+    "maxQueuedCallBytes": (65536, 2**53 - 1),
+    "maxControlFrames": (8, 65535),
+    "maxControlBytes": (65536, 2**53 - 1),
+    "maxExpectations": (0, 65535),
+    "writeHighWaterBytes": (65536, 16777216),
+}
+
+HELLO_KEYS: Final = (
+    "maxEnvelopeBytes",
+    "maxClients",
+    "maxServices",
+    "maxServiceQueued",
+    "maxServiceInFlight",
+    "maxActiveCallsPerClient",
+    "maxOpenRequestsPerClient",
+    "maxQueuedCallBytes",
+    "maxControlFrames",
+    "maxControlBytes",
+    "maxConsumeBatch",
+    "maxExpectations",
+    "helloTimeoutMs",
+)
+
+
+def snake_case(name: str) -> str:
+    return re.sub(r"(?<!^)(?=[A-Z])", "_", name).lower()

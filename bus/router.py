@@ -1,0 +1,1171 @@
+"""The router (wire.md §1, §4–§16): registrations, calls, replies, cancels and credits.
+
+The router only routes. All routing state lives on one event loop and every state change is
+synchronous: a handler for one frame never awaits another connection, so a slow or hostile
+peer can only hurt itself. Each connection has its own writer (`_pump`), which alone looks at
+that connection's transport buffer: control frames (responses and notices) first, then its
+results, then requests pulled lazily from the FIFOs of the services it owns. A call therefore
+waits Queued (bounded, cancellable) instead of piling up in socket buffers.
+
+Frames are built once: a `bus.request` or `bus.result` is encoded at admission (or reply) with
+the longest possible delivery id, which both proves the worst-case size fits and gives the
+bytes to send; at dispatch only that first id is rewritten.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import grp
+import os
+import secrets
+import socket
+import stat
+import struct
+import time
+from collections import OrderedDict, deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Final, cast
+
+import orjson
+import structlog
+
+from bus import codec
+from bus.errors import (
+    Backpressure,
+    BusError,
+    CallGone,
+    Conflict,
+    Dispatch,
+    InvalidEnvelope,
+    InvalidParams,
+    NoService,
+    NotAuthorized,
+    QuotaExceeded,
+    TargetChanged,
+    VersionMismatch,
+    error_object,
+)
+from bus.framing import PREFIX, FrameDecoder
+from bus.limits import FRAMES_PER_TURN, REMEMBERED_INCARNATIONS, Limits
+from bus.policy import Grants, Policy, any_matches, covered_by_delegate
+from bus.schema import Validator, contract_digest, validator
+
+log = structlog.get_logger("bus.router")
+
+SUN_PATH_MAX: Final = 107
+MAX_ID: Final = 2**53 - 1
+MAX_DLV: Final = b'"dlv-9007199254740991"'
+CLOSE_GRACE_S: Final = 4.0
+WRITE_BATCH_BYTES: Final = 65536
+STOP_BUDGET_S: Final = 5.0
+PEERCRED: Final = struct.Struct("3i")
+CANCEL_STATES: Final = (
+    "cancelled-before-dispatch",
+    "execution-unknown",
+    "completed",
+    "call-gone",
+)
+OPS: Final = (
+    "bus.hello",
+    "bus.register",
+    "bus.unregister",
+    "bus.call",
+    "bus.reply",
+    "bus.release",
+    "bus.cancel",
+    "bus.consumed",
+    "bus.services",
+    "bus.stats",
+    "bus.expect",
+)
+_REQUEST_KEYS: Final = frozenset(("jsonrpc", "id", "method", "params"))
+
+# Call phases (wire.md §9.1). Detachment is a flag on a Dispatched call.
+QUEUED: Final = 0
+DISPATCHED: Final = 1
+REPLIED: Final = 2
+
+
+class RouterStartError(RuntimeError):
+    """The router cannot start (socket path, live router, bad file); the message says why."""
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    socket_path: str
+    limits: Limits = field(default_factory=Limits)
+    policy: Policy = field(default_factory=Policy.default)
+    socket_group: str | None = None
+    allowed_uids: tuple[int, ...] | None = None
+
+
+class _Service:
+    __slots__ = ("in_flight", "incarnation", "live", "max_in_flight", "max_queued", "name",
+                 "owner", "queue")
+
+    def __init__(self, name: str, incarnation: str, owner: _Conn, max_queued: int,
+                 max_in_flight: int) -> None:
+        self.name = name
+        self.incarnation = incarnation
+        self.owner = owner
+        self.max_queued = max_queued
+        self.max_in_flight = max_in_flight
+        self.queue: deque[_Call] = deque()
+        self.in_flight = 0
+        self.live = True
+
+
+class _Call:
+    __slots__ = ("call_id", "caller", "delivery", "detached", "frame", "holds_slot", "phase",
+                 "service", "size")
+
+    def __init__(self, caller: _Conn, call_id: int, service: _Service, frame: bytes,
+                 size: int) -> None:
+        self.caller = caller
+        self.call_id = call_id
+        self.service = service
+        self.frame = frame  # the bus.request (Queued) or bus.result (Replied) frame body
+        self.size = size  # encoded payload size while Queued
+        self.phase = QUEUED
+        self.detached = False
+        self.holds_slot = True
+        self.delivery: _Delivery | None = None
+
+
+class _Delivery:
+    __slots__ = ("call", "capability", "consumed", "is_request", "serial")
+
+    def __init__(self, serial: int, call: _Call, is_request: bool) -> None:
+        self.serial = serial
+        self.call = call
+        self.is_request = is_request
+        self.capability = is_request
+        self.consumed = False
+
+
+class _Expectation:
+    __slots__ = ("client_id", "creator", "grants", "incarnation", "pid", "timer")
+
+    def __init__(self, client_id: str, pid: int, incarnation: str | None,
+                 grants: dict[str, list[str]] | None, creator: _Conn,
+                 timer: asyncio.TimerHandle) -> None:
+        self.client_id = client_id
+        self.pid = pid
+        self.incarnation = incarnation
+        self.grants = grants
+        self.creator = creator
+        self.timer = timer
+
+
+class _Conn(asyncio.Protocol):
+    """One connection: protocol callbacks forward to the router; state is plain fields."""
+
+    def __init__(self, router: Router) -> None:
+        self.router = router
+        self.transport: asyncio.Transport | None = None
+        self.number = 0
+        self.connection_id = ""
+        self.pid = self.uid = self.gid = -1
+        self.created = time.monotonic()
+        self.client_id: str | None = None
+        self.client_incarnation: str | None = None
+        self.grants = Grants()
+        self.last_id = 0
+        self.decoder = FrameDecoder(router.limits.maxEnvelopeBytes)
+        self.hello_timer: asyncio.TimerHandle | None = None
+        self.services: dict[str, _Service] = {}
+        self.rr = 0
+        self.calls: dict[int, _Call] = {}
+        self.active = 0
+        self.deliveries: dict[int, _Delivery] = {}
+        self.dlv = 0
+        self.open_requests = 0
+        self.capabilities = 0
+        self.expectations: set[str] = set()
+        self.control: deque[bytes] = deque()
+        self.control_bytes = 0
+        self.results: deque[_Call] = deque()
+        self.write_paused = False
+        self.read_paused = False
+        self.dirty = False
+        self.closing = False
+        self.torn_down = False
+        self.frames_in = 0
+        self.frames_out = 0
+
+    # asyncio.Protocol -------------------------------------------------------------------
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)
+        self.router._accept(self)
+
+    def data_received(self, data: bytes) -> None:
+        if self.closing:
+            return
+        self.decoder.feed(data)
+        self.router._read_frames(self)
+
+    def eof_received(self) -> bool:
+        self.router._teardown(self, "eof")
+        return False
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.router._teardown(self, "eof" if exc is None else "io")
+        self.router._on_lost(self)
+
+    def pause_writing(self) -> None:
+        self.write_paused = True
+
+    def resume_writing(self) -> None:
+        self.write_paused = False
+        self.router._pump(self)
+
+
+class Router:
+    """The bus router. Embedded use: `await Router(config).start()`, then `await stop()`."""
+
+    def __init__(self, config: RouterConfig) -> None:
+        self.config = config
+        self.limits = config.limits
+        self.policy = config.policy
+        self.socket_path = config.socket_path
+        self.router_id = "router-" + secrets.token_hex(8)
+        self._digest = contract_digest()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._server: asyncio.base_events.Server | None = None
+        self._started = 0.0
+        self._stopped: asyncio.Event | None = None
+        self.fatal: BaseException | None = None
+        self._conns: dict[int, _Conn] = {}
+        self._conn_counter = 0
+        self._live: dict[str, _Conn] = {}
+        self._incarnations: dict[str, OrderedDict[str, None]] = {}
+        self._services: dict[str, _Service] = {}
+        self._svc_next = secrets.randbelow(2**40) + 1
+        self._expectations: dict[str, _Expectation] = {}
+        self._calls = 0
+        self._detached = 0
+        self._queued_bytes = 0
+        self._dirty: list[_Conn] = []
+        self._flush_scheduled = False
+        self._allowed_uids = (
+            config.allowed_uids if config.allowed_uids is not None else (os.geteuid(),)
+        )
+        self._group_gid = grp.getgrnam(config.socket_group).gr_gid if config.socket_group else None
+        self.counters: dict[str, Any] = {
+            "accepted": 0, "refusedAtAccept": 0, "helloOk": 0, "helloRefused": 0, "closed": 0,
+            "callsAdmitted": 0, "callsRefused": 0, "callsFailed": 0, "repliesRouted": 0,
+            "repliesUnrouted": 0, "cancels": dict.fromkeys(CANCEL_STATES, 0), "errors": {},
+            "closes": {}, "framesIn": 0, "framesOut": 0, "bytesIn": 0, "bytesOut": 0,
+        }
+        v = validator
+        self._ops: dict[str, tuple[Validator, Callable[[_Conn, dict[str, Any], int], Any]]] = {
+            "bus.register": (v("ops/bus.register.params.json"), self._op_register),
+            "bus.unregister": (v("ops/bus.unregister.params.json"), self._op_unregister),
+            "bus.call": (v("ops/bus.call.params.json"), self._op_call),
+            "bus.reply": (v("ops/bus.reply.params.json"), self._op_reply),
+            "bus.release": (v("ops/bus.release.params.json"), self._op_release),
+            "bus.cancel": (v("ops/bus.cancel.params.json"), self._op_cancel),
+            "bus.consumed": (v("ops/bus.consumed.params.json"), self._op_consumed),
+            "bus.services": (v("ops/bus.services.params.json"), self._op_services),
+            "bus.stats": (v("ops/bus.stats.params.json"), self._op_stats),
+            "bus.expect": (v("ops/bus.expect.params.json"), self._op_expect),
+        }
+        self._hello_params = v("ops/bus.hello.params.json")
+
+    # lifecycle --------------------------------------------------------------------------
+    async def start(self) -> None:
+        """Bind the socket (0600/0660 under a restrictive umask) and start accepting."""
+        self._loop = asyncio.get_running_loop()
+        self._stopped = asyncio.Event()
+        path = self.socket_path
+        if len(os.fsencode(path)) > SUN_PATH_MAX:
+            raise RouterStartError(
+                f"socket path is {len(os.fsencode(path))} bytes; the limit (sun_path) is "
+                f"{SUN_PATH_MAX}: {path}"
+            )
+        self._prepare_path(path)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        old = os.umask(0o117 if self._group_gid is not None else 0o177)
+        try:
+            sock.bind(path)
+        except OSError as exc:
+            sock.close()
+            raise RouterStartError(f"cannot bind {path}: {exc}") from exc
+        finally:
+            os.umask(old)
+        if self._group_gid is not None:
+            os.chown(path, -1, self._group_gid)
+            os.chmod(path, 0o660)
+        else:
+            os.chmod(path, 0o600)
+        sock.listen(1024)
+        sock.setblocking(False)
+        self._server = await self._loop.create_unix_server(
+            lambda: _Conn(self), sock=sock
+        )
+        self._started = time.monotonic()
+        if self.policy.mode == "open":
+            log.warning("router.open_policy", socket=path,
+                        detail="every client may register, call and expect anything")
+        log.info("router.started", router_id=self.router_id, socket=path, pid=os.getpid())
+
+    def _prepare_path(self, path: str) -> None:
+        parent = os.path.dirname(path) or "."
+        if not os.path.isdir(parent):
+            os.makedirs(parent, mode=0o750 if self._group_gid is not None else 0o700,
+                        exist_ok=True)
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            return
+        if not stat.S_ISSOCK(st.st_mode):
+            raise RouterStartError(f"{path} exists and is not a socket; not touching it")
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            probe.settimeout(1.0)
+            probe.connect(path)
+        except ConnectionRefusedError:
+            os.unlink(path)
+            log.info("router.stale_socket_removed", socket=path)
+            return
+        except OSError as exc:
+            if exc.errno in (errno.ECONNREFUSED, errno.ENOENT):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
+                return
+            raise RouterStartError(f"cannot probe existing socket {path}: {exc}") from exc
+        finally:
+            probe.close()
+        raise RouterStartError(f"a live router already listens on {path}")
+
+    async def stop(self) -> None:
+        """Orderly stop (wire.md §11): ROUTER_LOST to everyone, unlink the socket."""
+        if self._server is None:
+            return
+        server, self._server = self._server, None
+        server.close()
+        for conn in list(self._conns.values()):
+            self._close(conn, "ROUTER_LOST", "router stopping")
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.socket_path)
+        deadline = time.monotonic() + STOP_BUDGET_S
+        while self._conns and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        for conn in list(self._conns.values()):
+            if conn.transport is not None:
+                conn.transport.abort()
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(1.0):
+                await server.wait_closed()
+        log.info("router.stopped", router_id=self.router_id)
+        if self._stopped is not None:
+            self._stopped.set()
+
+    async def serve_forever(self) -> None:
+        """Wait until `stop()`; re-raise a broken invariant so the supervisor restarts us."""
+        assert self._stopped is not None, "start() first"
+        await self._stopped.wait()
+        if self.fatal is not None:
+            raise self.fatal
+
+    def _invariant_broken(self, exc: BaseException) -> None:
+        log.error("router.invariant_broken", error=repr(exc))
+        self.fatal = exc
+        assert self._loop is not None
+        self._loop.create_task(self.stop())  # noqa: RUF006 - stop() sets _stopped, awaited by serve_forever
+
+    # accept / read ----------------------------------------------------------------------
+    def _accept(self, conn: _Conn) -> None:
+        self._conn_counter += 1
+        conn.number = self._conn_counter
+        conn.connection_id = f"conn-{conn.number}"
+        transport = conn.transport
+        assert transport is not None
+        transport.set_write_buffer_limits(high=self.limits.writeHighWaterBytes)
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            try:
+                conn.pid, conn.uid, conn.gid = PEERCRED.unpack(
+                    sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, PEERCRED.size)
+                )
+            except OSError:
+                pass
+        if self._server is None:
+            transport.abort()
+            return
+        if sum(1 for c in self._conns.values() if not c.closing) >= self.limits.maxClients:
+            self.counters["refusedAtAccept"] += 1
+            self._conns[conn.number] = conn
+            self._close(conn, "QUOTA_EXCEEDED", f"maxClients ({self.limits.maxClients}) reached")
+            return
+        allowed = conn.uid in self._allowed_uids or (
+            self._group_gid is not None and conn.gid == self._group_gid
+        )
+        self._conns[conn.number] = conn
+        if not allowed:
+            self.counters["refusedAtAccept"] += 1
+            self._close(conn, "NOT_AUTHORIZED", f"peer uid {conn.uid} is not allowed")
+            return
+        self.counters["accepted"] += 1
+        assert self._loop is not None
+        conn.hello_timer = self._loop.call_later(
+            self.limits.helloTimeoutMs / 1000.0, self._hello_expired, conn
+        )
+        log.info("bus.accept", connection_id=conn.connection_id, pid=conn.pid, uid=conn.uid)
+
+    def _hello_expired(self, conn: _Conn) -> None:
+        conn.hello_timer = None
+        if conn.client_id is None and not conn.closing:
+            self._close(conn, "INVALID_ENVELOPE", "bus.hello deadline expired")
+
+    def _read_frames(self, conn: _Conn) -> None:
+        """Handle at most FRAMES_PER_TURN frames, then yield the loop to other connections."""
+        decoder = conn.decoder
+        for _ in range(FRAMES_PER_TURN):
+            if conn.closing:
+                return
+            try:
+                body = decoder.next_frame()
+            except InvalidEnvelope as exc:
+                self._close(conn, "INVALID_ENVELOPE", exc.message)
+                return
+            if body is None:
+                if conn.read_paused and conn.transport is not None:
+                    conn.read_paused = False
+                    conn.transport.resume_reading()
+                return
+            try:
+                self._on_frame(conn, body)
+            except Exception as exc:  # a bug here must not leave half-applied state serving
+                self._invariant_broken(exc)
+                return
+        if not conn.read_paused and conn.transport is not None and not conn.closing:
+            conn.read_paused = True
+            conn.transport.pause_reading()
+        assert self._loop is not None
+        self._loop.call_soon(self._read_frames, conn)
+
+    def _on_frame(self, conn: _Conn, body: bytes) -> None:
+        conn.frames_in += 1
+        counters = self.counters
+        counters["framesIn"] += 1
+        counters["bytesIn"] += len(body) + 4
+        try:
+            msg = codec.decode(body)
+        except BusError as exc:
+            self._close(conn, "PARSE_ERROR", exc.message)
+            return
+        if type(msg) is not dict or msg.get("jsonrpc") != "2.0" or "id" not in msg:
+            self._close(conn, "INVALID_REQUEST", "not a JSON-RPC 2.0 request object")
+            return
+        method = msg.get("method")
+        if type(method) is not str:
+            self._close(conn, "INVALID_REQUEST", "method must be a string")
+            return
+        n = len(msg)
+        if n == 4 and "params" in msg:
+            params = msg["params"]
+            if type(params) is not dict:
+                self._close(conn, "INVALID_REQUEST", "params must be an object")
+                return
+        elif n == 3:
+            params = {}
+        else:
+            self._close(conn, "INVALID_REQUEST",
+                        "a request has exactly jsonrpc, id, method and optional params")
+            return
+        rid = msg["id"]
+        if type(rid) is not int or not 1 <= rid <= MAX_ID:
+            self._close(conn, "INVALID_REQUEST", "id must be an integer in 1..2^53-1")
+            return
+        if rid <= conn.last_id:
+            self._close(conn, "INVALID_REQUEST",
+                        f"id {rid} is not greater than the previous id {conn.last_id}")
+            return
+        conn.last_id = rid
+        if conn.client_id is None:
+            if method != "bus.hello":
+                self._close(conn, "INVALID_ENVELOPE", "the first request must be bus.hello")
+                return
+            self._hello(conn, rid, params)
+            return
+        if method == "bus.hello":
+            self._close(conn, "INVALID_ENVELOPE", "bus.hello was already completed")
+            return
+        op = self._ops.get(method)
+        if op is None:
+            self._respond_error(conn, rid, "METHOD_NOT_FOUND",
+                                f"{method[:128]!r} is not a bus v1 operation", "not-dispatched")
+            return
+        problem = op[0](params)
+        if problem is not None:
+            self._respond_error(conn, rid, "INVALID_PARAMS", f"{method}: {problem}",
+                                "not-dispatched")
+            return
+        try:
+            result = op[1](conn, params, rid)
+        except BusError as exc:
+            if method == "bus.call":
+                counters["callsRefused"] += 1
+            self._respond_error(conn, rid, exc.name, exc.message, exc.dispatch)
+            return
+        self._respond(conn, rid, result)
+
+    # outbound ---------------------------------------------------------------------------
+    def _respond(self, conn: _Conn, rid: int, result: Any) -> None:
+        self._control(conn, orjson.dumps({"jsonrpc": "2.0", "id": rid, "result": result}))
+
+    def _count_error(self, name: str) -> None:
+        errors = self.counters["errors"]
+        errors[name] = errors.get(name, 0) + 1
+
+    def _respond_error(self, conn: _Conn, rid: int, name: str, message: str,
+                       dispatch: Dispatch) -> None:
+        self._count_error(name)
+        self._control(conn, orjson.dumps(
+            {"jsonrpc": "2.0", "id": rid, "error": error_object(name, message, dispatch)}
+        ))
+
+    def _notify_control(self, conn: _Conn, method: str, params: dict[str, Any]) -> None:
+        self._control(conn, orjson.dumps({"jsonrpc": "2.0", "method": method, "params": params}))
+
+    def _control(self, conn: _Conn, body: bytes) -> None:
+        """Enqueue on the control lane; overflow while the writer is blocked closes the client."""
+        if conn.closing:
+            return
+        if conn.write_paused and (
+            len(conn.control) + 1 > self.limits.maxControlFrames
+            or conn.control_bytes + len(body) > self.limits.maxControlBytes
+        ):
+            self._close(conn, "QUOTA_EXCEEDED", "control lane exhausted")
+            return
+        conn.control.append(body)
+        conn.control_bytes += len(body)
+        self._mark(conn)
+
+    def _mark(self, conn: _Conn) -> None:
+        if not conn.dirty and not conn.closing:
+            conn.dirty = True
+            self._dirty.append(conn)
+            if not self._flush_scheduled:
+                self._flush_scheduled = True
+                assert self._loop is not None
+                self._loop.call_soon(self._flush)
+
+    def _flush(self) -> None:
+        self._flush_scheduled = False
+        dirty, self._dirty = self._dirty, []
+        for conn in dirty:
+            conn.dirty = False
+            try:
+                self._pump(conn)
+            except Exception as exc:
+                self._invariant_broken(exc)
+                return
+
+    def _pump(self, conn: _Conn) -> None:
+        """The connection's writer: control lane, then results, then dispatch, in batches,
+        until the transport signals its high-water mark (pause_writing)."""
+        transport = conn.transport
+        if conn.closing or transport is None:
+            return
+        control = conn.control
+        counters = self.counters
+        while not conn.write_paused:
+            out: list[bytes] = []
+            budget = WRITE_BATCH_BYTES
+            while control and budget > 0:
+                body = control.popleft()
+                conn.control_bytes -= len(body)
+                out.append(PREFIX.pack(len(body)))
+                out.append(body)
+                budget -= len(body) + 4
+            if not control:
+                while conn.results and budget > 0:
+                    body = self._take_result(conn)
+                    out.append(PREFIX.pack(len(body)))
+                    out.append(body)
+                    budget -= len(body) + 4
+                if budget > 0 and not conn.results and conn.services:
+                    self._dispatch(conn, out, budget)
+            if not out:
+                return
+            data = b"".join(out)
+            frames = len(out) // 2
+            conn.frames_out += frames
+            counters["framesOut"] += frames
+            counters["bytesOut"] += len(data)
+            transport.write(data)
+
+    def _take_result(self, conn: _Conn) -> bytes:
+        call = conn.results.popleft()
+        conn.dlv += 1
+        serial = conn.dlv
+        conn.deliveries[serial] = _Delivery(serial, call, False)
+        return call.frame.replace(MAX_DLV, b'"dlv-%d"' % serial, 1)
+
+    def _dispatch(self, conn: _Conn, out: list[bytes], budget: int) -> None:
+        """Pull requests round robin across this connection's services (wire.md §9.2, §14.2)."""
+        limit = self.limits.maxOpenRequestsPerClient
+        services = list(conn.services.values())
+        count = len(services)
+        idle = 0
+        i = conn.rr
+        while budget > 0 and idle < count and conn.open_requests < limit:
+            svc = services[i % count]
+            i += 1
+            if not svc.queue or svc.in_flight >= svc.max_in_flight:
+                idle += 1
+                continue
+            idle = 0
+            call = svc.queue.popleft()
+            self._queued_bytes -= call.size
+            call.size = 0
+            conn.dlv += 1
+            serial = conn.dlv
+            delivery = _Delivery(serial, call, True)
+            conn.deliveries[serial] = delivery
+            call.delivery = delivery
+            call.phase = DISPATCHED
+            svc.in_flight += 1
+            conn.open_requests += 1
+            conn.capabilities += 1
+            body = call.frame.replace(MAX_DLV, b'"dlv-%d"' % serial, 1)
+            call.frame = b""
+            out.append(PREFIX.pack(len(body)))
+            out.append(body)
+            budget -= len(body) + 4
+        conn.rr = i % count if count else 0
+
+    def _close(self, conn: _Conn, name: str, message: str) -> None:
+        """The router ends a connection: `bus.closing` is the last frame (wire.md §4)."""
+        if conn.closing:
+            return
+        self._count_error(name)
+        transport = conn.transport
+        frame = orjson.dumps({"jsonrpc": "2.0", "method": "bus.closing",
+                              "params": {"error": error_object(name, message, "unknown")}})
+        self._teardown(conn, name)
+        if transport is not None:
+            transport.write(PREFIX.pack(len(frame)) + frame)
+            conn.frames_out += 1
+            self.counters["framesOut"] += 1
+            self.counters["bytesOut"] += len(frame) + 4
+            self._finish_close(conn)
+
+    def _finish_close(self, conn: _Conn) -> None:
+        transport = conn.transport
+        assert transport is not None and self._loop is not None
+        if conn.read_paused:
+            conn.read_paused = False
+        transport.close()
+        self._loop.call_later(CLOSE_GRACE_S, transport.abort)
+
+    # teardown ---------------------------------------------------------------------------
+    def _on_lost(self, conn: _Conn) -> None:
+        self._conns.pop(conn.number, None)
+
+    def _teardown(self, conn: _Conn, reason: str) -> None:
+        """wire.md §10.2, in order. Idempotent; the first reason is the one counted."""
+        if conn.torn_down:
+            return
+        conn.torn_down = True
+        conn.closing = True
+        conn.control.clear()
+        conn.control_bytes = 0
+        conn.results.clear()
+        counters = self.counters
+        counters["closed"] += 1
+        closes = counters["closes"]
+        closes[reason] = closes.get(reason, 0) + 1
+        if conn.hello_timer is not None:
+            conn.hello_timer.cancel()
+            conn.hello_timer = None
+        log.info("bus.close", connection_id=conn.connection_id, client_id=conn.client_id,
+                 reason=reason)
+        # 1. no longer live
+        if conn.client_id is not None and self._live.get(conn.client_id) is conn:
+            del self._live[conn.client_id]
+        # 2. its services are removed
+        for svc in list(conn.services.values()):
+            self._remove_route(svc, "disconnected")
+        # 3 + 4. deliveries dropped; dispatched, unreplied calls fail
+        for delivery in conn.deliveries.values():
+            if delivery.is_request and delivery.capability:
+                call = delivery.call
+                if not call.detached:
+                    self._call_failed(call, "NO_SERVICE",
+                                      "the service disconnected before replying", "dispatched")
+                self._remove_call(call)
+        conn.deliveries.clear()
+        conn.open_requests = conn.capabilities = 0
+        # 5. calls it made
+        for call in list(conn.calls.values()):
+            if call.phase == QUEUED:
+                call.service.queue.remove(call)
+                self._queued_bytes -= call.size
+                self._remove_call(call)
+            elif call.phase == DISPATCHED:
+                if not call.detached:
+                    self._detach(call)
+            else:
+                self._remove_call(call)
+        # 6. expectations it created
+        for client_id in list(conn.expectations):
+            exp = self._expectations.get(client_id)
+            if exp is not None and exp.creator is conn:
+                self._drop_expectation(exp)
+        conn.expectations.clear()
+
+    def _remove_route(self, svc: _Service, reason: str) -> None:
+        """wire.md §10.1: free the name, tell attached callers, fail the Queued calls."""
+        if not svc.live:
+            return
+        svc.live = False
+        del self._services[svc.name]
+        del svc.owner.services[svc.name]
+        affected: dict[int, _Conn] = {}
+        for call in svc.queue:
+            affected[call.caller.number] = call.caller
+        for delivery in svc.owner.deliveries.values():
+            call = delivery.call
+            if (delivery.is_request and delivery.capability and not call.detached
+                    and call.service is svc):
+                affected[call.caller.number] = call.caller
+        notice = {"name": svc.name, "serviceIncarnation": svc.incarnation, "reason": reason}
+        for caller in affected.values():
+            self._notify_control(caller, "bus.routeRemoved", notice)
+        queue, svc.queue = svc.queue, deque()
+        for call in queue:
+            self._queued_bytes -= call.size
+            self._call_failed(call, "NO_SERVICE", f"service {svc.name} was {reason} "
+                              "before the call was dispatched", "not-dispatched")
+            self._remove_call(call)
+
+    def _call_failed(self, call: _Call, name: str, message: str, dispatch: Dispatch) -> None:
+        self.counters["callsFailed"] += 1
+        self._count_error(name)
+        self._notify_control(call.caller, "bus.callFailed", {
+            "callId": call.call_id,
+            "serviceIncarnation": call.service.incarnation,
+            "error": error_object(name, message, dispatch),
+        })
+
+    def _detach(self, call: _Call) -> None:
+        call.detached = True
+        self._detached += 1
+        if call.holds_slot:
+            call.holds_slot = False
+            call.caller.active -= 1
+
+    def _remove_call(self, call: _Call) -> None:
+        self._calls -= 1
+        if call.detached:
+            self._detached -= 1
+        if call.holds_slot:
+            call.holds_slot = False
+            call.caller.active -= 1
+        call.caller.calls.pop(call.call_id, None)
+
+    def _free_request(self, conn: _Conn, delivery: _Delivery) -> None:
+        """Consumed and answered: the in-flight slot returns and dispatch may continue."""
+        del conn.deliveries[delivery.serial]
+        conn.open_requests -= 1
+        delivery.call.service.in_flight -= 1
+        self._mark(conn)
+
+    # hello ------------------------------------------------------------------------------
+    def _hello(self, conn: _Conn, rid: int, params: dict[str, Any]) -> None:
+        try:
+            result = self._hello_checks(conn, params)
+        except BusError as exc:
+            self.counters["helloRefused"] += 1
+            self._count_error(exc.name)
+            body = orjson.dumps({"jsonrpc": "2.0", "id": rid,
+                                 "error": error_object(exc.name, exc.message, "not-dispatched")})
+            log.info("bus.hello_refused", connection_id=conn.connection_id, error=exc.name,
+                     client_id=params.get("clientId") if isinstance(
+                         params.get("clientId"), str) else None, pid=conn.pid, uid=conn.uid)
+            transport = conn.transport
+            self._teardown(conn, exc.name)
+            if transport is not None:
+                transport.write(PREFIX.pack(len(body)) + body)
+                self._finish_close(conn)
+            return
+        self.counters["helloOk"] += 1
+        self._respond(conn, rid, result)
+
+    def _hello_checks(self, conn: _Conn, params: dict[str, Any]) -> dict[str, Any]:
+        problem = self._hello_params(params)
+        if problem is not None:
+            raise InvalidParams(f"bus.hello: {problem}")
+        if 1 not in params["supportedMajors"]:
+            raise VersionMismatch("the router speaks bus major 1 only")
+        client_id: str = params["clientId"]
+        incarnation: str = params["clientIncarnation"]
+        entry = self.policy.entry_for(client_id)
+        if entry is None:
+            raise NotAuthorized(f"no policy entry admits client {client_id}")
+        exp = self._expectations.get(client_id)
+        if exp is not None:
+            if exp.pid != conn.pid:
+                raise NotAuthorized(f"client {client_id} is expected from another process")
+            if exp.incarnation is not None and exp.incarnation != incarnation:
+                raise NotAuthorized(f"client {client_id} is expected with another incarnation")
+        elif entry.require_expect:
+            raise NotAuthorized(f"client {client_id} needs a pending expectation")
+        if entry.pid is not None and entry.pid != conn.pid:
+            raise NotAuthorized(f"client {client_id} is bound to another process")
+        if client_id in self._live:
+            raise Conflict(f"client {client_id} already has a live connection")
+        seen = self._incarnations.get(client_id)
+        if seen is not None and incarnation in seen:
+            raise Conflict(f"incarnation {incarnation} of {client_id} was already used")
+        # success: no mutation happened before this point
+        grants = entry.grants_for(client_id)
+        if exp is not None:
+            if exp.grants is not None:
+                grants = Grants(register=tuple(exp.grants["register"]),
+                                call=tuple(exp.grants["call"]))
+            else:
+                grants = Grants(register=grants.register, call=grants.call)
+            self._drop_expectation(exp)
+        if seen is None:
+            seen = self._incarnations[client_id] = OrderedDict()
+        seen[incarnation] = None
+        if len(seen) > REMEMBERED_INCARNATIONS:
+            seen.popitem(last=False)
+        conn.client_id = client_id
+        conn.client_incarnation = incarnation
+        conn.grants = grants
+        self._live[client_id] = conn
+        if conn.hello_timer is not None:
+            conn.hello_timer.cancel()
+            conn.hello_timer = None
+        log.info("bus.hello", connection_id=conn.connection_id, client_id=client_id,
+                 client_incarnation=incarnation, pid=conn.pid, uid=conn.uid)
+        return {
+            "routerId": self.router_id,
+            "connectionId": conn.connection_id,
+            "major": 1,
+            "minor": 0,
+            "contractDigest": self._digest,
+            "grants": grants.to_wire(),
+            "limits": self.limits.hello(),
+        }
+
+    # ops --------------------------------------------------------------------------------
+    def _op_register(self, conn: _Conn, p: dict[str, Any], rid: int) -> dict[str, Any]:
+        name: str = p["name"]
+        if not any_matches(conn.grants.register, name):
+            raise NotAuthorized(f"no register grant for {name}")
+        lim = self.limits
+        if p["maxQueued"] > lim.maxServiceQueued or p["maxInFlight"] > lim.maxServiceInFlight:
+            raise QuotaExceeded(
+                f"maxQueued/maxInFlight above the router's {lim.maxServiceQueued}/"
+                f"{lim.maxServiceInFlight}"
+            )
+        if name in self._services:
+            raise Conflict(f"{name} is already registered")
+        if len(self._services) >= lim.maxServices:
+            raise QuotaExceeded(f"maxServices ({lim.maxServices}) reached")
+        incarnation = f"svc-{self._svc_next}"
+        self._svc_next += 1
+        svc = _Service(name, incarnation, conn, p["maxQueued"], p["maxInFlight"])
+        self._services[name] = svc
+        conn.services[name] = svc
+        log.info("bus.register", connection_id=conn.connection_id, service=name,
+                 service_incarnation=incarnation)
+        return {"name": name, "serviceIncarnation": incarnation}
+
+    def _op_unregister(self, conn: _Conn, p: dict[str, Any], rid: int) -> dict[str, Any]:
+        svc = self._services.get(p["name"])
+        if svc is None or svc.owner is not conn or svc.incarnation != p["serviceIncarnation"]:
+            return {"removed": False}
+        self._remove_route(svc, "unregistered")
+        return {"removed": True}
+
+    def _op_call(self, conn: _Conn, p: dict[str, Any], rid: int) -> dict[str, Any]:
+        target: str = p["target"]
+        if not any_matches(conn.grants.call, target):
+            raise NotAuthorized(f"no call grant for {target}")
+        lim = self.limits
+        if conn.active >= lim.maxActiveCallsPerClient:
+            raise Backpressure(f"{conn.active} active calls (maxActiveCallsPerClient)")
+        svc = self._services.get(target)
+        if svc is None:
+            raise NoService(f"no service registered under {target}")
+        expected = p["expectedIncarnation"]
+        if expected is not None and expected != svc.incarnation:
+            raise TargetChanged(f"{target} is now {svc.incarnation}, not {expected}")
+        if len(svc.queue) >= svc.max_queued:
+            raise Backpressure(f"service {target} queue full ({svc.max_queued})")
+        payload = codec.encode_trusted(p["payload"])
+        size = len(payload)
+        if self._queued_bytes + size > lim.maxQueuedCallBytes:
+            raise Backpressure("router queued-call bytes budget exhausted")
+        frame = orjson.dumps({
+            "jsonrpc": "2.0",
+            "method": "bus.request",
+            "params": {
+                "deliveryId": "dlv-9007199254740991",
+                "callId": rid,
+                "caller": {"clientId": conn.client_id,
+                           "clientIncarnation": conn.client_incarnation},
+                "target": target,
+                "serviceIncarnation": svc.incarnation,
+                "method": p["method"],
+                "payload": orjson.Fragment(payload),
+            },
+        })
+        if len(frame) > lim.maxEnvelopeBytes:
+            raise InvalidEnvelope(
+                f"the bus.request frame would be {len(frame)} bytes (maxEnvelopeBytes "
+                f"{lim.maxEnvelopeBytes})"
+            )
+        call = _Call(conn, rid, svc, frame, size)
+        conn.calls[rid] = call
+        conn.active += 1
+        self._calls += 1
+        self._queued_bytes += size
+        svc.queue.append(call)
+        self.counters["callsAdmitted"] += 1
+        self._mark(svc.owner)
+        return {"callId": rid, "serviceIncarnation": svc.incarnation}
+
+    def _request_delivery(self, conn: _Conn, delivery_id: str) -> _Delivery | None:
+        serial = int(delivery_id[4:])
+        if serial > conn.dlv:
+            raise InvalidParams(f"{delivery_id} was never issued on this connection")
+        d = conn.deliveries.get(serial)
+        if d is None or not d.is_request or not d.capability:
+            return None
+        return d
+
+    def _op_reply(self, conn: _Conn, p: dict[str, Any], rid: int) -> dict[str, Any]:
+        d = self._request_delivery(conn, p["deliveryId"])
+        if d is None:
+            raise CallGone(f"{p['deliveryId']} holds no reply capability")
+        call = d.call
+        if call.detached:
+            frame = b""
+        else:
+            outcome = codec.encode_trusted(p["outcome"])
+            frame = orjson.dumps({
+                "jsonrpc": "2.0",
+                "method": "bus.result",
+                "params": {
+                    "deliveryId": "dlv-9007199254740991",
+                    "callId": call.call_id,
+                    "serviceIncarnation": call.service.incarnation,
+                    "responder": {"clientId": conn.client_id,
+                                  "clientIncarnation": conn.client_incarnation},
+                    "outcome": orjson.Fragment(outcome),
+                },
+            })
+            if len(frame) > self.limits.maxEnvelopeBytes:
+                raise InvalidEnvelope(
+                    f"the bus.result frame would be {len(frame)} bytes (maxEnvelopeBytes "
+                    f"{self.limits.maxEnvelopeBytes}); the reply capability is kept"
+                )
+        d.capability = False
+        conn.capabilities -= 1
+        if d.consumed:
+            self._free_request(conn, d)
+        if call.detached:
+            self.counters["repliesUnrouted"] += 1
+            self._remove_call(call)
+            return {"routed": False}
+        call.phase = REPLIED
+        call.frame = frame
+        call.caller.results.append(call)
+        self._mark(call.caller)
+        self.counters["repliesRouted"] += 1
+        return {"routed": True}
+
+    def _op_release(self, conn: _Conn, p: dict[str, Any], rid: int) -> dict[str, Any]:
+        d = self._request_delivery(conn, p["deliveryId"])
+        if d is None:
+            return {"released": False}
+        d.capability = False
+        conn.capabilities -= 1
+        call = d.call
+        if d.consumed:
+            self._free_request(conn, d)
+        if not call.detached:
+            svc = call.service
+            if svc.live:
+                self._call_failed(call, "CALL_GONE", "released without reply", "dispatched")
+            else:
+                self._call_failed(call, "NO_SERVICE",
+                                  f"released without reply after {svc.name} was removed",
+                                  "dispatched")
+        self._remove_call(call)
+        return {"released": True}
+
+    def _op_cancel(self, conn: _Conn, p: dict[str, Any], rid: int) -> dict[str, Any]:
+        call_id: int = p["callId"]
+        if call_id >= rid:
+            raise InvalidParams(f"callId {call_id} is not an earlier request of this connection")
+        call = conn.calls.get(call_id)
+        if call is None or call.detached:
+            state = "call-gone"
+        elif call.phase == QUEUED:
+            call.service.queue.remove(call)
+            self._queued_bytes -= call.size
+            self._remove_call(call)
+            state = "cancelled-before-dispatch"
+        elif call.phase == DISPATCHED:
+            self._detach(call)
+            state = "execution-unknown"
+        else:
+            state = "completed"
+        self.counters["cancels"][state] += 1
+        return {"state": state}
+
+    def _op_consumed(self, conn: _Conn, p: dict[str, Any], rid: int) -> dict[str, Any]:
+        ids: list[str] = p["deliveryIds"]
+        serials = [int(d[4:]) for d in ids]
+        for d_id, serial in zip(ids, serials, strict=True):
+            if serial > conn.dlv:
+                raise InvalidParams(f"{d_id} was never issued on this connection")
+        released = 0
+        for serial in serials:
+            d = conn.deliveries.get(serial)
+            if d is None or d.consumed:
+                continue
+            released += 1
+            if d.is_request:
+                d.consumed = True
+                if not d.capability:
+                    self._free_request(conn, d)
+            else:
+                del conn.deliveries[serial]
+                self._remove_call(d.call)
+        return {"released": released}
+
+    def _op_services(self, conn: _Conn, p: dict[str, Any], rid: int) -> dict[str, Any]:
+        prefix: str = p.get("prefix", "")
+        out = []
+        for name in sorted(self._services):
+            if not name.startswith(prefix):
+                continue
+            svc = self._services[name]
+            out.append({
+                "name": name,
+                "serviceIncarnation": svc.incarnation,
+                "owner": {"clientId": svc.owner.client_id,
+                          "clientIncarnation": svc.owner.client_incarnation},
+                "maxQueued": svc.max_queued,
+                "maxInFlight": svc.max_in_flight,
+                "queued": len(svc.queue),
+                "inFlight": svc.in_flight,
+            })
+        return {"services": out}
+
+    def _op_stats(self, conn: _Conn, p: dict[str, Any], rid: int) -> dict[str, Any]:
+        return self.stats(bool(p.get("detail", False)))
+
+    def _op_expect(self, conn: _Conn, p: dict[str, Any], rid: int) -> dict[str, Any]:
+        client_id: str = p["clientId"]
+        if not any_matches(conn.grants.expect, client_id):
+            raise NotAuthorized(f"no expect grant for {client_id}")
+        if client_id in self._live:
+            raise Conflict(f"client {client_id} already has a live connection")
+        incarnation = p.get("clientIncarnation")
+        seen = self._incarnations.get(client_id)
+        if incarnation is not None and seen is not None and incarnation in seen:
+            raise Conflict(f"incarnation {incarnation} of {client_id} was already used")
+        grants = p.get("grants")
+        if grants is not None:
+            for kind in ("register", "call"):
+                for pattern in grants[kind]:
+                    if not covered_by_delegate(pattern, conn.grants.delegate, client_id):
+                        raise NotAuthorized(
+                            f"{kind} grant {pattern!r} is not covered by a delegate grant")
+        existing = self._expectations.get(client_id)
+        pending = len(self._expectations) - (1 if existing is not None else 0)
+        if pending >= self.limits.maxExpectations:
+            raise QuotaExceeded(f"maxExpectations ({self.limits.maxExpectations}) reached")
+        if existing is not None:
+            self._drop_expectation(existing)
+        ttl_ms: int = p.get("ttlMs", 30000)
+        assert self._loop is not None
+        exp = _Expectation(client_id, p["pid"], incarnation, grants, conn,
+                           self._loop.call_later(ttl_ms / 1000.0, self._expire, client_id))
+        self._expectations[client_id] = exp
+        conn.expectations.add(client_id)
+        return {"clientId": client_id, "expiresInMs": ttl_ms}
+
+    def _expire(self, client_id: str) -> None:
+        exp = self._expectations.get(client_id)
+        if exp is not None:
+            self._drop_expectation(exp)
+
+    def _drop_expectation(self, exp: _Expectation) -> None:
+        exp.timer.cancel()
+        if self._expectations.get(exp.client_id) is exp:
+            del self._expectations[exp.client_id]
+        exp.creator.expectations.discard(exp.client_id)
+
+    # stats ------------------------------------------------------------------------------
+    def stats(self, detail: bool = False) -> dict[str, Any]:
+        """wire.md §16; O(connections + services)."""
+        conns = self._conns.values()
+        clients = sum(1 for c in conns if c.client_id is not None and not c.closing)
+        open_conns = sum(1 for c in conns if not c.closing)
+        queued = sum(len(s.queue) for s in self._services.values())
+        dispatched = sum(c.capabilities for c in conns)
+        active = sum(c.active for c in conns)
+        counters = self.counters
+        now = time.monotonic()
+        result: dict[str, Any] = {
+            "routerId": self.router_id,
+            "uptimeMs": int((now - self._started) * 1000),
+            "connections": open_conns,
+            "pendingConnections": open_conns - clients,
+            "clients": clients,
+            "services": len(self._services),
+            "expectations": len(self._expectations),
+            "calls": self._calls,
+            "activeCalls": active,
+            "queuedCalls": queued,
+            "dispatchedCalls": dispatched,
+            "detachedCalls": self._detached,
+            "repliedCalls": self._calls - queued - dispatched,
+            "replyCapabilities": dispatched,
+            "queuedCallBytes": self._queued_bytes,
+            "counters": {
+                **counters,
+                "cancels": dict(counters["cancels"]),
+                "errors": dict(counters["errors"]),
+                "closes": dict(counters["closes"]),
+            },
+            "connectionsDetail": None,
+        }
+        if detail:
+            result["connectionsDetail"] = [
+                {
+                    "connectionId": c.connection_id,
+                    "clientId": c.client_id,
+                    "clientIncarnation": c.client_incarnation,
+                    "pid": c.pid,
+                    "uid": c.uid,
+                    "gid": c.gid,
+                    "ageMs": int((now - c.created) * 1000),
+                    "services": sorted(c.services),
+                    "activeCalls": c.active,
+                    "detachedCalls": sum(1 for k in c.calls.values() if k.detached),
+                    "openRequests": c.open_requests,
+                    "controlFrames": len(c.control),
+                    "controlBytes": c.control_bytes,
+                    "framesIn": c.frames_in,
+                    "framesOut": c.frames_out,
+                }
+                for c in sorted(conns, key=lambda c: c.number)
+                if not c.closing
+            ]
+        return result
