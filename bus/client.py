@@ -572,7 +572,8 @@ class BusClient:
         return PendingCall(self, state)
 
     async def call(self, target: str, method: str, payload: dict[str, Any], *,
-                   timeout: float | None, expected_incarnation: str | None = None) -> CallResult:
+                   timeout: float | None,  # noqa: ASYNC109 - the SDK contract (wire.md §17)
+                   expected_incarnation: str | None = None) -> CallResult:
         """One call with a required deadline (seconds, or None for none)."""
         if timeout is not None and not timeout > 0:
             raise ValueError("timeout must be > 0 seconds, or None")

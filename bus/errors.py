@@ -127,7 +127,9 @@ class QuotaExceeded(BusError):
 class RouterLost(BusError):
     name = "ROUTER_LOST"
 
-    def __init__(self, message: str = "connection to the router lost", dispatch: Dispatch = "unknown") -> None:
+    def __init__(
+        self, message: str = "connection to the router lost", dispatch: Dispatch = "unknown"
+    ) -> None:
         super().__init__(message, dispatch)
 
 

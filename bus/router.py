@@ -236,7 +236,8 @@ class Router:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._server: asyncio.base_events.Server | None = None
         self._started = 0.0
-        self._stopped: asyncio.Event | None = None
+        self._stop_requested: asyncio.Event | None = None
+        self._all_lost: asyncio.Event | None = None
         self.fatal: BaseException | None = None
         self._conns: dict[int, _Conn] = {}
         self._conn_counter = 0
@@ -279,7 +280,7 @@ class Router:
     async def start(self) -> None:
         """Bind the socket (0600/0660 under a restrictive umask) and start accepting."""
         self._loop = asyncio.get_running_loop()
-        self._stopped = asyncio.Event()
+        self._stop_requested = asyncio.Event()
         path = self.socket_path
         if len(os.fsencode(path)) > SUN_PATH_MAX:
             raise RouterStartError(
@@ -351,9 +352,11 @@ class Router:
             self._close(conn, "ROUTER_LOST", "router stopping")
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.socket_path)
-        deadline = time.monotonic() + STOP_BUDGET_S
-        while self._conns and time.monotonic() < deadline:
-            await asyncio.sleep(0.01)
+        if self._conns:
+            self._all_lost = asyncio.Event()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(STOP_BUDGET_S):
+                    await self._all_lost.wait()
         for conn in list(self._conns.values()):
             if conn.transport is not None:
                 conn.transport.abort()
@@ -361,21 +364,30 @@ class Router:
             async with asyncio.timeout(1.0):
                 await server.wait_closed()
         log.info("router.stopped", router_id=self.router_id)
-        if self._stopped is not None:
-            self._stopped.set()
+
+    def request_stop(self) -> None:
+        """Ask `serve_forever` to stop the router (signal handlers call this)."""
+        if self._stop_requested is not None:
+            self._stop_requested.set()
 
     async def serve_forever(self) -> None:
-        """Wait until `stop()`; re-raise a broken invariant so the supervisor restarts us."""
-        assert self._stopped is not None, "start() first"
-        await self._stopped.wait()
+        """Serve until `request_stop()` or a broken invariant; re-raise the latter so the
+        supervisor restarts the router."""
+        assert self._stop_requested is not None, "start() first"
+        await self._stop_requested.wait()
+        await self.stop()
         if self.fatal is not None:
             raise self.fatal
 
     def _invariant_broken(self, exc: BaseException) -> None:
+        """wire.md §11: log, close every connection with ROUTER_LOST, stop serving."""
         log.error("router.invariant_broken", error=repr(exc))
         self.fatal = exc
-        assert self._loop is not None
-        self._loop.create_task(self.stop())  # noqa: RUF006 - stop() sets _stopped, awaited by serve_forever
+        if self._server is not None:
+            self._server.close()
+        for conn in list(self._conns.values()):
+            self._close(conn, "ROUTER_LOST", "router invariant broken")
+        self.request_stop()
 
     # accept / read ----------------------------------------------------------------------
     def _accept(self, conn: _Conn) -> None:
@@ -667,6 +679,8 @@ class Router:
     # teardown ---------------------------------------------------------------------------
     def _on_lost(self, conn: _Conn) -> None:
         self._conns.pop(conn.number, None)
+        if not self._conns and self._all_lost is not None:
+            self._all_lost.set()
 
     def _teardown(self, conn: _Conn, reason: str) -> None:
         """wire.md §10.2, in order. Idempotent; the first reason is the one counted."""

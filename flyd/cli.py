@@ -71,16 +71,12 @@ async def _serve_router(config: object) -> int:
         click.echo(f"flyd router: {exc}", err=True)
         return EXIT_CONFIG
     loop = asyncio.get_running_loop()
-    stopping: list[asyncio.Task[None]] = []
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, lambda: stopping.append(loop.create_task(router.stop())))
+        loop.add_signal_handler(sig, router.request_stop)
     try:
         await router.serve_forever()
     except Exception:
         return EXIT_FATAL
-    finally:
-        for task in stopping:
-            await task
     return 0
 
 

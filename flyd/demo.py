@@ -36,11 +36,17 @@ CONCURRENCY = 8
 
 
 async def _wait_for_socket(path: Path, proc: asyncio.subprocess.Process) -> None:
+    """Until the router accepts a connection (or exits)."""
     async with asyncio.timeout(15):
-        while not path.exists():
-            if proc.returncode is not None:
-                raise RuntimeError(f"the router exited with {proc.returncode}")
-            await asyncio.sleep(0.02)
+        while proc.returncode is None:
+            try:
+                _, writer = await asyncio.open_unix_connection(str(path))
+            except (FileNotFoundError, ConnectionRefusedError):
+                await asyncio.sleep(0.02)
+                continue
+            writer.close()
+            return
+        raise RuntimeError(f"the router exited with {proc.returncode}")
 
 
 async def _echo(req: Request) -> dict[str, Any]:
