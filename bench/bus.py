@@ -1,0 +1,301 @@
+"""Bus benchmark: the router against a bare forwarding floor, measured in the same run.
+
+Floor: three processes (client, forwarder, echo) where the forwarder does the least any
+router must do per frame with the same loop (uvloop) and codec: strict-decode the frame and
+re-encode it for the other side. Router: three processes (client SDK, `flyd router`, echo
+service SDK). Both carry the same domain-shaped payload.
+
+Prints two JSON lines:
+  {"bench":"bus_rtt","floor_us":..,"router_us":..,"ratio":..,"p99_us":..}
+  {"bench":"bus_throughput","calls_per_s":..,"floor_msgs_per_s":..,"ratio":..}
+Round trips are sequential (one outstanding call); throughput uses 8 concurrent callers.
+Progress goes to stderr. The target (not asserted anywhere) is ratio <= 1.3 for the RTT.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import shutil
+import statistics
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import orjson
+import uvloop
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bus import codec  # noqa: E402
+from bus.client import Request, connect  # noqa: E402
+
+PREFIX = struct.Struct("<I")
+PAYLOAD: dict[str, Any] = {
+    "requestId": "req-000000",
+    "scope": {"epoch": "e1", "step": 0},
+    "params": {"agent": "fly-a", "observation": {"t": 0, "values": list(range(16))}},
+}
+CONCURRENCY = 8
+
+
+def progress(msg: str) -> None:
+    print(f"bench: {msg}", file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# floor processes
+class _Framed(asyncio.Protocol):
+    """Minimal framed connection: hands each body to `on_body`."""
+
+    def __init__(self, on_body: Any, lost: asyncio.Future[None] | None = None) -> None:
+        self.buf = bytearray()
+        self.on_body = on_body
+        self.lost = lost
+        self.transport: asyncio.Transport | None = None
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.lost is not None and not self.lost.done():
+            self.lost.set_result(None)
+
+    def connection_made(self, transport: Any) -> None:
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        buf = self.buf
+        buf += data
+        while len(buf) >= 4:
+            (n,) = PREFIX.unpack_from(buf, 0)
+            if len(buf) < 4 + n:
+                return
+            body = bytes(buf[4:4 + n])
+            del buf[:4 + n]
+            self.on_body(self, body)
+
+    def send(self, body: bytes) -> None:
+        assert self.transport is not None
+        self.transport.write(PREFIX.pack(len(body)) + body)
+
+
+async def forwarder(path: str) -> None:
+    """Accepts the echo first, then clients; forwards frames both ways through the codec."""
+    peers: dict[str, _Framed] = {}
+    clients: list[_Framed] = []
+
+    def on_body(conn: _Framed, body: bytes) -> None:
+        msg = codec.decode(body)
+        out = codec.encode_trusted(msg)
+        if conn is peers.get("echo"):
+            clients[0].send(out)
+        else:
+            peers["echo"].send(out)
+
+    def factory() -> _Framed:
+        conn = _Framed(on_body)
+        if "echo" not in peers:
+            peers["echo"] = conn
+        else:
+            clients.append(conn)
+        return conn
+
+    server = await asyncio.get_running_loop().create_unix_server(factory, path)
+    async with server:
+        await server.serve_forever()
+
+
+async def echo_floor(path: str) -> None:
+    def on_body(conn: _Framed, body: bytes) -> None:
+        msg = codec.decode(body)
+        conn.send(codec.encode_trusted({"id": msg["id"], "outcome": msg["payload"]}))
+
+    loop = asyncio.get_running_loop()
+    lost: asyncio.Future[None] = loop.create_future()
+    await loop.create_unix_connection(lambda: _Framed(on_body, lost), path)
+    await lost
+
+
+async def client_floor(path: str, n: int) -> dict[str, Any]:
+    loop = asyncio.get_running_loop()
+    waiters: dict[int, asyncio.Future[None]] = {}
+
+    def on_body(conn: _Framed, body: bytes) -> None:
+        msg = codec.decode(body)
+        waiters.pop(msg["id"]).set_result(None)
+
+    transport, proto = await loop.create_unix_connection(lambda: _Framed(on_body), path)
+    counter = 0
+
+    async def one() -> float:
+        nonlocal counter
+        counter += 1
+        fut = loop.create_future()
+        waiters[counter] = fut
+        t0 = time.perf_counter()
+        proto.send(codec.encode({"id": counter, "method": "Bench.Echo", "payload": PAYLOAD}))
+        await fut
+        return time.perf_counter() - t0
+
+    for _ in range(200):
+        await one()
+    rtts = [await one() for _ in range(n)]
+
+    async def worker(k: int) -> None:
+        for _ in range(k):
+            await one()
+
+    t0 = time.perf_counter()
+    async with asyncio.TaskGroup() as tg:
+        for _ in range(CONCURRENCY):
+            tg.create_task(worker(n // CONCURRENCY))
+    elapsed = time.perf_counter() - t0
+    transport.close()
+    return {"rtts": rtts, "per_s": (n // CONCURRENCY) * CONCURRENCY / elapsed}
+
+
+# ---------------------------------------------------------------------------------------------
+# router processes
+async def echo_router(path: str) -> None:
+    async def handler(req: Request) -> dict[str, Any]:
+        return {"type": "result", "result": req.payload}
+
+    async with connect(path, client_id="bench.echo") as bus:
+        await bus.register("bench.echo", handler, max_queued=16, max_in_flight=16)
+        await bus.wait_closed()
+
+
+async def client_router(path: str, n: int) -> dict[str, Any]:
+    async with connect(path, client_id="bench.client") as bus:
+        async def one() -> float:
+            t0 = time.perf_counter()
+            await bus.call("bench.echo", "Bench.Echo", PAYLOAD, timeout=10.0)
+            return time.perf_counter() - t0
+
+        for _ in range(200):
+            await one()
+        rtts = [await one() for _ in range(n)]
+
+        async def worker(k: int) -> None:
+            for _ in range(k):
+                await one()
+
+        t0 = time.perf_counter()
+        async with asyncio.TaskGroup() as tg:
+            for _ in range(CONCURRENCY):
+                tg.create_task(worker(n // CONCURRENCY))
+        elapsed = time.perf_counter() - t0
+    return {"rtts": rtts, "per_s": (n // CONCURRENCY) * CONCURRENCY / elapsed}
+
+
+# ---------------------------------------------------------------------------------------------
+def _spawn(*args: str) -> subprocess.Popen[bytes]:
+    return subprocess.Popen([sys.executable, *args], cwd=ROOT, stderr=subprocess.DEVNULL,
+                            env={**os.environ, "FLYD_LOG_FORMAT": "json"})
+
+
+def _wait_socket(path: str, proc: subprocess.Popen[bytes]) -> None:
+    deadline = time.monotonic() + 15
+    while not os.path.exists(path):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"{proc.args} did not create {path}")
+        time.sleep(0.01)
+
+
+def _run_client(role: str, path: str, n: int) -> dict[str, Any]:
+    out = subprocess.run([sys.executable, __file__, "--role", role, "--socket", path,
+                          "-n", str(n)], cwd=ROOT, capture_output=True, check=True)
+    result: dict[str, Any] = orjson.loads(out.stdout)
+    return result
+
+
+def _stop(*procs: subprocess.Popen[bytes]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    for p in procs:
+        try:
+            p.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def measure_floor(tmp: str, n: int) -> dict[str, Any]:
+    path = os.path.join(tmp, "floor.sock")
+    fwd = _spawn(__file__, "--role", "forwarder", "--socket", path)
+    echo: subprocess.Popen[bytes] | None = None
+    try:
+        _wait_socket(path, fwd)
+        echo = _spawn(__file__, "--role", "echo-floor", "--socket", path)
+        time.sleep(0.3)  # the echo must be the forwarder's first connection
+        return _run_client("client-floor", path, n)
+    finally:
+        _stop(*(p for p in (echo, fwd) if p is not None))
+
+
+def measure_router(tmp: str, n: int) -> dict[str, Any]:
+    path = os.path.join(tmp, "bus.sock")
+    router = _spawn("-m", "flyd", "router", "--socket", path, "--open", "-q")
+    echo: subprocess.Popen[bytes] | None = None
+    try:
+        _wait_socket(path, router)
+        echo = _spawn(__file__, "--role", "echo-router", "--socket", path)
+        deadline = time.monotonic() + 15
+        result: dict[str, Any] | None = None
+        while result is None:
+            try:
+                result = _run_client("client-router", path, n)
+            except subprocess.CalledProcessError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.1)  # the echo service may not be registered yet
+        return result
+    finally:
+        _stop(*(p for p in (echo, router) if p is not None))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--role")
+    ap.add_argument("--socket")
+    ap.add_argument("-n", type=int, default=4000)
+    args = ap.parse_args()
+    roles = {
+        "forwarder": lambda: forwarder(args.socket),
+        "echo-floor": lambda: echo_floor(args.socket),
+        "client-floor": lambda: client_floor(args.socket, args.n),
+        "echo-router": lambda: echo_router(args.socket),
+        "client-router": lambda: client_router(args.socket, args.n),
+    }
+    if args.role:
+        result = uvloop.run(roles[args.role]())
+        if result is not None:
+            sys.stdout.write(orjson.dumps(result).decode())
+        return
+    tmp = tempfile.mkdtemp(prefix="flyd-bench-", dir="/tmp")
+    try:
+        progress(f"floor: forwarder + echo + client, {args.n} calls")
+        floor = measure_floor(tmp, args.n)
+        progress(f"router: flyd router + SDK echo + SDK client, {args.n} calls")
+        routed = measure_router(tmp, args.n)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    floor_us = statistics.median(floor["rtts"]) * 1e6
+    router_us = statistics.median(routed["rtts"]) * 1e6
+    p99 = statistics.quantiles(routed["rtts"], n=100)[98] * 1e6
+    print(orjson.dumps({"bench": "bus_rtt", "floor_us": round(floor_us, 1),
+                        "router_us": round(router_us, 1),
+                        "ratio": round(router_us / floor_us, 3),
+                        "p99_us": round(p99, 1)}).decode())
+    print(orjson.dumps({"bench": "bus_throughput", "calls_per_s": round(routed["per_s"]),
+                        "floor_msgs_per_s": round(floor["per_s"]),
+                        "ratio": round(floor["per_s"] / routed["per_s"], 3)}).decode())
+
+
+if __name__ == "__main__":
+    main()
