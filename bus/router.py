@@ -50,7 +50,7 @@ from bus.errors import (
 )
 from bus.framing import PREFIX, FrameDecoder
 from bus.limits import FRAMES_PER_TURN, REMEMBERED_INCARNATIONS, Limits
-from bus.policy import Grants, Policy, any_matches, covered_by_delegate
+from bus.policy import Grants, Policy, any_matches, covered_by_delegate, substitute
 from bus.schema import Validator, contract_digest, validator
 
 log = structlog.get_logger("bus.router")
@@ -842,8 +842,11 @@ class Router:
         grants = entry.grants_for(client_id)
         if exp is not None:
             if exp.grants is not None:
-                grants = Grants(register=tuple(exp.grants["register"]),
-                                call=tuple(exp.grants["call"]))
+                # a missing list grants nothing; {clientId} is this client's id (§6.2)
+                grants = Grants(
+                    register=tuple(substitute(g, client_id)
+                                   for g in exp.grants.get("register", ())),
+                    call=tuple(substitute(g, client_id) for g in exp.grants.get("call", ())))
             else:
                 grants = Grants(register=grants.register, call=grants.call)
             self._drop_expectation(exp)
@@ -964,27 +967,24 @@ class Router:
         if d is None:
             raise CallGone(f"{p['deliveryId']} holds no reply capability")
         call = d.call
-        if call.detached:
-            frame = b""
-        else:
-            outcome = codec.encode_trusted(p["outcome"])
-            frame = orjson.dumps({
-                "jsonrpc": "2.0",
-                "method": "bus.result",
-                "params": {
-                    "deliveryId": "dlv-9007199254740991",
-                    "callId": call.call_id,
-                    "serviceIncarnation": call.service.incarnation,
-                    "responder": {"clientId": conn.client_id,
-                                  "clientIncarnation": conn.client_incarnation},
-                    "outcome": orjson.Fragment(outcome),
-                },
-            })
-            if len(frame) > self.limits.maxEnvelopeBytes:
-                raise InvalidEnvelope(
-                    f"the bus.result frame would be {len(frame)} bytes (maxEnvelopeBytes "
-                    f"{self.limits.maxEnvelopeBytes}); the reply capability is kept"
-                )
+        outcome = codec.encode_trusted(p["outcome"])
+        frame = orjson.dumps({
+            "jsonrpc": "2.0",
+            "method": "bus.result",
+            "params": {
+                "deliveryId": "dlv-9007199254740991",
+                "callId": call.call_id,
+                "serviceIncarnation": call.service.incarnation,
+                "responder": {"clientId": conn.client_id,
+                              "clientIncarnation": conn.client_incarnation},
+                "outcome": orjson.Fragment(outcome),
+            },
+        })
+        if len(frame) > self.limits.maxEnvelopeBytes:
+            raise InvalidEnvelope(
+                f"the bus.result frame would be {len(frame)} bytes (maxEnvelopeBytes "
+                f"{self.limits.maxEnvelopeBytes}); the reply capability is kept"
+            )
         d.capability = False
         conn.capabilities -= 1
         if d.consumed:
@@ -1096,7 +1096,7 @@ class Router:
         grants = p.get("grants")
         if grants is not None:
             for kind in ("register", "call"):
-                for pattern in grants[kind]:
+                for pattern in grants.get(kind, ()):  # a missing list grants nothing
                     if not covered_by_delegate(pattern, conn.grants.delegate, client_id):
                         raise NotAuthorized(
                             f"{kind} grant {pattern!r} is not covered by a delegate grant")

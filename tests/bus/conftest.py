@@ -1,6 +1,6 @@
 """Fixtures of wire.md §20: `router`, `raw`, `sdk`, `settle`.
 
-Routers run in-process on the test's event loop (uvloop, as in production) on a short
+Routers run in-process on the test's event loop (uvloop, tests/conftest.py) on a short
 temporary socket path; raw connections speak bytes so tests can break every rule on purpose.
 """
 
@@ -16,7 +16,6 @@ from typing import Any
 
 import orjson
 import pytest
-import uvloop
 
 from bus.client import BusClient, connect
 from bus.limits import Limits
@@ -26,11 +25,6 @@ from bus.router import Router, RouterConfig
 pytestmark = pytest.mark.timeout(10)
 
 RECV_TIMEOUT = 5.0
-
-
-@pytest.fixture(scope="session")
-def event_loop_policy() -> uvloop.EventLoopPolicy:
-    return uvloop.EventLoopPolicy()
 
 
 def short_socket_dir() -> str:
