@@ -766,3 +766,9 @@ def test_random_instances_agree_with_jsonschema(pair: tuple[str, Any]) -> None:
         return
     message = validator(name)(instance)
     assert reference(name).is_valid(instance) is (message is None), (name, instance, message)
+
+
+def test_schema_files_are_ascii() -> None:
+    """The digest is over canonical JSON; ASCII-only files make escaped and raw UTF-8 agree."""
+    for path in sorted(SCHEMA_ROOT.rglob("*.json")):
+        assert path.read_bytes().isascii(), f"{path.name} holds non-ASCII bytes"
