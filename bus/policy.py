@@ -84,7 +84,9 @@ class PolicyEntry:
             register=tuple(substitute(p, client_id) for p in self.register),
             call=tuple(substitute(p, client_id) for p in self.call),
             expect=tuple(substitute(p, client_id) for p in self.expect),
-            delegate=tuple(substitute(p, client_id) for p in self.delegate),
+            # wire.md §7.10: {clientId} in a delegate pattern is the *expected* client's id,
+            # substituted at bus.expect (covered_by_delegate), never the launcher's own.
+            delegate=self.delegate,
         )
 
 

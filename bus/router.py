@@ -316,8 +316,11 @@ class Router:
     def _prepare_path(self, path: str) -> None:
         parent = os.path.dirname(path) or "."
         if not os.path.isdir(parent):
-            os.makedirs(parent, mode=0o750 if self._group_gid is not None else 0o700,
-                        exist_ok=True)
+            mode = 0o750 if self._group_gid is not None else 0o700
+            os.makedirs(parent, mode=mode, exist_ok=True)
+            os.chmod(parent, mode)  # the umask may have narrowed makedirs' mode
+            if self._group_gid is not None:
+                os.chown(parent, -1, self._group_gid)
         try:
             st = os.lstat(path)
         except FileNotFoundError:
@@ -671,9 +674,18 @@ class Router:
     def _finish_close(self, conn: _Conn) -> None:
         transport = conn.transport
         assert transport is not None and self._loop is not None
-        if conn.read_paused:
-            conn.read_paused = False
-        transport.close()
+        if self._server is not None and transport.can_write_eof():
+            # Lingering close: shut our side down once the last frame is flushed, but keep
+            # reading (data_received discards it) until the peer's EOF or the grace abort, so
+            # a peer still sending sees its frames, then EOF, instead of a reset (§20 #73).
+            transport.write_eof()
+            if conn.read_paused:
+                conn.read_paused = False
+                transport.resume_reading()
+        else:
+            if conn.read_paused:
+                conn.read_paused = False
+            transport.close()
         self._loop.call_later(CLOSE_GRACE_S, transport.abort)
 
     # teardown ---------------------------------------------------------------------------
