@@ -529,6 +529,16 @@ class BusClient:
         _settle(state.done, CallGone(f"call {state.call_id} cancelled ({cancel_state})",
                                      dispatch))  # type: ignore[arg-type]
 
+    def _task_cancel_answered(self, state: _CallState,
+                              fut: asyncio.Future[dict[str, Any]]) -> None:
+        """A cancelled `call()` task's best-effort cancel was answered: forget the call
+        unless its result is still due (`completed`; the result is consumed on arrival)."""
+        if fut.cancelled() or fut.exception() is not None:
+            return
+        cancel_state: str = fut.result()["state"]
+        if cancel_state != "completed":
+            self._finish_cancelled(state, cancel_state)
+
     # API ---------------------------------------------------------------------------------
     async def register(self, name: str, handler: Handler, *, max_queued: int = 16,
                        max_in_flight: int = 4) -> Service:
@@ -588,7 +598,8 @@ class BusClient:
             return await self._deadline(state)
         except asyncio.CancelledError:
             if not state.done.done() and self._closed_with is None:
-                self._send_nowait("bus.cancel", {"callId": state.call_id})
+                fut = self._send_nowait("bus.cancel", {"callId": state.call_id})
+                fut.add_done_callback(lambda f: self._task_cancel_answered(state, f))
             raise
 
     async def _deadline(self, state: _CallState) -> CallResult:

@@ -352,7 +352,11 @@ class Router:
         server, self._server = self._server, None
         server.close()
         for conn in list(self._conns.values()):
-            self._close(conn, "ROUTER_LOST", "router stopping")
+            if conn.closing:
+                if conn.transport is not None:
+                    conn.transport.close()  # end a lingering close (_finish_close) now
+            else:
+                self._close(conn, "ROUTER_LOST", "router stopping")
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.socket_path)
         if self._conns:
