@@ -1,0 +1,270 @@
+"""Canonical JSON and digests (session.md §1.5, state.md §1).
+
+Digests name bodies, contexts, controls and checkpoints across processes and releases, so one
+JSON value must have exactly one byte form. The form is RFC 8785 compatible:
+
+1. Objects: members sorted by key, keys compared as UTF-16 code units (`key.encode("utf-16-be")`);
+   keys must be strings.
+2. No whitespace; separators `,` and `:`; no trailing newline.
+3. Strings: `"` and `\\` escaped; U+0008 `\\b`, U+0009 `\\t`, U+000A `\\n`, U+000C `\\f`, U+000D
+   `\\r`; every other code point below U+0020 as `\\u00xx` (lowercase hex); everything else
+   literal UTF-8; a surrogate code point (a lone surrogate) is refused.
+4. `true`, `false`, `null`; a Python `bool` is never a number.
+5. Numbers: NaN/±Infinity refused. An integral value (an int, or a float such as `100.0`) must
+   satisfy |v| <= 2^53-1 and is written as a decimal integer (`-0.0` -> `0`). Any other float is
+   written as ECMAScript `Number.prototype.toString` does, from the shortest round-trip digits
+   that Python's `repr` supplies.
+
+Values are dicts (any `Mapping` with str keys), lists/tuples, str, int, float, bool and None;
+an object with a `to_json()` method (the frozen dataclasses of `workers.datatypes`, `Scope`,
+`RationalNs`) is written as what that method returns. Nesting deeper than 128 is refused, as
+the strict parser refuses it. Every refusal is `DomainError` `INVALID_ARGUMENT`/`none`.
+
+`parse_strict(bytes)` is the matching strict reader (state.md §1): valid UTF-8 without a BOM,
+no duplicate keys at any depth, no NaN/Infinity, no lone surrogate escapes, depth <= 128,
+nothing after the value. "Canonical bytes" are bytes `b` with `canonical(parse_strict(b)) == b`.
+
+Digests are lowercase hex SHA-256: `digest_of(v)` of canonical bytes, `digest_bytes(b)` of raw
+bytes, `body_digest(method, scope, params)` of `{"method", "scope", "params"}`,
+`typed_digest(tv)` of `{"schema", "value"}`, `controls_digest(cs)` of the control list in
+descriptor port order.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any, Final
+
+from workers.domain import DomainError, Scope, short
+
+__all__ = [
+    "MAX_DEPTH",
+    "MAX_SAFE_INTEGER",
+    "body_digest",
+    "canonical",
+    "canonical_size",
+    "controls_digest",
+    "digest_bytes",
+    "digest_of",
+    "format_number",
+    "is_canonical",
+    "parse_strict",
+    "plain",
+    "typed_digest",
+]
+
+MAX_SAFE_INTEGER: Final = 2**53 - 1
+MAX_DEPTH: Final = 128
+_BOM: Final = b"\xef\xbb\xbf"
+
+
+def _refuse(message: str) -> DomainError:
+    return DomainError.invalid(f"canonical JSON: {message}")
+
+
+def format_number(value: int | float) -> str:
+    """The canonical spelling of a JSON number (rule 5)."""
+    if isinstance(value, bool):
+        raise _refuse("a boolean is not a number")
+    if isinstance(value, int):
+        if abs(value) > MAX_SAFE_INTEGER:
+            raise _refuse(f"the integer {value} lies outside ±(2^53-1)")
+        return str(value)
+    if not math.isfinite(value):
+        raise _refuse(f"{value} is not a finite number")
+    if value.is_integer():
+        if abs(value) > MAX_SAFE_INTEGER:
+            raise _refuse(f"the integral value {value!r} lies outside ±(2^53-1)")
+        return str(int(value))
+    sign = "-" if value < 0 else ""
+    mantissa, _, exponent_text = repr(abs(value)).partition("e")
+    whole, _, fraction = mantissa.partition(".")
+    digits = whole + fraction
+    # value = 0.<digits> × 10^n before stripping leading zeros from the digits
+    n = len(whole) + int(exponent_text or 0)
+    stripped = digits.lstrip("0")
+    n -= len(digits) - len(stripped)
+    digits = stripped.rstrip("0")
+    k = len(digits)
+    if 0 < n <= 21:
+        if k <= n:
+            return sign + digits + "0" * (n - k)
+        return sign + digits[:n] + "." + digits[n:]
+    if -6 < n <= 0:
+        return sign + "0." + "0" * -n + digits
+    exponent = n - 1
+    head = digits[0] + ("." + digits[1:] if k > 1 else "")
+    return f"{sign}{head}e{'+' if exponent >= 0 else '-'}{abs(exponent)}"
+
+
+def _string(value: str) -> str:
+    # json.dumps(ensure_ascii=False) escapes exactly rule 3's set, with lowercase hex.
+    for char in value:
+        if "\ud800" <= char <= "\udfff":
+            raise _refuse(f"lone surrogate U+{ord(char):04X} in a string")
+    return json.dumps(value, ensure_ascii=False)
+
+
+def _key(key: str) -> bytes:
+    return key.encode("utf-16-be")
+
+
+def _write(value: Any, out: list[str], depth: int) -> None:
+    if depth > MAX_DEPTH:
+        raise _refuse(f"nesting deeper than {MAX_DEPTH}")
+    if value is None:
+        out.append("null")
+    elif value is True:
+        out.append("true")
+    elif value is False:
+        out.append("false")
+    elif isinstance(value, str):
+        out.append(_string(value))
+    elif isinstance(value, int | float):
+        out.append(format_number(value))
+    elif isinstance(value, Mapping):
+        for key in value:
+            if not isinstance(key, str):
+                raise _refuse(f"object key {short(key)} is not a string")
+            _string(key)  # refuses lone surrogates before utf-16 sorting would
+        out.append("{")
+        for index, key in enumerate(sorted(value, key=_key)):
+            if index:
+                out.append(",")
+            out.append(_string(key))
+            out.append(":")
+            _write(value[key], out, depth + 1)
+        out.append("}")
+    elif isinstance(value, list | tuple):
+        out.append("[")
+        for index, item in enumerate(value):
+            if index:
+                out.append(",")
+            _write(item, out, depth + 1)
+        out.append("]")
+    elif callable(getattr(value, "to_json", None)):
+        _write(value.to_json(), out, depth)
+    else:
+        raise _refuse(f"{type(value).__name__} is not a JSON value")
+
+
+def canonical(value: Any) -> bytes:
+    """The canonical UTF-8 bytes of a JSON value."""
+    out: list[str] = []
+    _write(value, out, 1)
+    return "".join(out).encode("utf-8")
+
+
+def plain(value: Any) -> Any:
+    """The value as plain JSON (dicts, lists, str, int, float, bool, None), `to_json` applied."""
+    return json.loads(canonical(value))
+
+
+def canonical_size(value: Any) -> int:
+    return len(canonical(value))
+
+
+# --------------------------------------------------------------------------------------------
+# Strict parsing
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    result: dict[str, Any] = {}
+    for key, item in pairs:
+        if key in result:
+            raise _refuse(f"duplicate key {short(key)}")
+        result[key] = item
+    return result
+
+
+def _no_constant(name: str) -> Any:
+    raise _refuse(f"{name} is not JSON")
+
+
+def _finite_float(text: str) -> float:
+    number = float(text)
+    if not math.isfinite(number):
+        raise _refuse(f"{short(text)} overflows to infinity")
+    return number
+
+
+def _check_parsed(value: Any, depth: int) -> None:
+    if depth > MAX_DEPTH:
+        raise _refuse(f"nesting deeper than {MAX_DEPTH}")
+    if isinstance(value, str):
+        _string(value)
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _string(key)
+            _check_parsed(item, depth + 1)
+    elif isinstance(value, list):
+        for item in value:
+            _check_parsed(item, depth + 1)
+
+
+def parse_strict(data: bytes | bytearray | memoryview) -> Any:
+    """Read JSON bytes, refusing everything JSON leaves open (see the module docstring)."""
+    raw = bytes(data)
+    if raw.startswith(_BOM):
+        raise _refuse("a byte order mark is not allowed")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise _refuse(f"invalid UTF-8 at byte {exc.start}") from None
+    try:
+        value = json.loads(
+            text,
+            object_pairs_hook=_no_duplicates,
+            parse_constant=_no_constant,
+            parse_float=_finite_float,
+        )
+    except RecursionError:
+        raise _refuse(f"nesting deeper than {MAX_DEPTH}") from None
+    except json.JSONDecodeError as exc:
+        raise _refuse(f"not JSON: {exc.msg} at character {exc.pos}") from None
+    except ValueError as exc:  # e.g. an integer literal beyond the interpreter's digit limit
+        raise _refuse(f"not JSON: {exc}") from None
+    _check_parsed(value, 1)
+    return value
+
+
+def is_canonical(data: bytes | bytearray | memoryview) -> bool:
+    raw = bytes(data)
+    try:
+        return canonical(parse_strict(raw)) == raw
+    except DomainError:
+        return False
+
+
+# --------------------------------------------------------------------------------------------
+# Digests
+
+
+def digest_bytes(data: bytes | bytearray | memoryview) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def digest_of(value: Any) -> str:
+    return hashlib.sha256(canonical(value)).hexdigest()
+
+
+def body_digest(method: str, scope: Scope | Mapping[str, Any] | None, params: Any) -> str:
+    """What the result cache compares: a re-sent request must have this digest unchanged."""
+    return digest_of({"method": method, "scope": scope, "params": params})
+
+
+def typed_digest(typed_value: Any) -> str:
+    """`digest_of({"schema", "value"})` of a `TypedValue` (or its JSON object)."""
+    if isinstance(typed_value, Mapping):
+        if set(typed_value) != {"schema", "value"}:
+            raise _refuse("a TypedValue has exactly the keys schema and value")
+        return digest_of({"schema": typed_value["schema"], "value": typed_value["value"]})
+    return digest_of({"schema": typed_value.schema, "value": typed_value.value})
+
+
+def controls_digest(controls: Sequence[Any]) -> str:
+    """`digest_of([PortControl, …])`; the caller keeps descriptor port order."""
+    return digest_of(list(controls))

@@ -1,0 +1,545 @@
+"""The domain vocabulary: scalars, error codes, `DomainError` (session.md §1.2, §1.6).
+
+Every domain message is built from a handful of scalars, and every refusal is one value, so a
+worker, the result cache and the coordinator all say "no" the same way.
+
+Scalars (§1.2) — each `parse_*` returns the Python value or raises `DomainError`
+`INVALID_ARGUMENT`/`none` naming what was wrong:
+
+    Id          str   ^[a-z0-9][a-z0-9._-]{0,63}$
+    RequestId   str   req-<U64>, canonical decimal, >= 1 (req-0 only as an outcome's fallback)
+    U64         int   JSON *string* "0" or [1-9][0-9]{0,19}, value <= 2^64-1
+    I32         int   JSON integer in -2^31..2^31-1 (a bool or a float is refused)
+    Digest      str   64 lowercase hex characters
+    Scope       Scope {"sessionId": Id, "epoch": Id, "step": U64}, exact key set
+
+Plain JSON integers (dimensions, counts) are never booleans and never floats (`100.0` is
+refused where an integer is expected); numbers that must be finite refuse NaN/±Infinity.
+
+Error codes (§1.6), as data in `CODES`: number, mutation rule. Rules:
+
+- Codes 1-11 and 13 are *before-mutation* codes (`BEFORE_MUTATION`): a worker reply carrying
+  one of them MUST say `none`. Local coordinator errors (mapped bus failures, Phase C media
+  checks) may carry them with `unknown`, so `DomainError` itself does not enforce the rule; the
+  receiver of a worker reply does (`workers.rpc`).
+- `RESULT_EXPIRED` is always `unknown` (a replay is gone; whether it ran is not knowable).
+- `BACKEND_FAILURE` and `INTERNAL` carry an explicit mutation.
+
+`DomainError(code, message, mutation)` is an exception *and* a value: equal when code, message
+and mutation are equal; `to_json()` is the wire `error` object (message clipped to 512 code
+points: 511 plus `…`), `from_json()` validates one strictly.
+
+The spec's module map names this module as the home of the whole §1 surface (request and
+outcome codec, canonical JSON, digests, shared types). Each of those concepts lives in its own
+module (`workers.canonical`, `workers.rpc`, `workers.datatypes`, `workers.clock`), and those
+modules raise `DomainError`, so they import this one; to keep `from workers.domain import X`
+working for every §1 name without an import cycle, the other names are re-exported lazily
+(PEP 562 `__getattr__`).
+
+Resolved ambiguities:
+- `RequestId` parsing refuses `req-0` unless `allow_zero=True` (outcomes only, §1.4).
+- `RESULT_EXPIRED` with a mutation other than `unknown` is refused by `from_json` (the table
+  fixes its mutation), and `DomainError.before(RESULT_EXPIRED, …)` is an `INTERNAL` error.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import re
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import TYPE_CHECKING, Any, Final, Literal
+
+__all__ = [
+    "BEFORE_MUTATION",
+    "BUS_ONLY_KEYS",
+    "CODES",
+    "I32_MAX",
+    "I32_MIN",
+    "MAX_MESSAGE_CODE_POINTS",
+    "U64_MAX",
+    "Answered",
+    "AssetRef",
+    "AudioBudget",
+    "AudioDescriptor",
+    "AudioRef",
+    "AxisSpec",
+    "AxisValue",
+    "ButtonState",
+    "CallOutcome",
+    "CodeRule",
+    "ControllerSchema",
+    "DomainError",
+    "EnvironmentDescriptor",
+    "ErrorCode",
+    "Expired",
+    "Graph",
+    "Learning",
+    "MediaBlob",
+    "Mutation",
+    "Outcome",
+    "PixelAspect",
+    "PortControl",
+    "PortSpec",
+    "RateRole",
+    "RationalNs",
+    "Refused",
+    "Request",
+    "Reward",
+    "SchemaRef",
+    "Scope",
+    "SensoryInput",
+    "Stimulus",
+    "Telemetry",
+    "TickAccumulator",
+    "TypedValue",
+    "ViewDescriptor",
+    "ViewRef",
+    "WorldObservation",
+    "answer",
+    "body_digest",
+    "canonical",
+    "check_controls",
+    "check_outcome",
+    "check_port_control",
+    "clip_message",
+    "controls_digest",
+    "decode_audio",
+    "decode_media",
+    "decode_view",
+    "digest_bytes",
+    "digest_of",
+    "divide_floor",
+    "encode_media",
+    "format_request_id",
+    "format_u64",
+    "from_bus_error",
+    "is_canonical",
+    "is_id",
+    "map_bus_error",
+    "parse_bool",
+    "parse_digest",
+    "parse_finite",
+    "parse_i32",
+    "parse_id",
+    "parse_int",
+    "parse_request",
+    "parse_request_id",
+    "parse_scope",
+    "parse_strict",
+    "parse_string",
+    "parse_u64",
+    "readable_request_id",
+    "serial",
+    "short",
+    "typed_digest",
+    "unparsable_outcome",
+]
+
+U64_MAX: Final = 2**64 - 1
+I32_MIN: Final = -(2**31)
+I32_MAX: Final = 2**31 - 1
+MAX_MESSAGE_CODE_POINTS: Final = 512
+
+_ID: Final = re.compile(r"[a-z0-9][a-z0-9._-]{0,63}")
+_U64: Final = re.compile(r"0|[1-9][0-9]{0,19}")
+_REQUEST_ID: Final = re.compile(r"req-(0|[1-9][0-9]{0,19})")
+_DIGEST: Final = re.compile(r"[0-9a-f]{64}")
+
+
+# --------------------------------------------------------------------------------------------
+# Error codes and mutation certainty (§1.6)
+
+
+class ErrorCode(StrEnum):
+    INVALID_ARGUMENT = "INVALID_ARGUMENT"
+    UNSUPPORTED = "UNSUPPORTED"
+    IDENTITY_MISMATCH = "IDENTITY_MISMATCH"
+    STALE_EPOCH = "STALE_EPOCH"
+    STALE_STEP = "STALE_STEP"
+    FUTURE_STEP = "FUTURE_STEP"
+    INVALID_PHASE = "INVALID_PHASE"
+    CONFLICT = "CONFLICT"
+    IN_PROGRESS = "IN_PROGRESS"
+    BUSY = "BUSY"
+    BUFFER_INVALID = "BUFFER_INVALID"
+    RESULT_EXPIRED = "RESULT_EXPIRED"
+    INCOMPATIBLE_STATE = "INCOMPATIBLE_STATE"
+    BACKEND_FAILURE = "BACKEND_FAILURE"
+    INTERNAL = "INTERNAL"
+
+
+class Mutation(StrEnum):
+    """What a failed operation did to the worker's state, as far as anyone can tell."""
+
+    NONE = "none"
+    APPLIED = "applied"
+    UNKNOWN = "unknown"
+
+
+MutationRule = Literal["none", "unknown", "explicit"]
+
+
+@dataclass(frozen=True, slots=True)
+class CodeRule:
+    """One row of §1.6: the code's number and the mutation a worker reply must carry."""
+
+    number: int
+    mutation: MutationRule
+
+
+CODES: Final[dict[ErrorCode, CodeRule]] = {
+    ErrorCode.INVALID_ARGUMENT: CodeRule(1, "none"),
+    ErrorCode.UNSUPPORTED: CodeRule(2, "none"),
+    ErrorCode.IDENTITY_MISMATCH: CodeRule(3, "none"),
+    ErrorCode.STALE_EPOCH: CodeRule(4, "none"),
+    ErrorCode.STALE_STEP: CodeRule(5, "none"),
+    ErrorCode.FUTURE_STEP: CodeRule(6, "none"),
+    ErrorCode.INVALID_PHASE: CodeRule(7, "none"),
+    ErrorCode.CONFLICT: CodeRule(8, "none"),
+    ErrorCode.IN_PROGRESS: CodeRule(9, "none"),
+    ErrorCode.BUSY: CodeRule(10, "none"),
+    # `none` at a worker; the coordinator's Phase C uses it with `unknown` (a local error).
+    ErrorCode.BUFFER_INVALID: CodeRule(11, "none"),
+    ErrorCode.RESULT_EXPIRED: CodeRule(12, "unknown"),
+    ErrorCode.INCOMPATIBLE_STATE: CodeRule(13, "none"),
+    ErrorCode.BACKEND_FAILURE: CodeRule(14, "explicit"),
+    ErrorCode.INTERNAL: CodeRule(15, "explicit"),
+}
+
+BEFORE_MUTATION: Final[frozenset[ErrorCode]] = frozenset(
+    code for code, rule in CODES.items() if rule.mutation == "none"
+)
+
+
+def clip_message(message: str) -> str:
+    """At most 512 code points: a longer message keeps 511 and ends with `…` (§1.4)."""
+    if len(message) <= MAX_MESSAGE_CODE_POINTS:
+        return message
+    return message[: MAX_MESSAGE_CODE_POINTS - 1] + "…"
+
+
+def short(value: Any, limit: int = 40) -> str:
+    """A bounded repr for error messages: refusals never echo a large or sensitive value."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+class DomainError(Exception):
+    """A domain refusal or failure: a code, a message and a mutation certainty."""
+
+    __slots__ = ("code", "message", "mutation")
+
+    def __init__(self, code: ErrorCode | str, message: str, mutation: Mutation | str) -> None:
+        self.code = ErrorCode(code)
+        self.message = str(message)
+        self.mutation = Mutation(mutation)
+        super().__init__(self.code, self.message, self.mutation)
+
+    @classmethod
+    def before(cls, code: ErrorCode | str, message: str) -> DomainError:
+        """A refusal raised before anything was touched (mutation `none`)."""
+        code = ErrorCode(code)
+        if CODES[code].mutation == "unknown":
+            raise DomainError(
+                ErrorCode.INTERNAL, f"{code} always carries mutation unknown", Mutation.NONE
+            )
+        return cls(code, message, Mutation.NONE)
+
+    @classmethod
+    def invalid(cls, message: str) -> DomainError:
+        """Shorthand for the most common refusal, `INVALID_ARGUMENT`/`none`."""
+        return cls(ErrorCode.INVALID_ARGUMENT, message, Mutation.NONE)
+
+    def to_json(self) -> dict[str, str]:
+        return {
+            "code": self.code.value,
+            "message": clip_message(self.message),
+            "mutation": self.mutation.value,
+        }
+
+    @classmethod
+    def from_json(cls, value: Any) -> DomainError:
+        """Strict parse of a worker's wire `error` object; refuses with `INVALID_ARGUMENT`."""
+        if not isinstance(value, dict):
+            raise cls.invalid(f"error must be an object; got {short(value)}")
+        keys = set(value)
+        if keys != {"code", "message", "mutation"}:
+            raise cls.invalid(f"error keys must be code, message, mutation; got {sorted(keys)}")
+        code, message, mutation = value["code"], value["message"], value["mutation"]
+        if not isinstance(code, str) or code not in ErrorCode.__members__:
+            raise cls.invalid(f"error code {short(code)} is not a domain code")
+        if not isinstance(mutation, str) or mutation not in {m.value for m in Mutation}:
+            raise cls.invalid(f"mutation {short(mutation)} is not none, applied or unknown")
+        if not isinstance(message, str):
+            raise cls.invalid("error message must be a string")
+        if len(message) > MAX_MESSAGE_CODE_POINTS:
+            raise cls.invalid(
+                f"error message has {len(message)} code points; at most "
+                f"{MAX_MESSAGE_CODE_POINTS} are allowed"
+            )
+        rule = CODES[ErrorCode(code)].mutation
+        if rule == "none" and mutation != Mutation.NONE:
+            raise cls.invalid(f"{code} is a before-mutation code but says mutation {mutation}")
+        if rule == "unknown" and mutation != Mutation.UNKNOWN:
+            raise cls.invalid(f"{code} always carries mutation unknown, not {mutation}")
+        return cls(code, message, mutation)
+
+    def with_message(self, message: str) -> DomainError:
+        return DomainError(self.code, message, self.mutation)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, DomainError):
+            return NotImplemented
+        return (self.code, self.message, self.mutation) == (
+            other.code,
+            other.message,
+            other.mutation,
+        )
+
+    def __hash__(self) -> int:
+        return hash((self.code, self.message, self.mutation))
+
+    def __str__(self) -> str:
+        return f"{self.code}: {self.message}"
+
+    def __repr__(self) -> str:
+        return (
+            f"DomainError({self.code.value!r}, {self.message!r}, {self.mutation.value!r})"
+        )
+
+
+# --------------------------------------------------------------------------------------------
+# Scalars (§1.2)
+
+
+def is_id(value: Any) -> bool:
+    return isinstance(value, str) and _ID.fullmatch(value) is not None
+
+
+def parse_id(value: Any, what: str = "id") -> str:
+    if not is_id(value):
+        raise DomainError.invalid(
+            f"{what} must be an Id (^[a-z0-9][a-z0-9._-]{{0,63}}$); got {short(value)}"
+        )
+    result: str = value
+    return result
+
+
+def parse_string(value: Any, what: str) -> str:
+    if not isinstance(value, str):
+        raise DomainError.invalid(f"{what} must be a string; got {short(value)}")
+    return value
+
+
+def parse_u64(value: Any, what: str = "value") -> int:
+    """A U64 travels as a canonical decimal *string* so it survives any JSON reader."""
+    if not isinstance(value, str) or _U64.fullmatch(value) is None:
+        raise DomainError.invalid(
+            f"{what} must be a U64 string (canonical decimal); got {short(value)}"
+        )
+    number = int(value)
+    if number > U64_MAX:
+        raise DomainError.invalid(f"{what} {value} exceeds 18446744073709551615")
+    return number
+
+
+def format_u64(number: int, what: str = "value") -> str:
+    if isinstance(number, bool) or not isinstance(number, int) or not 0 <= number <= U64_MAX:
+        raise DomainError.invalid(f"{what} must be an integer in 0..2^64-1; got {short(number)}")
+    return str(number)
+
+
+def parse_int(value: Any, what: str, low: int, high: int) -> int:
+    """A plain JSON integer in [low, high]: never a bool, never a float (not even `3.0`)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise DomainError.invalid(f"{what} must be an integer; got {short(value)}")
+    if not low <= value <= high:
+        raise DomainError.invalid(f"{what} must lie in {low}..{high}; got {value}")
+    return value
+
+
+def parse_i32(value: Any, what: str = "value") -> int:
+    return parse_int(value, what, I32_MIN, I32_MAX)
+
+
+def parse_finite(value: Any, what: str) -> float:
+    """A finite JSON number (int or float, never a bool), returned as a float."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise DomainError.invalid(f"{what} must be a number; got {short(value)}")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise DomainError.invalid(f"{what} must be finite; got {value}")
+    return float(value)
+
+
+def parse_bool(value: Any, what: str) -> bool:
+    if not isinstance(value, bool):
+        raise DomainError.invalid(f"{what} must be true or false; got {short(value)}")
+    return value
+
+
+def parse_digest(value: Any, what: str = "digest") -> str:
+    if not isinstance(value, str) or _DIGEST.fullmatch(value) is None:
+        raise DomainError.invalid(
+            f"{what} must be 64 lowercase hex characters; got {short(value)}"
+        )
+    return value
+
+
+def parse_request_id(value: Any, what: str = "requestId", *, allow_zero: bool = False) -> str:
+    """`req-<U64>` in canonical decimal; `req-0` exists only as an outcome's fallback id."""
+    match = _REQUEST_ID.fullmatch(value) if isinstance(value, str) else None
+    if match is None or int(match.group(1)) > U64_MAX:
+        raise DomainError.invalid(f"{what} must be req-<U64>; got {short(value)}")
+    if match.group(1) == "0" and not allow_zero:
+        raise DomainError.invalid(f"{what} req-0 is reserved for unreadable requests")
+    result: str = value
+    return result
+
+
+def serial(request_id: str) -> int:
+    """The serial number of a request id (`serial("req-7") == 7`)."""
+    return int(parse_request_id(request_id, allow_zero=True)[4:])
+
+
+def format_request_id(number: int) -> str:
+    return "req-" + format_u64(number, "request serial")
+
+
+@dataclass(frozen=True, slots=True)
+class Scope:
+    """Where a domain operation belongs: session, epoch and step (§1.2)."""
+
+    session_id: str
+    epoch: str
+    step: int
+
+    def __post_init__(self) -> None:
+        parse_id(self.session_id, "scope.sessionId")
+        parse_id(self.epoch, "scope.epoch")
+        format_u64(self.step, "scope.step")
+
+    @classmethod
+    def from_json(cls, value: Any, what: str = "scope") -> Scope:
+        if not isinstance(value, dict) or set(value) != {"sessionId", "epoch", "step"}:
+            raise DomainError.invalid(
+                f"{what} must be an object with exactly sessionId, epoch, step"
+            )
+        return cls(
+            parse_id(value["sessionId"], f"{what}.sessionId"),
+            parse_id(value["epoch"], f"{what}.epoch"),
+            parse_u64(value["step"], f"{what}.step"),
+        )
+
+    def to_json(self) -> dict[str, str]:
+        return {"sessionId": self.session_id, "epoch": self.epoch, "step": str(self.step)}
+
+    def at(self, step: int) -> Scope:
+        return Scope(self.session_id, self.epoch, step)
+
+    def __str__(self) -> str:
+        return f"({self.session_id}, {self.epoch}, {self.step})"
+
+
+def parse_scope(value: Any, what: str = "scope") -> Scope | None:
+    """A `Scope` or JSON null."""
+    return None if value is None else Scope.from_json(value, what)
+
+
+# --------------------------------------------------------------------------------------------
+# Lazy re-exports of the rest of §1 (see the module docstring)
+
+_REEXPORTS: Final[dict[str, str]] = {
+    **dict.fromkeys(
+        ("canonical", "parse_strict", "is_canonical", "digest_of", "digest_bytes",
+         "body_digest", "typed_digest", "controls_digest"),
+        "workers.canonical",
+    ),
+    **dict.fromkeys(
+        ("Request", "Outcome", "Answered", "Expired", "Refused", "CallOutcome", "BUS_ONLY_KEYS",
+         "parse_request", "readable_request_id", "unparsable_outcome", "check_outcome",
+         "answer", "map_bus_error", "from_bus_error"),
+        "workers.rpc",
+    ),
+    **dict.fromkeys(
+        ("SchemaRef", "TypedValue", "AssetRef", "MediaBlob", "PixelAspect", "ViewDescriptor",
+         "ViewRef", "AudioDescriptor", "AudioRef", "SensoryInput", "Stimulus", "Reward",
+         "RateRole", "Learning", "Telemetry", "Graph", "AxisSpec", "ControllerSchema",
+         "ButtonState", "AxisValue", "PortControl", "PortSpec", "EnvironmentDescriptor",
+         "WorldObservation", "decode_media", "decode_view", "decode_audio", "encode_media",
+         "check_port_control", "check_controls"),
+        "workers.datatypes",
+    ),
+    **dict.fromkeys(
+        ("RationalNs", "TickAccumulator", "AudioBudget", "divide_floor"), "workers.clock"
+    ),
+}
+
+
+def __getattr__(name: str) -> object:
+    module = _REEXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+if TYPE_CHECKING:  # what the lazy re-exports are, for the type checker
+    from workers.canonical import body_digest as body_digest
+    from workers.canonical import canonical as canonical
+    from workers.canonical import controls_digest as controls_digest
+    from workers.canonical import digest_bytes as digest_bytes
+    from workers.canonical import digest_of as digest_of
+    from workers.canonical import is_canonical as is_canonical
+    from workers.canonical import parse_strict as parse_strict
+    from workers.canonical import typed_digest as typed_digest
+    from workers.clock import AudioBudget as AudioBudget
+    from workers.clock import RationalNs as RationalNs
+    from workers.clock import TickAccumulator as TickAccumulator
+    from workers.clock import divide_floor as divide_floor
+    from workers.datatypes import AssetRef as AssetRef
+    from workers.datatypes import AudioDescriptor as AudioDescriptor
+    from workers.datatypes import AudioRef as AudioRef
+    from workers.datatypes import AxisSpec as AxisSpec
+    from workers.datatypes import AxisValue as AxisValue
+    from workers.datatypes import ButtonState as ButtonState
+    from workers.datatypes import ControllerSchema as ControllerSchema
+    from workers.datatypes import EnvironmentDescriptor as EnvironmentDescriptor
+    from workers.datatypes import Graph as Graph
+    from workers.datatypes import Learning as Learning
+    from workers.datatypes import MediaBlob as MediaBlob
+    from workers.datatypes import PixelAspect as PixelAspect
+    from workers.datatypes import PortControl as PortControl
+    from workers.datatypes import PortSpec as PortSpec
+    from workers.datatypes import RateRole as RateRole
+    from workers.datatypes import Reward as Reward
+    from workers.datatypes import SchemaRef as SchemaRef
+    from workers.datatypes import SensoryInput as SensoryInput
+    from workers.datatypes import Stimulus as Stimulus
+    from workers.datatypes import Telemetry as Telemetry
+    from workers.datatypes import TypedValue as TypedValue
+    from workers.datatypes import ViewDescriptor as ViewDescriptor
+    from workers.datatypes import ViewRef as ViewRef
+    from workers.datatypes import WorldObservation as WorldObservation
+    from workers.datatypes import check_controls as check_controls
+    from workers.datatypes import check_port_control as check_port_control
+    from workers.datatypes import decode_audio as decode_audio
+    from workers.datatypes import decode_media as decode_media
+    from workers.datatypes import decode_view as decode_view
+    from workers.datatypes import encode_media as encode_media
+    from workers.rpc import BUS_ONLY_KEYS as BUS_ONLY_KEYS
+    from workers.rpc import Answered as Answered
+    from workers.rpc import CallOutcome as CallOutcome
+    from workers.rpc import Expired as Expired
+    from workers.rpc import Outcome as Outcome
+    from workers.rpc import Refused as Refused
+    from workers.rpc import Request as Request
+    from workers.rpc import answer as answer
+    from workers.rpc import check_outcome as check_outcome
+    from workers.rpc import from_bus_error as from_bus_error
+    from workers.rpc import map_bus_error as map_bus_error
+    from workers.rpc import parse_request as parse_request
+    from workers.rpc import readable_request_id as readable_request_id
+    from workers.rpc import unparsable_outcome as unparsable_outcome
