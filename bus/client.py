@@ -270,6 +270,7 @@ class BusClient:
         self._pending: deque[tuple[int, str, asyncio.Future[dict[str, Any]]]] = deque()
         self._calls: dict[int, _CallState] = {}
         self._services: dict[str, Service] = {}
+        self._registering: dict[int, Handler] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._consume: list[str] = []
         self._out: list[bytes] = []
@@ -380,7 +381,8 @@ class BusClient:
                             self._max_envelope)
 
     async def _command(self, method: str, params: dict[str, Any], *,
-                       wait_drain: bool = True) -> dict[str, Any]:
+                       wait_drain: bool = True,
+                       on_id: Callable[[int], None] | None = None) -> dict[str, Any]:
         self._check_open()
         if wait_drain and self._drained is not None and not self._drained.done():
             await self._drained
@@ -388,6 +390,8 @@ class BusClient:
         rid = self._next_id + 1
         body = self._encode_request(rid, method, params)
         self._next_id = rid
+        if on_id is not None:
+            on_id(rid)
         fut: asyncio.Future[dict[str, Any]] = self._loop.create_future()
         _quiet(fut)
         self._pending.append((rid, method, fut))
@@ -453,7 +457,14 @@ class BusClient:
         if problem is not None:
             self._violation(f"{method} result: {problem}")
             return
-        if method == "bus.call":
+        if method == "bus.register":
+            # Bind the handler now: a request may follow in the same read, before the
+            # awaiting register() resumes.
+            handler = self._registering.pop(msg["id"], None)
+            if handler is not None:
+                self._services[result["name"]] = Service(
+                    self, result["name"], result["serviceIncarnation"], handler)
+        elif method == "bus.call":
             state = self._calls.get(msg["id"])
             if state is not None:
                 state.service_incarnation = result["serviceIncarnation"]
@@ -558,11 +569,20 @@ class BusClient:
     # API ---------------------------------------------------------------------------------
     async def register(self, name: str, handler: Handler, *, max_queued: int = 16,
                        max_in_flight: int = 4) -> Service:
-        result = await self._command("bus.register", {
-            "name": name, "maxQueued": max_queued, "maxInFlight": max_in_flight})
-        svc = Service(self, result["name"], result["serviceIncarnation"], handler)
-        self._services[svc.name] = svc
-        return svc
+        ids: list[int] = []
+
+        def bind(rid: int) -> None:
+            ids.append(rid)
+            self._registering[rid] = handler
+
+        try:
+            result = await self._command("bus.register", {
+                "name": name, "maxQueued": max_queued, "maxInFlight": max_in_flight},
+                on_id=bind)
+        finally:
+            for rid in ids:
+                self._registering.pop(rid, None)
+        return self._services[result["name"]]
 
     def _admit(self, target: str, method: str, payload: dict[str, Any],
                expected_incarnation: str | None) -> _CallState:
