@@ -1,0 +1,371 @@
+"""The agent endpoint: `Agent.Initialize`, `Agent.Prepare`, `Agent.Commit` (session.md §3.1–§3.3);
+`python -m workers.agent …` (§7.5, §7.7).
+
+Why: one simulated brain behind the session's guarantees. The model (an `AgentModel`, §4.1,
+named by `--model`) only computes; this endpoint owns the phases `Ready(k)` / `Prepared(k)`, the
+tick accumulator, the decision context, every check of §3 in its order, and the agent fault
+knobs (`prepare_delay_ms`, `commit_delay_ms`, `fail_commit_at_step`).
+
+Phases map onto the status cell: `uninitialized`; `ready` = Ready(k); `preparing`; `prepared` =
+Prepared(k); `committing`; `failed` (any error with mutation ≠ `none`, set by the shell). `k` is
+`committed_step`; `currentScope.step` is always `k`.
+
+Resolved ambiguities:
+- An agent never receives the environment descriptor, so "views decode" (§3.1 step 7, §3.3
+  step 3) is `decode_media` with content type `image/x-rgba8` (base64, length, digest) plus
+  `producedStep ≤ input boundary`; the `rowStride·height` length check is the coordinator's.
+- The model is built with the launch's `threads` and the shell's executor; `workerThreads` only
+  has to fit (`BUSY` when it exceeds the launch's `threads`).
+- `Agent.Initialize` builds a fresh model and touches the endpoint only once everything
+  succeeded, so a failure while building or warming it up leaves the worker uninitialized:
+  a `DomainError` raised there keeps its own code and mutation, anything else is
+  `BACKEND_FAILURE`/`none`. Failures inside Prepare and Commit after the first model call are
+  `BACKEND_FAILURE`/`unknown` (partial mutation), except the injected commit failure
+  (`applied`, §3.3).
+- Learning is switched off explicitly before the warm-up (a plugin may start with it on).
+- A reward sum is formed left to right in binary64 starting at 0.0 (§3.3).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from typing import Any, ClassVar, Final
+
+from workers.canonical import typed_digest
+from workers.clock import RationalNs, TickAccumulator
+from workers.datatypes import (
+    VIEW_CONTENT_TYPE,
+    AssetRef,
+    Graph,
+    Reward,
+    SensoryInput,
+    Stimulus,
+    Telemetry,
+    TypedValue,
+    decode_media,
+)
+from workers.domain import (
+    DomainError,
+    ErrorCode,
+    Mutation,
+    format_u64,
+    parse_i32,
+)
+from workers.faults import Role
+from workers.launch import WorkerLaunch
+from workers.protocols import AgentModel, DecodedView
+from workers.shell import Call, Endpoint, WorkerState, check_params, load_plugin, main
+
+__all__ = ["AgentEndpoint"]
+
+INJECTED_COMMIT_FAILURE: Final = "injected commit failure after the next input was installed"
+
+
+def _before(code: ErrorCode, message: str) -> DomainError:
+    return DomainError.before(code, message)
+
+
+class AgentEndpoint(Endpoint):
+    """The agent's methods on top of an `AgentModel`."""
+
+    role: ClassVar[Role] = "agent"
+    base_capabilities: ClassVar[tuple[str, ...]] = ("agent-step-v1", "pixel-observation-v1")
+
+    def __init__(self, launch: WorkerLaunch) -> None:
+        super().__init__(launch)
+        settings = launch.agent
+        self.settings = settings
+        self.model_class: type[AgentModel] = load_plugin(settings.model, "model")
+        self.profile: AssetRef = self.model_class.profile(
+            launch.worker_id, settings.tick, settings.warmup_ticks, settings.model_config)
+        self.graph: Graph = self.model_class.graph(launch.worker_id, settings.model_config)
+        self.model: AgentModel | None = None
+        self.accumulator: TickAccumulator | None = None
+        self.epoch: str | None = None
+        self.committed_step = 0
+        self.context: TypedValue | None = None
+        self.context_digest: str | None = None
+        self.prepared_request_id: str | None = None
+        self.handlers = {
+            "Agent.Initialize": self.initialize,
+            "Agent.Prepare": self.prepare,
+            "Agent.Commit": self.commit,
+        }
+
+    def extras(self) -> tuple[str, ...]:
+        return tuple(getattr(self.model_class, "capabilities", ()))
+
+    # helpers ----------------------------------------------------------------------------------
+
+    def _live(self) -> tuple[AgentModel, TickAccumulator]:
+        if self.model is None or self.accumulator is None:
+            raise DomainError(ErrorCode.INTERNAL, "no model although initialized", Mutation.NONE)
+        return self.model, self.accumulator
+
+    def _check_agent(self, method: str, agent_id: str) -> None:
+        if agent_id != self.launch.worker_id:
+            raise _before(ErrorCode.IDENTITY_MISMATCH,
+                          f"{method} names agent {agent_id}; this worker is "
+                          f"{self.launch.worker_id}")
+
+    def _stimuli(self, raw: list[Any], what: str) -> list[Stimulus]:
+        return [Stimulus.from_json(item, f"{what}[{i}]") for i, item in enumerate(raw)]
+
+    def _check_kinds(self, method: str, stimuli: Sequence[Stimulus]) -> None:
+        for stimulus in stimuli:
+            if stimulus.kind_id not in self.graph.supported_stimuli:
+                raise _before(ErrorCode.UNSUPPORTED,
+                              f"{method}: stimulus kind {stimulus.kind_id} is not declared by "
+                              f"the graph of {self.launch.worker_id}")
+
+    def _decode(self, sensory: SensoryInput, what: str) -> list[DecodedView]:
+        views: list[DecodedView] = []
+        for view in sensory.views:
+            if view.produced_step > sensory.boundary:
+                raise _before(ErrorCode.BUFFER_INVALID,
+                              f"{what}: view {view.view_id} was produced at step "
+                              f"{view.produced_step}, after the input's boundary "
+                              f"{sensory.boundary}")
+            data = decode_media(view.pixels, VIEW_CONTENT_TYPE, f"view {view.view_id}")
+            views.append(DecodedView(view.view_id, view.produced_step, data))
+        return views
+
+    def _encode(self, views: Sequence[DecodedView], structured: TypedValue | None) -> Any:
+        return self.model_class.encode(views, structured)
+
+    def _telemetry(self, model: AgentModel, accumulator: TickAccumulator) -> Telemetry:
+        return model.telemetry(accumulator.brain_ticks())
+
+    async def _apply(self, what: str, fn: Any) -> Any:
+        """A model call after the first mutation: any failure is `BACKEND_FAILURE`/`unknown`."""
+        try:
+            return await self.run_model(what, fn)
+        except DomainError as exc:
+            if exc.mutation != Mutation.NONE:
+                raise
+            raise DomainError(ErrorCode.BACKEND_FAILURE, f"{what}: {exc.code}: {exc.message}",
+                              Mutation.UNKNOWN) from None
+        except Exception as exc:
+            raise DomainError(ErrorCode.BACKEND_FAILURE, f"{what} failed: {type(exc).__name__}",
+                              Mutation.UNKNOWN) from None
+
+    # Agent.Initialize (§3.1) -------------------------------------------------------------------
+
+    async def initialize(self, call: Call) -> dict[str, Any]:
+        method = call.method
+        # 1–2: scope, session, phase, step 0
+        scope = self.check_scope(call)
+        self.check_initialize_phase(call)
+        if scope.step != 0:
+            raise _before(ErrorCode.FUTURE_STEP,
+                          f"{method} names step {scope.step}; an agent starts at step 0")
+        # 3: params schema, agent id
+        check_params(method, call.params)
+        p = call.params
+        self._check_agent(method, p["agentId"])
+        # 4: threads
+        wanted: int = p["workerThreads"]
+        if wanted > self.launch.threads:
+            raise _before(ErrorCode.BUSY,
+                          f"{method} asks for {wanted} worker threads; "
+                          f"{self.launch.worker_id} was launched with {self.launch.threads}")
+        # 5: profile
+        profile = AssetRef.from_json(p["profile"], "params.profile")
+        if (profile.id, profile.digest) != (self.profile.id, self.profile.digest):
+            raise _before(ErrorCode.IDENTITY_MISMATCH,
+                          f"{method} names profile {profile.id} ({profile.digest[:12]}); this "
+                          f"worker runs {self.profile.id} ({self.profile.digest[:12]})")
+        seed = parse_i32(p["seed"], "params.seed")
+        # 6: context
+        context = TypedValue.from_json(p["initialDecisionContext"],
+                                       "params.initialDecisionContext")
+        self.model_class.check_context(context)
+        # 7: input, views, encode (pure)
+        initial = SensoryInput.from_json(p["initialInput"], "params.initialInput")
+        if initial.boundary != 0:
+            raise DomainError.invalid(f"{method}: initialInput.boundary must be 0; got "
+                                      f"{initial.boundary}")
+        encoded = self._encode(self._decode(initial, method), initial.structured)
+        # 8: apply, on a fresh model (the endpoint changes only once it all worked)
+        settings = self.settings
+        warmup = settings.warmup_ticks
+
+        def build() -> tuple[AgentModel, TickAccumulator, Telemetry, int]:
+            model = self.model_class(agent_id=self.launch.worker_id, seed=seed,
+                                     threads=self.launch.threads, executor=self.shell.executor,
+                                     config=settings.model_config)
+            model.install_input(encoded)
+            model.set_learning(False)
+            model.advance(warmup)
+            accumulator = TickAccumulator(settings.tick)
+            accumulator.warm_up(warmup)
+            model.decide(context)  # calibration read (pure)
+            model.set_learning(True)
+            return model, accumulator, model.telemetry(accumulator.brain_ticks()), \
+                model.mutations()
+
+        try:
+            model, accumulator, telemetry, mutations = await self.run_model(method, build)
+        except DomainError:
+            raise
+        except Exception as exc:
+            raise DomainError(ErrorCode.BACKEND_FAILURE,
+                              f"{method}: building the model failed: {type(exc).__name__}",
+                              Mutation.NONE) from None
+        self.shell.cache.adopt_epoch(scope.epoch)
+        self.model, self.accumulator = model, accumulator
+        self.epoch = scope.epoch
+        self.committed_step = 0
+        self.context = context
+        self.context_digest = typed_digest(context)
+        self.prepared_request_id = None
+        status = self.status
+        status.state = WorkerState.READY
+        status.current_scope = scope.at(0)
+        status.raise_progress(mutations)
+        return {
+            "agentId": self.launch.worker_id,
+            "profileDigest": self.profile.digest,
+            "tickDuration": settings.tick.to_json(),
+            "warmupTicks": format_u64(warmup),
+            "committedStep": "0",
+            "decisionContextDigest": self.context_digest,
+            "telemetry": telemetry.to_json(),
+            "graph": self.graph.to_json(),
+        }
+
+    # Agent.Prepare (§3.2) ----------------------------------------------------------------------
+
+    async def prepare(self, call: Call) -> dict[str, Any]:
+        method = call.method
+        # 1: epoch check, Ready(k), step
+        scope = self.check_epoch(call, self.epoch)
+        state = self.status.state
+        k = self.committed_step
+        if state != WorkerState.READY:
+            raise _before(ErrorCode.INVALID_PHASE,
+                          f"{method}: {self.launch.worker_id} is {state.value} at step {k}, "
+                          f"not ready")
+        self.check_step(call, scope.step, k)
+        # 2: params schema, interval, stimuli
+        check_params(method, call.params)
+        p = call.params
+        interval = RationalNs.from_json(p["interval"], "params.interval")
+        if interval.is_zero():
+            raise DomainError.invalid(f"{method}: interval must be > 0")
+        stimuli = self._stimuli(p["preStepStimulations"], "params.preStepStimulations")
+        # 3: identities
+        self._check_agent(method, p["agentId"])
+        if p["profileDigest"] != self.profile.digest:
+            raise _before(ErrorCode.IDENTITY_MISMATCH,
+                          f"{method} names profile digest {p['profileDigest'][:12]}; this "
+                          f"worker runs {self.profile.digest[:12]}")
+        if p["decisionContextDigest"] != self.context_digest:
+            raise _before(ErrorCode.IDENTITY_MISMATCH,
+                          f"{method} names decision context {p['decisionContextDigest'][:12]}; "
+                          f"the committed context is {str(self.context_digest)[:12]}")
+        # 4: stimulus kinds
+        self._check_kinds(method, stimuli)
+        # 5: apply
+        model, accumulator = self._live()
+        context = self.context
+        assert context is not None
+        self.status.state = WorkerState.PREPARING
+        await self.sleep_fault("prepare_delay_ms", k)
+
+        def work() -> tuple[int, TypedValue, int]:
+            for stimulus in stimuli:
+                model.stimulate(stimulus)
+            ticks = accumulator.advance(interval)
+            model.advance(ticks)
+            return ticks, model.decide(context), model.mutations()
+
+        ticks, decision, mutations = await self._apply(method, work)
+        self.prepared_request_id = call.request_id
+        self.status.state = WorkerState.PREPARED
+        self.status.raise_progress(mutations)
+        return {
+            "agentId": self.launch.worker_id,
+            "ticksAdvanced": format_u64(ticks),
+            "brainTicks": format_u64(accumulator.brain_ticks()),
+            "remainder": accumulator.remainder.to_json(),
+            "decision": decision.to_json(),
+        }
+
+    # Agent.Commit (§3.3) -----------------------------------------------------------------------
+
+    async def commit(self, call: Call) -> dict[str, Any]:
+        method = call.method
+        # 1: epoch check, Prepared(k), step == k
+        scope = self.check_epoch(call, self.epoch)
+        state = self.status.state
+        k = self.committed_step
+        if state != WorkerState.PREPARED:
+            raise _before(ErrorCode.INVALID_PHASE,
+                          f"{method}: {self.launch.worker_id} is {state.value} at step {k}, "
+                          f"not prepared")
+        self.check_step(call, scope.step, k)
+        # 2: params schema, identities
+        check_params(method, call.params)
+        p = call.params
+        self._check_agent(method, p["agentId"])
+        if p["preparedRequestId"] != self.prepared_request_id:
+            raise _before(ErrorCode.IDENTITY_MISMATCH,
+                          f"{method} commits {p['preparedRequestId']}; step {k} was prepared by "
+                          f"{self.prepared_request_id}")
+        # 3: input, rewards, stimulations, context, views, encode — all before applying
+        next_input = SensoryInput.from_json(p["nextInput"], "params.nextInput")
+        if next_input.boundary != k + 1:
+            raise DomainError.invalid(f"{method}: nextInput.boundary must be {k + 1}; got "
+                                      f"{next_input.boundary}")
+        rewards = [Reward.from_json(item, f"params.rewards[{i}]")
+                   for i, item in enumerate(p["rewards"])]
+        stimulations = self._stimuli(p["taskStimulations"], "params.taskStimulations")
+        self._check_kinds(method, stimulations)
+        next_context = TypedValue.from_json(p["nextDecisionContext"],
+                                            "params.nextDecisionContext")
+        self.model_class.check_context(next_context)
+        encoded = self._encode(self._decode(next_input, method), next_input.structured)
+        # 4: apply
+        model, accumulator = self._live()
+        self.status.state = WorkerState.COMMITTING
+        await self.sleep_fault("commit_delay_ms", k)
+
+        def install() -> int:
+            model.install_input(encoded)
+            return model.mutations()
+
+        self.status.raise_progress(await self._apply(method, install))
+        if self.launch.faults.fail_commit_at_step == k:
+            raise DomainError(ErrorCode.BACKEND_FAILURE, INJECTED_COMMIT_FAILURE,
+                              Mutation.APPLIED)
+
+        def reinforce() -> tuple[Telemetry, int]:
+            for stimulus in stimulations:
+                model.stimulate(stimulus)
+            signal = 0.0
+            for reward in rewards:
+                signal += reward.value
+            model.reinforce(signal)
+            return self._telemetry(model, accumulator), model.mutations()
+
+        telemetry, mutations = await self._apply(method, reinforce)
+        self.context = next_context
+        self.context_digest = typed_digest(next_context)
+        self.committed_step = k + 1
+        self.prepared_request_id = None
+        status = self.status
+        status.state = WorkerState.READY
+        status.current_scope = scope.at(k + 1)
+        status.raise_progress(mutations)
+        return {
+            "agentId": self.launch.worker_id,
+            "committedStep": format_u64(k + 1),
+            "decisionContextDigest": self.context_digest,
+            "telemetry": telemetry.to_json(),
+        }
+
+
+if __name__ == "__main__":
+    sys.exit(main("agent", sys.argv[1:], endpoint_factory=AgentEndpoint))

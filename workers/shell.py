@@ -1,0 +1,880 @@
+"""The worker shell: bus connection, registration, admission, `Worker.*`, status cell
+(session.md §2.1–§2.8).
+
+Why: every agent and environment must refuse, replay and report the same way, whatever model or
+world it runs; the shell owns all of that and an endpoint (`workers.agent`, `workers.environment`)
+only implements its own methods' checks and effects.
+
+API:
+
+    WorkerState                      the 11 states of §2.6 (StrEnum, wire values)
+    StatusCell                       what `Worker.Status` reports; `raise_progress(n)` only rises
+    Call                             one admitted request as an endpoint handler sees it
+    Endpoint                         base class of the agent and environment endpoints
+    WorkerShell(launch, endpoint)    `await shell.run(stop_event=None) -> exit code`
+    run_worker(launch, *, stop_event=None) -> int      thread / in-process body (§7.1)
+    WorkerThread(launch)             thread mode: own uvloop loop; start/stop/cancel/join
+    main(role, argv, endpoint_factory=None) -> int     `python -m workers.<role>` (§7.5)
+    build_digest(), contract_digest()                 `Worker.Hello` identities (§2.5)
+    EXIT_SHUTDOWN 0, EXIT_GATE 1, EXIT_ARGS 2, EXIT_LOST 3, EXIT_REGISTER 4
+
+Start (§2.1): (process mode) arm die-with-parent, read the start gate line `go` from stdin;
+connect with `clientIncarnation = incarnationId`; register `maxQueued 16, maxInFlight 8`,
+retrying a bus `CONFLICT` every 5 ms for up to 30 s (then exit 4); serve until `Worker.Shutdown`
+was answered (exit 0) or the connection is lost (exit 3). The shell never reconnects.
+
+Request pipeline (§2.2), for each delivered request in arrival order: the SDK starts one task per
+`bus.request` in arrival order, and everything up to admission runs synchronously at the start
+of that task, so admission order is arrival order. 1 parse (§1.3) → `INVALID_ARGUMENT`; 2 method
+table → `UNSUPPORTED`; 3 class, StepMutation with scope null → `INVALID_ARGUMENT`; 3b caller ∉
+`--callers` ∪ {supervisor} → `IDENTITY_MISMATCH`; 4 ReadOnly → answered at once from the status
+cell (never waits for the endpoint lock); 5 admission by the `ResultCache` with
+`body_digest(method, scope, params)`: Replay (the stored outcome JSON, a fresh bus reply),
+Refuse, or Execute (`activeRequestId`, the endpoint handler behind the endpoint lock in the
+request's own task); 6 a success or an error with mutation ≠ `none` is stored in the cache
+before the reply (`lastCompletedRequestId`; mutation ≠ `none` makes the worker `failed`), an
+error with `none` abandons the key; `activeRequestId` is cleared either way. The endpoint lock
+is released before the reply is sent (the SDK sends the returned outcome), so it is never held
+across bus I/O.
+
+Resolved ambiguities:
+- The effective caller set is `--callers` plus the supervisor (its `Worker.Shutdown` must get
+  through check 3b).
+- `State.*` is not served by this build: it is not in the method table, so it is refused at
+  pipeline step 2 with `UNSUPPORTED`/`none`, and no endpoint advertises `checkpoint-v1` (a
+  plugin listing it as an extra has it removed).
+- `Worker.Status` and `Worker.Acknowledge` do not check their scope (echoed); `Worker.Status`
+  params must be exactly `{}`; `Worker.Acknowledge` accepts repeated ids (the cache ignores a
+  repeat). `Worker.Shutdown` checks its params before the caller.
+- Model and world calls run in one dedicated thread per worker ("the model thread"), so the
+  event loop keeps answering `Worker.Status` and exact duplicates during long CPU work, and a
+  plugin may use the offered `ThreadPoolExecutor(max_workers=threads)` from inside a call without
+  deadlocking it. A model call has a deadline of `MODEL_CALL_TIMEOUT_S`; passing it is
+  `BACKEND_FAILURE`/`unknown`.
+- An exception other than `DomainError` escaping a handler is `BACKEND_FAILURE`/`unknown` (the
+  shell cannot know whether it mutated), which makes the worker `failed`.
+- A connection that cannot be opened or a registration refused by anything but `CONFLICT` exits
+  3 as a lost connection does; a stop requested by the owner (`stop_event`, thread/in-process
+  modes) aborts the connection without unregistering and also returns 3. Cancelling the task of
+  `run_worker` aborts the connection and re-raises the cancellation.
+- Requests that arrive while `stopping` are refused by the endpoints with `INVALID_PHASE`.
+- The start gate waits at most `GATE_TIMEOUT_S` for its line.
+- Logging in process mode is configured here (JSON lines or console on stderr), not through
+  `flyd.logs`, because `workers` never imports `flyd`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import functools
+import importlib
+import importlib.metadata
+import select
+import sys
+import threading
+from collections import deque
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+from pathlib import Path
+from typing import Any, ClassVar, Final, TypeVar
+
+import structlog
+
+import schemas as _schemas_package
+from bus import client as bus_client
+from bus.errors import BusError
+from bus.schema import Validator, compile_schema
+from workers.canonical import digest_bytes, digest_of, parse_strict
+from workers.dedup import Execute, OpClass, Refuse, Replay, ResultCache, Ticket, class_of
+from workers.domain import (
+    DomainError,
+    ErrorCode,
+    Mutation,
+    Scope,
+    format_u64,
+    parse_id,
+    parse_request_id,
+    short,
+)
+from workers.faults import Role
+from workers.launch import (
+    START_GATE,
+    LaunchArgsError,
+    WorkerLaunch,
+    arm_die_with_parent,
+    parse_worker_argv,
+)
+from workers.rpc import Outcome, Request, parse_request, unparsable_outcome
+
+__all__ = [
+    "EXIT_ARGS",
+    "EXIT_GATE",
+    "EXIT_LOST",
+    "EXIT_REGISTER",
+    "EXIT_SHUTDOWN",
+    "MAX_IN_FLIGHT",
+    "MAX_QUEUED",
+    "Call",
+    "Endpoint",
+    "StatusCell",
+    "WorkerShell",
+    "WorkerState",
+    "WorkerThread",
+    "build_digest",
+    "check_params",
+    "contract_digest",
+    "load_plugin",
+    "main",
+    "method_validator",
+    "run_worker",
+]
+
+log = structlog.get_logger("workers.shell")
+
+EXIT_SHUTDOWN: Final = 0
+EXIT_GATE: Final = 1
+EXIT_ARGS: Final = 2
+EXIT_LOST: Final = 3
+EXIT_REGISTER: Final = 4
+
+MAX_QUEUED: Final = 16
+MAX_IN_FLIGHT: Final = 8
+REGISTER_RETRY_S: Final = 0.005
+REGISTER_BUDGET_S: Final = 30.0
+CONNECT_TIMEOUT_S: Final = 10.0
+GATE_TIMEOUT_S: Final = 60.0
+BUS_OP_TIMEOUT_S: Final = 5.0
+LOCK_WAIT_S: Final = 30.0
+MODEL_CALL_TIMEOUT_S: Final = 300.0
+READ_ONLY_HISTORY: Final = 16
+SUPPORTED_MAJOR: Final = 1
+SELECTED_MINOR: Final = 0
+CONTRACT_NAME: Final = "flyd-session-v1"
+PACKAGE: Final = "flyd"
+SCHEMA_ROOT: Final = Path(_schemas_package.__file__).resolve().parent
+METHOD_SCHEMAS: Final = SCHEMA_ROOT / "session" / "methods"
+
+WORKER_METHODS: Final = ("Worker.Hello", "Worker.Status", "Worker.Acknowledge", "Worker.Shutdown")
+
+T = TypeVar("T")
+
+
+# --------------------------------------------------------------------------------------------
+# identities (§2.5)
+
+
+@functools.cache
+def build_digest() -> str:
+    """`digest_bytes("flyd-build-v1\\nversion=<package version>\\n")`."""
+    try:
+        version = importlib.metadata.version(PACKAGE)
+    except importlib.metadata.PackageNotFoundError:
+        version = "0+unknown"
+    return digest_bytes(f"flyd-build-v1\nversion={version}\n".encode())
+
+
+@functools.cache
+def contract_digest() -> str:
+    """`digest_of({"contract": "flyd-session-v1", "schemas": {path: digest_bytes(file)}})`
+    over every `*.json` under `schemas/` (paths relative to it, POSIX separators)."""
+    files = {
+        path.relative_to(SCHEMA_ROOT).as_posix(): digest_bytes(path.read_bytes())
+        for path in sorted(SCHEMA_ROOT.rglob("*.json"))
+    }
+    return digest_of({"contract": CONTRACT_NAME, "schemas": files})
+
+
+@functools.cache
+def method_validator(method: str, kind: str) -> Validator:
+    """The compiled schema `schemas/session/methods/<method>.<kind>.json` (kind params|result)."""
+    path = METHOD_SCHEMAS / f"{method}.{kind}.json"
+    schema = parse_strict(path.read_bytes())
+    if not isinstance(schema, dict):
+        raise DomainError(ErrorCode.INTERNAL, f"{path.name} is not a schema object",
+                          Mutation.NONE)
+    return compile_schema(schema)
+
+
+def load_plugin(path: str, what: str) -> type[Any]:
+    """The class named by an import path `package.module:Class` (`INVALID_ARGUMENT` else)."""
+    module_name, _, attribute = path.partition(":")
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise DomainError.invalid(f"{what} {path}: cannot import {module_name}: {exc}") from None
+    for part in attribute.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            raise DomainError.invalid(f"{what} {path}: {module_name} has no {attribute}") from None
+    if not isinstance(obj, type):
+        raise DomainError.invalid(f"{what} {path} is not a class")
+    return obj
+
+
+def check_params(method: str, params: Mapping[str, Any]) -> None:
+    """Validate `params` against the method's schema: `INVALID_ARGUMENT`/`none`."""
+    problem = method_validator(method, "params")(params)
+    if problem is not None:
+        raise DomainError.invalid(f"{method} params: {problem}")
+
+
+# --------------------------------------------------------------------------------------------
+# status (§2.6)
+
+
+class WorkerState(StrEnum):
+    UNINITIALIZED = "uninitialized"
+    READY = "ready"
+    PREPARING = "preparing"
+    PREPARED = "prepared"
+    ADVANCING = "advancing"
+    COMMITTING = "committing"
+    CAPTURING = "capturing"
+    STAGED_RESTORE = "staged-restore"
+    RESTORING = "restoring"
+    FAILED = "failed"
+    STOPPING = "stopping"
+
+
+@dataclass
+class StatusCell:
+    """The shell's status cell: `Worker.Status` reads it and never waits for anything."""
+
+    state: WorkerState = WorkerState.UNINITIALIZED
+    current_scope: Scope | None = None
+    active_request_id: str | None = None
+    last_completed_request_id: str | None = None
+    last_batch_id: str | None = None
+    progress: int = 0
+
+    def raise_progress(self, value: int) -> None:
+        """Progress is monotonic: only a larger value is taken."""
+        if value > self.progress:
+            self.progress = value
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "state": self.state.value,
+            "currentScope": None if self.current_scope is None else self.current_scope.to_json(),
+            "activeRequestId": self.active_request_id,
+            "lastCompletedRequestId": self.last_completed_request_id,
+            "lastBatchId": self.last_batch_id,
+            "progressCounter": format_u64(self.progress),
+        }
+
+
+# --------------------------------------------------------------------------------------------
+# endpoints
+
+
+@dataclass(frozen=True, slots=True)
+class Call:
+    """One admitted request as its handler sees it."""
+
+    method: str
+    request: Request
+    caller: str
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def scope(self) -> Scope | None:
+        return self.request.scope
+
+    @property
+    def params(self) -> dict[str, Any]:
+        return self.request.params
+
+
+Handler = Callable[[Call], Awaitable[dict[str, Any]]]
+
+
+class Endpoint:
+    """Base of the agent and environment endpoints: its methods, capabilities and checks.
+
+    Subclasses set `role`, `base_capabilities`, fill `handlers` (method → coroutine function
+    returning the result object or raising `DomainError`) and may override `extras()`.
+    The shell calls `attach(shell)` once before serving.
+    """
+
+    role: ClassVar[Role]
+    base_capabilities: ClassVar[tuple[str, ...]]
+
+    def __init__(self, launch: WorkerLaunch) -> None:
+        if launch.role != self.role:
+            raise DomainError.invalid(f"{launch.worker_id} is launched as {launch.role}, "
+                                      f"not {self.role}")
+        self.launch = launch
+        self.handlers: dict[str, Handler] = {}
+        self._shell: WorkerShell | None = None
+
+    # wiring ---------------------------------------------------------------------------------
+
+    def attach(self, shell: WorkerShell) -> None:
+        self._shell = shell
+
+    @property
+    def shell(self) -> WorkerShell:
+        if self._shell is None:
+            raise DomainError(ErrorCode.INTERNAL, "endpoint used before attach", Mutation.NONE)
+        return self._shell
+
+    @property
+    def status(self) -> StatusCell:
+        return self.shell.status
+
+    def extras(self) -> tuple[str, ...]:
+        """Capabilities of the model or world beyond the endpoint's own."""
+        return ()
+
+    def capabilities(self) -> list[str]:
+        caps = set(self.base_capabilities) | set(self.extras())
+        caps.discard("checkpoint-v1")  # State.* is not served by this build
+        return sorted(caps)
+
+    # the common checks of §3 -----------------------------------------------------------------
+
+    def check_scope(self, call: Call) -> Scope:
+        """Checks 1–2: scope present, same session."""
+        scope = call.scope
+        if scope is None:
+            raise DomainError.invalid(f"{call.method} needs a scope")
+        if scope.session_id != self.launch.session_id:
+            raise DomainError.before(
+                ErrorCode.IDENTITY_MISMATCH,
+                f"{call.method} names session {scope.session_id}; this worker serves "
+                f"{self.launch.session_id}")
+        return scope
+
+    def check_initialize_phase(self, call: Call) -> None:
+        """Check 3 of an `*.Initialize`: only an uninitialized worker initializes."""
+        state = self.status.state
+        if state != WorkerState.UNINITIALIZED:
+            raise DomainError.before(
+                ErrorCode.INVALID_PHASE,
+                f"{call.method}: {self.launch.worker_id} is {state.value}, not uninitialized "
+                f"(restore uses State.*)")
+
+    def check_epoch(self, call: Call, epoch: str | None) -> Scope:
+        """Checks 1–4 of every scoped non-Initialize method ("epoch check")."""
+        scope = self.check_scope(call)
+        state = self.status.state
+        if state in (WorkerState.UNINITIALIZED, WorkerState.FAILED, WorkerState.STOPPING):
+            raise DomainError.before(
+                ErrorCode.INVALID_PHASE,
+                f"{call.method}: {self.launch.worker_id} is {state.value}")
+        if scope.epoch != epoch:
+            raise DomainError.before(
+                ErrorCode.STALE_EPOCH,
+                f"{call.method} names epoch {scope.epoch}; this worker is in epoch {epoch}")
+        return scope
+
+    def check_step(self, call: Call, step: int, at: int) -> None:
+        """`step < at` → `STALE_STEP`, `step > at` → `FUTURE_STEP`."""
+        if step < at:
+            raise DomainError.before(
+                ErrorCode.STALE_STEP,
+                f"{call.method} names step {step}; this worker is at {at}")
+        if step > at:
+            raise DomainError.before(
+                ErrorCode.FUTURE_STEP,
+                f"{call.method} names step {step}; this worker is at {at}")
+
+    async def sleep_fault(self, knob: str, step: int) -> None:
+        """A `*_delay_ms` fault for the call at `step` (asyncio sleep; 0 does nothing)."""
+        ms = self.launch.faults.delay_ms(knob, step)
+        if ms > 0:
+            log.info("worker.fault_delay", worker_id=self.launch.worker_id, knob=knob,
+                     step=step, ms=ms)
+            await asyncio.sleep(ms / 1000)
+
+    async def run_model(self, what: str, fn: Callable[[], T]) -> T:
+        """Run model/world code in the model thread, bounded by `MODEL_CALL_TIMEOUT_S`."""
+        return await self.shell.run_model(what, fn)
+
+
+# --------------------------------------------------------------------------------------------
+# the shell
+
+
+class WorkerShell:
+    """One worker incarnation: connection, registration, admission, `Worker.*`."""
+
+    def __init__(self, launch: WorkerLaunch, endpoint: Endpoint) -> None:
+        self.launch = launch
+        self.endpoint = endpoint
+        self.status = StatusCell()
+        self.cache: ResultCache[dict[str, Any]] = ResultCache(launch.worker_id)
+        self.read_only_history: deque[tuple[str, dict[str, Any]]] = deque(
+            maxlen=READ_ONLY_HISTORY)
+        self.executor = concurrent.futures.ThreadPoolExecutor(
+            max_workers=launch.threads, thread_name_prefix=f"{launch.worker_id}-cpu")
+        self._model_thread = concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix=f"{launch.worker_id}-model")
+        self._callers = launch.allowed_callers()
+        self._lock = asyncio.Lock()
+        self._shutdown = asyncio.Event()
+        self.client: bus_client.BusClient | None = None
+        self.service: bus_client.Service | None = None
+        self.service_incarnation: str | None = None
+        self._log = log.bind(worker_id=launch.worker_id, incarnation_id=launch.incarnation_id)
+        endpoint.attach(self)
+
+    # identity ---------------------------------------------------------------------------------
+
+    @property
+    def worker_id(self) -> str:
+        return self.launch.worker_id
+
+    @property
+    def incarnation_id(self) -> str:
+        return self.launch.incarnation_id
+
+    def methods(self) -> tuple[str, ...]:
+        """The endpoint's method table (§3.7; `State.*` not served)."""
+        return (*WORKER_METHODS, *self.endpoint.handlers)
+
+    # running ----------------------------------------------------------------------------------
+
+    async def run(self, *, stop_event: asyncio.Event | None = None) -> int:
+        """Connect, register, serve; the exit code of §2.1."""
+        try:
+            return await self._run(stop_event)
+        finally:
+            self.executor.shutdown(wait=False, cancel_futures=True)
+            self._model_thread.shutdown(wait=False, cancel_futures=True)
+
+    async def _run(self, stop_event: asyncio.Event | None) -> int:
+        launch = self.launch
+        try:
+            client = await bus_client.connect(
+                launch.socket, client_id=launch.client_id,
+                client_incarnation=launch.incarnation_id, supported_majors=(SUPPORTED_MAJOR,),
+                timeout=CONNECT_TIMEOUT_S)
+        except BusError as exc:
+            self._log.error("worker.connect_failed", error=exc.name, message=exc.message)
+            return EXIT_LOST
+        self.client = client
+        try:
+            code = await self._register(client)
+            if code is not None:
+                return code
+            self._log.info("worker.serving", service=launch.service,
+                           service_incarnation=self.service_incarnation)
+            return await self._serve(client, stop_event)
+        finally:
+            await client.close()
+
+    async def _register(self, client: bus_client.BusClient) -> int | None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + REGISTER_BUDGET_S
+        attempts = 0
+        while True:
+            attempts += 1
+            try:
+                async with asyncio.timeout(BUS_OP_TIMEOUT_S):
+                    service = await client.register(
+                        self.launch.service, self._on_request, max_queued=MAX_QUEUED,
+                        max_in_flight=MAX_IN_FLIGHT)
+            except BusError as exc:
+                if exc.name == "CONFLICT" and loop.time() + REGISTER_RETRY_S <= deadline:
+                    await asyncio.sleep(REGISTER_RETRY_S)
+                    continue
+                if exc.name == "CONFLICT":
+                    self._log.error("worker.register_conflict", attempts=attempts)
+                    return EXIT_REGISTER
+                self._log.error("worker.register_failed", error=exc.name, message=exc.message)
+                return EXIT_LOST
+            except TimeoutError:
+                self._log.error("worker.register_timeout")
+                return EXIT_LOST
+            self.service = service
+            self.service_incarnation = service.incarnation
+            return None
+
+    async def _serve(self, client: bus_client.BusClient,
+                     stop_event: asyncio.Event | None) -> int:
+        waits: dict[asyncio.Task[Any], str] = {
+            asyncio.ensure_future(self._shutdown.wait()): "shutdown",
+            asyncio.ensure_future(client.wait_closed()): "lost",
+        }
+        if stop_event is not None:
+            waits[asyncio.ensure_future(stop_event.wait())] = "stop"
+        try:
+            done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in waits:
+                task.cancel()
+            await asyncio.gather(*waits, return_exceptions=True)
+        reasons = {waits[task] for task in done}
+        if "shutdown" in reasons and not client.closed:
+            if self.service is not None:
+                with contextlib.suppress(BusError, TimeoutError):
+                    async with asyncio.timeout(BUS_OP_TIMEOUT_S):
+                        await self.service.unregister()
+            self._log.info("worker.stopped")
+            return EXIT_SHUTDOWN
+        if "shutdown" in reasons:
+            return EXIT_SHUTDOWN
+        if "stop" in reasons:
+            self._log.warning("worker.aborted")
+        else:
+            self._log.warning("worker.connection_lost")
+        return EXIT_LOST
+
+    async def run_model(self, what: str, fn: Callable[[], T]) -> T:
+        loop = asyncio.get_running_loop()
+        future = loop.run_in_executor(self._model_thread, fn)
+        try:
+            async with asyncio.timeout(MODEL_CALL_TIMEOUT_S):
+                return await future
+        except TimeoutError:
+            raise DomainError(
+                ErrorCode.BACKEND_FAILURE,
+                f"{what} did not finish within {MODEL_CALL_TIMEOUT_S:g} s", Mutation.UNKNOWN,
+            ) from None
+
+    # the request pipeline (§2.2) -------------------------------------------------------------
+
+    def _outcome(self, request: Request, *, result: dict[str, Any] | None = None,
+                 error: DomainError | None = None) -> dict[str, Any]:
+        if error is not None:
+            return Outcome.failure(request, self.worker_id, self.incarnation_id, error).to_json()
+        assert result is not None
+        return Outcome.success(request, self.worker_id, self.incarnation_id, result).to_json()
+
+    async def _on_request(self, req: bus_client.Request) -> dict[str, Any] | None:
+        """The SDK handler: everything up to admission runs before the first await."""
+        method = req.method
+        try:
+            request = parse_request(req.payload)
+        except DomainError as exc:
+            return unparsable_outcome(req.payload, exc, self.worker_id,
+                                      self.incarnation_id).to_json()
+        op = class_of(method)
+        if op is None or method not in self.methods():
+            return self._outcome(request, error=DomainError.before(
+                ErrorCode.UNSUPPORTED,
+                f"{short(method)} is not served by this {self.endpoint.role} endpoint"))
+        if op == OpClass.STEP_MUTATION and request.scope is None:
+            return self._outcome(request, error=DomainError.invalid(
+                f"{method} is a step mutation and needs a scope"))
+        caller = req.caller.client_id
+        if caller not in self._callers:
+            self._log.warning("worker.foreign_caller", caller=caller, method=method)
+            return self._outcome(request, error=DomainError.before(
+                ErrorCode.IDENTITY_MISMATCH,
+                f"{caller} is not a caller of session {self.launch.session_id}"))
+        call = Call(method, request, caller)
+        if op == OpClass.READ_ONLY:
+            return await self._read_only(call, req)
+        digest = request.digest(method)
+        if op == OpClass.STEP_MUTATION:
+            assert request.scope is not None
+            admission = self.cache.admit_step(request.scope, method, request.request_id, digest)
+        else:
+            admission = self.cache.admit_lifecycle(request.request_id, digest)
+        if isinstance(admission, Replay):
+            self._log.info("worker.replay", method=method, request_id=request.request_id)
+            return admission.outcome
+        if isinstance(admission, Refuse):
+            return self._outcome(request, error=admission.error)
+        assert isinstance(admission, Execute)
+        self.status.active_request_id = request.request_id
+        return await self._execute(admission.ticket, call)
+
+    async def _execute(self, ticket: Ticket, call: Call) -> dict[str, Any]:
+        handler = self.endpoint.handlers[call.method]
+        error: DomainError | None = None
+        result: dict[str, Any] | None = None
+        try:
+            async with asyncio.timeout(LOCK_WAIT_S):
+                await self._lock.acquire()
+            try:
+                result = await handler(call)
+            finally:
+                self._lock.release()
+        except DomainError as exc:
+            error = exc
+        except TimeoutError:
+            error = DomainError.before(ErrorCode.BUSY, "the endpoint lock is held too long")
+        except Exception as exc:  # a handler bug: nobody knows what it touched
+            self._log.exception("worker.handler_crashed", method=call.method)
+            error = DomainError(ErrorCode.BACKEND_FAILURE,
+                                f"{call.method} failed: {type(exc).__name__}", Mutation.UNKNOWN)
+        outcome = self._outcome(call.request, result=result, error=error)
+        if error is None or error.mutation != Mutation.NONE:
+            self.cache.complete(ticket, outcome)
+            self.status.last_completed_request_id = call.request_id
+            if error is not None:
+                self.status.state = WorkerState.FAILED
+                self._log.error("worker.failed", method=call.method, code=error.code.value,
+                                mutation=error.mutation.value, message=error.message)
+        else:
+            self.cache.abandon(ticket)
+        self.status.active_request_id = None
+        return outcome
+
+    # Worker.* (§2.5–§2.8) ----------------------------------------------------------------------
+
+    async def _read_only(self, call: Call, req: bus_client.Request) -> dict[str, Any] | None:
+        try:
+            if call.method == "Worker.Shutdown":
+                result = self._shutdown_check(call)
+            else:
+                result = self._read_only_handlers[call.method](self, call)
+        except DomainError as exc:
+            outcome = self._outcome(call.request, error=exc)
+            self.read_only_history.append((call.method, outcome))
+            return outcome
+        except Exception as exc:  # a bug in a read-only handler: it changed nothing
+            self._log.exception("worker.read_only_crashed", method=call.method)
+            outcome = self._outcome(call.request, error=DomainError(
+                ErrorCode.INTERNAL, f"{call.method} failed: {type(exc).__name__}",
+                Mutation.NONE))
+            self.read_only_history.append((call.method, outcome))
+            return outcome
+        outcome = self._outcome(call.request, result=result)
+        self.read_only_history.append((call.method, outcome))
+        if call.method != "Worker.Shutdown":
+            return outcome
+        # Shutdown: reply, wait until the reply was written, then end the serve loop
+        self.status.state = WorkerState.STOPPING
+        try:
+            async with asyncio.timeout(BUS_OP_TIMEOUT_S):
+                await req.reply(outcome)
+        except (BusError, TimeoutError) as exc:
+            self._log.warning("worker.shutdown_reply_failed", error=type(exc).__name__)
+        finally:
+            self._shutdown.set()
+        return None
+
+    def _hello(self, call: Call) -> dict[str, Any]:
+        if call.scope is not None:
+            raise DomainError.invalid("Worker.Hello takes scope null")
+        check_params(call.method, call.params)
+        p = call.params
+        launch = self.launch
+        if p["sessionId"] != launch.session_id:
+            raise DomainError.before(ErrorCode.IDENTITY_MISMATCH,
+                                     f"Worker.Hello expects session {p['sessionId']}; this is "
+                                     f"{launch.worker_id} of session {launch.session_id}")
+        if p["expectedWorkerId"] != launch.worker_id:
+            raise DomainError.before(ErrorCode.IDENTITY_MISMATCH,
+                                     f"Worker.Hello expects worker {p['expectedWorkerId']}; "
+                                     f"this is {launch.worker_id}")
+        if p["role"] != launch.role:
+            raise DomainError.before(ErrorCode.IDENTITY_MISMATCH,
+                                     f"Worker.Hello expects role {p['role']}; {launch.worker_id} "
+                                     f"is an {launch.role}")
+        if SUPPORTED_MAJOR not in p["supportedMajors"]:
+            raise DomainError.before(ErrorCode.UNSUPPORTED,
+                                     f"no common major: this worker speaks {SUPPORTED_MAJOR}, "
+                                     f"the caller {p['supportedMajors']}")
+        return {
+            "selectedMajor": SUPPORTED_MAJOR,
+            "selectedMinor": SELECTED_MINOR,
+            "workerId": launch.worker_id,
+            "incarnationId": launch.incarnation_id,
+            "role": launch.role,
+            "buildDigest": build_digest(),
+            "contractDigest": contract_digest(),
+            "capabilities": self.endpoint.capabilities(),
+            "limits": {"maxAgents": launch.max_agents, "maxPorts": launch.max_agents,
+                       "workerThreads": launch.threads},
+        }
+
+    def _status(self, call: Call) -> dict[str, Any]:
+        check_params(call.method, call.params)
+        return self.status.to_json()
+
+    def _acknowledge(self, call: Call) -> dict[str, Any]:
+        check_params(call.method, call.params)
+        ids = [parse_request_id(rid, "requestIds[]") for rid in call.params["requestIds"]]
+        acknowledged = self.cache.acknowledge(ids)
+        extra = self.launch.faults.acknowledge_extra_id
+        if extra is not None:
+            acknowledged.append(extra)
+        return {"acknowledged": acknowledged}
+
+    def _shutdown_check(self, call: Call) -> dict[str, Any]:
+        check_params(call.method, call.params)
+        parse_id(call.params["reason"], "reason")
+        if call.caller != self.launch.supervisor:
+            raise DomainError.before(ErrorCode.IDENTITY_MISMATCH,
+                                     f"only the supervisor {self.launch.supervisor} may shut "
+                                     f"{self.worker_id} down; {call.caller} may not")
+        self._log.info("worker.shutdown", reason=call.params["reason"])
+        return {"stopping": True}
+
+    _read_only_handlers: ClassVar[dict[str, Callable[[WorkerShell, Call], dict[str, Any]]]] = {
+        "Worker.Hello": _hello,
+        "Worker.Status": _status,
+        "Worker.Acknowledge": _acknowledge,
+    }
+
+
+# --------------------------------------------------------------------------------------------
+# bodies: in-process, thread, process (§7.1)
+
+EndpointFactory = Callable[[WorkerLaunch], Endpoint]
+
+
+def endpoint_for(launch: WorkerLaunch) -> Endpoint:
+    """The endpoint of a launch's role (imported here: the endpoints import this module)."""
+    if launch.role == "agent":
+        from workers.agent import AgentEndpoint
+
+        return AgentEndpoint(launch)
+    from workers.environment import EnvironmentEndpoint
+
+    return EnvironmentEndpoint(launch)
+
+
+async def run_worker(launch: WorkerLaunch, *, stop_event: asyncio.Event | None = None,
+                     endpoint_factory: EndpointFactory | None = None) -> int:
+    """Build the endpoint (its model/world class is imported and checked now; a refusal is
+    raised as `DomainError`), then serve on the running loop until Shutdown (0), a lost or
+    aborted connection (3) or a registration conflict (4). The thread and in-process body."""
+    endpoint = (endpoint_factory or endpoint_for)(launch)
+    return await WorkerShell(launch, endpoint).run(stop_event=stop_event)
+
+
+class WorkerThread:
+    """Thread mode (§7.1): the worker on its own uvloop event loop in a dedicated thread.
+
+    `start()`; `stop()` aborts the connection (no reply, no unregister) from any thread;
+    `cancel()` cancels the worker's task; `join(timeout) -> bool` (True when the thread ended).
+    `exit_code` is the body's code, `error` the exception that ended it (a refused launch).
+    """
+
+    def __init__(self, launch: WorkerLaunch, *,
+                 endpoint_factory: EndpointFactory | None = None) -> None:
+        self.launch = launch
+        self._factory = endpoint_factory
+        self.exit_code: int | None = None
+        self.error: BaseException | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._task: asyncio.Task[int] | None = None
+        self._stop: asyncio.Event | None = None
+        self._stop_requested = threading.Event()
+        self._ready = threading.Event()
+        self.thread = threading.Thread(target=self._main, name=f"worker-{launch.worker_id}",
+                                       daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+        self._ready.wait(CONNECT_TIMEOUT_S)
+
+    def _main(self) -> None:
+        import uvloop
+
+        loop = uvloop.new_event_loop()
+        asyncio.set_event_loop(loop)
+        self._loop = loop
+        try:
+            self._stop = asyncio.Event()
+            self._task = loop.create_task(run_worker(
+                self.launch, stop_event=self._stop, endpoint_factory=self._factory))
+            self._ready.set()
+            if self._stop_requested.is_set():
+                self._stop.set()
+            self.exit_code = loop.run_until_complete(self._task)
+        except BaseException as exc:  # recorded for the owner; the thread ends either way
+            self.error = exc
+        finally:
+            self._ready.set()
+            with contextlib.suppress(Exception):
+                loop.run_until_complete(loop.shutdown_asyncgens())
+            loop.close()
+
+    def _call(self, fn: Callable[[], object]) -> None:
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(fn)
+
+    def stop(self) -> None:
+        """Abort the worker's connection (thread-safe)."""
+        self._stop_requested.set()
+        stop = self._stop
+        if stop is not None:
+            self._call(stop.set)
+
+    def cancel(self) -> None:
+        """Cancel the worker's task (thread-safe)."""
+        task = self._task
+        if task is not None:
+            self._call(task.cancel)
+
+    def join(self, timeout: float) -> bool:
+        self.thread.join(timeout)
+        return not self.thread.is_alive()
+
+    @property
+    def alive(self) -> bool:
+        return self.thread.is_alive()
+
+
+def configure_logging(fmt: str) -> None:
+    """structlog to stderr: JSON lines (`json`) or the console renderer."""
+    import orjson
+
+    def dumps(obj: object, default: object = None) -> str:
+        return orjson.dumps(obj, default=str).decode()
+
+    renderer: Any = (structlog.processors.JSONRenderer(serializer=dumps) if fmt == "json"
+                     else structlog.dev.ConsoleRenderer(colors=False))
+    structlog.configure(
+        processors=[structlog.contextvars.merge_contextvars, structlog.processors.add_log_level,
+                    structlog.processors.TimeStamper(fmt="iso", utc=True, key="ts"),
+                    structlog.processors.format_exc_info, renderer],
+        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        cache_logger_on_first_use=False,
+    )
+
+
+def read_start_gate(stream: Any = None, timeout: float = GATE_TIMEOUT_S) -> bool:
+    """True when the first stdin line is exactly `go` (within `timeout`)."""
+    stream = sys.stdin.buffer if stream is None else stream
+    with contextlib.suppress(OSError, ValueError):
+        ready, _, _ = select.select([stream], [], [], timeout)
+        if not ready:
+            return False
+    line: bytes = stream.readline()
+    return line == START_GATE
+
+
+def main(role: Role, argv: Sequence[str] | None = None,
+         endpoint_factory: EndpointFactory | None = None) -> int:
+    """`python -m workers.agent|environment …` (§7.5): exit 0/1/2/3/4 as documented."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    try:
+        launch = parse_worker_argv(role, args)
+    except LaunchArgsError as exc:
+        print(exc.message, file=sys.stderr)
+        return EXIT_ARGS
+    arm_die_with_parent(launch.parent_pid)
+    configure_logging(launch.log_format)
+    if not read_start_gate():
+        log.error("worker.start_gate_closed", worker_id=launch.worker_id)
+        return EXIT_GATE
+    try:
+        factory = endpoint_factory or endpoint_for
+        endpoint = factory(launch)
+    except DomainError as exc:
+        log.error("worker.refused_launch", worker_id=launch.worker_id, message=exc.message)
+        return EXIT_ARGS
+    import uvloop
+
+    async def body() -> int:
+        return await WorkerShell(launch, endpoint).run()
+
+    code: int = uvloop.run(body())
+    return code
