@@ -1,0 +1,1074 @@
+"""The launcher: start, identify, supervise and stop a session's workers (session.md §7).
+
+Why: a session's workers must run with exactly the identities the bus admits (§7.2), within the
+node's thread budget (§7.3), under health supervision (§7.4), and nothing of them may outlive the
+node. One `Launcher` per session does that on the node's event loop, with its own bus connection
+(`<tag>.launcher`) for `Worker.*` calls and the node connection (`node.<node_id>`) for every
+`bus.expect`.
+
+API (all coroutines run on the node's loop):
+
+    Launcher.open(names=, socket=, node=, budget=, health=, max_agents=, log_format=) -> Launcher
+    launcher.launch(identity, settings, mode, *, faults=None) -> LaunchedWorker
+    launcher.launch_composition(spec, mode) -> dict[workerId, LaunchedWorker]
+    launcher.health_check(worker_id) -> dict        the `Worker.Status` result (§2.6)
+    launcher.reap(worker_id, reason) -> Stopped | Terminated | AlreadyGone
+    launcher.reap_all(reason) -> dict[workerId, outcome]
+    launcher.kill(worker_id) -> Terminated | AlreadyGone
+    launcher.restart(worker_id, settings=None, *, faults=None) -> LaunchedWorker
+    launcher.info(worker_id) -> WorkerInfo           psutil facts (pid, RSS, peak RSS, cpu, threads)
+    launcher.supervise(report)                       health loop + exit reports, until cancelled
+    launcher.kill_process_groups()                   synchronous SIGKILL of every child group
+    launcher.close()                                 kills every remaining body; idempotent
+    connect_expected(node, socket, client_id, grants=, ttl=) -> BusClient
+
+Execution modes (§7.1), all over the Unix socket:
+- `PROCESS`: `python -m workers.agent|workers.environment <argv>` in its own session and process
+  group, spawned through `die_with_parent` on the node's loop thread, stdin = start gate. The
+  expectation is made with the child's pid, then `go\\n` is written.
+- `THREAD`: a dedicated OS thread running its own uvloop loop and the worker shell.
+- `IN_PROCESS`: a task on the node's loop, owned by the launcher.
+
+Task and thread ownership: every body (child, thread, task) is owned by the launcher's table from
+spawn to reap; `close()` kills the ones left. Every wait is bounded (`asyncio.timeout`): calls by
+the health policy, exits by `probe` (reap) or `KILL_WAIT_S` (after SIGKILL / cancel).
+
+Resolved ambiguities:
+- Budget holders are `<tag>.<workerId>` (the node's budget is shared by sessions whose workers
+  share ids); the session's coordinator reservation (`coordinator-<tag>`) is taken by
+  `Launcher.open` and released by `close()`.
+- `launch(..., faults=)`: a launch's settings are its role settings (`AgentSettings` /
+  `EnvironmentSettings`) plus its `Faults`; `restart` keeps either unless given.
+- `identify` treats an attempt that sees no answer within `fail` as a failed launch
+  (`BACKEND_FAILURE`/`unknown`, "did not answer within the supervisor's budget"); running out
+  of `boot` is `BACKEND_FAILURE`/`none` naming the last retried refusal; a body that
+  ends during identify fails the launch at once (`BACKEND_FAILURE`/`none`, naming the exit
+  code) instead of waiting for `boot`. The reply's bus responder must be the worker's client id
+  and incarnation, and the outcome must echo the request id and a null scope.
+- A `bus.expect` refusal maps `NOT_AUTHORIZED`/`CONFLICT` → `IDENTITY_MISMATCH`,
+  `BACKPRESSURE`/`QUOTA_EXCEEDED` → `BUSY`, anything else → `BACKEND_FAILURE`, all `none`.
+  The expectation lives `boot` seconds.
+- `reap`: `Worker.Shutdown` is bounded by `probe`; an unanswered Shutdown is followed by the
+  kill at once (no `probe` wait for a worker that did not agree to stop); a worker that was
+  already dead when reaped is `Terminated`.
+- After SIGKILL (or a cancel) the launcher waits up to `KILL_WAIT_S` (5 s) for the body to end;
+  a child stuck beyond that is logged `process-did-not-exit` (its pidfd watcher still reaps
+  it later), a thread `thread-did-not-stop` and left as a daemon thread; both are `Terminated`.
+- `supervise(report)` reports `(worker_id, DomainError)` once per launch: a failed health
+  check, or `BACKEND_FAILURE`/`unknown` "<worker> exited with code <n>" for a body that ended
+  without the launcher stopping it. A health check that fails while the body ends within
+  `EXIT_GRACE_S` (its service vanished a moment before the exit was seen) leaves the report to
+  the exit watcher, which names the exit code.
+- Exit codes: a child's own code, or −signal (−9 after SIGKILL); a thread or task body reports
+  the shell's code, `CANCELLED_EXIT` (−9) when it was cancelled and `CRASHED_EXIT` (70) when it
+  raised (a refused launch, e.g. an unknown model: the message carries the exception).
+- `launch_composition` checks the workers' thread need against `remaining` first (`BUSY`,
+  nothing started), then launches the world and the agents concurrently; the world serves the
+  agents' ports in the spec's (sorted) agent order. Any failure kills the launched ones.
+- Every `bus.expect` is bounded by `fail`.
+- Start errors (`start_error`): `BUSY` → `QUOTA_EXCEEDED`, `IDENTITY_MISMATCH` →
+  `NOT_AUTHORIZED`, anything else → `NO_SERVICE` (§7.3), for callers (the harness) that report
+  a failed start as a bus error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import sys
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any, Final
+
+import structlog
+import uvloop
+
+from bus.client import BusClient, CallResult, connect
+from bus.errors import (
+    BusError,
+    CallDeadlineExceeded,
+    CallGone,
+    NoService,
+    NotAuthorized,
+    QuotaExceeded,
+    TargetChanged,
+)
+from flyd.budget import ThreadBudget
+from flyd.health import HealthPolicy, format_seconds, no_answer
+from flyd.identities import (
+    SessionNames,
+    WorkerIdentity,
+    WorkerRef,
+    new_client_incarnation,
+)
+from flyd.runspec import RunSpec
+from flyd.spawn import ChildProcess, ProcessInfo, process_info
+from workers.domain import DomainError, ErrorCode, Mutation, format_request_id
+from workers.launch import (
+    AgentSettings,
+    EnvironmentSettings,
+    Faults,
+    LogFormat,
+    WorkerLaunch,
+    thread_environment,
+)
+from workers.rpc import Outcome, Refused, answer, from_bus_error
+from workers.shell import EndpointFactory, run_worker
+
+__all__ = [
+    "IDENTIFY_RETRY_S",
+    "KILL_WAIT_S",
+    "AlreadyGone",
+    "ExecutionMode",
+    "HealthPolicy",
+    "LaunchedWorker",
+    "Launcher",
+    "Plan",
+    "ReapOutcome",
+    "Report",
+    "Settings",
+    "Stopped",
+    "Terminated",
+    "WorkerInfo",
+    "composition_plans",
+    "connect_expected",
+    "expect",
+    "start_error",
+    "worker_launch",
+]
+
+log = structlog.get_logger("flyd.launcher")
+
+IDENTIFY_RETRY_S: Final = 0.005
+KILL_WAIT_S: Final = 5.0
+#: after a failed health check, how long to wait for the body's end before reporting the check
+EXIT_GRACE_S: Final = 0.25
+#: exit code recorded for a thread or task body that was cancelled (stopped by force)
+CANCELLED_EXIT: Final = -9
+#: exit code recorded for a thread or task body that raised
+CRASHED_EXIT: Final = 70
+
+Settings = AgentSettings | EnvironmentSettings
+Report = Callable[[str, DomainError], None]
+
+
+class ExecutionMode(Enum):
+    PROCESS = "process"
+    THREAD = "thread"
+    IN_PROCESS = "in-process"
+
+    def label(self) -> str:
+        return self.value
+
+    @classmethod
+    def from_label(cls, label: str) -> ExecutionMode:
+        for mode in cls:
+            if mode.value == label:
+                return mode
+        raise DomainError.invalid(f"{label!r} is not an execution mode (process, thread, "
+                                  "in-process)")
+
+
+# --------------------------------------------------------------------------------------------
+# results
+
+
+@dataclass(frozen=True, slots=True)
+class Stopped:
+    """The worker answered `Worker.Shutdown` and ended on its own."""
+
+    worker_id: str
+    exit_code: int | None = None
+
+    @property
+    def label(self) -> str:
+        return "Stopped"
+
+
+@dataclass(frozen=True, slots=True)
+class Terminated:
+    """The worker was stopped by force (SIGKILL, or abort and cancel)."""
+
+    worker_id: str
+    exit_code: int | None = None
+
+    @property
+    def label(self) -> str:
+        return "Terminated"
+
+
+@dataclass(frozen=True, slots=True)
+class AlreadyGone:
+    """No live worker of that id."""
+
+    worker_id: str
+
+    @property
+    def label(self) -> str:
+        return "AlreadyGone"
+
+
+ReapOutcome = Stopped | Terminated | AlreadyGone
+
+
+@dataclass(slots=True)
+class LaunchedWorker:
+    """One identified, live launch (§7.2). `peak_rss_kib` is sampled at health checks and reap
+    (process mode)."""
+
+    identity: WorkerIdentity
+    mode: ExecutionMode
+    service_incarnation: str
+    domain_incarnation: str
+    pid: int | None
+    peak_rss_kib: int | None = None
+
+    @property
+    def worker_id(self) -> str:
+        return self.identity.worker_id
+
+    def worker_ref(self) -> WorkerRef:
+        """The coordinator's reference, pinning both incarnations."""
+        return WorkerRef(self.identity.service, self.service_incarnation,
+                         self.identity.worker_id, self.domain_incarnation)
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerInfo:
+    """`info(worker_id)`: the worker's process (the node's own in thread/in-process mode)."""
+
+    worker_id: str
+    mode: ExecutionMode
+    pid: int
+    status: str | None
+    rss_kib: int | None
+    peak_rss_kib: int | None
+    cpu_user_s: float | None
+    cpu_system_s: float | None
+    num_threads: int | None
+    worker_threads: int
+
+
+def start_error(error: DomainError) -> BusError:
+    """The bus error a failed start reports (§7.3): BUSY → QUOTA_EXCEEDED, IDENTITY_MISMATCH →
+    NOT_AUTHORIZED, anything else → NO_SERVICE."""
+    if error.code == ErrorCode.BUSY:
+        return QuotaExceeded(error.message)
+    if error.code == ErrorCode.IDENTITY_MISMATCH:
+        return NotAuthorized(error.message)
+    return NoService(error.message)
+
+
+def _expect_error(client_id: str, exc: BusError) -> DomainError:
+    message = f"bus.expect {client_id}: bus {exc.name}: {exc.message}"
+    if exc.name in ("NOT_AUTHORIZED", "CONFLICT"):
+        return DomainError.before(ErrorCode.IDENTITY_MISMATCH, message)
+    if exc.name in ("BACKPRESSURE", "QUOTA_EXCEEDED"):
+        return DomainError.before(ErrorCode.BUSY, message)
+    return DomainError(ErrorCode.BACKEND_FAILURE, message, Mutation.NONE)
+
+
+async def connect_expected(node: BusClient, socket: str, client_id: str, *,
+                           grants: dict[str, list[str]], ttl: float = 30.0,
+                           timeout: float = 5.0) -> BusClient:  # noqa: ASYNC109
+    """Have the node connection expect `client_id` from this process with a fresh `inc-<hex>`
+    incarnation and `grants`, then connect it (coordinator and launcher clients, §7.2)."""
+    incarnation = new_client_incarnation()
+    await expect(node, client_id, os.getpid(), incarnation, grants, ttl=ttl, timeout=timeout)
+    return await connect(socket, client_id=client_id, client_incarnation=incarnation,
+                         timeout=timeout)
+
+
+async def expect(node: BusClient, client_id: str, pid: int, incarnation: str,
+                 grants: dict[str, list[str]], *, ttl: float,
+                 timeout: float) -> None:  # noqa: ASYNC109
+    """One `bus.expect` by the node connection, bounded by `timeout`; refusals and a missing
+    answer are DomainErrors (`_expect_error`)."""
+    try:
+        async with asyncio.timeout(timeout):
+            await node.expect(client_id, pid, client_incarnation=incarnation, ttl=ttl,
+                              grants=grants)
+    except TimeoutError:
+        raise DomainError(ErrorCode.BACKEND_FAILURE,
+                          f"bus.expect {client_id}: no answer within {format_seconds(timeout)}",
+                          Mutation.UNKNOWN) from None
+    except BusError as exc:
+        raise _expect_error(client_id, exc) from None
+
+
+Plan = tuple[WorkerIdentity, Settings, Faults]
+
+
+def worker_launch(names: SessionNames, identity: WorkerIdentity, settings: Settings,
+                  faults: Faults, mode: ExecutionMode, *, socket: str, supervisor: str,
+                  max_agents: int, log_format: LogFormat = "json") -> WorkerLaunch:
+    """The `WorkerLaunch` of one launch: identity, the session's callers (coordinator, launcher,
+    node), the supervisor (the launcher), and `--parent-pid` in process mode only."""
+    return WorkerLaunch(
+        socket=socket, session_id=identity.session_id, worker_id=identity.worker_id,
+        incarnation_id=identity.incarnation_id, client_id=identity.client_id,
+        service=identity.service, supervisor=supervisor, callers=names.callers,
+        threads=identity.worker_threads, max_agents=max_agents, settings=settings,
+        faults=faults, parent_pid=os.getpid() if mode is ExecutionMode.PROCESS else None,
+        log_format=log_format)
+
+
+def composition_plans(names: SessionNames, spec: RunSpec, *,
+                      generation: int = 1) -> list[Plan]:
+    """`(identity, settings, faults)` of the world, then every agent, of a run spec. The world
+    serves the agents' ports in the spec's (sorted) agent order."""
+    world = spec.world
+    plans: list[Plan] = [(
+        names.environment(world.world_id, world.threads, generation),
+        EnvironmentSettings(ports=tuple(a.port_id for a in spec.agents), world=world.impl,
+                            world_config=dict(world.config), step=world.step,
+                            observation_delay_steps=world.observation_delay_steps),
+        world.faults)]
+    for agent in spec.agents:
+        plans.append((
+            names.agent(agent.agent_id, agent.port_id, agent.threads, generation),
+            AgentSettings(port_id=agent.port_id, model=agent.model,
+                          model_config=dict(agent.model_config), tick=agent.tick,
+                          warmup_ticks=agent.warmup_ticks),
+            agent.faults))
+    return plans
+
+
+# --------------------------------------------------------------------------------------------
+# bodies
+
+
+def _settle(fut: asyncio.Future[int], code: int) -> None:
+    if not fut.done():
+        fut.set_result(code)
+
+
+class _Body:
+    """Where one launch's code runs; `ended` resolves with its exit code on the owner loop."""
+
+    mode: ExecutionMode
+
+    def __init__(self) -> None:
+        self.ended: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        self.ended.add_done_callback(lambda f: f.cancelled() or f.exception())
+        self.error: BaseException | None = None
+
+    @property
+    def pid(self) -> int:
+        return os.getpid()
+
+    @property
+    def exit_code(self) -> int | None:
+        return self.ended.result() if self.ended.done() and not self.ended.cancelled() else None
+
+    def describe_end(self) -> str:
+        text = f"exited with code {self.exit_code}"
+        if self.error is not None:
+            text += f" ({self.error})"
+        return text
+
+    def abort(self) -> None:
+        """Stop by force, synchronously (SIGKILL of the group / abort and cancel)."""
+        raise NotImplementedError
+
+    async def wait(self, timeout: float) -> bool:  # noqa: ASYNC109
+        """Up to `timeout` seconds for the end; True when it ended."""
+        if self.ended.done():
+            return True
+        try:
+            async with asyncio.timeout(timeout):
+                await asyncio.shield(self.ended)
+        except TimeoutError:
+            return False
+        return True
+
+    async def dispose(self) -> None:
+        """Release what the body holds once it ended (or was given up on)."""
+
+    def info(self) -> ProcessInfo:
+        return process_info(self.pid)
+
+
+class _ProcessBody(_Body):
+    mode = ExecutionMode.PROCESS
+
+    def __init__(self, child: ChildProcess) -> None:
+        super().__init__()
+        self.child = child
+        child.exited.add_done_callback(
+            lambda f: _settle(self.ended, f.result()) if not f.cancelled() else None)
+
+    @property
+    def pid(self) -> int:
+        return self.child.pid
+
+    def abort(self) -> None:
+        self.child.kill()
+
+    async def dispose(self) -> None:
+        await self.child.close(KILL_WAIT_S)
+
+
+class _ThreadBody(_Body):
+    """A dedicated OS thread with its own uvloop loop running `run_worker` (§7.1). `abort()`
+    sets the shell's stop event (it aborts the connection) and cancels the worker's task, both
+    through `call_soon_threadsafe`; the thread's last act resolves `ended` on the owner loop."""
+
+    mode = ExecutionMode.THREAD
+
+    def __init__(self, launch: WorkerLaunch, factory: EndpointFactory | None) -> None:
+        super().__init__()
+        self._owner = asyncio.get_running_loop()
+        self._launch = launch
+        self._factory = factory
+        self._lock = threading.Lock()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._task: asyncio.Task[Any] | None = None
+        self._stop: asyncio.Event | None = None
+        self._aborted = False
+        self.thread = threading.Thread(target=self._main, name=f"flyd-{launch.client_id}",
+                                       daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def _main(self) -> None:
+        code = CRASHED_EXIT
+        try:
+            with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+                code = runner.run(self._amain())
+        except asyncio.CancelledError:
+            code = CANCELLED_EXIT
+        except BaseException as exc:  # a refused launch (DomainError) or a crash
+            self.error = exc
+            code = CRASHED_EXIT
+        finally:
+            with contextlib.suppress(RuntimeError):  # the owner loop is closed: nobody waits
+                self._owner.call_soon_threadsafe(_settle, self.ended, code)
+
+    async def _amain(self) -> int:
+        with self._lock:
+            if self._aborted:
+                return CANCELLED_EXIT
+            self._loop = asyncio.get_running_loop()
+            self._task = asyncio.current_task()
+            self._stop = asyncio.Event()
+        return await run_worker(self._launch, stop_event=self._stop,
+                                endpoint_factory=self._factory)
+
+    def abort(self) -> None:
+        with self._lock:
+            self._aborted = True
+            loop, task, stop = self._loop, self._task, self._stop
+        if loop is not None and task is not None and stop is not None:
+            with contextlib.suppress(RuntimeError):  # the thread's loop already closed
+                loop.call_soon_threadsafe(stop.set)
+                loop.call_soon_threadsafe(task.cancel)
+
+    async def dispose(self) -> None:
+        # `ended` is resolved by the thread's last statement: the join is immediate then.
+        if self.ended.done():
+            self.thread.join(timeout=0.1)
+
+
+class _TaskBody(_Body):
+    """`run_worker` as a task on the node's loop, owned by the launcher. `abort()` sets the
+    shell's stop event (it aborts the connection) and cancels the task."""
+
+    mode = ExecutionMode.IN_PROCESS
+
+    def __init__(self, launch: WorkerLaunch, factory: EndpointFactory | None) -> None:
+        super().__init__()
+        self._stop = asyncio.Event()
+        self.task: asyncio.Task[int] = asyncio.get_running_loop().create_task(
+            run_worker(launch, stop_event=self._stop, endpoint_factory=factory),
+            name=f"flyd-{launch.client_id}")
+        self.task.add_done_callback(self._done)
+
+    def _done(self, task: asyncio.Task[int]) -> None:
+        if task.cancelled():
+            code = CANCELLED_EXIT
+        elif task.exception() is not None:
+            self.error = task.exception()
+            code = CRASHED_EXIT
+        else:
+            code = task.result()
+        _settle(self.ended, code)
+
+    def abort(self) -> None:
+        self._stop.set()
+        self.task.cancel()
+
+    async def dispose(self) -> None:
+        if not self.task.done():
+            self.task.cancel()
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(KILL_WAIT_S):
+                await asyncio.wait({self.task})
+
+
+# --------------------------------------------------------------------------------------------
+# the launcher
+
+
+@dataclass(slots=True)
+class _Plan:
+    """What the last launch of a worker id was (for `restart`)."""
+
+    identity: WorkerIdentity
+    settings: Settings
+    faults: Faults
+    mode: ExecutionMode
+
+
+@dataclass(slots=True)
+class _Live:
+    launched: LaunchedWorker
+    body: _Body
+    holder: str
+    stopping: bool = False
+    reported: bool = False
+
+
+class Launcher:
+    """One session's launcher on the node's loop."""
+
+    def __init__(self, *, names: SessionNames, socket: str, node: BusClient, client: BusClient,
+                 budget: ThreadBudget, health: HealthPolicy | None = None, max_agents: int = 4,
+                 log_format: LogFormat = "json", python: str = sys.executable,
+                 endpoint_factory: EndpointFactory | None = None,
+                 holds_reservation: bool = False, owns_client: bool = False) -> None:
+        self.names = names
+        self.socket = socket
+        self.node = node
+        self.client = client
+        self.budget = budget
+        self.health = health or HealthPolicy()
+        self.max_agents = max_agents
+        self.log_format: LogFormat = log_format
+        self.python = python
+        self._endpoint_factory = endpoint_factory
+        self._holds_reservation = holds_reservation
+        self._owns_client = owns_client
+        self._serial = 0
+        self._workers: dict[str, _Live] = {}
+        self._plans: dict[str, _Plan] = {}
+        self._starting: dict[str, _Body] = {}
+        self._report: Report | None = None
+        self._closed = False
+
+    @classmethod
+    async def open(cls, *, names: SessionNames, socket: str, node: BusClient,
+                   budget: ThreadBudget, health: HealthPolicy | None = None,
+                   max_agents: int = 4, log_format: LogFormat = "json",
+                   python: str = sys.executable,
+                   endpoint_factory: EndpointFactory | None = None) -> Launcher:
+        """Take the session's coordinator reservation, have the node expect the launcher's
+        client (`<tag>.launcher`) and connect it."""
+        health = health or HealthPolicy()
+        budget.open_session(names.tag)
+        try:
+            client = await connect_expected(node, socket, names.launcher_client_id,
+                                            grants=names.client_grants(), ttl=health.boot)
+        except BaseException:
+            budget.close_session(names.tag)
+            raise
+        return cls(names=names, socket=socket, node=node, client=client, budget=budget,
+                   health=health, max_agents=max_agents, log_format=log_format, python=python,
+                   endpoint_factory=endpoint_factory, holds_reservation=True, owns_client=True)
+
+    # ------------------------------------------------------------------------- properties
+
+    @property
+    def client_id(self) -> str:
+        return self.client.client_id
+
+    def set_health_policy(self, policy: HealthPolicy) -> None:
+        self.health = policy
+
+    def workers(self) -> dict[str, LaunchedWorker]:
+        """The live workers by id."""
+        return {wid: live.launched for wid, live in self._workers.items()}
+
+    def get(self, worker_id: str) -> LaunchedWorker:
+        live = self._workers.get(worker_id)
+        if live is None:
+            raise DomainError.before(ErrorCode.IDENTITY_MISMATCH, f"no live worker {worker_id}")
+        return live.launched
+
+    def worker_ref(self, worker_id: str) -> WorkerRef:
+        return self.get(worker_id).worker_ref()
+
+    def holder(self, worker_id: str) -> str:
+        """The thread-budget holder name of a worker of this session."""
+        return f"{self.names.tag}.{worker_id}"
+
+    def _next_request_id(self) -> str:
+        self._serial += 1
+        return format_request_id(self._serial)
+
+    # ------------------------------------------------------------------------- launch
+
+    def _check_launch(self, identity: WorkerIdentity, settings: Settings) -> None:
+        if self._closed:
+            raise DomainError.before(ErrorCode.INVALID_PHASE, "the launcher is closed")
+        if identity.tag != self.names.tag or identity.session_id != self.names.session_id:
+            raise DomainError.before(
+                ErrorCode.IDENTITY_MISMATCH,
+                f"{identity.worker_id} belongs to session {identity.session_id} "
+                f"({identity.tag}), not {self.names.session_id} ({self.names.tag})")
+        wid = identity.worker_id
+        if wid in self._workers or wid in self._starting:
+            raise DomainError.before(ErrorCode.CONFLICT, f"{wid} is already live")
+        if isinstance(settings, AgentSettings):
+            if identity.role != "agent" or identity.port_id != settings.port_id:
+                raise DomainError.invalid(
+                    f"{wid}: agent settings for port {settings.port_id} do not match the "
+                    f"identity (role {identity.role}, port {identity.port_id})")
+        elif identity.role != "environment":
+            raise DomainError.invalid(f"{wid}: environment settings for an {identity.role}")
+
+    def worker_launch(self, identity: WorkerIdentity, settings: Settings, faults: Faults,
+                      mode: ExecutionMode) -> WorkerLaunch:
+        """The `WorkerLaunch` this launcher writes for a launch (§7.7)."""
+        return worker_launch(self.names, identity, settings, faults, mode, socket=self.socket,
+                             supervisor=self.client_id, max_agents=self.max_agents,
+                             log_format=self.log_format)
+
+    async def _expect(self, identity: WorkerIdentity, pid: int) -> None:
+        await expect(self.node, identity.client_id, pid, identity.incarnation_id,
+                     identity.grants(), ttl=self.health.boot, timeout=self.health.fail)
+
+    async def _start_body(self, identity: WorkerIdentity, launch: WorkerLaunch,
+                          mode: ExecutionMode) -> _Body:
+        wid = identity.worker_id
+        if mode is ExecutionMode.PROCESS:
+            env = dict(os.environ)
+            env.update(thread_environment(identity.worker_threads))
+            env["PYTHONUNBUFFERED"] = "1"
+            child = await ChildProcess.spawn(
+                launch.command(self.python), env=env,
+                fields={"worker": wid, "incarnation": identity.incarnation_id,
+                        "session": identity.session_id})
+            body: _Body = _ProcessBody(child)
+            self._starting[wid] = body
+            await self._expect(identity, child.pid)
+            child.open_gate()
+            return body
+        await self._expect(identity, os.getpid())
+        if mode is ExecutionMode.THREAD:
+            thread_body = _ThreadBody(launch, self._endpoint_factory)
+            self._starting[wid] = thread_body
+            thread_body.start()
+            return thread_body
+        body = _TaskBody(launch, self._endpoint_factory)
+        self._starting[wid] = body
+        return body
+
+    async def launch(self, identity: WorkerIdentity, settings: Settings,
+                     mode: ExecutionMode = ExecutionMode.PROCESS, *,
+                     faults: Faults | None = None) -> LaunchedWorker:
+        """Allocate threads, start the body, identify it with `Worker.Hello` (§7.5)."""
+        self._check_launch(identity, settings)
+        faults = faults if faults is not None else Faults()
+        launch = self.worker_launch(identity, settings, faults, mode)
+        wid = identity.worker_id
+        holder = self.holder(wid)
+        self.budget.allocate(holder, identity.worker_threads)
+        self._plans[wid] = _Plan(identity, settings, faults, mode)
+        body: _Body | None = None
+        started = asyncio.get_running_loop().time()
+        try:
+            body = await self._start_body(identity, launch, mode)
+            service_incarnation = await self._identify(identity, body)
+        except BaseException:
+            starting = self._starting.pop(wid, None)
+            self.budget.release(holder)
+            body = body or starting
+            if body is not None:
+                body.abort()
+                await body.wait(KILL_WAIT_S)
+                await body.dispose()
+            raise
+        self._starting.pop(wid, None)
+        launched = LaunchedWorker(
+            identity=identity, mode=mode, service_incarnation=service_incarnation,
+            domain_incarnation=identity.incarnation_id,
+            pid=body.pid if mode is ExecutionMode.PROCESS else None)
+        live = _Live(launched, body, holder)
+        self._workers[wid] = live
+        body.ended.add_done_callback(lambda f: self._body_ended(live, f))
+        log.info("launcher.launched", worker=wid, incarnation=identity.incarnation_id,
+                 mode=mode.label(), pid=body.pid, service_incarnation=service_incarnation,
+                 threads=identity.worker_threads,
+                 ms=round((asyncio.get_running_loop().time() - started) * 1000, 1))
+        return launched
+
+    async def launch_composition(self, spec: RunSpec,
+                                 mode: ExecutionMode | None = None) -> dict[str, LaunchedWorker]:
+        """Launch the world and every agent of a run spec concurrently; all or none."""
+        mode = mode or ExecutionMode.from_label(spec.mode)
+        need = spec.world.threads + sum(a.threads for a in spec.agents)
+        if not self.budget.fits(need):
+            raise DomainError.before(
+                ErrorCode.BUSY, f"the composition of {self.names.tag} wants {need} worker "
+                f"threads; {self.budget.remaining} of {self.budget.total} remain")
+        return await self.launch_all(composition_plans(self.names, spec), mode)
+
+    async def launch_all(self, plans: list[Plan], mode: ExecutionMode) -> dict[str, LaunchedWorker]:
+        """Launch several workers concurrently; on any failure the launched ones are killed
+        and the first failure is raised."""
+        out: dict[str, LaunchedWorker] = {}
+
+        async def one(identity: WorkerIdentity, settings: Settings, faults: Faults) -> None:
+            out[identity.worker_id] = await self.launch(identity, settings, mode, faults=faults)
+
+        try:
+            async with asyncio.TaskGroup() as tg:
+                for identity, settings, faults in plans:
+                    tg.create_task(one(identity, settings, faults))
+        except BaseException as exc:
+            for wid in list(out):
+                await self.kill(wid)
+            if isinstance(exc, BaseExceptionGroup):
+                raise _first(exc) from None
+            raise
+        return out
+
+    # ------------------------------------------------------------------------- identify
+
+    def _mismatch(self, message: str) -> DomainError:
+        return DomainError.before(ErrorCode.IDENTITY_MISMATCH, f"Worker.Hello: {message}")
+
+    async def _identify(self, identity: WorkerIdentity, body: _Body) -> str:
+        """`Worker.Hello` until it answers (retrying NO_SERVICE, CALL_GONE, TARGET_CHANGED and
+        a predecessor's answer every 5 ms until `boot`); returns the service incarnation."""
+        loop = asyncio.get_running_loop()
+        health = self.health
+        deadline = loop.time() + health.boot
+        params = {"sessionId": identity.session_id, "expectedWorkerId": identity.worker_id,
+                  "role": identity.role, "supportedMajors": [1]}
+        wid = identity.worker_id
+        last = "nothing"
+        while True:
+            if body.ended.done():
+                raise DomainError(
+                    ErrorCode.BACKEND_FAILURE,
+                    f"Worker.Hello: {wid} {body.describe_end()} before it answered",
+                    Mutation.NONE)
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                raise self._boot_expired(identity, last)
+            budget = min(health.fail, remaining)
+            request_id = self._next_request_id()
+            payload = {"requestId": request_id, "scope": None, "params": params}
+            try:
+                async with asyncio.timeout(budget):
+                    result = await self.client.call(identity.service, "Worker.Hello", payload,
+                                                    timeout=budget, expected_incarnation=None)
+            except (TimeoutError, CallDeadlineExceeded):
+                if budget < health.fail:  # the boot budget, not the attempt's, ran out
+                    raise self._boot_expired(identity, f"{last}; then no answer") from None
+                raise no_answer("Worker.Hello", wid, budget) from None
+            except (NoService, CallGone, TargetChanged) as exc:
+                last = f"bus {exc.name}: {exc.message}"
+                await asyncio.sleep(IDENTIFY_RETRY_S)
+                continue
+            except BusError as exc:
+                raise from_bus_error("Worker.Hello", exc) from None
+            if self._from_predecessor(identity, result):
+                last = f"an answer from {result.responder.client_id}"
+                await asyncio.sleep(IDENTIFY_RETRY_S)
+                continue
+            self._check_hello(identity, request_id, result)
+            return result.service_incarnation
+
+    def _boot_expired(self, identity: WorkerIdentity, last: str) -> DomainError:
+        return DomainError(
+            ErrorCode.BACKEND_FAILURE,
+            f"Worker.Hello: {identity.worker_id} did not answer on {identity.service} within "
+            f"the boot budget of {format_seconds(self.health.boot)} (last: {last})",
+            Mutation.NONE)
+
+    @staticmethod
+    def _from_predecessor(identity: WorkerIdentity, result: CallResult) -> bool:
+        responder = result.responder
+        if responder.client_id == identity.client_id:
+            return False
+        outcome = result.outcome
+        incarnation = outcome.get("incarnationId") if isinstance(outcome, dict) else None
+        return identity.is_predecessor(responder.client_incarnation) or (
+            isinstance(incarnation, str) and identity.is_predecessor(incarnation))
+
+    def _check_hello(self, identity: WorkerIdentity, request_id: str,
+                     result: CallResult) -> None:
+        responder = result.responder
+        if (responder.client_id, responder.client_incarnation) != (identity.client_id,
+                                                                    identity.incarnation_id):
+            raise self._mismatch(
+                f"answered by {responder.client_id} ({responder.client_incarnation}), expected "
+                f"{identity.client_id} ({identity.incarnation_id})")
+        outcome = self._outcome("Worker.Hello", identity.worker_id, identity.incarnation_id,
+                                request_id, result)
+        hello = outcome.result
+        assert hello is not None
+        checks = (("workerId", identity.worker_id), ("role", identity.role),
+                  ("incarnationId", identity.incarnation_id))
+        for key, want in checks:
+            if hello.get(key) != want:
+                raise self._mismatch(f"{key} is {hello.get(key)!r}, expected {want!r}")
+        limits = hello.get("limits")
+        threads = limits.get("workerThreads") if isinstance(limits, dict) else None
+        if threads != identity.worker_threads:
+            raise self._mismatch(f"limits.workerThreads is {threads!r}, the allocation is "
+                                 f"{identity.worker_threads}")
+
+    def _outcome(self, method: str, worker_id: str, incarnation_id: str, request_id: str,
+                 result: CallResult) -> Outcome:
+        """Classify and check a reply: worker id, incarnation, echoed request id and null
+        scope; a domain error outcome is raised."""
+        classified = answer(method, result.outcome)
+        if isinstance(classified, Refused):
+            raise classified.error
+        outcome = classified.outcome
+        if outcome.worker_id != worker_id:
+            raise DomainError.before(ErrorCode.IDENTITY_MISMATCH,
+                                     f"{method}: the reply names worker {outcome.worker_id}, "
+                                     f"expected {worker_id}")
+        if outcome.incarnation_id != incarnation_id:
+            raise DomainError.before(ErrorCode.IDENTITY_MISMATCH,
+                                     f"{method}: the reply comes from incarnation "
+                                     f"{outcome.incarnation_id}, expected {incarnation_id}")
+        if outcome.request_id != request_id or outcome.scope is not None:
+            raise DomainError.before(ErrorCode.IDENTITY_MISMATCH,
+                                     f"{method}: the reply echoes request {outcome.request_id} "
+                                     f"and scope {outcome.scope}, expected {request_id} and "
+                                     "null")
+        if outcome.error is not None:
+            raise outcome.error
+        return outcome
+
+    # ------------------------------------------------------------------------- calls
+
+    async def _worker_call(self, live: _Live, method: str, params: dict[str, Any],
+                           budget: float) -> dict[str, Any]:
+        """One `Worker.*` call pinned to the service incarnation, bounded by `budget` seconds
+        (admission and result); every failure is a DomainError."""
+        launched = live.launched
+        wid = launched.worker_id
+        request_id = self._next_request_id()
+        payload = {"requestId": request_id, "scope": None, "params": params}
+        try:
+            async with asyncio.timeout(budget):
+                result = await self.client.call(
+                    launched.identity.service, method, payload, timeout=budget,
+                    expected_incarnation=launched.service_incarnation)
+        except (TimeoutError, CallDeadlineExceeded):
+            raise no_answer(method, wid, budget) from None
+        except BusError as exc:
+            raise from_bus_error(method, exc) from None
+        outcome = self._outcome(method, wid, launched.domain_incarnation, request_id, result)
+        assert outcome.result is not None
+        return outcome.result
+
+    def _sample_rss(self, live: _Live) -> None:
+        if live.launched.mode is ExecutionMode.PROCESS and not live.body.ended.done():
+            info = live.body.info()
+            if info.peak_rss_kib is not None:
+                old = live.launched.peak_rss_kib or 0
+                live.launched.peak_rss_kib = max(old, info.peak_rss_kib)
+
+    async def health_check(self, worker_id: str) -> dict[str, Any]:
+        """`Worker.Status` pinned to the service incarnation, bounded by `fail` (§7.4)."""
+        live = self._workers.get(worker_id)
+        if live is None:
+            raise DomainError.before(ErrorCode.IDENTITY_MISMATCH,
+                                     f"Worker.Status: no live worker {worker_id}")
+        self._sample_rss(live)
+        return await self._worker_call(live, "Worker.Status", {}, self.health.fail)
+
+    # ------------------------------------------------------------------------- stop
+
+    def _remove(self, worker_id: str) -> _Live | None:
+        live = self._workers.pop(worker_id, None)
+        if live is not None:
+            live.stopping = True
+            self.budget.release(live.holder)
+        return live
+
+    async def _force(self, live: _Live) -> bool:
+        """Abort the body and wait up to KILL_WAIT_S; True when it ended."""
+        live.body.abort()
+        ended = await live.body.wait(KILL_WAIT_S)
+        if not ended:
+            event = ("launcher.thread-did-not-stop" if live.launched.mode is ExecutionMode.THREAD
+                     else "launcher.process-did-not-exit"
+                     if live.launched.mode is ExecutionMode.PROCESS
+                     else "launcher.task-did-not-stop")
+            log.error(event, worker=live.launched.worker_id, pid=live.body.pid)
+        await live.body.dispose()
+        return ended
+
+    async def reap(self, worker_id: str, reason: str) -> ReapOutcome:
+        """`Worker.Shutdown {reason}` bounded by `probe`, then wait ≤ `probe` for the end;
+        else stop by force (§7.6)."""
+        live = self._workers.get(worker_id)
+        if live is None:
+            return AlreadyGone(worker_id)
+        live.stopping = True
+        self._sample_rss(live)
+        answered = False
+        if not live.body.ended.done():
+            try:
+                result = await self._worker_call(live, "Worker.Shutdown", {"reason": reason},
+                                                 self.health.probe)
+                answered = result.get("stopping") is True
+            except DomainError as exc:
+                log.warning("launcher.shutdown_failed", worker=worker_id, error=str(exc))
+        self._remove(worker_id)
+        if answered and await live.body.wait(self.health.probe):
+            await live.body.dispose()
+            outcome: ReapOutcome = Stopped(worker_id, live.body.exit_code)
+        else:
+            await self._force(live)
+            outcome = Terminated(worker_id, live.body.exit_code)
+        log.info("launcher.reaped", worker=worker_id, reason=reason, outcome=outcome.label,
+                 exit_code=live.body.exit_code, peak_rss_kib=live.launched.peak_rss_kib)
+        return outcome
+
+    async def reap_all(self, reason: str) -> dict[str, ReapOutcome]:
+        """Reap every live worker concurrently."""
+        out: dict[str, ReapOutcome] = {}
+
+        async def one(wid: str) -> None:
+            out[wid] = await self.reap(wid, reason)
+
+        async with asyncio.TaskGroup() as tg:
+            for wid in list(self._workers):
+                tg.create_task(one(wid))
+        return out
+
+    async def kill(self, worker_id: str) -> Terminated | AlreadyGone:
+        """No request: remove, release, SIGKILL the group (or abort and cancel) and wait."""
+        live = self._remove(worker_id)
+        if live is None:
+            return AlreadyGone(worker_id)
+        self._sample_rss(live)
+        await self._force(live)
+        log.info("launcher.killed", worker=worker_id, exit_code=live.body.exit_code)
+        return Terminated(worker_id, live.body.exit_code)
+
+    async def restart(self, worker_id: str, settings: Settings | None = None, *,
+                      faults: Faults | None = None) -> LaunchedWorker:
+        """`kill`, then launch generation + 1 with the same or updated settings and faults."""
+        plan = self._plans.get(worker_id)
+        if plan is None:
+            raise DomainError.before(ErrorCode.IDENTITY_MISMATCH,
+                                     f"{worker_id} was never launched by {self.client_id}")
+        await self.kill(worker_id)
+        return await self.launch(plan.identity.next_generation(), settings or plan.settings,
+                                 plan.mode, faults=plan.faults if faults is None else faults)
+
+    def kill_process_groups(self) -> list[int]:
+        """SIGKILL every child process group now (synchronous; distribution.md §5.5 step 3).
+        Returns the groups signalled; the bodies stay in the table until reaped or closed."""
+        for live in self._workers.values():
+            live.stopping = True  # an exit now is ours, not a failure to report
+        groups: list[int] = []
+        for body in [live.body for live in self._workers.values()] + list(
+                self._starting.values()):
+            if isinstance(body, _ProcessBody):
+                body.abort()
+                groups.append(body.child.pgid)
+        return groups
+
+    async def close(self) -> None:
+        """Kill every remaining body, release the session's reservation, close the client."""
+        if self._closed:
+            return
+        self._closed = True
+        async with asyncio.TaskGroup() as tg:
+            for wid in list(self._workers):
+                tg.create_task(self.kill(wid))
+            for body in list(self._starting.values()):
+                body.abort()
+        if self._holds_reservation:
+            self.budget.close_session(self.names.tag)
+            self._holds_reservation = False
+        if self._owns_client:
+            await self.client.close()
+
+    async def __aenter__(self) -> Launcher:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    # ------------------------------------------------------------------------- observe
+
+    def info(self, worker_id: str) -> WorkerInfo:
+        """psutil facts: the child (process mode) or the node's process (thread/in-process)."""
+        live = self._workers.get(worker_id)
+        if live is None:
+            raise DomainError.before(ErrorCode.IDENTITY_MISMATCH, f"no live worker {worker_id}")
+        info = live.body.info()
+        launched = live.launched
+        if launched.mode is ExecutionMode.PROCESS and info.peak_rss_kib is not None:
+            launched.peak_rss_kib = max(launched.peak_rss_kib or 0, info.peak_rss_kib)
+        return WorkerInfo(
+            worker_id=worker_id, mode=launched.mode, pid=info.pid, status=info.status,
+            rss_kib=info.rss_kib,
+            peak_rss_kib=(launched.peak_rss_kib if launched.mode is ExecutionMode.PROCESS
+                          else info.peak_rss_kib),
+            cpu_user_s=info.cpu_user_s, cpu_system_s=info.cpu_system_s,
+            num_threads=info.num_threads, worker_threads=launched.identity.worker_threads)
+
+    def _body_ended(self, live: _Live, fut: asyncio.Future[int]) -> None:
+        if live.stopping or fut.cancelled():
+            return
+        wid = live.launched.worker_id
+        log.warning("launcher.worker_exited", worker=wid, exit_code=fut.result(),
+                    mode=live.launched.mode.label(), pid=live.body.pid)
+        report = self._report
+        if report is not None and self._workers.get(wid) is live and not live.reported:
+            live.reported = True
+            report(wid, DomainError(ErrorCode.BACKEND_FAILURE,
+                                    f"{wid} {live.body.describe_end()}", Mutation.UNKNOWN))
+
+    async def supervise(self, report: Report) -> None:
+        """Health-check every live worker every `probe` seconds and report failures and
+        unexpected exits to `report(worker_id, error)`; runs until cancelled."""
+        self._report = report
+        try:
+            while True:
+                await asyncio.sleep(self.health.probe)
+                async with asyncio.TaskGroup() as tg:
+                    for wid, live in list(self._workers.items()):
+                        tg.create_task(self._probe(wid, live, report))
+        finally:
+            self._report = None
+
+    async def _probe(self, worker_id: str, live: _Live, report: Report) -> None:
+        try:
+            await self.health_check(worker_id)
+        except DomainError as exc:
+            # A dying worker's service vanishes a moment before its exit is seen: give the
+            # exit watcher the word (it names the exit code) when the body ends right away.
+            if await live.body.wait(EXIT_GRACE_S):
+                return
+            if self._workers.get(worker_id) is live and not live.stopping and not live.reported:
+                live.reported = True
+                report(worker_id, exc)
+
+
+def _first(group: BaseExceptionGroup[BaseException]) -> BaseException:
+    """The first non-cancellation exception of a (nested) group."""
+    for exc in group.exceptions:
+        if isinstance(exc, BaseExceptionGroup):
+            return _first(exc)
+        if not isinstance(exc, asyncio.CancelledError):
+            return exc
+    return group.exceptions[0]

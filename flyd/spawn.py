@@ -1,0 +1,270 @@
+"""Worker child processes: spawn, exit watch, output forwarding, kill, psutil info (§7.5, §7.6).
+
+Why: the launcher's process mode needs a handful of careful OS mechanics that have nothing to do
+with sessions: a child in its own session and process group (pgid = pid) spawned through
+`workers.launch.die_with_parent` with a start-gate pipe on stdin, an exit watch that costs no
+thread (a pidfd registered with the event loop), the child's stdout and stderr forwarded line by
+line into our log with the worker's identity attached (cli.md §9), and `killpg(SIGKILL)` of the
+whole group. `ChildProcess` owns all of that for one child.
+
+Decisions:
+- The exit watch is `os.pidfd_open` + `loop.add_reader`: when the pidfd turns readable the child
+  is a zombie, so its pid (= its pgid) cannot be reused yet; the watcher first sweeps the group
+  with SIGKILL (nothing of a worker outlives it), then reaps with `Popen.poll()`.
+- stdout and stderr share one pipe (stderr=STDOUT); a protocol splits it into lines in
+  `data_received` (no reader task). A JSON object line (the worker's structlog output) is
+  re-logged at its own level with its own event and fields plus `worker`, `incarnation`, `pid`;
+  any other line is logged as `worker.output` with `line`. Lines are cut at 16 KiB.
+- `kill()` is synchronous (distribution.md §5.5 step 3 runs it before any await); `wait()` is the
+  bounded asynchronous part.
+- `info()` reads psutil and `VmHWM` (peak RSS) from `/proc/<pid>/status`; a gone process gives
+  None fields rather than an exception.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import subprocess
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Final
+
+import orjson
+import psutil
+import structlog
+
+from workers.launch import START_GATE, die_with_parent
+
+__all__ = ["MAX_LINE", "ChildProcess", "ProcessInfo", "peak_rss_kib", "process_info"]
+
+log = structlog.get_logger("flyd.spawn")
+
+MAX_LINE: Final = 16 * 1024
+_LEVELS: Final = ("debug", "info", "warning", "error", "critical")
+_SKIP: Final = frozenset({"level", "event", "ts", "timestamp"})
+
+
+@dataclass(frozen=True, slots=True)
+class ProcessInfo:
+    """psutil facts about one process (None where the process is gone or hides them)."""
+
+    pid: int
+    status: str | None
+    rss_kib: int | None
+    peak_rss_kib: int | None
+    cpu_user_s: float | None
+    cpu_system_s: float | None
+    num_threads: int | None
+
+
+def peak_rss_kib(pid: int) -> int | None:
+    """`VmHWM` of `/proc/<pid>/status` in KiB, or None."""
+    try:
+        with open(f"/proc/{pid}/status", "rb") as fh:
+            for line in fh:
+                if line.startswith(b"VmHWM:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def process_info(pid: int) -> ProcessInfo:
+    try:
+        proc = psutil.Process(pid)
+        with proc.oneshot():
+            status: str | None = str(proc.status())
+            rss: int | None = int(proc.memory_info().rss) // 1024
+            cpu = proc.cpu_times()
+            user: float | None = float(cpu.user)
+            system: float | None = float(cpu.system)
+            threads: int | None = int(proc.num_threads())
+    except (psutil.Error, OSError):
+        status, rss, user, system, threads = None, None, None, None, None
+    return ProcessInfo(pid, status, rss, peak_rss_kib(pid), user, system, threads)
+
+
+class _Lines(asyncio.Protocol):
+    """Splits a child's output into lines and hands each to `sink`."""
+
+    def __init__(self, sink: Callable[[bytes], None]) -> None:
+        self._sink = sink
+        self._buf = bytearray()
+        self._dropping = False
+        self.closed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    def data_received(self, data: bytes) -> None:
+        self._buf += data
+        while True:
+            cut = self._buf.find(b"\n")
+            if cut < 0:
+                break
+            line = bytes(self._buf[:cut])
+            del self._buf[:cut + 1]
+            if self._dropping:
+                self._dropping = False
+                continue
+            self._sink(line)
+        if len(self._buf) > MAX_LINE:
+            if not self._dropping:
+                self._sink(bytes(self._buf[:MAX_LINE]) + " …".encode())
+            self._dropping = True
+            self._buf.clear()
+
+    def eof_received(self) -> bool:
+        return False
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._buf and not self._dropping:
+            self._sink(bytes(self._buf))
+        self._buf.clear()
+        if not self.closed.done():
+            self.closed.set_result(None)
+
+
+class ChildProcess:
+    """One worker child: own process group, die-with-parent, start gate, exit watch.
+
+    Create with `await ChildProcess.spawn(...)`; the child blocks on its start gate until
+    `open_gate()`. `exited` resolves with the return code once the child was reaped.
+    """
+
+    def __init__(self, popen: subprocess.Popen[bytes], fields: Mapping[str, Any]) -> None:
+        self._popen = popen
+        self._loop = asyncio.get_running_loop()
+        self.pid: int = popen.pid
+        self.pgid: int = popen.pid
+        self._fields = dict(fields, pid=popen.pid)
+        self.exited: asyncio.Future[int] = self._loop.create_future()
+        self._pidfd: int | None = None
+        self._transport: asyncio.ReadTransport | None = None
+        self._lines: _Lines | None = None
+
+    @classmethod
+    async def spawn(cls, argv: Sequence[str], *, env: Mapping[str, str],
+                    fields: Mapping[str, Any]) -> ChildProcess:
+        """Start `argv` (no shell) in a new session; stdin is the start-gate pipe.
+
+        Runs `fork` on the calling thread, which must live as long as the node (the event-loop
+        thread): the child's death signal follows the forking thread (§7.5).
+        """
+        popen = die_with_parent(
+            list(argv), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, env=dict(env), start_new_session=True, close_fds=True)
+        child = cls(popen, fields)
+        try:
+            child._watch()
+            await child._forward()
+        except BaseException:
+            child.kill()
+            raise
+        return child
+
+    # exit watch ----------------------------------------------------------------------------
+    def _watch(self) -> None:
+        try:
+            self._pidfd = os.pidfd_open(self.pid)
+        except ProcessLookupError:  # already reaped by someone: treat as exited
+            self._finish()
+            return
+        self._loop.add_reader(self._pidfd, self._on_pidfd)
+
+    def _on_pidfd(self) -> None:
+        # The child is a zombie now: its pgid cannot be reused; sweep the group, then reap.
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.pgid, signal.SIGKILL)
+        if self._popen.poll() is None:  # not reapable yet (spurious wakeup)
+            return
+        self._finish()
+
+    def _finish(self) -> None:
+        if self._pidfd is not None:
+            self._loop.remove_reader(self._pidfd)
+            os.close(self._pidfd)
+            self._pidfd = None
+        code = self._popen.poll()
+        if not self.exited.done():
+            self.exited.set_result(code if code is not None else -int(signal.SIGKILL))
+
+    # output --------------------------------------------------------------------------------
+    async def _forward(self) -> None:
+        out = self._popen.stdout
+        assert out is not None
+        transport, protocol = await self._loop.connect_read_pipe(
+            lambda: _Lines(self._log_line), out)
+        self._transport = transport
+        self._lines = protocol
+
+    def _log_line(self, line: bytes) -> None:
+        record: Any = None
+        if line.startswith(b"{"):
+            with contextlib.suppress(orjson.JSONDecodeError):
+                record = orjson.loads(line)
+        if isinstance(record, dict):
+            level = record.get("level")
+            event = record.get("event")
+            meth = level if isinstance(level, str) and level in _LEVELS else "info"
+            extra = {k: v for k, v in record.items() if k not in _SKIP and k not in self._fields}
+            ours = {k: v for k, v in self._fields.items()
+                    if not (k == "incarnation" and "incarnation_id" in record)}
+            getattr(log, meth)(event if isinstance(event, str) else "worker.log", **ours, **extra)
+        else:
+            text = line.decode("utf-8", "replace").rstrip("\r")
+            if text:
+                log.info("worker.output", **self._fields, line=text)
+
+    # control -------------------------------------------------------------------------------
+    def open_gate(self) -> None:
+        """Write the start gate (`go\\n`) and close stdin."""
+        stdin = self._popen.stdin
+        assert stdin is not None
+        try:
+            stdin.write(START_GATE)
+            stdin.flush()
+        finally:
+            with contextlib.suppress(OSError):
+                stdin.close()
+
+    @property
+    def returncode(self) -> int | None:
+        return self.exited.result() if self.exited.done() else None
+
+    def kill(self) -> None:
+        """`killpg(SIGKILL)` of the child's group (synchronous, idempotent)."""
+        if self.exited.done():
+            return
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.pgid, signal.SIGKILL)
+
+    async def wait(self, timeout: float) -> bool:  # noqa: ASYNC109 - a bound, not a deadline API
+        """Wait up to `timeout` seconds for the exit; True when it exited."""
+        if self.exited.done():
+            return True
+        try:
+            async with asyncio.timeout(timeout):
+                await asyncio.shield(self.exited)
+        except TimeoutError:
+            return False
+        return True
+
+    async def close(self, timeout: float) -> bool:  # noqa: ASYNC109
+        """Kill, wait up to `timeout` for the exit and for the output pipe to drain; True when
+        the child is gone."""
+        self.kill()
+        gone = await self.wait(timeout)
+        if self._lines is not None and gone:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(0.5):
+                    await asyncio.shield(self._lines.closed)
+        if self._transport is not None:  # owns (and closes) the output pipe
+            self._transport.close()
+        if self._popen.stdin is not None:
+            with contextlib.suppress(OSError):
+                self._popen.stdin.close()
+        return gone
+
+    def info(self) -> ProcessInfo:
+        return process_info(self.pid)
