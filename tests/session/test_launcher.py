@@ -697,3 +697,36 @@ async def test_a_worker_that_never_registers_fails_at_the_boot_budget(
         "500ms (last: bus NO_SERVICE")
     assert budget.remaining == 3
     assert children() == []
+
+
+async def test_the_trace_comparator_ignores_operational_fields_and_rebases_epochs() -> None:
+    import copy
+
+    from flyd.trace import EpochRebase, TraceLog, compare
+    from tests.session.harness import Fixture, SessionHarness
+    from workers.synthetic.task import CounterTask
+
+    async def trace_of(epoch: str) -> TraceLog:
+        async with SessionHarness.start(Fixture(epoch=epoch)) as h:
+            await h.bootstrap()
+            await h.run(3)
+            return h.coordinator.trace
+
+    e1 = await trace_of("e1")
+    again = await trace_of("e1")
+    assert compare(e1, again) is None
+    changed = TraceLog()
+    for t in e1.transitions:
+        operational = copy.deepcopy(t.operational)
+        operational["wallTimeNs"] += 12345
+        operational["advanceRequestId"] = "req-999"
+        operational["prepareRequestIds"] = [{"agentId": r["agentId"], "requestId": "req-77"}
+                                            for r in operational["prepareRequestIds"]]
+        changed.record(copy.deepcopy(t.behaviour), operational)
+    assert compare(e1, changed) is None
+    altered = [copy.deepcopy(t.behaviour) for t in e1.transitions]
+    altered[1]["batchId"] = "batch-e1-7"
+    assert compare(e1, altered) == (1, "batchId")
+    e2 = await trace_of("e2")
+    assert compare(e1, e2) is not None
+    assert compare(e1, e2, rebase=EpochRebase("e1", "e2", CounterTask())) is None
