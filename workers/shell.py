@@ -105,6 +105,7 @@ from workers.launch import (
     LaunchArgsError,
     WorkerLaunch,
     arm_die_with_parent,
+    build_parser,
     parse_worker_argv,
 )
 from workers.rpc import Outcome, Request, parse_request, unparsable_outcome
@@ -855,6 +856,9 @@ def main(role: Role, argv: Sequence[str] | None = None,
          endpoint_factory: EndpointFactory | None = None) -> int:
     """`python -m workers.agent|environment …` (§7.5): exit 0/1/2/3/4 as documented."""
     args = list(sys.argv[1:] if argv is None else argv)
+    if args in (["--help"], ["-h"]):
+        build_parser(role).print_help()
+        return 0
     try:
         launch = parse_worker_argv(role, args)
     except LaunchArgsError as exc:
