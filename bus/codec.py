@@ -117,15 +117,13 @@ def decode(data: bytes | bytearray | memoryview) -> Any:
         raise ParseError(_explain(data, exc)) from None
     kind = type(value)
     if kind is dict or kind is list:
-        # the common case inline (a small frame our own encoder wrote); see _check_tree
+        # _check_tree's common case inlined for the router's small frames: too few brackets to
+        # nest past MAX_DEPTH, and exactly the bytes orjson itself writes for the value
         size = len(data)
-        if not (
-            (
-                size < _SHALLOW_BYTES
-                or (size <= _COUNT_BYTES and data.count(b"[") + data.count(b"{") <= MAX_DEPTH)
-            )
-            and _dumps(value) == data
-        ):
+        shallow = size < _SHALLOW_BYTES or (
+            size <= _COUNT_BYTES and data.count(b"[") + data.count(b"{") <= MAX_DEPTH
+        )
+        if not (shallow and _dumps(value) == data):
             _check_tree(data, value)
     elif kind is float and b"." not in data and b"e" not in data and b"E" not in data:
         # orjson turns an out-of-range integer literal into a float

@@ -214,3 +214,15 @@ def settle() -> Callable[[Router, Callable[[dict[str, Any]], bool]], Awaitable[d
         raise AssertionError(f"router state did not settle: {stats}")
 
     return wait
+
+
+# Hypothesis profile for `make fuzz` (`pytest tests/bus/test_fuzz.py --hypothesis-profile=fuzz`).
+# The hypothesis plugin loads that option when pytest configures, before any test module is
+# imported, so the profile must be registered here; test_fuzz.py registers its quick default.
+from hypothesis import HealthCheck as _HealthCheck  # noqa: E402
+from hypothesis import settings as _hypothesis_settings  # noqa: E402
+
+_hypothesis_settings.register_profile(
+    "fuzz", max_examples=2000, deadline=None,
+    suppress_health_check=[_HealthCheck.too_slow, _HealthCheck.data_too_large],
+)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import datetime
 import json
 import math
 from typing import Any
@@ -258,9 +260,6 @@ def test_encoder_size_limit() -> None:
 
 
 def test_encoder_refuses_non_json_types() -> None:
-    import dataclasses
-    import datetime
-
     @dataclasses.dataclass
     class Point:
         x: int
