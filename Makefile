@@ -17,9 +17,9 @@ $(STAMP): $(BIN)/python pyproject.toml
 
 install: $(STAMP)
 
-# Until the coordinator lands, the main job is the bus demo (flyd demo).
+# The main job: one session (router, node, fly-a, fly-b, arena) to completion (flyd run).
 run: $(STAMP)
-	$(BIN)/flyd demo
+	$(BIN)/flyd run
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -n auto $(PYTEST_ARGS)
@@ -30,6 +30,7 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python bench/bus.py
+	$(BIN)/python bench/step_rate.py
 
 faults: $(STAMP)
 	@echo "the fault suite (tests/distribution) is not built yet"

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import click
+import orjson
 import uvloop
 
 from bus.router import Router, RouterStartError
@@ -91,6 +92,55 @@ def demo_cmd(calls: int, as_json: bool, config_file: Path | None, log_format: st
 
     _setup_logging(log_format, verbose, quiet + 1)
     sys.exit(uvloop.run(run_demo(calls, as_json)))
+
+
+class _JsonErrors(click.Command):
+    """A command whose usage errors are JSON (`USAGE`, exit 2) when `--json` is given."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        as_json = "--json" in args
+        try:
+            return super().parse_args(ctx, args)
+        except click.UsageError as exc:
+            if not as_json:
+                raise
+            click.echo(orjson.dumps({"error": {"code": "USAGE",
+                                               "message": exc.format_message()}}).decode())
+            ctx.exit(EXIT_CONFIG)
+
+
+@flyd_main.command("run", cls=_JsonErrors)
+@click.option("--steps", type=int, default=600, show_default=True,
+              help="Transitions to run (600 = 10 s of world time at 60 Hz).")
+@click.option("--agents", help="Agent ids, bound to ports p1, p2, ... in order "
+                               "(default fly-a,fly-b).")
+@click.option("--mode", type=click.Choice(["process", "thread", "in-process", "inprocess"]),
+              default="process", show_default=True, help="Execution mode of the workers.")
+@click.option("--seed", type=int, help="Master seed; agents switch to derived seeds.")
+@click.option("--dispatch", type=click.Choice(["concurrent", "sequential", "reversed"]),
+              default="concurrent", show_default=True, help="Dispatch order.")
+@click.option("--fault", "faults", multiple=True, metavar="SPEC",
+              help="Fault injection (repeatable): WORKER.KNOB=VALUE[@STEP], kill:WORKER@STEP, "
+                   "lose-advance-result@STEP.")
+@click.option("--trace", type=click.Path(dir_okay=False, path_type=Path),
+              help="Write the behaviour trace as JSON lines.")
+@click.option("--pace/--no-pace", default=False, help="Pace transitions at world time (60 Hz).")
+@click.option("--socket", "socket_path", help="Router socket (default: cli.md §4.1).")
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON on stdout.")
+@_global_options
+def run_cmd(steps: int, agents: str | None, mode: str, seed: int | None, dispatch: str,
+            faults: tuple[str, ...], trace: Path | None, pace: bool, socket_path: str | None,
+            as_json: bool, config_file: Path | None, log_format: str | None, verbose: int,
+            quiet: int) -> None:
+    """Run one session to completion on this host and print a summary."""
+    from flyd.run import RunOptions, parse_agents, run_session
+
+    _setup_logging(log_format, verbose, quiet)
+    opts = RunOptions(steps=steps, agents=None if agents is None else parse_agents(agents),
+                      mode=mode, seed=seed, dispatch=dispatch, faults=faults, trace=trace,
+                      pace=pace, socket=socket_path, as_json=as_json, config_file=config_file,
+                      router_quiet=1 + quiet - verbose)
+    sys.exit(uvloop.run(run_session(opts)))
 
 
 @click.group()

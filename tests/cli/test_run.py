@@ -1,0 +1,277 @@
+"""`flyd run` end to end with real processes (cli.md §4, this stage: no database).
+
+Every run is `python -m flyd run …` in a subprocess with a private temporary `--socket` (or a
+temporary `XDG_RUNTIME_DIR`), so no test touches a real system path; after each run no process
+whose command line names the temporary directory may remain (router and workers all carry
+`--socket <path>`).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import orjson
+import psutil
+import pytest
+
+pytestmark = pytest.mark.timeout(120)
+
+STEPS = 40
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def tmp() -> Iterator[Path]:
+    path = Path(tempfile.mkdtemp(prefix="flyd-t-", dir="/tmp"))
+    try:
+        yield path
+    finally:
+        survivors = leftovers(path)
+        for proc in survivors:
+            proc.kill()
+        shutil.rmtree(path, ignore_errors=True)
+        assert not survivors, f"processes outlived the test: {survivors}"
+
+
+def env_for(tmp: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("FLYD_SOCKET", "RUNTIME_DIRECTORY", "FLYD_CONFIG", "FLYD_NODE_NAME")}
+    env["XDG_RUNTIME_DIR"] = str(tmp / "xdg")
+    env["FLYD_LOG_FORMAT"] = "json"
+    return env
+
+
+def leftovers(tmp: Path) -> list[psutil.Process]:
+    found = []
+    for proc in psutil.process_iter(["cmdline"]):
+        try:
+            cmdline = " ".join(proc.info["cmdline"] or [])
+        except (psutil.Error, TypeError):
+            continue
+        if str(tmp) in cmdline and proc.pid != os.getpid():
+            found.append(proc)
+    return found
+
+
+def flyd_run(tmp: Path, *args: str, socket: bool = True,
+             timeout: float = 90) -> tuple[int, dict[str, Any], str]:
+    argv = [sys.executable, "-m", "flyd", "run", "--json", *args]
+    if socket:
+        argv += ["--socket", str(tmp / "bus.sock")]
+    out = subprocess.run(argv, cwd=ROOT, env=env_for(tmp), capture_output=True,
+                         timeout=timeout, check=False)
+    assert not leftovers(tmp), "a router or worker outlived flyd run"
+    assert b"Traceback" not in out.stderr and b"Traceback" not in out.stdout
+    lines = out.stdout.decode().splitlines()
+    assert len(lines) == 1, out.stdout
+    return out.returncode, orjson.loads(lines[0]), out.stderr.decode()
+
+
+SUMMARY_KEYS = {"run", "state", "steps", "boundary", "epochs", "recoveries", "advances",
+                "checkpoints", "behaviourDigest", "worldProgress", "counter", "wallSeconds",
+                "stepsPerSecond", "mode", "workers", "failures"}
+
+_CLEAN: dict[int, str] = {}
+
+
+def clean_digest(tmp: Path, steps: int = STEPS) -> str:
+    if steps not in _CLEAN:
+        code, summary, _ = flyd_run(tmp, "--steps", str(steps), "--mode", "thread")
+        assert code == 0 and summary["state"] == "succeeded"
+        _CLEAN[steps] = summary["behaviourDigest"]
+    return _CLEAN[steps]
+
+
+@pytest.mark.parametrize("mode", ["process", "thread", "inprocess"])
+def test_the_behaviour_digest_is_the_same_in_every_mode(tmp: Path, mode: str) -> None:
+    code, summary, _ = flyd_run(tmp, "--steps", str(STEPS), "--mode", mode)
+    assert code == 0
+    assert set(summary) == SUMMARY_KEYS
+    assert summary["state"] == "succeeded"
+    assert summary["mode"] == ("in-process" if mode == "inprocess" else mode)
+    assert summary["boundary"] == summary["advances"] == summary["steps"] == STEPS
+    assert summary["epochs"] == ["e1"] and summary["recoveries"] == 0
+    assert summary["checkpoints"] == 0 and summary["run"] is None
+    assert summary["worldProgress"] == str(STEPS + 1)
+    assert summary["failures"] == []
+    assert sorted(w["workerId"] for w in summary["workers"]) == ["arena", "fly-a", "fly-b"]
+    assert all(w["incarnationId"] == f"{w['workerId']}-inc-1" for w in summary["workers"])
+    if mode == "process":
+        assert len({w["pid"] for w in summary["workers"]}) == 3
+    if mode == "thread":  # this is the clean reference run itself
+        _CLEAN.setdefault(STEPS, summary["behaviourDigest"])
+    assert summary["behaviourDigest"] == clean_digest(tmp)
+
+
+@pytest.mark.parametrize("dispatch", ["sequential", "reversed"])
+def test_the_behaviour_digest_is_the_same_in_every_dispatch_order(tmp: Path,
+                                                                   dispatch: str) -> None:
+    code, summary, _ = flyd_run(tmp, "--steps", str(STEPS), "--mode", "thread",
+                                "--dispatch", dispatch)
+    assert code == 0 and summary["state"] == "succeeded"
+    assert summary["behaviourDigest"] == clean_digest(tmp)
+
+
+def test_a_process_run_of_120_steps_writes_its_trace(tmp: Path) -> None:
+    trace = tmp / "trace.jsonl"
+    code, summary, _ = flyd_run(tmp, "--steps", "120", "--trace", str(trace))
+    assert code == 0 and summary["state"] == "succeeded" and summary["boundary"] == 120
+    records = [orjson.loads(line) for line in trace.read_bytes().splitlines()]
+    assert len(records) == 120
+    assert [r["scope"]["step"] for r in records[:2]] == ["0", "1"]
+    from workers.canonical import digest_of
+
+    assert digest_of(records) == summary["behaviourDigest"]
+
+
+@pytest.mark.parametrize("fault", ["fly-b.prepare_delay_ms=2600@5", "lose-advance-result@7"])
+def test_a_recoverable_fault_keeps_the_clean_digest(tmp: Path, fault: str) -> None:
+    code, summary, _ = flyd_run(tmp, "--steps", str(STEPS), "--mode", "thread",
+                                "--fault", fault)
+    assert code == 0 and summary["state"] == "succeeded", summary["failures"]
+    assert summary["behaviourDigest"] == clean_digest(tmp)
+
+
+def test_a_killed_worker_fails_the_run_naming_it(tmp: Path) -> None:
+    code, summary, _ = flyd_run(tmp, "--steps", str(STEPS), "--fault", "kill:fly-b@5")
+    assert code == 1
+    assert summary["state"] == "failed"
+    assert summary["boundary"] == 5
+    assert [f["participant"] for f in summary["failures"]] == ["fly-b"]
+    assert set(summary["failures"][0]) == {"detail", "participant", "code", "mutation",
+                                           "message"}
+
+
+@pytest.mark.parametrize(("args", "needle"), [
+    (["--fault", "fly-z.prepare_delay_ms=5"], "fly-z.prepare_delay_ms=5"),
+    (["--agents", "Fly-A,fly-b"], "/agents/0/agentId"),
+    (["--mode", "bogus"], "--mode"),
+])
+def test_a_bad_spec_or_fault_exits_2_with_a_json_error(tmp: Path, args: list[str],
+                                                        needle: str) -> None:
+    code, out, _ = flyd_run(tmp, "--steps", "10", *args)
+    assert code == 2
+    assert set(out) == {"error"} and set(out["error"]) == {"code", "message"}
+    assert out["error"]["code"] == "USAGE"
+    assert needle in out["error"]["message"]
+    assert not (tmp / "bus.sock").exists()
+
+
+@pytest.mark.parametrize(("faults", "steps", "agents", "needle"), [
+    (("arena.prepare_delay_ms=5",), 10, None, "arena.prepare_delay_ms=5"),
+    (("kill:fly-b",), 10, None, "kill:fly-b"),
+    (("fly-a.prepare_delay_ms=1@99",), 10, None, "fly-a.prepare_delay_ms=1@99"),
+    (("fly-a.prepare_delay_ms=1", "fly-a.prepare_delay_ms=2"), 10, None,
+     "fly-a.prepare_delay_ms=2"),
+    ((), 0, None, "/steps"),
+    ((), 10, ("a", "b", "c", "d", "e"), "/agents"),
+])
+def test_build_spec_names_the_bad_path_or_fault(faults: tuple[str, ...], steps: int,
+                                                agents: tuple[str, ...] | None,
+                                                needle: str) -> None:
+    from flyd.run import RunOptions, RunUsageError, build_spec
+
+    with pytest.raises(RunUsageError) as caught:
+        build_spec(RunOptions(steps=steps, agents=agents, faults=faults))
+    assert caught.value.code == "USAGE" and needle in caught.value.message
+
+
+def test_the_default_socket_is_used_when_free_and_a_private_one_when_busy(tmp: Path) -> None:
+    default = tmp / "xdg" / "flyd" / "bus.sock"
+    code, summary, err = flyd_run(tmp, "--steps", "3", "--mode", "in-process", socket=False)
+    assert code == 0 and summary["state"] == "succeeded"
+    assert f"router socket {default}" in err
+    blocker = subprocess.Popen(
+        [sys.executable, "-m", "flyd", "router", "--socket", str(default), "-q"], cwd=ROOT,
+        env=env_for(tmp), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 20
+        while not default.exists():
+            assert blocker.poll() is None and time.monotonic() < deadline
+            time.sleep(0.02)
+        argv = [sys.executable, "-m", "flyd", "run", "--json", "--steps", "3", "--mode",
+                "in-process"]
+        proc = subprocess.Popen(argv, cwd=ROOT, env=env_for(tmp), stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE)
+        stdout, stderr = proc.communicate(timeout=60)
+        assert proc.returncode == 0, stderr[-2000:]
+        private = default.parent / f"run-{proc.pid}.sock"
+        assert f"using the private socket {private}".encode() in stderr
+        assert orjson.loads(stdout)["state"] == "succeeded"
+        assert default.exists() and not private.exists()
+        assert blocker.poll() is None  # the other router was left alone
+    finally:
+        blocker.terminate()
+        blocker.wait(timeout=20)
+
+
+def test_sigint_stops_the_run_reaps_everything_and_exits_130(tmp: Path) -> None:
+    argv = [sys.executable, "-m", "flyd", "run", "--json", "--steps", "100000", "--socket",
+            str(tmp / "bus.sock")]
+    proc = subprocess.Popen(argv, cwd=ROOT, env=env_for(tmp), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 60
+        while len([p for p in leftovers(tmp) if "workers." in " ".join(p.cmdline())]) < 3:
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.1)
+        time.sleep(1.0)
+        proc.send_signal(signal.SIGINT)
+        stdout, stderr = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 130, stderr[-2000:]
+    summary = orjson.loads(stdout)
+    assert summary["state"] == "cancelled"
+    assert summary["boundary"] == summary["advances"] < 100000
+    assert b"Traceback" not in stderr
+    assert not leftovers(tmp)
+
+
+def test_router_toml_carries_the_node_pid_and_the_limit_floors() -> None:
+    import tomllib
+
+    from bus.policy import Policy
+    from flyd.run import router_toml
+
+    text = router_toml({"socket": "/x.sock", "limits": {"max_clients": 9, "max_services": 99}},
+                       4242)
+    doc = tomllib.loads(text)
+    assert "socket" not in doc["bus"]
+    assert doc["bus"]["limits"] == {"max_clients": 15, "max_services": 99}
+    assert Policy.from_config(doc["bus"]["policy"]) == Policy.default(4242)
+
+
+def test_a_bad_config_key_exits_2_with_a_config_error(tmp: Path) -> None:
+    config = tmp / "flyd.toml"
+    config.write_text("[bus]\nbogus = 1\n")
+    code, out, _ = flyd_run(tmp, "--steps", "3", "--config", str(config))
+    assert code == 2 and out["error"]["code"] == "CONFIG"
+    assert "bogus" in out["error"]["message"] and str(config) in out["error"]["message"]
+
+
+def test_seeds_follow_the_options() -> None:
+    from flyd.run import RunOptions, build_spec
+    from workers.composition import derive_seed
+
+    default = build_spec(RunOptions())
+    assert (default.seed, default.seed_of("fly-a"), default.seed_of("fly-b")) == (7, 7, 11)
+    assert default.exclusive_to_submitter and default.mode == "process"
+    seeded = build_spec(RunOptions(seed=42))
+    assert [seeded.seed_of(a) for a in ("fly-a", "fly-b")] == [1329356413, 1459314961]
+    agents = build_spec(RunOptions(agents=("fly-a", "fly-b", "fly-c")))
+    assert [a.port_id for a in agents.agents] == ["p1", "p2", "p3"]
+    assert agents.seed_of("fly-c") == derive_seed(7, "fly-c")
+    assert build_spec(RunOptions(mode="inprocess", pace=True)).to_json()["mode"] == "in-process"
+    assert build_spec(RunOptions(pace=True)).pacing == "realtime"
