@@ -28,6 +28,16 @@ Digests are lowercase hex SHA-256: `digest_of(v)` of canonical bytes, `digest_by
 bytes, `body_digest(method, scope, params)` of `{"method", "scope", "params"}`,
 `typed_digest(tv)` of `{"schema", "value"}`, `controls_digest(cs)` of the control list in
 descriptor port order.
+
+Speed: `canonical` first rewrites the value into a tree orjson writes byte-for-byte in this form
+(`_fast_tree`: `to_json` applied, every float replaced by an `orjson.Fragment` of its
+`format_number` spelling) and lets orjson (`OPT_SORT_KEYS | OPT_STRICT_INTEGER`) write it:
+orjson escapes strings exactly as rule 3 does, refuses lone surrogates, non-str keys and integers
+outside ±(2^53-1), and sorts keys by code point, which is UTF-16 order unless a key holds a
+supplementary-plane character. Anything else — such a key, a subclass of a JSON type, a value
+orjson or the rules refuse, nesting within 8 levels of `MAX_DEPTH` — goes to `_canonical_slow`,
+the reference writer, which produces the bytes or the refusal. tests/session/test_canonical_fast.py
+checks both against the original writer, kept there verbatim as the oracle.
 """
 
 from __future__ import annotations
@@ -36,7 +46,10 @@ import hashlib
 import json
 import math
 from collections.abc import Mapping, Sequence
+from json.encoder import encode_basestring
 from typing import Any, Final
+
+import orjson
 
 from workers.domain import DomainError, Scope, short
 
@@ -79,6 +92,11 @@ def format_number(value: int | float) -> str:
         if abs(value) > MAX_SAFE_INTEGER:
             raise _refuse(f"the integral value {value!r} lies outside ±(2^53-1)")
         return str(int(value))
+    text = repr(value)
+    if "e" not in text:
+        # repr's fixed notation (1e-4 <= |value| < 1e16) places the shortest digits as
+        # ECMAScript does for a non-integral value in 1e-6 <= |value| < 1e21
+        return text
     sign = "-" if value < 0 else ""
     mantissa, _, exponent_text = repr(abs(value)).partition("e")
     whole, _, fraction = mantissa.partition(".")
@@ -101,11 +119,13 @@ def format_number(value: int | float) -> str:
 
 
 def _string(value: str) -> str:
-    # json.dumps(ensure_ascii=False) escapes exactly rule 3's set, with lowercase hex.
-    for char in value:
-        if "\ud800" <= char <= "\udfff":
-            raise _refuse(f"lone surrogate U+{ord(char):04X} in a string")
-    return json.dumps(value, ensure_ascii=False)
+    # json.dumps(ensure_ascii=False) escapes exactly rule 3's set, with lowercase hex; for a str
+    # it is `encode_basestring`. A strict UTF-8 encode fails at the first surrogate code point.
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise _refuse(f"lone surrogate U+{ord(value[exc.start]):04X} in a string") from None
+    return encode_basestring(value)
 
 
 def _key(key: str) -> bytes:
@@ -151,11 +171,71 @@ def _write(value: Any, out: list[str], depth: int) -> None:
         raise _refuse(f"{type(value).__name__} is not a JSON value")
 
 
-def canonical(value: Any) -> bytes:
-    """The canonical UTF-8 bytes of a JSON value."""
+def _canonical_slow(value: Any) -> bytes:
     out: list[str] = []
     _write(value, out, 1)
     return "".join(out).encode("utf-8")
+
+
+_FAST_OPTIONS: Final = orjson.OPT_SORT_KEYS | orjson.OPT_STRICT_INTEGER
+# The fast writer hands anything this deep to the reference writer, which words the depth
+# refusal; below it, no value it builds is deeper than MAX_DEPTH.
+_FAST_DEPTH: Final = MAX_DEPTH - 8
+_LEAVES: Final[frozenset[type]] = frozenset({str, int, bool, type(None)})
+_BMP_END: Final = "\uffff"
+
+
+class _Fallback(Exception):
+    """The fast writer cannot vouch for this value; `_canonical_slow` decides."""
+
+
+def _fast_keys(value: Mapping[Any, Any]) -> None:
+    # str.join refuses non-str keys; code point order is UTF-16 order without astral keys.
+    keys = "".join(value)
+    if not keys.isascii() and max(keys) > _BMP_END:
+        raise _Fallback
+
+
+def _fast_tree(value: Any, depth: int) -> Any:
+    """`value` as dict/list/str/int/bool/None/Fragment that orjson writes canonically.
+
+    Exact `str`, `int`, `bool` and `None` are kept as they are (children are tested inline);
+    a float becomes a Fragment of its `format_number` spelling; `to_json` is applied."""
+    if depth > _FAST_DEPTH:
+        raise _Fallback
+    kind = type(value)
+    if kind in _LEAVES:
+        return value
+    below = depth + 1
+    if kind is dict:
+        if value:
+            keys = "".join(value)  # as _fast_keys, inline: most values are dicts
+            if not keys.isascii() and max(keys) > _BMP_END:
+                raise _Fallback
+        return {key: item if type(item) in _LEAVES else _fast_tree(item, below)
+                for key, item in value.items()}
+    if kind is list or kind is tuple:
+        return [item if type(item) in _LEAVES else _fast_tree(item, below) for item in value]
+    if kind is float:
+        return orjson.Fragment(format_number(value))
+    if isinstance(value, str | int | float | list | tuple):
+        raise _Fallback  # a subclass: the reference writer's spelling applies
+    if isinstance(value, Mapping):
+        _fast_keys(value)
+        return {key: _fast_tree(value[key], below) for key in value}
+    to_json = getattr(value, "to_json", None)
+    if callable(to_json):
+        return _fast_tree(to_json(), depth)
+    raise _Fallback
+
+
+def canonical(value: Any) -> bytes:
+    """The canonical UTF-8 bytes of a JSON value."""
+    try:
+        return orjson.dumps(_fast_tree(value, 1), option=_FAST_OPTIONS)
+    except Exception:
+        # a refusal, or a value outside the fast path: the reference writer decides
+        return _canonical_slow(value)
 
 
 def plain(value: Any) -> Any:

@@ -21,9 +21,14 @@ def render_frame(counter: int, boundary: int, width: int = WIDTH, height: int = 
     red = counter & 0xFF
     marker = boundary % width
     greens = [x * 255 // (width - 1) if width > 1 else 0 for x in range(width)]
+    row = bytearray(width * BYTES_PER_PIXEL)
+    row[0::4] = bytes((red,)) * width
+    row[1::4] = bytes(greens)
+    row[3::4] = b"\xff" * width
     out = bytearray()
     for y in range(height):
-        blue = y * 255 // (height - 1) if height > 1 else 0
-        for x in range(width):
-            out += bytes((red, greens[x], 255 if x == marker else blue, 255))
+        row[2::4] = bytes((y * 255 // (height - 1) if height > 1 else 0,)) * width
+        if width:
+            row[marker * 4 + 2] = 255
+        out += row
     return bytes(out)
