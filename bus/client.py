@@ -167,6 +167,16 @@ class _CallState:
         _quiet(self.done)
 
 
+def _deliver(state: _CallState, exc: BaseException | None = None, value: Any = None) -> None:
+    """Settle a call's outcome. `call()` awaits `done` directly (no shield: one wake-up
+    fewer), so a deadline may have cancelled it; the outcome then goes to a fresh future
+    that `_deadline` reads."""
+    if state.done.cancelled():
+        state.done = asyncio.get_running_loop().create_future()
+        _quiet(state.done)
+    _settle(state.done, exc, value)
+
+
 def _quiet(fut: asyncio.Future[Any]) -> None:
     """Mark a future's exception as retrieved: pending calls nobody awaits may fail."""
     fut.add_done_callback(lambda f: f.cancelled() or f.exception())
@@ -484,13 +494,14 @@ class BusClient:
             return
         assert isinstance(params, dict)
         if method == "bus.result":
-            self._queue_consumed(params["deliveryId"])
             state = self._calls.pop(params["callId"], None)
             if state is not None:
                 r = params["responder"]
-                _settle(state.done, value=CallResult(
+                _deliver(state, value=CallResult(
                     params["callId"], params["serviceIncarnation"],
                     Identity(r["clientId"], r["clientIncarnation"]), params["outcome"]))
+            # queued after the wake-up: the credit leaves with the caller's next request
+            self._queue_consumed(params["deliveryId"])
         elif method == "bus.request":
             self._on_request(params)
         elif method == "bus.callFailed":
@@ -498,7 +509,7 @@ class BusClient:
             if state is not None:
                 err = from_wire(params["error"])
                 _settle(state.admitted, err)
-                _settle(state.done, err)
+                _deliver(state, err)
         elif method == "bus.routeRemoved":
             hook = self._on_route_removed
             if hook is not None:
@@ -606,7 +617,7 @@ class BusClient:
         if exc is not None:
             self._calls.pop(state.call_id, None)
             _settle(state.admitted, exc)
-            _settle(state.done, exc)
+            _deliver(state, exc)
 
     async def start_call(self, target: str, method: str, payload: dict[str, Any], *,
                          expected_incarnation: str | None = None) -> PendingCall:
@@ -629,17 +640,21 @@ class BusClient:
         try:
             async with asyncio.timeout(timeout):
                 await state.admitted
-                return await asyncio.shield(state.done)
+                return await state.done
         except TimeoutError:
             return await self._deadline(state)
         except asyncio.CancelledError:
-            if not state.done.done() and self._closed_with is None:
+            finished = state.done.done() and not state.done.cancelled()
+            if not finished and self._closed_with is None:
                 fut = self._send_nowait("bus.cancel", {"callId": state.call_id})
                 fut.add_done_callback(lambda f: self._task_cancel_answered(state, f))
             raise
 
     async def _deadline(self, state: _CallState) -> CallResult:
-        if state.done.done():
+        if state.done.cancelled():
+            state.done = self._loop.create_future()
+            _quiet(state.done)
+        elif state.done.done():
             return state.done.result()
         self._check_open()
         fut = self._send_nowait("bus.cancel", {"callId": state.call_id})
