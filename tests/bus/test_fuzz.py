@@ -1,0 +1,909 @@
+"""Fuzzing the router (wire.md §2–§4, §6–§10, §14): bad input never kills it and leaks nothing.
+
+Each example starts its own router on a fresh uvloop loop and plays rounds of raw connections
+against it: the connections of a round run concurrently, rounds run one after another, and a
+connection may stay open across rounds. Connections send valid requests with random params to
+every op, mutated frames (bit flips, truncation, wrong prefixes, duplicated keys, bad ids, bad
+members) and random bytes, then end in one of several ways (close, half-close, reset, a frame
+cut short). Throughout, every frame the router sends must be a strict, schema-valid frame with
+`bus.closing` (or a refused hello) as the last one. Afterwards the router must still answer
+`bus.stats` on a fresh connection and, once everything is closed, its gauges must settle back
+to the baseline.
+
+`make fuzz` runs this with `--hypothesis-profile=fuzz` (registered in conftest.py, because the
+option is applied before test modules are imported); `HYPOTHESIS_PROFILE=<name>` also selects a
+profile. The default run uses the quick profile registered below.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import io
+import os
+import shutil
+import struct
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+import pytest
+import uvloop
+from hypothesis import HealthCheck, given, settings, target
+from hypothesis import strategies as st
+
+from bus import codec
+from bus.client import _Validators
+from bus.errors import BusError
+from bus.limits import Limits
+from bus.policy import Policy
+from bus.router import Router, RouterConfig
+
+settings.register_profile(
+    "bus-fuzz-quick", max_examples=60, deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+
+
+def _profile_name() -> str:
+    chosen = os.environ.get("HYPOTHESIS_PROFILE") or settings.get_current_profile_name()
+    return "bus-fuzz-quick" if chosen == "default" else chosen
+
+
+PROFILE = _profile_name()
+pytestmark = pytest.mark.timeout(60 if PROFILE == "bus-fuzz-quick" else 6 * 3600)
+
+LIMITS = Limits().replace(
+    maxEnvelopeBytes=65536, maxClients=16, maxServices=3, maxServiceQueued=4,
+    maxServiceInFlight=2, maxActiveCallsPerClient=4, maxOpenRequestsPerClient=3,
+    maxQueuedCallBytes=65536, maxControlFrames=8, maxControlBytes=65536, maxExpectations=2,
+    helloTimeoutMs=2000, writeHighWaterBytes=65536,
+)
+MAX_ID = 2**53 - 1
+GAUGES = ("connections", "pendingConnections", "clients", "services", "expectations", "calls",
+          "activeCalls", "queuedCalls", "dispatchedCalls", "detachedCalls", "repliedCalls",
+          "replyCapabilities", "queuedCallBytes")
+
+# --- strategies -------------------------------------------------------------------------------
+
+json_leaf = (st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1)
+             | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=12))
+json_key = st.sampled_from(["a", "b", "id", "params", "", "é", "\u0000"]) | st.text(max_size=4)
+json_any = st.recursive(
+    json_leaf,
+    lambda children: (st.lists(children, max_size=3)
+                      | st.dictionaries(json_key, children, max_size=3)),
+    max_leaves=6,
+)
+json_object = st.dictionaries(json_key, json_any, max_size=3)
+# the large ones hit the outbound size checks and the queued-bytes budget (wire.md §7.3, §7.4)
+plain_object = st.sampled_from([{}, {"n": 1}, {"s": "x" * 200}, {"deep": [[[{"a": None}]]]},
+                                {"requestId": "req-1", "scope": None, "params": {}},
+                                {"big": "x" * 30000}, {"big": "x" * 65300}])
+
+CLIENT_IDS = ["fz-a", "fz-b", "fz-c", "fz-d"]
+NAMES = ["fz.a", "fz.b", "fz.a.b", "fz", "", "FZ", ".fz", "fz..a", "fz.", "a" * 193, "fz.*"]
+small_int = st.sampled_from([0, 1, 2, 3, 4, 5, 16, 17, 65535, 65536, -1, MAX_ID, MAX_ID + 1])
+dlv_ref = st.sampled_from(["$dlv", "$dlv", "$dlv", "dlv-1", "dlv-2"])
+grant_list = st.lists(st.sampled_from(["*", "fz.*", "fz.a", "fz.{clientId}", "", "Bad"]),
+                      max_size=3)
+grants = st.none() | st.fixed_dictionaries({}, optional={"register": grant_list,
+                                                        "call": grant_list})
+
+# Mostly valid values: they get past the schema checks into the op checks and routing state.
+GOOD: dict[str, st.SearchStrategy[Any]] = {
+    "name": st.sampled_from(["fz.a", "fz.b"]),
+    "target": st.sampled_from(["fz.a", "fz.b"] * 4 + ["fz.c"]),
+    "prefix": st.sampled_from(["", "fz", "fz.a"]),
+    "maxQueued": st.integers(1, 5),
+    "maxInFlight": st.integers(1, 3),
+    "serviceIncarnation": st.sampled_from(["$svc", "$svc", "svc-1"]),
+    "expectedIncarnation": st.sampled_from([None] * 8 + ["$svc", "svc-1"]),
+    "method": st.sampled_from(["M", "Worker.Status"]),
+    "payload": plain_object | json_object,
+    "outcome": plain_object | json_object,
+    "deliveryId": dlv_ref,
+    "deliveryIds": st.lists(dlv_ref, min_size=1, max_size=3),
+    "callId": st.sampled_from(["$call", "$call", "$call", 1]),
+    "detail": st.booleans(),
+    "clientId": st.sampled_from([*CLIENT_IDS, "fz-e"]),
+    "pid": st.sampled_from(["$pid", "$pid", 1]),
+    "clientIncarnation": st.sampled_from([None, None, "inc-x"]),
+    "ttlMs": st.sampled_from([100, 30000]),
+    "grants": grants,
+    "supportedMajors": st.just([1]),
+}
+# Anything goes: types, ranges, patterns and sizes the schemas must refuse.
+WILD: dict[str, st.SearchStrategy[Any]] = {
+    "name": st.sampled_from(NAMES) | st.text(max_size=6) | json_any,
+    "target": st.sampled_from(NAMES) | st.text(max_size=6) | json_any,
+    "prefix": st.sampled_from(["FZ", "a" * 193, "*"]) | json_any,
+    "maxQueued": small_int | json_any,
+    "maxInFlight": small_int | json_any,
+    "serviceIncarnation": st.sampled_from(["svc-0", "svc-01", "svc-9007199254740992", "x"])
+    | json_any,
+    "expectedIncarnation": st.sampled_from(["svc-0", "svc-01", "", "x"]) | json_any,
+    "method": st.sampled_from(["", "\x7f", "é", "x" * 129]) | json_any,
+    "payload": json_any,
+    "outcome": json_any,
+    "deliveryId": st.sampled_from(["dlv-0", "dlv-01", "dlv-9007199254740991",
+                                   "dlv-9007199254740992", "dlv-x", "dlv-", "dlv-99"])
+    | json_any,
+    "deliveryIds": (st.lists(dlv_ref, min_size=2, max_size=4)
+                    | st.just([f"dlv-{i}" for i in range(1, 66)])
+                    | st.just(["dlv-1", "dlv-99"]) | st.just([]) | json_any),
+    "callId": small_int | json_any,
+    "detail": json_any,
+    "clientId": st.sampled_from(["Bad", "", "x" * 65]) | json_any,
+    "pid": st.sampled_from([0, 4194304, 4194305, -1]) | json_any,
+    "clientIncarnation": st.sampled_from(["BAD", ""]) | json_any,
+    "ttlMs": st.sampled_from([0, 1, 300000, 300001]) | json_any,
+    "grants": json_any,
+    "supportedMajors": st.sampled_from([[2], [1, 1], [], [0], [1, 2], list(range(1, 18))])
+    | json_any,
+}
+OP_KEYS: dict[str, list[str]] = {
+    "bus.hello": ["clientId", "clientIncarnation", "supportedMajors"],
+    "bus.register": ["name", "maxQueued", "maxInFlight"],
+    "bus.unregister": ["name", "serviceIncarnation"],
+    "bus.call": ["target", "expectedIncarnation", "method", "payload"],
+    "bus.reply": ["deliveryId", "outcome"],
+    "bus.release": ["deliveryId"],
+    "bus.cancel": ["callId"],
+    "bus.consumed": ["deliveryIds"],
+    "bus.services": ["prefix"],
+    "bus.stats": ["detail"],
+    "bus.expect": ["clientId", "pid", "clientIncarnation", "ttlMs", "grants"],
+    "bus.nope": [],
+    "": [],
+}
+RARE_OPS = ["bus.hello", "bus.nope", ""]
+ROLE_OPS = {
+    "service": ["bus.register"] + ["bus.reply"] * 8 + ["bus.consumed"] * 4
+    + ["bus.release", "bus.unregister", "bus.call", "bus.stats", "bus.services"],
+    "caller": ["bus.call"] * 10 + ["bus.cancel"] * 3 + ["bus.consumed"] * 3
+    + ["bus.expect", "bus.stats", "bus.services", "bus.register"],
+    "mixed": ["bus.register", "bus.call", "bus.call", "bus.reply", "bus.reply",
+              "bus.consumed", "bus.consumed", "bus.cancel", "bus.release", "bus.unregister",
+              "bus.expect", "bus.stats", "bus.services"],
+}
+
+
+@st.composite
+def params_for(draw: st.DrawFn, op: str) -> Any:
+    keys = OP_KEYS[op]
+    mode = draw(st.sampled_from(["good"] * 24 + ["one-wild"] * 3 + ["wild", "wild", "subset",
+                                                                     "extra", "random"]))
+    if mode == "random":
+        return draw(json_object)
+    if mode == "subset":
+        keys = draw(st.lists(st.sampled_from(keys), unique=True)) if keys else []
+    table = WILD if mode == "wild" else GOOD
+    params = {k: draw(table[k]) for k in keys}
+    if mode == "one-wild" and keys:
+        key = draw(st.sampled_from(keys))
+        params[key] = draw(WILD[key])
+    if mode == "extra":
+        params[draw(st.text(max_size=6))] = draw(json_any)
+    if op == "bus.expect" and "ttlMs" in params and draw(st.booleans()):
+        del params["ttlMs"]  # optional members may be omitted
+    return params
+
+
+GOOD_ID_MODES = st.sampled_from(["next"] * 15 + ["gap"])
+BAD_ID_MODES = st.sampled_from(["same", "back", "zero", "big", "float", "bool", "str", "null",
+                                "missing"])
+GOOD_FORMS = st.sampled_from(["obj"] * 15 + ["omit"])
+BAD_FORMS = st.sampled_from(["array", "null", "string"])
+
+
+@st.composite
+def request_action(draw: st.DrawFn, role: str = "mixed") -> tuple[Any, ...]:
+    rare = draw(st.sampled_from([True] + [False] * 19))
+    op = draw(st.sampled_from(RARE_OPS if rare else ROLE_OPS[role]))
+    return ("req", op, draw(params_for(op)), draw(GOOD_ID_MODES), draw(GOOD_FORMS))
+
+
+@st.composite
+def bad_request_action(draw: st.DrawFn) -> tuple[Any, ...]:
+    """A request with a bad id or a bad params member (wire.md §4 checks 3 and 4)."""
+    _, op, params, id_mode, form = draw(request_action())
+    if draw(st.booleans()):
+        id_mode = draw(BAD_ID_MODES)
+    else:
+        form = draw(BAD_FORMS)
+    return ("req", op, params, id_mode, form)
+
+
+MUTATIONS = st.one_of(
+    st.tuples(st.just("flip"), st.integers(0, 10_000), st.integers(0, 7)),
+    st.tuples(st.just("truncbody"), st.integers(1, 10_000)),
+    st.tuples(st.just("dupkey"), st.sampled_from(["id", "jsonrpc", "method", "nested"])),
+    st.tuples(st.just("prefix"), st.sampled_from(["be", "zero", "huge", "over", "-1", "+1",
+                                                  "+3"])),
+    st.tuples(st.just("split"), st.lists(st.integers(1, 40), min_size=1, max_size=6)),
+    st.tuples(st.just("shape"), st.sampled_from(["extra-member", "jsonrpc-1.0", "no-jsonrpc",
+                                                 "method-int", "notification", "response",
+                                                 "batch", "lead-ws", "trail-ws", "trailing",
+                                                 "bad-utf8", "deep", "nan", "big-int"])),
+)
+
+
+@st.composite
+def mutated_action(draw: st.DrawFn) -> tuple[Any, ...]:
+    return ("mut", draw(request_action()), draw(MUTATIONS))
+
+
+@st.composite
+def split_action(draw: st.DrawFn, role: str) -> tuple[Any, ...]:
+    """A well-formed request written in pieces (wire.md §2): not a violation."""
+    cuts = draw(st.lists(st.integers(1, 40), min_size=1, max_size=6))
+    return ("mut", draw(request_action(role)), ("split", cuts))
+
+
+@st.composite
+def poison_action(draw: st.DrawFn) -> tuple[Any, ...]:
+    kind = draw(st.sampled_from(["mut", "mut", "mut", "badreq", "bytes", "json"]))
+    if kind == "mut":
+        return draw(mutated_action())
+    if kind == "badreq":
+        return draw(bad_request_action())
+    if kind == "bytes":
+        return ("bytes", draw(st.binary(min_size=1, max_size=48)))
+    return ("json", draw(json_any))
+
+
+POISON = poison_action()
+
+
+@st.composite
+def action_for(draw: st.DrawFn, role: str) -> tuple[Any, ...]:
+    kind = draw(st.sampled_from(["req"] * 30 + ["split", "split"] + ["yield"] * 6
+                                + ["poison"]))
+    if kind == "req":
+        return draw(request_action(role))
+    if kind == "split":
+        return draw(split_action(role))
+    if kind == "yield":
+        return ("yield", draw(st.integers(1, 8)))
+    return draw(POISON)
+
+
+HELLOS = st.sampled_from(["fresh"] * 12 + ["reused", "bad", "none", "late"])
+ENDINGS = st.sampled_from(["close", "close", "eof", "abort", "truncated", "keep", "keep",
+                           "keep"])
+
+
+@dataclass
+class Script:
+    client_id: str
+    role: str
+    hello: str
+    actions: list[tuple[Any, ...]]
+    tail: list[tuple[Any, ...]]
+    delay: int
+    ending: str
+    auto: str | None = None  # how the reader answers deliveries by itself (see Conn.auto_answer)
+    first: bool = False  # a responder: its registration completes before the round starts
+
+
+@st.composite
+def scripts(draw: st.DrawFn) -> Script:
+    role = draw(st.sampled_from(["service", "caller", "caller", "caller", "mixed"]))
+    actions = draw(st.lists(action_for(role), max_size=12))
+    if role == "service" and draw(st.sampled_from([True, True, True, False])):
+        actions.insert(0, _register(draw))
+    return Script(
+        client_id=draw(st.sampled_from(["unique"] * 6 + CLIENT_IDS)),
+        role=role,
+        hello=draw(HELLOS),
+        actions=actions,
+        tail=draw(st.lists(POISON, max_size=1 if role == "service" else 2)
+                  if draw(st.booleans()) else st.just([])),
+        delay=draw(st.integers(0, 3) if role == "service" else st.integers(0, 30)),
+        ending=draw(st.sampled_from(["keep", "keep", "close"]) if role == "service"
+                    else ENDINGS),
+        auto=draw(st.sampled_from([None, "consume", "mixed"])),
+    )
+
+
+def _register(draw: st.DrawFn) -> tuple[Any, ...]:
+    return ("req", "bus.register", {
+        "name": draw(st.sampled_from(["fz.a", "fz.b"])),
+        "maxQueued": draw(st.integers(1, 4)), "maxInFlight": draw(st.integers(1, 2)),
+    }, "next", "obj")
+
+
+@st.composite
+def responders(draw: st.DrawFn) -> Script:
+    """A well-behaved service that answers its requests by itself (echo, hold or release), so
+    the fuzzed callers reach admission, dispatch, replies, results and every cancel state."""
+    return Script(
+        client_id="unique", role="service", hello="fresh",
+        actions=[_register(draw), *draw(st.lists(
+            st.tuples(st.just("yield"), st.integers(1, 8)), max_size=2))],
+        tail=[], delay=0,
+        ending=draw(st.sampled_from(["keep"] * 6 + ["close", "abort"])),
+        auto=draw(st.sampled_from(["echo", "hold", "release", "mixed", "mixed"])),
+        first=True,
+    )
+
+
+@st.composite
+def cases(draw: st.DrawFn) -> list[list[Script]]:
+    rounds = draw(st.lists(st.lists(scripts(), min_size=1, max_size=3), min_size=1,
+                           max_size=4))
+    for round_ in rounds:
+        count = draw(st.sampled_from([0, 1, 1, 2, 2]))
+        services = [draw(responders()) for _ in range(count)]
+        for name, svc in zip(("fz.a", "fz.b"), services, strict=False):
+            svc.actions[0][2]["name"] = name
+        round_[:0] = services
+    return rounds
+
+
+# --- the player -------------------------------------------------------------------------------
+
+
+@dataclass
+class Conn:
+    """One raw fuzz connection and what its reader saw."""
+
+    name: str
+    reader: asyncio.StreamReader
+    writer: asyncio.StreamWriter
+    problems: list[str]
+    last_id: int = 0
+    tainted: bool = False
+    dead: bool = False
+    sent: dict[int, str] = field(default_factory=dict)
+    dlv: list[str] = field(default_factory=list)
+    svc: list[str] = field(default_factory=list)
+    sent_calls: list[int] = field(default_factory=list)
+    task: asyncio.Task[None] | None = None
+    auto: str | None = None
+    answered: int = 0
+    last_response: int = 0
+    responded: set[int] = field(default_factory=set)
+    eof: bool = False
+    ended: bool = False  # we closed, half-closed or reset our side
+    progress: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def fail(self, message: str) -> None:
+        self.problems.append(f"{self.name}: {message}")
+
+    async def read_all(self) -> None:
+        try:
+            await self._read_all()
+        finally:
+            self.eof = True
+            self.progress.set()
+
+    async def wait_response(self, rid: int) -> None:
+        """Until the response to `rid` (or EOF) has been read."""
+        while self.last_response < rid and not self.eof:
+            self.progress.clear()
+            await self.progress.wait()
+
+    async def _read_all(self) -> None:
+        """Read until EOF, checking every router frame (wire.md §2–§4, §8, §15)."""
+        v = _Validators.get()
+        final: str | None = None
+        while True:
+            try:
+                prefix = await self.reader.readexactly(4)
+            except asyncio.IncompleteReadError as exc:
+                # Only our own close may cut a frame short (wire.md §10.2): a close the router
+                # starts ends with a whole bus.closing.
+                if exc.partial and not self.ended:
+                    self.fail(f"router sent a partial prefix {exc.partial!r}")
+                return
+            except ConnectionError:
+                return
+            (n,) = struct.unpack("<I", prefix)
+            if not 1 <= n <= LIMITS.maxEnvelopeBytes:
+                self.fail(f"router frame length {n}")
+                return
+            try:
+                body = await self.reader.readexactly(n)
+            except (asyncio.IncompleteReadError, ConnectionError):
+                if not self.ended:
+                    self.fail("router frame cut short")
+                return
+            if final is not None:
+                self.fail(f"a frame after the final {final}: {body[:200]!r}")
+                return
+            try:
+                msg = codec.decode(body)
+            except BusError as exc:
+                self.fail(f"router frame is not strict JSON ({exc.message}): {body[:200]!r}")
+                return
+            if type(msg) is not dict or msg.get("jsonrpc") != "2.0":
+                self.fail(f"router frame is not a JSON-RPC object: {body[:200]!r}")
+                return
+            if "id" in msg:
+                problem = v.response(msg)
+                if problem is not None:
+                    self.fail(f"bad response ({problem}): {body[:300]!r}")
+                    return
+                rid = msg["id"]
+                if rid <= self.last_response:
+                    self.fail(f"response {rid} after response {self.last_response}")
+                self.last_response = rid
+                self.responded.add(rid)
+                self.progress.set()
+                method = self.sent.get(rid)
+                if "result" in msg and method in v.results and not self.tainted:
+                    problem = v.results[method](msg["result"])
+                    if problem is not None:
+                        self.fail(f"bad {method} result ({problem}): {body[:300]!r}")
+                    if method == "bus.register":
+                        self.svc.append(msg["result"]["serviceIncarnation"])
+                if "error" in msg:
+                    if self.sent.get(rid) == "bus.hello" and not self.tainted:
+                        final = "refused hello"
+                    data = msg["error"]["data"]
+                    if data["dispatch"] != "not-dispatched":
+                        self.fail(f"an error response with dispatch {data['dispatch']}")
+                continue
+            method = msg.get("method")
+            check = v.notifications.get(method) if isinstance(method, str) else None
+            if check is None or set(msg) != {"jsonrpc", "method", "params"}:
+                self.fail(f"bad notification: {body[:300]!r}")
+                return
+            problem = check(msg["params"])
+            if problem is not None:
+                self.fail(f"bad {method} ({problem}): {body[:300]!r}")
+                return
+            params = msg["params"]
+            if method in ("bus.request", "bus.result"):
+                self.dlv.append(params["deliveryId"])
+                if self.auto is not None:
+                    self.auto_answer(method, params)
+            elif method == "bus.closing":
+                final = "bus.closing"
+                if params["error"]["data"]["dispatch"] != "unknown":
+                    self.fail(f"bus.closing with dispatch {params['error']['data']}")
+
+    def auto_answer(self, method: str, params: dict[str, Any]) -> None:
+        """Answer a delivery at once: reply or release (or hold) a request, then consume it;
+        consume a result. Ids come from the same counter as the script's requests."""
+        dlv = params["deliveryId"]
+        if method == "bus.request":
+            mode = self.auto
+            if mode == "mixed":
+                mode = ("echo", "hold", "release")[self.answered % 3]
+            self.answered += 1
+            if mode == "consume" or mode == "hold":
+                return  # the script's own actions may answer it
+            if mode == "echo":
+                self.write_request("bus.reply", {"deliveryId": dlv,
+                                                 "outcome": {"echo": params["payload"]}})
+            else:
+                self.write_request("bus.release", {"deliveryId": dlv})
+        self.write_request("bus.consumed", {"deliveryIds": [dlv]})
+
+    def write_request(self, method: str, params: dict[str, Any]) -> None:
+        if self.dead or self.writer.is_closing():
+            return
+        self.last_id += 1
+        if not self.tainted:
+            self.sent[self.last_id] = method
+        try:
+            self.writer.write(_frame(orjson.dumps({"jsonrpc": "2.0", "id": self.last_id,
+                                                   "method": method, "params": params})))
+        except (ConnectionError, RuntimeError):
+            self.dead = True
+
+    async def send(self, data: bytes, tainted: bool = True) -> None:
+        if self.dead:
+            return
+        self.tainted = self.tainted or tainted
+        try:
+            self.writer.write(data)
+            await self.writer.drain()
+        except (ConnectionError, RuntimeError):
+            self.dead = True
+
+    def next_id(self, mode: str) -> Any:
+        if mode == "next":
+            self.last_id += 1
+            return self.last_id
+        if mode == "gap":
+            self.last_id += 1000
+            return self.last_id
+        return {"same": self.last_id, "back": max(self.last_id - 1, 0), "zero": 0,
+                "big": MAX_ID + 1, "float": float(self.last_id + 1), "bool": True,
+                "str": str(self.last_id + 1), "null": None, "missing": "missing"}[mode]
+
+
+def _resolve(value: Any, conn: Conn, counter: list[int]) -> Any:
+    """Fill in the `$` placeholders with what the connection learned (or a plausible guess)."""
+    if isinstance(value, str) and value.startswith("$"):
+        counter[0] += 1
+        i = counter[0]
+        if value == "$dlv":
+            return conn.dlv[-1 - (i - 1) % len(conn.dlv)] if conn.dlv else "dlv-1"
+        if value == "$svc":
+            return conn.svc[-1] if conn.svc else "svc-1"
+        if value == "$call":
+            calls = conn.sent_calls
+            return calls[-1 - (i - 1) % len(calls)] if calls else 1
+        if value == "$pid":
+            return os.getpid()
+    if isinstance(value, list):
+        return [_resolve(x, conn, counter) for x in value]
+    if isinstance(value, dict):
+        return {k: _resolve(x, conn, counter) for k, x in value.items()}
+    return value
+
+
+def _build(conn: Conn, action: tuple[Any, ...]) -> tuple[dict[str, Any], bool]:
+    """The request object of a `req` action, and whether it is well formed (untainted)."""
+    _, op, params, id_mode, form = action
+    rid = conn.next_id(id_mode)
+    msg: dict[str, Any] = {"jsonrpc": "2.0", "method": op}
+    if rid != "missing":
+        msg["id"] = rid
+    params = _resolve(params, conn, [0])
+    if form == "obj":
+        msg["params"] = params
+    elif form == "array":
+        msg["params"] = [params]
+    elif form == "null":
+        msg["params"] = None
+    elif form == "string":
+        msg["params"] = "{}"
+    ok = id_mode in ("next", "gap") and form in ("obj", "omit")
+    return msg, ok
+
+
+def _dumps(obj: Any) -> bytes | None:
+    try:
+        return orjson.dumps(obj)
+    except (orjson.JSONEncodeError, TypeError):
+        return None
+
+
+def _frame(body: bytes) -> bytes:
+    return struct.pack("<I", len(body)) + body
+
+
+def _mutate(body: bytes, msg: dict[str, Any], mutation: tuple[Any, ...]) -> list[bytes]:
+    """Chunks to send for a mutated request frame."""
+    kind = mutation[0]
+    if kind == "flip":
+        pos = mutation[1] % len(body)
+        b = bytearray(body)
+        b[pos] ^= 1 << mutation[2]
+        return [_frame(bytes(b))]
+    if kind == "truncbody":
+        return [_frame(body[: max(1, mutation[1] % len(body))])]
+    if kind == "dupkey":
+        which = mutation[1]
+        if which == "nested":
+            return [_frame(body.replace(b'"params":{', b'"params":{"k":1,"k":2,', 1))]
+        dup = {"id": b'"id":1,', "jsonrpc": b'"jsonrpc":"2.0",', "method": b'"method":"x",'}
+        return [_frame(b"{" + dup[which] + body[1:])]
+    if kind == "prefix":
+        n = len(body)
+        where = mutation[1]
+        prefix = {"be": struct.pack(">I", n), "zero": struct.pack("<I", 0),
+                  "huge": struct.pack("<I", 2**32 - 1),
+                  "over": struct.pack("<I", LIMITS.maxEnvelopeBytes + 1),
+                  "-1": struct.pack("<I", max(n - 1, 1)), "+1": struct.pack("<I", n + 1),
+                  "+3": struct.pack("<I", n + 3)}[where]
+        return [prefix + body]
+    if kind == "split":
+        data = _frame(body)
+        chunks, at = [], 0
+        for size in mutation[1]:
+            if at >= len(data):
+                break
+            chunks.append(data[at:at + size])
+            at += size
+        if at < len(data):
+            chunks.append(data[at:])
+        return chunks
+    shape = mutation[1]
+    other: Any
+    if shape == "extra-member":
+        other = {**msg, "extra": 1}
+    elif shape == "jsonrpc-1.0":
+        other = {**msg, "jsonrpc": "1.0"}
+    elif shape == "no-jsonrpc":
+        other = {k: v for k, v in msg.items() if k != "jsonrpc"}
+    elif shape == "method-int":
+        other = {**msg, "method": 7}
+    elif shape == "notification":
+        other = {k: v for k, v in msg.items() if k != "id"}
+    elif shape == "response":
+        other = {"jsonrpc": "2.0", "id": msg.get("id", 1), "result": {}}
+    elif shape == "batch":
+        other = [msg]
+    elif shape == "lead-ws":
+        return [_frame(b" " + body)]
+    elif shape == "trail-ws":
+        return [_frame(body + b"\n")]
+    elif shape == "trailing":
+        return [_frame(body + b"{}")]
+    elif shape == "bad-utf8":
+        return [_frame(body.replace(b'"2.0"', b'"2.\xc0\x80"', 1))]
+    elif shape == "deep":
+        return [_frame(b'{"jsonrpc":"2.0","id":%d,"method":"bus.stats","params":{"a":%s%s}}'
+                       % (msg.get("id") if isinstance(msg.get("id"), int) else 1,
+                          b"[" * 130, b"]" * 130))]
+    elif shape == "nan":
+        return [_frame(body.replace(b'"jsonrpc":"2.0"', b'"jsonrpc":"2.0","x":NaN', 1))]
+    else:
+        assert shape == "big-int"
+        return [_frame(body.replace(b'"jsonrpc":"2.0"', b'"jsonrpc":"2.0","x":1e400', 1))]
+    encoded = _dumps(other)
+    return [_frame(encoded)] if encoded is not None else []
+
+
+class Player:
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.problems: list[str] = []
+        self.incarnations = 0
+        self.open: list[Conn] = []
+        self.count = 0
+
+    async def connect(self) -> Conn | None:
+        self.count += 1
+        name = f"conn#{self.count}"
+        try:
+            reader, writer = await asyncio.open_unix_connection(self.path, limit=2**20)
+        except OSError as exc:
+            self.problems.append(f"connect failed: {exc}")
+            return None
+        conn = Conn(name, reader, writer, self.problems)
+        conn.task = asyncio.get_running_loop().create_task(conn.read_all())
+        self.open.append(conn)
+        return conn
+
+    async def hello(self, conn: Conn, script: Script) -> None:
+        if script.hello == "none":
+            return
+        if script.hello == "bad":
+            action = ("req", "bus.hello", _bad_hello_params(script), "next", "obj")
+        else:
+            self.incarnations += 1
+            inc = "inc-1" if script.hello == "reused" else f"inc-{self.incarnations}"
+            client_id = script.client_id
+            if client_id == "unique":
+                client_id = f"fz-u{conn.name[5:]}"
+            action = ("req", "bus.hello", {"clientId": client_id,
+                                           "clientIncarnation": inc,
+                                           "supportedMajors": [1]}, "next", "obj")
+        await self.request(conn, action)
+
+    async def request(self, conn: Conn, action: tuple[Any, ...]) -> None:
+        msg, ok = _build(conn, action)
+        body = _dumps(msg)
+        if body is None:
+            return
+        if ok and not conn.tainted:
+            conn.sent[msg["id"]] = msg["method"]
+        if msg["method"] == "bus.call" and isinstance(msg.get("id"), int):
+            conn.sent_calls.append(msg["id"])
+        await conn.send(_frame(body), tainted=not ok)
+
+    async def play(self, conn: Conn, action: tuple[Any, ...]) -> None:
+        kind = action[0]
+        if kind == "req":
+            await self.request(conn, action)
+        elif kind == "mut":
+            msg, _ = _build(conn, action[1])
+            body = _dumps(msg)
+            if body is None:
+                return
+            chunks = _mutate(body, msg, action[2])
+            # a split frame is a valid frame: its response may be checked
+            clean = action[2][0] == "split"
+            if clean and not conn.tainted and isinstance(msg.get("id"), int) and _ok(action[1]):
+                conn.sent[msg["id"]] = msg["method"]
+            for chunk in chunks:
+                await conn.send(chunk, tainted=not (clean and _ok(action[1])))
+                await asyncio.sleep(0)
+        elif kind == "bytes":
+            await conn.send(action[1])
+        elif kind == "json":
+            body = _dumps(action[1])
+            if body is not None:
+                await conn.send(_frame(body))
+        else:
+            assert kind == "yield"
+            for _ in range(action[1]):
+                await asyncio.sleep(0)
+
+    async def run_round(self, scripts: list[Script]) -> None:
+        """Responders register first; then every connection of the round runs at once."""
+        ready = [asyncio.Event() for s in scripts if s.first]
+        first = [self.run_script(s, e) for s, e in
+                 zip([s for s in scripts if s.first], ready, strict=True)]
+        tasks = [asyncio.get_running_loop().create_task(c) for c in first]
+        for event in ready:
+            await event.wait()
+        await asyncio.gather(*tasks, *(self.run_script(s) for s in scripts if not s.first))
+
+    async def run_script(self, script: Script, ready: asyncio.Event | None = None) -> None:
+        try:
+            await self._run_script(script, ready)
+        finally:
+            if ready is not None:
+                ready.set()
+
+    async def _run_script(self, script: Script, ready: asyncio.Event | None) -> None:
+        for _ in range(script.delay):  # interleaving with the round's other connections
+            await asyncio.sleep(0)
+        conn = await self.connect()
+        if conn is None:
+            return
+        conn.auto = script.auto
+        if script.hello != "late":
+            await self.hello(conn, script)
+        for i, action in enumerate(script.actions + script.tail):
+            if script.hello == "late" and i == len(script.actions) // 2:
+                await self.hello(conn, script)
+            await self.play(conn, action)
+            if ready is not None:
+                await conn.wait_response(conn.last_id)
+                ready.set()
+                ready = None
+            await asyncio.sleep(0)
+        await self.end(conn, script.ending)
+
+    async def end(self, conn: Conn, ending: str) -> None:
+        if ending == "keep":
+            return
+        conn.ended = True
+        if ending == "truncated":
+            await conn.send(struct.pack("<I", 40) + b'{"jsonrpc":"2.0"')
+        if ending == "eof":
+            if not conn.dead:
+                conn.dead = True  # nothing more may be written after the EOF
+                try:
+                    conn.writer.write_eof()
+                except (OSError, RuntimeError):
+                    pass
+            return  # the router closes its side once it has seen the EOF
+        if ending == "abort":
+            conn.writer.transport.abort()
+        else:
+            conn.writer.close()
+
+    async def close_all(self) -> None:
+        # wire.md §4: every request after a successful hello gets exactly one response. A
+        # well-formed connection the router did not end must have them all.
+        for conn in self.open:
+            if conn.tainted or conn.dead or conn.writer.is_closing() or not conn.sent:
+                continue
+            try:
+                async with asyncio.timeout(5):
+                    await conn.wait_response(conn.last_id)
+            except TimeoutError:
+                pass
+            missing = sorted(set(conn.sent) - conn.responded)
+            if missing and not conn.eof:
+                self.problems.append(f"{conn.name}: no response to ids {missing[:10]}")
+        for conn in self.open:
+            conn.ended = True
+            conn.writer.close()
+        for conn in self.open:
+            assert conn.task is not None
+            try:
+                async with asyncio.timeout(5):
+                    await conn.task
+            except TimeoutError:
+                self.problems.append(f"{conn.name}: the reader never saw EOF")
+            try:
+                await conn.writer.wait_closed()
+            except OSError:
+                pass
+
+
+def _ok(action: tuple[Any, ...]) -> bool:
+    return action[3] in ("next", "gap") and action[4] in ("obj", "omit")
+
+
+def _bad_hello_params(script: Script) -> dict[str, Any]:
+    """A hello whose params break its schema in a way that depends on the script."""
+    variants: list[dict[str, Any]] = [
+        {"clientId": "Bad", "clientIncarnation": "inc-x", "supportedMajors": [1]},
+        {"clientId": script.client_id, "clientIncarnation": "inc-x", "supportedMajors": [2]},
+        {"clientId": script.client_id, "supportedMajors": [1]},
+        {"clientId": script.client_id, "clientIncarnation": "inc-x", "supportedMajors": [1],
+         "extra": True},
+    ]
+    return variants[len(script.actions) % len(variants)]
+
+
+async def _settle(r: Router, baseline: dict[str, Any]) -> dict[str, Any]:
+    stats = r.stats()
+    for _ in range(300):
+        stats = r.stats()
+        if all(stats[k] == baseline[k] for k in GAUGES):
+            return stats
+        await asyncio.sleep(0.01)
+    diff = {k: (baseline[k], stats[k]) for k in GAUGES if stats[k] != baseline[k]}
+    raise AssertionError(f"router state did not return to the baseline: {diff}")
+
+
+async def _check_alive(r: Router) -> dict[str, Any]:
+    """A fresh connection still gets a hello and a schema-valid `bus.stats`."""
+    reader, writer = await asyncio.open_unix_connection(r.socket_path)
+    try:
+        v = _Validators.get()
+        replies = []
+        for rid, method, params in (
+            (1, "bus.hello", {"clientId": "fz-check", "clientIncarnation":
+                              f"inc-check-{os.urandom(4).hex()}", "supportedMajors": [1]}),
+            (2, "bus.stats", {"detail": True}),
+        ):
+            writer.write(_frame(orjson.dumps({"jsonrpc": "2.0", "id": rid, "method": method,
+                                              "params": params})))
+            await writer.drain()
+            async with asyncio.timeout(5):
+                (n,) = struct.unpack("<I", await reader.readexactly(4))
+                msg = codec.decode(await reader.readexactly(n))
+            assert msg.get("id") == rid and "result" in msg, msg
+            assert v.results[method](msg["result"]) is None
+            replies.append(msg["result"])
+        stats: dict[str, Any] = replies[1]
+        assert stats["routerId"] == r.router_id
+        return stats
+    finally:
+        writer.close()
+        try:
+            await writer.wait_closed()
+        except OSError:
+            pass
+
+
+async def fuzz_router(case: list[list[Script]]) -> None:
+    d = tempfile.mkdtemp(prefix="flyd-fz-", dir="/tmp")
+    r = Router(RouterConfig(socket_path=os.path.join(d, "bus.sock"), limits=LIMITS,
+                            policy=Policy.open()))
+    await r.start()
+    try:
+        baseline = r.stats()
+        player = Player(r.socket_path)
+        async with asyncio.timeout(30):
+            for round_ in case:
+                await player.run_round(round_)
+            assert r.fatal is None, f"the router broke an invariant: {r.fatal!r}"
+            await player.close_all()
+        assert not player.problems, "\n".join(player.problems)
+        assert r.fatal is None, f"the router broke an invariant: {r.fatal!r}"
+        stats = await _check_alive(r)
+        assert stats["connections"] >= 1
+        settled = await _settle(r, baseline)
+        assert r.fatal is None
+        counters = settled["counters"]
+        assert counters["helloOk"] >= 1
+        # steer generation towards examples that reach deep into the call lifecycle
+        target(float(counters["callsAdmitted"]), label="calls admitted")
+        target(float(sum(1 for v in counters["cancels"].values() if v)
+                     + (counters["repliesRouted"] > 0) + (counters["repliesUnrouted"] > 0)
+                     + (counters["callsFailed"] > 0)), label="call outcomes")
+    finally:
+        await r.stop()
+        shutil.rmtree(d, ignore_errors=True)
+
+
+@settings(settings.get_profile(PROFILE))
+@given(case=cases())
+def test_router_survives_random_and_mutated_frames(case: list[list[Script]]) -> None:
+    # The router logs every accept, hello and close: keep only the failing example's tail, not
+    # thousands of examples' worth of captured output.
+    logs = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(logs):
+            uvloop.run(fuzz_router(case))
+    except BaseException:
+        sys.stdout.write("".join(logs.getvalue().splitlines(keepends=True)[-200:]))
+        raise
