@@ -35,14 +35,12 @@ from bus.errors import (
 )
 from bus.framing import PREFIX, FrameDecoder
 from bus.limits import HELLO_KEYS, MAX_CONSUME_BATCH
-from bus.schema import Validator, contract_digest, validator
+from bus.schema import NOTIFICATIONS, OPS, Validator, contract_digest, validator
 
 log = structlog.get_logger("bus.client")
 
 CANCEL_WAIT_S: Final = 0.5
 MAX_ID: Final = 2**53 - 1
-_NOTIFICATIONS: Final = ("bus.request", "bus.result", "bus.callFailed", "bus.routeRemoved",
-                         "bus.closing")
 
 Handler = Callable[["Request"], Awaitable[dict[str, Any] | None]]
 RouteRemovedHook = Callable[[str, str, str], None]
@@ -74,12 +72,9 @@ class _Validators:
     def __init__(self) -> None:
         self.response = validator("response.json")
         self.results: dict[str, Validator] = {
-            op: validator(f"ops/{op}.result.json")
-            for op in ("bus.hello", "bus.register", "bus.unregister", "bus.call", "bus.reply",
-                       "bus.release", "bus.cancel", "bus.consumed", "bus.services",
-                       "bus.stats", "bus.expect")
+            op: validator(f"ops/{op}.result.json") for op in OPS
         }
-        self.notifications = {m: validator(f"notifications/{m}.json") for m in _NOTIFICATIONS}
+        self.notifications = {m: validator(f"notifications/{m}.json") for m in NOTIFICATIONS}
         self.error = validator("error.json")
 
     @classmethod

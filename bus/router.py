@@ -68,20 +68,6 @@ CANCEL_STATES: Final = (
     "completed",
     "call-gone",
 )
-OPS: Final = (
-    "bus.hello",
-    "bus.register",
-    "bus.unregister",
-    "bus.call",
-    "bus.reply",
-    "bus.release",
-    "bus.cancel",
-    "bus.consumed",
-    "bus.services",
-    "bus.stats",
-    "bus.expect",
-)
-_REQUEST_KEYS: Final = frozenset(("jsonrpc", "id", "method", "params"))
 
 # Call phases (wire.md §9.1). Detachment is a flag on a Dispatched call.
 QUEUED: Final = 0

@@ -9,6 +9,7 @@ from typing import Any
 
 import orjson
 import pytest
+from bus_raw import call_params, caller, serve
 
 from bus import codec
 from bus.errors import ERROR_CODES
@@ -19,27 +20,6 @@ BACKPRESSURE = ERROR_CODES["BACKPRESSURE"]
 
 
 # helpers ------------------------------------------------------------------------------------
-async def serve(raw: Any, r: Any, client_id: str, name: str, *, max_queued: int = 8,
-                max_in_flight: int = 1) -> tuple[Any, str]:
-    """A raw service connection holding `name`; returns (conn, serviceIncarnation)."""
-    s = await raw(r)
-    assert "result" in await s.hello(client_id)
-    resp = await s.call("bus.register", {"name": name, "maxQueued": max_queued,
-                                         "maxInFlight": max_in_flight})
-    return s, resp["result"]["serviceIncarnation"]
-
-
-async def caller(raw: Any, r: Any, client_id: str) -> Any:
-    c = await raw(r)
-    assert "result" in await c.hello(client_id)
-    return c
-
-
-def call_params(target: str, payload: dict[str, Any] | None = None) -> dict[str, Any]:
-    return {"target": target, "expectedIncarnation": None, "method": "Test.Op",
-            "payload": payload if payload is not None else {}}
-
-
 async def admit(c: Any, target: str, payload: dict[str, Any] | None = None,
                 notes: list[dict[str, Any]] | None = None) -> int:
     """`bus.call` and require admission; returns the callId (notifications go to `notes`)."""

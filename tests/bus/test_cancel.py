@@ -7,6 +7,7 @@ import json
 from typing import Any
 
 import pytest
+from bus_raw import call_params, caller, serve
 
 from bus.errors import ERROR_CODES, CallDeadlineExceeded, CallGone
 from bus.schema import SCHEMA_ROOT
@@ -17,27 +18,6 @@ CANCEL_STATES = ["cancelled-before-dispatch", "execution-unknown", "completed", 
 
 
 # helpers ------------------------------------------------------------------------------------
-async def serve(raw: Any, r: Any, client_id: str, name: str, *, max_queued: int = 8,
-                max_in_flight: int = 1) -> tuple[Any, str]:
-    """A raw service connection holding `name`; returns (conn, serviceIncarnation)."""
-    s = await raw(r)
-    assert "result" in await s.hello(client_id)
-    resp = await s.call("bus.register", {"name": name, "maxQueued": max_queued,
-                                         "maxInFlight": max_in_flight})
-    return s, resp["result"]["serviceIncarnation"]
-
-
-async def caller(raw: Any, r: Any, client_id: str) -> Any:
-    c = await raw(r)
-    assert "result" in await c.hello(client_id)
-    return c
-
-
-def call_params(target: str, payload: dict[str, Any] | None = None) -> dict[str, Any]:
-    return {"target": target, "expectedIncarnation": None, "method": "Test.Op",
-            "payload": payload or {}}
-
-
 async def admit(c: Any, target: str, payload: dict[str, Any] | None = None) -> int:
     """`bus.call` and require admission; returns the callId."""
     resp = await c.call("bus.call", call_params(target, payload))

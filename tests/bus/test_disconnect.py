@@ -5,26 +5,11 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from bus_raw import caller, serve
 
 pytestmark = pytest.mark.timeout(10)
 
 NO_SERVICE = -32003
-
-
-async def serve(raw: Any, r: Any, client_id: str, name: str, *, max_queued: int = 8,
-                max_in_flight: int = 1) -> tuple[Any, str]:
-    """A raw service connection holding `name`; returns (conn, serviceIncarnation)."""
-    s = await raw(r)
-    assert "result" in await s.hello(client_id)
-    resp = await s.call("bus.register", {"name": name, "maxQueued": max_queued,
-                                         "maxInFlight": max_in_flight})
-    return s, resp["result"]["serviceIncarnation"]
-
-
-async def caller(raw: Any, r: Any, client_id: str) -> Any:
-    c = await raw(r)
-    assert "result" in await c.hello(client_id)
-    return c
 
 
 async def admit(c: Any, target: str, payload: dict[str, Any] | None = None,
