@@ -47,6 +47,14 @@ The edge table (§6.2), as `EDGES`:
 `is_committed_boundary()` is true only for `Ready` and `Paused` (it guards publication and
 capture).
 
+API: phase values `Starting()`, `Ready(k)`, `Preparing(k)`, `Applying(k)`, `Observing(k+1)`,
+`Committing(k)`, `Paused(k)`, `Capturing(k)`, `Failed()`, `Restoring(k)`, `Resetting(k)` (frozen,
+hashable; `label`; `step` on the `Stepped` ones; `step_of`, `phase_of`); `PhaseMachine` with
+`phase`, `move(target)`, `fail()`, `can_move`/`edge_to` (ask without raising),
+`capture_origin`, `stepped`, `is_unstepped_zero()`, `fenced`, `committed_boundary()`,
+`is_committed_boundary()`, `phase_log`, `phase_path()`; the table `EDGES` (by source:
+`TRANSITIONS`) of `Edge(source, target, StepRule, Guard, Via)`; `not_an_edge(from, to)`.
+
 Resolved ambiguities:
 - "No transition was ever started" means `Preparing(k)` was never entered in this machine's
   lifetime. The mark is sticky: neither a reset to `Ready(0)` (§8 test 26) nor a restore clears
@@ -124,7 +132,7 @@ class PhaseName(StrEnum):
 
 @dataclass(frozen=True, slots=True)
 class Phase:
-    """A phase value; equal phases have the same class and step. Subclasses name the phase."""
+    """A phase value (abstract: build a leaf class); equal when class and step are equal."""
 
     name: ClassVar[PhaseName]
 
@@ -139,7 +147,7 @@ class Phase:
 
 @dataclass(frozen=True, slots=True)
 class Stepped(Phase):
-    """A phase that carries a step: the boundary (Ready, Paused, …) or the transition's step."""
+    """A phase carrying a step (abstract): the boundary (Ready, Paused, …) or transition step."""
 
     step: int
     #: the smallest step the phase can carry (`Observing(0)` does not exist)
