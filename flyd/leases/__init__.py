@@ -1,0 +1,1 @@
+"""Leases, fencing and the effects ledger on PostgreSQL (distribution.md)."""
