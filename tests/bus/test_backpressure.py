@@ -9,7 +9,7 @@ from typing import Any
 
 import orjson
 import pytest
-from bus_raw import call_params, caller, serve
+from bus_raw import answer, call_params, caller, consume, serve
 
 from bus import codec
 from bus.errors import ERROR_CODES
@@ -35,21 +35,6 @@ def assert_backpressure(resp: dict[str, Any]) -> None:
     assert set(err) == {"code", "message", "data"}
     assert err["code"] == BACKPRESSURE
     assert err["data"] == {"name": "BACKPRESSURE", "dispatch": "not-dispatched"}
-
-
-async def answer(s: Any, req: dict[str, Any], outcome: dict[str, Any] | None = None) -> bool:
-    """Reply to a delivered request and consume it; returns `routed`."""
-    resp = await s.call("bus.reply", {"deliveryId": req["deliveryId"], "outcome": outcome or {}})
-    routed: bool = resp["result"]["routed"]
-    resp = await s.call("bus.consumed", {"deliveryIds": [req["deliveryId"]]})
-    assert resp["result"] == {"released": 1}
-    return routed
-
-
-async def consume(c: Any, delivery_id: str) -> int:
-    resp = await c.call("bus.consumed", {"deliveryIds": [delivery_id]})
-    released: int = resp["result"]["released"]
-    return released
 
 
 async def take_results(c: Any, count: int, notes: list[dict[str, Any]]) -> list[int]:

@@ -7,7 +7,7 @@ import json
 from typing import Any
 
 import pytest
-from bus_raw import call_params, caller, serve
+from bus_raw import answer, call_params, caller, consume, serve
 
 from bus.errors import ERROR_CODES, CallDeadlineExceeded, CallGone
 from bus.schema import SCHEMA_ROOT
@@ -33,21 +33,6 @@ async def cancel(c: Any, call_id: int, notes: list[dict[str, Any]] | None = None
     state: str = resp["result"]["state"]
     assert state in CANCEL_STATES
     return state
-
-
-async def answer(s: Any, req: dict[str, Any], outcome: dict[str, Any] | None = None) -> bool:
-    """Reply to a delivered request and consume it; returns `routed`."""
-    resp = await s.call("bus.reply", {"deliveryId": req["deliveryId"], "outcome": outcome or {}})
-    routed: bool = resp["result"]["routed"]
-    resp = await s.call("bus.consumed", {"deliveryIds": [req["deliveryId"]]})
-    assert resp["result"] == {"released": 1}
-    return routed
-
-
-async def consume(c: Any, delivery_id: str) -> int:
-    resp = await c.call("bus.consumed", {"deliveryIds": [delivery_id]})
-    released: int = resp["result"]["released"]
-    return released
 
 
 def call_ids(frames: list[dict[str, Any]]) -> list[int]:

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from bus_raw import SPEC_ERROR_CODES
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from jsonschema import Draft202012Validator
@@ -44,23 +45,6 @@ SCHEMA_FILES = sorted(
     + [f"notifications/{method}.json" for method in NOTIFICATIONS]
 )
 
-# wire.md §15, copied from the spec table.
-SPEC_ERROR_TABLE = {
-    "PARSE_ERROR": -32700,
-    "INVALID_REQUEST": -32600,
-    "METHOD_NOT_FOUND": -32601,
-    "INVALID_PARAMS": -32602,
-    "INVALID_ENVELOPE": -32000,
-    "VERSION_MISMATCH": -32001,
-    "NOT_AUTHORIZED": -32002,
-    "NO_SERVICE": -32003,
-    "TARGET_CHANGED": -32004,
-    "BACKPRESSURE": -32005,
-    "CALL_GONE": -32006,
-    "QUOTA_EXCEEDED": -32007,
-    "ROUTER_LOST": -32008,
-    "CONFLICT": -32009,
-}
 
 
 def schema(name: str) -> dict[str, Any]:
@@ -176,7 +160,7 @@ def test_contract_digest_stable(tmp_path: Path) -> None:
 
 
 def test_error_codes_fixed() -> None:
-    assert ERROR_CODES == SPEC_ERROR_TABLE
+    assert ERROR_CODES == SPEC_ERROR_CODES
     assert len(set(ERROR_CODES.values())) == len(ERROR_CODES)
     assert not set(ERROR_CODES.values()) & set(range(-32015, -32009))  # reserved (§15)
 
