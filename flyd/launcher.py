@@ -105,7 +105,7 @@ from flyd.identities import (
     new_client_incarnation,
 )
 from flyd.runspec import RunSpec
-from flyd.spawn import ChildProcess, ProcessInfo, process_info
+from flyd.spawn import ChildProcess, ProcessInfo, process_info, settled_within
 from workers.domain import DomainError, ErrorCode, Mutation, format_request_id
 from workers.launch import (
     AgentSettings,
@@ -376,14 +376,7 @@ class _Body:
 
     async def wait(self, timeout: float) -> bool:  # noqa: ASYNC109
         """Up to `timeout` seconds for the end; True when it ended."""
-        if self.ended.done():
-            return True
-        try:
-            async with asyncio.timeout(timeout):
-                await asyncio.shield(self.ended)
-        except TimeoutError:
-            return False
-        return True
+        return await settled_within(self.ended, timeout)
 
     async def dispose(self) -> None:
         """Release what the body holds once it ended (or was given up on)."""

@@ -125,6 +125,18 @@ class _Lines(asyncio.Protocol):
             self.closed.set_result(None)
 
 
+
+async def settled_within(fut: asyncio.Future[Any], timeout: float) -> bool:  # noqa: ASYNC109
+    """Wait up to `timeout` seconds for `fut` without cancelling it; True when it is done."""
+    if fut.done():
+        return True
+    try:
+        async with asyncio.timeout(timeout):
+            await asyncio.shield(fut)
+    except TimeoutError:
+        return False
+    return True
+
 class ChildProcess:
     """One worker child: own process group, die-with-parent, start gate, exit watch.
 
@@ -241,14 +253,7 @@ class ChildProcess:
 
     async def wait(self, timeout: float) -> bool:  # noqa: ASYNC109 - a bound, not a deadline API
         """Wait up to `timeout` seconds for the exit; True when it exited."""
-        if self.exited.done():
-            return True
-        try:
-            async with asyncio.timeout(timeout):
-                await asyncio.shield(self.exited)
-        except TimeoutError:
-            return False
-        return True
+        return await settled_within(self.exited, timeout)
 
     async def close(self, timeout: float) -> bool:  # noqa: ASYNC109
         """Kill, wait up to `timeout` for the exit and for the output pipe to drain; True when
