@@ -133,7 +133,7 @@ class LeaseCoreError(LeaseError):
 
 @dataclass(frozen=True, slots=True)
 class GrantRow:
-    run_id: str
+    run_id: int
     epoch: int
     attempt: int
     cancel_requested: bool = False
@@ -141,14 +141,14 @@ class GrantRow:
 
 @dataclass(frozen=True, slots=True)
 class RenewRow:
-    run_id: str
+    run_id: int
     epoch: int
     cancel_requested: bool = False
 
 
 @dataclass(frozen=True, slots=True)
 class BatchEntry:
-    run_id: str
+    run_id: int
     epoch: int
     phase: Phase
 
@@ -161,7 +161,7 @@ class RenewBatch:
 
 @dataclass(frozen=True, slots=True)
 class Hold:
-    run_id: str
+    run_id: int
     epoch: int
     attempt: int
     phase: Phase
@@ -172,33 +172,33 @@ class Hold:
 
 @dataclass(frozen=True, slots=True)
 class StartScope:
-    run_id: str
+    run_id: int
     epoch: int
     attempt: int
 
 
 @dataclass(frozen=True, slots=True)
 class CancelScope:
-    run_id: str
+    run_id: int
     epoch: int
     reason: Reason
 
 
 @dataclass(frozen=True, slots=True)
 class StopForCancel:
-    run_id: str
+    run_id: int
     epoch: int
 
 
 @dataclass(frozen=True, slots=True)
 class Relinquish:
-    run_id: str
+    run_id: int
     epoch: int
 
 
 @dataclass(frozen=True, slots=True)
 class Forget:
-    run_id: str
+    run_id: int
     epoch: int
 
 
@@ -216,7 +216,7 @@ class LeaseCore:
         self.node_id = node_id
         self.capacity = capacity
         self._g = params.G
-        self._holds: dict[tuple[str, int], Hold] = {}
+        self._holds: dict[tuple[int, int], Hold] = {}
         self._last_ack: float | None = None
 
     # -- views -----------------------------------------------------------------------------
@@ -224,10 +224,10 @@ class LeaseCore:
     def holds(self) -> tuple[Hold, ...]:
         return tuple(self._holds.values())
 
-    def hold(self, run_id: str, epoch: int) -> Hold | None:
+    def hold(self, run_id: int, epoch: int) -> Hold | None:
         return self._holds.get((run_id, epoch))
 
-    def _current(self, run_id: str) -> Hold:
+    def _current(self, run_id: int) -> Hold:
         mine = [h for h in self._holds.values() if h.run_id == run_id]
         if not mine:
             raise LeaseCoreError(f"no hold for run {run_id}")
@@ -312,7 +312,7 @@ class LeaseCore:
         return out
 
     # -- guard -----------------------------------------------------------------------------
-    def check(self, run_id: str, epoch: int, now: float, min_remaining: float) -> Hold:
+    def check(self, run_id: int, epoch: int, now: float, min_remaining: float) -> Hold:
         h = self._holds.get((run_id, epoch))
         if h is None:
             raise LeaseLost(f"no hold for {run_id} at epoch {epoch}")
@@ -323,7 +323,7 @@ class LeaseCore:
         return h
 
     # -- phases ----------------------------------------------------------------------------
-    def begin(self, run_id: str, kind: Kind) -> Hold:
+    def begin(self, run_id: int, kind: Kind) -> Hold:
         h = self._current(run_id)
         if h.phase in FINAL:
             raise LeaseLost(f"{run_id}@{h.epoch} is {h.phase}")
@@ -334,7 +334,7 @@ class LeaseCore:
         self._put(h)
         return h
 
-    def end(self, run_id: str, kind: Kind, outcome: Outcome = "committed") -> list[Action]:
+    def end(self, run_id: int, kind: Kind, outcome: Outcome = "committed") -> list[Action]:
         h = self._current(run_id)
         if h.phase is Phase.LOST:
             return []
@@ -350,12 +350,12 @@ class LeaseCore:
             return [Forget(h.run_id, h.epoch)]
         return []
 
-    def fence(self, run_id: str, epoch: int, reason: Reason) -> list[Action]:
+    def fence(self, run_id: int, epoch: int, reason: Reason) -> list[Action]:
         """Evidence of loss from outside the core (LF001, drain timeout, node fatal)."""
         h = self._holds.get((run_id, epoch))
         return [] if h is None else self._lose(h, reason)
 
-    def scope_gone(self, run_id: str, epoch: int) -> list[Action]:
+    def scope_gone(self, run_id: int, epoch: int) -> list[Action]:
         """The lost scope's cleanup finished: relinquish once, then forget."""
         h = self._holds.get((run_id, epoch))
         if h is None or h.phase is not Phase.LOST:

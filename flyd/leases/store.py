@@ -1,0 +1,325 @@
+"""The `Store` contract: distribution.md §3 as async methods with typed results and errors.
+
+Why: the node runtime (§5) must run unchanged against PostgreSQL (`PgStore`, production and
+tier 2) and against `MemStore` (virtual time, tier 1). Both implement this protocol and are
+held to the same behaviour by `tests/distribution/test_contract.py`.
+
+Rules every implementation keeps:
+- Expiry is judged only by the store, at its own clock (`app_now()`, R1); callers never pass a
+  timestamp for lease arithmetic, only durations (`ttl_s`, `backoff_s`).
+- Results are plain values; a missing run or a lost row is an empty result, never an exception.
+- Errors are `StoreError` values with a `code`, a `message` and a `mutation` certainty:
+  `Fenced` (LF001) and the other server refusals are `none` (nothing committed, for certain);
+  `Transient` is `none` too (the server reported an error, or the request never left);
+  `UnknownOutcome` is `unknown` (the reply was lost after COMMIT was sent) and carries the
+  `Backend` to end before reading the outcome (§3.10).
+- `commit` is the fenced group commit of §3.5; a plain INSERT of every effect, never
+  `ON CONFLICT`: a key already present raises `DuplicateEffect` (same digest) or
+  `ConflictingEffect` (another digest), classified by reading the existing row (§6.4).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, Final, Literal, Protocol
+
+RunState = Literal["pending", "running", "succeeded", "failed", "cancelled"]
+TerminalState = Literal["succeeded", "failed", "cancelled"]
+TERMINAL: Final = frozenset({"succeeded", "failed", "cancelled"})
+NodeState = Literal["active", "draining", "stopped"]
+
+
+# --------------------------------------------------------------------------------------------
+# Errors
+
+
+class StoreError(Exception):
+    """A store refusal or failure as a value: code, message, mutation certainty."""
+
+    code: str = "STORE_ERROR"
+    mutation: str = "none"
+
+    def __init__(self, message: str) -> None:
+        self.message = message
+        super().__init__(f"{self.code}: {message}")
+
+
+class Fenced(StoreError):
+    """LF001: not committed; the grant is lost (cancel the local scope)."""
+
+    code = "LF001"
+
+
+class HeadRegression(StoreError):
+    """LF002: the head would move backwards (a bug; the run fails, §6.4)."""
+
+    code = "LF002"
+
+
+class TerminalFinal(StoreError):
+    """LF003: a terminal run may not change."""
+
+    code = "LF003"
+
+
+class LedgerImmutable(StoreError):
+    """LF004: ledger rows are never updated or deleted."""
+
+    code = "LF004"
+
+
+class _EffectClash(StoreError):
+    code = "23505"
+    error: str = ""
+
+    def __init__(self, key: str, existing_epoch: int, digest: bytes, message: str) -> None:
+        self.key = key
+        self.existing_epoch = existing_epoch
+        self.digest = digest
+        super().__init__(message)
+
+    def outcome(self) -> dict[str, Any]:
+        """The run's failure outcome (§6.4): `{error, key, existingEpoch, digest}`."""
+        return {"error": self.error, "key": self.key, "existingEpoch": self.existing_epoch,
+                "digest": self.digest.hex()}
+
+
+class DuplicateEffect(_EffectClash):
+    """23505 on `effects_pkey`, the stored payload has the same digest."""
+
+    error = "effect_duplicate"
+
+
+class ConflictingEffect(_EffectClash):
+    """23505 on `effects_pkey`, the stored payload has another digest."""
+
+    error = "effect_conflict"
+
+
+class Transient(StoreError):
+    """Not committed for certain: a server error, a timeout before the commit was sent."""
+
+    code = "TRANSIENT"
+
+
+class UnknownOutcome(StoreError):
+    """The connection failed after COMMIT was sent: resolve by reading (§3.10, §5.6)."""
+
+    code = "UNKNOWN_OUTCOME"
+    mutation = "unknown"
+
+    def __init__(self, message: str, backend: Backend | None) -> None:
+        self.backend = backend
+        super().__init__(message)
+
+
+class SpecMismatch(StoreError):
+    """Submit with a key already used for another spec (§3.2: a client error)."""
+
+    code = "SUBMIT_KEY_CONFLICT"
+
+
+# --------------------------------------------------------------------------------------------
+# Values
+
+
+@dataclass(frozen=True, slots=True)
+class Backend:
+    """Identity of the server session that ran a commit (pid + start guards against reuse)."""
+
+    pid: int
+    backend_start: datetime
+
+
+@dataclass(frozen=True, slots=True)
+class NodeInfo:
+    node_id: str
+    node_name: str
+    host: str
+    pid: int
+    version: str
+    capacity: int
+
+
+@dataclass(frozen=True, slots=True)
+class Submitted:
+    run_id: int
+    created: bool
+    same_spec: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Grant:
+    """One row of claim (§3.3): the node resumes from `high_water`, fresh when None."""
+
+    run_id: int
+    lease_epoch: int
+    lease_expires_at: datetime
+    attempt: int
+    cancel_requested: bool
+    spec: Mapping[str, Any]
+    faults_fired: tuple[str, ...]
+    high_water: str | None
+    boundary: int
+
+
+@dataclass(frozen=True, slots=True)
+class Renewed:
+    run_id: int
+    lease_epoch: int
+    lease_expires_at: datetime
+    cancel_requested: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Reaped:
+    run_id: int
+    lease_epoch: int
+    state: TerminalState
+
+
+@dataclass(frozen=True, slots=True)
+class Effect:
+    """A ledger row to insert: `boundary-<k>` or `finish` (§6.1)."""
+
+    key: str
+    session_epoch: int
+    boundary: int | None
+    payload: Mapping[str, Any]
+    digest: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Checkpoint:
+    """A checkpoint row to insert with the group commit (columns of `flyd.checkpoints`)."""
+
+    checkpoint_id: str
+    session_id: str
+    session_epoch: int
+    episode_id: str
+    boundary: int
+    compatibility_digest: str
+    envelope_digest: bytes
+    envelope: bytes
+
+    @property
+    def byte_length(self) -> int:
+        return len(self.envelope)
+
+
+@dataclass(frozen=True, slots=True)
+class Finish:
+    state: TerminalState
+    outcome: Mapping[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class Commit:
+    """One fenced transaction (§3.5): effects, optionally a checkpoint + head move + rotation,
+    optionally `finish_run` last."""
+
+    run_id: int
+    lease_epoch: int
+    node_id: str
+    effects: tuple[Effect, ...] = ()
+    checkpoint: Checkpoint | None = None
+    finish: Finish | None = None
+    keep: int = 3
+
+
+@dataclass(frozen=True, slots=True)
+class Committed:
+    """`finished` is `finish_run`'s answer (`'finished'`/`'already'`), None without a finish."""
+
+    finished: str | None = None
+    backend: Backend | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class RunRead:
+    """§3.10's read of one run."""
+
+    state: RunState
+    lease_epoch: int
+    owner_node: str | None
+    live: bool
+    high_water: str | None
+    boundary: int
+    checkpoint_committed: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Released:
+    run_id: int
+    lease_epoch: int
+
+
+@dataclass(frozen=True, slots=True)
+class Cancelled:
+    run_id: int
+    state: RunState
+
+
+@dataclass(frozen=True, slots=True)
+class Held:
+    run_id: int
+    lease_epoch: int
+
+
+# --------------------------------------------------------------------------------------------
+
+
+class Store(Protocol):
+    """§3 behind one interface; every method is one round trip unless written otherwise."""
+
+    async def register_node(self, node: NodeInfo) -> None:
+        """§3.1: insert or re-activate the registry row."""
+
+    async def set_node_state(self, node_id: str, state: NodeState) -> None:
+        """§3.1 / §5.8: `draining`, or `stopped` (which also sets `held = 0`)."""
+
+    async def submit(self, key: str | None, spec: Mapping[str, Any],
+                     max_attempts: int) -> Submitted:
+        """§3.2 (idempotent by key; repeats once when racing an insert of the same key)."""
+
+    async def claim(self, node_id: str, n: int, ttl_s: float,
+                    only: int | None = None) -> list[Grant]:
+        """§3.3: up to `n` grants; `only` restricts to one run (exclusive runs)."""
+
+    async def renew(self, node_id: str, holds: Sequence[Held], ttl_s: float) -> list[Renewed]:
+        """§3.4: exactly the pairs still held come back."""
+
+    async def release(self, run_id: int, lease_epoch: int, node_id: str, *, refund: bool,
+                      backoff_s: float) -> Released | None:
+        """§3.6: None when the grant was no longer this node's (nothing changed)."""
+
+    async def reap(self, n: int) -> list[Reaped]:
+        """§3.7."""
+
+    async def cancel(self, run_id: int, actor: str) -> Cancelled | None:
+        """§3.8: None when the run is unknown or already terminal."""
+
+    async def own_grants(self, node_id: str) -> list[Held]:
+        """§3.9: runs the store shows `running` for this node."""
+
+    async def mark_faults_fired(self, run_id: int, lease_epoch: int, node_id: str,
+                                faults: Sequence[str]) -> tuple[str, ...] | None:
+        """§3.11: the merged set, or None when the grant is not live."""
+
+    async def commit(self, commit: Commit) -> Committed:
+        """§3.5: one fenced transaction; raises the typed errors of this module."""
+
+    async def read_run(self, run_id: int, lease_epoch: int,
+                       checkpoint_id: str | None) -> RunRead | None:
+        """§3.10's read (after `end_backend`); None for an unknown run."""
+
+    async def end_backend(self, backend: Backend) -> None:
+        """§3.10: terminate the server session that ran a commit of unknown outcome."""
+
+    async def requeue(self, run_id: int, actor: str) -> bool:
+        """Operator requeue of a `failed` run (logged intervention)."""
+
+    async def prune_nodes(self) -> int:
+        """Delete registry rows silent for a day (§3.1)."""
