@@ -142,3 +142,124 @@ def test_guard_min_remaining() -> None:
     assert info.value.code == "LEASE_LOST" and info.value.mutation == "none"
     with pytest.raises(LeaseLost):
         core.begin("r", "commit")
+
+
+# --------------------------------------------------------------------------------------------
+# 40: cancel_scope runs steps 1–4 of §5.5 before any await (NodeRuntime on MemStore, ManualClock)
+
+
+async def test_cancel_scope_before_first_await() -> None:
+    import asyncio
+    from collections.abc import Sequence
+    from typing import Any
+
+    from flyd.leases.clock import ManualClock
+    from flyd.leases.memstore import MemStore
+    from flyd.leases.node import NodeRuntime, Scope
+    from flyd.leases.store import Held, NodeInfo, Released, Renewed, Transient
+
+    params = LeaseParams.short_ttl()
+    clock = ManualClock(50.0)
+    loop = asyncio.get_running_loop()
+    ticks = 0                    # loop iterations seen by a self-rescheduling callback
+    order: list[tuple[str, int]] = []
+    releases: list[tuple[int, int, bool]] = []
+    renew_down = False
+
+    class Store(MemStore):
+        async def renew(self, node_id: str, holds: Sequence[Held],
+                        ttl_s: float) -> list[Renewed]:
+            if renew_down:
+                raise Transient("unreachable")
+            return await super().renew(node_id, holds, ttl_s)
+
+        async def release(self, run_id: int, lease_epoch: int, node_id: str, *, refund: bool,
+                          backoff_s: float) -> Released | None:
+            releases.append((run_id, lease_epoch, refund))
+            return await super().release(run_id, lease_epoch, node_id, refund=refund,
+                                         backoff_s=backoff_s)
+
+    store = Store(clock.now)
+    scopes: list[Scope] = []
+    rt: NodeRuntime
+
+    class Groups:
+        def __init__(self) -> None:
+            self.alive_runs = {1}
+
+        def kill(self, run_id: int) -> None:
+            hold = rt.core.hold(run_id, 1)
+            assert hold is not None and hold.phase is Phase.LOST       # step 1 before 3
+            assert not scopes[0]._task.cancelling()  # type: ignore[union-attr]  # 4 after 3
+            order.append(("kill", ticks))
+            self.alive_runs.discard(run_id)
+
+        def alive(self, run_id: int) -> bool:
+            return run_id in self.alive_runs
+
+    class Executor:
+        async def execute(self, scope: Scope) -> None:
+            scopes.append(scope)
+
+            def fenced(reason: str) -> None:
+                hold = rt.core.hold(scope.run_id, scope.lease_epoch)
+                assert hold is not None and hold.phase is Phase.LOST   # step 1 before 2
+                order.append((f"fence:{reason}", ticks))
+
+            scope.on_fence(fenced)
+            await asyncio.Event().wait()
+
+    class Events(list[dict[str, Any]]):
+        def append(self, item: dict[str, Any]) -> None:
+            if item["event"] == "lease_lost":
+                order.append(("lease_lost", ticks))
+            super().append(item)
+
+    events = Events()
+    groups = Groups()
+    rt = NodeRuntime(params=params, store=store, clock=clock, executor=Executor(),
+                     groups=groups, node=NodeInfo("a-00000000000a", "a", "h", 1, "t", 1),
+                     seed=3, events=events)
+    cancelled_at: list[int] = []
+
+    def tick() -> None:
+        nonlocal ticks
+        task = scopes[0]._task if scopes else None
+        if task is not None and task.cancelling() and not cancelled_at:
+            cancelled_at.append(ticks)
+        ticks += 1
+        if not done:
+            loop.call_soon(tick)
+
+    done = False
+    loop.call_soon(tick)
+    run = (await store.submit("k40", {"name": "r"}, 3)).run_id
+
+    async def advance_until(cond: Any, limit: float) -> None:
+        while not cond():
+            for _ in range(40):
+                await asyncio.sleep(0)
+            if cond():
+                return
+            nxt = clock.next_wakeup()
+            assert nxt is not None and nxt <= limit
+            clock.set(max(nxt, clock.now()))
+
+    async with asyncio.TaskGroup() as tg:
+        node = tg.create_task(rt.run())
+        await advance_until(lambda: bool(scopes), 55.0)
+        renew_down = True              # renewals stop: the watchdog self-fences at safe_until
+        await advance_until(lambda: bool(releases), 60.0)
+        rt.stop()
+        await advance_until(node.done, 70.0)
+        done = True
+    # lease_lost (step 1 logged), fence callback (2), kill (3), task cancel (4): one loop step
+    assert [name for name, _ in order] == ["lease_lost", "fence:safe_until", "kill"]
+    assert len({t for _, t in order} | set(cancelled_at)) == 1, (order, cancelled_at)
+    assert node.result() == 0
+    assert releases == [(run, 1, False)]                  # relinquished once
+    runs = store.dump()["runs"]
+    assert runs[0]["state"] == "pending" and runs[0]["finished_at"] is None  # never terminal
+    assert store.dump()["effects"] == []
+    assert [e["event"] for e in events if e["event"] in ("lease_lost", "scope_cancelled")] == [
+        "lease_lost", "scope_cancelled"]
