@@ -1,40 +1,106 @@
-"""Router configuration from TOML (cli.md §2, wire.md §12–§14).
+"""Configuration: the key table of cli.md §2.3, its sources and the router's view (wire.md §12–§14).
 
-Strict by design: an unknown key, a wrong type or an out-of-range value is a `ConfigError`
-naming the key and the file, never silently ignored. Only the `[bus]` section is interpreted
-here; the other sections of cli.md §2.3 are accepted by name and owned by their modules.
+Rules:
+- Precedence is built-in defaults < config file < environment < flags (cli.md §2.1); every value
+  remembers its source (`default`, `file`, `env`, `flag`) for `flyd config show`.
+- Strict by design: an unknown section or key, a wrong type or an out-of-range value is a
+  `ConfigError` naming the key and where it came from (the file, the environment variable or the
+  flag), never silently ignored. Related keys are checked together: `[node] threads` against the
+  coordinator reservation, `[bus]` by the router's own checks, and the lease invariant of
+  distribution.md §4.3 through `LeaseParams` (its clause named).
+- The config file is `--config PATH`, else `FLYD_CONFIG`, else `/etc/flyd/flyd.toml` if it
+  exists, else none.
+- `--lease-ttl` / `FLYD_LEASE_TTL` / `[leases] ttl_s` set T only: H follows T/5 unless
+  `[leases] heartbeat_interval_s` is set (distribution.md §4.2).
+
+Decisions where the spec is silent:
+- "Given explicitly" for the `<name>` subdirectory rule of §2.2 means a node name from the file,
+  the environment or a flag; systemd's `RUNTIME_DIRECTORY` / `STATE_DIRECTORY` never gain it.
+- Derived defaults (`[node] threads`, `[leases] heartbeat_interval_s`,
+  `[checkpoints] max_pending_effects`) are shown with their computed value and source `default`.
+- `flyd config show` lists every `[bus.limits]` key as `bus.limits.<key>`; `bus.policy` is the
+  table from the file or the string `"default"` (session.md §7.2's policy).
+- Values read from the environment or given as strings on flags are parsed by the key's type.
 """
 
 from __future__ import annotations
 
+import math
 import os
+import re
+import socket as socketlib
+import sys
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final, Literal
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
-from bus.limits import LimitError, Limits
+from bus.limits import LimitError, Limits, snake_case
 from bus.policy import Policy, PolicyError
 from bus.router import SUN_PATH_MAX, RouterConfig
 
+if TYPE_CHECKING:
+    from flyd.leases.params import LeaseParams
+
 KNOWN_SECTIONS: Final = ("node", "bus", "database", "leases", "session", "checkpoints")
 BUS_KEYS: Final = ("socket", "socket_group", "allowed_uids", "limits", "policy")
+SYSTEM_CONFIG: Final = Path("/etc/flyd/flyd.toml")
+NODE_NAME_RE: Final = re.compile(r"[a-z0-9][a-z0-9-]{0,31}")
+REDACTED: Final = "***"
+
+Source = Literal["default", "file", "env", "flag"]
 
 
 class ConfigError(ValueError):
-    """A configuration problem; the message names the key and the file."""
+    """A configuration problem; the message names the key and the file (exit 2, `CONFIG`)."""
+
+    code: str = "CONFIG"
+    mutation: str = "none"
 
 
 def default_socket(node_name: str | None = None) -> str:
     """cli.md §2.2: systemd's runtime dir, XDG runtime dir, /run for root, else /tmp."""
+    return _default_socket(os.environ, node_name)
+
+
+def _default_socket(env: Mapping[str, str], node_name: str | None) -> str:
     sub = (node_name,) if node_name else ()
-    if os.environ.get("RUNTIME_DIRECTORY"):
-        return os.path.join(os.environ["RUNTIME_DIRECTORY"], "bus.sock")
-    if os.environ.get("XDG_RUNTIME_DIR"):
-        return os.path.join(os.environ["XDG_RUNTIME_DIR"], "flyd", *sub, "bus.sock")
+    if env.get("RUNTIME_DIRECTORY"):
+        return os.path.join(env["RUNTIME_DIRECTORY"], "bus.sock")
+    if env.get("XDG_RUNTIME_DIR"):
+        return os.path.join(env["XDG_RUNTIME_DIR"], "flyd", *sub, "bus.sock")
     if os.geteuid() == 0:
         return os.path.join("/run/flyd", *sub, "bus.sock")
     return os.path.join(f"/tmp/flyd-{os.geteuid()}", *sub, "bus.sock")
+
+
+def _default_state_dir(env: Mapping[str, str], node_name: str | None) -> str:
+    """cli.md §2.2: systemd's state dir, /var/lib/flyd for root, else the XDG state home."""
+    sub = (node_name,) if node_name else ()
+    if env.get("STATE_DIRECTORY"):
+        return env["STATE_DIRECTORY"]
+    if os.geteuid() == 0:
+        return os.path.join("/var/lib/flyd", *sub)
+    home = env.get("XDG_STATE_HOME") or os.path.join(
+        env.get("HOME") or os.path.expanduser("~"), ".local", "state")
+    return os.path.join(home, "flyd", *sub)
+
+
+def host_node_name() -> str:
+    """The host name, lower-cased, other characters than `[a-z0-9-]` mapped to `-`, leading
+    `-` dropped, truncated to 32; empty gives `node` (cli.md §2.2)."""
+    name = re.sub(r"[^a-z0-9-]", "-", socketlib.gethostname().lower()).lstrip("-")[:32]
+    return name or "node"
+
+
+def validate_node_name(name: object, where: str = "--node-name") -> str:
+    """Refuse a node name outside `[a-z0-9][a-z0-9-]{0,31}` (exit 2)."""
+    if not isinstance(name, str) or NODE_NAME_RE.fullmatch(name) is None:
+        raise ConfigError(f"{where}: [node] name {name!r} is not a node name "
+                          "([a-z0-9][a-z0-9-]{0,31})")
+    return name
 
 
 def load_toml(path: Path) -> dict[str, Any]:
@@ -87,11 +153,446 @@ def router_config(config_file: Path | None, socket_path: str | None,
     except PolicyError as exc:
         raise ConfigError(f"{where}: {exc}") from exc
     if group is not None:
-        import grp
-
-        try:
-            grp.getgrnam(group)
-        except KeyError:
-            raise ConfigError(f"{where}: [bus] socket_group {group!r} is not a group") from None
+        _check_group(where, group)
     return RouterConfig(socket_path=socket, limits=limits, policy=policy, socket_group=group,
                         allowed_uids=tuple(uids) if uids is not None else None)
+
+
+def _check_group(where: str, group: str) -> None:
+    import grp
+
+    try:
+        grp.getgrnam(group)
+    except KeyError:
+        raise ConfigError(f"{where}: [bus] socket_group {group!r} is not a group") from None
+
+
+# -- the key table (cli.md §2.3) -------------------------------------------------------------
+
+Kind = Literal["str", "int", "number", "bool", "path", "choice", "uids", "table", "dsn"]
+
+
+@dataclass(frozen=True, slots=True)
+class Key:
+    """One key of cli.md §2.3: its type, default (None: absent or derived), range and overrides."""
+
+    kind: Kind
+    default: Any = None
+    check: Callable[[Any], bool] | None = None
+    rule: str = ""
+    env: str | None = None
+    flag: str | None = None
+    choices: tuple[str, ...] = ()
+
+
+def _int(default: int | None, lo: int, hi: int | None = None, *, flag: str | None = None) -> Key:
+    rule = f"{lo}..{hi}" if hi is not None else f"≥ {lo}"
+    return Key("int", default, lambda v: lo <= v and (hi is None or v <= hi), rule, flag=flag)
+
+
+def _pos_int(default: int) -> Key:
+    return Key("int", default, lambda v: v > 0, "> 0")
+
+
+def _num(default: float | None, *, env: str | None = None, flag: str | None = None) -> Key:
+    return Key("number", default, lambda v: v > 0, "> 0", env=env, flag=flag)
+
+
+def _nonneg_num(default: float) -> Key:
+    return Key("number", default, lambda v: v >= 0, "≥ 0")
+
+
+def _choice(default: str | None, *choices: str, env: str | None = None,
+            flag: str | None = None) -> Key:
+    return Key("choice", default, None, " | ".join(repr(c) for c in choices), env=env, flag=flag,
+               choices=choices)
+
+
+KEYS: Final[dict[str, dict[str, Key]]] = {
+    "node": {
+        "name": Key("str", None, lambda v: NODE_NAME_RE.fullmatch(v) is not None,
+                    "[a-z0-9][a-z0-9-]{0,31}", env="FLYD_NODE_NAME", flag="--node-name"),
+        "capacity": _int(None, 1, 64, flag="--capacity"),
+        "threads": Key("int", None, lambda v: v >= 1, "≥ coordinator_reservation + 3"),
+        "coordinator_reservation": _int(1, 1, 16),
+        "state_dir": Key("path", None, env="FLYD_STATE_DIR", flag="--state-dir"),
+        "router": Key("bool", True, flag="--router/--no-router"),
+        "log_format": _choice(None, "json", "console", env="FLYD_LOG_FORMAT",
+                              flag="--log-format"),
+        "log_level": _choice("info", "debug", "info", "warning", "error", env="FLYD_LOG_LEVEL",
+                             flag="-v/-q"),
+    },
+    "bus": {
+        "socket": Key("path", None, lambda v: len(os.fsencode(v)) <= SUN_PATH_MAX,
+                      f"at most {SUN_PATH_MAX} bytes", env="FLYD_SOCKET", flag="--socket"),
+        "socket_group": Key("str", None, rule="an existing group"),
+        "allowed_uids": Key("uids", None, rule="a list of uids"),
+        "limits": Key("table", None, rule="wire.md §14.1"),
+        "policy": Key("table", None, rule="wire.md §12"),
+    },
+    "database": {
+        "dsn": Key("dsn", None, rule="libpq conninfo or URI", env="FLYD_DSN", flag="--dsn"),
+        "statement_timeout_ms": _pos_int(2000),
+        "idle_in_transaction_timeout_ms": _pos_int(1500),
+        "lock_timeout_ms": _pos_int(1000),
+        "connect_timeout_s": Key("int", 2, lambda v: v == 0 or v >= 2, "0 (unset) or ≥ 2"),
+        "keepalives": _int(1, 0, 1),
+        "keepalives_idle_s": _int(5, 1),
+        "keepalives_interval_s": _int(1, 1),
+        "keepalives_count": _int(3, 1),
+        "tcp_user_timeout_ms": _int(4000, 0),
+        "server_keepalives_idle_s": _int(5, 1),
+        "server_keepalives_interval_s": _int(1, 1),
+        "server_keepalives_count": _int(3, 1),
+        "server_tcp_user_timeout_ms": _int(4000, 0),
+        "client_connection_check_interval_ms": _int(1000, 0),
+    },
+    "leases": {
+        "ttl_s": _num(15.0, env="FLYD_LEASE_TTL", flag="--lease-ttl"),
+        "heartbeat_interval_s": _num(None),
+        "renew_timeout_s": _num(2.0),
+        "clock_rate_bound": Key("number", 0.1, lambda v: 0 <= v < 0.5, "[0, 0.5)"),
+        "safety_margin_s": _num(3.5),
+        "commit_timeout_s": _num(2.0),
+        "commit_budget_s": _num(3.0),
+        "watchdog_tick_s": _num(0.25),
+        "kill_bound_s": _num(0.5),
+        "claim_poll_s": _num(1.0),
+        "claim_batch": _int(4, 1, 100),
+        "reap_interval_s": _num(5.0),
+        "drain_timeout_s": _num(20.0),
+        "node_stale_after_s": _num(9.0),
+        "max_attempts": _int(3, 1, 100, flag="--max-attempts"),
+    },
+    "session": {
+        "mode": _choice("process", "process", "thread", "in-process", flag="--mode"),
+        "dispatch": _choice("concurrent", "concurrent", "sequential", "reversed",
+                            flag="--dispatch"),
+        "pacing": _choice("off", "off", "realtime", flag="--pace/--no-pace"),
+        "max_agents": _int(4, 1, 256),
+        "probe_s": _num(2.0),
+        "resolve_s": _num(8.0),
+        "resolve_attempts": _int(8192, 1, 2**32 - 1),
+        "boot_s": _num(30.0),
+        "capture_s": _num(30.0),
+        "health_probe_s": _num(2.0),
+        "health_fail_s": _num(10.0),
+        "health_boot_s": _num(30.0),
+    },
+    "checkpoints": {
+        "every_steps": _int(60, 0, flag="--checkpoint-every"),
+        "every_seconds": _nonneg_num(0.0),
+        "keep_generations": _int(3, 1, 100),
+        "queue_capacity": _int(2, 1, 16),
+        "max_queued_bytes": _int(67108864, 2**20, 2**30),
+        "retry": _choice("release", "release", "retry"),
+        "retry_attempts": _int(3, 1, 10),
+        "retry_backoff_s": _num(0.2),
+        "durable_timeout_s": _num(60.0),
+        "recovery_max_attempts": _int(3, 1, 100),
+        "recovery_backoff_s": _num(1.0),
+        "recovery_backoff_max_s": _num(30.0),
+        "max_pending_effects": _int(None, 1),
+        "max_pending_effect_bytes": _int(16777216, 2**20),
+        "max_envelope_bytes": _int(67108864, 2**20, 2**30 - 1),
+    },
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Setting:
+    """A configuration value and the level it came from."""
+
+    value: Any
+    source: Source
+
+
+def _typed(kind: Kind, value: Any, key: Key) -> tuple[bool, Any]:
+    """(ok, normalised value) for the key's type; numbers become floats."""
+    if kind == "int":
+        return isinstance(value, int) and not isinstance(value, bool), value
+    if kind == "number":
+        ok = (isinstance(value, int | float) and not isinstance(value, bool)
+              and math.isfinite(value))
+        return ok, float(value) if ok else value
+    if kind == "bool":
+        return isinstance(value, bool), value
+    if kind in ("str", "path", "dsn"):
+        return isinstance(value, str) and value != "", value
+    if kind == "choice":
+        return isinstance(value, str) and value in key.choices, value
+    if kind == "uids":
+        ok = isinstance(value, list) and all(
+            isinstance(u, int) and not isinstance(u, bool) and u >= 0 for u in value)
+        return ok, value
+    return isinstance(value, Mapping), value
+
+
+_KIND_TEXT: Final[dict[Kind, str]] = {
+    "int": "an integer", "number": "a number", "bool": "a boolean", "str": "a string",
+    "path": "a path", "dsn": "a libpq conninfo or URI", "uids": "a list of uids",
+    "table": "a table", "choice": "one of",
+}
+
+
+def _parse_text(kind: Kind, text: str) -> Any:
+    """Environment values (and string flags) in the key's type; unparsable text stays text."""
+    try:
+        if kind == "int":
+            return int(text)
+        if kind == "number":
+            return float(text)
+    except ValueError:
+        return text
+    if kind == "bool" and text.lower() in ("true", "false", "1", "0", "yes", "no"):
+        return text.lower() in ("true", "1", "yes")
+    return text
+
+
+def _check(section: str, name: str, value: Any, where: str) -> Any:
+    key = KEYS[section][name]
+    ok, value = _typed(key.kind, value, key)
+    if not ok:
+        expected = _KIND_TEXT[key.kind]
+        if key.kind == "choice":
+            expected += f" {key.rule}"
+        raise ConfigError(f"{where}: [{section}] {name} must be {expected}; got {value!r}")
+    if key.kind == "dsn":
+        _check_dsn(value, where)
+    if key.check is not None and not key.check(value):
+        raise ConfigError(f"{where}: [{section}] {name} = {value!r} is out of range "
+                          f"({key.rule})")
+    return value
+
+
+def _check_dsn(dsn: str, where: str) -> None:
+    from psycopg import ProgrammingError
+    from psycopg.conninfo import conninfo_to_dict
+
+    try:
+        conninfo_to_dict(dsn)
+    except ProgrammingError as exc:
+        raise ConfigError(f"{where}: [database] dsn is not a libpq conninfo or URI: "
+                          f"{redact_dsn_text(str(exc), dsn)}") from None
+
+
+def redact_dsn(dsn: str) -> str:
+    """The DSN with its password (URI user info, `password=` parameter) replaced by `***`."""
+    if re.match(r"^postgres(ql)?://", dsn):
+        parts = urlsplit(dsn)
+        netloc = parts.netloc
+        if "@" in netloc:
+            userinfo, host = netloc.rsplit("@", 1)
+            if ":" in userinfo:
+                netloc = f"{userinfo.split(':', 1)[0]}:{REDACTED}@{host}"
+        query = parts.query
+        if query:
+            pairs = [(k, REDACTED if k == "password" else v)
+                     for k, v in parse_qsl(query, keep_blank_values=True)]
+            query = urlencode(pairs, safe="*/")
+        return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
+    from psycopg import ProgrammingError
+    from psycopg.conninfo import conninfo_to_dict, make_conninfo
+
+    try:
+        params = conninfo_to_dict(dsn)
+    except ProgrammingError:
+        return REDACTED
+    if "password" in params:
+        params["password"] = REDACTED
+        return make_conninfo("", **params)
+    return dsn
+
+
+def redact_dsn_text(text: str, dsn: str) -> str:
+    """`text` without the DSN's password, for error messages that may quote it."""
+    m = re.search(r"password\s*=\s*'?([^\s']+)|//[^:/@]*:([^@]+)@", dsn)
+    secret = m.group(1) or m.group(2) if m else None
+    return text.replace(secret, REDACTED) if secret else text
+
+
+def resolve_config_file(config_file: Path | None, env: Mapping[str, str]) -> Path | None:
+    """`--config`, else `FLYD_CONFIG`, else /etc/flyd/flyd.toml if it exists, else none."""
+    if config_file is not None:
+        return config_file
+    if env.get("FLYD_CONFIG"):
+        return Path(env["FLYD_CONFIG"])
+    return SYSTEM_CONFIG if SYSTEM_CONFIG.is_file() else None
+
+
+class Config:
+    """The effective configuration: every key of cli.md §2.3 with its value and source."""
+
+    def __init__(self, settings: dict[str, dict[str, Setting]], config_file: Path | None,
+                 leases: LeaseParams) -> None:
+        self._settings = settings
+        self.config_file = config_file
+        self._leases = leases
+
+    def setting(self, section: str, key: str) -> Setting:
+        try:
+            return self._settings[section][key]
+        except KeyError:
+            raise KeyError(f"no configuration key [{section}] {key}") from None
+
+    def value(self, section: str, key: str) -> Any:
+        return self.setting(section, key).value
+
+    def source(self, section: str, key: str) -> Source:
+        return self.setting(section, key).source
+
+    def section(self, name: str) -> dict[str, Any]:
+        """The section's effective values (derived defaults included)."""
+        return {key: s.value for key, s in self._settings[name].items()}
+
+    @property
+    def leases(self) -> LeaseParams:
+        """The validated lease parameters (distribution.md §4.2, §4.3)."""
+        return self._leases
+
+    @property
+    def limits(self) -> Limits:
+        return Limits.from_config(dict(self.value("bus", "limits") or {}))
+
+    def show(self) -> dict[str, dict[str, Any]]:
+        """`section.key` → `{"value", "source"}` for every key, the DSN password redacted."""
+        out: dict[str, dict[str, Any]] = {}
+        for section, keys in self._settings.items():
+            for key, s in keys.items():
+                if (section, key) == ("bus", "limits"):
+                    given = s.value or {}
+                    limits = self.limits
+                    for f in fields(Limits):
+                        name = snake_case(f.name)
+                        out[f"bus.limits.{name}"] = {
+                            "value": getattr(limits, f.name),
+                            "source": s.source if name in given else "default"}
+                    continue
+                value = s.value
+                if (section, key) == ("bus", "policy") and value is None:
+                    value = "default"
+                elif (section, key) == ("database", "dsn") and value is not None:
+                    value = redact_dsn(value)
+                out[f"{section}.{key}"] = {"value": value, "source": s.source}
+        return out
+
+
+def load_config(config_file: Path | None = None, flags: Mapping[str, Any] | None = None,
+                env: Mapping[str, str] | None = None) -> Config:
+    """Resolve every key: defaults < file < environment < flags (`flags` keys are
+    `"section.key"`; a None value means the flag was not given)."""
+    env = os.environ if env is None else env
+    path = resolve_config_file(config_file, env)
+    given: dict[str, dict[str, Setting]] = {s: {} for s in KNOWN_SECTIONS}
+    where: dict[tuple[str, str], str] = {}
+    if path is not None:
+        for section, table in load_toml(path).items():
+            if not isinstance(table, Mapping):
+                raise ConfigError(f"{path}: [{section}] must be a table")
+            for key, value in table.items():
+                if key not in KEYS[section]:
+                    raise ConfigError(f"{path}: unknown key [{section}] {key}")
+                where[section, key] = str(path)
+                given[section][key] = Setting(_check(section, key, value, str(path)), "file")
+    for section, keys in KEYS.items():
+        for key, spec in keys.items():
+            if spec.env is not None and env.get(spec.env) not in (None, ""):
+                text = env[spec.env]
+                here = f"environment {spec.env}"
+                where[section, key] = here
+                given[section][key] = Setting(
+                    _check(section, key, _parse_text(spec.kind, text), here), "env")
+    for dotted, value in (flags or {}).items():
+        if value is None:
+            continue
+        section, _, key = dotted.partition(".")
+        if key not in KEYS.get(section, {}):
+            raise ConfigError(f"flags: unknown key [{section}] {key}")
+        spec = KEYS[section][key]
+        here = f"flag {spec.flag or dotted}"
+        if isinstance(value, Path):
+            value = str(value)
+        if isinstance(value, str) and spec.kind in ("int", "number", "bool"):
+            value = _parse_text(spec.kind, value)
+        where[section, key] = here
+        given[section][key] = Setting(_check(section, key, value, here), "flag")
+    settings = _with_defaults(given, env)
+    _check_related(settings, where)
+    leases = _lease_params(settings, where)
+    return Config(settings, path, leases)
+
+
+def _with_defaults(given: dict[str, dict[str, Setting]],
+                   env: Mapping[str, str]) -> dict[str, dict[str, Setting]]:
+    """Every key: the given setting, else its (possibly machine-dependent) default."""
+    from flyd.budget import cpus
+
+    def default(section: str, key: str, value: Any) -> Setting:
+        return given[section].get(key) or Setting(value, "default")
+
+    node = given["node"]
+    explicit_name = node["name"].value if "name" in node else None
+    n_cpus = cpus()
+    capacity = default("node", "capacity", max(1, n_cpus // 4))
+    every_steps = default("checkpoints", "every_steps", 60)
+    ttl = default("leases", "ttl_s", 15.0)
+    derived: dict[tuple[str, str], Any] = {
+        ("node", "name"): explicit_name or host_node_name(),
+        ("node", "capacity"): capacity.value,
+        ("node", "threads"): max(n_cpus, 4 * capacity.value),
+        ("node", "state_dir"): _default_state_dir(env, explicit_name),
+        ("node", "log_format"): "console" if sys.stderr.isatty() else "json",
+        ("bus", "socket"): _default_socket(env, explicit_name),
+        ("bus", "allowed_uids"): [os.geteuid()],
+        ("leases", "heartbeat_interval_s"): ttl.value / 5,
+        ("checkpoints", "max_pending_effects"): 4 * every_steps.value or 4096,
+    }
+    out: dict[str, dict[str, Setting]] = {}
+    for section, keys in KEYS.items():
+        out[section] = {}
+        for key, spec in keys.items():
+            value = derived.get((section, key), spec.default)
+            out[section][key] = default(section, key, value)
+    return out
+
+
+def _check_related(settings: dict[str, dict[str, Setting]],
+                   where: Mapping[tuple[str, str], str]) -> None:
+    """Checks across keys: the thread budget and the router's `[bus]` tables."""
+    threads = settings["node"]["threads"].value
+    reservation = settings["node"]["coordinator_reservation"].value
+    if threads < reservation + 3:
+        here = where.get(("node", "threads")) or where.get(("node", "coordinator_reservation"))
+        raise ConfigError(f"{here or 'defaults'}: [node] threads = {threads} must be ≥ "
+                          f"coordinator_reservation + 3 = {reservation + 3}")
+    bus = settings["bus"]
+    try:
+        Limits.from_config(dict(bus["limits"].value or {}))
+    except LimitError as exc:
+        raise ConfigError(f"{where.get(('bus', 'limits'))}: [bus.limits] {exc}") from exc
+    if bus["policy"].value is not None:
+        try:
+            Policy.from_config(bus["policy"].value)
+        except PolicyError as exc:
+            raise ConfigError(f"{where.get(('bus', 'policy'))}: {exc}") from exc
+    if bus["socket_group"].value is not None:
+        _check_group(where[("bus", "socket_group")], bus["socket_group"].value)
+
+
+def _lease_params(settings: dict[str, dict[str, Setting]],
+                  where: Mapping[tuple[str, str], str]) -> LeaseParams:
+    """LeaseParams from the effective values; a violated §4.3 clause names what was set."""
+    from flyd.leases.params import LeaseParams, LeaseParamsError
+
+    leases = {k: s.value for k, s in settings["leases"].items()
+              if not (k == "heartbeat_interval_s" and s.source == "default")}
+    database = {k: s.value for k, s in settings["database"].items()}
+    try:
+        return LeaseParams.from_sections(leases, database)
+    except LeaseParamsError as exc:
+        chosen = [(f"[{sec}] {k} = {s.value!r}", where[sec, k])
+                  for sec in ("leases", "database") for k, s in settings[sec].items()
+                  if s.source != "default" and k != "dsn"]
+        places = sorted({w for _, w in chosen}) or ["defaults"]
+        keys = ", ".join(k for k, _ in chosen) or "defaults"
+        raise ConfigError(f"{'; '.join(places)}: {keys}: {exc}") from exc

@@ -1,0 +1,162 @@
+"""Configuration precedence and strictness (cli.md §2, §11 tests 3 and 4)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+
+from flyd.config import ConfigError, load_config, redact_dsn, validate_node_name
+
+
+def _env(tmp_path: Path, **extra: str) -> dict[str, str]:
+    """A clean environment: no FLYD_* variable leaks in from the caller."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FLYD_")}
+    env.update(extra)
+    return env
+
+
+def _show(tmp_path: Path, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "flyd", "config", "show", "--json", *args],
+                          env=_env(tmp_path, **env), capture_output=True, text=True,
+                          timeout=60, check=False)
+
+
+def _settings(proc: subprocess.CompletedProcess[str]) -> dict[str, Any]:
+    assert proc.returncode == 0, proc.stderr
+    out: dict[str, Any] = orjson.loads(proc.stdout)["settings"]
+    return out
+
+
+def test_config_precedence_is_default_file_env_flag(tmp_path: Path) -> None:
+    cfg = tmp_path / "flyd.toml"
+    cfg.write_text("[leases]\nttl_s = 20\n")
+    levels = [
+        ((), {}, 15.0, "default"),
+        (("--config", str(cfg)), {}, 20.0, "file"),
+        (("--config", str(cfg)), {"FLYD_LEASE_TTL": "25"}, 25.0, "env"),
+        (("--config", str(cfg), "--lease-ttl", "30"), {"FLYD_LEASE_TTL": "25"}, 30.0, "flag"),
+    ]
+    # every level, then remove them one at a time: the winner falls back in order
+    for args, env, ttl, source in reversed(levels):
+        settings = _settings(_show(tmp_path, *args, FLYD_STATE_DIR=str(tmp_path / "s"), **env))
+        assert settings["leases.ttl_s"] == {"value": ttl, "source": source}
+        assert settings["leases.heartbeat_interval_s"] == {"value": ttl / 5, "source": "default"}
+        assert settings["node.state_dir"] == {"value": str(tmp_path / "s"), "source": "env"}
+    cfg.write_text("[leases]\nttl_s = 20\nheartbeat_interval_s = 3\n")
+    settings = _settings(_show(tmp_path, "--config", str(cfg), "--lease-ttl", "30"))
+    assert settings["leases.heartbeat_interval_s"] == {"value": 3.0, "source": "file"}
+
+
+@pytest.mark.parametrize(("toml", "key"), [
+    ("[node]\nbogus = 1\n", "[node] bogus"),
+    ("[nodes]\nname = 'a'\n", "[nodes]"),
+    ("[leases]\nttl_s = 'long'\n", "[leases] ttl_s"),
+    ("[node]\ncapacity = 0\n", "[node] capacity"),
+    ("[session]\nmax_agents = 257\n", "[session] max_agents"),
+    ("[leases]\nttl_s = 5\n", "[leases] ttl_s"),
+])
+def test_unknown_or_invalid_config_keys_are_refused_by_name(tmp_path: Path, toml: str,
+                                                            key: str) -> None:
+    cfg = tmp_path / "flyd.toml"
+    cfg.write_text(f"{toml}[bus]\nsocket = '{tmp_path}/bus.sock'\n")
+    state = tmp_path / "state"
+    for command in (("config", "show"), ("db", "migrate")):
+        proc = subprocess.run(
+            [sys.executable, "-m", "flyd", *command, "--json", "--config", str(cfg)],
+            env=_env(tmp_path, FLYD_STATE_DIR=str(state)), capture_output=True, text=True,
+            timeout=60, check=False)
+        assert proc.returncode == 2, (command, proc.stdout, proc.stderr)
+        error = orjson.loads(proc.stdout)
+        assert list(error) == ["error"] and set(error["error"]) == {"code", "message"}
+        assert error["error"]["code"] == "CONFIG"
+        for stream in (error["error"]["message"], proc.stderr):
+            assert key in stream and str(cfg) in stream
+            if "ttl_s = 5" in toml:
+                assert "§4.3.2" in stream
+        assert "Traceback" not in proc.stderr
+    # nothing started: no socket, no state dir (no embedded server)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["flyd.toml"]
+
+
+def test_defaults_depend_on_the_machine(tmp_path: Path) -> None:
+    cpus = len(os.sched_getaffinity(0))
+    config = load_config(None, {}, {"XDG_RUNTIME_DIR": str(tmp_path)})
+    capacity = max(1, cpus // 4)
+    assert config.value("node", "capacity") == capacity
+    assert config.value("node", "threads") == max(cpus, 4 * capacity)
+    assert config.value("checkpoints", "max_pending_effects") == 240
+    assert config.value("bus", "socket") == f"{tmp_path}/flyd/bus.sock"
+    assert config.config_file is None
+    assert config.leases.T == 15.0 and config.leases.H == 3.0
+    config = load_config(None, {"node.capacity": 8, "checkpoints.every_steps": 0}, {})
+    assert config.value("node", "threads") == max(cpus, 32)
+    assert config.value("checkpoints", "max_pending_effects") == 4096
+
+
+def test_an_explicit_node_name_gets_its_own_socket_and_state_dirs(tmp_path: Path) -> None:
+    env = {"XDG_RUNTIME_DIR": str(tmp_path / "rt"), "XDG_STATE_HOME": str(tmp_path / "st")}
+    if os.geteuid() == 0:
+        env = {"XDG_RUNTIME_DIR": str(tmp_path / "rt")}
+    config = load_config(None, {"node.name": "alpha"}, env)
+    assert config.value("bus", "socket") == f"{tmp_path}/rt/flyd/alpha/bus.sock"
+    assert config.value("node", "state_dir").endswith("/alpha")
+    assert config.source("node", "name") == "flag"
+    systemd = load_config(None, {}, {"FLYD_NODE_NAME": "beta", "RUNTIME_DIRECTORY": "/r",
+                                     "STATE_DIRECTORY": "/s"})
+    assert systemd.value("bus", "socket") == "/r/bus.sock"
+    assert systemd.value("node", "state_dir") == "/s"
+    assert systemd.source("node", "name") == "env"
+
+
+def test_lease_ttl_sets_t_only_and_names_the_clause(tmp_path: Path) -> None:
+    cfg = tmp_path / "flyd.toml"
+    cfg.write_text("[leases]\nrenew_timeout_s = 1\n[database]\nconnect_timeout_s = 0\n")
+    config = load_config(cfg, {"leases.ttl_s": 20}, {})
+    assert config.leases.T == 20.0 and config.leases.H == 4.0
+    assert config.leases.R == 1.0 and config.leases.safety_margin_s == 3.5
+    with pytest.raises(ConfigError, match=r"§4\.3\.2") as info:
+        load_config(cfg, {}, {"FLYD_LEASE_TTL": "4"})
+    assert "FLYD_LEASE_TTL" in str(info.value)
+
+
+def test_env_and_flag_values_are_checked_by_name() -> None:
+    with pytest.raises(ConfigError, match=r"FLYD_LEASE_TTL.*ttl_s"):
+        load_config(None, {}, {"FLYD_LEASE_TTL": "soon"})
+    with pytest.raises(ConfigError, match=r"FLYD_LOG_LEVEL.*log_level"):
+        load_config(None, {}, {"FLYD_LOG_LEVEL": "loud"})
+    with pytest.raises(ConfigError, match=r"--capacity.*capacity"):
+        load_config(None, {"node.capacity": 65}, {})
+    with pytest.raises(ConfigError, match="--node-name"):
+        load_config(None, {"node.name": "Bad_Name"}, {})
+    with pytest.raises(ConfigError, match=r"/nonexistent/flyd\.toml: cannot read"):
+        load_config(None, {}, {"FLYD_CONFIG": "/nonexistent/flyd.toml"})
+
+
+def test_threads_must_cover_the_reservation(tmp_path: Path) -> None:
+    cfg = tmp_path / "flyd.toml"
+    cfg.write_text("[node]\nthreads = 4\ncoordinator_reservation = 2\n")
+    with pytest.raises(ConfigError, match=rf"{cfg}: \[node\] threads = 4"):
+        load_config(cfg, {}, {})
+
+
+def test_show_redacts_the_dsn_password() -> None:
+    config = load_config(None, {"database.dsn": "postgresql://u:hunter2@db/flyd"}, {})
+    shown = config.show()
+    assert shown["database.dsn"] == {"value": "postgresql://u:***@db/flyd", "source": "flag"}
+    assert config.value("database", "dsn") == "postgresql://u:hunter2@db/flyd"
+    assert "hunter2" not in redact_dsn("host=db password=hunter2 dbname=flyd")
+    assert shown["bus.limits.max_clients"] == {"value": 64, "source": "default"}
+    assert shown["bus.policy"] == {"value": "default", "source": "default"}
+
+
+def test_validate_node_name() -> None:
+    assert validate_node_name("node-1") == "node-1"
+    for bad in ("", "-a", "A", "a_b", "a" * 33):
+        with pytest.raises(ConfigError):
+            validate_node_name(bad)
