@@ -10,14 +10,16 @@ import asyncio
 import signal
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 import click
 import orjson
+import psycopg
 import uvloop
 
 from bus.router import Router, RouterStartError
 from flyd import logs
-from flyd.config import ConfigError, router_config
+from flyd.config import Config, ConfigError, load_config, router_config
 
 EXIT_FAILED = 1
 EXIT_CONFIG = 2
@@ -125,22 +127,177 @@ class _JsonErrors(click.Command):
 @click.option("--trace", type=click.Path(dir_okay=False, path_type=Path),
               help="Write the behaviour trace as JSON lines.")
 @click.option("--pace/--no-pace", default=False, help="Pace transitions at world time (60 Hz).")
+@click.option("--checkpoint-every", type=int,
+              help="Durable checkpoint cadence in steps (default [checkpoints] every_steps).")
 @click.option("--socket", "socket_path", help="Router socket (default: cli.md §4.1).")
+@click.option("--dsn", help="PostgreSQL DSN (default: FLYD_DSN, [database] dsn, else an "
+                            "embedded server under the state dir).")
+@click.option("--state-dir", type=click.Path(path_type=Path), help="Node state directory.")
+@click.option("--lease-ttl", type=float, help="Lease TTL in seconds (default 15).")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON on stdout.")
 @_global_options
 def run_cmd(steps: int, agents: str | None, mode: str, seed: int | None, dispatch: str,
-            faults: tuple[str, ...], trace: Path | None, pace: bool, socket_path: str | None,
-            as_json: bool, config_file: Path | None, log_format: str | None, verbose: int,
+            faults: tuple[str, ...], trace: Path | None, pace: bool,
+            checkpoint_every: int | None, socket_path: str | None, dsn: str | None,
+            state_dir: Path | None, lease_ttl: float | None, as_json: bool,
+            config_file: Path | None, log_format: str | None, verbose: int,
             quiet: int) -> None:
-    """Run one session to completion on this host and print a summary."""
+    """Run one session to completion on this host (through the queue) and print a summary."""
     from flyd.run import RunOptions, parse_agents, run_session
 
     _setup_logging(log_format, verbose, quiet)
     opts = RunOptions(steps=steps, agents=None if agents is None else parse_agents(agents),
                       mode=mode, seed=seed, dispatch=dispatch, faults=faults, trace=trace,
-                      pace=pace, socket=socket_path, as_json=as_json, config_file=config_file,
-                      router_quiet=1 + quiet - verbose)
+                      pace=pace, checkpoint_every=checkpoint_every, socket=socket_path,
+                      dsn=dsn, state_dir=state_dir, lease_ttl=lease_ttl, as_json=as_json,
+                      config_file=config_file, router_quiet=1 + quiet - verbose)
     sys.exit(uvloop.run(run_session(opts)))
+
+
+@flyd_main.command("serve", cls=_JsonErrors)
+@click.option("--dsn", help="PostgreSQL DSN (default: FLYD_DSN, [database] dsn, else an "
+                            "embedded server under the state dir).")
+@click.option("--socket", "socket_path", help="Router socket (default: cli.md §2.2).")
+@click.option("--state-dir", type=click.Path(path_type=Path), help="Node state directory.")
+@click.option("--node-name", help="Node name ([a-z0-9][a-z0-9-]{0,31}; default: host name).")
+@click.option("--capacity", type=int, help="Runs held at once (default max(1, cpus // 4)).")
+@click.option("--router/--no-router", default=None,
+              help="Spawn the router as a child (default) or use one managed separately.")
+@click.option("--lease-ttl", type=float, help="Lease TTL in seconds (default 15).")
+@click.option("--json", "as_json", is_flag=True, help="Errors as JSON on stdout.")
+@click.option("--sim-clock", type=click.Path(path_type=Path), hidden=True)
+@click.option("--time-scale", type=float, default=1.0, hidden=True)
+@click.option("--clock-rate", type=float, default=1.0, hidden=True)
+@_global_options
+def serve_cmd(dsn: str | None, socket_path: str | None, state_dir: Path | None,
+              node_name: str | None, capacity: int | None, router: bool | None,
+              lease_ttl: float | None, as_json: bool, sim_clock: Path | None,
+              time_scale: float, clock_rate: float, config_file: Path | None,
+              log_format: str | None, verbose: int, quiet: int) -> None:
+    """Run the node service: claim, execute and finish runs from the queue until drained."""
+    from flyd.serve import ServeOptions, serve
+
+    _setup_logging(log_format, verbose, quiet)
+    opts = ServeOptions(config_file=config_file, dsn=dsn, socket=socket_path,
+                        state_dir=state_dir, node_name=node_name, capacity=capacity,
+                        router=router, lease_ttl=lease_ttl, as_json=as_json,
+                        router_quiet=1 + quiet - verbose, sim_clock=sim_clock,
+                        time_scale=time_scale, clock_rate=clock_rate)
+    sys.exit(uvloop.run(serve(opts)))
+
+
+def _json_error(as_json: bool, prefix: str, code: str, message: str,
+                exit_code: int) -> NoReturn:
+    """Report an error (JSON on stdout with `--json`, always a line on stderr) and exit."""
+    click.echo(f"{prefix}: {message}", err=True)
+    if as_json:
+        click.echo(orjson.dumps({"error": {"code": code, "message": message}}).decode())
+    sys.exit(exit_code)
+
+
+def _load_cli_config(config_file: Path | None, log_format: str | None, verbose: int,
+                     quiet: int, flags: dict[str, object]) -> Config:
+    """The effective configuration of a command: `--log-format` from the command line counts
+    as a flag (from `FLYD_LOG_FORMAT` it is the environment); `-v`/`-q` shift the level."""
+    ctx = click.get_current_context()
+    from_cli = ctx.get_parameter_source("log_format") == click.core.ParameterSource.COMMANDLINE
+    flags = {**flags, "node.log_format": log_format if from_cli else None}
+    config = load_config(config_file, flags)
+    if verbose or quiet:
+        level = logs.shift_level(config.value("node", "log_level"), verbose, quiet)
+        config = load_config(config_file, {**flags, "node.log_level": level})
+    return config
+
+
+@flyd_main.group("db")
+def db_group() -> None:
+    """Database administration."""
+
+
+@db_group.command("migrate", cls=_JsonErrors)
+@click.option("--dsn", help="PostgreSQL DSN (default: FLYD_DSN, [database] dsn, else the "
+                            "embedded server under the state dir).")
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON on stdout.")
+@_global_options
+def db_migrate_cmd(dsn: str | None, as_json: bool, config_file: Path | None,
+                   log_format: str | None, verbose: int, quiet: int) -> None:
+    """Apply the schema migrations and print the schema version."""
+    from flyd.leases.migrate import MigrationError
+
+    _setup_logging(log_format, verbose, quiet)
+    try:
+        config = _load_cli_config(config_file, log_format, verbose, quiet, {"database.dsn": dsn})
+        version = uvloop.run(_migrate(config))
+    except ConfigError as exc:
+        _json_error(as_json, "flyd db migrate", exc.code, str(exc), EXIT_CONFIG)
+    except MigrationError as exc:
+        _json_error(as_json, "flyd db migrate", "CONFIG", str(exc), exc.exit_code)
+    except psycopg.Error as exc:
+        _json_error(as_json, "flyd db migrate", "CONFIG",
+                    f"cannot migrate the database: {str(exc).strip()}", EXIT_CONFIG)
+    if as_json:
+        click.echo(orjson.dumps({"schemaVersion": version}).decode())
+    else:
+        click.echo(f"schema version {version}", err=True)
+
+
+async def _migrate(config: Config) -> int:
+    """Migrate the configured DSN, or the embedded server under the state dir."""
+    from flyd.leases.embedded import EmbeddedPostgres
+    from flyd.leases.migrate import migrate
+
+    dsn = config.value("database", "dsn")
+    if dsn is not None:
+        return await migrate(dsn)
+    embedded = EmbeddedPostgres()
+    try:
+        await embedded.start(Path(config.value("node", "state_dir")))
+        return embedded.schema_version
+    finally:
+        await embedded.stop()
+
+
+@flyd_main.group("config")
+def config_group() -> None:
+    """Configuration."""
+
+
+@config_group.command("show", cls=_JsonErrors)
+@click.option("--dsn", help="As `flyd serve --dsn`.")
+@click.option("--socket", "socket_path", help="As `flyd serve --socket`.")
+@click.option("--state-dir", help="As `flyd serve --state-dir`.")
+@click.option("--node-name", help="As `flyd serve --node-name`.")
+@click.option("--capacity", type=int, help="As `flyd serve --capacity`.")
+@click.option("--router/--no-router", default=None, help="As `flyd serve --router`.")
+@click.option("--lease-ttl", type=float, help="As `flyd serve --lease-ttl`.")
+@click.option("--json", "as_json", is_flag=True, help="Print the configuration as JSON.")
+@_global_options
+def config_show_cmd(dsn: str | None, socket_path: str | None, state_dir: str | None,
+                    node_name: str | None, capacity: int | None, router: bool | None,
+                    lease_ttl: float | None, as_json: bool, config_file: Path | None,
+                    log_format: str | None, verbose: int, quiet: int) -> None:
+    """Print the effective configuration: every key with its value and source (`serve`'s
+    flags are accepted, so the output is what `flyd serve` with them would use)."""
+    _setup_logging(log_format, verbose, quiet)
+    flags: dict[str, object] = {
+        "database.dsn": dsn, "bus.socket": socket_path, "node.state_dir": state_dir,
+        "node.name": node_name, "node.capacity": capacity, "node.router": router,
+        "leases.ttl_s": lease_ttl,
+    }
+    try:
+        config = _load_cli_config(config_file, log_format, verbose, quiet, flags)
+    except ConfigError as exc:
+        _json_error(as_json, "flyd config show", exc.code, str(exc), EXIT_CONFIG)
+    shown = config.show()
+    if as_json:
+        file = str(config.config_file) if config.config_file else None
+        click.echo(orjson.dumps({"configFile": file, "settings": shown}).decode())
+        return
+    width = max(len(k) for k in shown)
+    click.echo(f"# config file: {config.config_file or 'none'}", err=True)
+    for key, entry in shown.items():
+        value = orjson.dumps(entry["value"]).decode()
+        click.echo(f"{key.ljust(width)} = {value} ({entry['source']})", err=True)
 
 
 @click.group()
@@ -150,3 +307,4 @@ def flyctl_main() -> None:
 
 def main() -> None:
     flyd_main()
+

@@ -545,6 +545,15 @@ class Coordinator:
         self.last_failure = failure
         raise failure
 
+    def fence_now(self, message: str) -> None:
+        """Close the fence from outside, synchronously (a lost lease, distribution.md §5.5
+        step 2): nothing more is dispatched. Unlike a failed step it raises nothing here; the
+        next `step()` refuses. Already fenced: no change."""
+        if self._machine.fenced:
+            return
+        with contextlib.suppress(SessionFailure):
+            self._fail_now(DomainError.before(ErrorCode.INVALID_PHASE, message), Detail.FENCED)
+
     def _refuse_if_fenced(self) -> None:
         refuse_if_fenced(self._machine)
 

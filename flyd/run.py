@@ -1,103 +1,69 @@
-"""`flyd run`: one session on this host, start to finish (cli.md §4), without a database yet.
+"""`flyd run`: one session on this host through the queue, start to finish (cli.md §4).
 
-Why: `flyd run` is the main job (the README's quick start). It wires, in production code, what
-`tests/session/harness.py` wires for tests: a router child process, the node connection, a
-launcher, the workers in the chosen execution mode and a coordinator, then reaps everything and
-prints the §4.2 summary.
+Why: `flyd run` is the main job (the README's quick start). It is a node of capacity 1 that
+submits one run and claims only that run, so its work is leased, fenced and recorded in the
+effects ledger exactly as a `flyd serve` node's would be.
 
 Sequence: build and validate the run spec from the options (exit 2, `USAGE`, naming the JSON
-path or the fault spec) → pick the socket (§4.1) → write the router's TOML (the `[bus]` section
-of `--config`, plus the default policy of session.md §7.2 with `pid` = this process on the
-`node.*` entry unless the file sets `[bus.policy]`) → spawn `flyd router` through
-`flyd.spawn.ChildProcess` (die-with-parent, own process group, log lines forwarded) → connect as
-`node.<node_id>` → `Launcher.open` + `launch_composition` → coordinator bootstrap and
-`--steps` transitions under `launcher.supervise` → reap the workers (`reap_all`), close the
-launcher and the clients, SIGTERM the router (SIGKILL after 5 s) → summary.
+path or the fault spec) → resolve the configuration (cli.md §2; `CONFIG` on a bad key) → pick
+the socket (§4.1) → start the node (`flyd.node.NodeProcess`: embedded PostgreSQL under
+`<state-dir>/pg` when no DSN is configured, migrations, router child, node connection, store)
+→ submit the spec with `exclusiveToSubmitter: true` → run the lease runtime with `only` = that
+run id until the run is terminal in the database → summary (§4.2) from the run row, its effects
+and what this node saw → stop everything.
 
-Decisions (where cli.md is silent or this stage has no database):
-- No database, no leases, no checkpoints yet: `--checkpoint-every`, `--dsn`, `--state-dir` and
-  `--lease-ttl` are not accepted (they would have no truthful meaning). The summary reports
-  `run: null` (no queue row exists), `checkpoints: 0`, `recoveries: 0`, `epochs: ["e1"]`; any
-  failure ends the run `failed` (exit 1) with the diagnosis in `failures` (no recovery).
-- The spec carries `exclusiveToSubmitter: true`, as a submitted one will.
-- A bad option that makes the spec invalid (e.g. `--steps 0`, a bad agent id, too many agents)
-  is `USAGE` (exit 2) with the message `run spec <path>: <reason>`; a malformed `--fault` is
-  `USAGE` naming the spec. The JSON error keeps exactly the `{error: {code, message}}` shape.
-- The router's `[bus.limits]` are raised to cli.md §5.1's floors for capacity 1 and
-  `max_agents` 4 (`maxClients` 15, `maxServices` 6, `maxActiveCallsPerClient` 8) where the file
-  sets less; the defaults are above them already.
-- `--config`: only its `[bus]` section is used (socket, limits, policy, group, uids); other
-  sections are accepted by name and not interpreted yet. The socket follows flag >
-  `FLYD_SOCKET` > `[bus] socket` > §4.1's choice; a given one is used as is.
-- The node name is `FLYD_NODE_NAME` or the host name (cli.md §2.2); an invalid one exits 2
-  (`CONFIG`).
-- Thread budget: `[node] threads` default `max(cpus, 4)`, raised to the spec's thread need,
-  since `flyd run` holds exactly this one run.
-- `failures` lists the failure that ended the run: `{detail, participant, code, mutation,
-  message}`; a failed launch has detail `launch`.
-- `workers` lists the launched workers (as launched, before any kill): `workerId`, `role`,
-  `incarnationId`, `pid` (the node's own pid in thread and in-process modes), `threads`.
-- `wallSeconds` is the whole command (router start to teardown); `stepsPerSecond` is
-  `advances` over the stepping time only (from `Ready(0)` to the last committed boundary), so
-  it does not depend on how long the workers took to start.
+Decisions:
+- `wallSeconds` is the whole command; `stepsPerSecond` is `advances` over the stepping time of
+  the grant that finished the run (from `Ready(0)` to its last committed boundary).
+- `behaviourDigest` and `epochs` come from the ledger (the `effects` payloads, cli.md §4.2). A
+  failed run has no boundary effects (state.md §9.3); its digest is that of the behaviour
+  records this node committed up to the failure, so a diagnosis can still compare runs.
+- `checkpoints` counts the checkpoint generations the run committed (`0` until checkpoints are
+  taken by the node).
 - `worldProgress` is the world's `progressCounter` (`Worker.Status`) read before the reap, null
   when the world cannot answer; `counter` is the task's progress counter.
-- `behaviourDigest` = `digest_of` of the committed behaviour records rebased onto `e1` (the
-  records of a failed run up to its last committed boundary).
-- `--trace PATH` writes the committed behaviour records (canonical JSON, one line each), also
-  for a failed run; the file is created (truncated) before anything starts, so an unwritable
-  path is `USAGE` (exit 2).
+- `--trace PATH` writes the behaviour records (canonical JSON, one line each), also for a
+  failed run; the file is created (truncated) before anything starts, so an unwritable path is
+  `USAGE` (exit 2).
 - Human summary and progress go to stderr (cli.md §1); with `--json` the summary is the only
   stdout output.
 - Progress: on a TTY a one-line bar on stderr, redrawn at most every 0.1 s; otherwise a
   `run.progress` log line every 5 s (step, steps, steps_per_s, epoch, recoveries).
-- SIGINT: the first stops at the next committed boundary, the run ends `cancelled`, everything is
-  reaped, the summary is printed, exit 130; a second SIGINT, or `DRAIN_S` (20 s) without
-  reaching a boundary, abandons the step at once, exit 130. SIGTERM abandons at once too, exit 143.
-  Nothing survives in any case (the router and worker processes are reaped; they also carry
-  die-with-parent against a SIGKILL of `flyd run`).
+- SIGINT: the first requests cancellation of the run (distribution.md §3.8); the node sees the
+  flag in its next renewal and finishes the run `cancelled` at the next boundary; `flyd run`
+  waits up to `[leases] drain_timeout_s` for that, stops everything and exits 130. A second
+  SIGINT, or the wait running out, abandons at once (exit 130; a reaper ends the run). SIGTERM
+  abandons at once, exit 143. The router and worker processes are reaped in every case (they
+  also carry die-with-parent against a SIGKILL of `flyd run`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
-import re
-import shutil
 import signal
-import socket as socketlib
 import sys
-import tempfile
 import time
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
 import orjson
+import psycopg
 import structlog
 
-from bus.client import BusClient, connect
-from bus.errors import BusError
-from bus.policy import Policy
-from flyd.budget import ThreadBudget
-from flyd.config import ConfigError, default_socket, load_toml, router_config
-from flyd.coordinator import Coordinator, Deadlines, DispatchOrder, Injections
-from flyd.fence import SessionFailure
-from flyd.health import HealthPolicy
-from flyd.identities import SessionNames, SessionTags, new_node_id, node_client_id
-from flyd.launcher import ExecutionMode, LaunchedWorker, Launcher, connect_expected
+from flyd.config import Config, ConfigError, load_config
+from flyd.executor import RunReport
+from flyd.identities import new_node_id
+from flyd.leases import queries
+from flyd.leases.migrate import MigrationError
+from flyd.leases.store import TERMINAL, StoreError
+from flyd.node import NodeProcess, NodeSetup, NodeStartError
+from flyd.router_child import RouterStartError, choose_socket
 from flyd.runspec import DEFAULT_MAX_AGENTS, FaultSpecError, RunSpec, RunSpecError
-from flyd.spawn import ChildProcess
-from flyd.trace import EpochRebase
 from workers.canonical import canonical, digest_of
-from workers.domain import DomainError
-from workers.shell import load_plugin
-from workers.synthetic.executor import IdentityExecutor
 
-__all__ = ["RunOptions", "RunUsageError", "build_spec", "choose_socket", "default_node_name",
-           "required_limits", "router_toml", "run_session"]
+__all__ = ["RunOptions", "RunUsageError", "build_spec", "run_session"]
 
 log = structlog.get_logger("flyd.run")
 
@@ -107,13 +73,10 @@ EXIT_USAGE: Final = 2
 EXIT_INTERRUPTED: Final = 130
 EXIT_TERMINATED: Final = 143
 EPOCH: Final = "e1"
-ROUTER_START_S: Final = 15.0
-ROUTER_STOP_S: Final = 5.0
-REAP_S: Final = 10.0
-DRAIN_S: Final = 20.0
+POLL_S: Final = 0.2
 PROGRESS_LOG_S: Final = 5.0
 BAR_REDRAW_S: Final = 0.1
-_NODE_NAME: Final = re.compile(r"[a-z0-9][a-z0-9-]{0,31}")
+ACTOR: Final = "flyd run"
 
 
 class RunUsageError(Exception):
@@ -135,14 +98,18 @@ class RunOptions:
     faults: tuple[str, ...] = ()
     trace: Path | None = None
     pace: bool = False
+    checkpoint_every: int | None = None
     socket: str | None = None
+    dsn: str | None = None
+    state_dir: Path | None = None
+    lease_ttl: float | None = None
     as_json: bool = False
     config_file: Path | None = None
     router_quiet: int = 1
 
 
 # --------------------------------------------------------------------------------------------
-# spec, socket, router configuration (pure or nearly)
+# spec and configuration
 
 
 def build_spec(opts: RunOptions) -> RunSpec:
@@ -154,6 +121,8 @@ def build_spec(opts: RunOptions) -> RunSpec:
         "pacing": "realtime" if opts.pace else "off",
         "exclusiveToSubmitter": True,
     }
+    if opts.checkpoint_every is not None:
+        doc["checkpoints"] = {"everySteps": opts.checkpoint_every}
     if opts.seed is not None:
         doc["seed"] = str(opts.seed) if opts.seed >= 0 else opts.seed
     if opts.agents is not None or opts.seed is not None:
@@ -172,125 +141,23 @@ def build_spec(opts: RunOptions) -> RunSpec:
     return spec
 
 
-def _router_answers(path: str) -> bool:
-    """True when something accepts a connection on `path`."""
-    probe = socketlib.socket(socketlib.AF_UNIX, socketlib.SOCK_STREAM)
-    try:
-        probe.settimeout(1.0)
-        probe.connect(path)
-    except OSError:
-        return False
-    finally:
-        probe.close()
-    return True
-
-
-def choose_socket(forced: str | None) -> tuple[str, bool]:
-    """cli.md §4.1: `(path, private)`; the default socket unless a router answers there, then
-    `run-<pid>.sock` beside it; a forced path is used as given."""
-    if forced:
-        return forced, False
-    default = default_socket()
-    if not _router_answers(default):
-        return default, False
-    return os.path.join(os.path.dirname(default), f"run-{os.getpid()}.sock"), True
-
-
-def default_node_name() -> str:
-    """`FLYD_NODE_NAME`, else the host name mapped as cli.md §2.2 says."""
-    env = os.environ.get("FLYD_NODE_NAME")
-    if env is not None:
-        if _NODE_NAME.fullmatch(env) is None:
-            raise RunUsageError("CONFIG", f"FLYD_NODE_NAME {env!r} is not a node name "
-                                          "([a-z0-9][a-z0-9-]{0,31})")
-        return env
-    name = re.sub(r"[^a-z0-9-]", "-", socketlib.gethostname().lower()).lstrip("-")[:32]
-    return name or "node"
-
-
-def _toml_key(key: str) -> str:
-    return key if re.fullmatch(r"[A-Za-z0-9_-]+", key) else orjson.dumps(key).decode()
-
-
-def _toml_value(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, int | float):
-        return repr(value)
-    if isinstance(value, str):
-        return orjson.dumps(value).decode()
-    if isinstance(value, list | tuple):
-        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
-    raise ConfigError(f"cannot write {value!r} to the router's configuration")
-
-
-def _toml_table(prefix: str, table: Mapping[str, Any], out: list[str]) -> None:
-    out.append(f"[{prefix}]")
-    subtables: list[tuple[str, Mapping[str, Any]]] = []
-    arrays: list[tuple[str, list[Mapping[str, Any]]]] = []
-    for key, value in table.items():
-        if isinstance(value, Mapping):
-            subtables.append((key, value))
-        elif isinstance(value, list) and value and all(isinstance(v, Mapping) for v in value):
-            arrays.append((key, value))
-        else:
-            out.append(f"{_toml_key(key)} = {_toml_value(value)}")
-    for key, sub in subtables:
-        _toml_table(f"{prefix}.{_toml_key(key)}", sub, out)
-    for key, items in arrays:
-        for item in items:
-            out.append(f"[[{prefix}.{_toml_key(key)}]]")
-            for k, v in item.items():
-                out.append(f"{_toml_key(k)} = {_toml_value(v)}")
-
-
-def _policy_table(policy: Policy) -> dict[str, Any]:
-    clients: list[dict[str, Any]] = []
-    for entry in policy.entries:
-        item: dict[str, Any] = {"id": entry.id}
-        for kind in ("register", "call", "expect", "delegate"):
-            patterns = list(getattr(entry, kind))
-            if patterns:
-                item[kind] = patterns
-        if entry.require_expect:
-            item["requireExpect"] = True
-        if entry.pid is not None:
-            item["pid"] = entry.pid
-        clients.append(item)
-    return {"mode": policy.mode, "client": clients}
-
-
-def required_limits(capacity: int = 1, max_agents: int = DEFAULT_MAX_AGENTS) -> dict[str, int]:
-    """cli.md §5.1: the `[bus.limits]` floors a node needs (snake_case keys)."""
-    return {"max_clients": capacity * (max_agents + 3) + 8,
-            "max_services": capacity * (max_agents + 1) + 1,
-            "max_active_calls_per_client": 2 * max_agents}
-
-
-def router_toml(bus: Mapping[str, Any], node_pid: int) -> str:
-    """The router child's configuration: `bus` (the `[bus]` table of `--config`, socket
-    dropped: the socket is a flag) with `[bus.limits]` raised to `required_limits()` where a
-    configured value is lower, plus the default policy with the node's pid (session.md §7.2)
-    unless `bus` sets a policy."""
-    table = {k: v for k, v in bus.items() if k != "socket"}
-    limits = dict(table.get("limits", {}))
-    for key, floor in required_limits().items():
-        value = limits.get(key)
-        if isinstance(value, int) and not isinstance(value, bool) and value < floor:
-            log.info("run.limit_raised", key=f"[bus.limits] {key}", configured=value,
-                     used=floor)
-            limits[key] = floor
-    if limits:
-        table["limits"] = limits
-    if "policy" not in table:
-        table["policy"] = _policy_table(Policy.default(node_pid))
-    lines: list[str] = []
-    _toml_table("bus", table, lines)
-    return "\n".join(lines) + "\n"
-
-
-# --------------------------------------------------------------------------------------------
-# progress
+def node_setup(opts: RunOptions, config: Config, spec: RunSpec) -> NodeSetup:
+    """A capacity-1 node on the §4.1 socket whose budget fits the run."""
+    forced = opts.socket
+    if forced is None and config.source("bus", "socket") in ("file", "env", "flag"):
+        forced = str(config.value("bus", "socket"))
+    socket, private = choose_socket(forced)
+    if private:
+        print(f"flyd run: a router answers on the default socket; using the private socket "
+              f"{socket}", file=sys.stderr)
+    else:
+        print(f"flyd run: router socket {socket}", file=sys.stderr)
+    name = str(config.value("node", "name"))
+    reservation = int(config.value("node", "coordinator_reservation"))
+    threads = max(int(config.value("node", "threads")), spec.thread_need(reservation))
+    return NodeSetup(config=config, node_id=new_node_id(name), node_name=name, socket=socket,
+                     state_dir=Path(str(config.value("node", "state_dir"))), capacity=1,
+                     threads=threads, router_quiet=opts.router_quiet)
 
 
 class Progress:
@@ -349,37 +216,14 @@ class Progress:
 # the run
 
 
-@dataclass
-class _Outcome:
-    state: str = "failed"
-    failure: dict[str, Any] | None = None
-    workers: list[dict[str, Any]] = field(default_factory=list)
-    world_progress: str | None = None
-    step_seconds: float = 0.0
-
-
-def _failure_json(failure: SessionFailure) -> dict[str, Any]:
-    return {"detail": failure.detail, "participant": failure.participant,
-            "code": str(failure.code), "mutation": str(failure.mutation),
-            "message": failure.message}
-
-
-def _worker_json(w: LaunchedWorker) -> dict[str, Any]:
-    return {"workerId": w.worker_id, "role": w.identity.role,
-            "incarnationId": w.identity.incarnation_id,
-            "pid": w.pid if w.pid is not None else os.getpid(),
-            "threads": w.identity.worker_threads}
-
-
 class _Signals:
-    """SIGINT: first → stop at the next boundary; second → abandon. SIGTERM → abandon."""
+    """SIGINT: first → cancel the run and wait for its end; second → abandon. SIGTERM → abandon."""
 
-    def __init__(self, main: asyncio.Task[Any]) -> None:
-        self.main = main
-        self.cancel_requested = asyncio.Event()
+    def __init__(self) -> None:
+        self.cancel = asyncio.Event()
+        self.abandon = asyncio.Event()
         self.exit_code: int | None = None
         self._loop = asyncio.get_running_loop()
-        self._drain: asyncio.TimerHandle | None = None
 
     def install(self) -> None:
         self._loop.add_signal_handler(signal.SIGINT, self._sigint)
@@ -388,326 +232,166 @@ class _Signals:
     def remove(self) -> None:
         for sig in (signal.SIGINT, signal.SIGTERM):
             self._loop.remove_signal_handler(sig)
-        if self._drain is not None:
-            self._drain.cancel()
 
     def _sigint(self) -> None:
         if self.exit_code is None:
             self.exit_code = EXIT_INTERRUPTED
-            self.cancel_requested.set()
-            log.warning("run.interrupted", detail="stopping at the next committed boundary; "
+            self.cancel.set()
+            log.warning("run.interrupted", detail="cancelling the run at the next boundary; "
                                                   "press Ctrl-C again to abandon at once")
-            self._drain = self._loop.call_later(DRAIN_S, self._abandon)
             return
-        self._abandon()
+        self.abandon.set()
 
     def _sigterm(self) -> None:
         self.exit_code = EXIT_TERMINATED
-        self._abandon()
-
-    def _abandon(self) -> None:
-        self.cancel_requested.set()
-        self.main.cancel()
-
-
-class _Session:
-    """Everything `flyd run` starts, owned for teardown."""
-
-    def __init__(self, opts: RunOptions, spec: RunSpec) -> None:
-        self.opts = opts
-        self.spec = spec
-        self.directory = tempfile.mkdtemp(prefix="flyd-run-")
-        self.socket = ""
-        self.router: ChildProcess | None = None
-        self.node: BusClient | None = None
-        self.launcher: Launcher | None = None
-        self.coordinator_client: BusClient | None = None
-        self.coordinator: Coordinator | None = None
-
-    # -------------------------------------------------------------------- router
-
-    async def start_router(self, socket: str, bus: Mapping[str, Any]) -> None:
-        self.socket = socket
-        config = Path(self.directory) / "router.toml"
-        config.write_text(router_toml(bus, os.getpid()))
-        env = {**os.environ, "FLYD_LOG_FORMAT": "json"}
-        env.pop("FLYD_SOCKET", None)
-        level = self.opts.router_quiet
-        flags = ["-q"] * level if level > 0 else ["-v"] * -level
-        self.router = await ChildProcess.spawn(
-            [sys.executable, "-m", "flyd", "router", "--socket", socket, "--config",
-             str(config), *flags], env=env, fields={"component": "router"})
-        deadline = time.monotonic() + ROUTER_START_S
-        while True:
-            if self.router.exited.done():
-                raise RunUsageError("CONFIG", f"the router on {socket} exited with code "
-                                              f"{self.router.exited.result()}")
-            if await asyncio.to_thread(_router_answers, socket):
-                return
-            if time.monotonic() > deadline:
-                raise RunUsageError("CONFIG", f"the router did not accept on {socket} within "
-                                              f"{ROUTER_START_S:g}s")
-            await asyncio.sleep(0.02)
-
-    async def stop_router(self) -> None:
-        router, self.router = self.router, None
-        if router is None:
-            return
-        if not router.exited.done():
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(router.pid, signal.SIGTERM)
-            await router.wait(ROUTER_STOP_S)
-        await router.close(ROUTER_STOP_S)
-
-    # -------------------------------------------------------------------- teardown
-
-    async def teardown(self) -> None:
-        """Reap the workers, close the clients, stop the router; every step bounded."""
-        if self.launcher is not None:
-            launcher, self.launcher = self.launcher, None
-            with contextlib.suppress(Exception):
-                async with asyncio.timeout(REAP_S):
-                    await launcher.reap_all("run-ended")
-            launcher.kill_process_groups()
-            with contextlib.suppress(Exception):
-                async with asyncio.timeout(REAP_S):
-                    await launcher.close()
-        for attr in ("coordinator_client", "node"):
-            client: BusClient | None = getattr(self, attr)
-            setattr(self, attr, None)
-            if client is not None:
-                with contextlib.suppress(Exception):
-                    async with asyncio.timeout(2.0):
-                        await client.close()
-        await self.stop_router()
-        shutil.rmtree(self.directory, ignore_errors=True)
+        self.abandon.set()
 
 
 async def run_session(opts: RunOptions) -> int:
     """`flyd run`; returns the exit code (prints the summary or the error)."""
     try:
         spec = build_spec(opts)
-        bus: Mapping[str, Any] = {}
-        if opts.config_file is not None:
-            bus = load_toml(opts.config_file).get("bus", {})
-            router_config(opts.config_file, opts.socket)  # validates [bus], names the key
-        node_id = new_node_id(default_node_name())
+        config = load_config(opts.config_file, flags={
+            "database.dsn": opts.dsn, "node.state_dir": opts.state_dir,
+            "leases.ttl_s": opts.lease_ttl, "bus.socket": opts.socket})
+        if opts.checkpoint_every is None:
+            spec = RunSpec.validate(
+                {**spec.to_json(), "checkpoints": {
+                    **spec.to_json().get("checkpoints", {}),
+                    "everySteps": int(config.value("checkpoints", "every_steps"))}},
+                max_agents=DEFAULT_MAX_AGENTS)
         if opts.trace is not None:
             try:
                 opts.trace.write_bytes(b"")
             except OSError as exc:
                 raise RunUsageError("USAGE", f"--trace {opts.trace}: cannot write: "
                                              f"{exc.strerror}") from None
+        setup = node_setup(opts, config, spec)
     except ConfigError as exc:
         return _error(opts, "CONFIG", str(exc))
     except RunUsageError as exc:
         return _error(opts, exc.code, exc.message)
-    main = asyncio.current_task()
-    assert main is not None
-    signals = _Signals(main)
+    signals = _Signals()
     signals.install()
-    session = _Session(opts, spec)
-    outcome = _Outcome()
+    node = NodeProcess(setup)
     started = time.monotonic()
     try:
         try:
-            file_socket = bus.get("socket")
-            socket, private = choose_socket(opts.socket or os.environ.get("FLYD_SOCKET")
-                                            or (file_socket if isinstance(file_socket, str)
-                                                else None))
-            if private:
-                print(f"flyd run: a router answers on {default_socket()}; using the private "
-                      f"socket {socket}", file=sys.stderr)
-            else:
-                print(f"flyd run: router socket {socket}", file=sys.stderr)
-            log.info("run.socket", socket=socket, private=private, node=node_id)
-            await session.start_router(socket, bus)
-            await _execute(session, node_id, outcome, signals)
-        except RunUsageError as exc:
-            return _error(opts, exc.code, exc.message)
-        except asyncio.CancelledError:
-            if signals.exit_code is None:
-                raise
-            outcome.state = "cancelled"
-            main.uncancel()
-        finally:
-            coordinator = session.coordinator
-            await _read_world(session, outcome)
-            with contextlib.suppress(asyncio.CancelledError):
-                await session.teardown()
+            await node.start()
+        except (NodeStartError, RouterStartError, ConfigError, MigrationError,
+                StoreError, psycopg.Error) as exc:
+            return _error(opts, "CONFIG", getattr(exc, "message", None) or str(exc))
+        run_id, report, row = await _execute(node, spec, int(config.value(
+            "leases", "max_attempts")), signals, setup.config.leases.drain_timeout_s)
+        effects = await _read_effects(node.dsn, run_id)
+        checkpoints = await _count_checkpoints(node.dsn, run_id)
     finally:
         signals.remove()
-    wall = time.monotonic() - started
-    summary = _summary(spec, coordinator, outcome, wall)
-    if opts.trace is not None and coordinator is not None:
-        _write_trace(opts.trace, coordinator)
+        await node.close()
+    summary = _summary(spec, run_id, row, report, effects, checkpoints,
+                       time.monotonic() - started)
+    if opts.trace is not None and report is not None:
+        _write_trace(opts.trace, report.records)
     _print_summary(opts, summary)
     if signals.exit_code is not None:
         return signals.exit_code
-    return EXIT_OK if outcome.state == "succeeded" else EXIT_FAILED
+    return EXIT_OK if summary["state"] == "succeeded" else EXIT_FAILED
 
 
-async def _start_session(session: _Session, node_id: str, outcome: _Outcome) -> Coordinator:
-    """Launcher, workers, coordinator client and coordinator (not bootstrapped)."""
-    spec = session.spec
-    assert session.node is not None
-    names = SessionNames(session_id=spec.session_id, tag=SessionTags().next(), node_id=node_id)
-    budget = ThreadBudget.for_this_machine(1)
-    need = spec.thread_need(budget.coordinator_reservation)
-    if not budget.fits(need):
-        budget = ThreadBudget(need, budget.coordinator_reservation)
-    session.launcher = launcher = await Launcher.open(
-        names=names, socket=session.socket, node=session.node, budget=budget,
-        health=HealthPolicy(), max_agents=DEFAULT_MAX_AGENTS)
-    launched = await launcher.launch_composition(spec, ExecutionMode.from_label(spec.mode))
-    outcome.workers = [_worker_json(launched[w]) for w in spec.worker_ids() if w in launched]
-    session.coordinator_client = await connect_expected(
-        session.node, session.socket, names.coordinator_client_id,
-        grants=names.client_grants())
-    task = load_plugin(spec.task.impl, "task")(config=dict(spec.task.config),
-                                               terminal=spec.task.terminal,
-                                               max_agents=DEFAULT_MAX_AGENTS, epoch=EPOCH)
-    injections = Injections(
-        lose_advance_result_at=spec.injections.lose_advance_result_at,
-        kill_at=tuple((k.worker, k.step) for k in spec.injections.kill),
-        kill=launcher.kill)
-    return Coordinator(
-        spec, session.coordinator_client,
-        {wid: w.worker_ref() for wid, w in launcher.workers().items()},
-        task=task, executor=IdentityExecutor(), deadlines=Deadlines(),
-        order=DispatchOrder.from_label(spec.dispatch), injections=injections, epoch=EPOCH)
-
-
-async def _execute(session: _Session, node_id: str, outcome: _Outcome,
-                   signals: _Signals) -> None:
-    spec = session.spec
-    try:
-        session.node = await connect(session.socket, client_id=node_client_id(node_id))
-    except BusError as exc:
-        raise RunUsageError(exc.name, f"the router refused the node connection: "
-                                      f"{exc.message}") from None
-    except OSError as exc:
-        raise RunUsageError("CONFIG", f"cannot connect to the router on {session.socket}: "
-                                      f"{exc}") from None
-    try:
-        coordinator = await _start_session(session, node_id, outcome)
-    except (DomainError, BusError) as exc:
-        code, mutation, message = (
-            (str(exc.code), str(exc.mutation), exc.message) if isinstance(exc, DomainError)
-            else (exc.name, "none", exc.message))
-        outcome.failure = {"detail": "launch", "participant": None, "code": code,
-                           "mutation": mutation, "message": message}
-        log.error("run.launch_failed", code=code, message=message)
-        return
-    launcher = session.launcher
-    assert launcher is not None
-    if spec.pacing == "off" and spec.pace_s is None:
-        coordinator.disable_pacing()
-    session.coordinator = coordinator
+async def _execute(node: NodeProcess, spec: RunSpec, max_attempts: int, signals: _Signals,
+                   drain_s: float) -> tuple[int, RunReport | None, dict[str, Any] | None]:
+    """Submit, serve only that run until it is terminal (or abandoned), stop the runtime."""
+    assert node.store is not None and node.executor is not None
+    submitted = await node.store.submit(None, spec.to_json(), max_attempts)
+    run_id = submitted.run_id
+    log.info("run.submitted", run=run_id, node=node.setup.node_id)
     progress = Progress(spec.steps, sys.stderr.isatty())
-    health_failure: list[SessionFailure] = []
-
-    async def steps() -> None:
-        await coordinator.bootstrap()
-        progress.start()
-        for _ in range(spec.steps):
-            if signals.cancel_requested.is_set():
-                outcome.state = "cancelled"
-                return
-            report = await coordinator.step()
-            outcome.step_seconds = time.monotonic() - progress.started
-            progress.update(report.boundary)
-            if report.terminal or report.paused:
-                break
-        outcome.state = "succeeded"
-
-    stepper = asyncio.get_running_loop().create_task(steps())
-
-    def report(worker_id: str, error: DomainError) -> None:
-        failure = coordinator.health_failure(worker_id, error)
-        if failure is not None and not stepper.done():
-            health_failure.append(failure)
-            stepper.cancel()
-
-    supervisor = asyncio.get_running_loop().create_task(launcher.supervise(report))
+    node.executor.on_progress = lambda r: progress.update(r.boundary)
+    progress.start()
+    runtime = node.make_runtime(only=run_id)
+    row: dict[str, Any] | None = None
     try:
-        await stepper
-    except SessionFailure as failure:
-        outcome.state = "failed"
-        outcome.failure = _failure_json(failure)
-    except asyncio.CancelledError:
-        current = asyncio.current_task()
-        if (current is not None and current.cancelling()) or not health_failure:
-            raise
-        outcome.state = "failed"
-        outcome.failure = _failure_json(health_failure[0])
+        async with asyncio.TaskGroup() as tg:
+            serving = tg.create_task(runtime.run())
+            row = await _await_end(node, run_id, signals, serving, drain_s)
+            runtime.stop()
     finally:
-        supervisor.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await supervisor
         await progress.stop()
-    if outcome.failure is not None:
-        log.error("run.failed", **{k: v for k, v in outcome.failure.items() if v is not None})
+    return run_id, node.executor.reports.get(run_id), row
 
 
-async def _read_world(session: _Session, outcome: _Outcome) -> None:
-    """The world's `progressCounter` before the reap (null when it cannot answer)."""
-    launcher = session.launcher
-    if launcher is None:
-        return
-    world = session.spec.world.world_id
-    with contextlib.suppress(DomainError, TimeoutError, asyncio.CancelledError):
-        if world in launcher.workers():
-            async with asyncio.timeout(2.0):
-                status = await launcher.health_check(world)
-            counter = status.get("progressCounter")
-            outcome.world_progress = None if counter is None else str(counter)
+async def _await_end(node: NodeProcess, run_id: int, signals: _Signals,
+                     serving: asyncio.Task[int], drain_s: float) -> dict[str, Any] | None:
+    """Poll the run row until it is terminal; a SIGINT cancels it (waiting at most `drain_s`),
+    a second signal or the runtime's own end stops waiting."""
+    assert node.store is not None
+    cancel_deadline: float | None = None
+    async with await psycopg.AsyncConnection.connect(node.dsn, autocommit=True) as conn:
+        while True:
+            row = await queries.run_row(conn, run_id)
+            if row is not None and row["state"] in TERMINAL:
+                return row
+            if signals.abandon.is_set() or serving.done():
+                return row
+            if signals.cancel.is_set() and cancel_deadline is None:
+                await node.store.cancel(run_id, ACTOR)
+                cancel_deadline = time.monotonic() + drain_s
+            if cancel_deadline is not None and time.monotonic() > cancel_deadline:
+                log.warning("run.cancel_timeout", run=run_id, waited_s=drain_s)
+                return row
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(POLL_S):
+                    await signals.abandon.wait()
 
 
-def _behaviour(coordinator: Coordinator) -> list[dict[str, Any]]:
-    records = [t.behaviour for t in coordinator.trace.transitions]
-    if coordinator.epoch == EPOCH:
-        return records
-    rebase = EpochRebase(coordinator.epoch, EPOCH, coordinator.task)
-    return [rebase.apply(r) for r in records]
+async def _read_effects(dsn: str, run_id: int) -> list[dict[str, Any]]:
+    async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
+        return await queries.effects(conn, run_id)
 
 
-def _summary(spec: RunSpec, coordinator: Coordinator | None, outcome: _Outcome,
-             wall: float) -> dict[str, Any]:
-    boundary = 0
-    advances = 0
-    counter: int | None = None
-    digest = digest_of([])
-    if coordinator is not None:
-        boundary = len(coordinator.trace.transitions)
-        advances = coordinator.stats.advances
-        digest = digest_of(_behaviour(coordinator))
-        with contextlib.suppress(Exception):
-            counter = int(coordinator.progress().value["counter"])
+async def _count_checkpoints(dsn: str, run_id: int) -> int:
+    """Generations the run committed: distinct checkpoint ids its effects and head name."""
+    async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
+        cur = await conn.execute(
+            "SELECT count(DISTINCT checkpoint_id) FROM flyd.effects "
+            "WHERE run_id = %(run)s AND checkpoint_id IS NOT NULL", {"run": run_id})
+        found = await cur.fetchone()
+        return int(found[0]) if found is not None else 0
+
+
+def _summary(spec: RunSpec, run_id: int, row: dict[str, Any] | None, report: RunReport | None,
+             effects: list[dict[str, Any]], checkpoints: int, wall: float) -> dict[str, Any]:
+    outcome: dict[str, Any] = dict(row.get("outcome") or {}) if row is not None else {}
+    state = row["state"] if row is not None and row["state"] in TERMINAL else "cancelled"
+    digest, epochs = queries.behaviour(effects)
+    if not any(e["boundary"] is not None for e in effects) and report is not None:
+        digest = digest_of(report.records)
+    advances = report.advances if report is not None else 0
+    step_seconds = report.step_seconds if report is not None else 0.0
+    failures = [report.failure] if report is not None and report.failure is not None else []
     return {
-        "run": None,
-        "state": outcome.state,
+        "run": run_id,
+        "state": state,
         "steps": spec.steps,
-        "boundary": boundary,
-        "epochs": [EPOCH],
-        "recoveries": 0,
-        "advances": advances,
-        "checkpoints": 0,
-        "behaviourDigest": digest,
-        "worldProgress": outcome.world_progress,
-        "counter": counter,
+        "boundary": int(outcome.get("boundary", report.boundary if report else 0)),
+        "epochs": outcome.get("epochs") or epochs or [EPOCH],
+        "recoveries": int(outcome.get("recoveries", 0)),
+        "advances": int(outcome.get("advances", advances)),
+        "checkpoints": checkpoints,
+        "behaviourDigest": outcome.get("behaviourDigest", digest),
+        "worldProgress": report.world_progress if report is not None else None,
+        "counter": report.counter if report is not None else None,
         "wallSeconds": round(wall, 3),
-        "stepsPerSecond": (round(advances / outcome.step_seconds, 1)
-                           if outcome.step_seconds > 0 else 0.0),
+        "stepsPerSecond": round(advances / step_seconds, 1) if step_seconds > 0 else 0.0,
         "mode": spec.mode,
-        "workers": outcome.workers,
-        "failures": [] if outcome.failure is None else [outcome.failure],
+        "workers": report.workers if report is not None else [],
+        "failures": failures,
     }
 
 
-def _write_trace(path: Path, coordinator: Coordinator) -> None:
+def _write_trace(path: Path, records: list[dict[str, Any]]) -> None:
     with path.open("wb") as fh:
-        for record in _behaviour(coordinator):
+        for record in records:
             fh.write(canonical(record) + b"\n")
 
 
@@ -716,10 +400,10 @@ def _print_summary(opts: RunOptions, summary: dict[str, Any]) -> None:
         sys.stdout.write(orjson.dumps(summary).decode() + "\n")
         sys.stdout.flush()
         return
-    line = (f"flyd run: {summary['state']} at boundary {summary['boundary']}/{summary['steps']} "
-            f"({summary['mode']}), {summary['stepsPerSecond']} steps/s in "
-            f"{summary['wallSeconds']}s; counter {summary['counter']}, behaviour digest "
-            f"{summary['behaviourDigest']}")
+    line = (f"flyd run: run {summary['run']} {summary['state']} at boundary "
+            f"{summary['boundary']}/{summary['steps']} ({summary['mode']}), "
+            f"{summary['stepsPerSecond']} steps/s in {summary['wallSeconds']}s; counter "
+            f"{summary['counter']}, behaviour digest {summary['behaviourDigest']}")
     print(line, file=sys.stderr)
     for failure in summary["failures"]:
         who = f" ({failure['participant']})" if failure["participant"] else ""
@@ -739,4 +423,3 @@ def _error(opts: RunOptions, code: str, message: str) -> int:
 def parse_agents(text: str) -> tuple[str, ...]:
     """`fly-a,fly-b` → ids (empty items are kept so that validation names them)."""
     return tuple(part.strip() for part in text.split(","))
-

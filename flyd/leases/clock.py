@@ -8,9 +8,13 @@ Rules:
 - `LoopClock`: the running loop's clock (tests and tools that want loop time).
 - `ManualClock`: virtual time for tests; it moves only by `advance`/`set`, and sleepers whose
   deadline has come are woken then. Nothing sleeps in real time.
-
-Left out: `SimFileClock` (§7.3.4) belongs with the tier-2 harness, whose file layout (int64
-ns under a seqlock counter) is not yet fixed byte for byte.
+- `SimFileClock` (§7.3.4, `flyd serve --sim-clock PATH`): the harness clock's file, read with
+  `mmap`, never the database, so a partitioned node still sees time pass. Layout (16 bytes,
+  little-endian): `u64` seqlock counter (odd while the writer is inside), `i64` sim time in ns.
+  A reader retries until it sees the same even counter before and after reading the time.
+  `sleep_until` polls every `SIM_POLL_S` of real time (the harness advances in 5 ms ticks).
+  `rate` (`--clock-rate`, the clock-skew scenario) scales elapsed sim time since the first
+  reading, so a node's clock can run fast or slow against the server's.
 """
 
 from __future__ import annotations
@@ -18,9 +22,16 @@ from __future__ import annotations
 import asyncio
 import heapq
 import itertools
+import mmap
+import os
+import struct
 import sys
 import time
-from typing import Protocol
+from pathlib import Path
+from typing import Final, Protocol
+
+SIM_LAYOUT: Final = struct.Struct("<Qq")
+SIM_POLL_S: Final = 0.002
 
 
 class Clock(Protocol):
@@ -95,3 +106,65 @@ class ManualClock:
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         heapq.heappush(self._sleepers, (deadline, next(self._seq), fut))
         await fut
+
+
+class SimFileClock:
+    """The harness clock as seen by a node (§7.3.4): seconds of sim time, optionally skewed."""
+
+    def __init__(self, path: Path | str, rate: float = 1.0) -> None:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            self._map = mmap.mmap(fd, SIM_LAYOUT.size, access=mmap.ACCESS_READ)
+        finally:
+            os.close(fd)
+        self.rate = rate
+        self._origin: float | None = None
+
+    def _raw(self) -> float:
+        while True:
+            before, ns = SIM_LAYOUT.unpack_from(self._map, 0)
+            after = SIM_LAYOUT.unpack_from(self._map, 0)[0]
+            if before == after and before % 2 == 0:
+                return float(ns) / 1e9
+
+    def now(self) -> float:
+        t = self._raw()
+        if self.rate == 1.0:
+            return t
+        if self._origin is None:
+            self._origin = t
+        return self._origin + (t - self._origin) * self.rate
+
+    async def sleep_until(self, deadline: float) -> None:
+        """Poll: the time source is another process's file, there is nothing to wait on."""
+        while True:
+            if self.now() >= deadline:
+                return
+            await asyncio.sleep(SIM_POLL_S)
+
+    def close(self) -> None:
+        self._map.close()
+
+
+class SimFileWriter:
+    """The writer side of the sim-clock file (harnesses): `write(ns)` under the seqlock."""
+
+    def __init__(self, path: Path | str) -> None:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            if os.fstat(fd).st_size < SIM_LAYOUT.size:
+                os.ftruncate(fd, SIM_LAYOUT.size)
+            self._map = mmap.mmap(fd, SIM_LAYOUT.size)
+        finally:
+            os.close(fd)
+        self._counter = SIM_LAYOUT.unpack_from(self._map, 0)[0] & ~1
+
+    def write(self, ns: int) -> None:
+        self._counter += 1
+        SIM_LAYOUT.pack_into(self._map, 0, self._counter, SIM_LAYOUT.unpack_from(self._map, 0)[1])
+        SIM_LAYOUT.pack_into(self._map, 0, self._counter, ns)
+        self._counter += 1
+        SIM_LAYOUT.pack_into(self._map, 0, self._counter, ns)
+
+    def close(self) -> None:
+        self._map.close()

@@ -1,9 +1,9 @@
-"""`flyd run` end to end with real processes (cli.md §4, this stage: no database).
+"""`flyd run` end to end with real processes (cli.md §4) on a fresh test database.
 
 Every run is `python -m flyd run …` in a subprocess with a private temporary `--socket` (or a
-temporary `XDG_RUNTIME_DIR`), so no test touches a real system path; after each run no process
-whose command line names the temporary directory may remain (router and workers all carry
-`--socket <path>`).
+temporary `XDG_RUNTIME_DIR`) and `FLYD_DSN` naming the test's own database, so no test touches a
+real system path or another test's queue; after each run no process whose command line names
+the temporary directory may remain (router and workers all carry `--socket <path>`).
 """
 
 from __future__ import annotations
@@ -29,12 +29,17 @@ STEPS = 40
 ROOT = Path(__file__).resolve().parents[2]
 
 
+_DSN: dict[Path, str] = {}
+
+
 @pytest.fixture
-def tmp() -> Iterator[Path]:
+def tmp(db_dsn: str) -> Iterator[Path]:
     path = Path(tempfile.mkdtemp(prefix="flyd-t-", dir="/tmp"))
+    _DSN[path] = db_dsn
     try:
         yield path
     finally:
+        _DSN.pop(path, None)
         survivors = leftovers(path)
         for proc in survivors:
             proc.kill()
@@ -47,6 +52,8 @@ def env_for(tmp: Path) -> dict[str, str]:
            if k not in ("FLYD_SOCKET", "RUNTIME_DIRECTORY", "FLYD_CONFIG", "FLYD_NODE_NAME")}
     env["XDG_RUNTIME_DIR"] = str(tmp / "xdg")
     env["FLYD_LOG_FORMAT"] = "json"
+    env["FLYD_STATE_DIR"] = str(tmp / "state")
+    env["FLYD_DSN"] = _DSN[tmp]
     return env
 
 
@@ -100,7 +107,7 @@ def test_the_behaviour_digest_is_the_same_in_every_mode(tmp: Path, mode: str) ->
     assert summary["mode"] == ("in-process" if mode == "inprocess" else mode)
     assert summary["boundary"] == summary["advances"] == summary["steps"] == STEPS
     assert summary["epochs"] == ["e1"] and summary["recoveries"] == 0
-    assert summary["checkpoints"] == 0 and summary["run"] is None
+    assert summary["checkpoints"] == 0 and isinstance(summary["run"], int)
     assert summary["worldProgress"] == str(STEPS + 1)
     assert summary["failures"] == []
     assert sorted(w["workerId"] for w in summary["workers"]) == ["arena", "fly-a", "fly-b"]
@@ -131,6 +138,16 @@ def test_a_process_run_of_120_steps_writes_its_trace(tmp: Path) -> None:
     from workers.canonical import digest_of
 
     assert digest_of(records) == summary["behaviourDigest"]
+    import psycopg
+
+    with psycopg.connect(_DSN[tmp]) as conn:
+        payloads = [r[0] for r in conn.execute(
+            "SELECT payload FROM flyd.effects WHERE run_id = %s AND boundary IS NOT NULL "
+            "ORDER BY boundary", (summary["run"],)).fetchall()]
+        finish = conn.execute("SELECT count(*) FROM flyd.effects WHERE run_id = %s AND "
+                              "effect_key = 'finish'", (summary["run"],)).fetchone()
+    assert digest_of(payloads) == summary["behaviourDigest"]
+    assert finish == (1,)
 
 
 @pytest.mark.parametrize("fault", ["fly-b.prepare_delay_ms=2600@5", "lose-advance-result@7"])
@@ -214,7 +231,7 @@ def test_the_default_socket_is_used_when_free_and_a_private_one_when_busy(tmp: P
         blocker.wait(timeout=20)
 
 
-def test_sigint_stops_the_run_reaps_everything_and_exits_130(tmp: Path) -> None:
+def test_sigint_cancels_the_run_and_exits_130(tmp: Path) -> None:
     argv = [sys.executable, "-m", "flyd", "run", "--json", "--steps", "100000", "--socket",
             str(tmp / "bus.sock")]
     proc = subprocess.Popen(argv, cwd=ROOT, env=env_for(tmp), stdout=subprocess.PIPE,
@@ -237,13 +254,30 @@ def test_sigint_stops_the_run_reaps_everything_and_exits_130(tmp: Path) -> None:
     assert summary["boundary"] == summary["advances"] < 100000
     assert b"Traceback" not in stderr
     assert not leftovers(tmp)
+    state, keys = ledger(tmp, summary["run"])
+    assert state == "cancelled"
+    n = summary["boundary"]
+    assert keys == [f"boundary-{k}" for k in range(1, n + 1)] + ["finish"]
+
+
+def ledger(tmp: Path, run: int) -> tuple[str, list[str]]:
+    """The run's state and its effect keys in boundary order (`finish` last)."""
+    import psycopg
+
+    with psycopg.connect(_DSN[tmp]) as conn:
+        state = conn.execute("SELECT state::text FROM flyd.runs WHERE run_id = %s",
+                             (run,)).fetchone()
+        rows = conn.execute("SELECT effect_key FROM flyd.effects WHERE run_id = %s "
+                            "ORDER BY boundary NULLS LAST", (run,)).fetchall()
+    assert state is not None
+    return str(state[0]), [str(r[0]) for r in rows]
 
 
 def test_router_toml_carries_the_node_pid_and_the_limit_floors() -> None:
     import tomllib
 
     from bus.policy import Policy
-    from flyd.run import router_toml
+    from flyd.router_child import router_toml
 
     text = router_toml({"socket": "/x.sock", "limits": {"max_clients": 9, "max_services": 99}},
                        4242)

@@ -1,0 +1,201 @@
+"""The node process: database, router child, node connection, store, lease runtime, executor.
+
+Why: `flyd serve` and `flyd run` are the same node (distribution.md §5, cli.md §4–§5); they
+differ only in what they claim (`only`: `flyd run` claims the one run it submitted) and in when
+they stop. This module wires the parts in order and takes them down in reverse, each step
+bounded:
+
+start: embedded PostgreSQL under `<state-dir>/pg` when no DSN is configured (§5.9) → migrations
+→ router child on the socket (cli.md §5.1; `--no-router` connects to a router managed
+separately) → node connection `node.<node_id>` → `PgStore` → `SessionExecutor`.
+serve: `NodeRuntime(...).run()` until drained or stopped; SIGTERM/SIGINT drain (a second one
+skips the checkpoints, §5.8).
+close: store, node connection, router (SIGTERM, SIGKILL after 5 s), embedded server.
+
+Decisions:
+- The thread budget is the configured `[node] threads` for `flyd serve`; `flyd run`, which holds
+  exactly its own run, raises it to the run's need when the configured budget is smaller.
+- The router's `[bus.limits]` floors follow the node's capacity and `[session] max_agents`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import os
+import shutil
+import signal
+import socket as socketlib
+import tempfile
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Final
+
+import structlog
+
+from bus.client import BusClient, connect
+from bus.errors import BusError
+from flyd.budget import ThreadBudget
+from flyd.config import Config
+from flyd.executor import SessionExecutor
+from flyd.identities import node_client_id
+from flyd.leases.clock import BootClock, Clock, SimFileClock
+from flyd.leases.embedded import EmbeddedPostgres
+from flyd.leases.migrate import migrate
+from flyd.leases.node import NodeRuntime
+from flyd.leases.pgstore import DbSettings, PgStore
+from flyd.leases.store import NodeInfo
+from flyd.router_child import RouterChild
+
+__all__ = ["NodeProcess", "NodeSetup", "NodeStartError"]
+
+log = structlog.get_logger("flyd.node")
+
+VERSION: Final = "0.1.0"
+CLOSE_S: Final = 5.0
+
+
+class NodeStartError(Exception):
+    """The node could not start (exit 2, `CONFIG`): unreachable DSN, router, socket."""
+
+    code = "CONFIG"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+@dataclass(frozen=True)
+class NodeSetup:
+    """What a node process needs, resolved from configuration and flags."""
+
+    config: Config
+    node_id: str
+    node_name: str
+    socket: str
+    state_dir: Path
+    capacity: int
+    threads: int
+    router: bool = True
+    router_quiet: int = 1
+    sim_clock: Path | None = None
+    time_scale: float = 1.0
+    clock_rate: float = 1.0
+
+    @property
+    def dsn(self) -> str | None:
+        value = self.config.value("database", "dsn")
+        return value if isinstance(value, str) and value else None
+
+
+class NodeProcess:
+    """One node's parts, owned for an orderly start and a bounded teardown."""
+
+    def __init__(self, setup: NodeSetup) -> None:
+        self.setup = setup
+        self.params = setup.config.leases
+        self.directory = tempfile.mkdtemp(prefix="flyd-node-")
+        self.embedded: EmbeddedPostgres | None = None
+        self.dsn = ""
+        self.router: RouterChild | None = None
+        self.client: BusClient | None = None
+        self.store: PgStore | None = None
+        self.executor: SessionExecutor | None = None
+        self.runtime: NodeRuntime | None = None
+        self.budget = ThreadBudget.for_this_machine(
+            setup.capacity, threads=setup.threads,
+            coordinator_reservation=int(setup.config.value("node", "coordinator_reservation")))
+
+    # ------------------------------------------------------------------ start
+
+    async def start(self) -> None:
+        setup = self.setup
+        if setup.dsn is None:
+            self.embedded = EmbeddedPostgres()
+            self.dsn = await self.embedded.start(setup.state_dir)
+        else:
+            self.dsn = setup.dsn
+        await migrate(self.dsn, sim_clock=setup.sim_clock is not None)
+        if setup.router:
+            os.makedirs(os.path.dirname(setup.socket) or ".", exist_ok=True)
+            self.router = RouterChild(self.directory, setup.socket)
+            bus: Mapping[str, Any] = {k: v for k, v in setup.config.section("bus").items()
+                                      if v is not None}
+            await self.router.start(bus, capacity=setup.capacity,
+                                    max_agents=int(setup.config.value("session", "max_agents")),
+                                    quiet=setup.router_quiet)
+        try:
+            self.client = await connect(setup.socket, client_id=node_client_id(setup.node_id))
+        except (BusError, OSError) as exc:
+            raise NodeStartError(f"cannot connect to the router on {setup.socket}: "
+                                 f"{exc}") from None
+        db = setup.config.section("database")
+        settings = dataclasses.replace(
+            DbSettings.from_section({k: v for k, v in db.items() if k != "dsn"}),
+            time_scale=setup.time_scale)
+        self.store = PgStore(self.dsn, setup.node_id, settings, self.params,
+                             capacity=setup.capacity)
+        await self.store.open()
+        self.executor = SessionExecutor(
+            socket=setup.socket, node=self.client, node_id=setup.node_id, budget=self.budget,
+            claim_poll_s=self.params.claim_poll_s,
+            max_agents=int(setup.config.value("session", "max_agents")))
+
+    def info(self) -> NodeInfo:
+        return NodeInfo(node_id=self.setup.node_id, node_name=self.setup.node_name,
+                        host=socketlib.gethostname(), pid=os.getpid(), version=VERSION,
+                        capacity=self.setup.capacity)
+
+    # ------------------------------------------------------------------ serve
+
+    def clock(self) -> Clock:
+        """The node's clock (R2): CLOCK_BOOTTIME, or the harness clock file under test."""
+        if self.setup.sim_clock is not None:
+            return SimFileClock(self.setup.sim_clock, rate=self.setup.clock_rate)
+        return BootClock()
+
+    def make_runtime(self, only: int | None = None) -> NodeRuntime:
+        assert self.store is not None and self.executor is not None
+        self.runtime = NodeRuntime(
+            params=self.params, store=self.store, clock=self.clock(), executor=self.executor,
+            groups=self.executor, node=self.info(), capacity=self.setup.capacity, only=only,
+            listen=self.store.listen,
+            log=log.bind(node=self.setup.node_id))
+        return self.runtime
+
+    async def serve(self) -> int:
+        """`flyd serve`: run until drained; SIGTERM/SIGINT drain (a second one hurries)."""
+        runtime = self.make_runtime()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, runtime.drain)
+        try:
+            return await runtime.run()
+        finally:
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.remove_signal_handler(sig)
+
+    # ------------------------------------------------------------------ close
+
+    async def close(self) -> None:
+        """Store, node connection, router, embedded server; every step bounded."""
+        store, self.store = self.store, None
+        if store is not None:
+            with contextlib.suppress(Exception):
+                async with asyncio.timeout(CLOSE_S):
+                    await store.close()
+        client, self.client = self.client, None
+        if client is not None:
+            with contextlib.suppress(Exception):
+                async with asyncio.timeout(CLOSE_S):
+                    await client.close()
+        router, self.router = self.router, None
+        if router is not None:
+            await router.stop()
+        embedded, self.embedded = self.embedded, None
+        if embedded is not None:
+            with contextlib.suppress(Exception):
+                await embedded.stop()
+        shutil.rmtree(self.directory, ignore_errors=True)

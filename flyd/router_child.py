@@ -1,0 +1,203 @@
+"""The node's router child process (cli.md §5.1, §4.1) and its configuration.
+
+Why: `flyd serve` and `flyd run` both run `flyd router` as a child with die-with-parent, so a
+killed node takes its router with it; the child gets a TOML file written here: the `[bus]` table
+of the node's configuration (socket dropped: the socket is a flag), `[bus.limits]` raised to
+cli.md §5.1's floors for the node's capacity and `max_agents`, and the default policy of
+session.md §7.2 with the node's pid unless `[bus.policy]` is set.
+
+Socket choice (§4.1): a forced path is used as given; otherwise the default socket, unless a
+router already answers there, in which case a private `run-<pid>.sock` beside it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import re
+import signal
+import socket as socketlib
+import sys
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Final
+
+import orjson
+import structlog
+
+from bus.policy import Policy
+from flyd.config import ConfigError, default_socket
+from flyd.runspec import DEFAULT_MAX_AGENTS
+from flyd.spawn import ChildProcess
+
+__all__ = ["RouterChild", "RouterStartError", "choose_socket", "required_limits", "router_answers",
+           "router_toml"]
+
+log = structlog.get_logger("flyd.router_child")
+
+ROUTER_START_S: Final = 15.0
+ROUTER_STOP_S: Final = 5.0
+
+
+class RouterStartError(Exception):
+    """The router child did not come up (exit 2, `CONFIG`)."""
+
+    code = "CONFIG"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+def router_answers(path: str) -> bool:
+    """True when something accepts a connection on `path`."""
+    probe = socketlib.socket(socketlib.AF_UNIX, socketlib.SOCK_STREAM)
+    try:
+        probe.settimeout(1.0)
+        probe.connect(path)
+    except OSError:
+        return False
+    finally:
+        probe.close()
+    return True
+
+
+def choose_socket(forced: str | None) -> tuple[str, bool]:
+    """cli.md §4.1: `(path, private)`; the default socket unless a router answers there, then
+    `run-<pid>.sock` beside it; a forced path is used as given."""
+    if forced:
+        return forced, False
+    default = default_socket()
+    if not router_answers(default):
+        return default, False
+    return os.path.join(os.path.dirname(default), f"run-{os.getpid()}.sock"), True
+
+
+def _toml_key(key: str) -> str:
+    return key if re.fullmatch(r"[A-Za-z0-9_-]+", key) else orjson.dumps(key).decode()
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(value)
+    if isinstance(value, str):
+        return orjson.dumps(value).decode()
+    if isinstance(value, list | tuple):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    raise ConfigError(f"cannot write {value!r} to the router's configuration")
+
+
+def _toml_table(prefix: str, table: Mapping[str, Any], out: list[str]) -> None:
+    out.append(f"[{prefix}]")
+    subtables: list[tuple[str, Mapping[str, Any]]] = []
+    arrays: list[tuple[str, list[Mapping[str, Any]]]] = []
+    for key, value in table.items():
+        if isinstance(value, Mapping):
+            subtables.append((key, value))
+        elif isinstance(value, list) and value and all(isinstance(v, Mapping) for v in value):
+            arrays.append((key, value))
+        else:
+            out.append(f"{_toml_key(key)} = {_toml_value(value)}")
+    for key, sub in subtables:
+        _toml_table(f"{prefix}.{_toml_key(key)}", sub, out)
+    for key, items in arrays:
+        for item in items:
+            out.append(f"[[{prefix}.{_toml_key(key)}]]")
+            for k, v in item.items():
+                out.append(f"{_toml_key(k)} = {_toml_value(v)}")
+
+
+def _policy_table(policy: Policy) -> dict[str, Any]:
+    clients: list[dict[str, Any]] = []
+    for entry in policy.entries:
+        item: dict[str, Any] = {"id": entry.id}
+        for kind in ("register", "call", "expect", "delegate"):
+            patterns = list(getattr(entry, kind))
+            if patterns:
+                item[kind] = patterns
+        if entry.require_expect:
+            item["requireExpect"] = True
+        if entry.pid is not None:
+            item["pid"] = entry.pid
+        clients.append(item)
+    return {"mode": policy.mode, "client": clients}
+
+
+def required_limits(capacity: int = 1, max_agents: int = DEFAULT_MAX_AGENTS) -> dict[str, int]:
+    """cli.md §5.1: the `[bus.limits]` floors a node needs (snake_case keys)."""
+    return {"max_clients": capacity * (max_agents + 3) + 8,
+            "max_services": capacity * (max_agents + 1) + 1,
+            "max_active_calls_per_client": 2 * max_agents}
+
+
+def router_toml(bus: Mapping[str, Any], node_pid: int, capacity: int = 1,
+                max_agents: int = DEFAULT_MAX_AGENTS) -> str:
+    """The router child's configuration: `bus` (the `[bus]` table of `--config`, socket
+    dropped: the socket is a flag) with `[bus.limits]` raised to `required_limits()` where a
+    configured value is lower, plus the default policy with the node's pid (session.md §7.2)
+    unless `bus` sets a policy."""
+    table = {k: v for k, v in bus.items() if k != "socket"}
+    limits = dict(table.get("limits", {}))
+    for key, floor in required_limits(capacity, max_agents).items():
+        value = limits.get(key)
+        if isinstance(value, int) and not isinstance(value, bool) and value < floor:
+            log.info("router.limit_raised", key=f"[bus.limits] {key}", configured=value,
+                     used=floor)
+            limits[key] = floor
+    if limits:
+        table["limits"] = limits
+    if "policy" not in table:
+        table["policy"] = _policy_table(Policy.default(node_pid))
+    lines: list[str] = []
+    _toml_table("bus", table, lines)
+    return "\n".join(lines) + "\n"
+
+
+class RouterChild:
+    """`flyd router` on `socket` as a child of this process, started and stopped with bounds."""
+
+    def __init__(self, directory: str, socket: str) -> None:
+        self.directory = directory
+        self.socket = socket
+        self.process: ChildProcess | None = None
+
+    async def start(self, bus: Mapping[str, Any], *, capacity: int = 1,
+                    max_agents: int = DEFAULT_MAX_AGENTS, quiet: int = 1) -> None:
+        config = Path(self.directory) / "router.toml"
+        config.write_text(router_toml(bus, os.getpid(), capacity, max_agents))
+        env = {**os.environ, "FLYD_LOG_FORMAT": "json"}
+        env.pop("FLYD_SOCKET", None)
+        flags = ["-q"] * quiet if quiet > 0 else ["-v"] * -quiet
+        self.process = await ChildProcess.spawn(
+            [sys.executable, "-m", "flyd", "router", "--socket", self.socket, "--config",
+             str(config), *flags], env=env, fields={"component": "router"})
+        deadline = time.monotonic() + ROUTER_START_S
+        while True:
+            if self.process.exited.done():
+                raise RouterStartError(f"the router on {self.socket} exited with code "
+                                       f"{self.process.exited.result()}")
+            if await asyncio.to_thread(router_answers, self.socket):
+                return
+            if time.monotonic() > deadline:
+                raise RouterStartError(f"the router did not accept on {self.socket} within "
+                                       f"{ROUTER_START_S:g}s")
+            await asyncio.sleep(0.02)
+
+    @property
+    def pid(self) -> int | None:
+        return None if self.process is None else self.process.pid
+
+    async def stop(self) -> None:
+        """SIGTERM, then SIGKILL after `ROUTER_STOP_S`."""
+        router, self.process = self.process, None
+        if router is None:
+            return
+        if not router.exited.done():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(router.pid, signal.SIGTERM)
+            await router.wait(ROUTER_STOP_S)
+        await router.close(ROUTER_STOP_S)

@@ -1,0 +1,162 @@
+"""Two real `flyd serve` nodes on one database; one is SIGKILLed mid-run (distribution.md §5).
+
+Each node is `python -m flyd serve` with its own socket, state dir and name, reading time from
+the harness clock file (`--sim-clock`, §7.3.4) at `time_scale` sim seconds per real second, so
+the default 15 s TTL passes in well under two real seconds: nothing here waits out a TTL in real
+time. The ledger is the witness: every run must end `succeeded` with exactly its
+`boundary-1..N` effects and one `finish`, at least one run must show a second grant (the kill
+bit), and no process of the killed node may survive it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import psycopg
+import pytest
+from harness.clock import HarnessClock
+
+from flyd.leases.params import LeaseParams
+from flyd.leases.pgstore import DbSettings, PgStore
+from flyd.runspec import RunSpec
+
+pytestmark = pytest.mark.timeout(240)
+
+ROOT = Path(__file__).resolve().parents[2]
+TIME_SCALE = 10.0
+RUNS = 6
+STEPS = 60
+PACE_S = 0.05
+
+
+def processes_under(marker: str) -> list[psutil.Process]:
+    """Live processes whose command line names `marker` (router and workers carry the socket)."""
+    found = []
+    for proc in psutil.process_iter(["cmdline", "status"]):
+        try:
+            if proc.info["status"] == psutil.STATUS_ZOMBIE:
+                continue
+            if marker in " ".join(proc.info["cmdline"] or []) and proc.pid != os.getpid():
+                found.append(proc)
+        except (psutil.Error, TypeError):
+            continue
+    return found
+
+
+@pytest.fixture
+def tmp() -> Iterator[Path]:
+    path = Path(tempfile.mkdtemp(prefix="flyd-n-", dir="/tmp"))
+    try:
+        yield path
+    finally:
+        survivors = processes_under(str(path))
+        for proc in survivors:
+            proc.kill()
+        shutil.rmtree(path, ignore_errors=True)
+        assert not survivors, f"processes outlived the test: {survivors}"
+
+
+def start_node(tmp: Path, name: str, dsn: str, clock: Path) -> subprocess.Popen[bytes]:
+    home = tmp / name
+    home.mkdir()
+    config = home / "flyd.toml"
+    config.write_text("[node]\nthreads = 12\n")
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("FLYD_SOCKET", "FLYD_DSN", "FLYD_CONFIG", "FLYD_NODE_NAME")}
+    env["FLYD_TEST_SCENARIO"] = "two_nodes"
+    log = (home / "node.log").open("wb")
+    return subprocess.Popen(
+        [sys.executable, "-m", "flyd", "serve", "--dsn", dsn, "--socket",
+         str(home / "bus.sock"), "--state-dir", str(home), "--node-name", name,
+         "--sim-clock", str(clock), "--time-scale", str(TIME_SCALE), "--capacity", "3",
+         "--config", str(config), "--log-format", "json"],
+        cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=log)
+
+
+async def submit_runs(dsn: str) -> list[int]:
+    spec = RunSpec.validate({"steps": str(STEPS), "mode": "process", "paceS": PACE_S}).to_json()
+    store = PgStore(dsn, "harness", DbSettings(), LeaseParams())
+    await store.open()
+    try:
+        return [(await store.submit(f"run-{i}", spec, 10)).run_id for i in range(RUNS)]
+    finally:
+        await store.close()
+
+
+def query(dsn: str, sql: str, *args: object) -> list[tuple[object, ...]]:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        return conn.execute(sql, args).fetchall()  # type: ignore[arg-type]
+
+
+def wait_for(what: str, check: object, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():  # type: ignore[operator]
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)
+
+
+def test_two_nodes_lose_one_and_every_run_completes_once(db_dsn: str, tmp: Path) -> None:
+    with HarnessClock(db_dsn, tmp / "clock", time_scale=TIME_SCALE):
+        a = start_node(tmp, "a", db_dsn, tmp / "clock")
+        b = start_node(tmp, "b", db_dsn, tmp / "clock")
+        try:
+            runs = asyncio.run(submit_runs(db_dsn))
+
+            def a_is_working() -> bool:
+                held = query(db_dsn, "SELECT count(*) FROM flyd.runs r JOIN flyd.nodes n "
+                             "ON n.node_id = r.owner_node WHERE n.node_name = 'a' "
+                             "AND r.state = 'running'")
+                workers = [p for p in processes_under(str(tmp / "a"))
+                           if "workers." in " ".join(p.cmdline())]
+                return int(held[0][0]) > 0 and len(workers) >= 3  # type: ignore[call-overload]
+
+            wait_for("node a to run workers", a_is_working, 90)
+            a_runs = {int(r[0]) for r in query(  # type: ignore[call-overload]
+                db_dsn, "SELECT r.run_id FROM flyd.runs r JOIN flyd.nodes n ON "
+                "n.node_id = r.owner_node WHERE n.node_name = 'a' AND r.state = 'running'")}
+            a.send_signal(signal.SIGKILL)
+            a.wait(10)
+            wait_for("node a's router and workers to die",
+                     lambda: not processes_under(str(tmp / "a")), 10)
+
+            def all_terminal() -> bool:
+                rows = query(db_dsn, "SELECT count(*) FROM flyd.runs WHERE state IN "
+                             "('succeeded', 'failed', 'cancelled')")
+                return rows[0][0] == RUNS
+
+            wait_for("every run to end", all_terminal, 180)
+            b.send_signal(signal.SIGTERM)
+            assert b.wait(30) == 0
+        finally:
+            for proc in (a, b):
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+    states = query(db_dsn, "SELECT run_id, state::text, lease_epoch FROM flyd.runs "
+                           "ORDER BY run_id")
+    assert [(r[0], r[1]) for r in states] == [(run, "succeeded") for run in runs]
+    digests = set()
+    for run in runs:
+        rows = query(db_dsn, "SELECT effect_key, payload_digest FROM flyd.effects "
+                             "WHERE run_id = %s ORDER BY boundary NULLS LAST", run)
+        keys = [str(r[0]) for r in rows]
+        assert keys == [f"boundary-{k}" for k in range(1, STEPS + 1)] + ["finish"], run
+        digests.add(tuple(bytes(r[1]) for r in rows[:-1]))  # type: ignore[arg-type]
+    assert len(digests) == 1, "identical specs must record identical boundaries"
+    regranted = query(db_dsn, "SELECT DISTINCT run_id FROM flyd.run_attempts "
+                              "WHERE lease_epoch = 2")
+    assert a_runs and {int(r[0]) for r in regranted} >= a_runs  # type: ignore[call-overload]
+    expired = query(db_dsn, "SELECT count(*) FROM flyd.run_attempts a JOIN flyd.nodes n "
+                            "ON n.node_id = a.node_id WHERE n.node_name = 'a' "
+                            "AND a.end_reason = 'expired'")
+    assert expired[0][0] == len(a_runs)
