@@ -31,9 +31,10 @@ lint: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python bench/bus.py
 	$(BIN)/python bench/step_rate.py
+	$(BIN)/python -P bench/leases.py
 
 faults: $(STAMP)
-	@echo "the fault suite (tests/distribution) is not built yet"
+	$(BIN)/python -m pytest tests/distribution -q -n auto
 
 faults-sweep: faults
 

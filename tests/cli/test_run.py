@@ -309,3 +309,132 @@ def test_seeds_follow_the_options() -> None:
     assert agents.seed_of("fly-c") == derive_seed(7, "fly-c")
     assert build_spec(RunOptions(mode="inprocess", pace=True)).to_json()["mode"] == "in-process"
     assert build_spec(RunOptions(pace=True)).pacing == "realtime"
+
+
+def embedded_env(tmp: Path) -> dict[str, str]:
+    """No DSN anywhere and no XDG_RUNTIME_DIR: `flyd run` must start its own PostgreSQL."""
+    env = {k: v for k, v in env_for(tmp).items()
+           if k not in ("FLYD_DSN", "XDG_RUNTIME_DIR", "FLYD_STATE_DIR")}
+    return env
+
+
+def postmasters_of(datadir: Path) -> list[psutil.Process]:
+    return [p for p in psutil.process_iter(["cmdline"])
+            if str(datadir) in " ".join(p.info["cmdline"] or [])]
+
+
+def test_embedded_default_under_a_dedicated_state_dir(tmp: Path) -> None:
+    state = tmp / "st"
+    argv = [sys.executable, "-m", "flyd", "run", "--json", "--steps", "5", "--mode",
+            "in-process", "--state-dir", str(state), "--socket", str(tmp / "bus.sock")]
+    first = subprocess.run(argv, cwd=ROOT, env=embedded_env(tmp), capture_output=True,
+                           timeout=120, check=False)
+    assert first.returncode == 0, first.stderr[-2000:]
+    assert orjson.loads(first.stdout)["state"] == "succeeded"
+    assert (state / "pg" / "PG_VERSION").exists()
+    run_dir = state / "run"
+    assert run_dir.is_dir() and (run_dir.stat().st_mode & 0o777) == 0o700
+    assert any(run_dir.iterdir()), "pgserver's lock directory lives under <state-dir>/run"
+    assert not postmasters_of(state / "pg")
+    stamp = (state / "pg" / "PG_VERSION").stat().st_ino
+    second = subprocess.run(argv, cwd=ROOT, env=embedded_env(tmp), capture_output=True,
+                            timeout=120, check=False)
+    assert second.returncode == 0, second.stderr[-2000:]
+    summary = orjson.loads(second.stdout)
+    assert summary["state"] == "succeeded" and summary["run"] == 2
+    assert (state / "pg" / "PG_VERSION").stat().st_ino == stamp
+    assert not postmasters_of(state / "pg")
+
+
+def test_flyd_run_is_isolated_from_the_queue(tmp: Path) -> None:
+    import asyncio
+
+    from serve_nodes import query, stop, wait_for
+
+    from flyd.leases.params import LeaseParams
+    from flyd.leases.pgstore import DbSettings, PgStore
+    from flyd.runspec import RunSpec
+
+    dsn = _DSN[tmp]
+    shared = RunSpec.validate({"steps": "5", "mode": "in-process"}).to_json()
+
+    async def submit() -> int:
+        async with PgStore(dsn, "test", DbSettings(), LeaseParams()) as store:
+            return (await store.submit(None, shared, 3)).run_id
+
+    env = env_for(tmp)
+    serve_env = {k: v for k, v in env.items() if k != "FLYD_STATE_DIR"}
+    serve_env["FLYD_STATE_DIR"] = str(tmp / "serve-state")
+    serve = subprocess.Popen([sys.executable, "-m", "flyd", "serve", "--log-format", "json"],
+                             cwd=ROOT, env=serve_env, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL)
+    default = tmp / "xdg" / "flyd" / "bus.sock"
+    try:
+        wait_for("the serve node's router", default.exists, 60)
+        queued = asyncio.run(submit())
+        proc = subprocess.run([sys.executable, "-m", "flyd", "run", "--json", "--steps", "5",
+                               "--mode", "in-process"], cwd=ROOT, env=env,
+                              capture_output=True, timeout=120, check=False)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        mine = orjson.loads(proc.stdout)["run"]
+        private = default.parent / "run-"
+        assert f"using the private socket {private}".encode() in proc.stderr
+        wait_for("the serve node to finish the queued run",
+                 lambda: query(dsn, "SELECT state::text FROM flyd.runs WHERE run_id = %s",
+                               queued) == [("succeeded",)], 60)
+        serve_ids = {str(r[0]) for r in query(
+            dsn, "SELECT node_id FROM flyd.nodes WHERE pid = %s", serve.pid)}
+        granted = {int(r[0]): str(r[1]) for r in query(  # type: ignore[call-overload]
+            dsn, "SELECT run_id, node_id FROM flyd.run_attempts")}
+        assert set(granted) == {queued, mine}, "one grant each, nothing else"
+        assert granted[queued] in serve_ids and granted[mine] not in serve_ids
+    finally:
+        assert stop(serve) == 0
+
+
+def test_a_pending_exclusive_leftover_is_not_claimed_by_the_next_run(tmp: Path) -> None:
+    import asyncio
+
+    from flyd.leases.embedded import EmbeddedPostgres
+    from flyd.leases.params import LeaseParams
+    from flyd.leases.pgstore import DbSettings, PgStore
+    from flyd.run import RunOptions, build_spec
+
+    state = tmp / "st"
+    leftover = build_spec(RunOptions(steps=5, mode="in-process")).to_json()
+
+    async def plant() -> int:
+        embedded = EmbeddedPostgres()
+        dsn = await embedded.start(state)
+        try:
+            async with PgStore(dsn, "test", DbSettings(), LeaseParams()) as store:
+                return (await store.submit("leftover", leftover, 3)).run_id
+        finally:
+            await embedded.stop()
+
+    planted = asyncio.run(plant())
+    argv = [sys.executable, "-m", "flyd", "run", "--json", "--steps", "5", "--mode",
+            "in-process", "--state-dir", str(state), "--socket", str(tmp / "bus.sock")]
+    proc = subprocess.run(argv, cwd=ROOT, env=embedded_env(tmp), capture_output=True,
+                          timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    summary = orjson.loads(proc.stdout)
+    assert summary["state"] == "succeeded" and summary["run"] != planted
+
+    async def leftover_state() -> str:
+        embedded = EmbeddedPostgres()
+        dsn = await embedded.start(state)
+        try:
+            import psycopg
+
+            async with await psycopg.AsyncConnection.connect(dsn) as conn:
+                cur = await conn.execute("SELECT state::text, lease_epoch FROM flyd.runs "
+                                         "WHERE run_id = %s", (planted,))
+                row = await cur.fetchone()
+                assert row is not None
+                return f"{row[0]}@{row[1]}"
+        finally:
+            await embedded.stop()
+
+    assert asyncio.run(leftover_state()) == "pending@0"
+    assert not postmasters_of(state / "pg")

@@ -11,20 +11,15 @@ bit), and no process of the killed node may survive it.
 from __future__ import annotations
 
 import asyncio
-import os
 import shutil
 import signal
-import subprocess
-import sys
 import tempfile
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import psutil
-import psycopg
 import pytest
 from harness.clock import HarnessClock
+from serve_nodes import processes_under, query, start_node, wait_for
 
 from flyd.leases.params import LeaseParams
 from flyd.leases.pgstore import DbSettings, PgStore
@@ -32,25 +27,10 @@ from flyd.runspec import RunSpec
 
 pytestmark = pytest.mark.timeout(240)
 
-ROOT = Path(__file__).resolve().parents[2]
 TIME_SCALE = 10.0
 RUNS = 6
 STEPS = 60
 PACE_S = 0.05
-
-
-def processes_under(marker: str) -> list[psutil.Process]:
-    """Live processes whose command line names `marker` (router and workers carry the socket)."""
-    found = []
-    for proc in psutil.process_iter(["cmdline", "status"]):
-        try:
-            if proc.info["status"] == psutil.STATUS_ZOMBIE:
-                continue
-            if marker in " ".join(proc.info["cmdline"] or []) and proc.pid != os.getpid():
-                found.append(proc)
-        except (psutil.Error, TypeError):
-            continue
-    return found
 
 
 @pytest.fixture
@@ -66,23 +46,6 @@ def tmp() -> Iterator[Path]:
         assert not survivors, f"processes outlived the test: {survivors}"
 
 
-def start_node(tmp: Path, name: str, dsn: str, clock: Path) -> subprocess.Popen[bytes]:
-    home = tmp / name
-    home.mkdir()
-    config = home / "flyd.toml"
-    config.write_text("[node]\nthreads = 12\n")
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("FLYD_SOCKET", "FLYD_DSN", "FLYD_CONFIG", "FLYD_NODE_NAME")}
-    env["FLYD_TEST_SCENARIO"] = "two_nodes"
-    log = (home / "node.log").open("wb")
-    return subprocess.Popen(
-        [sys.executable, "-m", "flyd", "serve", "--dsn", dsn, "--socket",
-         str(home / "bus.sock"), "--state-dir", str(home), "--node-name", name,
-         "--sim-clock", str(clock), "--time-scale", str(TIME_SCALE), "--capacity", "3",
-         "--config", str(config), "--log-format", "json"],
-        cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=log)
-
-
 async def submit_runs(dsn: str) -> list[int]:
     spec = RunSpec.validate({"steps": str(STEPS), "mode": "process", "paceS": PACE_S}).to_json()
     store = PgStore(dsn, "harness", DbSettings(), LeaseParams())
@@ -93,22 +56,12 @@ async def submit_runs(dsn: str) -> list[int]:
         await store.close()
 
 
-def query(dsn: str, sql: str, *args: object) -> list[tuple[object, ...]]:
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        return conn.execute(sql, args).fetchall()  # type: ignore[arg-type]
-
-
-def wait_for(what: str, check: object, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():  # type: ignore[operator]
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.1)
-
-
 def test_two_nodes_lose_one_and_every_run_completes_once(db_dsn: str, tmp: Path) -> None:
     with HarnessClock(db_dsn, tmp / "clock", time_scale=TIME_SCALE):
-        a = start_node(tmp, "a", db_dsn, tmp / "clock")
-        b = start_node(tmp, "b", db_dsn, tmp / "clock")
+        clock = ("--sim-clock", str(tmp / "clock"), "--time-scale", str(TIME_SCALE),
+                 "--capacity", "3")
+        a = start_node(tmp, "a", db_dsn, *clock, config="[node]\nthreads = 12\n")
+        b = start_node(tmp, "b", db_dsn, *clock, config="[node]\nthreads = 12\n")
         try:
             runs = asyncio.run(submit_runs(db_dsn))
 
