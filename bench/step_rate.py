@@ -51,7 +51,8 @@ def run_steps(tmp: str, steps: int) -> dict[str, Any]:
     env["FLYD_LOG_FORMAT"] = "json"
     out = subprocess.run(
         [sys.executable, "-m", "flyd", "run", "--json", "-q", "--steps", str(steps), "--mode",
-         "process", "--socket", os.path.join(tmp, "run.sock")],
+         "process", "--socket", os.path.join(tmp, "run.sock"), "--state-dir",
+         os.path.join(tmp, "state")],
         cwd=ROOT, env=env, capture_output=True, check=True)
     summary: dict[str, Any] = orjson.loads(out.stdout)
     if summary["state"] != "succeeded":
