@@ -9,10 +9,10 @@ from typing import Any
 
 import orjson
 import pytest
-from bus_raw import answer, call_params, caller, consume, serve
 
 from bus import codec
 from bus.errors import ERROR_CODES
+from tests.bus.bus_raw import answer, call_params, caller, consume, serve
 
 pytestmark = pytest.mark.timeout(10)
 

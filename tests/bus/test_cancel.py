@@ -7,10 +7,10 @@ import json
 from typing import Any
 
 import pytest
-from bus_raw import answer, call_params, caller, consume, serve
 
 from bus.errors import ERROR_CODES, CallDeadlineExceeded, CallGone
 from bus.schema import SCHEMA_ROOT
+from tests.bus.bus_raw import answer, call_params, caller, consume, serve
 
 pytestmark = pytest.mark.timeout(10)
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from bus_raw import caller, serve
+
+from tests.bus.bus_raw import caller, serve
 
 pytestmark = pytest.mark.timeout(10)
 

@@ -8,9 +8,9 @@ from typing import Any
 
 import orjson
 import pytest
-from bus_raw import SPEC_ERROR_CODES
 
 from bus.policy import Policy, PolicyEntry
+from tests.bus.bus_raw import SPEC_ERROR_CODES
 
 pytestmark = pytest.mark.timeout(10)
 

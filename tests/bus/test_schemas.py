@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from bus_raw import SPEC_ERROR_CODES
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from jsonschema import Draft202012Validator
@@ -35,6 +34,7 @@ from bus.schema import (
     load_schemas,
     validator,
 )
+from tests.bus.bus_raw import SPEC_ERROR_CODES
 
 EXAMPLES = Path(__file__).parent / "fixtures" / "examples.json"
 MAX_INT = 2**53 - 1

@@ -349,11 +349,10 @@ def test_embedded_default_under_a_dedicated_state_dir(tmp: Path) -> None:
 def test_flyd_run_is_isolated_from_the_queue(tmp: Path) -> None:
     import asyncio
 
-    from serve_nodes import query, stop, wait_for
-
     from flyd.leases.params import LeaseParams
     from flyd.leases.pgstore import DbSettings, PgStore
     from flyd.runspec import RunSpec
+    from tests.serve_nodes import query, stop, wait_for
 
     dsn = _DSN[tmp]
     shared = RunSpec.validate({"steps": "5", "mode": "in-process"}).to_json()

@@ -15,11 +15,11 @@ from typing import Any
 
 import orjson
 import pytest
-from serve_nodes import node_log, processes_under, query, start_node, stop, wait_for
 
 from flyd.leases.params import LeaseParams
 from flyd.leases.pgstore import DbSettings, PgStore
 from flyd.runspec import RunSpec
+from tests.serve_nodes import node_log, processes_under, query, start_node, stop, wait_for
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -92,7 +92,8 @@ def test_a_run_that_does_not_fit_is_released_not_failed(db_dsn: str, tmp: Path) 
         wait_for("the big node to finish the run",
                  lambda: run_state(db_dsn, run)[0] != "pending"
                  and run_state(db_dsn, run)[0] != "running", 90)
-        assert run_state(db_dsn, run)[0] == "succeeded"
+        final, _, outcome = run_state(db_dsn, run)
+        assert final == "succeeded", outcome
         owners = query(db_dsn, "SELECT n.node_name, a.end_reason FROM flyd.run_attempts a "
                                "JOIN flyd.nodes n USING (node_id) WHERE a.run_id = %s "
                                "ORDER BY a.lease_epoch", run)

@@ -21,12 +21,12 @@ import orjson
 import psutil
 import psycopg
 import pytest
-from serve_nodes import ROOT, processes_under, query, start_node, wait_for
 
 from flyd.leases.embedded import EmbeddedPostgres
 from flyd.leases.params import LeaseParams
 from flyd.leases.pgstore import DbSettings, PgStore
 from flyd.runspec import RunSpec
+from tests.serve_nodes import ROOT, processes_under, query, start_node, wait_for
 
 pytestmark = pytest.mark.timeout(180)
 

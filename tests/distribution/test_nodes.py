@@ -18,12 +18,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from harness.clock import HarnessClock
-from serve_nodes import processes_under, query, start_node, wait_for
 
 from flyd.leases.params import LeaseParams
 from flyd.leases.pgstore import DbSettings, PgStore
 from flyd.runspec import RunSpec
+from tests.distribution.harness.clock import HarnessClock
+from tests.serve_nodes import processes_under, query, start_node, wait_for
 
 pytestmark = pytest.mark.timeout(240)
 

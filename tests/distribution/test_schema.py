@@ -5,7 +5,8 @@ from __future__ import annotations
 from datetime import timedelta
 
 import psycopg
-from test_leases_sql import (
+
+from tests.distribution.test_leases_sql import (
     T0,
     Conn,
     insert_checkpoint,
