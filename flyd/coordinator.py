@@ -5,7 +5,7 @@ One `Coordinator` per session, an asyncio object on the node's loop with its own
 The task and the action executor are local objects; agents and the world are bus services
 reached through pinned `WorkerRef`s. Every call has a deadline (`Deadlines`), every concurrent
 dispatch runs inside a `TaskGroup`, and every failure fails the epoch through `fail_now`
-(`SessionFailure`, §6.3); checkpoints and restore are state.md's and not here yet.
+(`SessionFailure`, §6.3); `capture` delegates to `flyd.state.capture` (state.md §5.7).
 
 API (§6.1):
 
@@ -18,6 +18,7 @@ API (§6.1):
     coordinator.pause_handle().request(); coordinator.resume()
     await coordinator.worker_status(wid, ref=None); await coordinator.acknowledge_replies(wid, ids)
     await coordinator.probe_raw(wid, method, scope, params, ref=None)
+    capture = await coordinator.capture(checkpoint_id, kind="durable")   # state.md §5.7
     coordinator.replace_participant(wid, ref); coordinator.replace_client(client)
 
 Resolved ambiguities (where §6 is silent):
@@ -80,6 +81,8 @@ from flyd.phase import (
     Ready,
 )
 from flyd.runspec import AgentSpec, RunSpec
+from flyd.state.capture import Capture, CaptureKind
+from flyd.state.capture import capture as capture_boundary
 from flyd.trace import TraceLog
 from workers.canonical import canonical, controls_digest, typed_digest
 from workers.clock import RationalNs
@@ -1389,6 +1392,13 @@ class Coordinator:
         self.snapshots.publish_snapshot(body)
         self.audit.add(f"publish:{b}")
         self.stats.publications += 1
+
+    # ------------------------------------------------------------------ capture (state.md §5.7)
+
+    async def capture(self, checkpoint_id: str, *, kind: CaptureKind = "durable") -> Capture:
+        """Every participant's state and the coordinator's ledgers at the committed boundary
+        (`flyd.state.capture`)."""
+        return await capture_boundary(self, checkpoint_id, kind=kind)
 
     # ------------------------------------------------------------------ pause and resume (§6.7)
 

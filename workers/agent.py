@@ -24,15 +24,21 @@ Resolved ambiguities:
   (`applied`, §3.3).
 - Learning is switched off explicitly before the warm-up (a plugin may start with it on).
 - A reward sum is formed left to right in binary64 starting at 0.0 (§3.3).
+- `State.*` (state.md §6, `workers.state`) is served, and `checkpoint-v1` advertised, only when
+  the model class declares `model_version` and `plasticity_version` (its identity needs them).
+  A staged restore builds a fresh model with the checkpoint's seed and restores the saved brain
+  into it; the seed is compared only once this incarnation knows its own (after Initialize or an
+  activation).
 """
 
 from __future__ import annotations
 
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, ClassVar, Final
 
-from workers.canonical import typed_digest
+from workers.canonical import digest_of, typed_digest
 from workers.clock import RationalNs, TickAccumulator
 from workers.datatypes import (
     VIEW_CONTENT_TYPE,
@@ -49,6 +55,7 @@ from workers.domain import (
     DomainError,
     ErrorCode,
     Mutation,
+    Scope,
     format_u64,
     parse_i32,
 )
@@ -56,10 +63,27 @@ from workers.faults import Role
 from workers.launch import WorkerLaunch
 from workers.protocols import AgentModel, DecodedView
 from workers.shell import Call, Endpoint, WorkerState, check_params, load_plugin, main
+from workers.state import (
+    StateService,
+    check_provenance,
+    common_members,
+    decode_plugin_blob,
+    incompatible,
+    parse_digest_member,
+    parse_u64_member,
+    plugin_blob,
+    wrapper_object,
+)
 
-__all__ = ["AgentEndpoint"]
+__all__ = ["AgentEndpoint", "AgentParticipant", "StagedAgent"]
 
 INJECTED_COMMIT_FAILURE: Final = "injected commit failure after the next input was installed"
+IDENTITY_FIELDS: Final = ("agentId", "profileDigest", "datasetDigest", "indexDigest",
+                          "modelVersion", "plasticityVersion", "seed")
+AGENT_WRAPPER_KEYS: Final = frozenset({
+    "payloadVersion", "kind", "checkpointId", "committedStep", "sourceScope", "agentId",
+    "identity", "profile", "accumulator", "context", "contextDigest", "model"})
+ACCUMULATOR_KEYS: Final = frozenset({"tick", "remainder", "executed", "warmupOffset"})
 
 
 def _before(code: ErrorCode, message: str) -> DomainError:
@@ -87,11 +111,18 @@ class AgentEndpoint(Endpoint):
         self.context: TypedValue | None = None
         self.context_digest: str | None = None
         self.prepared_request_id: str | None = None
+        self.seed: int | None = None
         self.handlers = {
             "Agent.Initialize": self.initialize,
             "Agent.Prepare": self.prepare,
             "Agent.Commit": self.commit,
         }
+        self.model_version: str | None = getattr(self.model_class, "model_version", None)
+        self.plasticity_version: str | None = getattr(self.model_class, "plasticity_version",
+                                                      None)
+        if self.model_version is not None and self.plasticity_version is not None:
+            self.state = StateService(self, AgentParticipant(self))
+            self.handlers.update(self.state.handlers())
 
     def extras(self) -> tuple[str, ...]:
         return tuple(getattr(self.model_class, "capabilities", ()))
@@ -172,10 +203,13 @@ class AgentEndpoint(Endpoint):
                           f"{self.launch.worker_id} was launched with {self.launch.threads}")
         # 5: profile
         profile = AssetRef.from_json(p["profile"], "params.profile")
-        if (profile.id, profile.digest) != (self.profile.id, self.profile.digest):
+        mine = self.profile
+        if (profile.id, profile.digest, profile.byte_length) != \
+                (mine.id, mine.digest, mine.byte_length):
             raise _before(ErrorCode.IDENTITY_MISMATCH,
-                          f"{method} names profile {profile.id} ({profile.digest[:12]}); this "
-                          f"worker runs {self.profile.id} ({self.profile.digest[:12]})")
+                          f"{method} names profile {profile.id} ({profile.digest[:12]}, "
+                          f"{profile.byte_length} bytes); this worker runs {mine.id} "
+                          f"({mine.digest[:12]}, {mine.byte_length} bytes)")
         seed = parse_i32(p["seed"], "params.seed")
         # 6: context
         context = TypedValue.from_json(p["initialDecisionContext"],
@@ -216,6 +250,7 @@ class AgentEndpoint(Endpoint):
         self.shell.cache.adopt_epoch(scope.epoch)
         self.model, self.accumulator = model, accumulator
         self.epoch = scope.epoch
+        self.seed = seed
         self.committed_step = 0
         self.context = context
         self.context_digest = typed_digest(context)
@@ -365,6 +400,154 @@ class AgentEndpoint(Endpoint):
             "decisionContextDigest": self.context_digest,
             "telemetry": telemetry.to_json(),
         }
+
+
+# --------------------------------------------------------------------------------------------
+# State.* (state.md §6.3, §6.4)
+
+
+@dataclass(frozen=True)
+class StagedAgent:
+    """A restored brain beside the live one: installed only by activation."""
+
+    model: AgentModel
+    accumulator: TickAccumulator
+    context: TypedValue
+    seed: int
+
+
+class AgentParticipant:
+    """The agent's wrapper (`agent-<id>`), identity and install."""
+
+    def __init__(self, endpoint: AgentEndpoint) -> None:
+        self.endpoint = endpoint
+
+    @property
+    def epoch(self) -> str | None:
+        return self.endpoint.epoch
+
+    def committed_step(self) -> int:
+        return self.endpoint.committed_step
+
+    def identity(self) -> dict[str, Any]:
+        e = self.endpoint
+        return {"agentId": e.launch.worker_id, "profileDigest": e.profile.digest,
+                "datasetDigest": e.graph.dataset_digest, "indexDigest": e.graph.index_digest,
+                "modelVersion": e.model_version, "plasticityVersion": e.plasticity_version,
+                "seed": e.seed}
+
+    def compatibility_digest(self) -> str:
+        return digest_of(self.identity())
+
+    def capture_wrapper(self, checkpoint_id: str, scope: Scope) -> dict[str, Any]:
+        e = self.endpoint
+        model, accumulator = e._live()
+        assert e.context is not None
+        return {
+            **common_members("agent", checkpoint_id, scope),
+            "agentId": e.launch.worker_id,
+            "identity": self.identity(),
+            "profile": e.profile.to_json(),
+            "accumulator": {"tick": accumulator.tick.to_json(),
+                            "remainder": accumulator.remainder.to_json(),
+                            "executed": format_u64(accumulator.executed),
+                            "warmupOffset": format_u64(accumulator.warmup_offset)},
+            "context": e.context.to_json(),
+            "contextDigest": typed_digest(e.context),
+            "model": plugin_blob(model.capture()),
+        }
+
+    def _check_identity(self, recorded: Any) -> int:
+        """The checkpoint's identity against this worker's, the first difference named (§3);
+        the recorded seed."""
+        own = self.identity()
+        if not isinstance(recorded, dict) or set(recorded) != set(IDENTITY_FIELDS):
+            raise incompatible("the agent payload's identity is not an AgentIdentity")
+        try:
+            seed = parse_i32(recorded["seed"], "identity.seed")
+        except DomainError as exc:
+            raise incompatible(exc.message) from None
+        for field in IDENTITY_FIELDS:
+            if field == "seed" and own["seed"] is None:
+                continue
+            if recorded[field] != own[field]:
+                raise incompatible(f"agent {own['agentId']}: the checkpoint's {field} identity "
+                                   f"{recorded[field]} differs from this worker's {own[field]}")
+        return seed
+
+    def _accumulator(self, raw: Any) -> TickAccumulator:
+        e = self.endpoint
+        if not isinstance(raw, dict) or set(raw) != ACCUMULATOR_KEYS:
+            raise incompatible("the agent payload's accumulator is malformed")
+        try:
+            tick = RationalNs.from_json(raw["tick"], "accumulator.tick")
+            remainder = RationalNs.from_json(raw["remainder"], "accumulator.remainder")
+        except DomainError as exc:
+            raise incompatible(exc.message) from None
+        executed = parse_u64_member(raw["executed"], "accumulator.executed")
+        warmup = parse_u64_member(raw["warmupOffset"], "accumulator.warmupOffset")
+        if tick != e.settings.tick:
+            raise incompatible(f"the checkpoint's tick {tick} differs from this worker's "
+                               f"{e.settings.tick}")
+        if not remainder < tick:
+            raise incompatible(f"the checkpoint's remainder {remainder} lies outside "
+                               f"[0, {tick})")
+        if executed < warmup:
+            raise incompatible(f"the checkpoint executed {executed} brain ticks, fewer than "
+                               f"its warm-up offset {warmup}")
+        return TickAccumulator(tick, remainder, executed, warmup)
+
+    def stage_wrapper(self, data: bytes, params: Mapping[str, Any],
+                      scope: Scope) -> StagedAgent:
+        e = self.endpoint
+        doc = wrapper_object(data, "agent", AGENT_WRAPPER_KEYS)
+        if doc["agentId"] != e.launch.worker_id:
+            raise DomainError.before(ErrorCode.IDENTITY_MISMATCH,
+                                     f"the payload is agent {doc['agentId']!r}'s; this worker is "
+                                     f"{e.launch.worker_id}")
+        check_provenance(doc, params, scope)
+        if digest_of(doc["identity"]) != params["compatibilityDigest"]:
+            raise incompatible("the payload's identity digest differs from the request's "
+                               "compatibilityDigest")
+        seed = self._check_identity(doc["identity"])
+        try:
+            profile = AssetRef.from_json(doc["profile"], "profile")
+        except DomainError as exc:
+            raise incompatible(exc.message) from None
+        if profile != e.profile:
+            raise incompatible(f"the checkpoint's profile {profile.id} differs from this "
+                               f"worker's {e.profile.id}")
+        accumulator = self._accumulator(doc["accumulator"])
+        blob = decode_plugin_blob(doc["model"], "the model state")
+        model = e.model_class(agent_id=e.launch.worker_id, seed=seed, threads=e.launch.threads,
+                              executor=e.shell.executor, config=e.settings.model_config)
+        try:
+            model.restore(blob)
+        except DomainError as exc:
+            raise incompatible(f"the model refuses the state: {exc.message}") from None
+        except Exception as exc:
+            raise incompatible(f"the model refuses the state: {type(exc).__name__}") from None
+        try:
+            context = TypedValue.from_json(doc["context"], "context")
+            e.model_class.check_context(context)
+        except DomainError as exc:
+            raise incompatible(f"the saved decision context is refused: {exc.message}") \
+                from None
+        if typed_digest(context) != parse_digest_member(doc["contextDigest"], "contextDigest"):
+            raise incompatible("the saved decision context does not match its contextDigest")
+        return StagedAgent(model, accumulator, context, seed)
+
+    def install(self, staged: StagedAgent, scope: Scope) -> None:
+        e = self.endpoint
+        e.model, e.accumulator = staged.model, staged.accumulator
+        e.context = staged.context
+        e.context_digest = typed_digest(staged.context)
+        e.seed = staged.seed
+        e.prepared_request_id = None
+        e.epoch = scope.epoch
+        e.committed_step = scope.step
+        e.status.raise_progress(staged.model.mutations())
+        return None
 
 
 if __name__ == "__main__":

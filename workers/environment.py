@@ -30,16 +30,24 @@ Resolved ambiguities:
 - A world failure while resetting or applying is `BACKEND_FAILURE`/`unknown`; a render failure
   after the step was applied is `BACKEND_FAILURE`/`applied` (§3.5 step 6), also at Initialize
   (the episode was reset). A rendered frame or audio chunk of the wrong size is a render failure.
+- `State.*` (state.md §6, `workers.state`): a staged restore builds a fresh world from the
+  launch's settings, resets it to the checkpoint's episode and bindings and restores the saved
+  world into it (the staging copy); activation swaps it in with the recorded frames and audio
+  positions. The first chunk of each audio stream after an activation is marked
+  `discontinuity`.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 import sys
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, ClassVar, Final, TypeVar
 
-from workers.canonical import controls_digest
+from workers.canonical import controls_digest, digest_bytes, digest_of
 from workers.clock import AudioBudget, RationalNs
 from workers.datatypes import (
     AUDIO_CONTENT_TYPE,
@@ -53,13 +61,30 @@ from workers.datatypes import (
     check_controls,
     encode_media,
 )
-from workers.domain import DomainError, ErrorCode, Mutation, format_u64
+from workers.domain import DomainError, ErrorCode, Mutation, Scope, format_u64
 from workers.faults import Role
 from workers.launch import WorkerLaunch
 from workers.protocols import World
 from workers.shell import Call, Endpoint, WorkerState, check_params, load_plugin, main
+from workers.state import (
+    StateService,
+    check_provenance,
+    common_members,
+    compatibility_block,
+    decode_plugin_blob,
+    incompatible,
+    parse_digest_member,
+    parse_u64_member,
+    plugin_blob,
+    wrapper_object,
+)
 
-__all__ = ["EnvironmentEndpoint", "ViewPipeline"]
+__all__ = ["EnvironmentEndpoint", "StagedWorld", "ViewPipeline", "WorldParticipant"]
+
+WORLD_WRAPPER_KEYS: Final = frozenset({
+    "payloadVersion", "kind", "checkpointId", "committedStep", "sourceScope", "workerId",
+    "episodeId", "worldTime", "bindings", "compatibilityDigest", "progress", "frames", "audio",
+    "world"})
 
 T = TypeVar("T")
 RENDER: Final = "render"
@@ -124,10 +149,13 @@ class EnvironmentEndpoint(Endpoint):
         self.pipelines: dict[str, ViewPipeline] = {}
         self.last_served: dict[str, ViewRef] = {}
         self.budgets: dict[str, AudioBudget] = {}
+        self.resumed_streams: set[str] = set()
         self.handlers = {
             "Environment.Initialize": self.initialize,
             "Environment.Advance": self.advance,
         }
+        self.state = StateService(self, WorldParticipant(self))
+        self.handlers.update(self.state.handlers())
 
     def extras(self) -> tuple[str, ...]:
         return tuple(getattr(self.world_class, "capabilities", ()))
@@ -153,6 +181,7 @@ class EnvironmentEndpoint(Endpoint):
         self.last_served = {}
         self.budgets = {a.stream_id: AudioBudget(a.sample_rate, self.descriptor.step_duration)
                         for a in self.descriptor.audio}
+        self.resumed_streams = set()
 
     def _observe(self, boundary: int, world_time: RationalNs, *, audio: bool) -> WorldObservation:
         """Render the observation of `boundary` (runs in the model thread)."""
@@ -192,10 +221,12 @@ class EnvironmentEndpoint(Endpoint):
                 first = span.first_sample
                 if faults.overlapping_audio_at_boundary == boundary:
                     first = max(0, first - 1)
+                resumed = stream.stream_id in self.resumed_streams
+                self.resumed_streams.discard(stream.stream_id)
                 if faults.omit_audio_at_boundary != boundary:
                     chunks.append(AudioRef(stream.stream_id, first, span.frames,
                                            encode_media(AUDIO_CONTENT_TYPE, bytes(samples)),
-                                           False))
+                                           resumed))
         engine_frame = getattr(self.world, "engine_frame", None)
         return WorldObservation(
             boundary=boundary,
@@ -320,6 +351,208 @@ class EnvironmentEndpoint(Endpoint):
             "appliedControlsDigest": controls_digest([c.to_json() for c in controls]),
             "observation": observation.to_json(),
         }
+
+
+# --------------------------------------------------------------------------------------------
+# State.* (state.md §6.3, §6.4)
+
+
+@dataclass(frozen=True)
+class StagedWorld:
+    """A restored world beside the live one: installed only by activation."""
+
+    world: World
+    episode_id: str
+    bindings: tuple[tuple[str, str], ...]
+    world_time: RationalNs
+    frames: dict[str, list[tuple[int, bytes]]]
+    audio: dict[str, tuple[int, int]]
+    progress: int
+
+
+class WorldParticipant:
+    """The environment's wrapper (`world`), compatibility digest and install."""
+
+    def __init__(self, endpoint: EnvironmentEndpoint) -> None:
+        self.endpoint = endpoint
+
+    @property
+    def epoch(self) -> str | None:
+        return self.endpoint.epoch
+
+    def committed_step(self) -> int:
+        return self.endpoint.boundary
+
+    def identity(self) -> None:
+        return None
+
+    def compatibility_digest(self) -> str:
+        return digest_of(compatibility_block(self.endpoint.descriptor))
+
+    def capture_wrapper(self, checkpoint_id: str, scope: Scope) -> dict[str, Any]:
+        e = self.endpoint
+        frames = [{"viewId": spec.view_id, "producedStep": format_u64(step),
+                   "digest": digest_bytes(data), "data": base64.b64encode(data).decode("ascii")}
+                  for spec in e.descriptor.views for step, data in e.pipelines[spec.view_id].frames]
+        audio = [{"streamId": a.stream_id, "position": format_u64(e.budgets[a.stream_id].position),
+                  "acc": format_u64(e.budgets[a.stream_id].acc)} for a in e.descriptor.audio]
+        return {
+            **common_members("world", checkpoint_id, scope),
+            "workerId": e.launch.worker_id,
+            "episodeId": e.episode_id,
+            "worldTime": e.world_time.to_json(),
+            "bindings": [[port, agent] for port, agent in e.bindings],
+            "compatibilityDigest": self.compatibility_digest(),
+            "progress": format_u64(e.progress),
+            "frames": frames,
+            "audio": audio,
+            "world": plugin_blob(e.world.capture()),
+        }
+
+    def _frames(self, raw: Any, k: int) -> dict[str, list[tuple[int, bytes]]]:
+        """Exactly boundaries `max(0, k − delay)..k` per declared view, oldest first."""
+        descriptor = self.endpoint.descriptor
+        if not isinstance(raw, list):
+            raise incompatible("the world payload's frames are not a list")
+        want = [(spec, step) for spec in descriptor.views
+                for step in range(max(0, k - spec.observation_delay_steps), k + 1)]
+        if len(raw) != len(want):
+            raise incompatible(f"the world payload holds {len(raw)} frames; the retained "
+                               f"boundaries up to {k} of every declared view are {len(want)}")
+        out: dict[str, list[tuple[int, bytes]]] = {spec.view_id: [] for spec in descriptor.views}
+        for item, (spec, step) in zip(raw, want, strict=True):
+            if not isinstance(item, dict) or set(item) != {"viewId", "producedStep", "digest",
+                                                           "data"}:
+                raise incompatible("a world payload frame is malformed")
+            if item["viewId"] != spec.view_id or \
+                    parse_u64_member(item["producedStep"], "frame.producedStep") != step:
+                raise incompatible(f"the world payload's frames are not boundaries of view "
+                                   f"{spec.view_id} in order (expected {step})")
+            try:
+                data = base64.b64decode(item["data"], validate=True) \
+                    if isinstance(item["data"], str) else None
+            except (binascii.Error, ValueError):
+                data = None
+            if data is None or len(data) != spec.byte_length:
+                raise incompatible(f"frame {step} of view {spec.view_id} is not "
+                                   f"{spec.byte_length} bytes")
+            if digest_bytes(data) != parse_digest_member(item["digest"], "frame.digest"):
+                raise incompatible(f"frame {step} of view {spec.view_id} does not match its "
+                                   "digest")
+            out[spec.view_id].append((step, data))
+        return out
+
+    def _audio(self, raw: Any) -> dict[str, tuple[int, int]]:
+        e = self.endpoint
+        streams = [a.stream_id for a in e.descriptor.audio]
+        if not isinstance(raw, list) or [
+                item.get("streamId") if isinstance(item, dict) else None
+                for item in raw] != streams:
+            raise incompatible(f"the world payload's audio does not list exactly the declared "
+                               f"streams {streams}")
+        out: dict[str, tuple[int, int]] = {}
+        for item, spec in zip(raw, e.descriptor.audio, strict=True):
+            if set(item) != {"streamId", "position", "acc"}:
+                raise incompatible(f"audio stream {spec.stream_id}'s state is malformed")
+            position = parse_u64_member(item["position"], "audio.position")
+            acc = parse_u64_member(item["acc"], "audio.acc")
+            try:
+                AudioBudget(spec.sample_rate, e.descriptor.step_duration, position, acc)
+            except DomainError as exc:
+                raise incompatible(f"audio stream {spec.stream_id}: {exc.message}") from None
+            out[spec.stream_id] = (position, acc)
+        return out
+
+    def stage_wrapper(self, data: bytes, params: Mapping[str, Any],
+                      scope: Scope) -> StagedWorld:
+        e = self.endpoint
+        doc = wrapper_object(data, "world", WORLD_WRAPPER_KEYS)
+        if doc["workerId"] != e.launch.worker_id:
+            raise DomainError.before(ErrorCode.IDENTITY_MISMATCH,
+                                     f"the payload is world {doc['workerId']!r}'s; this worker "
+                                     f"is {e.launch.worker_id}")
+        check_provenance(doc, params, scope)
+        own = self.compatibility_digest()
+        if doc["compatibilityDigest"] != params["compatibilityDigest"] \
+                or doc["compatibilityDigest"] != own:
+            raise incompatible(f"the payload's compatibility digest "
+                               f"{doc['compatibilityDigest']!r} differs from the request's or "
+                               f"this world's {own}")
+        raw_bindings = doc["bindings"]
+        if not isinstance(raw_bindings, list) or not all(
+                isinstance(b, list) and len(b) == 2 and all(isinstance(x, str) for x in b)
+                for b in raw_bindings):
+            raise incompatible("the world payload's bindings are not [[portId, agentId], ...]")
+        bindings = tuple((port, agent) for port, agent in raw_bindings)
+        if sorted(port for port, _ in bindings) != sorted(e.settings.ports):
+            raise incompatible(f"the checkpoint binds ports {[p for p, _ in bindings]}; this "
+                               f"world has {list(e.settings.ports)}")
+        k = scope.step
+        frames = self._frames(doc["frames"], k)
+        audio = self._audio(doc["audio"])
+        episode = doc["episodeId"]
+        if not isinstance(episode, str):
+            raise incompatible("the world payload's episodeId is not a string")
+        try:
+            world_time = RationalNs.from_json(doc["worldTime"], "worldTime")
+        except DomainError as exc:
+            raise incompatible(exc.message) from None
+        progress = parse_u64_member(doc["progress"], "progress")
+        blob = decode_plugin_blob(doc["world"], "the world state")
+        settings = e.settings
+        world = e.world_class(
+            world_id=e.launch.worker_id, ports=settings.ports, step=settings.step,
+            observation_delay_steps=settings.observation_delay_steps, threads=e.launch.threads,
+            config=settings.world_config)
+        try:
+            world.reset(episode, bindings)
+            world.restore(blob)
+        except DomainError as exc:
+            raise incompatible(f"the world refuses the state: {exc.message}") from None
+        except Exception as exc:
+            raise incompatible(f"the world refuses the state: {type(exc).__name__}") from None
+        if world_time != e.descriptor.step_duration.times(k):
+            raise incompatible(f"the checkpoint's world time {world_time} is not {k} steps of "
+                               f"{e.descriptor.step_duration}")
+        return StagedWorld(world, episode, bindings, world_time, frames, audio, progress)
+
+    def install(self, staged: StagedWorld, scope: Scope) -> dict[str, Any]:
+        e = self.endpoint
+        k = scope.step
+        e.world = staged.world
+        e.episode_id = staged.episode_id
+        e.bindings = staged.bindings
+        e.boundary = k
+        e.world_time = staged.world_time
+        e.batches = set()
+        e.pipelines = {}
+        e.last_served = {}
+        views: list[ViewRef] = []
+        for spec in e.descriptor.views:
+            pipeline = ViewPipeline(spec.observation_delay_steps)
+            for step, data in staged.frames[spec.view_id]:
+                pipeline.push(step, data)
+            e.pipelines[spec.view_id] = pipeline
+            produced, data = pipeline.served(k)
+            ref = ViewRef(spec.view_id, produced, encode_media(VIEW_CONTENT_TYPE, data))
+            e.last_served[spec.view_id] = ref
+            views.append(ref)
+        e.budgets = {}
+        for spec_a in e.descriptor.audio:
+            position, acc = staged.audio[spec_a.stream_id]
+            e.budgets[spec_a.stream_id] = AudioBudget(
+                spec_a.sample_rate, e.descriptor.step_duration, position, acc, chunks=k)
+        e.resumed_streams = {a.stream_id for a in e.descriptor.audio}
+        e.progress = max(e.progress, staged.progress)
+        e.status.raise_progress(e.progress)
+        e.epoch = scope.epoch
+        engine_frame = getattr(e.world, "engine_frame", None)
+        observation = WorldObservation(
+            boundary=k, world_time=staged.world_time,
+            engine_frame=None if engine_frame is None else str(engine_frame(k)),
+            sensory_views=tuple(views), inspection=e.world.inspection(k),
+            broadcast_views=tuple(v.view_id for v in views), audio=())
+        return observation.to_json()
 
 
 if __name__ == "__main__":

@@ -40,9 +40,10 @@ across bus I/O.
 Resolved ambiguities:
 - The effective caller set is `--callers` plus the supervisor (its `Worker.Shutdown` must get
   through check 3b).
-- `State.*` is not served by this build: it is not in the method table, so it is refused at
-  pipeline step 2 with `UNSUPPORTED`/`none`, and no endpoint advertises `checkpoint-v1` (a
-  plugin listing it as an extra has it removed).
+- `State.*` (`workers.state`) is in an endpoint's method table when the endpoint serves it (the
+  agent only for a model that declares its versions); `checkpoint-v1` is advertised exactly
+  then, and removed from a plugin's extras otherwise. An endpoint without it refuses `State.*`
+  at pipeline step 2 with `UNSUPPORTED`/`none`.
 - `Worker.Status` and `Worker.Acknowledge` do not check their scope (echoed); `Worker.Status`
   params must be exactly `{}`; `Worker.Acknowledge` accepts repeated ids (the cache ignores a
   repeat). `Worker.Shutdown` checks its params before the caller.
@@ -336,7 +337,10 @@ class Endpoint:
 
     def capabilities(self) -> list[str]:
         caps = set(self.base_capabilities) | set(self.extras())
-        caps.discard("checkpoint-v1")  # State.* is not served by this build
+        if "State.Capture" in self.handlers:
+            caps.add("checkpoint-v1")
+        else:
+            caps.discard("checkpoint-v1")
         return sorted(caps)
 
     # the common checks of §3 -----------------------------------------------------------------
@@ -438,7 +442,7 @@ class WorkerShell:
         return self.launch.incarnation_id
 
     def methods(self) -> tuple[str, ...]:
-        """The endpoint's method table (§3.7; `State.*` not served)."""
+        """The endpoint's method table (§3.7)."""
         return (*WORKER_METHODS, *self.endpoint.handlers)
 
     # running ----------------------------------------------------------------------------------

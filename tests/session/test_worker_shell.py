@@ -202,13 +202,12 @@ async def test_hello_answers_the_identity_contract_and_capabilities(rig: Rig) ->
         "incarnationId": "fly-a-inc-1", "role": "agent",
         "buildDigest": digest_bytes(b"flyd-build-v1\nversion=0.1.0\n"),
         "contractDigest": independent_contract_digest(),
-        "capabilities": ["agent-step-v1", "pixel-observation-v1"],
+        "capabilities": ["agent-step-v1", "checkpoint-v1", "pixel-observation-v1"],
         "limits": {"maxAgents": 4, "maxPorts": 4, "workerThreads": 2},
     }
     env = await rig.ok("arena", "Worker.Hello", hello(expectedWorkerId="arena",
                                                       role="environment"))
-    assert env["capabilities"] == ["pixel-observation-v1", "world-step-v1"]
-    assert "checkpoint-v1" not in env["capabilities"] + result["capabilities"]
+    assert env["capabilities"] == ["checkpoint-v1", "pixel-observation-v1", "world-step-v1"]
     assert env["contractDigest"] == result["contractDigest"] == contract_digest()
     assert result["buildDigest"] == build_digest()
 
@@ -378,9 +377,9 @@ async def test_an_unparsable_request_is_invalid_argument_with_scope_null(rig: Ri
 
 
 @pytest.mark.parametrize(("role", "method"), [
-    ("agent", "Agent.Dance"), ("agent", "Environment.Advance"), ("agent", "State.Capture"),
-    ("agent", "State.ActivateRestore"), ("environment", "Agent.Prepare"),
-    ("environment", "State.StageRestore"), ("environment", "worker.status"),
+    ("agent", "Agent.Dance"), ("agent", "Environment.Advance"), ("agent", "State.Dance"),
+    ("agent", "Environment.Initialize"), ("environment", "Agent.Prepare"),
+    ("environment", "Agent.Commit"), ("environment", "worker.status"),
 ])
 async def test_a_method_outside_the_endpoint_table_is_unsupported(rig: Rig, role: Role,
                                                                   method: str) -> None:
@@ -712,7 +711,7 @@ async def test_read_only_replies_keep_the_last_16_for_diagnostics(rig: Rig) -> N
 
 METHODS = ("Worker.Hello", "Worker.Status", "Worker.Acknowledge", "Worker.Shutdown",
            "Agent.Initialize", "Agent.Prepare", "Agent.Commit", "Environment.Initialize",
-           "Environment.Advance")
+           "Environment.Advance", "State.Capture", "State.StageRestore", "State.ActivateRestore")
 
 
 def test_every_method_has_a_params_and_a_result_schema() -> None:
@@ -729,7 +728,7 @@ def test_every_method_has_a_params_and_a_result_schema() -> None:
     assert files == {f"{m}.{k}.json" for m in METHODS for k in ("params", "result")}
     served = set(shell_module.WORKER_METHODS) | {
         "Agent.Initialize", "Agent.Prepare", "Agent.Commit", "Environment.Initialize",
-        "Environment.Advance"}
+        "Environment.Advance", "State.Capture", "State.StageRestore", "State.ActivateRestore"}
     assert served == set(METHODS)
     assert set(AgentEndpoint(agent_launch("/tmp/x.sock")).handlers) | set(
         EnvironmentEndpoint(environment_launch("/tmp/x.sock")).handlers) | set(

@@ -63,6 +63,8 @@ class FakeBrain:
     """A 64-bit LCG brain; `mutations()` counts every operation that changes it."""
 
     capabilities: ClassVar[tuple[str, ...]] = ()
+    model_version: ClassVar[str] = "fake-brain-v1"
+    plasticity_version: ClassVar[str] = "fake-reinforce-v1"
 
     # ----------------------------------------------------------------- class level
 
