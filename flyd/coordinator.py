@@ -19,7 +19,10 @@ API (§6.1):
     await coordinator.worker_status(wid, ref=None); await coordinator.acknowledge_replies(wid, ids)
     await coordinator.probe_raw(wid, method, scope, params, ref=None)
     capture = await coordinator.capture(checkpoint_id, kind="durable")   # state.md §5.7
+    ticket = await coordinator.save(checkpoint_id); await coordinator.await_durable(ticket)
     coordinator.replace_participant(wid, ref); coordinator.replace_client(client)
+    report = await coordinator.restore(checkpoint_id | None, "e2")      # state.md §7
+    coordinator.tainted(); coordinator.durable(); coordinator.reset()   # reset: UNSUPPORTED
 
 Resolved ambiguities (where §6 is silent):
 - The spec object is the run spec (`flyd.runspec.RunSpec`, the `SessionSpec` of §6.1); the
@@ -49,6 +52,15 @@ Resolved ambiguities (where §6 is silent):
 - `health_failure(worker_id, error)` is how a supervisor's report (§7.4) fails the epoch
   (detail `health`); it returns the `SessionFailure` instead of raising it, since the caller is
   the health loop, not a step.
+- `capture` always returns the `Capture` (callers that own a writer submit it themselves);
+  with a `StateContext` whose writer is set (`state=`), `save` is §5.7 with steps 2 and 7
+  (reserve before anyone is asked, submit after) returning the `SaveTicket`, `checkpoint` is
+  `save` then `await_durable`, and every committed transition appends its behaviour record,
+  rebased onto `e1`, to the writer's `PendingEffects` (state.md §9.2).
+- `restore(id, epoch, *, store=, run_id=, guard=)` takes the store and run from the arguments
+  when given, else from the session's `StateContext` (`flyd.state.restore`).
+- Audio is checked by `AudioTimelines` (state.md §7.5): fresh at bootstrap, restored at an
+  install; `_audio_position` is its positions, as a capture records them.
 """
 
 from __future__ import annotations
@@ -83,7 +95,18 @@ from flyd.phase import (
 from flyd.runspec import AgentSpec, RunSpec
 from flyd.state.capture import Capture, CaptureKind
 from flyd.state.capture import capture as capture_boundary
-from flyd.trace import TraceLog
+from flyd.state.restore import RestoreReport, StateContext
+from flyd.state.restore import restore as restore_checkpoint
+from flyd.state.store import CheckpointRecord, CheckpointStore
+from flyd.state.writer import (
+    CaptureSubmission,
+    CheckpointWriter,
+    Committed,
+    SaveOutcome,
+    SaveTicket,
+    audit_line,
+)
+from flyd.trace import EpochRebase, TraceLog
 from workers.canonical import canonical, controls_digest, typed_digest
 from workers.clock import RationalNs
 from workers.composition import composition_digest, config_asset
@@ -105,6 +128,7 @@ from workers.domain import DomainError, ErrorCode, Mutation, Scope, format_reque
 from workers.protocols import ActionExecutor, EpisodeRequest, Evaluation, Task
 from workers.rpc import Answered, CallOutcome, Expired, Outcome, Refused, answer, from_bus_error
 from workers.shell import contract_digest, load_plugin, method_validator
+from workers.synthetic.audio import AudioTimelines
 from workers.synthetic.schemas import DECISION
 
 __all__ = [
@@ -424,7 +448,7 @@ class Coordinator:
                  task: Task, executor: ActionExecutor, deadlines: Deadlines | None = None,
                  order: DispatchOrder = DispatchOrder.CONCURRENT,
                  injections: Injections | None = None, clock: Clock = SYSTEM_CLOCK,
-                 state: Any = None, epoch: str = "e1") -> None:
+                 state: StateContext | None = None, epoch: str = "e1") -> None:
         self.spec = spec
         self._client = client
         self._refs: dict[str, WorkerRef] = dict(refs)
@@ -462,8 +486,12 @@ class Coordinator:
         self.observation: WorldObservation | None = None
         self._media = _Media()
         self._pending_media = _Media()
-        self._audio_position: dict[str, int] = {}
-        self._audio_started: set[str] = set()
+        self._audio = AudioTimelines([])
+        self._tainted: set[str] = set()
+        self._replaced: set[str] = set()
+        self._used_epochs: set[str] = {epoch}
+        self._durable: tuple[str, int] | None = None
+        self.events: list[dict[str, Any]] = []
         self._owed: dict[str, list[str]] = {}
         self._progress: TypedValue | None = None
         self._descriptor_revision = 0
@@ -507,6 +535,23 @@ class Coordinator:
 
     def live_view_handles(self) -> int:
         return self._media.count() + self._pending_media.count()
+
+    @property
+    def _audio_position(self) -> dict[str, int]:
+        """Each declared stream's position (what a capture records)."""
+        return self._audio.positions()
+
+    def participants(self) -> list[str]:
+        """The environment, then the agents by id (the order of stages and activations)."""
+        return [self.world_id, *self.agent_ids]
+
+    def tainted(self) -> list[str]:
+        """Workers that took part in an abandoned install (state.md §7.4), environment first."""
+        return [w for w in self.participants() if w in self._tainted]
+
+    def durable(self) -> tuple[str, int] | None:
+        """The newest checkpoint known durable: `(checkpointId, boundary)`."""
+        return self._durable
 
     def status_json(self) -> dict[str, Any]:
         """Phase, fence, stats, evaluations and metrics as camelCase JSON (§6.11)."""
@@ -572,7 +617,13 @@ class Coordinator:
         check_replacement(self._machine, worker_id)
         self._refs[worker_id] = ref
         self._serials[worker_id] = 0
+        self._replaced.add(worker_id)
+        self._tainted.discard(worker_id)
         self.audit.add(f"replaced:{worker_id}")
+
+    def _pin(self, worker_id: str, incarnation_id: str) -> None:
+        """Pin the domain incarnation a `Worker.Hello` returned."""
+        self._refs[worker_id] = replace(self._refs[worker_id], domain_incarnation=incarnation_id)
 
     def replace_client(self, client: BusClient) -> None:
         if not self._machine.fenced:
@@ -766,8 +817,7 @@ class Coordinator:
                                   f"Worker.Hello: {worker_id} lacks {capability}", Mutation.NONE)
         if problem is not None:
             raise _Blame(problem, "Worker.Hello", worker_id)
-        self._refs[worker_id] = replace(self._refs[worker_id],
-                                        domain_incarnation=result["incarnationId"])
+        self._pin(worker_id, result["incarnationId"])
         self.audit.add(f"hello:{worker_id}")
 
     def _bindings(self) -> list[tuple[str, str]]:
@@ -810,8 +860,7 @@ class Coordinator:
         self.descriptor = descriptor
         self.observation = observation
         self._media = media
-        self._audio_position = {a.stream_id: 0 for a in descriptor.audio}
-        self._audio_started = set()
+        self._audio = AudioTimelines.fresh(descriptor)
         self._owed.setdefault(wid, []).append(call.request_id)
         self.audit.add("environment.initialize")
         # 3. task bootstrap
@@ -836,6 +885,7 @@ class Coordinator:
         # 4. agents
         for agent_id in self.agent_ids:
             await self._initialize_agent(agent_id, observation)
+        self._replaced.clear()
         # 5. acknowledge
         for worker_id in [wid, *self.agent_ids]:
             ids = self._owed.get(worker_id, [])
@@ -939,19 +989,7 @@ class Coordinator:
                 raise _media(f"audio stream {stream.stream_id} produced no chunk for this "
                              "transition")
             media.audio[stream.stream_id] = decode_audio(chunk, stream, Mutation.UNKNOWN)
-            position = self._audio_position.get(stream.stream_id, 0)
-            first = stream.stream_id not in self._audio_started
-            if chunk.first_sample < position:
-                raise _media(f"audio stream {stream.stream_id} starts at {chunk.first_sample}; "
-                             f"the stream is at {position}")
-            if chunk.first_sample == position:
-                if chunk.discontinuity and not first:
-                    raise _media(f"audio stream {stream.stream_id} marks a discontinuity at "
-                                 f"{position}, where it continues")
-            else:
-                if first or not chunk.discontinuity:
-                    raise _media(f"audio stream {stream.stream_id} starts at "
-                                 f"{chunk.first_sample}; the stream is at {position}")
+        self._audio.check(observation.audio, Mutation.UNKNOWN)
 
     # ------------------------------------------------------------------ one transition (§6.6)
 
@@ -1124,13 +1162,12 @@ class Coordinator:
         self.observation = new
         self._media = self._pending_media
         self._pending_media = _Media()
-        for chunk in new.audio:
-            self._audio_position[chunk.stream_id] = chunk.first_sample + chunk.sample_frames
-            self._audio_started.add(chunk.stream_id)
+        self._audio.advance(new.audio)
         self._progress = evaluation.progress
         self.stats.advances += 1
         self._last_event_ids = [e.id for e in evaluation.events]
         self._record_trace(k, batch_id, controls, new, evaluation, commits, advance, wall)
+        self._append_effect(k)
         self._publish_snapshot(k + 1)
         for slot in self._slots.values():
             slot.prepared = None
@@ -1399,6 +1436,104 @@ class Coordinator:
         """Every participant's state and the coordinator's ledgers at the committed boundary
         (`flyd.state.capture`)."""
         return await capture_boundary(self, checkpoint_id, kind=kind)
+
+    async def save(self, checkpoint_id: str, *, kind: CaptureKind = "durable") -> SaveTicket:
+        """`capture` through the session's writer (state.md §5.7 steps 2 and 7): a slot is
+        reserved before anyone is asked, the capture submitted after; the ticket."""
+        writer = self._writer()
+        phase = self._machine.phase
+        try:
+            reservation = writer.reserve()
+        except DomainError as exc:
+            self.audit.add(f"capture-refused:{checkpoint_id}")
+            raise SessionFailure(exc, phase.label, Detail.CAPTURE) from None
+        try:
+            built = await capture_boundary(self, checkpoint_id, kind=kind)
+        except BaseException:
+            reservation.release()
+            raise
+        try:
+            return writer.submit(reservation, CaptureSubmission(
+                checkpoint_id, built.boundary, built.session_epoch, built.episode_id,
+                built.manifest, built.payloads, replaceable=kind == "hot"))
+        except DomainError as exc:
+            self.audit.add(f"capture-refused:{checkpoint_id}")
+            raise SessionFailure(exc, self._machine.phase.label, Detail.CAPTURE) from None
+
+    async def await_durable(self, ticket: SaveTicket, budget: float | None = None
+                            ) -> SaveOutcome:
+        """The save's outcome (state.md §5.5), audited; `Committed` moves the durable mark."""
+        writer = self._writer()
+        outcome = await writer.wait(ticket, self.deadlines.durable if budget is None
+                                    else budget)
+        self.audit.add(audit_line(outcome, ticket.boundary))
+        if isinstance(outcome, Committed):
+            self._adopt_durable(outcome.checkpoint_id, outcome.boundary)
+        return outcome
+
+    async def checkpoint(self, checkpoint_id: str, *, kind: CaptureKind = "durable"
+                         ) -> SaveOutcome:
+        """`save` then `await_durable`."""
+        return await self.await_durable(await self.save(checkpoint_id, kind=kind))
+
+    async def resolve_durable(self, checkpoint_id: str) -> CheckpointRecord | None:
+        """A lost or late save reply, resolved by id (state.md §4.6): the stored record, adopted
+        as the durable mark when newer; None when it is not stored (nothing changes)."""
+        if self.state is None:
+            raise DomainError.before(ErrorCode.UNSUPPORTED, "this session has no checkpoint store")
+        record = await self.state.store.lookup(self.state.run_id, checkpoint_id)
+        if record is None:
+            return None
+        self._adopt_durable(record.checkpoint_id, record.boundary)
+        self.audit.add(f"resolved:{record.checkpoint_id}@{record.boundary}")
+        return record
+
+    def _writer(self) -> CheckpointWriter:
+        if self.state is None or self.state.writer is None:
+            raise DomainError.before(ErrorCode.UNSUPPORTED,
+                                     "this session has no checkpoint writer")
+        return self.state.writer
+
+    def _adopt_durable(self, checkpoint_id: str, boundary: int) -> None:
+        if self._durable is None or boundary >= self._durable[1]:
+            self._durable = (checkpoint_id, boundary)
+
+    def _append_effect(self, k: int) -> None:
+        """§9.2: transition k → k+1's behaviour record, rebased onto `e1`, pending under k+1."""
+        writer = None if self.state is None else self.state.writer
+        if writer is None:
+            return
+        record = self.trace.transitions[-1].behaviour
+        writer.pending.append(k + 1, self.epoch,
+                              EpochRebase(self.epoch, "e1", self.task).apply(record))
+
+    # ------------------------------------------------------------------ restore (state.md §7)
+
+    async def restore(self, checkpoint_id: str | None, proposed_epoch: str, *,
+                      store: CheckpointStore | None = None, run_id: int | None = None,
+                      guard: Callable[[], object] | None = None) -> RestoreReport:
+        """The group install of a stored generation (the head for None) into `proposed_epoch`
+        (`flyd.state.restore`). `store` and `run_id` default to the session's `StateContext`;
+        `guard` is the node's lease guard (precondition 4)."""
+        context = self.state
+        if store is not None and run_id is not None:
+            context = StateContext(store, run_id,
+                                   writer=None if context is None else context.writer,
+                                   guard=guard if guard is not None or context is None
+                                   else context.guard)
+        elif context is not None and guard is not None:
+            context = replace(context, guard=guard)
+        if context is None:
+            raise SessionFailure(DomainError.before(
+                ErrorCode.UNSUPPORTED, "this session has no checkpoint store"),
+                self._machine.phase.label, Detail.RESTORE)
+        return await restore_checkpoint(self, checkpoint_id, proposed_epoch, context)
+
+    def reset(self) -> None:
+        """An episode reset: not in v1 (a terminal episode ends a node run, state.md §9.3)."""
+        raise DomainError.before(ErrorCode.UNSUPPORTED,
+                                 "episode reset is not supported in v1; a terminal episode ends "
+                                 "the run")
 
     # ------------------------------------------------------------------ pause and resume (§6.7)
 

@@ -69,6 +69,8 @@ class TraceLog:
 
     transitions: list[TransitionTrace] = field(default_factory=list)
     phase_source: Callable[[], list[str]] | None = None
+    abandoned: list[TransitionTrace] = field(default_factory=list)
+    """Transitions a restore cut off (beyond its boundary, state.md §7.2 step 8)."""
 
     @property
     def phases(self) -> list[str]:

@@ -1,0 +1,683 @@
+"""The coordinator's group install (state.md §7): one checkpoint into every participant and the
+coordinator, as a group, into a new epoch, or nothing.
+
+Why a group: a lockstep session is one state. A world restored without its agents, or agents
+activated beside a world that refused, would run half a session; so every participant stages
+before anyone activates, the coordinator's own ledgers are checked before the first activation,
+and anything that goes wrong after the first stage fails the epoch and taints whoever might
+hold the proposed state, until a replacement clears it.
+
+Rules (`restore`):
+
+- Preconditions, in order (`_preconditions`); a failure raises `SessionFailure` (detail
+  `restore`) and changes nothing, taints nobody, leaves the phase and the fence as they were:
+  1. phase `Failed`, or an unstepped `Ready(0)` (cold install) — else `INVALID_PHASE`;
+  2. the proposed epoch is `e<N>` and was never used by this session — else `STALE_EPOCH`;
+  3. no tainted participant (environment first, then agents sorted) — else `INVALID_PHASE`;
+  4. `guard()` (the node's lease guard; `LeaseLost` propagates unchanged);
+  5. `store.select(run, id, for_restore=True)` and `store.read` (S1–S5);
+  6. the recorded compatibility block equals the live one (§3);
+  7. shape: environment worker, agent set, port map, `helperState == []`, then each agent's
+     agentId, profileDigest and seed against the configuration — `INCOMPATIBLE_STATE`;
+  8. every payload fits one bus frame as `StageRestoreParams` — else `UNSUPPORTED`;
+  9. each participant replaced since the failure passes `Worker.Hello` with the bootstrap
+     checks plus `checkpoint-v1`.
+- Install, after `→ Restoring(k)`: import, stage (environment first, then
+  agents by id, one at a time), validate the coordinator ledgers (§7.3), activate (same order),
+  check the results, acknowledge, install the coordinator state, publish, `→ Paused(k)`.
+- A failure after `Restoring(k)` fails the epoch through the coordinator's fail path (audit
+  `fail:restore[:<participant>]`), keeping the refusing participant's code and naming it (a
+  worker id or `coordinator`). Tainted: every worker that staged or activated, plus any whose
+  stage or activation stayed uncertain (an expired call, or an error whose mutation is not
+  `none`). The imported buffers are dropped; nothing is installed in the coordinator.
+
+Decisions where the spec is silent:
+- A proposed epoch must have the form `e<N>` (flyd sessions always do, state.md §0); another Id
+  is refused `INVALID_ARGUMENT` at precondition 2.
+- An epoch counts as used once the session entered `Restoring(k)` with it (a worker may have
+  adopted it), even when the install then failed; precondition refusals use nothing.
+- Precondition 8 measures `canonical(StageRestoreParams)` plus `FRAME_OVERHEAD` bytes for the
+  bus envelope around it, against the router's `maxEnvelopeBytes` as the coordinator's client
+  learnt it at hello.
+- "Replaced since the failure" is every participant passed to `replace_participant` since the
+  last successful install (or bootstrap).
+- `report.imported` lists the import handles in payload write order; `tokens` lists `(worker,
+  token)` in stage order.
+- The `session.recovered` event goes to the coordinator's `events` outbox and to the log
+  (structlog `session.recovered`); `abandonedFrom`/`abandonedTo` are null when nothing of the
+  failed epoch lay beyond k.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import copy
+import hashlib
+import itertools
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Final
+
+import structlog
+
+from flyd.fence import Detail, SessionFailure
+from flyd.phase import Failed, Paused, Restoring
+from flyd.state.compat import AgentIdentity, Compatibility
+from flyd.state.effects import EPOCH_ID
+from flyd.state.envelope import (
+    COORDINATOR_ADMISSION,
+    PRIOR_INSPECTION,
+    TASK_LEDGER,
+    WORLD_PAYLOAD,
+    Envelope,
+)
+from flyd.state.store import CheckpointStore
+from flyd.trace import TransitionTrace
+from workers.canonical import canonical, digest_bytes, digest_of, parse_strict, typed_digest
+from workers.clock import RationalNs
+from workers.datatypes import (
+    EnvironmentDescriptor,
+    Graph,
+    MediaBlob,
+    Telemetry,
+    TypedValue,
+    WorldObservation,
+    decode_view,
+)
+from workers.domain import DomainError, ErrorCode, Mutation, Scope, is_id, parse_u64
+from workers.rpc import Expired
+from workers.shell import contract_digest
+from workers.state import CHECKPOINT_CAPABILITY, PAYLOAD_CONTENT_TYPE, PAYLOAD_VERSION
+from workers.synthetic.audio import AudioTimelines
+
+if TYPE_CHECKING:
+    from flyd.coordinator import Coordinator, _Call
+    from flyd.state.writer import CheckpointWriter
+
+__all__ = [
+    "COORDINATOR",
+    "FRAME_OVERHEAD",
+    "ImportedBuffer",
+    "RestoreReport",
+    "StateContext",
+    "restore",
+]
+
+log = structlog.get_logger("flyd.restore")
+
+COORDINATOR: Final = "coordinator"
+FRAME_OVERHEAD: Final = 4096
+
+_handles = itertools.count(1)
+
+
+@dataclass(frozen=True)
+class StateContext:
+    """What a session's coordinator needs of the state layer (session.md §6.1): the store, the
+    writer (None: no captures are submitted), the node's lease guard (None in tests and
+    tools) and the run whose generations it installs."""
+
+    store: CheckpointStore
+    run_id: int
+    writer: CheckpointWriter | None = None
+    guard: Callable[[], object] | None = None
+
+
+@dataclass(frozen=True)
+class ImportedBuffer:
+    """One payload as a fresh immutable buffer of this node (§7.2 step 2)."""
+
+    handle: str
+    name: str
+    data: bytes
+    digest: str
+
+
+@dataclass(frozen=True)
+class RestoreReport:
+    """§7.2 step 11."""
+
+    checkpoint_id: str
+    boundary: int
+    epoch: str
+    staged: tuple[str, ...]
+    activated: tuple[str, ...]
+    tokens: tuple[tuple[str, str], ...]
+    imported: tuple[str, ...]
+    abandoned: tuple[int, int] | None
+
+
+class _Abort(Exception):
+    """A failure after `Restoring(k)`: the error and whom it names."""
+
+    def __init__(self, error: DomainError, participant: str) -> None:
+        super().__init__(error, participant)
+        self.error = error
+        self.participant = participant
+
+
+def _incompatible(message: str) -> DomainError:
+    return DomainError.before(ErrorCode.INCOMPATIBLE_STATE, message)
+
+
+@dataclass
+class _Install:
+    """The bookkeeping of one install attempt."""
+
+    coordinator: Coordinator
+    env: Envelope
+    k: int
+    epoch: str
+    staged: dict[str, str] = field(default_factory=dict)
+    stage_requests: dict[str, str] = field(default_factory=dict)
+    activated: list[str] = field(default_factory=list)
+    activate_requests: dict[str, str] = field(default_factory=dict)
+    results: dict[str, dict[str, Any]] = field(default_factory=dict)
+    buffers: dict[str, ImportedBuffer] = field(default_factory=dict)
+
+    @property
+    def manifest(self) -> dict[str, Any]:
+        return self.env.manifest
+
+
+# --------------------------------------------------------------------------------------------
+# preconditions (§7.1)
+
+
+def _refuse(coordinator: Coordinator, error: DomainError,
+            participant: str | None = None) -> SessionFailure:
+    return SessionFailure(error, coordinator.phase.label, Detail.RESTORE, participant)
+
+
+def _check_phase(coordinator: Coordinator) -> None:
+    machine = coordinator._machine
+    if isinstance(machine.phase, Failed) or machine.is_unstepped_zero():
+        return
+    raise _refuse(coordinator, DomainError.before(
+        ErrorCode.INVALID_PHASE, "a restore needs a failed epoch or an unstepped Ready(0); the "
+        f"session is {machine.phase.label}"))
+
+
+def _check_epoch(coordinator: Coordinator, proposed: str) -> None:
+    if not is_id(proposed) or EPOCH_ID.fullmatch(proposed) is None:
+        raise _refuse(coordinator, DomainError.invalid(
+            f"proposed epoch {proposed!r} is not a session epoch e<N>"))
+    if proposed in coordinator._used_epochs:
+        raise _refuse(coordinator, DomainError.before(
+            ErrorCode.STALE_EPOCH, f"epoch {proposed} was already used by this session; a "
+            "restore needs a new epoch"))
+
+
+def _check_taint(coordinator: Coordinator) -> None:
+    tainted = coordinator.tainted()
+    if tainted:
+        raise _refuse(coordinator, DomainError.before(
+            ErrorCode.INVALID_PHASE, f"participant {tainted[0]} took part in an abandoned "
+            "install; replace it first"), tainted[0])
+
+
+def _check_shape(coordinator: Coordinator, manifest: Mapping[str, Any]) -> None:
+    world_id = manifest["environment"]["workerId"]
+    if world_id != coordinator.world_id:
+        raise _incompatible(f"checkpoint {manifest['checkpointId']}: environment {world_id} is "
+                            f"not this composition's {coordinator.world_id}")
+    agents = [a["agentId"] for a in manifest["agents"]]
+    if agents != coordinator.agent_ids:
+        raise _incompatible(f"checkpoint {manifest['checkpointId']}: agents {agents} are not "
+                            f"this composition's {coordinator.agent_ids}")
+    recorded = sorted((p["portId"], p["agentId"]) for p in manifest["portMap"])
+    if recorded != sorted(coordinator._bindings()):
+        raise _incompatible(f"checkpoint {manifest['checkpointId']}: portMap {recorded} differs "
+                            f"from the bindings {sorted(coordinator._bindings())}")
+    if manifest["helperState"] != []:
+        raise _incompatible(f"checkpoint {manifest['checkpointId']}: helperState "
+                            f"{manifest['helperState']} is not supported in v1")
+    for entry in manifest["agents"]:
+        slot = coordinator._slots[entry["agentId"]]
+        for name, want in (("profileDigest", slot.profile["digest"]), ("seed", slot.seed)):
+            if entry[name] != want:
+                raise _incompatible(f"checkpoint {manifest['checkpointId']}: agent "
+                                    f"{entry['agentId']}'s {name} {entry[name]} differs from "
+                                    f"the configured {want}")
+
+
+def _stage_params(coordinator: Coordinator, manifest: Mapping[str, Any], worker: str,
+                  data: bytes) -> dict[str, Any]:
+    if worker == coordinator.world_id:
+        compat = digest_of(manifest["compatibility"])
+    else:
+        entry = next(a for a in manifest["agents"] if a["agentId"] == worker)
+        compat = AgentIdentity.from_json(
+            {name: entry[name] for name in ("agentId", "profileDigest", "datasetDigest",
+                                            "indexDigest", "modelVersion",
+                                            "plasticityVersion", "seed")}).digest()
+    blob = MediaBlob(PAYLOAD_CONTENT_TYPE, len(data), digest_bytes(data),
+                     base64.b64encode(data).decode("ascii"))
+    return {"checkpointId": manifest["checkpointId"], "sourceScope": manifest["sourceScope"],
+            "compatibilityDigest": compat, "payload": blob.to_json()}
+
+
+def _payload_of(worker: str, world_id: str) -> str:
+    return WORLD_PAYLOAD if worker == world_id else f"agent-{worker}"
+
+
+def _check_frames(coordinator: Coordinator, env: Envelope) -> None:
+    limit = coordinator._client.limits.get("maxEnvelopeBytes", 0)
+    for worker in coordinator.participants():
+        name = _payload_of(worker, coordinator.world_id)
+        size = len(canonical(_stage_params(coordinator, env.manifest, worker,
+                                           env.payload(name)))) + FRAME_OVERHEAD
+        if limit and size > limit:
+            raise DomainError.before(
+                ErrorCode.UNSUPPORTED, f"payload {name} needs a frame of {size} bytes as "
+                f"StageRestoreParams; one bus frame holds {limit}")
+
+
+async def _hello(coordinator: Coordinator, worker: str) -> None:
+    role = "environment" if worker == coordinator.world_id else "agent"
+    step_capability = "world-step-v1" if role == "environment" else "agent-step-v1"
+    call = coordinator._new_call(worker, "Worker.Hello", None, {
+        "sessionId": coordinator.spec.session_id, "expectedWorkerId": worker, "role": role,
+        "supportedMajors": [1]})
+    try:
+        result = await coordinator._call(call)
+    except DomainError as exc:
+        raise _refuse(coordinator, DomainError.before(exc.code, exc.message), worker) from None
+    problem: DomainError | None = None
+    capabilities = result.get("capabilities", [])
+    if result.get("workerId") != worker or result.get("role") != role:
+        problem = DomainError.before(
+            ErrorCode.IDENTITY_MISMATCH, f"Worker.Hello: {worker} answers as "
+            f"{result.get('workerId')}/{result.get('role')}, expected {worker}/{role}")
+    elif result.get("contractDigest") != contract_digest():
+        problem = DomainError.before(
+            ErrorCode.IDENTITY_MISMATCH, f"Worker.Hello: {worker} has contract "
+            f"{result.get('contractDigest')}, expected {contract_digest()}")
+    else:
+        for capability in (step_capability, CHECKPOINT_CAPABILITY):
+            if capability not in capabilities:
+                problem = DomainError.before(ErrorCode.UNSUPPORTED,
+                                             f"Worker.Hello: {worker} lacks {capability}")
+                break
+    if problem is not None:
+        raise _refuse(coordinator, problem, worker)
+    coordinator._pin(worker, str(result["incarnationId"]))
+    coordinator.audit.add(f"hello:{worker}")
+
+
+async def _preconditions(coordinator: Coordinator, checkpoint_id: str | None, proposed: str,
+                         state: StateContext) -> Envelope:
+    _check_phase(coordinator)
+    _check_epoch(coordinator, proposed)
+    _check_taint(coordinator)
+    if state.guard is not None:
+        state.guard()
+    try:
+        record = await state.store.select(state.run_id, checkpoint_id, for_restore=True)
+        env = await state.store.read(record)
+        assert coordinator.descriptor is not None
+        env.compatibility.compare(Compatibility.of(coordinator.descriptor),
+                                  checkpoint_id=env.checkpoint_id)
+        _check_shape(coordinator, env.manifest)
+        _check_frames(coordinator, env)
+    except DomainError as exc:
+        raise _refuse(coordinator, exc) from None
+    for worker in coordinator.participants():
+        if worker in coordinator._replaced:
+            await _hello(coordinator, worker)
+    return env
+
+
+# --------------------------------------------------------------------------------------------
+# the install (§7.2)
+
+
+def _import(install: _Install) -> None:
+    env = install.env
+    listed = {p["name"]: p["digest"] for p in install.manifest["payloads"]}
+    for name, data in env.payloads:
+        digest = hashlib.sha256(data).hexdigest()
+        if digest != listed.get(name):
+            raise _Abort(_incompatible(f"payload {name} does not hash to its recorded digest"),
+                         COORDINATOR)
+        handle = f"imp-{next(_handles)}"
+        install.buffers[name] = ImportedBuffer(handle, name, bytes(data), digest)
+    install.coordinator.audit.add(f"imported:{env.checkpoint_id}@{install.k}")
+
+
+async def _ask(install: _Install, worker: str, call: _Call,
+               uncertain: set[str]) -> dict[str, Any]:
+    """One stage or activation; a refusal or an uncertain outcome aborts the install."""
+    coordinator = install.coordinator
+    outcome = await coordinator._send(call, coordinator._deadline_of(call.method))
+    try:
+        return await coordinator._settle(call, outcome)
+    except DomainError as exc:
+        if exc.mutation != Mutation.NONE or isinstance(outcome, Expired):
+            uncertain.add(worker)
+        raise _Abort(exc, worker) from None
+
+
+async def _stage(install: _Install, uncertain: set[str]) -> None:
+    coordinator = install.coordinator
+    target = Scope(coordinator.spec.session_id, install.epoch, install.k)
+    for worker in coordinator.participants():
+        name = _payload_of(worker, coordinator.world_id)
+        params = _stage_params(coordinator, install.manifest, worker,
+                               install.buffers[name].data)
+        call = coordinator._new_call(worker, "State.StageRestore", target, params)
+        result = await _ask(install, worker, call, uncertain)
+        install.staged[worker] = str(result.get("restoreToken"))
+        install.stage_requests[worker] = call.request_id
+        coordinator._tainted.add(worker)
+        coordinator.audit.add(f"staged:{worker}")
+        if result.get("checkpointId") != install.env.checkpoint_id:
+            raise _Abort(DomainError(ErrorCode.IDENTITY_MISMATCH, f"State.StageRestore: {worker} "
+                                     f"staged {result.get('checkpointId')}, expected "
+                                     f"{install.env.checkpoint_id}", Mutation.UNKNOWN), worker)
+
+
+async def _activate(install: _Install, uncertain: set[str]) -> None:
+    coordinator = install.coordinator
+    target = Scope(coordinator.spec.session_id, install.epoch, install.k)
+    for worker in coordinator.participants():
+        call = coordinator._new_call(worker, "State.ActivateRestore", target,
+                                     {"restoreToken": install.staged[worker]})
+        uncertain.add(worker)  # from here on it may hold the proposed epoch
+        result = await _ask(install, worker, call, uncertain)
+        install.results[worker] = result
+        install.activated.append(worker)
+        install.activate_requests[worker] = call.request_id
+        coordinator.audit.add(f"activated:{worker}")
+
+
+# -- §7.3 ledgers
+
+
+def _ledger(install: _Install, name: str, kind: str) -> dict[str, Any]:
+    data = install.buffers[name].data
+    try:
+        doc = parse_strict(data)
+        if canonical(doc) != data:
+            raise DomainError.invalid("not canonical JSON")
+    except DomainError as exc:
+        raise _Abort(DomainError.invalid(f"{name}: {exc.message}"), COORDINATOR) from None
+    if not isinstance(doc, dict):
+        raise _Abort(DomainError.invalid(f"{name}: not a JSON object"), COORDINATOR)
+    expected = {"payloadVersion": PAYLOAD_VERSION, "kind": kind,
+                "checkpointId": install.env.checkpoint_id, "committedStep": str(install.k)}
+    for key, want in expected.items():
+        if doc.get(key) != want:
+            raise _Abort(_incompatible(f"{name}: {key} is {doc.get(key)!r}, expected {want!r}"),
+                         COORDINATOR)
+    return doc
+
+
+@dataclass(frozen=True)
+class _Ledgers:
+    task: dict[str, Any]
+    inspection: dict[str, Any]
+    executors: dict[str, dict[str, Any]]
+    admission: dict[str, Any]
+    task_state: bytes
+
+
+def _validate_ledgers(install: _Install) -> _Ledgers:
+    coordinator = install.coordinator
+    manifest = install.manifest
+    descriptor = coordinator.descriptor
+    assert descriptor is not None
+
+    def fail(message: str) -> _Abort:
+        return _Abort(_incompatible(message), COORDINATOR)
+
+    executors: dict[str, dict[str, Any]] = {}
+    for entry in manifest["agents"]:
+        agent_id = entry["agentId"]
+        doc = _ledger(install, f"executor-{agent_id}", "executor")
+        slot = doc.get("slot")
+        if doc.get("agentId") != agent_id or not isinstance(slot, dict):
+            raise fail(f"executor-{agent_id}: not the executor ledger of {agent_id}")
+        for key in ("brainTicks", "remainder"):
+            if slot.get(key) != entry[key]:
+                raise fail(f"executor-{agent_id}: {key} {slot.get(key)} differs from the "
+                           f"manifest's {entry[key]}")
+        executors[agent_id] = doc
+    task = _ledger(install, TASK_LEDGER, TASK_LEDGER)
+    try:
+        blob = task["task"]
+        task_state = base64.b64decode(blob["data"], validate=True)
+        if digest_bytes(task_state) != blob["digest"]:
+            raise _incompatible("the task state does not hash to its digest")
+        copy.deepcopy(coordinator.task).restore(task_state)
+        contexts = {c["agentId"]: TypedValue.from_json(c["context"]) for c in task["contexts"]}
+    except (DomainError, KeyError, TypeError, ValueError) as exc:
+        message = exc.message if isinstance(exc, DomainError) else f"{type(exc).__name__}: {exc}"
+        raise fail(f"{TASK_LEDGER}: {message}") from None
+    if sorted(contexts) != coordinator.agent_ids:
+        raise fail(f"{TASK_LEDGER}: contexts for {sorted(contexts)}, expected "
+                   f"{coordinator.agent_ids}")
+    for agent_id, context in contexts.items():
+        want = executors[agent_id]["slot"].get("decisionContextDigest")
+        if typed_digest(context) != want:
+            raise fail(f"{TASK_LEDGER}: {agent_id}'s context digest {typed_digest(context)} "
+                       f"differs from the slot's {want}")
+    inspection = _ledger(install, PRIOR_INSPECTION, PRIOR_INSPECTION)
+    if inspection.get("worldTime") != manifest["worldTime"]:
+        raise fail(f"{PRIOR_INSPECTION}: worldTime {inspection.get('worldTime')} differs from "
+                   f"the manifest's {manifest['worldTime']}")
+    try:
+        recorded = TypedValue.from_json(inspection.get("inspection"))
+    except DomainError as exc:
+        raise fail(f"{PRIOR_INSPECTION}: {exc.message}") from None
+    if recorded.schema != descriptor.inspection_schema:
+        raise fail(f"{PRIOR_INSPECTION}: the inspection schema is not the descriptor's")
+    views = sorted(v.get("viewId") for v in inspection.get("views", []))
+    if views != sorted(v.view_id for v in descriptor.views):
+        raise fail(f"{PRIOR_INSPECTION}: views {views} are not the declared views")
+    streams = sorted(a.get("streamId") for a in inspection.get("audioPositions", []))
+    if streams != sorted(a.stream_id for a in descriptor.audio):
+        raise fail(f"{PRIOR_INSPECTION}: audio positions {streams} are not the declared "
+                   "streams")
+    admission = _ledger(install, COORDINATOR_ADMISSION, COORDINATOR_ADMISSION)
+    watermarks = manifest["coordinator"]["eventWatermarks"]
+    if admission.get("eventWatermarks") != watermarks:
+        raise fail(f"{COORDINATOR_ADMISSION}: eventWatermarks "
+                   f"{admission.get('eventWatermarks')} differ from the manifest's {watermarks}")
+    return _Ledgers(task, inspection, executors, admission, task_state)
+
+
+# -- §7.2 step 6
+
+
+def _check_results(install: _Install, ledgers: _Ledgers) -> WorldObservation:
+    coordinator = install.coordinator
+    descriptor = coordinator.descriptor
+    assert descriptor is not None
+    k = install.k
+    observation: WorldObservation | None = None
+    for worker in coordinator.participants():
+        result = install.results[worker]
+
+        def fail(message: str, who: str = worker) -> _Abort:
+            return _Abort(DomainError(ErrorCode.BACKEND_FAILURE,
+                                      f"State.ActivateRestore: {who} {message}",
+                                      Mutation.UNKNOWN), who)
+
+        if result.get("checkpointId") != install.env.checkpoint_id:
+            raise fail(f"activated {result.get('checkpointId')}")
+        if result.get("committedStep") != str(k):
+            raise fail(f"committed step {result.get('committedStep')}, expected {k}")
+        if worker != coordinator.world_id:
+            if result.get("observation") is not None:
+                raise fail("returned an observation")
+            continue
+        try:
+            observation = WorldObservation.from_json(result.get("observation"))
+        except DomainError as exc:
+            raise fail(f"returned no observation: {exc.message}") from None
+        _check_observation(observation, descriptor, install, ledgers, fail)
+    assert observation is not None
+    return observation
+
+
+def _check_observation(observation: WorldObservation, descriptor: EnvironmentDescriptor,
+                       install: _Install, ledgers: _Ledgers,
+                       fail: Callable[[str], _Abort]) -> None:
+    k = install.k
+    if observation.boundary != k:
+        raise fail(f"restored boundary {observation.boundary}, expected {k}")
+    if observation.world_time != RationalNs.from_json(install.manifest["worldTime"]):
+        raise fail(f"restored world time {observation.world_time}, the checkpoint's is "
+                   f"{install.manifest['worldTime']}")
+    if canonical(observation.inspection.to_json()) != canonical(
+            ledgers.inspection["inspection"]):
+        raise fail("restored an inspection other than the recorded one")
+    if observation.audio:
+        raise fail("returned audio with the restored observation")
+    recorded = {v["viewId"]: v for v in ledgers.inspection["views"]}
+    by_id = {v.view_id: v for v in observation.sensory_views}
+    for view in descriptor.views:
+        ref = by_id.get(view.view_id)
+        want = max(0, k - view.observation_delay_steps)
+        if ref is None or ref.produced_step != want:
+            raise fail(f"restored view {view.view_id} not at producedStep {want}")
+        if ref.pixels.digest != recorded[view.view_id]["digest"]:
+            raise fail(f"restored view {view.view_id} with digest {ref.pixels.digest}; the "
+                       f"checkpoint recorded {recorded[view.view_id]['digest']}")
+        try:
+            decode_view(ref, view, Mutation.UNKNOWN)
+        except DomainError as exc:
+            raise fail(exc.message) from None
+
+
+async def _acknowledge(install: _Install) -> None:
+    coordinator = install.coordinator
+    for worker in coordinator.participants():
+        ids = [install.stage_requests[worker], install.activate_requests[worker]]
+        try:
+            await coordinator._acknowledge(worker, ids, require_all=False)
+        except Exception as exc:  # `_Blame` of a bad acknowledgement, or a DomainError
+            error = getattr(exc, "error", exc)
+            if not isinstance(error, DomainError):
+                raise
+            raise _Abort(error, worker) from None
+
+
+# -- §7.2 steps 8–10
+
+
+def _install_state(install: _Install, ledgers: _Ledgers, observation: WorldObservation,
+                   state: StateContext) -> tuple[int, int] | None:
+    coordinator = install.coordinator
+    descriptor = coordinator.descriptor
+    assert descriptor is not None
+    k = install.k
+    audio = AudioTimelines.restored(descriptor, ledgers.inspection["audioPositions"])
+    media = coordinator._check_views(descriptor, observation, k, Mutation.UNKNOWN)
+    coordinator.task.restore(ledgers.task_state)
+    task = ledgers.task
+    contexts = {c["agentId"]: TypedValue.from_json(c["context"]) for c in task["contexts"]}
+    for agent_id in coordinator.agent_ids:
+        slot = coordinator._slots[agent_id]
+        saved = ledgers.executors[agent_id]["slot"]
+        slot.context = contexts[agent_id]
+        slot.context_digest = typed_digest(slot.context)
+        slot.graph = Graph.from_json(saved["graph"])
+        slot.telemetry = Telemetry.from_json(saved["telemetry"])
+        slot.tick_duration = RationalNs.from_json(saved["tickDuration"])
+        slot.warmup_ticks = parse_u64(saved["warmupTicks"])
+        slot.committed_step = k
+        slot.last_decision = None
+        slot.last_controls = None
+    coordinator._progress = TypedValue.from_json(task["progress"])
+    coordinator.episode_request = None
+    coordinator._last_event_ids = []
+    coordinator.observation = observation
+    coordinator._media = media
+    coordinator._audio = audio
+    abandoned = _cut_trace(coordinator, k)
+    if state.writer is not None:
+        state.writer.pending.rewind(k)
+    coordinator._durable = (install.env.checkpoint_id, k)
+    coordinator.epoch = install.epoch
+    coordinator._tainted.clear()
+    coordinator._replaced.clear()
+    return abandoned
+
+
+def _cut_trace(coordinator: Coordinator, k: int) -> tuple[int, int] | None:
+    """Keep the transitions that end at or before k; the rest move to `trace.abandoned`."""
+    trace = coordinator.trace
+    kept: list[TransitionTrace] = []
+    cut: list[TransitionTrace] = []
+    for record in trace.transitions:
+        (kept if int(record.behaviour["scope"]["step"]) < k else cut).append(record)
+    trace.transitions[:] = kept
+    trace.abandoned.extend(cut)
+    if not cut:
+        return None
+    return k + 1, max(int(r.behaviour["scope"]["step"]) for r in cut) + 1
+
+
+def _notice(install: _Install, old_epoch: str, abandoned: tuple[int, int] | None) -> None:
+    coordinator = install.coordinator
+    event = {"event": "session.recovered", "oldEpoch": old_epoch, "newEpoch": install.epoch,
+             "checkpointId": install.env.checkpoint_id, "boundary": install.k,
+             "abandonedFrom": None if abandoned is None else abandoned[0],
+             "abandonedTo": None if abandoned is None else abandoned[1]}
+    coordinator.events.append(event)
+    log.info("session.recovered", session=coordinator.spec.session_id, old_epoch=old_epoch,
+             new_epoch=install.epoch, checkpoint_id=install.env.checkpoint_id,
+             boundary=install.k, abandoned_from=event["abandonedFrom"],
+             abandoned_to=event["abandonedTo"])
+    coordinator._publish_descriptor()
+    coordinator.audit.add(f"descriptor-revision:{coordinator._descriptor_revision}")
+    coordinator._publish_snapshot(install.k)
+
+
+async def restore(coordinator: Coordinator, checkpoint_id: str | None, proposed_epoch: str,
+                  state: StateContext) -> RestoreReport:
+    """The rules of the module docstring; see there."""
+    env = await _preconditions(coordinator, checkpoint_id, proposed_epoch, state)
+    k = env.source_scope.step
+    install = _Install(coordinator, env, k, proposed_epoch)
+    uncertain: set[str] = set()
+    old_epoch = coordinator.epoch
+    coordinator._move(Restoring(k), Detail.RESTORE)
+    coordinator._used_epochs.add(proposed_epoch)
+    try:
+        _import(install)
+        await _stage(install, uncertain)
+        ledgers = _validate_ledgers(install)
+        await _activate(install, uncertain)
+        observation = _check_results(install, ledgers)
+        await _acknowledge(install)
+        try:
+            abandoned = _install_state(install, ledgers, observation, state)
+        except DomainError as exc:
+            raise _Abort(exc, COORDINATOR) from None
+    except _Abort as abort:
+        coordinator._tainted.update(uncertain)
+        install.buffers.clear()
+        coordinator._fail_now(abort.error, Detail.RESTORE, abort.participant)
+    except BaseException:  # cancelled or a flyd bug: never leave a half install unfenced
+        coordinator._tainted.update(uncertain)
+        install.buffers.clear()
+        if not isinstance(coordinator.phase, Failed):
+            with contextlib.suppress(SessionFailure):
+                coordinator._fail_now(DomainError(ErrorCode.BACKEND_FAILURE,
+                                                  "the restore was interrupted half-way",
+                                                  Mutation.UNKNOWN), Detail.RESTORE)
+        raise
+    _notice(install, old_epoch, abandoned)
+    coordinator._move(Paused(k), Detail.RESTORE)
+    coordinator.audit.add(f"restored:{env.checkpoint_id}@{k}:{proposed_epoch}")
+    staged = tuple(install.staged)
+    imported = tuple(b.handle for b in install.buffers.values())
+    install.buffers.clear()
+    return RestoreReport(checkpoint_id=env.checkpoint_id, boundary=k, epoch=proposed_epoch,
+                         staged=staged, activated=tuple(install.activated),
+                         tokens=tuple(install.staged.items()), imported=imported,
+                         abandoned=abandoned)
