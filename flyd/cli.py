@@ -305,6 +305,257 @@ def flyctl_main() -> None:
     """flyctl: inspect and steer running flyd nodes."""
 
 
+def _ctl_options(fn: click.decorators.FC) -> click.decorators.FC:
+    """`--socket`, `--dsn` and `--json`, which every `flyctl` command takes (cli.md §7)."""
+    fn = click.option("--socket", "socket_path", help="Router socket (default: cli.md §2.2).")(fn)
+    fn = click.option("--dsn", help="PostgreSQL DSN (default: FLYD_DSN, [database] dsn, else a "
+                                    "running embedded server under the state dir).")(fn)
+    fn = click.option("--json", "as_json", is_flag=True, help="Print JSON on stdout.")(fn)
+    return _global_options(fn)
+
+
+def _node_option(fn: click.decorators.FC) -> click.decorators.FC:
+    return click.option("--node", help="Node id or a unique prefix of one.")(fn)
+
+
+@flyctl_main.command("status", cls=_JsonErrors)
+@_node_option
+@_ctl_options
+def ctl_status_cmd(node: str | None, socket_path: str | None, dsn: str | None, as_json: bool,
+                   config_file: Path | None, log_format: str | None, verbose: int,
+                   quiet: int) -> None:
+    """Router, nodes and per run its workers (the database view when no node answers)."""
+    from flyd import ctl
+
+    opts = ctl.CtlOptions(config_file, socket_path, dsn, node)
+    _setup_logging(log_format, verbose, quiet + 1)
+    sys.exit(ctl.execute("status", as_json, lambda: ctl.status(opts)))
+
+
+@flyctl_main.command("kill", cls=_JsonErrors)
+@click.argument("worker")
+@click.option("--run", "run_id", type=click.IntRange(min=1), help="The run of the worker.")
+@click.option("--signal", "signal_name", type=click.Choice(["KILL", "TERM"]), default="KILL",
+              show_default=True, help="KILL: by force; TERM: Worker.Shutdown, then by force.")
+@_node_option
+@_ctl_options
+def ctl_kill_cmd(worker: str, run_id: int | None, signal_name: str, node: str | None,
+                 socket_path: str | None, dsn: str | None, as_json: bool,
+                 config_file: Path | None, log_format: str | None, verbose: int,
+                 quiet: int) -> None:
+    """Stop one worker of a held run (`Control.Kill`); `AlreadyGone` exits 1."""
+    from flyd import ctl
+
+    opts = ctl.CtlOptions(config_file, socket_path, dsn, node)
+    _setup_logging(log_format, verbose, quiet + 1)
+    sys.exit(ctl.execute("kill", as_json, lambda: ctl.kill(opts, worker, run_id, signal_name)))
+
+
+@flyctl_main.command("drain", cls=_JsonErrors)
+@_node_option
+@_ctl_options
+def ctl_drain_cmd(node: str | None, socket_path: str | None, dsn: str | None, as_json: bool,
+                  config_file: Path | None, log_format: str | None, verbose: int,
+                  quiet: int) -> None:
+    """Gracefully shut a node down (`Control.Drain`)."""
+    from flyd import ctl
+
+    opts = ctl.CtlOptions(config_file, socket_path, dsn, node)
+    _setup_logging(log_format, verbose, quiet + 1)
+    sys.exit(ctl.execute("drain", as_json, lambda: ctl.drain(opts)))
+
+
+@flyctl_main.group("runs")
+def ctl_runs_group() -> None:
+    """The run queue."""
+
+
+@ctl_runs_group.command("submit", cls=_JsonErrors)
+@click.option("--steps", type=int, default=600, show_default=True, help="Transitions to run.")
+@click.option("--agents", help="Agent ids, bound to ports p1, p2, ... in order.")
+@click.option("--mode", type=click.Choice(["process", "thread", "in-process", "inprocess"]),
+              default="process", show_default=True, help="Execution mode of the workers.")
+@click.option("--seed", type=int, help="Master seed; agents switch to derived seeds.")
+@click.option("--checkpoint-every", type=int,
+              help="Durable checkpoint cadence in steps (default [checkpoints] every_steps).")
+@click.option("--dispatch", type=click.Choice(["concurrent", "sequential", "reversed"]),
+              default="concurrent", show_default=True, help="Dispatch order.")
+@click.option("--pace/--no-pace", default=False, help="Pace transitions at world time.")
+@click.option("--fault", "faults", multiple=True, metavar="SPEC",
+              help="Fault injection (repeatable), as for `flyd run`.")
+@click.option("--key", help="Idempotency key: a second submit with it returns the same run.")
+@click.option("--max-attempts", type=int, help="Grant attempts (default [leases] max_attempts).")
+@_ctl_options
+def ctl_runs_submit_cmd(steps: int, agents: str | None, mode: str, seed: int | None,
+                        checkpoint_every: int | None, dispatch: str, pace: bool,
+                        faults: tuple[str, ...], key: str | None, max_attempts: int | None,
+                        socket_path: str | None, dsn: str | None, as_json: bool,
+                        config_file: Path | None, log_format: str | None, verbose: int,
+                        quiet: int) -> None:
+    """Build, validate and insert a run spec; prints its id."""
+    from flyd import ctl
+    from flyd.run import RunOptions, parse_agents
+
+    opts = ctl.CtlOptions(config_file, socket_path, dsn)
+    run = RunOptions(steps=steps, agents=None if agents is None else parse_agents(agents),
+                     mode=mode, seed=seed, dispatch=dispatch, faults=faults, pace=pace,
+                     checkpoint_every=checkpoint_every)
+    _setup_logging(log_format, verbose, quiet + 1)
+    sys.exit(ctl.execute("runs submit", as_json,
+                         lambda: ctl.runs_submit(opts, run, key, max_attempts)))
+
+
+@ctl_runs_group.command("list", cls=_JsonErrors)
+@click.option("--state", type=click.Choice(["pending", "running", "succeeded", "failed",
+                                            "cancelled"]), help="Only runs in this state.")
+@_ctl_options
+def ctl_runs_list_cmd(state: str | None, socket_path: str | None, dsn: str | None,
+                      as_json: bool, config_file: Path | None, log_format: str | None,
+                      verbose: int, quiet: int) -> None:
+    """Runs with state, lease epoch, attempts, owner, lease expiry and boundary."""
+    from flyd import ctl
+
+    opts = ctl.CtlOptions(config_file, socket_path, dsn)
+    _setup_logging(log_format, verbose, quiet + 1)
+    sys.exit(ctl.execute("runs list", as_json, lambda: ctl.runs_list(opts, state)))
+
+
+@ctl_runs_group.command("show", cls=_JsonErrors)
+@click.argument("run_id", metavar="RUN", type=click.IntRange(min=1))
+@_ctl_options
+def ctl_runs_show_cmd(run_id: int, socket_path: str | None, dsn: str | None, as_json: bool,
+                      config_file: Path | None, log_format: str | None, verbose: int,
+                      quiet: int) -> None:
+    """One run: grants, checkpoints, effects, outcome; live phase and events from its holder."""
+    from flyd import ctl
+
+    opts = ctl.CtlOptions(config_file, socket_path, dsn)
+    _setup_logging(log_format, verbose, quiet + 1)
+    sys.exit(ctl.execute("runs show", as_json, lambda: ctl.runs_show(opts, run_id)))
+
+
+@ctl_runs_group.command("cancel", cls=_JsonErrors)
+@click.argument("run_id", metavar="RUN", type=click.IntRange(min=1))
+@_ctl_options
+def ctl_runs_cancel_cmd(run_id: int, socket_path: str | None, dsn: str | None, as_json: bool,
+                        config_file: Path | None, log_format: str | None, verbose: int,
+                        quiet: int) -> None:
+    """Request cancellation of a run."""
+    from flyd import ctl
+
+    opts = ctl.CtlOptions(config_file, socket_path, dsn)
+    _setup_logging(log_format, verbose, quiet + 1)
+    sys.exit(ctl.execute("runs cancel", as_json, lambda: ctl.runs_cancel(opts, run_id)))
+
+
+@ctl_runs_group.command("requeue", cls=_JsonErrors)
+@click.argument("run_id", metavar="RUN", type=click.IntRange(min=1))
+@_ctl_options
+def ctl_runs_requeue_cmd(run_id: int, socket_path: str | None, dsn: str | None, as_json: bool,
+                         config_file: Path | None, log_format: str | None, verbose: int,
+                         quiet: int) -> None:
+    """Put a failed run back to pending (logged in flyd.interventions)."""
+    from flyd import ctl
+
+    opts = ctl.CtlOptions(config_file, socket_path, dsn)
+    _setup_logging(log_format, verbose, quiet + 1)
+    sys.exit(ctl.execute("runs requeue", as_json, lambda: ctl.runs_requeue(opts, run_id)))
+
+
+
+@flyctl_main.group("checkpoints")
+def ctl_checkpoints_group() -> None:
+    """Durable checkpoints: list, export, import, verify."""
+
+
+@ctl_checkpoints_group.command("list", cls=_JsonErrors)
+@click.argument("run_id", metavar="RUN", type=click.IntRange(min=1))
+@_ctl_options
+def ctl_checkpoints_list_cmd(run_id: int, socket_path: str | None, dsn: str | None,
+                             as_json: bool, config_file: Path | None, log_format: str | None,
+                             verbose: int, quiet: int) -> None:
+    """A run's generations, newest first."""
+    from flyd import ctl
+
+    opts = ctl.CtlOptions(config_file, socket_path, dsn)
+    _setup_logging(log_format, verbose, quiet + 1)
+    sys.exit(ctl.execute("checkpoints list", as_json, lambda: ctl.checkpoints_list(opts, run_id)))
+
+
+@ctl_checkpoints_group.command("export", cls=_JsonErrors)
+@click.argument("run_id", metavar="RUN", type=click.IntRange(min=1))
+@click.option("--id", "checkpoint_id", help="The generation (default: the head).")
+@click.option("-o", "out", required=True, type=click.Path(dir_okay=False, path_type=Path),
+              help="The .flysess file to write.")
+@_ctl_options
+def ctl_checkpoints_export_cmd(run_id: int, checkpoint_id: str | None, out: Path,
+                               socket_path: str | None, dsn: str | None, as_json: bool,
+                               config_file: Path | None, log_format: str | None, verbose: int,
+                               quiet: int) -> None:
+    """Write a generation (after its integrity checks) to a file."""
+    from flyd import ctl
+
+    opts = ctl.CtlOptions(config_file, socket_path, dsn)
+    _setup_logging(log_format, verbose, quiet + 1)
+    sys.exit(ctl.execute("checkpoints export", as_json,
+                         lambda: ctl.checkpoints_export(opts, run_id, checkpoint_id, out)))
+
+
+@ctl_checkpoints_group.command("import", cls=_JsonErrors)
+@click.argument("file", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option("--steps", type=int, default=600, show_default=True,
+              help="Total boundary target counted from 0 (above the imported boundary).")
+@click.option("--agents", help="Agent ids, bound to ports p1, p2, ... in order.")
+@click.option("--mode", type=click.Choice(["process", "thread", "in-process", "inprocess"]),
+              default="process", show_default=True, help="Execution mode of the workers.")
+@click.option("--seed", type=int, help="Master seed; agents switch to derived seeds.")
+@click.option("--checkpoint-every", type=int,
+              help="Durable checkpoint cadence in steps (default [checkpoints] every_steps).")
+@click.option("--dispatch", type=click.Choice(["concurrent", "sequential", "reversed"]),
+              default="concurrent", show_default=True, help="Dispatch order.")
+@click.option("--pace/--no-pace", default=False, help="Pace transitions at world time.")
+@click.option("--fault", "faults", multiple=True, metavar="SPEC",
+              help="Fault injection (repeatable), as for `flyd run`.")
+@click.option("--key", help="Idempotency key of the submitted run.")
+@click.option("--max-attempts", type=int, help="Grant attempts (default [leases] max_attempts).")
+@_ctl_options
+def ctl_checkpoints_import_cmd(file: Path, steps: int, agents: str | None, mode: str,
+                               seed: int | None, checkpoint_every: int | None, dispatch: str,
+                               pace: bool, faults: tuple[str, ...], key: str | None,
+                               max_attempts: int | None, socket_path: str | None,
+                               dsn: str | None, as_json: bool, config_file: Path | None,
+                               log_format: str | None, verbose: int, quiet: int) -> None:
+    """Submit a new run that starts from the file's checkpoint."""
+    from flyd import ctl
+    from flyd.run import RunOptions, parse_agents
+
+    opts = ctl.CtlOptions(config_file, socket_path, dsn)
+    run = RunOptions(steps=steps, agents=None if agents is None else parse_agents(agents),
+                     mode=mode, seed=seed, dispatch=dispatch, faults=faults, pace=pace,
+                     checkpoint_every=checkpoint_every)
+    _setup_logging(log_format, verbose, quiet + 1)
+    sys.exit(ctl.execute("checkpoints import", as_json,
+                         lambda: ctl.checkpoints_import(opts, file, run, key, max_attempts)))
+
+
+@ctl_checkpoints_group.command("verify", cls=_JsonErrors)
+@click.argument("file", required=False, type=click.Path(exists=True, dir_okay=False,
+                                                        path_type=Path))
+@click.option("--run", "run_id", type=click.IntRange(min=1), help="Verify a stored generation.")
+@click.option("--id", "checkpoint_id", help="The stored generation (default: the head).")
+@_ctl_options
+def ctl_checkpoints_verify_cmd(file: Path | None, run_id: int | None,
+                               checkpoint_id: str | None, socket_path: str | None,
+                               dsn: str | None, as_json: bool, config_file: Path | None,
+                               log_format: str | None, verbose: int, quiet: int) -> None:
+    """R1–R8 on a .flysess file, or S1–S5 on a stored generation."""
+    from flyd import ctl
+
+    opts = ctl.CtlOptions(config_file, socket_path, dsn)
+    _setup_logging(log_format, verbose, quiet + 1)
+    sys.exit(ctl.execute("checkpoints verify", as_json,
+                         lambda: ctl.checkpoints_verify(opts, file, run_id, checkpoint_id)))
+
+
 def main() -> None:
     flyd_main()
-

@@ -28,19 +28,22 @@ import shutil
 import signal
 import socket as socketlib
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
+import psycopg
 import structlog
 
 from bus.client import BusClient, connect
 from bus.errors import BusError
 from flyd.budget import ThreadBudget
 from flyd.config import Config
+from flyd.control import ControlService
 from flyd.executor import SessionExecutor
 from flyd.identities import node_client_id
+from flyd.leases import queries
 from flyd.leases.clock import BootClock, Clock, SimFileClock
 from flyd.leases.embedded import EmbeddedPostgres
 from flyd.leases.migrate import migrate
@@ -48,6 +51,8 @@ from flyd.leases.node import NodeRuntime
 from flyd.leases.pgstore import DbSettings, PgStore
 from flyd.leases.store import NodeInfo
 from flyd.router_child import RouterChild
+from flyd.state.store import PgCheckpointStore
+from flyd.state.writer import WriterConfig
 
 __all__ = ["NodeProcess", "NodeSetup", "NodeStartError"]
 
@@ -103,7 +108,10 @@ class NodeProcess:
         self.client: BusClient | None = None
         self.store: PgStore | None = None
         self.executor: SessionExecutor | None = None
+        self.checkpoints: PgCheckpointStore | None = None
         self.runtime: NodeRuntime | None = None
+        self.control: ControlService | None = None
+        self.drain_listeners: list[Callable[[], None]] = []
         self.budget = ThreadBudget.for_this_machine(
             setup.capacity, threads=setup.threads,
             coordinator_reservation=int(setup.config.value("node", "coordinator_reservation")))
@@ -138,10 +146,30 @@ class NodeProcess:
         self.store = PgStore(self.dsn, setup.node_id, settings, self.params,
                              capacity=setup.capacity)
         await self.store.open()
+        self.checkpoints = PgCheckpointStore(self.dsn)
         self.executor = SessionExecutor(
             socket=setup.socket, node=self.client, node_id=setup.node_id, budget=self.budget,
             claim_poll_s=self.params.claim_poll_s,
+            checkpoints=self.checkpoints, ledger=self.read_ledger,
+            writer_defaults=self.writer_defaults(),
+            drain_timeout_s=self.params.drain_timeout_s,
             max_agents=int(setup.config.value("session", "max_agents")))
+        self.control = ControlService(self)
+        await self.control.start()
+
+    def writer_defaults(self) -> WriterConfig:
+        """`[checkpoints]` of the configuration (a run spec's `checkpoints` overrides it);
+        `max_pending_effects` left to its derived default unless configured."""
+        config = self.setup.config
+        values = {k: v for k, v in config.section("checkpoints").items()
+                  if k != "max_pending_effects"
+                  or config.source("checkpoints", k) != "default"}
+        return WriterConfig.from_section(values, where="[checkpoints]")
+
+    async def read_ledger(self, run_id: int,
+                          through: int) -> list[tuple[int, int, dict[str, Any]]]:
+        async with await psycopg.AsyncConnection.connect(self.dsn, autocommit=True) as conn:
+            return await queries.ledger_rows(conn, run_id, through)
 
     def info(self) -> NodeInfo:
         return NodeInfo(node_id=self.setup.node_id, node_name=self.setup.node_name,
@@ -170,17 +198,35 @@ class NodeProcess:
         runtime = self.make_runtime()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, runtime.drain)
+            loop.add_signal_handler(sig, self.drain)
         try:
             return await runtime.run()
         finally:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.remove_signal_handler(sig)
 
+    def drain(self) -> None:
+        """Start (a second call: hurry) the drain of §5.8, for SIGTERM, SIGINT and
+        `Control.Drain` alike; each of `drain_listeners` hears every call first (`flyd serve`
+        sends `STOPPING=1`)."""
+        for listener in self.drain_listeners:
+            listener()
+        if self.runtime is not None:
+            self.runtime.drain()
+
     # ------------------------------------------------------------------ close
 
     async def close(self) -> None:
-        """Store, node connection, router, embedded server; every step bounded."""
+        """Control service, store, node connection, router, embedded server; every step
+        bounded."""
+        control, self.control = self.control, None
+        if control is not None:
+            await control.close()
+        checkpoints, self.checkpoints = self.checkpoints, None
+        if checkpoints is not None:
+            with contextlib.suppress(Exception):
+                async with asyncio.timeout(CLOSE_S):
+                    await checkpoints.close()
         store, self.store = self.store, None
         if store is not None:
             with contextlib.suppress(Exception):

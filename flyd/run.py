@@ -307,6 +307,7 @@ async def _execute(node: NodeProcess, spec: RunSpec, max_attempts: int, signals:
     log.info("run.submitted", run=run_id, node=node.setup.node_id)
     progress = Progress(spec.steps, sys.stderr.isatty())
     node.executor.on_progress = lambda r: progress.update(r.boundary)
+    node.executor.on_recovery = _print_recovery
     progress.start()
     runtime = node.make_runtime(only=run_id)
     row: dict[str, Any] | None = None
@@ -368,7 +369,11 @@ def _summary(spec: RunSpec, run_id: int, row: dict[str, Any] | None, report: Run
         digest = digest_of(report.records)
     advances = report.advances if report is not None else 0
     step_seconds = report.step_seconds if report is not None else 0.0
-    failures = [report.failure] if report is not None and report.failure is not None else []
+    failures: list[dict[str, Any]] = []
+    if report is not None:
+        failures = list(report.failures)
+        if report.failure is not None and report.failure not in failures:
+            failures.append(report.failure)
     return {
         "run": run_id,
         "state": state,
@@ -387,6 +392,14 @@ def _summary(spec: RunSpec, run_id: int, row: dict[str, Any] | None, report: Run
         "workers": report.workers if report is not None else [],
         "failures": failures,
     }
+
+
+def _print_recovery(report: RunReport, info: dict[str, Any]) -> None:
+    """cli.md §4: one line per recovery naming the failed participant, the failure code and the
+    checkpoint boundary restored."""
+    who = info.get("participant") or "the session"
+    print(f"flyd run: recovered run {report.run_id} from {info['code']} of {who}: resumed at "
+          f"boundary {info['boundary']} in epoch {info['epoch']}", file=sys.stderr, flush=True)
 
 
 def _write_trace(path: Path, records: list[dict[str, Any]]) -> None:

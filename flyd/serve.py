@@ -7,33 +7,53 @@ capacity and thread budget allow, executes them, renews their leases and finishe
 whose spec carries `exclusiveToSubmitter: true` belongs to the `flyd run` that submitted it and
 is never claimed here.
 
-Errors before serving (bad configuration, unreachable DSN, a router that does not come up) exit
-2 with code `CONFIG`, as JSON on stdout under `--json`.
+Errors before serving (bad configuration, unreachable DSN, a router that does not come up, a
+malformed `$NOTIFY_SOCKET`) exit 2 with code `CONFIG`, as JSON on stdout under `--json`.
+
+Under systemd (cli.md §5.2, §10; `flyd.sdnotify`), while serving:
+- `READY=1` (with the first `STATUS=`) once `node.start()` returned, i.e. the router accepts and
+  the database is migrated. It is sent from the status task's first step, which runs only after
+  `node.serve()` has installed its SIGTERM/SIGINT handlers and suspended, so a stop request that
+  follows readiness always drains.
+- `STATUS=` every `STATUS_S` seconds: `serving: <held>/<capacity> runs held, <x> steps/s` (the
+  steps the node's sessions took since the previous line, per second), `draining: ...` once a
+  drain started.
+- `WATCHDOG=1` every half `WATCHDOG_USEC` from a task on the event loop, so a blocked loop misses
+  its pings and systemd restarts the node.
+- `STOPPING=1` once, when the first drain request arrives (SIGTERM, SIGINT, `Control.Drain`:
+  `NodeProcess.drain_listeners`), i.e. at step 1 of distribution.md §5.8.
+The notification variables are removed from the environment at start, so the router and the
+workers never speak for the unit.
 """
 
 from __future__ import annotations
 
+import asyncio
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 import orjson
 import psycopg
 import structlog
 
 from flyd.config import ConfigError, load_config
+from flyd.executor import RunReport
 from flyd.identities import new_node_id
 from flyd.leases.migrate import MigrationError
 from flyd.leases.store import StoreError
 from flyd.node import NodeProcess, NodeSetup, NodeStartError
 from flyd.router_child import RouterStartError
+from flyd.sdnotify import Notifier, NotifyError
 
 __all__ = ["ServeOptions", "serve"]
 
 log = structlog.get_logger("flyd.serve")
 
 EXIT_CONFIG = 2
+STATUS_S: Final = 5.0
 
 
 @dataclass(frozen=True)
@@ -71,8 +91,11 @@ async def serve(opts: ServeOptions) -> int:
     """Run the node until it is drained; returns the exit code."""
     try:
         config = load_config(opts.config_file, flags=opts.flags())
+        notifier = Notifier.from_environ(unset=True)
     except ConfigError as exc:
         return _error(opts, str(exc))
+    except NotifyError as exc:
+        return _error(opts, exc.message)
     name = str(config.value("node", "name"))
     setup = NodeSetup(
         config=config, node_id=new_node_id(name), node_name=name,
@@ -91,8 +114,79 @@ async def serve(opts: ServeOptions) -> int:
             return _error(opts, getattr(exc, "message", None) or str(exc))
         log.info("serve.started", node=setup.node_id, socket=setup.socket,
                  capacity=setup.capacity, threads=setup.threads)
-        code = await node.serve()
+        code = await _serve_notified(node, notifier)
         log.info("serve.stopped", node=setup.node_id, code=code)
         return code
     finally:
         await node.close()
+
+
+class ServiceNotes:
+    """The systemd notifications of one serving node (module docstring)."""
+
+    def __init__(self, notifier: Notifier, node: NodeProcess) -> None:
+        self.notifier = notifier
+        self.node = node
+        self.steps = 0
+        self.stopping = False
+        self._counted = 0
+        self._since = time.monotonic()
+
+    def on_step(self, report: RunReport) -> None:
+        """`SessionExecutor.on_progress`: one call per step taken by any session."""
+        self.steps += 1
+
+    def on_drain(self) -> None:
+        """`NodeProcess.drain_listeners`: `STOPPING=1` at the first drain request."""
+        if not self.stopping:
+            self.stopping = True
+            self.notifier.send(STOPPING=1, STATUS=self.summary())
+
+    def summary(self) -> str:
+        """One line: state, runs held of capacity, steps/s since the previous summary."""
+        now = time.monotonic()
+        rate = (self.steps - self._counted) / max(now - self._since, 1e-3)
+        self._counted, self._since = self.steps, now
+        held = len(self.node.runtime.held()) if self.node.runtime is not None else 0
+        state = "draining" if self.stopping else "serving"
+        return (f"{state}: {held}/{self.node.setup.capacity} runs held, "
+                f"{rate:.1f} steps/s")
+
+    async def status(self) -> None:
+        """`READY=1` with the first summary, then `STATUS=` every `STATUS_S` (lifetime task)."""
+        self.notifier.send(READY=1, STATUS=self.summary())
+        while True:
+            await asyncio.sleep(STATUS_S)
+            self.notifier.send(STATUS=self.summary())
+
+    async def watchdog(self, interval: float) -> None:
+        """`WATCHDOG=1` every `interval` from the event loop (lifetime task)."""
+        while True:
+            self.notifier.send(WATCHDOG=1)
+            await asyncio.sleep(interval)
+
+
+async def _serve_notified(node: NodeProcess, notifier: Notifier) -> int:
+    """`node.serve()` with the notification tasks alongside, owned by one TaskGroup."""
+    notes = ServiceNotes(notifier, node)
+    executor = node.executor
+    if executor is not None:
+        previous = executor.on_progress
+
+        def on_progress(report: RunReport) -> None:
+            notes.on_step(report)
+            if previous is not None:
+                previous(report)
+
+        executor.on_progress = on_progress
+    node.drain_listeners.append(notes.on_drain)
+    interval = notifier.watchdog_interval
+    async with asyncio.TaskGroup() as tg:
+        tasks = [tg.create_task(notes.status())]
+        if interval is not None:
+            tasks.append(tg.create_task(notes.watchdog(interval)))
+        try:
+            return await node.serve()
+        finally:
+            for task in tasks:
+                task.cancel()

@@ -152,6 +152,8 @@ class Scope:
         self._ended = False
         self._boundary = grant.boundary
         self._session_epoch = 0
+        #: checkpoint generations a group commit keeps (`[checkpoints] keep_generations`)
+        self.keep = 3
 
     @property
     def key(self) -> tuple[int, int]:
@@ -683,8 +685,11 @@ class NodeRuntime:
             await self._executor.execute(sc)
         except asyncio.CancelledError:
             raise
-        except LeaseLost:
-            pass
+        except LeaseLost as exc:
+            # The guard refuses a write when too little of safe_until is left, without marking
+            # the hold lost; a hold whose session stopped here is relinquished, not kept
+            # renewed forever. A hold already LOST is left to its cleanup.
+            await self._scope_error(sc, repr(exc))
         except Exception as exc:  # a failing session is relinquished (§5.6)
             await self._scope_error(sc, repr(exc))
         else:
@@ -729,7 +734,7 @@ class NodeRuntime:
                      finish: Finish | None, kind: Kind, *, failing: bool = False) -> None:
         """One group commit (§3.5) with the §5.6 error handling."""
         run, epoch = sc.run_id, sc.lease_epoch
-        commit = Commit(run, epoch, self._node_id, effects, checkpoint, finish)
+        commit = Commit(run, epoch, self._node_id, effects, checkpoint, finish, keep=sc.keep)
         ckpt = checkpoint.checkpoint_id if checkpoint is not None else None
         self._live(sc)
         self._core.check(run, epoch, self._clock.now(), self._p.commit_budget_s)

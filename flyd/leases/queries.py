@@ -16,7 +16,7 @@ from psycopg.rows import dict_row
 
 from workers.canonical import digest_of
 
-__all__ = ["attempts", "behaviour", "effects", "list_runs", "nodes", "run_row"]
+__all__ = ["attempts", "behaviour", "effects", "ledger_rows", "list_runs", "nodes", "run_row"]
 
 Conn = psycopg.AsyncConnection[Any]
 
@@ -102,3 +102,14 @@ async def nodes(conn: Conn) -> list[dict[str, Any]]:
                heartbeat_at,
                extract(epoch FROM flyd.app_now() - heartbeat_at)::float8 AS silent_for_s
           FROM flyd.nodes ORDER BY node_id""", {})]
+
+
+async def ledger_rows(conn: Conn, run_id: int,
+                      through: int) -> list[tuple[int, int, dict[str, Any]]]:
+    """`(boundary, raw session epoch N, payload)` of the committed `boundary-<k>` rows with
+    k ≤ `through`, in boundary order (a run's outcome digests every record)."""
+    cur = await conn.execute(
+        "SELECT boundary, session_epoch, payload FROM flyd.effects WHERE run_id = %(run)s "
+        "AND boundary IS NOT NULL AND boundary <= %(through)s ORDER BY boundary",
+        {"run": run_id, "through": through})
+    return [(int(b), int(n), dict(p)) for b, n, p in await cur.fetchall()]

@@ -343,6 +343,8 @@ class Reservation:
         if not self.released:
             self.released = True
             self._writer._outstanding -= 1
+            if self._writer._outstanding == 0:
+                self._writer._idle.set()
 
 
 @dataclass(frozen=True, slots=True)
@@ -371,6 +373,12 @@ class SaveTicket:
     @property
     def done(self) -> bool:
         return self._future.done()
+
+    def outcome(self) -> SaveOutcome | None:
+        """The delivered outcome; None while pending or when closed without one."""
+        if not self._future.done() or self._future.cancelled():
+            return None
+        return self._future.result()
 
     def add_done_callback(self, callback: Callable[[SaveTicket], None]) -> None:
         """Called synchronously when the ticket gets its outcome or closes without one."""
@@ -427,9 +435,20 @@ class CheckpointWriter:
         self._ended = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._open: list[_Job] = []
+        self._idle = asyncio.Event()
+        self._idle.set()
 
     def outstanding(self) -> int:
         return self._outstanding
+
+    async def idle(self) -> None:
+        """Return once no capture is outstanding (bound it with `asyncio.timeout`)."""
+        await self._idle.wait()
+
+    @property
+    def stopping(self) -> bool:
+        """True once `shutdown()` began: no new reservation will be granted."""
+        return self._stopping
 
     # -- reserve / submit ----------------------------------------------------------------
     def reserve(self) -> Reservation:
@@ -444,6 +463,7 @@ class CheckpointWriter:
                               f"{self._outstanding} of {cap} captures outstanding",
                               Mutation.NONE)
         self._outstanding += 1
+        self._idle.clear()
         return Reservation(self)
 
     def submit(self, reservation: Reservation, sub: CaptureSubmission) -> SaveTicket:

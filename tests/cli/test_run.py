@@ -107,7 +107,7 @@ def test_the_behaviour_digest_is_the_same_in_every_mode(tmp: Path, mode: str) ->
     assert summary["mode"] == ("in-process" if mode == "inprocess" else mode)
     assert summary["boundary"] == summary["advances"] == summary["steps"] == STEPS
     assert summary["epochs"] == ["e1"] and summary["recoveries"] == 0
-    assert summary["checkpoints"] == 0 and isinstance(summary["run"], int)
+    assert summary["checkpoints"] == 1 and isinstance(summary["run"], int)  # the final one
     assert summary["worldProgress"] == str(STEPS + 1)
     assert summary["failures"] == []
     assert sorted(w["workerId"] for w in summary["workers"]) == ["arena", "fly-a", "fly-b"]
@@ -158,14 +158,19 @@ def test_a_recoverable_fault_keeps_the_clean_digest(tmp: Path, fault: str) -> No
     assert summary["behaviourDigest"] == clean_digest(tmp)
 
 
-def test_a_killed_worker_fails_the_run_naming_it(tmp: Path) -> None:
-    code, summary, _ = flyd_run(tmp, "--steps", str(STEPS), "--fault", "kill:fly-b@5")
-    assert code == 1
-    assert summary["state"] == "failed"
-    assert summary["boundary"] == 5
+def test_a_killed_worker_before_the_first_checkpoint_restarts_from_zero(tmp: Path) -> None:
+    code, summary, _ = flyd_run(tmp, "--steps", str(STEPS), "--mode", "thread",
+                                "--fault", "kill:fly-b@5")
+    assert code == 0, summary["failures"]
+    assert summary["state"] == "succeeded" and summary["recoveries"] == 1
     assert [f["participant"] for f in summary["failures"]] == ["fly-b"]
     assert set(summary["failures"][0]) == {"detail", "participant", "code", "mutation",
                                            "message"}
+    assert summary["epochs"] == ["e2"], "nothing was durable: every boundary ran again in e2"
+    assert summary["behaviourDigest"] == clean_digest(tmp)
+    state, keys = ledger(tmp, summary["run"])
+    assert state == "succeeded"
+    assert keys == [f"boundary-{k}" for k in range(1, STEPS + 1)] + ["finish"]
 
 
 @pytest.mark.parametrize(("args", "needle"), [

@@ -1,0 +1,345 @@
+"""The node's control service `flyd.control.<node_id>` (cli.md §8).
+
+Why: `flyctl` steers a node through the bus, never through signals or files, so the router's
+policy decides who may steer (session.md §7.2: `ctl-*` clients and node connections only) and
+every answer is a domain outcome a caller can check like any other.
+
+Rules:
+- Registered on the node connection `node.<node_id>` with `maxQueued 16`, `maxInFlight 4`.
+- Envelope: the request and outcome objects of session.md §1.3/§1.4. The scope must be null;
+  an outcome's `workerId` is the node id and its `incarnationId` the node connection's client
+  incarnation. An unparsable request is answered `INVALID_ARGUMENT` with scope null and the
+  readable request id (else `req-0`).
+- Params and results are validated against `schemas/control/<method>.{params,result}.json`
+  (those files are part of the session contract digest, session.md §2.5).
+- Errors are domain errors with mutation `none`: malformed params → `INVALID_ARGUMENT`; an unknown
+  method → `UNSUPPORTED`; a run this node does not hold → `IDENTITY_MISMATCH` ("run <r> is not
+  held by node <id>"); `run: null` naming a worker of several held runs → `INVALID_ARGUMENT`
+  naming them; a result failing its own schema → `INTERNAL`.
+- Each request executes once; there is no result cache: a repeated Kill answers `AlreadyGone`, a
+  repeated Drain `{draining: true}`. Drain is the node's own drain (`NodeProcess.drain`, as for
+  SIGTERM); only the first Drain starts it, so a repeated Drain never hurries it the way a second
+  SIGTERM does.
+
+Decisions where the spec is silent:
+- A run is held when the lease runtime holds it in a non-final phase; its workers are those of the
+  run's launcher. `run: null` with the worker in no held run answers `AlreadyGone` with `run:
+  null`.
+- Status: the node's `state` and `lastHeartbeat` come from its `flyd.nodes` row (read with a short
+  deadline); without an answer, `state` is what this process knows (`starting` before the lease
+  runtime exists, `draining` after a Drain, else `active`) and `lastHeartbeat` is null.
+- Status: every live worker gets one `Worker.Status` bounded by `[session] health_fail_s`, all
+  concurrently; no answer → `alive: false` with `state` and `step` null. `step` is the step of the
+  worker's current scope. `uptimeMs` is the age of the worker's own process (process mode) and
+  null for thread and in-process workers, which have no process of their own.
+- Status: `recoveries` counts the recoveries the executor reports for the run's current grant.
+- RunEvents: the executor's checkpoint event ring of the run (oldest first, at most 256); a held
+  run without a ring yet (still launching) has an empty one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import os
+import time
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any, Final
+
+import psutil
+import psycopg
+import structlog
+
+from bus.client import Request, Service
+from bus.errors import BusError
+from bus.schema import Validator, compile_schema
+from flyd.config import redact_dsn
+from flyd.launcher import Launcher
+from flyd.leases import queries
+from flyd.leases.core import FINAL
+from workers.canonical import parse_strict
+from workers.domain import DomainError, ErrorCode, Mutation
+from workers.rpc import Outcome, parse_request, unparsable_outcome
+from workers.shell import SCHEMA_ROOT
+
+if TYPE_CHECKING:
+    from flyd.node import NodeProcess
+
+__all__ = ["CONTROL_PREFIX", "METHODS", "ControlService", "control_service", "control_validator"]
+
+log = structlog.get_logger("flyd.control")
+
+CONTROL_PREFIX: Final = "flyd.control."
+CONTROL_SCHEMAS: Final = SCHEMA_ROOT / "control"
+METHODS: Final = ("Control.Status", "Control.Kill", "Control.Drain", "Control.RunEvents")
+MAX_QUEUED: Final = 16
+MAX_IN_FLIGHT: Final = 4
+DB_READ_S: Final = 2.0
+STATS_S: Final = 5.0
+CLOSE_S: Final = 2.0
+KILL_REASON: Final = "flyctl-kill"
+MAX_EVENTS: Final = 256
+
+
+def control_service(node_id: str) -> str:
+    """`flyd.control.<node_id>`."""
+    return CONTROL_PREFIX + node_id
+
+
+@functools.cache
+def control_validator(method: str, kind: str) -> Validator:
+    """The compiled schema `schemas/control/<method>.<kind>.json` (kind params|result)."""
+    schema = parse_strict((CONTROL_SCHEMAS / f"{method}.{kind}.json").read_bytes())
+    if not isinstance(schema, dict):
+        raise DomainError(ErrorCode.INTERNAL, f"{method}.{kind}.json is not a schema object",
+                          Mutation.NONE)
+    return compile_schema(schema)
+
+
+def _ms(seconds: float) -> int:
+    return max(0, round(seconds * 1000))
+
+
+class ControlService:
+    """One node's control service; `start()` registers it, `close()` gives it up."""
+
+    def __init__(self, node: NodeProcess) -> None:
+        self.node = node
+        self.node_id = node.setup.node_id
+        self.name = control_service(self.node_id)
+        self.health_fail_s = float(node.setup.config.value("session", "health_fail_s"))
+        self.service: Service | None = None
+        self.drain_requested = False
+        self._handlers: dict[str, Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]] = {
+            "Control.Status": self.status,
+            "Control.Kill": self.kill,
+            "Control.Drain": self.drain,
+            "Control.RunEvents": self.run_events,
+        }
+
+    async def start(self) -> None:
+        client = self.node.client
+        assert client is not None
+        self.service = await client.register(self.name, self.handle, max_queued=MAX_QUEUED,
+                                             max_in_flight=MAX_IN_FLIGHT)
+
+    async def close(self) -> None:
+        service, self.service = self.service, None
+        if service is not None:
+            with contextlib.suppress(BusError, TimeoutError):
+                async with asyncio.timeout(CLOSE_S):
+                    await service.unregister()
+
+    # ------------------------------------------------------------------ envelope
+
+    @property
+    def incarnation(self) -> str:
+        client = self.node.client
+        assert client is not None
+        return client.client_incarnation
+
+    async def handle(self, req: Request) -> dict[str, Any]:
+        """One request → one outcome object (never raises a domain error)."""
+        try:
+            request = parse_request(req.payload)
+            if request.scope is not None:
+                raise DomainError.invalid("a control request has scope null")
+        except DomainError as exc:
+            return unparsable_outcome(req.payload, exc, self.node_id, self.incarnation).to_json()
+        try:
+            result = await self._execute(req.method, request.params)
+        except DomainError as exc:
+            log.info("control.refused", method=req.method, caller=req.caller.client_id,
+                     code=str(exc.code), message=exc.message)
+            return Outcome.failure(request, self.node_id, self.incarnation, exc).to_json()
+        log.info("control.answered", method=req.method, caller=req.caller.client_id)
+        return Outcome.success(request, self.node_id, self.incarnation, result).to_json()
+
+    async def _execute(self, method: str, params: dict[str, Any]) -> dict[str, Any]:
+        handler = self._handlers.get(method)
+        if handler is None:
+            raise DomainError.before(ErrorCode.UNSUPPORTED,
+                                     f"{method} is not a method of {self.name}")
+        problem = control_validator(method, "params")(params)
+        if problem is not None:
+            raise DomainError.invalid(f"{method} params: {problem}")
+        result = await handler(params)
+        problem = control_validator(method, "result")(result)
+        if problem is not None:
+            raise DomainError(ErrorCode.INTERNAL, f"{method} result: {problem}", Mutation.NONE)
+        return result
+
+    # ------------------------------------------------------------------ what this node holds
+
+    def held(self) -> dict[int, tuple[int, float]]:
+        """run → (lease epoch, seconds until safe_until) of every non-final hold."""
+        runtime = self.node.runtime
+        if runtime is None:
+            return {}
+        return {run: (epoch, left) for run, epoch, phase, left in runtime.held()
+                if phase not in FINAL}
+
+    def launcher(self, run_id: int) -> Launcher | None:
+        executor = self.node.executor
+        return None if executor is None else executor.launcher(run_id)
+
+    def _not_held(self, run_id: int) -> DomainError:
+        return DomainError.before(ErrorCode.IDENTITY_MISMATCH,
+                                  f"run {run_id} is not held by node {self.node_id}")
+
+    # ------------------------------------------------------------------ Control.Status
+
+    async def status(self, params: dict[str, Any]) -> dict[str, Any]:
+        client = self.node.client
+        assert client is not None
+        async with asyncio.timeout(STATS_S):
+            stats = await client.stats()
+        router = {"routerId": stats["routerId"], "socket": self.node.setup.socket,
+                  "uptimeMs": stats["uptimeMs"], "connections": stats["connections"],
+                  "activeCalls": stats["activeCalls"]}
+        held = self.held()
+        async with asyncio.TaskGroup() as tg:
+            tasks = [tg.create_task(self._run_status(run, epoch))
+                     for run, (epoch, _) in sorted(held.items())]
+        runs = [t.result() for t in tasks]
+        return {"source": "control", "router": router, "nodes": [await self._node_status(held)],
+                "runs": runs}
+
+    async def _node_status(self, held: dict[int, tuple[int, float]]) -> dict[str, Any]:
+        setup = self.node.setup
+        state = ("starting" if self.node.runtime is None
+                 else "draining" if self.drain_requested else "active")
+        heartbeat: str | None = None
+        row = await self._node_row()
+        if row is not None:
+            state, heartbeat = str(row["state"]), row["heartbeatAt"]
+        budget = self.node.budget
+        me = psutil.Process(os.getpid())
+        return {
+            "nodeId": self.node_id, "nodeName": setup.node_name, "pid": os.getpid(),
+            "state": state, "uptimeMs": _ms(time.time() - me.create_time()),
+            "capacity": setup.capacity,
+            "threads": {"total": budget.total, "used": budget.total - budget.remaining},
+            "runs": sorted(held),
+            "leases": [{"run": run, "leaseEpoch": epoch, "safeUntilInMs": round(left * 1000)}
+                       for run, (epoch, left) in sorted(held.items())],
+            "lastHeartbeat": heartbeat,
+            "dsn": redact_dsn(self.node.dsn) if self.node.dsn else None,
+        }
+
+    async def _node_row(self) -> dict[str, Any] | None:
+        """This node's registry row, or None when the database does not answer in time."""
+        if not self.node.dsn:
+            return None
+        try:
+            async with asyncio.timeout(DB_READ_S):
+                async with await psycopg.AsyncConnection.connect(
+                        self.node.dsn, autocommit=True) as conn:
+                    rows = await queries.nodes(conn)
+        except (psycopg.Error, OSError, TimeoutError) as exc:
+            log.warning("control.node_row_unavailable", error=str(exc))
+            return None
+        return next((r for r in rows if r["nodeId"] == self.node_id), None)
+
+    async def _run_status(self, run_id: int, lease_epoch: int) -> dict[str, Any]:
+        executor = self.node.executor
+        report = None if executor is None else executor.reports.get(run_id)
+        coordinator = None if report is None else report.coordinator
+        launcher = self.launcher(run_id)
+        workers: list[dict[str, Any]] = []
+        if launcher is not None:
+            async with asyncio.TaskGroup() as tg:
+                tasks = [tg.create_task(self._worker_status(launcher, wid))
+                         for wid in sorted(launcher.workers())]
+            workers = [t.result() for t in tasks]
+        return {
+            "run": run_id, "leaseEpoch": lease_epoch,
+            "epoch": None if coordinator is None else coordinator.epoch,
+            "phase": None if coordinator is None else coordinator.phase.label,
+            "boundary": 0 if report is None else report.boundary,
+            "recoveries": 0 if report is None else len(report.recoveries),
+            "workers": workers,
+        }
+
+    async def _worker_status(self, launcher: Launcher, worker_id: str) -> dict[str, Any]:
+        launched = launcher.workers().get(worker_id)
+        if launched is None:
+            raise DomainError(ErrorCode.INTERNAL, f"{worker_id} left the launcher's table",
+                              Mutation.NONE)
+        state: str | None = None
+        step: int | None = None
+        alive = False
+        try:
+            async with asyncio.timeout(self.health_fail_s):
+                answer = await launcher.health_check(worker_id)
+        except (DomainError, TimeoutError):
+            pass
+        else:
+            alive = True
+            state = str(answer["state"])
+            scope = answer.get("currentScope")
+            step = int(scope["step"]) if isinstance(scope, dict) else None
+        uptime: int | None = None
+        if launched.pid is not None:
+            with contextlib.suppress(psutil.Error):
+                uptime = _ms(time.time() - psutil.Process(launched.pid).create_time())
+        return {"workerId": worker_id, "role": launched.identity.role, "pid": launched.pid,
+                "incarnationId": launched.domain_incarnation, "state": state, "step": step,
+                "threads": launched.identity.worker_threads, "alive": alive,
+                "uptimeMs": uptime}
+
+    # ------------------------------------------------------------------ Control.Kill
+
+    async def kill(self, params: dict[str, Any]) -> dict[str, Any]:
+        worker_id: str = params["workerId"]
+        run: int | None = params["run"]
+        held = self.held()
+        if run is not None:
+            if run not in held:
+                raise self._not_held(run)
+        else:
+            having = [r for r in sorted(held) if worker_id in self._workers_of(r)]
+            if len(having) > 1:
+                raise DomainError.invalid(
+                    f"{worker_id} is a worker of runs {', '.join(map(str, having))}; "
+                    "name one with run")
+            run = having[0] if having else None
+        launcher = None if run is None else self.launcher(run)
+        if launcher is None:
+            return {"workerId": worker_id, "run": run, "outcome": "AlreadyGone"}
+        if params["signal"] == "KILL":
+            outcome = (await launcher.kill(worker_id)).label
+        else:
+            outcome = (await launcher.reap(worker_id, KILL_REASON)).label
+        log.warning("control.kill", run=run, worker=worker_id, signal=params["signal"],
+                    outcome=outcome)
+        return {"workerId": worker_id, "run": run, "outcome": outcome}
+
+    def _workers_of(self, run_id: int) -> set[str]:
+        launcher = self.launcher(run_id)
+        return set() if launcher is None else set(launcher.workers())
+
+    # ------------------------------------------------------------------ Control.Drain
+
+    async def drain(self, params: dict[str, Any]) -> dict[str, Any]:
+        runtime = self.node.runtime
+        if runtime is None:
+            raise DomainError.before(ErrorCode.INVALID_PHASE,
+                                     f"node {self.node_id} is still starting")
+        if not self.drain_requested:
+            self.drain_requested = True
+            log.warning("control.drain", node=self.node_id)
+            self.node.drain()
+        return {"draining": True}
+
+    # ------------------------------------------------------------------ Control.RunEvents
+
+    async def run_events(self, params: dict[str, Any]) -> dict[str, Any]:
+        run: int = params["run"]
+        if run not in self.held():
+            raise self._not_held(run)
+        executor = self.node.executor
+        ring = None if executor is None else executor.rings.get(run)
+        events = [] if ring is None else [dict(e) for e in ring.ring][-MAX_EVENTS:]
+        return {"run": run, "events": events}

@@ -1,0 +1,717 @@
+"""`flyctl`: inspect and steer running nodes (cli.md §7).
+
+Why: live facts (workers, phases, leases as the node sees them) come from the nodes' control
+services on the bus (cli.md §8); queue facts come from PostgreSQL. Every command is one coroutine
+here returning a `Result` (JSON object, human lines, exit code) or raising `CtlError`; the click
+commands in `flyd.cli` only parse options.
+
+Rules:
+- Bus: one connection to the socket as `ctl-<pid>-<8 hex>`; nodes are found by `bus.services`
+  with prefix `flyd.control.`. `--node` is a node id or a unique prefix of one (a node id starts
+  with its node name). `kill` and `drain` need exactly one node (several → exit 2 listing them).
+- Database: `--dsn`, `FLYD_DSN`, `[database] dsn`, then a running embedded server's
+  `postmaster.pid` under the state dir; `flyctl` never starts a server. None → exit 2 "no
+  database: pass --dsn" (`CONFIG`).
+- Errors: `CtlError(code, message)`; exit 2 for `USAGE`, `CONFIG` and a router refusing the
+  connection, 3 for `TIMEOUT`, 1 otherwise (a control service's refusal carries its domain code).
+- Output: `--json` prints one object on stdout; human text (tables included) goes to stderr,
+  also on a terminal (cli.md §1).
+
+Decisions where the spec is silent:
+- An unknown run (`runs show|cancel|requeue`) is a bad argument: `USAGE`, exit 2. Cancelling a
+  terminal run or requeueing a run that is not `failed` is refused `INVALID_PHASE`, exit 1.
+- `status`'s database view lists the registered nodes and the runs that are not terminal; the
+  fields only a node knows are null (`router`, `uptimeMs`, `threads`, `phase`, workers empty).
+- `runs submit` builds the spec exactly as `flyd run` does, without `exclusiveToSubmitter`, so
+  any serve node may claim it; the checkpoint cadence defaults to `[checkpoints] every_steps`.
+- Checkpoint commands use the checkpoint store (`flyd.state.store`, imported by those commands
+  only, so the other commands never depend on the state layer); its database failures
+  (`BACKEND_FAILURE`) are `CONFIG` (exit 2), its refusals (a missing generation, a failing S-check
+  on export) exit 1 with their domain code. A file over the envelope limit, or unreadable, is
+  `USAGE` (exit 2); a file failing R1–R8 on import exits 1 naming the check.
+- `runs show` asks the holder (when the run is `running` and its owner's control service answers
+  on this socket) for the run's phase (`Control.Status`) and event ring (`Control.RunEvents`);
+  otherwise both are null.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Final
+
+import orjson
+import psycopg
+import uvloop
+
+from bus.client import BusClient, connect
+from bus.errors import BusError, CallDeadlineExceeded, RouterLost
+from flyd.config import Config, ConfigError, load_config, redact_dsn, redact_dsn_text
+from flyd.control import CONTROL_PREFIX, control_service, control_validator
+from flyd.leases import queries
+from flyd.leases.embedded import embedded_dsn_if_running
+from flyd.leases.pgstore import DbSettings, PgStore
+from flyd.leases.store import TERMINAL, SpecMismatch, StoreError
+from flyd.run import RunOptions, RunUsageError, build_spec
+from flyd.runspec import DEFAULT_MAX_AGENTS, RunSpec, RunSpecError
+from workers.domain import DomainError, ErrorCode, format_request_id
+from workers.rpc import check_outcome
+
+if TYPE_CHECKING:
+    from flyd.state.envelope import Envelope
+    from flyd.state.store import PgCheckpointStore
+
+__all__ = [
+    "CtlError",
+    "CtlOptions",
+    "Result",
+    "checkpoints_export",
+    "checkpoints_import",
+    "checkpoints_list",
+    "checkpoints_verify",
+    "ctl_client_id",
+    "drain",
+    "execute",
+    "kill",
+    "resolve_dsn",
+    "runs_cancel",
+    "runs_list",
+    "runs_requeue",
+    "runs_show",
+    "runs_submit",
+    "status",
+    "table",
+]
+
+EXIT_FAILED: Final = 1
+EXIT_CONFIG: Final = 2
+EXIT_TIMEOUT: Final = 3
+EXIT_INTERRUPTED: Final = 130
+CONNECT_S: Final = 5.0
+DB_CONNECT_S: Final = 5
+CALL_S: Final = 30.0
+ACTOR_PREFIX: Final = "flyctl"
+
+
+class CtlError(Exception):
+    """A refused command: a code of cli.md §1 and the exit code that goes with it."""
+
+    def __init__(self, code: str, message: str, exit_code: int | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.exit_code = exit_code if exit_code is not None else (
+            EXIT_CONFIG if code in ("USAGE", "CONFIG") else
+            EXIT_TIMEOUT if code == "TIMEOUT" else EXIT_FAILED)
+
+
+@dataclass(frozen=True)
+class CtlOptions:
+    """The options every `flyctl` command takes."""
+
+    config_file: Path | None = None
+    socket: str | None = None
+    dsn: str | None = None
+    node: str | None = None
+
+
+@dataclass
+class Result:
+    """What a command prints: `data` with `--json`, else `human` on stderr; `notes` go to
+    stderr in both modes; and its exit code."""
+
+    data: dict[str, Any]
+    human: list[str] = field(default_factory=list)
+    exit_code: int = 0
+    notes: list[str] = field(default_factory=list)
+
+
+def ctl_client_id() -> str:
+    """`ctl-<pid>-<8 hex>` (session.md §7.2)."""
+    return f"ctl-{os.getpid()}-{os.urandom(4).hex()}"
+
+
+def execute(command: str, as_json: bool, work: Callable[[], Awaitable[Result]]) -> int:
+    """Run one command on a fresh loop and print what it gives; returns the exit code.
+
+    `--json`: the result object (or `{"error": {code, message}}`) on stdout. Human text, notes
+    and a one-line error always go to stderr."""
+    try:
+        result = uvloop.run(_awaited(work))
+    except CtlError as exc:
+        print(f"flyctl {command}: {exc.message}", file=sys.stderr)
+        if as_json:
+            _stdout({"error": {"code": exc.code, "message": exc.message}})
+        return exc.exit_code
+    except KeyboardInterrupt:
+        return EXIT_INTERRUPTED
+    for line in result.notes:
+        print(line, file=sys.stderr)
+    if as_json:
+        _stdout(result.data)
+    else:
+        for line in result.human:
+            print(line, file=sys.stderr)
+    return result.exit_code
+
+
+async def _awaited(work: Callable[[], Awaitable[Result]]) -> Result:
+    return await work()
+
+
+def _stdout(value: dict[str, Any]) -> None:
+    sys.stdout.write(orjson.dumps(value).decode() + "\n")
+    sys.stdout.flush()
+
+
+# --------------------------------------------------------------------------------------------
+# configuration, database
+
+
+def _config(opts: CtlOptions) -> Config:
+    try:
+        return load_config(opts.config_file, {"database.dsn": opts.dsn, "bus.socket": opts.socket})
+    except ConfigError as exc:
+        raise CtlError("CONFIG", str(exc)) from None
+
+
+def resolve_dsn(opts: CtlOptions, config: Config | None = None) -> str:
+    """`--dsn` > `FLYD_DSN` > `[database] dsn` > a running embedded server; never starts one."""
+    config = config or _config(opts)
+    dsn = config.value("database", "dsn")
+    if isinstance(dsn, str) and dsn:
+        return dsn
+    embedded = embedded_dsn_if_running(Path(str(config.value("node", "state_dir"))))
+    if embedded is not None:
+        return embedded
+    raise CtlError("CONFIG", "no database: pass --dsn")
+
+
+@contextlib.asynccontextmanager
+async def _database(dsn: str) -> AsyncIterator[psycopg.AsyncConnection[Any]]:
+    """A read connection; an unreachable DSN or a failing query is `CONFIG` (password hidden)."""
+    try:
+        conn = await psycopg.AsyncConnection.connect(dsn, autocommit=True,
+                                                     connect_timeout=DB_CONNECT_S)
+    except psycopg.Error as exc:
+        raise CtlError("CONFIG", f"cannot reach the database {redact_dsn(dsn)}: "
+                                 f"{redact_dsn_text(str(exc).strip(), dsn)}") from None
+    try:
+        async with conn:
+            yield conn
+    except psycopg.Error as exc:
+        raise CtlError("CONFIG", f"database {redact_dsn(dsn)}: "
+                                 f"{redact_dsn_text(str(exc).strip(), dsn)}") from None
+
+
+@contextlib.asynccontextmanager
+async def _store(opts: CtlOptions, config: Config) -> AsyncIterator[PgStore]:
+    dsn = resolve_dsn(opts, config)
+    async with _database(dsn):
+        pass  # reachable: the pool below would only retry and log an unreachable server
+    db = {k: v for k, v in config.section("database").items() if k != "dsn"}
+    store = PgStore(dsn, ctl_client_id(), DbSettings.from_section(db), config.leases)
+    try:
+        await store.open()
+    except StoreError as exc:
+        raise CtlError("CONFIG", f"cannot reach the database {redact_dsn(dsn)}: "
+                                 f"{redact_dsn_text(str(exc), dsn)}") from None
+    try:
+        yield store
+    finally:
+        await store.close()
+
+
+# --------------------------------------------------------------------------------------------
+# bus
+
+
+class _Bus:
+    """The `flyctl` connection: node discovery and control calls."""
+
+    def __init__(self, client: BusClient, socket: str) -> None:
+        self.client = client
+        self.socket = socket
+        self._serial = 0
+
+    async def nodes(self, wanted: str | None) -> list[str]:
+        """The node ids with a control service, narrowed by `--node` when given."""
+        services = await self.client.services(CONTROL_PREFIX)
+        ids = [str(s["name"])[len(CONTROL_PREFIX):] for s in services]
+        if wanted is None:
+            return ids
+        if wanted in ids:
+            return [wanted]
+        matches = [i for i in ids if i.startswith(wanted)]
+        if len(matches) == 1:
+            return matches
+        if not matches:
+            raise CtlError("USAGE", f"no node {wanted!r} on {self.socket}; reachable: "
+                                    f"{', '.join(ids) or 'none'}")
+        raise CtlError("USAGE", f"--node {wanted} matches several nodes: {', '.join(matches)}")
+
+    async def one_node(self, wanted: str | None) -> str:
+        ids = await self.nodes(wanted)
+        if not ids:
+            raise CtlError("CONFIG", f"no node reachable on {self.socket}")
+        if len(ids) > 1:
+            raise CtlError("USAGE", f"several nodes on {self.socket}: {', '.join(ids)}; "
+                                    "pass --node")
+        return ids[0]
+
+    async def call(self, node_id: str, method: str, params: dict[str, Any]) -> dict[str, Any]:
+        """One control call; a refusal is a `CtlError` with the domain or bus code (exit 1)."""
+        self._serial += 1
+        payload = {"requestId": format_request_id(self._serial), "scope": None, "params": params}
+        try:
+            answer = await self.client.call(control_service(node_id), method, payload,
+                                            timeout=CALL_S)
+        except CallDeadlineExceeded:
+            raise CtlError("TIMEOUT", f"{method}: node {node_id} did not answer within "
+                                      f"{CALL_S:g} s") from None
+        except BusError as exc:
+            raise CtlError(exc.name, f"{method}: {exc.message}") from None
+        try:
+            outcome = check_outcome(method, answer.outcome)
+        except DomainError as exc:
+            raise CtlError(str(exc.code), exc.message) from None
+        if outcome.error is not None:
+            raise CtlError(str(outcome.error.code), outcome.error.message)
+        assert outcome.result is not None
+        problem = control_validator(method, "result")(outcome.result)
+        if problem is not None:
+            raise CtlError("BACKEND_FAILURE", f"{method}: malformed result: {problem}")
+        return outcome.result
+
+
+@contextlib.asynccontextmanager
+async def _bus(opts: CtlOptions, config: Config) -> AsyncIterator[_Bus]:
+    """Connect as `ctl-<pid>-<8 hex>`; no router → `CONFIG`, a refusal → its bus name (exit 2)."""
+    socket = str(config.value("bus", "socket"))
+    try:
+        client = await connect(socket, client_id=ctl_client_id(), timeout=CONNECT_S)
+    except RouterLost as exc:
+        raise CtlError("CONFIG", f"no router on {socket}: {exc.message}") from None
+    except BusError as exc:
+        raise CtlError(exc.name, f"the router on {socket} refused the connection: "
+                                 f"{exc.message}", EXIT_CONFIG) from None
+    try:
+        yield _Bus(client, socket)
+    finally:
+        await client.close()
+
+
+# --------------------------------------------------------------------------------------------
+# rendering
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> list[str]:
+    """Left-aligned columns, two spaces apart, each as wide as its widest cell."""
+    cells = [[str(h) for h in headers]] + [["-" if c is None else str(c) for c in r]
+                                           for r in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+    return ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
+            for row in cells]
+
+
+def _seconds(ms: object) -> str | None:
+    return None if not isinstance(ms, int) else f"{ms / 1000:.1f}s"
+
+
+def _status_lines(doc: dict[str, Any]) -> list[str]:
+    lines: list[str] = []
+    router = doc.get("router")
+    if router is not None:
+        lines.append(f"router {router['routerId']}  socket {router['socket']}  uptime "
+                     f"{_seconds(router['uptimeMs'])}  connections {router['connections']}  "
+                     f"active calls {router['activeCalls']}")
+    for n in doc["nodes"]:
+        threads = n.get("threads") or {}
+        leases = ", ".join(f"{x['run']}@{x['leaseEpoch']}" for x in n.get("leases") or [])
+        lines.append(f"node {n['nodeId']}  state {n['state']}  pid {n['pid']}  runs "
+                     f"{n.get('runs') or []}  leases [{leases}]  threads "
+                     f"{threads.get('used', '-')}/{threads.get('total', '-')}  heartbeat "
+                     f"{n.get('lastHeartbeat') or '-'}  database {n.get('dsn') or '-'}")
+    rows = [[r["run"], w["workerId"], w["role"], w["pid"], w["incarnationId"],
+             w["state"] if w["alive"] else "dead", w["step"], w["threads"],
+             _seconds(w["uptimeMs"])]
+            for r in doc["runs"] for w in r.get("workers") or []]
+    lines += table(["RUN", "WORKER", "ROLE", "PID", "INCARNATION", "STATE", "STEP", "THREADS",
+                    "UPTIME"], rows)
+    return lines
+
+
+# --------------------------------------------------------------------------------------------
+# status
+
+
+async def status(opts: CtlOptions) -> Result:
+    """Every reachable node's `Control.Status`, merged; else the database view."""
+    config = _config(opts)
+    reached: list[dict[str, Any]] = []
+    why = ""
+    try:
+        async with _bus(opts, config) as bus:
+            for node_id in await bus.nodes(opts.node):
+                reached.append(await bus.call(node_id, "Control.Status", {}))
+            if not reached:
+                why = f"no node on {bus.socket}"
+    except CtlError as exc:
+        if exc.code != "CONFIG":
+            raise
+        why = exc.message
+    if reached:
+        doc = {"source": "control", "router": reached[0]["router"],
+               "nodes": [n for r in reached for n in r["nodes"]],
+               "runs": [run for r in reached for run in r["runs"]]}
+        return Result(doc, _status_lines(doc))
+    doc = await _database_status(opts, config)
+    note = f"flyctl status: {why}; showing the database view (source: database)"
+    return Result(doc, _status_lines(doc), notes=[note])
+
+
+async def _database_status(opts: CtlOptions, config: Config) -> dict[str, Any]:
+    dsn = resolve_dsn(opts, config)
+    async with _database(dsn) as conn:
+        node_rows = await queries.nodes(conn)
+        run_rows = [r for r in await queries.list_runs(conn) if r["state"] not in TERMINAL]
+    if opts.node is not None:
+        node_rows = [n for n in node_rows if str(n["nodeId"]).startswith(opts.node)]
+    nodes = []
+    for n in node_rows:
+        mine = [r for r in run_rows if r["ownerNode"] == n["nodeId"] and r["state"] == "running"]
+        nodes.append({
+            "nodeId": n["nodeId"], "nodeName": n["nodeName"], "pid": n["pid"],
+            "state": n["state"], "uptimeMs": None, "capacity": n["capacity"], "threads": None,
+            "runs": [r["run"] for r in mine],
+            "leases": [{"run": r["run"], "leaseEpoch": r["leaseEpoch"],
+                        "leaseExpiresAt": r["leaseExpiresAt"]} for r in mine],
+            "lastHeartbeat": n["heartbeatAt"], "dsn": redact_dsn(dsn)})
+    runs = [{"run": r["run"], "state": r["state"], "leaseEpoch": r["leaseEpoch"],
+             "ownerNode": r["ownerNode"], "epoch": None, "phase": None,
+             "boundary": r["boundary"] or 0, "recoveries": None, "workers": []}
+            for r in run_rows]
+    return {"source": "database", "router": None, "nodes": nodes, "runs": runs}
+
+
+# --------------------------------------------------------------------------------------------
+# kill, drain
+
+
+async def kill(opts: CtlOptions, worker_id: str, run: int | None, signal: str) -> Result:
+    """`Control.Kill`; `AlreadyGone` exits 1."""
+    async with _bus(opts, _config(opts)) as bus:
+        node_id = await bus.one_node(opts.node)
+        result = await bus.call(node_id, "Control.Kill",
+                                {"run": run, "workerId": worker_id, "signal": signal})
+    where = "" if result["run"] is None else f" of run {result['run']}"
+    return Result(result, [f"flyctl kill: {worker_id}{where} on {node_id}: {result['outcome']}"],
+                  EXIT_FAILED if result["outcome"] == "AlreadyGone" else 0)
+
+
+async def drain(opts: CtlOptions) -> Result:
+    """`Control.Drain` of the one node (or `--node`)."""
+    async with _bus(opts, _config(opts)) as bus:
+        node_id = await bus.one_node(opts.node)
+        result = await bus.call(node_id, "Control.Drain", {})
+    return Result({"node": node_id, "draining": result["draining"]},
+                  [f"flyctl drain: node {node_id} is draining"])
+
+
+# --------------------------------------------------------------------------------------------
+# runs
+
+
+def _submitted_spec(config: Config, run: RunOptions) -> RunSpec:
+    """The spec `flyd run` would build from these options, claimable by any node."""
+    try:
+        doc = build_spec(run).to_json()
+        doc.pop("exclusiveToSubmitter", None)
+        if run.checkpoint_every is None:
+            doc["checkpoints"] = {**doc.get("checkpoints", {}), "everySteps": int(
+                config.value("checkpoints", "every_steps"))}
+        return RunSpec.validate(doc, max_agents=DEFAULT_MAX_AGENTS)
+    except RunUsageError as exc:
+        raise CtlError(exc.code, exc.message) from None
+    except RunSpecError as exc:
+        raise CtlError("USAGE", exc.message) from None
+
+
+def _max_attempts(config: Config, given: int | None) -> int:
+    attempts = given if given is not None else int(config.value("leases", "max_attempts"))
+    if not 1 <= attempts <= 100:
+        raise CtlError("USAGE", f"--max-attempts {attempts}: must be in 1..100")
+    return attempts
+
+
+async def runs_submit(opts: CtlOptions, run: RunOptions, key: str | None,
+                      max_attempts: int | None) -> Result:
+    """Build, normalise and validate the spec as `flyd run` does (claimable by any node)."""
+    config = _config(opts)
+    spec = _submitted_spec(config, run)
+    attempts = _max_attempts(config, max_attempts)
+    async with _store(opts, config) as store:
+        try:
+            submitted = await store.submit(key, spec.to_json(), attempts)
+        except SpecMismatch as exc:
+            raise CtlError("CONFLICT", str(exc)) from None
+        except StoreError as exc:
+            raise CtlError("CONFIG", f"submit: {exc}") from None
+    verb = "submitted" if submitted.created else "already submitted"
+    return Result({"run": submitted.run_id}, [f"flyctl runs submit: run {submitted.run_id} "
+                                              f"{verb}"])
+
+
+async def runs_list(opts: CtlOptions, state: str | None) -> Result:
+    config = _config(opts)
+    async with _database(resolve_dsn(opts, config)) as conn:
+        rows = await queries.list_runs(conn, state)
+    lines = table(["RUN", "STATE", "LEASE-EPOCH", "ATTEMPTS", "OWNER", "EXPIRES", "BOUNDARY"],
+                  [[r["run"], r["state"], r["leaseEpoch"], f"{r['attempt']}/{r['maxAttempts']}",
+                    r["ownerNode"], r["leaseExpiresAt"], r["boundary"]] for r in rows])
+    return Result({"runs": rows}, lines)
+
+
+async def _checkpoint_rows(conn: psycopg.AsyncConnection[Any], run_id: int) -> list[dict[str, Any]]:
+    cur = await conn.execute(
+        "SELECT checkpoint_id, boundary, session_epoch, lease_epoch, byte_length, committed_at "
+        "FROM flyd.checkpoints WHERE run_id = %(run)s "
+        "ORDER BY boundary DESC, committed_at DESC, checkpoint_id DESC", {"run": run_id})
+    return [{"checkpointId": r[0], "boundary": int(r[1]), "sessionEpoch": f"e{r[2]}",
+             "leaseEpoch": int(r[3]), "byteLength": int(r[4]), "committedAt": r[5].isoformat()}
+            for r in await cur.fetchall()]
+
+
+async def _known_run(conn: psycopg.AsyncConnection[Any], run_id: int) -> dict[str, Any]:
+    row = await queries.run_row(conn, run_id)
+    if row is None:
+        raise CtlError("USAGE", f"no run {run_id}")
+    return row
+
+
+async def runs_show(opts: CtlOptions, run_id: int) -> Result:
+    """The run row, its grants, checkpoints, effect count and outcome; live phase and events."""
+    config = _config(opts)
+    async with _database(resolve_dsn(opts, config)) as conn:
+        row = await _known_run(conn, run_id)
+        grants = await queries.attempts(conn, run_id)
+        checkpoints = await _checkpoint_rows(conn, run_id)
+        effect_rows = await queries.effects(conn, run_id)
+    outcome = row["outcome"] if isinstance(row["outcome"], dict) else {}
+    _, epochs = queries.behaviour(effect_rows)
+    phase, events = await _live_view(opts, config, row)
+    doc = {"run": run_id, "state": row["state"], "leaseEpoch": row["leaseEpoch"],
+           "attempt": row["attempt"], "maxAttempts": row["maxAttempts"],
+           "ownerNode": row["ownerNode"], "leaseExpiresAt": row["leaseExpiresAt"],
+           "boundary": row["boundary"], "cancelRequested": row["cancelRequested"],
+           "submittedAt": row["submittedAt"], "finishedAt": row["finishedAt"],
+           "grants": grants, "checkpoints": checkpoints, "effects": len(effect_rows),
+           "recoveries": outcome.get("recoveries"), "epochs": outcome.get("epochs") or epochs,
+           "outcome": row["outcome"], "phase": phase, "events": events}
+    lines = [f"run {run_id}: {row['state']}  lease epoch {row['leaseEpoch']}  attempt "
+             f"{row['attempt']}/{row['maxAttempts']}  owner {row['ownerNode'] or '-'}  boundary "
+             f"{row['boundary'] if row['boundary'] is not None else '-'}  effects "
+             f"{len(effect_rows)}  checkpoints {len(checkpoints)}  recoveries "
+             f"{doc['recoveries'] if doc['recoveries'] is not None else '-'}  epochs "
+             f"{','.join(doc['epochs']) or '-'}  phase {phase or '-'}"]
+    lines += table(["LEASE-EPOCH", "NODE", "GRANTED", "ENDED", "REASON"],
+                   [[g["leaseEpoch"], g["nodeId"], g["grantedAt"], g["endedAt"], g["endReason"]]
+                    for g in grants])
+    if events is not None:
+        lines.append(f"events: {len(events)}")
+    return Result(doc, lines)
+
+
+async def _live_view(opts: CtlOptions, config: Config,
+                     row: dict[str, Any]) -> tuple[str | None, list[dict[str, Any]] | None]:
+    """The holder's phase and event ring, when it answers on this socket; else (None, None)."""
+    owner = row["ownerNode"]
+    if row["state"] != "running" or not owner:
+        return None, None
+    try:
+        async with _bus(opts, config) as bus:
+            if owner not in await bus.nodes(None):
+                return None, None
+            state = await bus.call(owner, "Control.Status", {})
+            phase = next((r["phase"] for r in state["runs"] if r["run"] == row["run"]), None)
+            ring = await bus.call(owner, "Control.RunEvents", {"run": row["run"]})
+    except CtlError:
+        return None, None
+    return phase, list(ring["events"])
+
+
+async def runs_cancel(opts: CtlOptions, run_id: int) -> Result:
+    config = _config(opts)
+    async with _store(opts, config) as store:
+        try:
+            cancelled = await store.cancel(run_id, f"{ACTOR_PREFIX} {os.getpid()}")
+        except StoreError as exc:
+            raise CtlError("CONFIG", f"cancel: {exc}") from None
+    if cancelled is None:
+        async with _database(resolve_dsn(opts, config)) as conn:
+            row = await _known_run(conn, run_id)
+        raise CtlError("INVALID_PHASE", f"run {run_id} is already {row['state']}")
+    return Result({"run": run_id, "state": cancelled.state, "cancelRequested": True},
+                  [f"flyctl runs cancel: run {run_id} ({cancelled.state}): cancellation "
+                   "requested"])
+
+
+async def runs_requeue(opts: CtlOptions, run_id: int) -> Result:
+    config = _config(opts)
+    async with _store(opts, config) as store:
+        try:
+            done = await store.requeue(run_id, f"{ACTOR_PREFIX} {os.getpid()}")
+        except StoreError as exc:
+            raise CtlError("CONFIG", f"requeue: {exc}") from None
+    if not done:
+        async with _database(resolve_dsn(opts, config)) as conn:
+            row = await _known_run(conn, run_id)
+        raise CtlError("INVALID_PHASE", f"run {run_id} is {row['state']}, not failed")
+    return Result({"run": run_id, "state": "pending"},
+                  [f"flyctl runs requeue: run {run_id} is pending again"])
+
+
+# --------------------------------------------------------------------------------------------
+# checkpoints (cli.md §7.3; store semantics: state.md §4.7)
+
+
+@contextlib.asynccontextmanager
+async def _checkpoints(opts: CtlOptions, config: Config) -> AsyncIterator[PgCheckpointStore]:
+    from flyd.state.store import PgCheckpointStore
+
+    dsn = resolve_dsn(opts, config)
+    async with _database(dsn):
+        pass  # reachable, so that an unreachable DSN is `CONFIG` like everywhere else
+    store = PgCheckpointStore(dsn)
+    try:
+        yield store
+    finally:
+        await store.close()
+
+
+def _refused(exc: DomainError) -> CtlError:
+    """A store refusal: a database failure is `CONFIG` (exit 2), anything else exit 1."""
+    if exc.code == ErrorCode.BACKEND_FAILURE:
+        return CtlError("CONFIG", exc.message)
+    return CtlError(str(exc.code), exc.message)
+
+
+async def checkpoints_list(opts: CtlOptions, run_id: int) -> Result:
+    config = _config(opts)
+    async with _database(resolve_dsn(opts, config)) as conn:
+        await _known_run(conn, run_id)
+    async with _checkpoints(opts, config) as store:
+        try:
+            records = await store.list(run_id)
+        except DomainError as exc:
+            raise _refused(exc) from None
+    rows = [{"checkpointId": r.checkpoint_id, "boundary": r.boundary,
+             "sessionEpoch": r.session_epoch, "leaseEpoch": r.lease_epoch,
+             "byteLength": r.byte_length, "compatibilityDigest": r.compatibility_digest,
+             "committedAt": r.committed_at.isoformat(), "head": r.is_head} for r in records]
+    lines = table(["ID", "BOUNDARY", "SESSION-EPOCH", "LEASE-EPOCH", "SIZE", "COMPATIBILITY",
+                   "COMMITTED", "HEAD"],
+                  [[r["checkpointId"], r["boundary"], r["sessionEpoch"], r["leaseEpoch"],
+                    r["byteLength"], str(r["compatibilityDigest"])[:12], r["committedAt"],
+                    "*" if r["head"] else ""] for r in rows])
+    return Result({"run": run_id, "checkpoints": rows}, lines)
+
+
+async def checkpoints_export(opts: CtlOptions, run_id: int, checkpoint_id: str | None,
+                             out: Path) -> Result:
+    """The head (or `--id`) after S1–S5, written atomically; a failing check writes nothing."""
+    config = _config(opts)
+    async with _checkpoints(opts, config) as store:
+        try:
+            record = await store.export(run_id, out, checkpoint_id)
+        except DomainError as exc:
+            raise _refused(exc) from None
+        except OSError as exc:
+            raise CtlError("USAGE", f"-o {out}: cannot write: {exc.strerror}") from None
+    doc = {"run": run_id, "checkpointId": record.checkpoint_id, "boundary": record.boundary,
+           "byteLength": record.byte_length, "envelopeDigest": record.envelope_digest,
+           "file": str(out)}
+    return Result(doc, [f"flyctl checkpoints export: {record.checkpoint_id} of run {run_id} "
+                        f"(boundary {record.boundary}, {record.byte_length} bytes) -> {out}"])
+
+
+def _read_envelope(path: Path) -> tuple[bytes, Envelope]:
+    """R1–R8 on a file: a file too large is `USAGE` (exit 2), a failing check exit 1."""
+    from flyd.state.envelope import EnvelopeError
+    from flyd.state.store import verify_file
+
+    try:
+        envelope = verify_file(path)
+    except EnvelopeError:
+        raise
+    except DomainError as exc:
+        raise CtlError("USAGE", exc.message) from None
+    except OSError as exc:
+        raise CtlError("USAGE", f"{path}: {exc.strerror}") from None
+    return envelope.data, envelope
+
+
+async def checkpoints_import(opts: CtlOptions, path: Path, run: RunOptions, key: str | None,
+                             max_attempts: int | None) -> Result:
+    """Submit a new run starting from the file's checkpoint; `--steps` (counted from 0) must
+    exceed its boundary."""
+    from flyd.state.envelope import EnvelopeError
+
+    config = _config(opts)
+    try:
+        data, envelope = _read_envelope(path)
+    except EnvelopeError as exc:
+        raise CtlError(str(exc.code), exc.message) from None
+    boundary = int(envelope.manifest["sourceScope"]["step"])
+    if run.steps <= boundary:
+        raise CtlError("USAGE", f"--steps {run.steps} must exceed the imported boundary "
+                                f"{boundary}")
+    spec = _submitted_spec(config, run)
+    attempts = _max_attempts(config, max_attempts)
+    async with _checkpoints(opts, config) as store:
+        try:
+            record = await store.import_envelope(data, spec=spec.to_json(), submit_key=key,
+                                                 max_attempts=attempts)
+        except DomainError as exc:
+            raise _refused(exc) from None
+    doc = {"run": record.run_id, "checkpointId": record.checkpoint_id,
+           "boundary": record.boundary, "envelopeDigest": record.envelope_digest}
+    return Result(doc, [f"flyctl checkpoints import: run {record.run_id} starts from "
+                        f"{record.checkpoint_id} at boundary {record.boundary}"])
+
+
+async def checkpoints_verify(opts: CtlOptions, path: Path | None, run_id: int | None,
+                             checkpoint_id: str | None) -> Result:
+    """R1–R8 on a file, or S1–S5 on a stored generation; a failing check exits 1."""
+    from flyd.state.envelope import EnvelopeError
+    from flyd.state.store import IntegrityError
+
+    if (path is None) == (run_id is None):
+        raise CtlError("USAGE", "pass either FILE or --run RUN")
+    check: str | None = None
+    reason: str | None = None
+    if path is not None:
+        try:
+            _read_envelope(path)
+        except EnvelopeError as exc:
+            check, reason = exc.check, exc.reason
+        what = str(path)
+    else:
+        assert run_id is not None
+        async with _checkpoints(opts, _config(opts)) as store:
+            try:
+                record = await store.verify_stored(run_id, checkpoint_id)
+                what = f"{record.checkpoint_id} of run {run_id}"
+            except IntegrityError as exc:
+                check, reason = exc.check, exc.message.split(f": {exc.check}: ", 1)[-1]
+                what = f"run {run_id}"
+            except DomainError as exc:
+                raise _refused(exc) from None
+    doc = {"ok": check is None, "check": check, "reason": reason}
+    line = (f"flyctl checkpoints verify: {what}: ok" if check is None
+            else f"flyctl checkpoints verify: {what}: {check}: {reason}")
+    return Result(doc, [line], 0 if check is None else EXIT_FAILED)

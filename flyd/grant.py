@@ -1,0 +1,585 @@
+"""One grant's session on this node: start or resume, step under the cadence, recover, end.
+
+Why: a grant is the node's right to execute a run for a while. Within it the session must
+advance from the head (or from zero), make its work durable in checkpoint-sized steps, survive
+the loss of any worker by restoring every participant from the head into a new epoch, and end
+the run with exactly one fenced transaction. This module is that sequence (state.md §8, §9;
+distribution.md §5.7, §6); the executor (`flyd.executor`) validates the spec and owns the
+processes, the coordinator steps, the durability layer (`flyd.state.durability`) captures and
+commits.
+
+Sequence:
+1. Launch the composition (the spec's faults minus those already fired) and the coordinator
+   client. Without a head: bootstrap in `e1`. With a head at `e<h>` (§8.5): bootstrap in
+   `e<h+1>`, install the head with `restore(None, e<h+2>)` from that unstepped `Ready(0)`,
+   resume. The writer's head is the claimed head; its first commit inserts only later
+   boundaries.
+2. Step to the target. Before `step()` from `Ready(k)` the step-addressed faults of step k not
+   yet fired are recorded as fired (§3.11) and dropped from the coordinator's injections, so
+   they never recur, recoveries included. Each committed transition's behaviour record,
+   rebased onto `e1`, joins the pending effects; captures follow the cadence.
+3. A `SessionFailure` (a worker's death, a health failure, a partial commit, …) starts automatic
+   recovery (§8.2): drain the writer and read the head, drop the abandoned range, replace every
+   participant, take the next epoch, restore the head (or, with none, bootstrap a fresh
+   coordinator), resume. Attempts are bounded (`flyd.state.recovery`); an incompatible head is
+   refused at once.
+4. End (§9.3): the target → a final durable capture carrying the remaining effects, `finish`
+   and `finish_run(succeeded)` in one transaction; a cancel request → the pending effects,
+   `finish` and `finish_run(cancelled)` without a checkpoint; exhausted or refused recovery, or a
+   final capture too large → `finish` and `finish_run(failed)` only; a drain → a durable capture
+   at the current boundary (bounded by the drain window), then release with refund.
+
+Decisions:
+- The guard of restore precondition 4 is the runtime's own (every commit checks it); a lost
+  lease cancels this task through the scope, never through recovery.
+- A recovery that cannot drain the writer within `durable_timeout_s` abandons the run locally
+  (`recovery.abandoned_run`): the task returns without ending the run and the runtime
+  relinquishes it; the next holder resumes from the head.
+- `outcome.recoveries` and `epochs` count this grant's recoveries and the raw epochs of the
+  ledger's boundaries (committed ones read back from `flyd.effects`, pending ones from memory),
+  followed by the current epoch when it is not the last of them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import time
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any, Final, Literal
+
+import structlog
+
+from bus.errors import BusError
+from flyd.coordinator import Coordinator, DispatchOrder, Injections
+from flyd.fence import SessionFailure
+from flyd.identities import SessionNames
+from flyd.launcher import ExecutionMode, Launcher, connect_expected
+from flyd.leases.node import Scope
+from flyd.runspec import RunSpec
+from flyd.state.cadence import Cadence
+from flyd.state.durability import Durability, TooLarge
+from flyd.state.effects import epoch_number
+from flyd.state.recovery import Exhausted, RecoveryBudget, is_permanent
+from flyd.state.store import CheckpointRecord, CheckpointStore, FinishRun
+from flyd.state.writer import CheckpointWriter, Committed, EventRing, WriterConfig
+from flyd.trace import EpochRebase
+from workers.canonical import digest_of
+from workers.domain import DomainError
+from workers.shell import load_plugin
+from workers.synthetic.executor import IdentityExecutor
+
+if TYPE_CHECKING:
+    from flyd.executor import RunReport, SessionExecutor
+
+__all__ = ["GrantSession", "RunAbandoned", "writer_config"]
+
+log = structlog.get_logger("flyd.grant")
+
+FIRST_EPOCH: Final = "e1"
+Ending = Literal["succeeded", "cancelled", "drained"]
+
+#: committed ledger rows up to a boundary: `(boundary, raw epoch N, payload)` in boundary order
+LedgerReader = Callable[[int, int], Awaitable[list[tuple[int, int, dict[str, Any]]]]]
+
+_SPEC_KEYS: Final = {
+    "everySteps": "every_steps", "everySeconds": "every_seconds",
+    "keepGenerations": "keep_generations", "queueCapacity": "queue_capacity",
+    "maxQueuedBytes": "max_queued_bytes", "retry": "retry", "retryAttempts": "retry_attempts",
+    "retryBackoffS": "retry_backoff_s", "durableTimeoutS": "durable_timeout_s",
+    "recoveryMaxAttempts": "recovery_max_attempts", "recoveryBackoffS": "recovery_backoff_s",
+    "recoveryBackoffMaxS": "recovery_backoff_max_s",
+}
+
+
+class RunAbandoned(Exception):
+    """The grant's work cannot go on here (the writer would not drain); the runtime
+    relinquishes the run and the next holder resumes from the head."""
+
+
+def writer_config(node: WriterConfig, spec: RunSpec) -> WriterConfig:
+    """The node's `[checkpoints]` defaults, overridden by the run spec's `checkpoints`."""
+    given = {_SPEC_KEYS[k]: v for k, v in spec.checkpoints.items()
+             if v is not None and k in _SPEC_KEYS}
+    return dataclasses.replace(node, **given)
+
+
+class GrantSession:
+    """One grant's session (module rules)."""
+
+    def __init__(self, *, executor: SessionExecutor, scope: Scope, spec: RunSpec,
+                 report: RunReport, config: WriterConfig, checkpoints: CheckpointStore,
+                 ledger: LedgerReader, drain_timeout_s: float) -> None:
+        self.ex = executor
+        self.scope = scope
+        self.spec = spec
+        self.report = report
+        self.config = config
+        self.checkpoints = checkpoints
+        self.ledger = ledger
+        self.drain_timeout_s = drain_timeout_s
+        self.run_id = scope.run_id
+        self.log = log.bind(run=scope.run_id, lease_epoch=scope.lease_epoch,
+                            node=executor.node_id)
+        self.fired: set[str] = set(scope.grant.faults_fired)
+        self.budget = RecoveryBudget(config.recovery_max_attempts, config.recovery_backoff_s,
+                                     config.recovery_backoff_max_s)
+        self.max_epoch = 0
+        self.names: SessionNames | None = None
+        self.launcher: Launcher | None = None
+        self.coordinator: Coordinator | None = None
+        self.durability: Durability | None = None
+        self.ring = EventRing()
+        self.started = time.monotonic()
+
+    # ------------------------------------------------------------------ helpers
+
+    @property
+    def live_spec(self) -> RunSpec:
+        """The spec with every fault fired so far omitted (launches and injections use it)."""
+        return self.spec.without_fired(self.fired)
+
+    def _coordinator(self) -> Coordinator:
+        assert self.coordinator is not None
+        return self.coordinator
+
+    def _durability(self) -> Durability:
+        assert self.durability is not None
+        return self.durability
+
+    def _audit(self, line: str) -> None:
+        if self.coordinator is not None:
+            self.coordinator.audit.add(line)
+
+    def _next_epoch(self) -> str:
+        self.max_epoch += 1
+        return f"e{self.max_epoch}"
+
+    def _new_coordinator(self, epoch: str) -> Coordinator:
+        """A coordinator for the live workers in `epoch` (not bootstrapped)."""
+        spec, launcher = self.live_spec, self.launcher
+        assert launcher is not None and self.names is not None
+        task = load_plugin(spec.task.impl, "task")(config=dict(spec.task.config),
+                                                   terminal=spec.task.terminal,
+                                                   max_agents=self.ex.max_agents, epoch=epoch)
+        coordinator = Coordinator(
+            self.spec, self.ex.coordinator_client(self.run_id),
+            {wid: w.worker_ref() for wid, w in launcher.workers().items()},
+            task=task, executor=IdentityExecutor(), deadlines=self.ex.deadlines,
+            order=DispatchOrder.from_label(spec.dispatch), injections=self._injections(),
+            epoch=epoch)
+        if spec.pacing == "off" and spec.pace_s is None:
+            coordinator.disable_pacing()
+        self.coordinator = coordinator
+        self.report.coordinator = coordinator
+        return coordinator
+
+    def _injections(self) -> Injections:
+        spec, launcher = self.live_spec, self.launcher
+        assert launcher is not None
+        return Injections(lose_advance_result_at=spec.injections.lose_advance_result_at,
+                          kill_at=tuple((k.worker, k.step) for k in spec.injections.kill),
+                          kill=launcher.kill)
+
+    async def _writer_idle(self) -> bool:
+        """Wait until no capture is outstanding (≤ `durable_timeout_s`)."""
+        writer = self._durability().writer
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(self.config.durable_timeout_s):
+                await writer.idle()
+        return writer.outstanding() == 0
+
+    # ------------------------------------------------------------------ run
+
+    async def run(self) -> None:
+        head = (await self.checkpoints.head(self.run_id)
+                if self.scope.grant.high_water is not None else None)
+        self.scope.keep = self.config.keep_generations
+        writer = CheckpointWriter(self.checkpoints, self.scope, self.config,
+                                  head=(head.checkpoint_id, head.boundary) if head else None,
+                                  sink=self.ring)
+        self.durability = Durability(writer, Cadence(self.config.every_steps,
+                                                     self.config.every_seconds),
+                                     audit=self._audit)
+        async with asyncio.TaskGroup() as tg:
+            tg.create_task(writer.run())
+            try:
+                await self._lifecycle(head)
+            finally:
+                await writer.shutdown()
+
+    async def _lifecycle(self, head: CheckpointRecord | None) -> None:
+        try:
+            await self._launch()
+        except (DomainError, BusError) as exc:
+            await self._launch_failed(exc)
+            return
+        failure: SessionFailure | None = None
+        try:
+            await self._begin(head)
+        except SessionFailure as exc:
+            failure = exc
+        except DomainError as exc:
+            if is_permanent(exc):
+                await self._refused(exc, head.checkpoint_id if head else None)
+                return
+            raise
+        while True:
+            if failure is not None:
+                ended = await self._recover(failure)
+                if ended:
+                    return
+                failure = None
+            try:
+                ending = await self._step_to_end()
+                break
+            except SessionFailure as exc:
+                failure = exc
+        await self._end(ending)
+
+    async def _launch(self) -> None:
+        self.names = names = SessionNames(session_id=self.spec.session_id,
+                                          tag=self.ex.next_tag(), node_id=self.ex.node_id)
+        self.launcher = await self.ex.open_launcher(self.run_id, names)
+        launched = await self.launcher.launch_composition(
+            self.live_spec, ExecutionMode.from_label(self.spec.mode))
+        self.report.workers = [self.ex.worker_json(launched[w]) for w in self.spec.worker_ids()
+                               if w in launched]
+        client = await connect_expected(self.ex.node, self.ex.socket,
+                                        names.coordinator_client_id,
+                                        grants=names.client_grants())
+        self.ex.adopt_client(self.run_id, client)
+
+    async def _launch_failed(self, exc: DomainError | BusError) -> None:
+        code, mutation, message = (
+            (str(exc.code), str(exc.mutation), exc.message) if isinstance(exc, DomainError)
+            else (exc.name, "none", exc.message))
+        self.report.failure = {"detail": "launch", "participant": None, "code": code,
+                               "mutation": mutation, "message": message}
+        self.report.failures.append(self.report.failure)
+        self.log.error("run.launch_failed", code=code, message=message)
+        await self._failed({"error": "launch failed", "failure": self.report.failure})
+
+    async def _begin(self, head: CheckpointRecord | None) -> None:
+        durability = self._durability()
+        if head is None:
+            epoch = self._next_epoch()
+            coordinator = self._new_coordinator(epoch)
+            await coordinator.bootstrap()
+            durability.restart(0, epoch)
+            self.report.boundary = 0
+            return
+        self.max_epoch = epoch_number(head.session_epoch)
+        coordinator = self._new_coordinator(self._next_epoch())
+        await coordinator.bootstrap()
+        epoch = self._next_epoch()
+        restored = await coordinator.restore(None, epoch, store=self.checkpoints,
+                                             run_id=self.run_id)
+        coordinator.resume()
+        durability.restart(restored.boundary, epoch)
+        self.report.boundary = restored.boundary
+        self.log.info("run.resumed", checkpoint_id=restored.checkpoint_id,
+                      boundary=restored.boundary, new_epoch=epoch)
+
+    # ------------------------------------------------------------------ stepping
+
+    async def _step_to_end(self) -> Ending:
+        """Step until the target, a cancel request or a drain, under health supervision; a
+        failed epoch raises its `SessionFailure` (a health failure included)."""
+        launcher = self.launcher
+        assert launcher is not None
+        health: list[SessionFailure] = []
+        async with asyncio.TaskGroup() as tg:
+            stepper = tg.create_task(self._steps_or_failure())
+
+            def on_health(worker_id: str, error: DomainError) -> None:
+                failure = self._coordinator().health_failure(worker_id, error)
+                if failure is not None and not stepper.done():
+                    health.append(failure)
+                    stepper.cancel()
+
+            supervisor = tg.create_task(launcher.supervise(on_health))
+            stepper.add_done_callback(lambda _: supervisor.cancel())
+        if stepper.cancelled():
+            if health:
+                raise health[0]
+            raise asyncio.CancelledError
+        result = stepper.result()
+        if isinstance(result, SessionFailure):
+            raise result
+        return result
+
+    async def _steps_or_failure(self) -> Ending | SessionFailure:
+        """A failed epoch as a value, so it leaves the task group as itself."""
+        try:
+            return await self._steps()
+        except SessionFailure as exc:
+            return exc
+
+    async def _steps(self) -> Ending:
+        coordinator = self._coordinator()
+        durability = self._durability()
+        report = self.report
+        started = time.monotonic()
+        done_at_start = report.boundary
+        while report.boundary < self.spec.steps:
+            if self.scope.cancel_requested.is_set():
+                return "cancelled"
+            if self.scope.drain_requested.is_set():
+                return "drained"
+            await self._fire_due(report.boundary)
+            step = await coordinator.step()
+            report.boundary = step.boundary
+            report.advances += 1
+            report.step_seconds += time.monotonic() - started
+            started = time.monotonic()
+            record = self._last_record(coordinator)
+            report.records.append(record)
+            durability.record(step.boundary, coordinator.epoch, record)
+            if self.ex.on_progress is not None:
+                self.ex.on_progress(report)
+            if step.terminal or step.paused or step.boundary >= self.spec.steps:
+                break  # the final capture replaces a cadence capture due here (§9.1)
+            await durability.after_boundary(coordinator, step.boundary)
+            if self.budget.attempt and durability.head_boundary > done_at_start:
+                self.budget.committed()
+        return "succeeded"
+
+    async def _fire_due(self, boundary: int) -> None:
+        """Record step k's unfired one-shot faults as fired before the step that fires them;
+        the coordinator keeps only those (and unfired later ones) in its injections."""
+        due = [f for f in self.spec.faults_at(boundary) if f not in self.fired]
+        if not due:
+            return
+        earlier = set(self.fired)
+        await self.scope.mark_faults_fired(due)
+        self.fired.update(due)
+        coordinator = self._coordinator()
+        kills = tuple((k.worker, k.step) for k in self.spec.injections.kill
+                      if k.fault_id not in earlier)
+        lost = tuple(s for s in self.spec.injections.lose_advance_result_at
+                     if f"lose-advance-result@{s}" not in earlier)
+        coordinator.injections = dataclasses.replace(
+            coordinator.injections, kill_at=kills, lose_advance_result_at=lost)
+        self.log.info("faults.fired", faults=sorted(due))
+
+    @staticmethod
+    def _last_record(coordinator: Coordinator) -> dict[str, Any]:
+        record = coordinator.trace.transitions[-1].behaviour
+        if coordinator.epoch == FIRST_EPOCH:
+            return dict(record)
+        return EpochRebase(coordinator.epoch, FIRST_EPOCH, coordinator.task).apply(record)
+
+    # ------------------------------------------------------------------ recovery (§8.2)
+
+    async def _recover(self, failure: SessionFailure) -> bool:
+        """Recover until the session steps again (False) or the run ended here (True)."""
+        last = failure
+        while True:
+            attempt = self.budget.start()
+            if isinstance(attempt, Exhausted):
+                self.log.error("recovery.exhausted", attempts=attempt.attempts,
+                               last_failure=_failure_fields(last))
+                await self._failed({"error": "recovery attempts exhausted",
+                                    "attempts": attempt.attempts,
+                                    "lastFailure": _failure_json(last)})
+                return True
+            coordinator = self._coordinator()
+            self.report.failures.append(_failure_json(last))
+            self.log.info("recovery.started", failed_epoch=coordinator.epoch, attempt=attempt,
+                          max_attempts=self.budget.max_attempts,
+                          failure=_failure_fields(last))
+            try:
+                await self._attempt(attempt, last)
+            except RunAbandoned:
+                raise
+            except SessionFailure as exc:
+                last = exc
+            except DomainError as exc:
+                if is_permanent(exc):
+                    head = self._durability().head
+                    await self._refused(exc, head[0] if head is not None else None)
+                    return True
+                last = SessionFailure(exc, self._coordinator().phase.label, "restore", None)
+            else:
+                return False
+            backoff = self.budget.failed()
+            self.log.warning("recovery.attempt_failed", attempt=attempt, code=str(last.code),
+                             message=last.message, participant=last.participant,
+                             tainted=self._tainted(), backoff_s=backoff)
+            await asyncio.sleep(backoff)
+
+    def _tainted(self) -> list[str]:
+        coordinator = self.coordinator
+        tainted = getattr(coordinator, "tainted", None)
+        return list(tainted()) if callable(tainted) else []
+
+    async def _attempt(self, attempt: int, failure: SessionFailure) -> None:
+        durability = self._durability()
+        writer = durability.writer
+        before = writer.outstanding()
+        if not await self._writer_idle():
+            self.log.error("recovery.abandoned_run", reason="the checkpoint writer did not "
+                           "drain within durable_timeout_s")
+            raise RunAbandoned(f"run {self.run_id}: writer did not drain")
+        head = durability.head
+        self.log.info("recovery.drained", outstanding_before=before,
+                      head=None if head is None else {"checkpoint_id": head[0],
+                                                      "boundary": head[1]})
+        failed_epoch = self._coordinator().epoch
+        reached = self.report.boundary
+        head_boundary = durability.head_boundary
+        if reached > head_boundary:
+            self.log.info("recovery.abandoned", failed_epoch=failed_epoch,
+                          from_boundary=head_boundary + 1, to_boundary=reached)
+        writer.pending.rewind(head_boundary)
+        await self._replace_all()
+        epoch = self._next_epoch()
+        if head is None:
+            coordinator = self._new_coordinator(epoch)
+            await coordinator.bootstrap()
+            boundary = 0
+            self.log.info("recovery.restarted", new_epoch=epoch)
+        else:
+            coordinator = self._coordinator()
+            coordinator.injections = self._injections()
+            restored = await coordinator.restore(None, epoch, store=self.checkpoints,
+                                                 run_id=self.run_id)
+            boundary = restored.boundary
+            self.log.info("recovery.restored", checkpoint_id=restored.checkpoint_id,
+                          boundary=boundary, new_epoch=epoch, staged=list(restored.staged),
+                          activated=list(restored.activated))
+            coordinator.resume()
+        self.report.boundary = boundary
+        self.report.records = self.report.records[:max(0, boundary - self._first_local())]
+        durability.restart(boundary, epoch)
+        self.budget.resumed()
+        self.ex.recovered(self.report, {"participant": failure.participant,
+                                        "code": str(failure.code), "boundary": boundary,
+                                        "epoch": epoch})
+        self.log.info("recovery.resumed", boundary=boundary, new_epoch=epoch, attempt=attempt)
+
+    def _first_local(self) -> int:
+        """The boundary this grant's local records start after (the claimed head)."""
+        return self.scope.grant.boundary
+
+    async def _replace_all(self) -> None:
+        launcher, coordinator = self.launcher, self._coordinator()
+        assert launcher is not None
+        spec = self.live_spec
+        for wid in spec.worker_ids():
+            old = launcher.workers().get(wid)
+            launched = await launcher.restart(wid, faults=spec.faults_of(wid))
+            coordinator.replace_participant(wid, launched.worker_ref())
+            self.log.info("recovery.replaced", worker=wid,
+                          old_incarnation=old.identity.incarnation_id if old else None,
+                          new_incarnation=launched.identity.incarnation_id, reap="killed")
+
+    # ------------------------------------------------------------------ endings (§9.3)
+
+    async def _end(self, ending: Ending) -> None:
+        if ending == "succeeded":
+            await self._final()
+        elif ending == "cancelled":
+            await self._cancelled()
+        else:
+            await self._drained()
+
+    async def _ledger(self, through: int) -> tuple[list[dict[str, Any]], list[str]]:
+        """Payloads of boundaries 1..through in order (committed, then pending) and the raw
+        epochs that executed them, in order of first boundary."""
+        durability = self._durability()
+        head_boundary = durability.head_boundary
+        rows = await self.ledger(self.run_id, head_boundary) if head_boundary else []
+        pending = durability.writer.pending.covering(head_boundary, through)
+        payloads = [p for _, _, p in rows] + [dict(e.payload) for e in pending]
+        epochs: list[str] = []
+        for n in [n for _, n, _ in rows] + [e.session_epoch for e in pending]:
+            if f"e{n}" not in epochs:
+                epochs.append(f"e{n}")
+        current = self._coordinator().epoch
+        if not epochs or epochs[-1] != current:
+            epochs.append(current)
+        return payloads, epochs
+
+    async def _final(self) -> None:
+        durability = self._durability()
+        coordinator = self._coordinator()
+        while True:
+            await self._writer_idle()
+            boundary = self.report.boundary
+            payloads, epochs = await self._ledger(boundary)
+            checkpoint_id = durability.cadence.next_id("final")
+            outcome = {"boundary": boundary, "advances": self.report.advances,
+                       "recoveries": self.budget.recoveries, "epochs": epochs,
+                       "finalCheckpointId": checkpoint_id,
+                       "behaviourDigest": digest_of(payloads)}
+            result = await durability.durable(
+                coordinator, "final", checkpoint_id=checkpoint_id,
+                finish=FinishRun("succeeded", outcome, boundary,
+                                 epoch_number(coordinator.epoch)))
+            if isinstance(result, Committed):
+                self.report.state = "succeeded"
+                return
+            if isinstance(result, TooLarge):
+                await self._failed({"error": "checkpoint too large",
+                                    "message": result.message,
+                                    "limit": self.config.max_envelope_bytes})
+                return
+            backoff = self.config.recovery_backoff_s
+            self.log.warning("checkpoint.final_retry", checkpoint_id=checkpoint_id,
+                             outcome=type(result).__name__, backoff_s=backoff)
+            await asyncio.sleep(backoff)
+
+    async def _cancelled(self) -> None:
+        durability = self._durability()
+        await durability.writer.shutdown()
+        boundary = self.report.boundary
+        _, epochs = await self._ledger(boundary)
+        effects = durability.writer.pending.covering(durability.head_boundary, boundary)
+        self.report.state = "cancelled"
+        await self.scope.finish("cancelled", {"boundary": boundary,
+                                              "recoveries": self.budget.recoveries,
+                                              "epochs": epochs},
+                                effects, boundaries=boundary,
+                                session_epoch=epoch_number(self._coordinator().epoch))
+
+    async def _drained(self) -> None:
+        durability = self._durability()
+        if not self.scope.drain_hurry.is_set():
+            budget = min(self.config.durable_timeout_s,
+                         max(0.0, self.drain_timeout_s - (time.monotonic() - self.started) - 1))
+            with contextlib.suppress(DomainError):
+                result = await durability.durable(self._coordinator(), "drain", budget=budget)
+                self.log.info("run.drain_checkpoint", outcome=type(result).__name__)
+        await durability.writer.shutdown()
+        self.report.state = "released"
+        await self.scope.release(refund=True)
+
+    async def _failed(self, outcome: dict[str, Any]) -> None:
+        durability = self._durability()
+        await durability.writer.shutdown()
+        self.report.state = "failed"
+        epoch = self.coordinator.epoch if self.coordinator is not None else FIRST_EPOCH
+        await self.scope.finish("failed", outcome, boundaries=durability.head_boundary,
+                                session_epoch=epoch_number(epoch))
+
+    async def _refused(self, exc: DomainError, checkpoint_id: str | None) -> None:
+        self.log.error("recovery.refused", code=str(exc.code), message=exc.message,
+                       checkpoint_id=checkpoint_id)
+        await self._failed({"code": str(exc.code), "message": exc.message,
+                            "checkpointId": checkpoint_id})
+
+
+def _failure_json(failure: SessionFailure) -> dict[str, Any]:
+    return {"detail": failure.detail, "participant": failure.participant,
+            "code": str(failure.code), "mutation": str(failure.mutation),
+            "message": failure.message}
+
+
+def _failure_fields(failure: SessionFailure) -> dict[str, Any]:
+    return {"code": str(failure.code), "mutation": str(failure.mutation),
+            "detail": failure.detail, "participant": failure.participant,
+            "phase": failure.phase, "message": failure.message}
+

@@ -1,0 +1,196 @@
+"""One session's durability: cadence captures, pending effects and the writer (state.md §5.7, §9).
+
+Why: the coordinator knows boundaries, the writer knows commits; something must decide after
+each committed transition whether a capture is due, keep the transition's effect pending until
+a checkpoint covers it, stop stepping at the pending-effects bound, and end a run with its last
+transaction. The node's executor and the state tests drive sessions through this one class.
+
+Rules:
+- `record(k, epoch, payload)` after each committed transition: boundary k's behaviour record,
+  already rebased onto `e1`, joins `PendingEffects` with the raw epoch that executed it.
+- `after_boundary(coordinator, k)`: at the pending-effects bound a **forced** durable capture
+  is taken and awaited until it commits (retrying after `recovery_backoff_s`; only lease loss or
+  cancellation ends the wait); else, when the cadence is due, a **hot** capture: a slot is
+  reserved before any participant is asked (`BUSY` → audit `capture-refused:<id>`, the capture
+  stays due, stepping goes on), the coordinator captures, the writer queues it (replaceable).
+  A capture refused with the epoch intact (a worker error with mutation `none`) is skipped the
+  same way; one that failed the epoch raises its `SessionFailure`.
+- `durable(coordinator, kind, finish=None, budget=None)`: a durable capture (`final`, `drain`,
+  `forced`): reserve (waiting for a slot), capture, submit (never coalesced), await the outcome.
+  `UNSUPPORTED` (too large for `max_envelope_bytes`) is returned as `TooLarge`, never retried.
+- Ids come from the cadence (`ck-e<N>-<n>[-final|-drain|-forced]`), so none recurs in a run.
+- `committed` counts the generations this grant committed; `head` is the writer's (id, k).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Final
+
+import structlog
+
+from flyd.fence import SessionFailure
+from flyd.state.cadence import Cadence, Kind
+from flyd.state.store import FinishRun
+from flyd.state.writer import (
+    CaptureSubmission,
+    CheckpointWriter,
+    Committed,
+    Reservation,
+    SaveOutcome,
+    SaveTicket,
+)
+from workers.domain import DomainError, ErrorCode
+
+if TYPE_CHECKING:
+    from flyd.coordinator import Coordinator
+
+__all__ = ["Durability", "TooLarge"]
+
+log = structlog.get_logger("flyd.state.durability")
+
+SLOT_POLL_S: Final = 0.05
+
+
+@dataclass(frozen=True, slots=True)
+class TooLarge:
+    """A durable capture the writer refused as larger than `max_envelope_bytes` (§5.2)."""
+
+    checkpoint_id: str
+    message: str
+
+    def is_durable(self) -> bool:
+        return False
+
+
+class Durability:
+    """Cadence + pending effects + writer for one session (module rules)."""
+
+    def __init__(self, writer: CheckpointWriter, cadence: Cadence, *,
+                 clock: Callable[[], float] = time.monotonic,
+                 audit: Callable[[str], None] | None = None) -> None:
+        self.writer = writer
+        self.cadence = cadence
+        self.clock = clock
+        self.audit = audit or (lambda line: None)
+        self.committed = 0
+
+    @property
+    def head(self) -> tuple[str, int] | None:
+        return self.writer.head
+
+    @property
+    def head_boundary(self) -> int:
+        return self.writer.head[1] if self.writer.head is not None else 0
+
+    def record(self, boundary: int, session_epoch: str, payload: dict[str, Any]) -> None:
+        self.writer.pending.append(boundary, session_epoch, payload)
+
+    def restart(self, boundary: int, session_epoch: str) -> None:
+        """Bootstrap or restore at `boundary` in `session_epoch`: pending effects beyond the head
+        go (they will be executed again), the cadence restarts."""
+        self.writer.pending.rewind(self.head_boundary)
+        self.cadence.reset(boundary, self.clock(), session_epoch)
+
+    # ------------------------------------------------------------------ after each boundary
+
+    async def after_boundary(self, coordinator: Coordinator, boundary: int) -> None:
+        if self.writer.pending.full():
+            await self.forced(coordinator)
+        elif self.cadence.due(boundary, self.clock()):
+            await self.hot(coordinator, boundary)
+
+    async def hot(self, coordinator: Coordinator, boundary: int) -> None:
+        checkpoint_id = self.cadence.next_id("hot")
+        try:
+            reservation = self.writer.reserve()
+        except DomainError as exc:
+            self.audit(f"capture-refused:{checkpoint_id}")
+            log.info("checkpoint.deferred", checkpoint_id=checkpoint_id, reason=exc.message)
+            return
+        ticket = await self._capture_and_submit(coordinator, checkpoint_id, reservation,
+                                                replaceable=True, finish=None)
+        if ticket is not None:
+            self.cadence.submitted(boundary, self.clock())
+            ticket.add_done_callback(self._count)
+
+    async def forced(self, coordinator: Coordinator) -> None:
+        """Stop stepping until a durable capture commits (§9.2); retries after a failure."""
+        backoff = self.writer.config.recovery_backoff_s
+        while True:
+            outcome = await self.durable(coordinator, "forced")
+            if isinstance(outcome, Committed):
+                return
+            if isinstance(outcome, TooLarge):
+                raise DomainError.before(ErrorCode.UNSUPPORTED, outcome.message)
+            log.warning("checkpoint.forced_retry", checkpoint_id=outcome.checkpoint_id,
+                        outcome=type(outcome).__name__, backoff_s=backoff)
+            await asyncio.sleep(backoff)
+
+    # ------------------------------------------------------------------ durable captures
+
+    async def durable(self, coordinator: Coordinator, kind: Kind,
+                      finish: FinishRun | None = None, budget: float | None = None,
+                      checkpoint_id: str | None = None) -> SaveOutcome | TooLarge:
+        """`checkpoint_id`: one the caller took from the cadence already (a final capture's
+        outcome names its id before the capture exists)."""
+        checkpoint_id = checkpoint_id or self.cadence.next_id(kind)
+        reservation = await self._reserve()
+        try:
+            ticket = await self._capture_and_submit(coordinator, checkpoint_id, reservation,
+                                                    replaceable=False, finish=finish)
+        except DomainError as exc:
+            if exc.code == ErrorCode.UNSUPPORTED:
+                return TooLarge(checkpoint_id, exc.message)
+            raise
+        if ticket is None:
+            raise DomainError.before(
+                ErrorCode.INVALID_PHASE,
+                f"durable capture {checkpoint_id} was refused by a participant")
+        outcome = await self.writer.wait(ticket, budget)
+        if isinstance(outcome, Committed):
+            self.committed += 1
+        return outcome
+
+    async def _reserve(self) -> Reservation:
+        while True:
+            try:
+                return self.writer.reserve()
+            except DomainError as exc:
+                if exc.code != ErrorCode.BUSY or self.writer.stopping:
+                    raise
+            await asyncio.sleep(SLOT_POLL_S)
+
+    async def _capture_and_submit(self, coordinator: Coordinator, checkpoint_id: str,
+                                  reservation: Reservation, *, replaceable: bool,
+                                  finish: FinishRun | None) -> SaveTicket | None:
+        try:
+            capture = await coordinator.capture(checkpoint_id,
+                                                kind="hot" if replaceable else "durable")
+        except SessionFailure:
+            reservation.release()
+            if coordinator.fenced:
+                raise
+            return None
+        except BaseException:
+            reservation.release()
+            raise
+        try:
+            return self.writer.submit(reservation, CaptureSubmission(
+                checkpoint_id=capture.checkpoint_id, boundary=capture.boundary,
+                session_epoch=capture.session_epoch, episode_id=capture.episode_id,
+                manifest=capture.manifest, payloads=capture.payloads,
+                replaceable=replaceable, finish=finish))
+        except DomainError as exc:
+            self.audit(f"capture-refused:{checkpoint_id}")
+            if replaceable and exc.code in (ErrorCode.BUSY, ErrorCode.UNSUPPORTED):
+                log.info("checkpoint.refused", checkpoint_id=checkpoint_id, reason=exc.message)
+                return None
+            raise
+
+    def _count(self, ticket: SaveTicket) -> None:
+        if isinstance(ticket.outcome(), Committed):
+            self.committed += 1

@@ -1,0 +1,70 @@
+"""Automatic recovery as node policy: attempts, backoff, classification (state.md §8.1–§8.3).
+
+Pure and synchronous: the node's grant session (`flyd.grant`) performs the attempt; this module
+decides whether there may be one, how long to wait first, and whether a failure is permanent.
+
+Rules:
+- Triggers (§8.1): any `SessionFailure` of a session the node holds. Not a lost lease, a
+  cancellation or a drain (the caller never asks then).
+- `start()` begins an attempt: `attempt += 1`; past `max_attempts` → `Exhausted`. Attempts count
+  consecutive recoveries without a durable commit between them: `committed()` (a `Committed`
+  outcome after a resume) resets the count and the backoff.
+- Backoff before a retry of a failed attempt: `recovery_backoff_s`, doubling per failed attempt up
+  to `recovery_backoff_max_s`.
+- Permanent (§8.2 step 9): `INCOMPATIBLE_STATE` from the restore's preconditions 5–7, a stage or
+  the ledger validation → `recovery.refused`, the run ends `failed` with `{code, message,
+  checkpointId}`, no further attempt. Everything else is retried.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from workers.domain import DomainError, ErrorCode
+
+__all__ = ["Exhausted", "RecoveryBudget", "is_permanent"]
+
+
+@dataclass(frozen=True, slots=True)
+class Exhausted:
+    attempts: int
+
+
+@dataclass
+class RecoveryBudget:
+    max_attempts: int = 3
+    backoff_s: float = 1.0
+    backoff_max_s: float = 30.0
+    attempt: int = 0
+    recoveries: int = 0
+    _next_backoff: float = field(default=0.0, repr=False)
+
+    def __post_init__(self) -> None:
+        self._next_backoff = self.backoff_s
+
+    def start(self) -> int | Exhausted:
+        """Begin an attempt: its number (1-based), or `Exhausted` past the bound."""
+        self.attempt += 1
+        if self.attempt > self.max_attempts:
+            return Exhausted(self.attempt - 1)
+        return self.attempt
+
+    def failed(self) -> float:
+        """The attempt failed: the backoff to sleep before the next one (doubling, capped)."""
+        delay = self._next_backoff
+        self._next_backoff = min(self._next_backoff * 2, self.backoff_max_s)
+        return delay
+
+    def resumed(self) -> None:
+        """The attempt succeeded: the session steps again."""
+        self.recoveries += 1
+
+    def committed(self) -> None:
+        """A durable commit after a resume: the next failure starts from attempt 1."""
+        self.attempt = 0
+        self._next_backoff = self.backoff_s
+
+
+def is_permanent(error: DomainError) -> bool:
+    """§8.2 step 9: an incompatible head can never be installed; retrying cannot help."""
+    return error.code == ErrorCode.INCOMPATIBLE_STATE
