@@ -1,18 +1,26 @@
-"""Tier-2 tests of distribution.md §8 with real node processes (tests 58–59 so far).
+"""Tier-2 tests of distribution.md §8 (tests 52–55, 57–59 so far).
 
-The scenario registry, fault proxy and oracle of §7.3 join this file with the fault suite; the
-tests here need only a real node, a real PostgreSQL and signals.
+Tests 52–55 and 57 prove the harness itself: the fault proxy and its taps (against an echo
+server and through psycopg to a real server), the harness clock shared by `flyd.app_now()` and
+the nodes' clock file, the clock-mode refusal at node start, and the wall budget of a scenario
+(`harness/runner.py`). Tests 58–59 need only a real node, a real PostgreSQL and signals. The
+scenarios of §7.3.5 (test 56) join this file with the oracle.
 """
 
 from __future__ import annotations
 
 import asyncio
+import datetime
 import os
 import shutil
 import signal
+import socket
+import socketserver
+import struct
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,10 +30,30 @@ import psutil
 import psycopg
 import pytest
 
+from flyd.leases.clock import SimFileClock, SimFileWriter
 from flyd.leases.embedded import EmbeddedPostgres
 from flyd.leases.params import LeaseParams
 from flyd.leases.pgstore import DbSettings, PgStore
 from flyd.runspec import RunSpec
+from tests.distribution.harness.clock import EPOCH, TICK_S, HarnessClock
+from tests.distribution.harness.proxy import (
+    DROP,
+    HOLD,
+    RESET,
+    Delay,
+    FaultProxy,
+    HoldOnMatch,
+    ProxyHost,
+    Upstream,
+)
+from tests.distribution.harness.runner import (
+    Report,
+    processes_with_marker,
+    pytest_reporter,
+    run_scenario,
+    suite_line,
+)
+from tests.distribution.harness.scenarios import scenario_seed, suite_seed
 from tests.serve_nodes import ROOT, processes_under, query, start_node, wait_for
 
 pytestmark = pytest.mark.timeout(180)
@@ -110,3 +138,344 @@ def test_graceful_shutdown_exit_code(db_dsn: str, tmp: Path) -> None:
     ends = query(db_dsn, "SELECT end_reason FROM flyd.run_attempts ORDER BY run_id")
     assert ends == [("released",), ("released",)]
     assert query(db_dsn, "SELECT state, held FROM flyd.nodes") == [("stopped", 0)]
+
+
+# ------------------------------------------------------------------------------------------
+# Harness infrastructure (tests 52–55, 57): fault proxy, taps, harness clock, budgets.
+
+class EchoHandler(socketserver.BaseRequestHandler):
+    """Swallows the startup packet, then echoes every byte and the EOF."""
+
+    def handle(self) -> None:
+        sock: socket.socket = self.request
+        try:
+            head = _recv_exact(sock, 4, 5.0)
+            _recv_exact(sock, struct.unpack("!i", head)[0] - 4, 5.0)
+            sock.settimeout(30)
+            while data := sock.recv(65536):
+                sock.sendall(data)
+            sock.shutdown(socket.SHUT_WR)
+        except OSError:
+            return
+
+
+class EchoServer(socketserver.ThreadingTCPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+
+
+@pytest.fixture
+def echo() -> Iterator[Upstream]:
+    server = EchoServer(("127.0.0.1", 0), EchoHandler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield Upstream(host="127.0.0.1", port=server.server_address[1])
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def _recv_exact(sock: socket.socket, n: int, timeout: float) -> bytes:
+    sock.settimeout(timeout)
+    out = b""
+    while len(out) < n:
+        data = sock.recv(n - len(out))
+        if not data:
+            raise EOFError(f"EOF after {len(out)} of {n} bytes")
+        out += data
+    return out
+
+
+def _silent(sock: socket.socket, seconds: float = 0.3) -> bool:
+    """True when nothing (not even EOF) arrives within `seconds`."""
+    sock.settimeout(seconds)
+    try:
+        sock.recv(1)
+    except TimeoutError:
+        return True
+    return False
+
+
+def _startup(application_name: str) -> bytes:
+    body = struct.pack("!i", 196608) + b"user\0flyd\0application_name\0" + \
+        application_name.encode() + b"\0\0"
+    return struct.pack("!i", len(body) + 4) + body
+
+
+def _frame(kind: bytes, text: str) -> bytes:
+    body = text.encode() + b"\0"
+    return kind + struct.pack("!i", len(body) + 4) + body
+
+
+def _connect(proxy: FaultProxy, role: str = "probe") -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", proxy.port), timeout=5)
+    sock.sendall(_startup(f"flyd:echo-node:{role}"))
+    return sock
+
+
+def test_proxy_modes(echo: Upstream) -> None:
+    with ProxyHost(now=time.monotonic, time_scale=1.0, seed=52) as host:
+        proxy = host.add("a", echo)
+        for d in ("up", "down"):
+            # Messages the tap records in this direction: Query up, CommandComplete down.
+            kind, tapped = (b"Q", "query") if d == "up" else (b"C", "complete")
+
+            def taps(fate: str, *, d: str = d, tapped: str = tapped) -> list[str]:
+                return [str(r.detail.get("text", r.detail.get("tag")))
+                        for r in host.tap.records()
+                        if r.direction == d and r.kind == tapped and r.fate == fate]
+
+            # delay: every chunk late, order kept.
+            proxy.set(d, Delay(0.03, 0.02))
+            sock = _connect(proxy)
+            msgs = [_frame(kind, f"{d}-delay-{i}") for i in range(20)]
+            started = time.monotonic()
+            for msg in msgs:
+                sock.sendall(msg)
+                time.sleep(0.002)
+            first = _recv_exact(sock, len(msgs[0]), 5)
+            assert time.monotonic() - started >= 0.01, "the delay did not bite"
+            assert first + _recv_exact(sock, sum(map(len, msgs[1:])), 5) == b"".join(msgs)
+            assert taps("delivered")[-20:] == [f"{d}-delay-{i}" for i in range(20)]
+            sock.close()
+            proxy.heal()
+
+            # a rule for another role leaves this connection alone
+            proxy.set(d, HOLD, role="other")
+            sock = _connect(proxy)
+            ping = _frame(kind, f"{d}-ping")
+            sock.sendall(ping)
+            assert _recv_exact(sock, len(ping), 5) == ping
+            sock.close()
+            proxy.heal()
+
+            # hold: bytes and EOF buffered, delivered in order at heal
+            proxy.set(d, HOLD)
+            sock = _connect(proxy)
+            msgs = [_frame(kind, f"{d}-hold-{i}") for i in range(3)]
+            for msg in msgs:
+                sock.sendall(msg)
+            sock.shutdown(socket.SHUT_WR)
+            assert _silent(sock), "held bytes leaked"
+            assert taps("held")[-3:] == [f"{d}-hold-{i}" for i in range(3)]
+            proxy.heal()
+            assert _recv_exact(sock, sum(map(len, msgs)), 5) == b"".join(msgs)
+            sock.settimeout(5)
+            assert sock.recv(1) == b"", "the held EOF was not delivered"
+            assert taps("delivered")[-3:] == [f"{d}-hold-{i}" for i in range(3)]
+            sock.close()
+
+            # drop: discarded; the connection is reset at heal
+            proxy.set(d, DROP)
+            sock = _connect(proxy)
+            sock.sendall(_frame(kind, f"{d}-drop"))
+            assert _silent(sock), "dropped bytes arrived"
+            assert taps("dropped")[-1:] == [f"{d}-drop"]
+            proxy.heal()
+            sock.settimeout(5)
+            with pytest.raises(ConnectionResetError):
+                sock.recv(1)
+            sock.close()
+
+            # reset: existing connections RST now, new ones while active; a role rule acts
+            # once the startup packet names the role
+            sock = _connect(proxy)
+            sock.sendall(ping)
+            assert _recv_exact(sock, len(ping), 5) == ping
+            proxy.set(d, RESET)
+            sock.settimeout(5)
+            with pytest.raises(ConnectionResetError):
+                sock.recv(1)
+            sock.close()
+            late = socket.create_connection(("127.0.0.1", proxy.port), timeout=5)
+            with pytest.raises(ConnectionResetError):
+                late.recv(1)
+            late.close()
+            proxy.heal()
+            proxy.set(d, RESET, role="probe")
+            victim = _connect(proxy, "probe")
+            with pytest.raises(ConnectionResetError):
+                victim.recv(1)
+            victim.close()
+            bystander = _connect(proxy, "other")
+            bystander.sendall(ping)
+            assert _recv_exact(bystander, len(ping), 5) == ping
+            bystander.close()
+            proxy.heal()
+
+            # hold_on_match: passes up to the matching message, holds from it on
+            proxy.set(d, HoldOnMatch("MARK"))
+            sock = _connect(proxy)
+            one, two, three = (_frame(kind, f"{d}-one"), _frame(kind, f"{d}-two MARK"),
+                               _frame(kind, f"{d}-three"))
+            sock.sendall(one + two + three)
+            assert _recv_exact(sock, len(one), 5) == one
+            assert _silent(sock), "bytes after the match leaked"
+            assert taps("held")[-2:] == [f"{d}-two MARK", f"{d}-three"]
+            proxy.heal()
+            assert _recv_exact(sock, len(two + three), 5) == two + three
+            sock.close()
+        assert {c.role for c in proxy.connections()} <= {"probe", "other"}
+
+
+def test_proxy_tap_sqlstates(db_dsn: str, tmp: Path) -> None:
+    inserted = query(db_dsn, "INSERT INTO flyd.runs (spec, state, lease_epoch, attempt, "
+                             "owner_node, lease_expires_at) VALUES ('{}', 'running', 1, 1, "
+                             "'n-a', '2100-01-01T00:00:00Z') RETURNING run_id")
+    run = int(str(inserted[0][0]))
+    effect = ("INSERT INTO flyd.effects (run_id, effect_key, lease_epoch, node_id, "
+              "session_epoch, boundary, payload, payload_digest) "
+              "VALUES (%s, 'boundary-1', %s, 'n-a', 1, 1, '{}', '\\x00')")
+    with HarnessClock(db_dsn, tmp / "clock", time_scale=20.0) as clock, \
+            ProxyHost(now=clock.now, time_scale=20.0, seed=53) as host:
+        proxy = host.add("a", Upstream.from_dsn(db_dsn))
+        dsn = proxy.dsn(db_dsn)
+        before = clock.now()
+        with psycopg.connect(dsn, autocommit=True,
+                             application_name="flyd:n-a:work") as work:
+            work.execute(effect, (run, 1))
+            with pytest.raises(psycopg.errors.UniqueViolation):
+                work.execute(effect, (run, 1))
+            pid = work.info.backend_pid
+        with psycopg.connect(dsn, autocommit=True,
+                             application_name="flyd:n-a:heartbeat") as beat, \
+                pytest.raises(psycopg.Error) as fenced:
+            beat.execute(effect, (run, 7))
+        assert fenced.value.sqlstate == "LF001"
+        after = clock.now()
+    records = host.tap.records()
+    dup = [r for r in records if r.kind == "error" and r.detail.get("sqlstate") == "23505"]
+    lf001 = [r for r in records if r.kind == "error" and r.detail.get("sqlstate") == "LF001"]
+    assert len(dup) == 1 and len(lf001) == 1
+    assert dup[0].detail["constraint"] == "effects_pkey"
+    assert (dup[0].role, dup[0].node, dup[0].direction, dup[0].fate) == \
+        ("work", "a", "down", "delivered")
+    assert (lf001[0].role, lf001[0].node) == ("heartbeat", "a")
+    for rec in (dup[0], lf001[0]):
+        assert before <= rec.sim_time <= after, "tap time is not the harness sim time"
+    assert dup[0].conn != lf001[0].conn
+    keys = [r for r in records if r.kind == "backend_key" and r.conn == dup[0].conn]
+    assert [r.detail["pid"] for r in keys] == [pid]
+    startups = [r for r in records if r.kind == "startup"]
+    assert {str(r.detail["application_name"]) for r in startups} == \
+        {"flyd:n-a:work", "flyd:n-a:heartbeat"}
+    assert any(r.kind == "complete" and r.detail["tag"] == "INSERT 0 1" for r in records)
+    assert any(r.kind in ("query", "parse") and "flyd.effects" in str(r.detail["text"])
+               and r.role == "work" for r in records)
+
+
+def test_harness_clock_shared(db_dsn: str, tmp: Path) -> None:
+    def app_now(conn: psycopg.Connection[tuple[object, ...]]) -> float:
+        row = conn.execute("SELECT flyd.app_now()").fetchone()
+        assert row is not None and isinstance(row[0], datetime.datetime)
+        return (row[0] - EPOCH).total_seconds()
+
+    with HarnessClock(db_dsn, tmp / "clock", time_scale=20.0) as clock, \
+            psycopg.connect(db_dsn, autocommit=True) as conn:
+        node = SimFileClock(tmp / "clock")
+        tick = TICK_S * clock.time_scale
+        try:
+            for _ in range(20):
+                lo = node.now()
+                db = app_now(conn)
+                hi = node.now()
+                assert lo - tick - 1e-6 <= db <= hi + tick + 1e-6
+                time.sleep(0.01)
+            start = node.now()
+            time.sleep(0.1)
+            assert node.now() - start >= 1.0, "the clock does not run at time_scale"
+            clock.freeze()
+            frozen_db, frozen_node = app_now(conn), node.now()
+            assert abs(frozen_db - frozen_node) < 1e-6, "row and file disagree while frozen"
+            time.sleep(0.1)
+            assert (app_now(conn), node.now()) == (frozen_db, frozen_node)
+            clock.advance(5.0)
+            assert abs(app_now(conn) - (frozen_db + 5.0)) < 1e-6
+            assert abs(node.now() - (frozen_node + 5.0)) < 1e-6
+            clock.thaw()
+            time.sleep(0.05)
+            assert node.now() > frozen_node + 5.0 and app_now(conn) > frozen_db + 5.0
+        finally:
+            node.close()
+
+
+def test_node_refuses_clock_mode_mismatch(db_dsn: str, tmp: Path) -> None:
+    def serve(*args: str) -> subprocess.CompletedProcess[bytes]:
+        home = tmp / f"n{len(list(tmp.iterdir()))}"
+        home.mkdir()
+        env = {k: v for k, v in os.environ.items()
+               if k not in ("FLYD_SOCKET", "FLYD_DSN", "FLYD_CONFIG", "FLYD_NODE_NAME",
+                            "NOTIFY_SOCKET")}
+        return subprocess.run(
+            [sys.executable, "-m", "flyd", "serve", "--json", "--dsn", db_dsn,
+             "--socket", str(home / "bus.sock"), "--state-dir", str(home),
+             "--node-name", "a", *args],
+            cwd=ROOT, env=env, capture_output=True, timeout=60, check=False)
+
+    SimFileWriter(tmp / "clock").write(10**12)
+    flagged = serve("--sim-clock", str(tmp / "clock"), "--time-scale", "20")
+    assert flagged.returncode == 2, flagged.stderr[-2000:]
+    error = orjson.loads(flagged.stdout)["error"]
+    assert error["code"] == "CONFIG" and "sim clock" in error["message"]
+    assert b"Traceback" not in flagged.stderr
+    query(db_dsn, "INSERT INTO flyd.sim_clock (t) VALUES ('2030-01-01T00:00:00Z') RETURNING t")
+    unflagged = serve()
+    assert unflagged.returncode == 2, unflagged.stderr[-2000:]
+    error = orjson.loads(unflagged.stdout)["error"]
+    assert error["code"] == "CONFIG" and "sim_clock" in error["message"]
+    assert b"Traceback" not in unflagged.stderr
+    assert query(db_dsn, "SELECT count(*) FROM flyd.nodes") == [(0,)], "nothing started"
+
+
+@pytest.fixture(scope="session")
+def faults_suite(request: pytest.FixtureRequest, pg_server_dsn: str) -> tuple[int, Report]:
+    """The suite seed and the reporter; prints the suite's seed line once."""
+    report = pytest_reporter(request.config)
+    seed = suite_seed()
+    report(suite_line(seed, pg_server_dsn))
+    return seed, report
+
+
+def test_budget_expiry(faults_suite: tuple[int, Report], tmp: Path) -> None:
+    suite, reporter = faults_suite
+    lines: list[str] = []
+
+    def report(line: str) -> None:
+        lines.append(line)
+        reporter(line)
+
+    seed = scenario_seed(suite, "budget_probe")
+    started = time.monotonic()
+    outcome = run_scenario("budget_probe", seed, report, budget_s=1.0, suite=suite,
+                           artifacts=tmp / "records")
+    assert time.monotonic() - started < 10
+    assert outcome.status == "expired"
+    assert lines[0] == f"[faults] budget_probe seed={seed} budget=1"
+    text = "\n".join(lines)
+    assert "budget expired" in text and "phase=fault" in text
+    assert any(line.startswith("[faults]   node a pid=") and "last_event=started" in line
+               and "holds=" in line for line in lines)
+    assert "runs by state" in text
+    assert f"FLYD_FAULT_SEED={suite} pytest tests/distribution/test_faults.py" in text
+    assert outcome.record == tmp / "records" / f"budget_probe-{seed}.json"
+    record = orjson.loads(outcome.record.read_bytes())
+    assert record["seed"] == seed and record["outcome"] == "expired"
+    assert record["phase"] == "fault" and record["nodes"]["a"]["last_event"] == "started"
+    assert len(record["killed"]) == 2, "the node and its own-session grandchild"
+    assert not [p for p in record["killed"] if psutil.pid_exists(p)
+                and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+    assert not processes_with_marker("budget_probe")
+
+    env = {**os.environ, "FLYD_FAULT_ARTIFACTS": str(tmp / "standalone")}
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.distribution.harness", "--scenario", "budget_probe",
+         "--seed", str(seed), "--budget", "1"],
+        cwd=ROOT, env=env, capture_output=True, timeout=60, check=False)
+    assert proc.returncode == 124, proc.stderr[-2000:]
+    err = proc.stderr.decode().splitlines()
+    assert err[0].startswith("[faults] seed=") and " commit=" in err[0] and "time_scale=" in err[0]
+    assert err[1] == f"[faults] budget_probe seed={seed} budget=1"
+    assert any("budget expired" in line for line in err)
+    assert (tmp / "standalone" / f"budget_probe-{seed}.json").exists()
+    assert not processes_with_marker("budget_probe")

@@ -57,14 +57,16 @@ class HarnessClock:
     def _loop(self) -> None:
         step = int(TICK_S * self.time_scale * 1e9)
         while not self._stop.wait(TICK_S):
-            if self._frozen.is_set():
-                continue
             with self._lock:
+                if self._frozen.is_set():
+                    continue
                 self._sim_ns += step
                 self._publish()
 
     def freeze(self) -> None:
-        self._frozen.set()
+        """Stop sim time; on return no tick is in progress, so the row and the file agree."""
+        with self._lock:
+            self._frozen.set()
 
     def thaw(self) -> None:
         self._frozen.clear()

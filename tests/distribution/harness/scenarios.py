@@ -1,0 +1,291 @@
+"""The tier-2 scenario registry (distribution.md §7.3.5): ids and fault schedules as data.
+
+Rules:
+- Every row of §7.3.5 is one `Scenario` in `REGISTRY`, in the table's order; `test_scenario`
+  is parametrised by these ids and the inventory check compares the ids that ran with them.
+  `PROBES` holds harness-only scenarios (the budget probe of test 57); they are not part of
+  the fault suite's inventory.
+- Times are sim seconds, written as `Span(k, unit)` with `unit` one of `s`, `T` (lease TTL),
+  `R` (renew timeout), `G` (give-up): resolved against the run's `LeaseParams`, so a schedule
+  stays right when the parameters change (a `Delay` mode holds sim seconds; latency_near_ttl's
+  are fractions of the default R). `at` counts from the fault phase's start, which the
+  driver places mid-run (every node holds at least one run); `lasts` is how long a link fault
+  stays before its heal (None: until the liveness phase heals everything).
+- A fault is one of `LinkFault`, `NodeSignal`, `ServerFault`, `ClockRate`, `CancelRun`,
+  `OnMatch` (an action list fired when a node's link carries a protocol message containing a
+  text: the kill_finish_* triggers). `swizzle` draws its schedule from the scenario seed.
+- Seeds: the suite seed is `FLYD_FAULT_SEED` or `DEFAULT_SEED`; a scenario's seed is the first
+  four bytes of SHA-256(`<suite seed>:<id>`), so each scenario's draws are independent of which
+  others run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Final, Literal
+
+from flyd.leases.params import LeaseParams
+from tests.distribution.harness.proxy import (
+    DROP,
+    HOLD,
+    RESET,
+    Delay,
+    HoldOnMatch,
+    Mode,
+)
+
+DEFAULT_SEED: Final = 73105
+DEFAULT_BUDGET_S: Final = 30.0
+
+Unit = Literal["s", "T", "R", "G"]
+Side = Literal["up", "down", "both"]
+
+
+@dataclass(frozen=True, slots=True)
+class Span:
+    k: float
+    unit: Unit = "s"
+
+    def seconds(self, params: LeaseParams) -> float:
+        scale = {"s": 1.0, "T": params.T, "R": params.R, "G": params.G}[self.unit]
+        return self.k * scale
+
+    def label(self) -> str:
+        return f"{self.k:g}{'' if self.unit == 's' else '·' + self.unit}"
+
+
+@dataclass(frozen=True, slots=True)
+class LinkFault:
+    at: Span
+    node: str
+    direction: Side
+    mode: Mode
+    lasts: Span | None = None
+    role: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class NodeSignal:
+    """`KILL` (node pid only), `STOP`/`CONT` (pause), `TERM` (drain); `restart`: start the
+    node again (a new node_id) right after."""
+
+    at: Span
+    node: str
+    signal: Literal["KILL", "STOP", "CONT", "TERM"]
+    restart: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class ServerFault:
+    at: Span
+    kind: Literal["terminate_backends", "restart"]
+
+
+@dataclass(frozen=True, slots=True)
+class ClockRate:
+    """The node's clock runs at 1 + `skew`·ρ from its start (`--clock-rate`)."""
+
+    node: str
+    skew: float
+
+
+@dataclass(frozen=True, slots=True)
+class CancelRun:
+    """Cancel one run held by `node` (through the production statement)."""
+
+    at: Span
+    node: str
+
+
+@dataclass(frozen=True, slots=True)
+class OnMatch:
+    """When `node`'s `direction` link carries a message containing `text`, run `then` in
+    order (each `at` counts from the match)."""
+
+    node: str
+    direction: Literal["up", "down"]
+    text: str
+    then: tuple[LinkFault | NodeSignal, ...]
+
+
+Fault = LinkFault | NodeSignal | ServerFault | ClockRate | CancelRun | OnMatch
+
+
+@dataclass(frozen=True, slots=True)
+class Scenario:
+    id: str
+    faults: tuple[Fault, ...]
+    must_hold: str
+    vacuity: tuple[str, ...]
+    nodes: int = 2
+    runs: int = 6
+    budget_s: float = DEFAULT_BUDGET_S
+    generate: Callable[[random.Random, LeaseParams], tuple[Fault, ...]] | None = None
+    fence_removed: bool = False
+    inverted: bool = False
+    rerun_k: str | None = None
+
+    def schedule(self, seed: int, params: LeaseParams) -> tuple[Fault, ...]:
+        """The scenario's faults for `seed` (static ones ignore it)."""
+        if self.generate is None:
+            return self.faults
+        return self.faults + self.generate(random.Random(seed), params)
+
+    @property
+    def pytest_k(self) -> str:
+        return self.rerun_k or self.id
+
+
+def _partition(mode: Mode) -> tuple[Fault, ...]:
+    return (LinkFault(Span(0), "a", "both", mode, lasts=Span(3, "T")),)
+
+
+def _swizzle(rng: random.Random, params: LeaseParams) -> tuple[Fault, ...]:
+    """Within 4·T: clog the four links one by one (first half), restore them in a random
+    order (second half); one kill (with restart) and one pause of T."""
+    window = Span(4, "T").seconds(params)
+    links: list[tuple[str, Literal["up", "down"]]] = [
+        (node, d) for node in ("a", "b") for d in ("up", "down")]
+    rng.shuffle(links)
+    n = len(links)
+    faults: list[Fault] = []
+    for j, i in enumerate(rng.sample(range(n), n)):
+        node, d = links[i]
+        clog_at = window * 0.5 * i / n
+        heal_at = window * 0.5 * (1 + j / n)
+        modes: list[Mode] = [HOLD, DROP, Delay(params.R * 0.5, params.R * 0.2)]
+        mode = rng.choice(modes)
+        faults.append(LinkFault(Span(round(clog_at, 3)), node, d, mode,
+                                lasts=Span(round(heal_at - clog_at, 3))))
+    victim, paused = rng.sample(["a", "b"], 2)
+    pause_at = round(rng.uniform(0, window - params.T), 3)
+    faults.append(NodeSignal(Span(round(rng.uniform(0, window), 3)), victim, "KILL",
+                             restart=True))
+    faults.append(NodeSignal(Span(pause_at), paused, "STOP"))
+    faults.append(NodeSignal(Span(round(pause_at + params.T, 3)), paused, "CONT"))
+    return tuple(faults)
+
+
+REGISTRY: Final[tuple[Scenario, ...]] = (
+    Scenario("baseline", (), "all succeed, one grant each, full ledger",
+             ("≥ 1 rotation per run",)),
+    Scenario("partition_hold", _partition(HOLD),
+             "A self-fences before B's grant; B's epoch = A's + 1; A's held statements "
+             "rejected; A does not resume",
+             ("≥ 1 reclaim", "≥ 1 LF001 tapped for A after heal")),
+    Scenario("partition_drop", _partition(DROP),
+             "as partition_hold; A's open transactions ended by the server", ("≥ 1 reclaim",)),
+    Scenario("partition_reset", _partition(RESET), "as partition_hold",
+             ("≥ 1 reclaim", "≥ 1 A write cut by reset")),
+    Scenario("asymmetric",
+             (LinkFault(Span(0), "a", "down", DROP, lasts=Span(3, "T")),),
+             "A self-fences although its renewals executed",
+             ("≥ 1 renew tapped as executed for A after its last acknowledged one",)),
+    Scenario("latency_near_ttl",
+             tuple(LinkFault(Span(0), node, "both",
+                             Delay(0.5 * LeaseParams().R, 0.2 * LeaseParams().R,
+                                   spike_p=0.1, spike_mean_s=0.85 * LeaseParams().R,
+                                   spike_jitter_s=0.35 * LeaseParams().R),
+                             lasts=Span(6, "T"))
+                   for node in ("a", "b")),
+             "each hold renewed in time or cancelled at safe_until; no write after "
+             "safe_until; all complete after",
+             ("≥ 1 acknowledged renewal with gap ≥ 0.7·G", "≥ 1 abandoned renewal")),
+    Scenario("pause",
+             (NodeSignal(Span(0), "a", "STOP"), NodeSignal(Span(2, "T"), "a", "CONT")),
+             "A's first act for overdue holds is cancellation; no A write accepted after "
+             "B's grant",
+             ("≥ 1 lease_lost(safe_until) after resume", "≥ 1 reclaim")),
+    Scenario("node_loss", (NodeSignal(Span(0), "a", "KILL"),),
+             "B reclaims after expiry, completes once; A's router and workers gone within K",
+             ("≥ 1 run finished by B after an epoch of A", "A had live workers")),
+    Scenario("kill_finish_committed",
+             (OnMatch("a", "up", "finish_run",
+                      (LinkFault(Span(0), "a", "down", HOLD),
+                       NodeSignal(Span(0.2), "a", "KILL"))),),
+             "terminal once at A's epoch; never granted again", ("trigger fired",)),
+    Scenario("kill_finish_uncommitted",
+             (LinkFault(Span(0), "a", "up", HoldOnMatch("finish_run")),
+              OnMatch("a", "up", "finish_run",
+                      (NodeSignal(Span(0), "a", "KILL"),
+                       LinkFault(Span(0), "a", "both", RESET, lasts=Span(0.1))))),
+             "nothing of A's final commit lands; B finishes",
+             ("trigger fired", "final epoch = A's + 1")),
+    Scenario("db_backends_terminated",
+             (ServerFault(Span(0), "terminate_backends"),
+              ServerFault(Span(1, "T"), "terminate_backends")),
+             "reconnection; no epoch regression; all terminal",
+             ("each round ended ≥ 1 live session",)),
+    Scenario("db_restart", (ServerFault(Span(0), "restart"),),
+             "reconnection; no epoch regression; all terminal",
+             ("restart while leases held",)),
+    Scenario("clock_skew",
+             (ClockRate("a", -0.9), ClockRate("b", 0.9),
+              LinkFault(Span(0), "a", "both", HOLD, lasts=Span(3, "T"))),
+             "A's self-fence precedes expiry in true time", ("≥ 1 reclaim",)),
+    Scenario("attempts_exhausted",
+             (NodeSignal(Span(0), "holder-of-x", "KILL", restart=True),),
+             "X failed after max_attempts grants; others succeed",
+             ("X had max_attempts grants",)),
+    Scenario("cancel_while_partitioned",
+             (LinkFault(Span(0), "a", "both", HOLD, lasts=Span(3, "T")),
+              CancelRun(Span(0.5, "T"), "a")),
+             "run cancelled (by reap or holder); no effect after", ("≥ 1 cancel applied",)),
+    Scenario("graceful_drain", (NodeSignal(Span(0), "a", "TERM"),),
+             "A commits a checkpoint, releases with refund, exits 0; B resumes from it",
+             ("≥ 1 refunded release",)),
+    Scenario("swizzle", (), "all invariants", ("≥ 1 reclaim",), generate=_swizzle),
+    Scenario("canary_fence_removed", _partition(HOLD),
+             "the oracle MUST report a violation", ("inverted: passes only if detected",),
+             fence_removed=True, inverted=True),
+)
+
+PROBES: Final[tuple[Scenario, ...]] = (
+    Scenario("budget_probe", (), "none: outlives any budget (harness self-test)", (),
+             nodes=1, runs=0, rerun_k="test_budget_expiry"),
+)
+
+
+def ids() -> list[str]:
+    return [s.id for s in REGISTRY]
+
+
+def lookup(scenario_id: str) -> Scenario:
+    for scenario in REGISTRY + PROBES:
+        if scenario.id == scenario_id:
+            return scenario
+    raise KeyError(f"unknown scenario {scenario_id!r} (known: {', '.join(ids())})")
+
+
+def suite_seed() -> int:
+    raw = os.environ.get("FLYD_FAULT_SEED")
+    return int(raw) if raw else DEFAULT_SEED
+
+
+def scenario_seed(suite: int, scenario_id: str) -> int:
+    return int.from_bytes(hashlib.sha256(f"{suite}:{scenario_id}".encode()).digest()[:4],
+                          "big")
+
+
+def describe_fault(fault: Fault, params: LeaseParams) -> dict[str, object]:
+    """A fault as JSON for the replay record, its spans resolved to sim seconds."""
+    if isinstance(fault, LinkFault):
+        return {"kind": "link", "at": fault.at.seconds(params), "node": fault.node,
+                "dir": fault.direction, "mode": fault.mode.label(), "role": fault.role,
+                "lasts": None if fault.lasts is None else fault.lasts.seconds(params)}
+    if isinstance(fault, NodeSignal):
+        return {"kind": "signal", "at": fault.at.seconds(params), "node": fault.node,
+                "signal": fault.signal, "restart": fault.restart}
+    if isinstance(fault, ServerFault):
+        return {"kind": "server", "at": fault.at.seconds(params), "what": fault.kind}
+    if isinstance(fault, ClockRate):
+        return {"kind": "clock_rate", "node": fault.node,
+                "rate": 1 + fault.skew * params.clock_rate_bound}
+    if isinstance(fault, CancelRun):
+        return {"kind": "cancel", "at": fault.at.seconds(params), "node": fault.node}
+    return {"kind": "on_match", "node": fault.node, "dir": fault.direction,
+            "text": fault.text, "then": [describe_fault(f, params) for f in fault.then]}
