@@ -3,9 +3,11 @@
 Each node is `python -m flyd serve` with its own socket, state dir and name, reading time from
 the harness clock file (`--sim-clock`, §7.3.4) at `time_scale` sim seconds per real second, so
 the default 15 s TTL passes in well under two real seconds: nothing here waits out a TTL in real
-time. The ledger is the witness: every run must end `succeeded` with exactly its
+time. Runs checkpoint every 10 steps, so a reclaimed run resumes from the head its first holder
+committed. The ledger is the witness: every run must end `succeeded` with exactly its
 `boundary-1..N` effects and one `finish`, at least one run must show a second grant (the kill
-bit), and no process of the killed node may survive it.
+bit) and boundaries committed by both grants (the resume), and no process of the killed node
+may survive it.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ TIME_SCALE = 10.0
 RUNS = 6
 STEPS = 60
 PACE_S = 0.05
+EVERY = 10
 
 
 @pytest.fixture
@@ -47,7 +50,8 @@ def tmp() -> Iterator[Path]:
 
 
 async def submit_runs(dsn: str) -> list[int]:
-    spec = RunSpec.validate({"steps": str(STEPS), "mode": "process", "paceS": PACE_S}).to_json()
+    spec = RunSpec.validate({"steps": str(STEPS), "mode": "process", "paceS": PACE_S,
+                             "checkpoints": {"everySteps": EVERY}}).to_json()
     store = PgStore(dsn, "harness", DbSettings(), LeaseParams())
     await store.open()
     try:
@@ -66,9 +70,11 @@ def test_two_nodes_lose_one_and_every_run_completes_once(db_dsn: str, tmp: Path)
             runs = asyncio.run(submit_runs(db_dsn))
 
             def a_is_working() -> bool:
+                """Node a holds a run whose head it moved (a checkpoint is durable)."""
                 held = query(db_dsn, "SELECT count(*) FROM flyd.runs r JOIN flyd.nodes n "
-                             "ON n.node_id = r.owner_node WHERE n.node_name = 'a' "
-                             "AND r.state = 'running'")
+                             "ON n.node_id = r.owner_node JOIN flyd.run_heads h USING (run_id) "
+                             "WHERE n.node_name = 'a' AND r.state = 'running' "
+                             "AND h.boundary >= %s", EVERY)
                 workers = [p for p in processes_under(str(tmp / "a"))
                            if "workers." in " ".join(p.cmdline())]
                 return int(held[0][0]) > 0 and len(workers) >= 3  # type: ignore[call-overload]
@@ -109,6 +115,10 @@ def test_two_nodes_lose_one_and_every_run_completes_once(db_dsn: str, tmp: Path)
     regranted = query(db_dsn, "SELECT DISTINCT run_id FROM flyd.run_attempts "
                               "WHERE lease_epoch = 2")
     assert a_runs and {int(r[0]) for r in regranted} >= a_runs  # type: ignore[call-overload]
+    resumed = query(db_dsn, "SELECT DISTINCT run_id FROM flyd.effects WHERE lease_epoch = 1 "
+                            "AND boundary IS NOT NULL AND run_id IN (SELECT run_id FROM "
+                            "flyd.run_attempts WHERE lease_epoch = 2)")
+    assert resumed, "a reclaimed run resumed from the head its first holder committed"
     expired = query(db_dsn, "SELECT count(*) FROM flyd.run_attempts a JOIN flyd.nodes n "
                             "ON n.node_id = a.node_id WHERE n.node_name = 'a' "
                             "AND a.end_reason = 'expired'")
