@@ -32,6 +32,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/bus.py
 	$(BIN)/python bench/step_rate.py
 	$(BIN)/python -P bench/leases.py
+	$(BIN)/python -P bench/checkpoints.py
 
 faults: $(STAMP)
 	$(BIN)/python -m pytest tests/distribution -q -n auto

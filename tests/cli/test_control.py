@@ -1,0 +1,284 @@
+"""The node's control service (cli.md §8, §11 #18–#20).
+
+`test_checkpoint_commands_print_json` stores its generation through the checkpoint store's own
+commit path (the node does not take checkpoints yet).
+
+`test_flyctl_drain_and_runs_show`: the drained node releases the run with refund and a second
+node finishes it; `runs show` of the finished run lists both grants, its recoveries and epochs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import socket as socketlib
+import time
+from typing import Any
+
+import psycopg
+import pytest
+
+from bus.client import connect
+from bus.errors import NotAuthorized
+from bus.policy import Policy
+from bus.router import Router, RouterConfig
+from flyd.control import METHODS, control_validator
+from flyd.identities import session_client_grants
+from flyd.leases import pgstore
+from flyd.leases.params import LeaseParams
+from flyd.state.store import DirectCommitPath, PgCheckpointStore
+from tests.cli.test_flyctl_runs import Site, flyctl, serve, submit, wait_state
+from tests.cli.test_flyctl_runs import site as site
+from tests.state.conftest import NODE, make_job
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _call_payload(serial: int, params: dict[str, Any]) -> dict[str, Any]:
+    return {"requestId": f"req-{serial}", "scope": None, "params": params}
+
+
+async def test_the_control_service_is_closed_to_other_clients(site: Site) -> None:
+    router = Router(RouterConfig(socket_path=site.socket, policy=Policy.default(None)))
+    await router.start()
+    try:
+        await asyncio.to_thread(serve, site, "n1", "--no-router")
+        for client_id in ("rogue", "s9.fly-a.g1"):
+            with pytest.raises(NotAuthorized):
+                await connect(site.socket, client_id=client_id)
+        async with connect(site.socket, client_id="ctl-1-0a1b2c3d") as ctl:
+            (svc,) = await ctl.services("flyd.control.")
+            node_id = svc["name"].removeprefix("flyd.control.")
+            assert node_id.startswith("n1-")
+            assert (svc["maxQueued"], svc["maxInFlight"]) == (16, 4)
+            assert svc["owner"]["clientId"] == f"node.{node_id}"
+            target = svc["name"]
+
+            # a session's coordinator client: admitted through the node's expectation, refused
+            async with connect(site.socket, client_id="node.test-000000000000") as node:
+                await node.expect("s1.coordinator", os.getpid(), client_incarnation="inc-1",
+                                  grants=session_client_grants("s1"))
+                async with connect(site.socket, client_id="s1.coordinator",
+                                   client_incarnation="inc-1") as coordinator:
+                    with pytest.raises(NotAuthorized):
+                        await coordinator.call(target, "Control.Status", _call_payload(1, {}),
+                                               timeout=10)
+
+            async def call(serial: int, method: str, params: dict[str, Any]) -> dict[str, Any]:
+                answer = await ctl.call(target, method, _call_payload(serial, params),
+                                        timeout=30)
+                outcome = answer.outcome
+                assert outcome["workerId"] == node_id and outcome["scope"] is None
+                assert outcome["requestId"] == f"req-{serial}"
+                assert outcome["incarnationId"].startswith("inc-")
+                assert outcome["incarnationId"] == answer.responder.client_incarnation
+                return outcome
+
+            seen: set[str] = set()
+            for serial, (method, params) in enumerate([
+                    ("Control.Status", {}),
+                    ("Control.Kill", {"run": None, "workerId": "fly-a", "signal": "TERM"}),
+                    ("Control.Kill", {"run": None, "workerId": "fly-a", "signal": "KILL"})],
+                    start=1):
+                outcome = await call(serial, method, params)
+                assert outcome["type"] == "result", outcome
+                assert control_validator(method, "result")(outcome["result"]) is None
+                seen.add(method)
+            assert outcome["result"] == {"workerId": "fly-a", "run": None,
+                                         "outcome": "AlreadyGone"}
+            refusals = [
+                ("Control.Kill", {"run": 7, "workerId": "fly-a", "signal": "KILL"},
+                 "IDENTITY_MISMATCH", f"run 7 is not held by node {node_id}"),
+                ("Control.RunEvents", {"run": 7}, "IDENTITY_MISMATCH",
+                 f"run 7 is not held by node {node_id}"),
+                ("Control.Kill", {"workerId": "fly-a", "signal": "HUP"}, "INVALID_ARGUMENT", ""),
+                ("Control.Status", {"extra": 1}, "INVALID_ARGUMENT", ""),
+                ("Control.Reboot", {}, "UNSUPPORTED", ""),
+            ]
+            for serial, (method, params, code, message) in enumerate(refusals, start=10):
+                outcome = await call(serial, method, params)
+                assert outcome["type"] == "error", outcome
+                assert outcome["error"]["code"] == code
+                assert outcome["error"]["mutation"] == "none"
+                assert message in outcome["error"]["message"]
+            bad = await ctl.call(target, "Control.Status", {"requestId": "req-20", "scope":
+                                 {"sessionId": "x", "epoch": "e1", "step": "0"}, "params": {}},
+                                 timeout=10)
+            assert bad.outcome["error"]["code"] == "INVALID_ARGUMENT"
+            for serial in (30, 31):  # a repeated Drain answers the same; the node exits 0
+                outcome = await call(serial, "Control.Drain", {})
+                assert outcome["result"] == {"draining": True}
+                assert control_validator("Control.Drain", "result")(outcome["result"]) is None
+            seen.add("Control.Drain")
+            assert seen == set(METHODS) - {"Control.RunEvents"}
+        assert await asyncio.to_thread(site.procs[0].wait, 60) == 0
+    finally:
+        await router.stop()
+
+
+def test_flyctl_status_falls_back_to_the_database(site: Site) -> None:
+    node = serve(site, "n1")
+    drained = flyctl(site, "drain")
+    assert drained.code == 0 and drained.json["draining"] is True
+    assert node.wait(timeout=60) == 0
+    run = submit(site, "--steps", "30")
+    ran = flyctl(site, "status")
+    assert ran.code == 0
+    doc = ran.json
+    assert doc["source"] == "database" and doc["router"] is None
+    assert "database" in ran.err and "no router" in ran.err
+    (row,) = doc["nodes"]
+    assert row["nodeId"] == drained.json["node"] and row["state"] == "stopped"
+    assert row["lastHeartbeat"] and row["dsn"]
+    assert [(r["run"], r["state"]) for r in doc["runs"]] == [(run, "pending")]
+    human = flyctl(site, "status", json=False)
+    assert human.code == 0 and human.out == ""
+    assert "source: database" in human.err and "RUN" in human.err
+
+
+def test_flyctl_drain_and_runs_show(site: Site) -> None:
+    notify = site.path / "notify.sock"
+    receiver = socketlib.socket(socketlib.AF_UNIX, socketlib.SOCK_DGRAM)
+    receiver.bind(str(notify))
+    receiver.settimeout(0.1)
+    try:
+        first = serve(site, "n1", env=site.env(NOTIFY_SOCKET=str(notify)))
+        run = submit(site, "--steps", "600", "--pace")
+        wait_state(site, run, {"running"})
+        shown = _live_show(site, run)
+        assert isinstance(shown["events"], list) and shown["phase"]
+        assert shown["state"] == "running" and shown["ownerNode"].startswith("n1-")
+        drained = flyctl(site, "drain")
+        assert drained.code == 0
+        assert drained.json == {"node": shown["ownerNode"], "draining": True}
+        assert first.wait(timeout=60) == 0
+        messages = _received(receiver)
+        assert "STOPPING=1" in messages, messages
+    finally:
+        receiver.close()
+    row = wait_state(site, run, {"pending"})
+    assert row["attempt"] == 0 and row["leaseEpoch"] == 1
+    serve(site, "n2", socket=str(site.path / "bus2.sock"))
+    done = wait_state(site, run, {"succeeded"}, timeout=60)
+    assert done["leaseEpoch"] == 2
+    final = flyctl(site, "runs", "show", str(run))
+    assert final.code == 0
+    doc = final.json
+    assert [(g["nodeId"][:3], g["endReason"]) for g in doc["grants"]] == [
+        ("n1-", "released"), ("n2-", "finished")]
+    assert isinstance(doc["recoveries"], int) and doc["epochs"][0] == "e1"
+    with psycopg.connect(site.dsn, autocommit=True) as conn:
+        effects = conn.execute("SELECT count(*) FROM flyd.effects WHERE run_id = %s",
+                               (run,)).fetchone()
+    assert effects is not None and doc["effects"] == effects[0] == 601
+
+
+def _live_show(site: Site, run: int) -> dict[str, Any]:
+    deadline = time.monotonic() + 30
+    while True:
+        ran = flyctl(site, "runs", "show", str(run))
+        assert ran.code == 0, ran
+        if ran.json["phase"] is not None:
+            return dict(ran.json)
+        assert time.monotonic() < deadline, ran
+        time.sleep(0.3)
+
+
+def _received(receiver: socketlib.socket) -> list[str]:
+    out: list[str] = []
+    while True:
+        try:
+            data = receiver.recv(4096)
+        except (TimeoutError, BlockingIOError):
+            return out
+        out += data.decode().splitlines()
+
+
+async def _stored_generation(dsn: str) -> int:
+    """A run claimed at lease epoch 1 with one committed generation `ck-5` of session epoch
+    `e2` at boundary 5 (the store's own commit path)."""
+    lease = pgstore.PgStore(dsn, NODE, pgstore.DbSettings(), LeaseParams())
+    await lease.open()
+    store = PgCheckpointStore(dsn)
+    try:
+        run_id = (await lease.submit(None, {}, 3)).run_id
+        [grant] = await lease.claim(NODE, 1, 3600.0)
+        await store.commit(make_job(run_id, grant.lease_epoch, "ck-5", 5, session_epoch="e2"),
+                           DirectCommitPath(lease, run_id, grant.lease_epoch, NODE))
+    finally:
+        await store.close()
+        await lease.close()
+    return run_id
+
+
+def _rewrite_row(dsn: str, run_id: int, **columns: Any) -> None:
+    """Delete and re-insert the generation with some columns changed, in one transaction."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        cur = conn.execute("SELECT * FROM flyd.checkpoints WHERE run_id = %s", (run_id,),
+                           binary=True)
+        row = cur.fetchone()
+        assert row is not None and cur.description is not None
+        values = dict(zip([d.name for d in cur.description], row, strict=True))
+        values.update(columns)
+        values.pop("committed_at")
+        names = list(values)
+        with conn.transaction():
+            conn.execute("DELETE FROM flyd.checkpoints WHERE run_id = %s", (run_id,))
+            conn.execute(f"INSERT INTO flyd.checkpoints ({', '.join(names)}) "
+                         f"VALUES ({', '.join('%s' for _ in names)})",
+                         [values[n] for n in names])
+
+
+def test_checkpoint_commands_print_json(site: Site) -> None:
+    run = asyncio.run(_stored_generation(site.dsn))
+    listed = flyctl(site, "checkpoints", "list", str(run), socket=False)
+    assert listed.code == 0
+    (ck,) = listed.json["checkpoints"]
+    assert listed.json["run"] == run
+    assert (ck["checkpointId"], ck["boundary"], ck["sessionEpoch"], ck["leaseEpoch"],
+            ck["head"]) == ("ck-5", 5, "e2", 1, True)
+    assert set(ck) == {"checkpointId", "boundary", "sessionEpoch", "leaseEpoch", "byteLength",
+                       "compatibilityDigest", "committedAt", "head"}
+    human = flyctl(site, "checkpoints", "list", str(run), json=False, socket=False)
+    assert "SESSION-EPOCH" in human.err and "LEASE-EPOCH" in human.err
+
+    out = site.path / "ck.flysess"
+    exported = flyctl(site, "checkpoints", "export", str(run), "-o", str(out), socket=False)
+    assert exported.code == 0
+    data = out.read_bytes()
+    assert exported.json == {"run": run, "checkpointId": "ck-5", "boundary": 5,
+                             "byteLength": len(data),
+                             "envelopeDigest": hashlib.sha256(data).hexdigest(),
+                             "file": str(out)}
+    ok = flyctl(site, "checkpoints", "verify", str(out), socket=False)
+    assert ok.code == 0 and ok.json == {"ok": True, "check": None, "reason": None}
+    corrupt = site.path / "corrupt.flysess"
+    flipped = bytearray(data)
+    flipped[len(data) // 2] ^= 0x01
+    corrupt.write_bytes(bytes(flipped))
+    bad = flyctl(site, "checkpoints", "verify", str(corrupt), socket=False)
+    assert bad.code == 1 and bad.json["ok"] is False and bad.json["check"] == "R2"
+    assert bad.json["reason"]
+
+    stored = flyctl(site, "checkpoints", "verify", "--run", str(run), socket=False)
+    assert stored.code == 0 and stored.json["ok"] is True
+    _rewrite_row(site.dsn, run, byte_length=len(data) + 1)
+    rewritten = flyctl(site, "checkpoints", "verify", "--run", str(run), "--id", "ck-5",
+                       socket=False)
+    assert rewritten.code == 1 and rewritten.json["check"] == "S2"
+    refused = flyctl(site, "checkpoints", "export", str(run), "-o",
+                     str(site.path / "none.flysess"), socket=False)
+    assert refused.code == 1 and refused.json["error"]["code"] == "INCOMPATIBLE_STATE"
+    assert not (site.path / "none.flysess").exists()
+
+    low = flyctl(site, "checkpoints", "import", str(out), "--steps", "5", socket=False)
+    assert low.code == 2 and low.json["error"]["code"] == "USAGE"
+    imported = flyctl(site, "checkpoints", "import", str(out), "--steps", "20", "--mode",
+                      "thread", socket=False)
+    assert imported.code == 0
+    assert imported.json["checkpointId"] == "ck-5" and imported.json["boundary"] == 5
+    assert imported.json["envelopeDigest"] == hashlib.sha256(data).hexdigest()
+    assert imported.json["run"] != run
+    row = flyctl(site, "runs", "show", str(imported.json["run"]), socket=False).json
+    assert row["state"] == "pending" and row["checkpoints"][0]["leaseEpoch"] == 0
