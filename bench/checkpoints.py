@@ -12,8 +12,9 @@ psycopg, in the same run. `ratio` = mb_per_s / floor_mb_per_s (target ≥ 0.8).
 `checkpoint_stepping`: `flyd run` steps/s with a capture every 10 steps and at every step
 (`--checkpoint-every 1`: the writer is never idle) against no cadence (`--checkpoint-every 0`,
 the floor); `ratio` = with / without (target ≥ 0.8). A capture asks every participant for its
-state at the boundary before the next step starts; the commit runs behind the stepping. Run it as `python -P bench/checkpoints.py` (the bench directory's `bus.py` must not
-shadow the `bus` package). Uses `FLYD_TEST_DSN`'s server or the local one on 127.0.0.1:5432.
+state at the boundary before the next step starts; the commit runs behind the stepping.
+Run it as `python -P bench/checkpoints.py` (the bench directory's `bus.py` must not shadow the
+`bus` package). Uses `FLYD_TEST_DSN`'s server or the local one on 127.0.0.1:5432.
 """
 
 from __future__ import annotations
