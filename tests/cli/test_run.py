@@ -23,6 +23,9 @@ import orjson
 import psutil
 import pytest
 
+from tests.cli.test_flyctl_runs import FLYCTL, Site
+from tests.cli.test_flyctl_runs import site as site
+
 pytestmark = pytest.mark.timeout(120)
 
 STEPS = 40
@@ -128,10 +131,13 @@ def test_the_behaviour_digest_is_the_same_in_every_dispatch_order(tmp: Path,
     assert summary["behaviourDigest"] == clean_digest(tmp)
 
 
-def test_a_process_run_of_120_steps_writes_its_trace(tmp: Path) -> None:
+def test_flyd_run_prints_the_summary(tmp: Path) -> None:
     trace = tmp / "trace.jsonl"
     code, summary, _ = flyd_run(tmp, "--steps", "120", "--trace", str(trace))
-    assert code == 0 and summary["state"] == "succeeded" and summary["boundary"] == 120
+    assert code == 0 and set(summary) == SUMMARY_KEYS
+    assert summary["state"] == "succeeded" and summary["boundary"] == 120
+    assert summary["epochs"] == ["e1"] and summary["recoveries"] == 0
+    assert summary["checkpoints"] == 2, "cadence 60: one at 60, the final one at 120"
     records = [orjson.loads(line) for line in trace.read_bytes().splitlines()]
     assert len(records) == 120
     assert [r["scope"]["step"] for r in records[:2]] == ["0", "1"]
@@ -140,14 +146,97 @@ def test_a_process_run_of_120_steps_writes_its_trace(tmp: Path) -> None:
     assert digest_of(records) == summary["behaviourDigest"]
     import psycopg
 
+    from flyd.runspec import RunSpec
+
     with psycopg.connect(_DSN[tmp]) as conn:
         payloads = [r[0] for r in conn.execute(
             "SELECT payload FROM flyd.effects WHERE run_id = %s AND boundary IS NOT NULL "
             "ORDER BY boundary", (summary["run"],)).fetchall()]
         finish = conn.execute("SELECT count(*) FROM flyd.effects WHERE run_id = %s AND "
                               "effect_key = 'finish'", (summary["run"],)).fetchone()
+        row = conn.execute("SELECT spec FROM flyd.runs WHERE run_id = %s",
+                           (summary["run"],)).fetchone()
     assert digest_of(payloads) == summary["behaviourDigest"]
     assert finish == (1,)
+    assert row is not None
+    stored = RunSpec.validate(row[0])
+    assert (stored.seed_of("fly-a"), stored.seed_of("fly-b")) == (7, 11)
+    code, seeded, _ = flyd_run(tmp, "--steps", "3", "--mode", "inprocess", "--seed", "42")
+    assert code == 0 and seeded["mode"] == "in-process"
+    with psycopg.connect(_DSN[tmp]) as conn:
+        row = conn.execute("SELECT spec FROM flyd.runs WHERE run_id = %s",
+                           (seeded["run"],)).fetchone()
+    assert row is not None
+    derived = RunSpec.validate(row[0])
+    assert [derived.seed_of(a) for a in ("fly-a", "fly-b")] == [1329356413, 1459314961]
+
+
+def test_a_cancelled_or_failed_run_exits_1(tmp: Path) -> None:
+    argv = [sys.executable, "-m", "flyd", "run", "--json", "--pace", "--steps", "600",
+            "--socket", str(tmp / "bus.sock")]
+    proc = subprocess.Popen(argv, cwd=ROOT, env=env_for(tmp), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    try:
+        import psycopg
+
+        from tests.serve_nodes import wait_for
+
+        def running() -> bool:
+            with psycopg.connect(_DSN[tmp]) as conn:
+                return conn.execute("SELECT count(*) FROM flyd.runs WHERE state = 'running'"
+                                    ).fetchone() == (1,)
+
+        wait_for("the paced run to be running", running, 60)
+        with psycopg.connect(_DSN[tmp]) as conn:
+            found = conn.execute("SELECT run_id FROM flyd.runs").fetchone()
+        assert found is not None
+        cancel = subprocess.run([*FLYCTL, "runs", "cancel", str(found[0]), "--json", "--dsn",
+                                 _DSN[tmp]], cwd=ROOT, env=env_for(tmp), capture_output=True,
+                                timeout=60, check=False)
+        assert cancel.returncode == 0, cancel.stdout + cancel.stderr
+        stdout, stderr = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 1, stderr[-2000:]
+    summary = orjson.loads(stdout)
+    assert summary["state"] == "cancelled" and summary["boundary"] < 600
+    state, keys = ledger(tmp, summary["run"])
+    assert state == "cancelled"
+    assert keys == [f"boundary-{k}" for k in range(1, summary["boundary"] + 1)] + ["finish"]
+    code, failed, _ = flyd_run(tmp, "--steps", "20", "--mode", "in-process", "--fault",
+                               "arena.acknowledge_extra_id=req-9999", timeout=120)
+    assert code == 1 and failed["state"] == "failed"
+    with psycopg.connect(_DSN[tmp]) as conn:
+        row = conn.execute("SELECT outcome FROM flyd.runs WHERE run_id = %s",
+                           (failed["run"],)).fetchone()
+    assert row is not None and row[0]["error"] == "recovery attempts exhausted"
+    assert row[0]["attempts"] == 3
+
+
+def test_the_default_budget_runs_the_default_composition_on_two_cpus(tmp: Path) -> None:
+    two = {0, 1} if len(os.sched_getaffinity(0)) >= 2 else set(os.sched_getaffinity(0))
+
+    def pinned() -> None:
+        os.sched_setaffinity(0, two)
+
+    def show(*args: str) -> dict[str, Any]:
+        out = subprocess.run([sys.executable, "-m", "flyd", "config", "show", "--json", *args],
+                             cwd=ROOT, env=env_for(tmp), capture_output=True, timeout=60,
+                             check=False, preexec_fn=pinned)
+        assert out.returncode == 0, out.stdout + out.stderr
+        settings: dict[str, Any] = orjson.loads(out.stdout)["settings"]
+        return settings
+
+    plain = show()
+    assert plain["node.capacity"]["value"] == 1 and plain["node.threads"]["value"] == 4
+    assert show("--capacity", "3")["node.threads"]["value"] == 12
+    out = subprocess.run([sys.executable, "-m", "flyd", "run", "--json", "--steps", "60",
+                          "--socket", str(tmp / "bus.sock")], cwd=ROOT, env=env_for(tmp),
+                         capture_output=True, timeout=120, check=False, preexec_fn=pinned)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert orjson.loads(out.stdout)["state"] == "succeeded"
 
 
 @pytest.mark.parametrize("fault", ["fly-b.prepare_delay_ms=2600@5", "lose-advance-result@7"])
@@ -442,3 +531,46 @@ def test_a_pending_exclusive_leftover_is_not_claimed_by_the_next_run(tmp: Path) 
 
     assert asyncio.run(leftover_state()) == "pending@0"
     assert not postmasters_of(state / "pg")
+
+
+UNREACHABLE = "postgresql://nobody@127.0.0.1:1/nothing?connect_timeout=2"
+
+
+def test_flyctl_resolves_the_database_without_starting_one(site: Site) -> None:
+    """The embedded-server level of the DSN order is shown with a `postmaster.pid` naming a live
+    process (this test's own) and an unused port: `flyctl` must pick it up (and fail to reach
+    it) without starting anything."""
+    state = site.path / "state"
+    (state / "pg").mkdir(parents=True)
+    (state / "pg" / "postmaster.pid").write_text(
+        f"{os.getpid()}\n{state / 'pg'}\n0\n1\n{site.path}\nlocalhost\n")
+    config = site.path / "flyd.toml"
+    env = {k: v for k, v in site.env().items() if k != "FLYD_DSN"}
+
+    def runs_list(*args: str, **extra: str) -> tuple[int, str]:
+        out = subprocess.run([*FLYCTL, "runs", "list", "--json", *args], cwd=ROOT,
+                             env={**env, **extra}, capture_output=True, timeout=60, check=False)
+        stdout, stderr = out.stdout.decode(), out.stderr.decode()
+        assert "Traceback" not in stdout + stderr
+        return out.returncode, stdout + stderr
+
+    good, bad = site.dsn, UNREACHABLE
+    config.write_text(f'[database]\ndsn = "{good}"\n')
+    assert runs_list("--dsn", good, FLYD_DSN=bad, FLYD_CONFIG=str(config))[0] == 0
+    assert runs_list("--dsn", bad, FLYD_DSN=good)[0] == 2
+    assert runs_list(FLYD_DSN=good, FLYD_CONFIG=str(config))[0] == 0
+    config.write_text(f'[database]\ndsn = "{bad}"\n')
+    assert runs_list(FLYD_DSN=good, FLYD_CONFIG=str(config))[0] == 0
+    assert runs_list(FLYD_CONFIG=str(config))[0] == 2
+    config.write_text(f'[database]\ndsn = "{good}"\n')
+    assert runs_list(FLYD_CONFIG=str(config))[0] == 0
+    # no DSN anywhere: the running server's postmaster.pid (socket dir and port) is used
+    code, text = runs_list()
+    assert code == 2 and f"host={site.path}" in text and "port=1" in text
+    (state / "pg" / "postmaster.pid").unlink()
+    code, text = runs_list()
+    assert code == 2 and "no database: pass --dsn" in text and '"CONFIG"' in text
+    assert sorted(p.name for p in (state / "pg").iterdir()) == []
+    assert not [p for p in psutil.process_iter(["name", "cmdline"])
+                if "postgres" in (p.info["name"] or "")
+                and str(site.path) in " ".join(p.info["cmdline"] or [])]
