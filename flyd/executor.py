@@ -135,6 +135,8 @@ class SessionExecutor:
         self.on_progress = on_progress
         self.on_recovery = on_recovery
         self.rings: dict[int, EventRing] = {}
+        self._router_up = asyncio.Event()
+        self._router_up.set()
         self.reports: dict[int, RunReport] = {}
         self._launchers: dict[int, Launcher] = {}
         self._groups: dict[int, list[int]] = {}
@@ -217,6 +219,27 @@ class SessionExecutor:
             await self._read_world(scope.run_id, spec, report)
             await self._teardown(scope.run_id, spec, report)
 
+    # ------------------------------------------------------------------ router loss (§8.2 step 0)
+
+    def router_lost(self) -> None:
+        """The router exited: sessions wait for `router_back` before reconnecting."""
+        self._router_up.clear()
+
+    def router_back(self, node: BusClient) -> None:
+        """The router is back and the node reconnected (a new incarnation)."""
+        self.node = node
+        self._router_up.set()
+
+    async def router_ready(self, timeout_s: float) -> bool:
+        """Wait until the node's connection is open (bounded); False when it stayed down. A
+        closed connection means the router is gone even before its supervisor noticed."""
+        if self.node.closed:
+            self._router_up.clear()
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout_s):
+                await self._router_up.wait()
+        return self._router_up.is_set() and not self.node.closed
+
     # ------------------------------------------------------------------ for the grant session
 
     def next_tag(self) -> str:
@@ -229,8 +252,11 @@ class SessionExecutor:
         self._launchers[run_id] = launcher
         return launcher
 
-    def adopt_client(self, run_id: int, client: BusClient) -> None:
+    def adopt_client(self, run_id: int, client: BusClient) -> BusClient | None:
+        """The session's coordinator client; returns the one it replaces (to be closed)."""
+        old = self._clients.get(run_id)
         self._clients[run_id] = client
+        return old
 
     def coordinator_client(self, run_id: int) -> BusClient:
         return self._clients[run_id]

@@ -55,7 +55,7 @@ from bus.errors import BusError
 from flyd.coordinator import Coordinator, DispatchOrder, Injections
 from flyd.fence import SessionFailure
 from flyd.identities import SessionNames
-from flyd.launcher import ExecutionMode, Launcher, connect_expected
+from flyd.launcher import ExecutionMode, Launcher, composition_plans, connect_expected
 from flyd.leases.node import Scope
 from flyd.runspec import RunSpec
 from flyd.state.cadence import Cadence
@@ -78,6 +78,7 @@ __all__ = ["GrantSession", "RunAbandoned", "writer_config"]
 log = structlog.get_logger("flyd.grant")
 
 FIRST_EPOCH: Final = "e1"
+CLOSE_S: Final = 5.0
 Ending = Literal["succeeded", "cancelled", "drained"]
 
 #: committed ledger rows up to a boundary: `(boundary, raw epoch N, payload)` in boundary order
@@ -132,6 +133,8 @@ class GrantSession:
         self.durability: Durability | None = None
         self.ring = EventRing()
         self.started = time.monotonic()
+        self.generation = 1
+        self.fresh_launcher = False
 
     # ------------------------------------------------------------------ helpers
 
@@ -219,6 +222,9 @@ class GrantSession:
         try:
             await self._begin(head)
         except SessionFailure as exc:
+            if is_permanent(exc.error):
+                await self._refused(exc.error, head.checkpoint_id if head else None)
+                return
             failure = exc
         except DomainError as exc:
             if is_permanent(exc):
@@ -394,14 +400,14 @@ class GrantSession:
                 await self._attempt(attempt, last)
             except RunAbandoned:
                 raise
-            except SessionFailure as exc:
-                last = exc
-            except DomainError as exc:
-                if is_permanent(exc):
+            except (SessionFailure, DomainError) as exc:
+                error = exc.error if isinstance(exc, SessionFailure) else exc
+                if is_permanent(error):
                     head = self._durability().head
-                    await self._refused(exc, head[0] if head is not None else None)
+                    await self._refused(error, head[0] if head is not None else None)
                     return True
-                last = SessionFailure(exc, self._coordinator().phase.label, "restore", None)
+                last = exc if isinstance(exc, SessionFailure) else SessionFailure(
+                    exc, self._coordinator().phase.label, "restore", None)
             else:
                 return False
             backoff = self.budget.failed()
@@ -415,7 +421,37 @@ class GrantSession:
         tainted = getattr(coordinator, "tainted", None)
         return list(tainted()) if callable(tainted) else []
 
+    async def _reconnect(self) -> None:
+        """§8.2 step 0, per session: the router was lost; once the node is reconnected, open a
+        new launcher and coordinator client (new incarnations; the old expectations died with
+        the old connections)."""
+        if not await self.ex.router_ready(self.config.durable_timeout_s):
+            self.log.error("recovery.abandoned_run", reason="the router did not come back")
+            raise RunAbandoned(f"run {self.run_id}: the router did not come back")
+        old = self.launcher
+        if old is not None:
+            self.ex.kill(self.run_id)
+            with contextlib.suppress(DomainError, BusError, TimeoutError):
+                async with asyncio.timeout(CLOSE_S):
+                    await old.close()
+        self.names = names = SessionNames(session_id=self.spec.session_id,
+                                          tag=self.ex.next_tag(), node_id=self.ex.node_id)
+        self.launcher = await self.ex.open_launcher(self.run_id, names)
+        client = await connect_expected(self.ex.node, self.ex.socket,
+                                        names.coordinator_client_id,
+                                        grants=names.client_grants())
+        previous = self.ex.adopt_client(self.run_id, client)
+        if previous is not None:
+            with contextlib.suppress(BusError, TimeoutError):
+                async with asyncio.timeout(CLOSE_S):
+                    await previous.close()
+        self._coordinator().replace_client(client)
+        self.fresh_launcher = True
+        self.log.info("recovery.reconnected", router_id=None, sessions=1)
+
     async def _attempt(self, attempt: int, failure: SessionFailure) -> None:
+        if self.ex.coordinator_client(self.run_id).closed:
+            await self._reconnect()
         durability = self._durability()
         writer = durability.writer
         before = writer.outstanding()
@@ -465,16 +501,29 @@ class GrantSession:
         return self.scope.grant.boundary
 
     async def _replace_all(self) -> None:
+        """§8.2 step 5: every participant killed and replaced by its next generation (after a
+        router loss, launched by the new launcher)."""
         launcher, coordinator = self.launcher, self._coordinator()
-        assert launcher is not None
+        assert launcher is not None and self.names is not None
         spec = self.live_spec
+        self.generation += 1
+        if self.fresh_launcher:
+            self.fresh_launcher = False
+            plans = composition_plans(self.names, spec, generation=self.generation)
+            launched = await launcher.launch_all(plans, ExecutionMode.from_label(spec.mode))
+            for wid in spec.worker_ids():
+                coordinator.replace_participant(wid, launched[wid].worker_ref())
+                self.log.info("recovery.replaced", worker=wid, old_incarnation=None,
+                              new_incarnation=launched[wid].identity.incarnation_id,
+                              reap="router-lost")
+            return
         for wid in spec.worker_ids():
             old = launcher.workers().get(wid)
-            launched = await launcher.restart(wid, faults=spec.faults_of(wid))
-            coordinator.replace_participant(wid, launched.worker_ref())
+            replacement = await launcher.restart(wid, faults=spec.faults_of(wid))
+            coordinator.replace_participant(wid, replacement.worker_ref())
             self.log.info("recovery.replaced", worker=wid,
                           old_incarnation=old.identity.incarnation_id if old else None,
-                          new_incarnation=launched.identity.incarnation_id, reap="killed")
+                          new_incarnation=replacement.identity.incarnation_id, reap="killed")
 
     # ------------------------------------------------------------------ endings (§9.3)
 

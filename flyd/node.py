@@ -28,6 +28,7 @@ import shutil
 import signal
 import socket as socketlib
 import tempfile
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,7 +51,7 @@ from flyd.leases.migrate import migrate
 from flyd.leases.node import NodeRuntime
 from flyd.leases.pgstore import DbSettings, PgStore
 from flyd.leases.store import NodeInfo
-from flyd.router_child import RouterChild
+from flyd.router_child import RouterChild, RouterStartError
 from flyd.state.store import PgCheckpointStore
 from flyd.state.writer import WriterConfig
 
@@ -60,6 +61,9 @@ log = structlog.get_logger("flyd.node")
 
 VERSION: Final = "0.1.0"
 CLOSE_S: Final = 5.0
+ROUTER_BACKOFF_S: Final = 0.1
+ROUTER_BACKOFF_MAX_S: Final = 5.0
+ROUTER_STABLE_S: Final = 60.0
 
 
 class NodeStartError(Exception):
@@ -120,6 +124,7 @@ class NodeProcess:
 
     async def start(self) -> None:
         setup = self.setup
+        setup.state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         if setup.dsn is None:
             self.embedded = EmbeddedPostgres()
             self.dsn = await self.embedded.start(setup.state_dir)
@@ -200,10 +205,71 @@ class NodeProcess:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.drain)
         try:
-            return await runtime.run()
+            return await self.run_runtime(runtime)
         finally:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.remove_signal_handler(sig)
+
+    async def run_runtime(self, runtime: NodeRuntime) -> int:
+        """The lease runtime with the router's supervisor beside it; the supervisor ends with
+        the runtime."""
+        async with asyncio.TaskGroup() as tg:
+            supervisor = tg.create_task(self.supervise_router())
+            try:
+                return await runtime.run()
+            finally:
+                supervisor.cancel()
+
+    # ------------------------------------------------------------------ router supervision
+
+    async def supervise_router(self) -> None:
+        """cli.md §5.1: restart a router child that exited (backoff from 0.1 s doubling to
+        5 s, reset after 60 s of uptime), reconnect the node connection with a new incarnation,
+        re-register the control service; the sessions recover through state.md §8.2 step 0."""
+        router = self.router
+        if router is None:
+            return
+        backoff = ROUTER_BACKOFF_S
+        while True:
+            process = router.process
+            if process is None:
+                return
+            started = time.monotonic()
+            code = await process.exited  # lifetime wait: the router's exit ends it
+            if self.executor is not None:
+                self.executor.router_lost()
+            if time.monotonic() - started >= ROUTER_STABLE_S:
+                backoff = ROUTER_BACKOFF_S
+            log.warning("router.exited", code=code, restart_in_s=backoff)
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, ROUTER_BACKOFF_MAX_S)
+            try:
+                await self._restart_router(router)
+            except (RouterStartError, BusError, OSError) as exc:
+                log.error("router.restart_failed", error=str(exc))
+                continue
+            log.info("router.restarted", socket=self.setup.socket, pid=router.pid)
+
+    async def _restart_router(self, router: RouterChild) -> None:
+        setup = self.setup
+        bus: Mapping[str, Any] = {k: v for k, v in setup.config.section("bus").items()
+                                  if v is not None}
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(setup.socket)
+        await router.start(bus, capacity=setup.capacity,
+                           max_agents=int(setup.config.value("session", "max_agents")),
+                           quiet=setup.router_quiet)
+        old, self.client = self.client, None
+        if old is not None:
+            with contextlib.suppress(Exception):
+                async with asyncio.timeout(CLOSE_S):
+                    await old.close()
+        self.client = await connect(setup.socket, client_id=node_client_id(setup.node_id))
+        if self.control is not None:
+            self.control.service = None
+            await self.control.start()
+        if self.executor is not None:
+            self.executor.router_back(self.client)
 
     def drain(self) -> None:
         """Start (a second call: hurry) the drain of §5.8, for SIGTERM, SIGINT and

@@ -313,7 +313,7 @@ async def _execute(node: NodeProcess, spec: RunSpec, max_attempts: int, signals:
     row: dict[str, Any] | None = None
     try:
         async with asyncio.TaskGroup() as tg:
-            serving = tg.create_task(runtime.run())
+            serving = tg.create_task(node.run_runtime(runtime))
             row = await _await_end(node, run_id, signals, serving, drain_s)
             runtime.stop()
     finally:

@@ -7,6 +7,7 @@ statement (`PgStore.submit`), as `flyctl runs submit` does.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import shutil
 import tempfile
 from collections.abc import Iterator, Mapping
@@ -30,6 +31,8 @@ def tmp() -> Iterator[Path]:
     try:
         yield path
     finally:
+        with contextlib.suppress(AssertionError):
+            wait_for("the test's processes to end", lambda: not processes_under(str(path)), 5)
         survivors = processes_under(str(path))
         for proc in survivors:
             proc.kill()
@@ -125,3 +128,100 @@ def test_an_invalid_run_spec_fails_with_its_path(db_dsn: str, tmp: Path) -> None
                  lambda: run_state(db_dsn, good)[0] == "succeeded", 60)
     finally:
         assert stop(node) == 0
+
+
+def test_the_node_restarts_its_router_and_sessions_recover(db_dsn: str, tmp: Path) -> None:
+    spec = RunSpec.validate({"steps": "160", "mode": "process", "paceS": 0.03,
+                             "checkpoints": {"everySteps": 10}}).to_json()
+    run = submit(db_dsn, spec)
+    node = start_node(tmp, "n", db_dsn)
+    socket = str(tmp / "n" / "bus.sock")
+    try:
+        wait_for("a durable checkpoint", lambda: query(
+            db_dsn, "SELECT boundary >= 20 FROM flyd.run_heads WHERE run_id = %s",
+            run) == [(True,)], 90)
+        [router] = [p for p in processes_under(socket) if "flyd" in " ".join(p.cmdline())
+                    and "router" in p.cmdline()]
+        router.kill()
+        wait_for("the run to end", lambda: run_state(db_dsn, run)[0] not in (
+            "pending", "running"), 120)
+        state, _, outcome = run_state(db_dsn, run)
+        assert state == "succeeded", outcome
+        assert log_events(tmp, "n", "router.restarted")
+        assert log_events(tmp, "n", "recovery.reconnected")
+        assert outcome["recoveries"] >= 1 and len(outcome["epochs"]) >= 2
+        clean = submit(db_dsn, spec)
+        wait_for("the clean run", lambda: run_state(db_dsn, clean)[0] == "succeeded", 120)
+        assert run_state(db_dsn, clean)[2]["behaviourDigest"] == outcome["behaviourDigest"]
+        keys = query(db_dsn, "SELECT effect_key FROM flyd.effects WHERE run_id = %s "
+                             "ORDER BY boundary NULLS LAST", run)
+        assert [k for (k,) in keys] == [f"boundary-{j}" for j in range(1, 161)] + ["finish"]
+        busy = submit(db_dsn, spec)
+        wait_for("workers of a third run", lambda: len(
+            [p for p in processes_under(socket) if "workers." in " ".join(p.cmdline())]) >= 3,
+            60)
+        assert run_state(db_dsn, busy)[0] == "running"
+        node.kill()
+        node.wait(10)
+        wait_for("the router and workers to die with the node",
+                 lambda: not processes_under(str(tmp / "n")), 10)
+    finally:
+        if node.poll() is None:
+            node.kill()
+            node.wait()
+
+
+def test_two_named_nodes_share_a_host(db_dsn: str, tmp: Path) -> None:
+    import os
+    import subprocess
+    import sys
+
+    from tests.serve_nodes import ROOT
+
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("FLYD_SOCKET", "FLYD_STATE_DIR", "FLYD_CONFIG", "FLYD_NODE_NAME",
+                        "RUNTIME_DIRECTORY", "STATE_DIRECTORY", "NOTIFY_SOCKET")}
+    env.update(XDG_RUNTIME_DIR=str(tmp / "xdg"), XDG_STATE_HOME=str(tmp / "state"),
+               FLYD_DSN=db_dsn, FLYD_LOG_FORMAT="json")
+    defaults = {}
+    for name in ("a", "b"):
+        out = subprocess.run([sys.executable, "-m", "flyd", "config", "show", "--json",
+                              "--node-name", name], cwd=ROOT, env=env, capture_output=True,
+                             timeout=60, check=True)
+        settings = orjson.loads(out.stdout)["settings"]
+        defaults[name] = (settings["node.state_dir"], settings["bus.socket"])
+        assert settings["node.state_dir"]["source"] == "default"
+        assert settings["node.state_dir"]["value"].endswith(f"/flyd/{name}")
+        assert settings["bus.socket"]["value"] == str(tmp / "xdg" / "flyd" / name / "bus.sock")
+    # the default state dir of uid 0 is /var/lib/flyd/<name>: a test run as root keeps its
+    # nodes' state under its temporary directory instead (the rule itself is checked above)
+    state_env = ({name: {"FLYD_STATE_DIR": str(tmp / "state" / "flyd" / name)}
+                  for name in ("a", "b")} if os.geteuid() == 0 else {"a": {}, "b": {}})
+    nodes = {name: subprocess.Popen([sys.executable, "-m", "flyd", "serve", "--node-name",
+                                     name, "--capacity", "2"], cwd=ROOT,
+                                    env={**env, **state_env[name]},
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+             for name in ("a", "b")}
+    sockets = {name: tmp / "xdg" / "flyd" / name / "bus.sock" for name in nodes}
+    try:
+        for name, path in sockets.items():
+            wait_for(f"node {name}'s router", path.exists, 60)
+        assert (tmp / "state" / "flyd" / "a").is_dir() and (tmp / "state" / "flyd" / "b").is_dir()
+        assert defaults["a"] != defaults["b"]
+        runs = [submit(db_dsn, spec_json(10)) for _ in range(4)]
+        wait_for("every run to succeed", lambda: all(
+            run_state(db_dsn, r)[0] == "succeeded" for r in runs), 120)
+        registered = query(db_dsn, "SELECT node_name, state FROM flyd.nodes ORDER BY node_name")
+        assert registered == [("a", "active"), ("b", "active")]
+        for name, path in sockets.items():
+            out = subprocess.run([sys.executable, "-c", "from flyd.cli import flyctl_main; "
+                                  "flyctl_main()", "status", "--json", "--socket", str(path)],
+                                 cwd=ROOT, env=env, capture_output=True, timeout=60,
+                                 check=False)
+            assert out.returncode == 0, out.stdout + out.stderr
+            status = orjson.loads(out.stdout)
+            assert status["source"] == "control"
+            assert [n["nodeName"] for n in status["nodes"]] == [name]
+    finally:
+        for proc in nodes.values():
+            assert stop(proc) == 0
