@@ -429,3 +429,46 @@ async def test_import_creates_a_pending_run_and_refuses_a_granted_one(claimed_ru
     with pytest.raises(EnvelopeError) as env_info:
         await store.import_envelope(bytes(corrupt), spec={})
     assert env_info.value.check == "R1"
+
+
+# 35
+async def test_flyctl_checkpoints_json_output(claimed_run: RunCtx, tmp_path: Path) -> None:
+    import os
+    import subprocess
+    import sys
+
+    import orjson
+
+    ctx = claimed_run
+    assert ctx.dsn is not None
+    await ctx.store.commit(make_job(ctx.run_id, 1, "ck-3", 3), ctx.path)
+    await ctx.store.commit(make_job(ctx.run_id, 1, "ck-6", 6, after=3), ctx.path)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FLYD_")}
+
+    async def flyctl(*args: str) -> tuple[int, dict[str, Any]]:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-c", "from flyd.cli import flyctl_main; flyctl_main()", *args,
+            "--json", "--dsn", str(ctx.dsn), env=env, stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE)
+        out, err = await proc.communicate()
+        assert b"Traceback" not in out + err
+        return int(proc.returncode or 0), orjson.loads(out)
+
+    code, listed = await flyctl("checkpoints", "list", str(ctx.run_id))
+    assert code == 0 and listed["run"] == ctx.run_id
+    assert [(c["checkpointId"], c["boundary"], c["head"]) for c in listed["checkpoints"]] == [
+        ("ck-6", 6, True), ("ck-3", 3, False)]
+    assert all(c["sessionEpoch"] == "e1" and c["leaseEpoch"] == 1
+               for c in listed["checkpoints"])
+    out = tmp_path / "head.flysess"
+    code, exported = await flyctl("checkpoints", "export", str(ctx.run_id), "-o", str(out))
+    assert code == 0 and exported["checkpointId"] == "ck-6" and exported["boundary"] == 6
+    assert exported["envelopeDigest"] == hashlib.sha256(out.read_bytes()).hexdigest()
+    code, verified = await flyctl("checkpoints", "verify", str(out))
+    assert (code, verified) == (0, {"ok": True, "check": None, "reason": None})
+    code, stored = await flyctl("checkpoints", "verify", "--run", str(ctx.run_id), "--id",
+                                "ck-3")
+    assert code == 0 and stored["ok"] is True
+    code, imported = await flyctl("checkpoints", "import", str(out), "--steps", "12")
+    assert code == 0 and imported["boundary"] == 6 and imported["checkpointId"] == "ck-6"
+    assert imported["run"] != ctx.run_id
