@@ -151,6 +151,12 @@ class GrantSession:
         assert self.durability is not None
         return self.durability
 
+    def _rlog(self) -> Any:
+        """The grant's logger with the session's current epoch (state.md §8.4: every
+        `recovery.*` line has `run`, `epoch`, `node`)."""
+        epoch = self.coordinator.epoch if self.coordinator is not None else None
+        return self.log.bind(epoch=epoch)
+
     def _audit(self, line: str) -> None:
         if self.coordinator is not None:
             self.coordinator.audit.add(line)
@@ -385,7 +391,7 @@ class GrantSession:
         while True:
             attempt = self.budget.start()
             if isinstance(attempt, Exhausted):
-                self.log.error("recovery.exhausted", attempts=attempt.attempts,
+                self._rlog().error("recovery.exhausted", attempts=attempt.attempts,
                                last_failure=_failure_fields(last))
                 await self._failed({"error": "recovery attempts exhausted",
                                     "attempts": attempt.attempts,
@@ -393,7 +399,7 @@ class GrantSession:
                 return True
             coordinator = self._coordinator()
             self.report.failures.append(_failure_json(last))
-            self.log.info("recovery.started", failed_epoch=coordinator.epoch, attempt=attempt,
+            self._rlog().info("recovery.started", failed_epoch=coordinator.epoch, attempt=attempt,
                           max_attempts=self.budget.max_attempts,
                           failure=_failure_fields(last))
             try:
@@ -411,7 +417,7 @@ class GrantSession:
             else:
                 return False
             backoff = self.budget.failed()
-            self.log.warning("recovery.attempt_failed", attempt=attempt, code=str(last.code),
+            self._rlog().warning("recovery.attempt_failed", attempt=attempt, code=str(last.code),
                              message=last.message, participant=last.participant,
                              tainted=self._tainted(), backoff_s=backoff)
             await asyncio.sleep(backoff)
@@ -426,7 +432,7 @@ class GrantSession:
         new launcher and coordinator client (new incarnations; the old expectations died with
         the old connections)."""
         if not await self.ex.router_ready(self.config.durable_timeout_s):
-            self.log.error("recovery.abandoned_run", reason="the router did not come back")
+            self._rlog().error("recovery.abandoned_run", reason="the router did not come back")
             raise RunAbandoned(f"run {self.run_id}: the router did not come back")
         old = self.launcher
         if old is not None:
@@ -447,7 +453,7 @@ class GrantSession:
                     await previous.close()
         self._coordinator().replace_client(client)
         self.fresh_launcher = True
-        self.log.info("recovery.reconnected", router_id=None, sessions=1)
+        self._rlog().info("recovery.reconnected", router_id=None, sessions=1)
 
     async def _attempt(self, attempt: int, failure: SessionFailure) -> None:
         if self.ex.coordinator_client(self.run_id).closed:
@@ -456,18 +462,21 @@ class GrantSession:
         writer = durability.writer
         before = writer.outstanding()
         if not await self._writer_idle():
-            self.log.error("recovery.abandoned_run", reason="the checkpoint writer did not "
+            self._rlog().error("recovery.abandoned_run", reason="the checkpoint writer did not "
                            "drain within durable_timeout_s")
             raise RunAbandoned(f"run {self.run_id}: writer did not drain")
         head = durability.head
-        self.log.info("recovery.drained", outstanding_before=before,
-                      head=None if head is None else {"checkpoint_id": head[0],
-                                                      "boundary": head[1]})
+        record = (await self.checkpoints.lookup(self.run_id, head[0])
+                  if head is not None else None)
+        self._rlog().info("recovery.drained", outstanding_before=before,
+                          head=None if head is None else {
+                              "checkpoint_id": head[0], "boundary": head[1],
+                              "session_epoch": record.session_epoch if record else None})
         failed_epoch = self._coordinator().epoch
         reached = self.report.boundary
         head_boundary = durability.head_boundary
         if reached > head_boundary:
-            self.log.info("recovery.abandoned", failed_epoch=failed_epoch,
+            self._rlog().info("recovery.abandoned", failed_epoch=failed_epoch,
                           from_boundary=head_boundary + 1, to_boundary=reached)
         writer.pending.rewind(head_boundary)
         await self._replace_all()
@@ -476,14 +485,14 @@ class GrantSession:
             coordinator = self._new_coordinator(epoch)
             await coordinator.bootstrap()
             boundary = 0
-            self.log.info("recovery.restarted", new_epoch=epoch)
+            self._rlog().info("recovery.restarted", new_epoch=epoch)
         else:
             coordinator = self._coordinator()
             coordinator.injections = self._injections()
             restored = await coordinator.restore(None, epoch, store=self.checkpoints,
                                                  run_id=self.run_id)
             boundary = restored.boundary
-            self.log.info("recovery.restored", checkpoint_id=restored.checkpoint_id,
+            self._rlog().info("recovery.restored", checkpoint_id=restored.checkpoint_id,
                           boundary=boundary, new_epoch=epoch, staged=list(restored.staged),
                           activated=list(restored.activated))
             coordinator.resume()
@@ -494,7 +503,7 @@ class GrantSession:
         self.ex.recovered(self.report, {"participant": failure.participant,
                                         "code": str(failure.code), "boundary": boundary,
                                         "epoch": epoch})
-        self.log.info("recovery.resumed", boundary=boundary, new_epoch=epoch, attempt=attempt)
+        self._rlog().info("recovery.resumed", boundary=boundary, new_epoch=epoch, attempt=attempt)
 
     def _first_local(self) -> int:
         """The boundary this grant's local records start after (the claimed head)."""
@@ -513,17 +522,18 @@ class GrantSession:
             launched = await launcher.launch_all(plans, ExecutionMode.from_label(spec.mode))
             for wid in spec.worker_ids():
                 coordinator.replace_participant(wid, launched[wid].worker_ref())
-                self.log.info("recovery.replaced", worker=wid, old_incarnation=None,
+                self._rlog().info("recovery.replaced", worker=wid, old_incarnation=None,
                               new_incarnation=launched[wid].identity.incarnation_id,
                               reap="router-lost")
             return
         for wid in spec.worker_ids():
-            old = launcher.workers().get(wid)
+            old = coordinator.refs().get(wid)
             replacement = await launcher.restart(wid, faults=spec.faults_of(wid))
             coordinator.replace_participant(wid, replacement.worker_ref())
-            self.log.info("recovery.replaced", worker=wid,
-                          old_incarnation=old.identity.incarnation_id if old else None,
-                          new_incarnation=replacement.identity.incarnation_id, reap="killed")
+            self._rlog().info("recovery.replaced", worker=wid,
+                              old_incarnation=old.domain_incarnation if old else None,
+                              new_incarnation=replacement.identity.incarnation_id,
+                              reap="killed")
 
     # ------------------------------------------------------------------ endings (§9.3)
 
@@ -615,7 +625,7 @@ class GrantSession:
                                 session_epoch=epoch_number(epoch))
 
     async def _refused(self, exc: DomainError, checkpoint_id: str | None) -> None:
-        self.log.error("recovery.refused", code=str(exc.code), message=exc.message,
+        self._rlog().error("recovery.refused", code=str(exc.code), message=exc.message,
                        checkpoint_id=checkpoint_id)
         await self._failed({"code": str(exc.code), "message": exc.message,
                             "checkpointId": checkpoint_id})
