@@ -17,7 +17,7 @@ from tests.cli.test_flyctl import live_status, paced_run
 from tests.cli.test_flyctl_runs import FLYCTL, ROOT, Site, flyctl, serve
 from tests.cli.test_flyctl_runs import site as site
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = pytest.mark.timeout(300)
 
 UNREACHABLE = "postgresql://nobody@127.0.0.1:1/nothing?connect_timeout=2"
 
