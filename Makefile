@@ -21,8 +21,11 @@ install: $(STAMP)
 run: $(STAMP)
 	$(BIN)/flyd run
 
+# The parallel part first; then the wall-time measurements (marker `serial`) alone, so that the
+# tier-1 sweep's < 60 s bound is measured on an otherwise idle machine.
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -n auto $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -n auto -m "not serial" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -m serial $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check bus workers flyd tests bench

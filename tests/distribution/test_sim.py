@@ -412,6 +412,7 @@ def test_sim_delayed_cancellation_safe() -> None:
     assert late_refused > 0 and late_through == 0
 
 
+@pytest.mark.serial
 @pytest.mark.timeout(300)
 def test_sim_sweep_1000_seeds_under_60s() -> None:
     import os
