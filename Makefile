@@ -40,7 +40,9 @@ bench: $(STAMP)
 faults: $(STAMP)
 	$(BIN)/python -m pytest tests/distribution -q -n auto
 
-faults-sweep: faults
+faults-sweep: $(STAMP)
+	FLYD_SIM_SEEDS=10000 FLYD_RECOVERY_SEEDS=10 $(BIN)/python -m pytest tests/distribution \
+		tests/state/test_recovery.py -q
 
 fuzz: $(STAMP)
 	$(BIN)/python -m pytest -q tests/bus/test_fuzz.py --hypothesis-profile=fuzz

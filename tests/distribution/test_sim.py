@@ -421,12 +421,13 @@ def test_sim_sweep_1000_seeds_under_60s() -> None:
 
     n = seed_count()
     assert n >= 1000 or "FLYD_SIM_SEEDS" in os.environ
-    result = sweep(range(n), workers=2, progress=print)
+    result = sweep(range(n), workers=min(4, os.cpu_count() or 1), progress=print)
     print("[sim]", summary(result))
     assert not result.failed, [(r.seed, r.failures, r.record_path) for r in result.failed]
     assert not result.vacuity_problems(), result.vacuity_problems()
     assert set(NON_VACUITY) <= set(result.fact_counts())
-    assert result.seconds < 60.0, f"{n} seeds took {result.seconds:.1f} s"
+    bound = 60.0 * max(n, 1000) / 1000  # the spec's rate: 1000 seeds in 60 s
+    assert result.seconds < bound, f"{n} seeds took {result.seconds:.1f} s (bound {bound:.0f})"
 
 
 def test_sim_canaries_detected(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
