@@ -7,11 +7,14 @@ and a test can prove none survives.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import psutil
@@ -80,3 +83,21 @@ def stop(proc: subprocess.Popen[bytes], timeout: float = 30) -> int:
             proc.kill()
             proc.wait()
     return proc.returncode
+
+
+@contextlib.contextmanager
+def process_dir(prefix: str) -> Iterator[Path]:
+    """A temporary directory for a test's sockets and state; every process naming it in its
+    command line must be gone at the end (given 5 s to exit), else the test fails listing them
+    (and they are killed)."""
+    path = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
+    try:
+        yield path
+    finally:
+        with contextlib.suppress(AssertionError):
+            wait_for("the test's processes to end", lambda: not processes_under(str(path)), 5)
+        survivors = processes_under(str(path))
+        for proc in survivors:
+            proc.kill()
+        shutil.rmtree(path, ignore_errors=True)
+        assert not survivors, f"processes outlived the test: {survivors}"

@@ -7,9 +7,6 @@ statement (`PgStore.submit`), as `flyctl runs submit` does.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import shutil
-import tempfile
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -20,24 +17,23 @@ import pytest
 from flyd.leases.params import LeaseParams
 from flyd.leases.pgstore import DbSettings, PgStore
 from flyd.runspec import RunSpec
-from tests.serve_nodes import node_log, processes_under, query, start_node, stop, wait_for
+from tests.serve_nodes import (
+    node_log,
+    process_dir,
+    processes_under,
+    query,
+    start_node,
+    stop,
+    wait_for,
+)
 
 pytestmark = pytest.mark.timeout(180)
 
 
 @pytest.fixture
 def tmp() -> Iterator[Path]:
-    path = Path(tempfile.mkdtemp(prefix="flyd-s-", dir="/tmp"))
-    try:
+    with process_dir("flyd-s-") as path:
         yield path
-    finally:
-        with contextlib.suppress(AssertionError):
-            wait_for("the test's processes to end", lambda: not processes_under(str(path)), 5)
-        survivors = processes_under(str(path))
-        for proc in survivors:
-            proc.kill()
-        shutil.rmtree(path, ignore_errors=True)
-        assert not survivors, f"processes outlived the test: {survivors}"
 
 
 async def _submit(dsn: str, spec: Mapping[str, Any]) -> int:

@@ -20,7 +20,6 @@ import socket
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 import tomllib
 import uuid
@@ -38,7 +37,7 @@ from flyd.leases.params import LeaseParams
 from flyd.leases.pgstore import DbSettings, PgStore
 from flyd.runspec import RunSpec
 from flyd.sdnotify import Notifier, NotifyError, encode, notify, watchdog_interval
-from tests.serve_nodes import processes_under, query
+from tests.serve_nodes import process_dir, processes_under, query
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -49,15 +48,8 @@ STATUS_RE = re.compile(r"^(serving|draining): \d+/1 runs held, \d+\.\d steps/s$"
 
 @pytest.fixture
 def tmp() -> Iterator[Path]:
-    path = Path(tempfile.mkdtemp(prefix="flyd-sd-", dir="/tmp"))
-    try:
+    with process_dir("flyd-sd-") as path:
         yield path
-    finally:
-        survivors = processes_under(str(path))
-        for proc in survivors:
-            proc.kill()
-        shutil.rmtree(path, ignore_errors=True)
-        assert not survivors, f"processes outlived the test: {survivors}"
 
 
 class FakeManager:

@@ -13,9 +13,7 @@ may survive it.
 from __future__ import annotations
 
 import asyncio
-import shutil
 import signal
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -25,7 +23,7 @@ from flyd.leases.params import LeaseParams
 from flyd.leases.pgstore import DbSettings, PgStore
 from flyd.runspec import RunSpec
 from tests.distribution.harness.clock import HarnessClock
-from tests.serve_nodes import processes_under, query, start_node, wait_for
+from tests.serve_nodes import process_dir, processes_under, query, start_node, wait_for
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -38,15 +36,8 @@ EVERY = 10
 
 @pytest.fixture
 def tmp() -> Iterator[Path]:
-    path = Path(tempfile.mkdtemp(prefix="flyd-n-", dir="/tmp"))
-    try:
+    with process_dir("flyd-n-") as path:
         yield path
-    finally:
-        survivors = processes_under(str(path))
-        for proc in survivors:
-            proc.kill()
-        shutil.rmtree(path, ignore_errors=True)
-        assert not survivors, f"processes outlived the test: {survivors}"
 
 
 async def submit_runs(dsn: str) -> list[int]:
