@@ -1,11 +1,10 @@
-"""Tier-2 tests of distribution.md §8 (tests 52–60).
+"""Tier-2 tests of distribution.md §8 (tests 52–55, 57–59 so far).
 
 Tests 52–55 and 57 prove the harness itself: the fault proxy and its taps (against an echo
 server and through psycopg to a real server), the harness clock shared by `flyd.app_now()` and
 the nodes' clock file, the clock-mode refusal at node start, and the wall budget of a scenario
-(`harness/runner.py`). Tests 58–59 need only a real node, a real PostgreSQL and signals. Test 56
-runs every scenario of §7.3.5 (`harness/bodies.py`) and judges it with the oracle; test 60 is
-the inventory and orphan check.
+(`harness/runner.py`). Tests 58–59 need only a real node, a real PostgreSQL and signals. The
+scenarios of §7.3.5 (test 56) join this file with the oracle.
 """
 
 from __future__ import annotations
@@ -36,7 +35,6 @@ from flyd.leases.embedded import EmbeddedPostgres
 from flyd.leases.params import LeaseParams
 from flyd.leases.pgstore import DbSettings, PgStore
 from flyd.runspec import RunSpec
-from tests.distribution.harness import bodies  # noqa: F401  (registers the scenario bodies)
 from tests.distribution.harness.clock import EPOCH, TICK_S, HarnessClock
 from tests.distribution.harness.proxy import (
     DROP,
@@ -55,14 +53,7 @@ from tests.distribution.harness.runner import (
     run_scenario,
     suite_line,
 )
-from tests.distribution.harness.scenarios import (
-    PROBES,
-    REGISTRY,
-    lookup,
-    scenario_seed,
-    suite_seed,
-)
-from tests.distribution.harness.scenarios import ids as scenario_ids
+from tests.distribution.harness.scenarios import scenario_seed, suite_seed
 from tests.serve_nodes import ROOT, processes_under, query, start_node, wait_for
 
 pytestmark = pytest.mark.timeout(180)
@@ -490,84 +481,3 @@ def test_budget_expiry(faults_suite: tuple[int, Report], tmp: Path) -> None:
     assert any("budget expired" in line for line in err)
     assert (tmp / "standalone" / f"budget_probe-{seed}.json").exists()
     assert not processes_with_marker("budget_probe")
-
-
-# ------------------------------------------------------------------------------------------
-# The scenarios of §7.3.5 (test 56) and the suite's last word (test 60).
-#
-# Inventory under pytest-xdist: each `test_scenario[<id>]` writes `<id>` (its outcome) into a
-# directory shared by every worker of the session (the parent of the workers' base temp
-# directories, or the base temp itself without xdist), whatever its outcome. Test 60 reads the
-# scenario ids selected in this session from the collected items (every worker collects the
-# same items), fails at once if a registered id is not among them, then waits until each
-# selected scenario has written its file: it passes whatever the order the workers run tests in.
-
-INVENTORY_WAIT_S = 900.0
-SAFETY_AND_LIVENESS = ("S1", "S2", "S3", "S4", "S5", "S6", "L1", "L2", "L3", "L4")
-
-
-@pytest.fixture(scope="session")
-def inventory_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.getbasetemp()
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        root = root.parent
-    path = root / "faults-inventory"
-    path.mkdir(exist_ok=True)
-    return path
-
-
-@pytest.mark.timeout(240)
-@pytest.mark.parametrize("scenario_id", scenario_ids())
-def test_scenario(scenario_id: str, faults_suite: tuple[int, Report], db_dsn: str,
-                  inventory_dir: Path) -> None:
-    suite, reporter = faults_suite
-    lines: list[str] = []
-
-    def report(line: str) -> None:
-        lines.append(line)
-        reporter(line)
-
-    scenario = lookup(scenario_id)
-    seed = scenario_seed(suite, scenario_id)
-    started = time.monotonic()
-    outcome = None
-    try:
-        outcome = run_scenario(scenario_id, seed, report, suite=suite, dsn=db_dsn)
-    finally:
-        status = outcome.status if outcome is not None else "error"
-        (inventory_dir / scenario_id).write_text(status)
-    elapsed = time.monotonic() - started
-    assert lines[0] == f"[faults] {scenario_id} seed={seed} budget={scenario.budget_s:g}"
-    assert any(line.startswith(f"[faults] {scenario_id} t=") for line in lines), \
-        "no progress line"
-    assert outcome.status == "passed", outcome.message
-    assert elapsed <= scenario.budget_s + 10, f"budget of {scenario.budget_s:g}s not kept"
-    verdicts = {str(v["check"]): v for v in outcome.context.verdicts}
-    if scenario.inverted:
-        assert verdicts["canary: the oracle reports a violation"]["detected"], verdicts
-        return
-    for check in SAFETY_AND_LIVENESS:
-        assert verdicts[check]["ok"], verdicts[check]
-    for fact in scenario.vacuity:
-        assert any(name.startswith("vacuity:") and v["ok"] for name, v in verdicts.items()), \
-            f"no vacuity verdict for {fact}"
-    assert not processes_with_marker(scenario_id)
-
-
-@pytest.mark.timeout(INVENTORY_WAIT_S + 60)
-def test_no_orphans_and_inventory(request: pytest.FixtureRequest, inventory_dir: Path) -> None:
-    selected = {item.callspec.params["scenario_id"] for item in request.session.items
-                if isinstance(item, pytest.Function) and item.originalname == "test_scenario"}
-    registered = set(scenario_ids())
-    assert selected == registered, \
-        f"registered scenarios not run: {sorted(registered - selected)}"
-    deadline = time.monotonic() + INVENTORY_WAIT_S
-    while not all((inventory_dir / sid).exists() for sid in registered):
-        assert time.monotonic() < deadline, "scenarios still unfinished: " + ", ".join(
-            sorted(sid for sid in registered if not (inventory_dir / sid).exists()))
-        time.sleep(0.5)
-    ran = {sid: (inventory_dir / sid).read_text() for sid in sorted(registered)}
-    assert all(status in ("passed", "failed", "expired") for status in ran.values()), ran
-    for scenario in REGISTRY + PROBES:
-        survivors = processes_with_marker(scenario.id)
-        assert not survivors, f"{scenario.id}: processes with its marker survive: {survivors}"

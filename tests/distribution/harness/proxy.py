@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import hashlib
 import random
 import socket
@@ -173,7 +174,8 @@ def _rst(writer: asyncio.StreamWriter) -> None:
     """Abort with RST for TCP (SO_LINGER 0); a Unix socket can only be closed."""
     sock = writer.get_extra_info("socket")
     if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _LINGER_RST)
+        with contextlib.suppress(OSError):  # the peer's reset may have closed it already
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _LINGER_RST)
     writer.transport.abort()
 
 
