@@ -216,7 +216,8 @@ class SessionExecutor:
         except RunAbandoned as exc:
             bound.error("run.abandoned", reason=str(exc))
         finally:
-            await self._read_world(scope.run_id, spec, report)
+            if report.lost_reason is None:
+                await self._read_world(scope.run_id, spec, report)
             await self._teardown(scope.run_id, spec, report)
 
     # ------------------------------------------------------------------ router loss (§8.2 step 0)
@@ -288,12 +289,15 @@ class SessionExecutor:
                 report.world_progress = None if counter is None else str(counter)
 
     async def _teardown(self, run_id: int, spec: RunSpec, report: RunReport) -> None:
-        """Reap the workers and close the session's clients; every step bounded."""
+        """Reap the workers and close the session's clients; every step bounded. After a lost
+        lease the workers were SIGKILLed already: nothing is asked of them, so the scope ends
+        within the runtime's bound."""
         launcher = self._launchers.get(run_id)
         if launcher is not None:
-            with contextlib.suppress(Exception):
-                async with asyncio.timeout(REAP_S):
-                    await launcher.reap_all("run-ended")
+            if report.lost_reason is None:
+                with contextlib.suppress(Exception):
+                    async with asyncio.timeout(REAP_S):
+                        await launcher.reap_all("run-ended")
             self._groups.setdefault(run_id, []).extend(launcher.kill_process_groups())
             with contextlib.suppress(Exception):
                 async with asyncio.timeout(REAP_S):

@@ -212,11 +212,15 @@ class GrantSession:
                                                      self.config.every_seconds),
                                      audit=self._audit)
         async with asyncio.TaskGroup() as tg:
-            tg.create_task(writer.run())
+            writer_task = tg.create_task(writer.run())
             try:
                 await self._lifecycle(head)
-            finally:
-                await writer.shutdown()
+            except BaseException:
+                # a lost lease cancels this task: nothing of this grant may be written any
+                # more, so the writer's current job is cancelled, not awaited (§5.5)
+                writer_task.cancel()
+                raise
+            await writer.shutdown()
 
     async def _lifecycle(self, head: CheckpointRecord | None) -> None:
         try:

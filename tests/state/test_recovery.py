@@ -586,6 +586,10 @@ def test_lease_loss_cancels_instead_of_recovering(box: Box) -> None:
              if e.get("run") == run and e.get("event") in ("lease_lost", "write_begin")]
     lost_index = names.index(("lease_lost", 1))
     assert ("write_begin", 1) not in names[lost_index:], "a write after safe_until"
+    ends = {e["event"]: e for e in log if e.get("run") == run and e.get("epoch") == 1
+            and e.get("event") in ("lease_lost", "scope_cancelled", "scope_stuck")}
+    assert "scope_stuck" not in ends, "the scope ended within the runtime's bound"
+    assert ends["scope_cancelled"]["t"] - ends["lease_lost"]["t"] <= 5.0
     written = query(box.dsn, "SELECT max(recorded_at) FROM flyd.effects WHERE run_id = %s "
                              "AND lease_epoch = 1", run)
     assert written[0][0] is not None
