@@ -32,10 +32,15 @@ lint: $(STAMP)
 	$(BIN)/mypy
 
 bench: $(STAMP)
+	uptime >&2
 	$(BIN)/python bench/bus.py
 	$(BIN)/python bench/step_rate.py
-	$(BIN)/python -P bench/leases.py
+	$(BIN)/python -P bench/agent_scaling.py --intervals 1
 	$(BIN)/python -P bench/checkpoints.py
+	$(BIN)/python -P bench/claims.py --claims 300
+	$(BIN)/python -P bench/leases.py
+	$(BIN)/python -P bench/failover.py
+	$(BIN)/python -P bench/memory.py --steps 1500
 
 faults: $(STAMP)
 	$(BIN)/python -m pytest tests/distribution -q -n auto

@@ -21,12 +21,14 @@ import socket as socketlib
 import sys
 import time
 from collections.abc import Mapping
+from dataclasses import fields
 from pathlib import Path
 from typing import Any, Final
 
 import orjson
 import structlog
 
+from bus.limits import Limits, snake_case
 from bus.policy import Policy
 from flyd.config import ConfigError, default_socket
 from flyd.runspec import DEFAULT_MAX_AGENTS
@@ -137,13 +139,14 @@ def required_limits(capacity: int = 1, max_agents: int = DEFAULT_MAX_AGENTS) -> 
 def router_toml(bus: Mapping[str, Any], node_pid: int, capacity: int = 1,
                 max_agents: int = DEFAULT_MAX_AGENTS) -> str:
     """The router child's configuration: `bus` (the `[bus]` table of `--config`, socket
-    dropped: the socket is a flag) with `[bus.limits]` raised to `required_limits()` where a
-    configured value is lower, plus the default policy with the node's pid (session.md §7.2)
-    unless `bus` sets a policy."""
+    dropped: the socket is a flag) with `[bus.limits]` raised to `required_limits()` where the
+    configured value, or the router's default when unset, is lower, plus the default policy with
+    the node's pid (session.md §7.2) unless `bus` sets a policy."""
     table = {k: v for k, v in bus.items() if k != "socket"}
     limits = dict(table.get("limits", {}))
+    defaults = {snake_case(f.name): getattr(Limits(), f.name) for f in fields(Limits)}
     for key, floor in required_limits(capacity, max_agents).items():
-        value = limits.get(key)
+        value = limits.get(key, defaults[key])
         if isinstance(value, int) and not isinstance(value, bool) and value < floor:
             log.info("router.limit_raised", key=f"[bus.limits] {key}", configured=value,
                      used=floor)

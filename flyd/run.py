@@ -112,8 +112,9 @@ class RunOptions:
 # spec and configuration
 
 
-def build_spec(opts: RunOptions) -> RunSpec:
-    """The validated run spec of the options (cli.md §4 seeds); `RunUsageError` otherwise."""
+def build_spec(opts: RunOptions, max_agents: int = DEFAULT_MAX_AGENTS) -> RunSpec:
+    """The validated run spec of the options (cli.md §4 seeds) for a host whose `[session]
+    max_agents` is `max_agents`; `RunUsageError` otherwise."""
     doc: dict[str, Any] = {
         "steps": str(opts.steps) if opts.steps >= 0 else opts.steps,
         "mode": "in-process" if opts.mode == "inprocess" else opts.mode,
@@ -130,7 +131,7 @@ def build_spec(opts: RunOptions) -> RunSpec:
         doc["agents"] = [{"agentId": a, "portId": f"p{i + 1}", "seed": None}
                          for i, a in enumerate(ids)]
     try:
-        spec = RunSpec.validate(doc, max_agents=DEFAULT_MAX_AGENTS, check_imports=True)
+        spec = RunSpec.validate(doc, max_agents=max_agents, check_imports=True)
     except RunSpecError as exc:
         raise RunUsageError("USAGE", exc.message) from None
     if opts.faults:
@@ -250,16 +251,17 @@ class _Signals:
 async def run_session(opts: RunOptions) -> int:
     """`flyd run`; returns the exit code (prints the summary or the error)."""
     try:
-        spec = build_spec(opts)
         config = load_config(opts.config_file, flags={
             "database.dsn": opts.dsn, "node.state_dir": opts.state_dir,
             "leases.ttl_s": opts.lease_ttl, "bus.socket": opts.socket})
+        max_agents = int(config.value("session", "max_agents"))
+        spec = build_spec(opts, max_agents)
         if opts.checkpoint_every is None:
             spec = RunSpec.validate(
                 {**spec.to_json(), "checkpoints": {
                     **spec.to_json().get("checkpoints", {}),
                     "everySteps": int(config.value("checkpoints", "every_steps"))}},
-                max_agents=DEFAULT_MAX_AGENTS)
+                max_agents=max_agents)
         if opts.trace is not None:
             try:
                 opts.trace.write_bytes(b"")
