@@ -195,7 +195,8 @@ class RouterChild:
         return None if self.process is None else self.process.pid
 
     async def stop(self) -> None:
-        """SIGTERM, then SIGKILL after `ROUTER_STOP_S`."""
+        """SIGTERM, then SIGKILL after `ROUTER_STOP_S`. A router that had to be killed could not
+        remove its socket file; the path is this node's, so it is removed here."""
         router, self.process = self.process, None
         if router is None:
             return
@@ -204,3 +205,6 @@ class RouterChild:
                 os.kill(router.pid, signal.SIGTERM)
             await router.wait(ROUTER_STOP_S)
         await router.close(ROUTER_STOP_S)
+        if not await asyncio.to_thread(router_answers, self.socket):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.socket)

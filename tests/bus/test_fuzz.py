@@ -53,7 +53,7 @@ def _profile_name() -> str:
 
 
 PROFILE = _profile_name()
-pytestmark = pytest.mark.timeout(60 if PROFILE == "bus-fuzz-quick" else 6 * 3600)
+pytestmark = pytest.mark.timeout(240 if PROFILE == "bus-fuzz-quick" else 6 * 3600)
 
 LIMITS = Limits().replace(
     maxEnvelopeBytes=65536, maxClients=16, maxServices=3, maxServiceQueued=4,

@@ -742,6 +742,7 @@ def has_known_divergence(value: Any) -> bool:
     return False
 
 
+@pytest.mark.timeout(240)  # 1500 examples: minutes on a loaded 2-CPU host
 @settings(max_examples=1500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(schema_and_instance())
 def test_random_instances_agree_with_jsonschema(pair: tuple[str, Any]) -> None:

@@ -421,6 +421,7 @@ class NoKeyRunsTwice(RuleBasedStateMachine):
             assert cache.highest_step is not None and key.step <= cache.highest_step
 
 
+@pytest.mark.timeout(240)  # 300 machines of 60 steps: minutes on a loaded 2-CPU host
 def test_no_key_executes_twice() -> None:
     run_state_machine_as_test(
         NoKeyRunsTwice,
