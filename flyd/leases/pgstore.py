@@ -260,7 +260,7 @@ def classify(exc: BaseException, *, sent: bool, backend: Backend | None,
 # Connections
 
 
-class _Conn(psycopg.AsyncConnection[TupleRow]):
+class ClosingConnection(psycopg.AsyncConnection[TupleRow]):
     """A connection that, when its call is cancelled, closes at once instead of asking the
     server to cancel and waiting for it (psycopg's default, up to 10 s)."""
 
@@ -276,7 +276,7 @@ class _Conn(psycopg.AsyncConnection[TupleRow]):
             raise
 
 
-async def _record_backend(conn: _Conn) -> None:
+async def _record_backend(conn: ClosingConnection) -> None:
     """Pool `configure`: pid and backend_start of the session (§3.10 guards pid reuse)."""
     cur = await conn.execute(
         "SELECT pid, backend_start FROM pg_stat_activity WHERE pid = pg_backend_pid()")
@@ -524,9 +524,9 @@ class PgStore:
         scale = settings.time_scale
         self._call_s = _bound_s(params.commit_timeout_s, scale)
         self._renew_s = _bound_s(params.renew_timeout_s, scale)
-        self._pool: AsyncConnectionPool[_Conn] = AsyncConnectionPool(
+        self._pool: AsyncConnectionPool[ClosingConnection] = AsyncConnectionPool(
             conninfo(dsn, node_id, "work", settings),
-            connection_class=_Conn,
+            connection_class=ClosingConnection,
             min_size=2,
             max_size=capacity + 3,
             open=False,
@@ -536,9 +536,9 @@ class PgStore:
             name=f"flyd:{node_id}:work",
             timeout=self._call_s,
         )
-        self._heartbeat: _Conn | None = None
+        self._heartbeat: ClosingConnection | None = None
         self._heartbeat_lock = asyncio.Lock()
-        self._listeners: set[_Conn] = set()
+        self._listeners: set[ClosingConnection] = set()
 
     # -- lifecycle -----------------------------------------------------------------------
     async def open(self) -> None:
@@ -567,7 +567,7 @@ class PgStore:
 
     # -- plumbing --------------------------------------------------------------------------
     @asynccontextmanager
-    async def _work_conn(self) -> AsyncIterator[_Conn]:
+    async def _work_conn(self) -> AsyncIterator[ClosingConnection]:
         """A pooled work connection; closed instead of returned when the call did not end
         cleanly (timeout, cancellation, lost session)."""
         conn = await self._pool.getconn()
@@ -585,14 +585,14 @@ class PgStore:
                 await self._rollback_or_close(conn)
             await self._pool.putconn(conn)
 
-    async def _rollback_or_close(self, conn: _Conn) -> None:
+    async def _rollback_or_close(self, conn: ClosingConnection) -> None:
         try:
             async with asyncio.timeout(self._call_s):
                 await conn.rollback()
         except (psycopg.Error, TimeoutError):
             await conn.close()
 
-    async def _call(self, what: str, op: Callable[[_Conn], Awaitable[T]], *,
+    async def _call(self, what: str, op: Callable[[ClosingConnection], Awaitable[T]], *,
                     writes: bool = True) -> T:
         """One work-pool call under the client bound C, classified (module rules)."""
         sent = False
@@ -613,7 +613,7 @@ class PgStore:
 
     async def _fetchall(self, what: str, query: str, params: Mapping[str, Any], *,
                         writes: bool = True) -> list[TupleRow]:
-        async def op(conn: _Conn) -> list[TupleRow]:
+        async def op(conn: ClosingConnection) -> list[TupleRow]:
             cur = await conn.execute(query, params)
             return await cur.fetchall() if cur.description is not None else []
         return await self._call(what, op, writes=writes)
@@ -630,7 +630,7 @@ class PgStore:
                     if conn is None or conn.closed:
                         info = conninfo(self._dsn, self._node_id, "heartbeat", self._settings,
                                         statement_timeout_ms=self._params.renew_timeout_s * 1000)
-                        conn = await _Conn.connect(info, autocommit=True)
+                        conn = await ClosingConnection.connect(info, autocommit=True)
                         self._heartbeat = conn
                     try:
                         sent = True
@@ -653,7 +653,7 @@ class PgStore:
         await self._fetchall("set node state", SET_NODE_STATE, {"node": node_id, "state": state})
 
     async def prune_nodes(self) -> int:
-        async def op(conn: _Conn) -> int:
+        async def op(conn: ClosingConnection) -> int:
             cur = await conn.execute(PRUNE_NODES)
             return cur.rowcount
         return await self._call("prune nodes", op)
@@ -828,7 +828,7 @@ class PgStore:
     async def requeue(self, run_id: int, actor: str) -> bool:
         """One transaction: `SET LOCAL flyd.intervention = 'on'`, failed -> pending with
         attempt 0 and outcome/finished_at cleared, and an `interventions` row."""
-        async def op(conn: _Conn) -> bool:
+        async def op(conn: ClosingConnection) -> bool:
             async with conn.transaction():
                 await conn.execute("SET LOCAL flyd.intervention = 'on'")
                 cur = await conn.execute(REQUEUE, {"run": run_id})
@@ -850,7 +850,7 @@ class PgStore:
         quiet_s = _bound_s(self._params.claim_poll_s, self._settings.time_scale)
         try:
             async with asyncio.timeout(self._renew_s):
-                conn = await _Conn.connect(info, autocommit=True)
+                conn = await ClosingConnection.connect(info, autocommit=True)
         except (psycopg.Error, TimeoutError, OSError) as exc:
             raise classify(exc, sent=False, backend=None, what="listen") from exc
         self._listeners.add(conn)

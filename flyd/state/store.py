@@ -39,7 +39,10 @@ Decisions where the spec is silent:
   does `DirectCommitPath`).
 - `PgCheckpointStore` uses one connection of its own (autocommit, opened lazily, closed after
   any failure) for reads, the §3.10 read, ending a backend and imports; every call is bounded
-  by `timeout_s`. Database failures are `BACKEND_FAILURE`/`unknown`.
+  by `timeout_s`. Database failures are `BACKEND_FAILURE`/`unknown`. Its connections are the
+  lease store's `ClosingConnection`: a call cancelled mid-query (its bound, or a lost lease
+  cancelling the grant) closes the socket at once instead of waiting up to 10 s for a
+  server-side cancel that an unreachable server never answers.
 - `MemoryCheckpointStore` reads the in-memory lease store's tables through `MemStore.dump()`;
   it has no `import_envelope` (the in-memory lease store has no lease-epoch-0 write path).
 - An import inserts the row with node id `import`; the run's spec gains
@@ -614,7 +617,7 @@ class PgCheckpointStore(_Base):
         super().__init__()
         self._dsn = dsn
         self._timeout_s = timeout_s
-        self._conn: psycopg.AsyncConnection[Any] | None = None
+        self._conn: sql.ClosingConnection | None = None
         self._lock = asyncio.Lock()
 
     async def close(self) -> None:
@@ -627,8 +630,8 @@ class PgCheckpointStore(_Base):
         try:
             async with asyncio.timeout(self._timeout_s), self._lock:
                 if self._conn is None or self._conn.closed:
-                    self._conn = await psycopg.AsyncConnection.connect(self._dsn,
-                                                                       autocommit=True)
+                    self._conn = await sql.ClosingConnection.connect(self._dsn,
+                                                                     autocommit=True)
                 conn = self._conn
                 try:
                     cur = await conn.execute(query, params, binary=binary)
@@ -684,7 +687,7 @@ class PgCheckpointStore(_Base):
                     "startFrom": {"checkpointId": cid, "envelopeDigest": digest.hex()}}
         try:
             async with asyncio.timeout(self._timeout_s):
-                conn = await psycopg.AsyncConnection.connect(self._dsn, autocommit=True)
+                conn = await sql.ClosingConnection.connect(self._dsn, autocommit=True)
                 async with conn:
                     async with conn.transaction():
                         run = run_id
