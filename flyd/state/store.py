@@ -19,6 +19,12 @@ Rules:
   the record; `retry` → the identical commit again (same id, same effects, same attempt);
   `lost` → `CommitFailure("grant lost")`. A real unknown without a named backend is `lost`,
   as the node decides (a read cannot prove the old COMMIT will not land later).
+- The reads after a sent commit (the §3.10 resolution, with ending the old backend, and the
+  lookup of a committed record) are repeated with backoff (50 ms doubling to 1 s) while the
+  database does not answer (`BACKEND_FAILURE`), for up to `RESOLVE_S` (30 s): a commit that
+  may have landed must not be reported failed, or the writer would send its effects again
+  under the next checkpoint id (`effect_duplicate`) after, e.g., a server restart. A lost
+  lease cancels the writer meanwhile (distribution.md §5.5); past the bound the error stands.
 - A `Transient` failure while a row with the job's id exists is a reused id: `INTERNAL`,
   never retried (PostgreSQL reports 23505 on the checkpoint key as an ordinary server error).
 - Rotation, the head move and the effect rows are the lease layer's statement. `keep` (1..100)
@@ -55,11 +61,12 @@ import asyncio
 import hashlib
 import os
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
+from functools import partial
 from pathlib import Path
-from typing import Any, Final, Protocol
+from typing import Any, Final, Protocol, TypeVar
 
 import psycopg
 import structlog
@@ -114,6 +121,11 @@ log = structlog.get_logger("flyd.state.store")
 IMPORT_NODE: Final = "import"
 DEFAULT_TIMEOUT_S: Final = 5.0
 DEFAULT_KEEP: Final = 3
+RESOLVE_S: Final = 30.0
+RESOLVE_BACKOFF_S: Final = 0.05
+RESOLVE_BACKOFF_MAX_S: Final = 1.0
+
+T = TypeVar("T")
 
 
 # --------------------------------------------------------------------------------------------
@@ -490,18 +502,36 @@ class _Base(ABC):
                         break
             except UnknownOutcome as exc:
                 backend = exc.backend
-            decision = await self._resolve(job, path, backend, simulated=simulated)
+            decision = await self._until_answered(
+                partial(self._resolve, job, path, backend, simulated=simulated))
             if decision == "committed":
                 break
             if decision == "lost":
                 raise CommitFailure("grant lost", f"checkpoint {cid}: the commit's outcome is "
                                     "unknown and the grant is lost", mutation=Mutation.UNKNOWN)
         self.commits += 1
-        record = await self.lookup(job.run_id, cid)
+        record = await self._until_answered(partial(self.lookup, job.run_id, cid))
         if record is None:
             raise DomainError(ErrorCode.INTERNAL, f"checkpoint {cid} committed but not found",
                               Mutation.UNKNOWN)
         return record
+
+    @staticmethod
+    async def _until_answered(read: Callable[[], Awaitable[T]]) -> T:
+        """A read after a commit, repeated while the database does not answer (module
+        rules): giving up would report a commit that may have landed as failed."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + RESOLVE_S
+        delay = RESOLVE_BACKOFF_S
+        while True:
+            try:
+                return await read()  # each read is bounded by the store's own timeout
+            except DomainError as exc:
+                if exc.code != ErrorCode.BACKEND_FAILURE or loop.time() + delay > deadline:
+                    raise
+                log.warning("checkpoint.resolve_retry", error=exc.message)
+            await asyncio.sleep(delay)
+            delay = min(2 * delay, RESOLVE_BACKOFF_MAX_S)
 
     async def _send(self, job: CommitJob, path: CommitPath, checkpoint: Checkpoint) -> None:
         cid = job.checkpoint_id

@@ -359,6 +359,32 @@ async def test_an_unknown_outcome_is_resolved_by_id_not_by_a_second_save(claimed
     assert [k for k, _, _ in await effect_rows(ctx)] == [f"boundary-{j}" for j in range(1, 5)]
 
 
+
+async def test_an_unknown_outcome_waits_for_the_database_to_answer(claimed_run: RunCtx
+                                                                  ) -> None:
+    """The resolution read fails while the server is away (a restart): it is repeated, so a
+    commit that landed is reported committed, never failed (its effects would otherwise be
+    sent again under the next checkpoint id)."""
+    ctx = claimed_run
+    original = ctx.store._read_run
+    failures = [DomainError(ErrorCode.BACKEND_FAILURE, "read run: server restarting",
+                            Mutation.UNKNOWN)] * 2
+
+    async def flaky(*args: Any) -> Any:
+        if failures:
+            raise failures.pop()
+        return await original(*args)
+
+    ctx.store._read_run = flaky  # type: ignore[method-assign]
+    faults = CommitFaults(lose_commit_reply_for="ck-2")
+    with capture_logs() as logs:
+        record = await ctx.store.commit(make_job(ctx.run_id, 1, "ck-2", 2), ctx.path, faults)
+    assert faults.fired == ["lose_commit_reply:ck-2"]
+    assert [e["event"] for e in logs].count("checkpoint.resolve_retry") == 2
+    assert [e["decision"] for e in logs if e["event"] == "checkpoint.resolved"] == ["committed"]
+    assert record.checkpoint_id == "ck-2" and ctx.store.commits == 1
+    assert await stored_ids(ctx) == ["ck-2"]
+
 # 33 (store level: the library functions `flyctl checkpoints export` / `verify` call)
 async def test_export_writes_the_stored_bytes_exactly(claimed_run: RunCtx,
                                                       tmp_path: Path) -> None:
