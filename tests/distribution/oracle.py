@@ -528,7 +528,10 @@ def l2(h: History) -> Verdict:
             continue
         for run_id, state, expires, *_ in sample.get("runs", []):
             exp = _sec(expires)
-            if state == "running" and exp is not None and exp < t - limit - EPS:
+            # a lease that expired before the final heal is overdue from the heal: during
+            # the faults no node may have been able to reap or claim it
+            if state == "running" and exp is not None and \
+                    max(exp, float(heal)) < t - limit - EPS:
                 v.fail(f"run {run_id} expired at {exp:.3f}, still running at {t:.3f} with "
                        f"free capacity")
     return v
