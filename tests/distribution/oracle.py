@@ -522,18 +522,24 @@ def l2(h: History) -> Verdict:
     if heal is None:
         return v
     limit = h.reap + 2 * h.P
+    free_since: float | None = None
     for sample in h.log.get("samples", []):
         t = float(sample["true"])
         if t < float(heal) or not any(n[1] > 0 for n in sample.get("free", [])):
+            free_since = None
             continue
+        if free_since is None:
+            free_since = t
         for run_id, state, expires, *_ in sample.get("runs", []):
             exp = _sec(expires)
-            # a lease that expired before the final heal is overdue from the heal: during
-            # the faults no node may have been able to reap or claim it
+            # an expired lease is overdue from the latest of its expiry, the final heal and
+            # the first sample of the current stretch with free capacity: before the heal no
+            # node may have been able to reach it, and with every live node full none may
+            # take it
             if state == "running" and exp is not None and \
-                    max(exp, float(heal)) < t - limit - EPS:
+                    max(exp, float(heal), free_since) < t - limit - EPS:
                 v.fail(f"run {run_id} expired at {exp:.3f}, still running at {t:.3f} with "
-                       f"free capacity")
+                       f"free capacity since {free_since:.3f}")
     return v
 
 
