@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, Final
 
 import orjson
+import psutil
 import structlog
 
 from bus.limits import Limits, snake_case
@@ -41,6 +42,7 @@ log = structlog.get_logger("flyd.router_child")
 
 ROUTER_START_S: Final = 15.0
 ROUTER_STOP_S: Final = 5.0
+STOP_POLL_S: Final = 0.05
 
 
 class RouterStartError(Exception):
@@ -195,16 +197,35 @@ class RouterChild:
         return None if self.process is None else self.process.pid
 
     async def stop(self) -> None:
-        """SIGTERM, then SIGKILL after `ROUTER_STOP_S`. A router that had to be killed could not
-        remove its socket file; the path is this node's, so it is removed here."""
+        """SIGTERM, then SIGKILL after `ROUTER_STOP_S`. The router's own process is checked by
+        pid and command line too (a child whose exit watch fired early must not survive as an
+        orphan still serving the socket). A router that had to be killed could not remove its
+        socket file; the path is this node's, so it is removed here."""
         router, self.process = self.process, None
         if router is None:
             return
-        if not router.exited.done():
+        pid = router.pid
+        if not router.exited.done() or self._serves(pid):
             with contextlib.suppress(ProcessLookupError):
-                os.kill(router.pid, signal.SIGTERM)
+                os.kill(pid, signal.SIGTERM)
             await router.wait(ROUTER_STOP_S)
+            for _ in range(int(ROUTER_STOP_S / STOP_POLL_S)):  # a foreign pid: no event to await
+                if not self._serves(pid):
+                    break
+                await asyncio.sleep(STOP_POLL_S)
+            if self._serves(pid):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
         await router.close(ROUTER_STOP_S)
         if not await asyncio.to_thread(router_answers, self.socket):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.socket)
+
+    def _serves(self, pid: int) -> bool:
+        """Whether `pid` is still this router (alive, not a zombie, our socket in its argv)."""
+        try:
+            proc = psutil.Process(pid)
+            return (proc.status() != psutil.STATUS_ZOMBIE
+                    and self.socket in proc.cmdline())
+        except psutil.Error:
+            return False
