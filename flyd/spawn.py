@@ -185,10 +185,19 @@ class ChildProcess:
         self._loop.add_reader(self._pidfd, self._on_pidfd)
 
     def _on_pidfd(self) -> None:
-        # The child is a zombie now: its pgid cannot be reused; sweep the group, then reap.
+        # Only an exited child is swept: a wakeup is checked first (WNOWAIT leaves the zombie
+        # in place), so a spurious one can never SIGKILL a live child's group. While the child
+        # is a zombie its pgid cannot be reused: sweep the group, then reap.
+        try:
+            exited = os.waitid(os.P_PID, self.pid,
+                               os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+        except ChildProcessError:  # reaped by someone else already
+            exited = True
+        if not exited:
+            return
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.pgid, signal.SIGKILL)
-        if self._popen.poll() is None:  # not reapable yet (spurious wakeup)
+        if self._popen.poll() is None:  # not reapable yet
             return
         self._finish()
 
