@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -37,34 +36,22 @@ from bus.client import BusClient
 from flyd.budget import ThreadBudget
 from flyd.config import ConfigError
 from flyd.coordinator import Coordinator, Deadlines
-from flyd.fence import SessionFailure
 from flyd.grant import GrantSession, LedgerReader, RunAbandoned, writer_config
 from flyd.health import HealthPolicy
 from flyd.identities import SessionNames, SessionTags
 from flyd.launcher import LaunchedWorker, Launcher
 from flyd.leases.node import Scope
-from flyd.leases.store import Effect
 from flyd.runspec import DEFAULT_MAX_AGENTS, RunSpec, RunSpecError
 from flyd.state.store import CheckpointStore
 from flyd.state.writer import EventRing, WriterConfig
-from workers.canonical import canonical
 from workers.domain import DomainError
 
-__all__ = ["RunReport", "SessionExecutor", "boundary_effect", "failure_json"]
+__all__ = ["RunReport", "SessionExecutor", "worker_json"]
 
 log = structlog.get_logger("flyd.executor")
 
-EPOCH: Final = "e1"
-SESSION_EPOCH: Final = 1
 REAP_S: Final = 10.0
 WORLD_READ_S: Final = 2.0
-
-
-def failure_json(failure: SessionFailure) -> dict[str, Any]:
-    """cli.md §4.2's `failures` entry."""
-    return {"detail": failure.detail, "participant": failure.participant,
-            "code": str(failure.code), "mutation": str(failure.mutation),
-            "message": failure.message}
 
 
 def worker_json(w: LaunchedWorker) -> dict[str, Any]:
@@ -73,12 +60,6 @@ def worker_json(w: LaunchedWorker) -> dict[str, Any]:
             "incarnationId": w.identity.incarnation_id,
             "pid": w.pid if w.pid is not None else os.getpid(),
             "threads": w.identity.worker_threads}
-
-
-def boundary_effect(boundary: int, record: dict[str, Any], session_epoch: int) -> Effect:
-    """`boundary-<k>` with the rebased behaviour record as payload (distribution.md §6.1)."""
-    return Effect(key=f"boundary-{boundary}", session_epoch=session_epoch, boundary=boundary,
-                  payload=record, digest=hashlib.sha256(canonical(record)).digest())
 
 
 @dataclass
