@@ -37,6 +37,18 @@ def processes_under(marker: str) -> list[psutil.Process]:
     return found
 
 
+def commands_under(marker: str) -> list[tuple[psutil.Process, str]]:
+    """`(process, command line)` of `processes_under(marker)`, read once: a process that exits
+    meanwhile is simply absent (asking it again later would raise `NoSuchProcess`)."""
+    found = []
+    for proc in processes_under(marker):
+        try:
+            found.append((proc, " ".join(proc.cmdline())))
+        except psutil.Error:
+            continue
+    return found
+
+
 def start_node(tmp: Path, name: str, dsn: str, *args: str,
                config: str = "") -> subprocess.Popen[bytes]:
     """`python -m flyd serve` as node `name`; stderr (JSON logs) goes to `<tmp>/<name>/node.log`."""

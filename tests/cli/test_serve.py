@@ -18,6 +18,7 @@ from flyd.leases.params import LeaseParams
 from flyd.leases.pgstore import DbSettings, PgStore
 from flyd.runspec import RunSpec
 from tests.serve_nodes import (
+    commands_under,
     node_log,
     process_dir,
     processes_under,
@@ -134,8 +135,8 @@ def test_the_node_restarts_its_router_and_sessions_recover(db_dsn: str, tmp: Pat
         wait_for("a durable checkpoint", lambda: query(
             db_dsn, "SELECT boundary >= 20 FROM flyd.run_heads WHERE run_id = %s",
             run) == [(True,)], 90)
-        [router] = [p for p in processes_under(socket) if "flyd" in " ".join(p.cmdline())
-                    and "router" in p.cmdline()]
+        [router] = [p for p, cmd in commands_under(socket)
+                    if "flyd" in cmd and " router " in f" {cmd} "]
         router.kill()
         wait_for("the run to end", lambda: run_state(db_dsn, run)[0] not in (
             "pending", "running"), 120)
@@ -152,7 +153,7 @@ def test_the_node_restarts_its_router_and_sessions_recover(db_dsn: str, tmp: Pat
         assert [k for (k,) in keys] == [f"boundary-{j}" for j in range(1, 161)] + ["finish"]
         busy = submit(db_dsn, spec)
         wait_for("workers of a third run", lambda: len(
-            [p for p in processes_under(socket) if "workers." in " ".join(p.cmdline())]) >= 3,
+            [p for p, cmd in commands_under(socket) if "workers." in cmd]) >= 3,
             60)
         assert run_state(db_dsn, busy)[0] == "running"
         node.kill()

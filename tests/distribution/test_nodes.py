@@ -23,7 +23,14 @@ from flyd.leases.params import LeaseParams
 from flyd.leases.pgstore import DbSettings, PgStore
 from flyd.runspec import RunSpec
 from tests.distribution.harness.clock import HarnessClock
-from tests.serve_nodes import process_dir, processes_under, query, start_node, wait_for
+from tests.serve_nodes import (
+    commands_under,
+    process_dir,
+    processes_under,
+    query,
+    start_node,
+    wait_for,
+)
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -66,8 +73,7 @@ def test_two_nodes_lose_one_and_every_run_completes_once(db_dsn: str, tmp: Path)
                              "ON n.node_id = r.owner_node JOIN flyd.run_heads h USING (run_id) "
                              "WHERE n.node_name = 'a' AND r.state = 'running' "
                              "AND h.boundary >= %s", EVERY)
-                workers = [p for p in processes_under(str(tmp / "a"))
-                           if "workers." in " ".join(p.cmdline())]
+                workers = [p for p, cmd in commands_under(str(tmp / "a")) if "workers." in cmd]
                 return int(held[0][0]) > 0 and len(workers) >= 3  # type: ignore[call-overload]
 
             wait_for("node a to run workers", a_is_working, 90)
