@@ -119,11 +119,25 @@ def load_toml(path: Path) -> dict[str, Any]:
 
 def router_config(config_file: Path | None, socket_path: str | None,
                   open_policy: bool = False, node_pid: int | None = None) -> RouterConfig:
-    """Build the router's configuration: defaults < file < flags."""
+    """Build the router's configuration: defaults < file < flags.
+
+    The router reads only `[bus]`, but the file is checked whole, as every other command checks
+    it (cli.md §2.1): a typo in another section stops the router too instead of being ignored.
+    A socket path over sun_path names where it came from (flag, environment or file)."""
     bus: Mapping[str, Any] = {}
     where = str(config_file) if config_file else "defaults"
     if config_file is not None:
-        bus = load_toml(config_file).get("bus", {})
+        data = load_toml(config_file)
+        for section, table in data.items():
+            if section == "bus":
+                continue
+            if not isinstance(table, Mapping):
+                raise ConfigError(f"{where}: [{section}] must be a table")
+            for key, value in table.items():
+                if key not in KEYS[section]:
+                    raise ConfigError(f"{where}: unknown key [{section}] {key}")
+                _check(section, key, value, where)
+        bus = data.get("bus", {})
         if not isinstance(bus, Mapping):
             raise ConfigError(f"{where}: [bus] must be a table")
         for key in bus:
@@ -131,7 +145,10 @@ def router_config(config_file: Path | None, socket_path: str | None,
                 raise ConfigError(f"{where}: unknown key [bus] {key}")
     socket = socket_path or os.environ.get("FLYD_SOCKET") or bus.get("socket") or default_socket()
     if not isinstance(socket, str) or len(os.fsencode(socket)) > SUN_PATH_MAX:
-        raise ConfigError(f"{where}: [bus] socket must be a path of at most {SUN_PATH_MAX} bytes")
+        source = ("flag --socket" if socket_path else
+                  "environment FLYD_SOCKET" if os.environ.get("FLYD_SOCKET") else where)
+        raise ConfigError(f"{source}: [bus] socket must be a path of at most {SUN_PATH_MAX} "
+                          f"bytes")
     group = bus.get("socket_group")
     if group is not None and not isinstance(group, str):
         raise ConfigError(f"{where}: [bus] socket_group must be a string")

@@ -8,7 +8,11 @@ the run's workers synchronously.
 
 Sequence per grant:
 1. Validate the claimed spec (session.md §4.10) against this node's limits; invalid → `finish`
-   `failed` with `{error: "invalid run spec", path, reason}`; nothing is launched.
+   `failed` with `{error: "invalid run spec", path, reason}`; nothing is launched. The stored
+   document is validated as it is (a JSON array, string or null written straight into
+   `flyd.runs` is refused at path "" on the first claim, not coerced or retried), and a
+   `startFrom` whose checkpoint the run has no head for (a spec inserted without
+   `flyctl checkpoints import`) is refused at `/startFrom` rather than started from 0.
 2. Fit the composition into the node's thread budget; a run that does not fit is released with
    refund and `backoff = claim_poll` and `run_does_not_fit` is logged with both numbers.
 3. The grant session runs it (`flyd.grant`); afterwards the workers are reaped and the
@@ -165,8 +169,11 @@ class SessionExecutor:
     async def _execute(self, scope: Scope, report: RunReport) -> None:
         bound = log.bind(run=scope.run_id, lease_epoch=scope.lease_epoch, node=self.node_id)
         try:
-            spec = RunSpec.validate(dict(scope.grant.spec), max_agents=self.max_agents,
+            spec = RunSpec.validate(scope.grant.spec, max_agents=self.max_agents,
                                     check_imports=True)
+            if spec.start_from is not None and scope.grant.high_water is None:
+                raise RunSpecError("/startFrom", f"checkpoint {spec.start_from.checkpoint_id} "
+                                                 f"is not stored for run {scope.run_id}")
         except RunSpecError as exc:
             bound.error("run.invalid_spec", path=exc.path, reason=exc.reason)
             report.state = "failed"

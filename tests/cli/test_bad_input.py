@@ -1,0 +1,344 @@
+"""Bad input everywhere: a typed error, the documented exit code, and nothing changed (cli.md §1,
+§2.1, §3, §5; state.md §2.6, §4.7; wire.md §1).
+
+Every case runs the real command in a subprocess against the test's own database and private
+directory, and then proves that nothing was written: no `flyd.runs` or `flyd.checkpoints` row, no
+socket, no state directory, no process left behind (the `site` fixture fails a test that leaves
+one).
+
+Cases covered elsewhere, not repeated here:
+- fault grammar and every knob rule at the parser: `tests/session/test_fault_specs.py`;
+  `flyd run --fault fly-z...` (unknown worker) `tests/cli/test_run.py::
+  test_a_bad_spec_or_fault_exits_2_with_a_json_error`; `flyd run --fault fly-a.nope=1` (unknown
+  knob) and `flyctl runs submit --fault fly-q.bogus=1`: `tests/cli/test_errors.py`;
+- unknown or invalid keys for `flyd config show` and `flyd db migrate`:
+  `tests/cli/test_config.py::test_unknown_or_invalid_config_keys_are_refused_by_name`; `[bus]
+  bogus` for `flyd run`: `tests/cli/test_run.py::test_a_bad_config_key_exits_2_with_a_config_error`;
+- a queued spec with `agents[0].threads = 0` through the submit statement:
+  `tests/cli/test_serve.py::test_an_invalid_run_spec_fails_with_its_path`;
+- every reader check on the decoder itself: `tests/state/test_envelope_corruption.py`; `verify`
+  of one R2 file: `tests/cli/test_control.py::test_checkpoint_commands_print_json`;
+- an unreachable DSN for `flyctl runs list|submit`, `flyctl status`, `flyd serve` and `flyd db
+  migrate`: `tests/cli/test_errors.py::test_every_command_reports_errors_as_json_with_a_code`.
+
+Decisions where the spec is silent:
+- A stored spec that is not a JSON object (a string, an array, null), written straight into
+  `flyd.runs`, is refused at path "" on its first claim, like any other invalid field; a
+  `startFrom` naming a checkpoint the run has no head for is refused at `/startFrom` (it was not
+  submitted by `flyctl checkpoints import`, which stores the head in the same transaction).
+- A node creates its state directory before it connects to the database (it is the node's own
+  directory, 0700); an unreachable DSN leaves it empty.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import signal
+import socket as socketlib
+import subprocess
+import sys
+import time
+from typing import Any
+
+import orjson
+import psycopg
+import pytest
+
+from tests.cli.test_flyctl_runs import FLYCTL, ROOT, Site, flyctl, run_row, serve, submit
+from tests.cli.test_flyctl_runs import site as site
+from tests.cli.test_serve import spec_json
+from tests.cli.test_serve import submit as store_submit
+
+pytestmark = pytest.mark.timeout(300)
+
+FIXTURE = ROOT / "tests" / "fixtures" / "checkpoint-envelope.json"
+SUN_PATH_MAX = 107
+
+
+def _run(site: Site, argv: list[str], env: dict[str, str] | None = None,
+         timeout: float = 90) -> tuple[int, dict[str, Any] | None, str]:
+    """One command; returns (exit code, the JSON object on stdout or None, stderr). Never a
+    traceback."""
+    out = subprocess.run(argv, cwd=ROOT, env=env or site.env(), capture_output=True,
+                         timeout=timeout, check=False)
+    stdout, stderr = out.stdout.decode(), out.stderr.decode()
+    assert "Traceback" not in stdout and "Traceback" not in stderr, (stdout, stderr)
+    lines = stdout.splitlines()
+    return out.returncode, orjson.loads(lines[-1]) if lines else None, stderr
+
+
+def _flyd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "flyd", *args]
+
+
+def _refused(site: Site, argv: list[str], code: str, *words: str,
+             env: dict[str, str] | None = None, exit_code: int = 2) -> str:
+    """A `--json` command refused with exactly `{"error": {code, message}}`; returns the
+    message, which names every word."""
+    got, doc, stderr = _run(site, argv, env)
+    assert got == exit_code, (argv, doc, stderr)
+    assert doc is not None and set(doc) == {"error"}, (argv, doc)
+    assert set(doc["error"]) == {"code", "message"} and doc["error"]["code"] == code, doc
+    message = str(doc["error"]["message"])
+    for word in words:
+        assert word in message, (word, message)
+    return message
+
+
+def _rows(site: Site) -> tuple[int, int]:
+    """(runs, checkpoints) stored in the test's database."""
+    with psycopg.connect(site.dsn, autocommit=True) as conn:
+        runs = conn.execute("SELECT count(*) FROM flyd.runs").fetchone()
+        checkpoints = conn.execute("SELECT count(*) FROM flyd.checkpoints").fetchone()
+    assert runs is not None and checkpoints is not None
+    return int(runs[0]), int(checkpoints[0])
+
+
+def _untouched(site: Site, *keep: str) -> None:
+    """No row, no socket, no state dir: the site holds only the files the test wrote."""
+    assert _rows(site) == (0, 0)
+    assert sorted(p.name for p in site.path.iterdir() if p.name not in keep) == []
+
+
+# --------------------------------------------------------------------------------------------
+# fault specs
+
+
+@pytest.mark.parametrize(("faults", "named", "reason"), [
+    (["fly-a.prepare_delay_ms=soon"], "fly-a.prepare_delay_ms=soon", "integer milliseconds"),
+    (["fly-a.commit_delay_ms=-1"], "fly-a.commit_delay_ms=-1", "integer milliseconds"),
+    (["arena.fail_capture=maybe"], "arena.fail_capture=maybe", "true or false"),
+    (["fly-a.fail_commit_at_step=3@2"], "fly-a.fail_commit_at_step=3@2", "@STEP"),
+    (["arena.prepare_delay_ms=5"], "arena.prepare_delay_ms=5", "not a knob of the environment"),
+    (["kill:fly-b"], "kill:fly-b", "needs @STEP"),
+    (["nonsense"], "nonsense", "expected WORKER.KNOB=VALUE"),
+    (["lose-advance-result@99"], "lose-advance-result@99", "not a step of this run"),
+    (["fly-a.prepare_delay_ms=1", "fly-a.prepare_delay_ms=2"], "fly-a.prepare_delay_ms=2",
+     "given twice"),
+])
+def test_a_malformed_fault_spec_exits_2_naming_it(site: Site, faults: list[str], named: str,
+                                                  reason: str) -> None:
+    args = [a for fault in faults for a in ("--fault", fault)]
+    message = _refused(site, _flyd("run", "--steps", "10", "--json", "--socket", site.socket,
+                                   *args), "USAGE", reason)
+    assert message.startswith(f"fault spec {named!r}: "), message
+    _untouched(site)
+
+
+def test_a_malformed_fault_spec_on_submit_and_import_changes_nothing(site: Site) -> None:
+    envelope = site.path / "good.flysess"
+    envelope.write_bytes(base64.b64decode(json.loads(FIXTURE.read_text())["envelope"]))
+    for command in (["runs", "submit", "--steps", "10"],
+                    ["checkpoints", "import", str(envelope), "--steps", "10"]):
+        message = _refused(site, [*FLYCTL, *command, "--fault", "fly-b.prepare_delay_ms=x",
+                                  "--json"], "USAGE", "integer milliseconds")
+        assert message.startswith("fault spec 'fly-b.prepare_delay_ms=x': "), message
+    _untouched(site, "good.flysess")
+
+
+# --------------------------------------------------------------------------------------------
+# configuration
+
+
+@pytest.mark.parametrize(("toml", "named"), [
+    ("[checkpoints]\nbogus = 1\n", "unknown key [checkpoints] bogus"),
+    ("[bus.limits]\nmax_bogus = 1\n", "[bus.limits] max_bogus"),
+    ("[bus.policy]\nmode = 'closed'\n[[bus.policy.client]]\nid = 'x'\nbogus = 1\n",
+     "[[bus.policy.client]] #1: unknown key 'bogus'"),
+])
+def test_an_unknown_config_key_stops_every_command_before_it_starts(site: Site, toml: str,
+                                                                   named: str) -> None:
+    config = site.path / "flyd.toml"
+    config.write_text(toml)
+    envelope = site.path / "good.flysess"
+    envelope.write_bytes(base64.b64decode(json.loads(FIXTURE.read_text())["envelope"]))
+    sock = ["--socket", site.socket]
+    for argv in (_flyd("serve", "--config", str(config), "--json", *sock),
+                 _flyd("run", "--steps", "10", "--config", str(config), "--json", *sock),
+                 [*FLYCTL, "runs", "submit", "--config", str(config), "--json"],
+                 [*FLYCTL, "checkpoints", "import", str(envelope), "--steps", "10", "--config",
+                  str(config), "--json"]):
+        _refused(site, argv, "CONFIG", named, str(config))
+    # the router alone prints no JSON: the same message on stderr, exit 2, nothing bound
+    code, doc, stderr = _run(site, _flyd("router", "--config", str(config), *sock), timeout=30)
+    assert (code, doc) == (2, None), stderr
+    assert named in stderr and str(config) in stderr
+    _untouched(site, "flyd.toml", "good.flysess")
+
+
+# --------------------------------------------------------------------------------------------
+# invalid run specs in the queue
+
+
+def _insert_raw(site: Site, doc: Any) -> int:
+    """A spec written straight into the table, bypassing every client-side check."""
+    with psycopg.connect(site.dsn, autocommit=True) as conn:
+        row = conn.execute("INSERT INTO flyd.runs (spec) VALUES (%s::jsonb) RETURNING run_id",
+                           (json.dumps(doc),)).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+def _events(site: Site, log: str, event: str) -> list[dict[str, Any]]:
+    out = []
+    for line in (site.path / log).read_text(errors="replace").splitlines():
+        if line.startswith("{"):
+            record = orjson.loads(line)
+            if record.get("event") == event:
+                out.append(record)
+    return out
+
+
+def test_invalid_queued_specs_fail_with_their_reason_and_the_node_keeps_serving(
+        site: Site) -> None:
+    ghost = {"checkpointId": "ck-e1-5", "envelopeDigest": "0" * 64}
+    cases = [  # (run id, path, words of the reason)
+        (_insert_raw(site, "hello"), "", "must be an object"),
+        (_insert_raw(site, []), "", "must be an object"),
+        (_insert_raw(site, None), "", "must be an object"),
+        (_insert_raw(site, {"steps": 10}), "/steps", "U64 string"),
+        (_insert_raw(site, {**spec_json(10), "startFrom": ghost}), "/startFrom",
+         "checkpoint ck-e1-5 is not stored"),
+        (store_submit(site.dsn, {**spec_json(10), "stepz": "10"}), "/stepz", "unknown key"),
+        (store_submit(site.dsn, {**spec_json(10), "world": {"impl": "nomodule.x:World"}}),
+         "/world/impl", "cannot be found"),
+    ]
+    node = serve(site, "n1")
+    deadline = time.monotonic() + 90
+    for run, path, words in cases:
+        row = run_row(site, run)
+        while row["state"] in ("pending", "running"):
+            assert time.monotonic() < deadline, f"run {run} stayed {row['state']}"
+            assert node.poll() is None, "the node exited"
+            time.sleep(0.2)
+            row = run_row(site, run)
+        assert (row["state"], row["attempt"]) == ("failed", 1), (path, row)
+        outcome = row["outcome"]
+        assert set(outcome) == {"error", "path", "reason"}, outcome
+        assert (outcome["error"], outcome["path"]) == ("invalid run spec", path), outcome
+        assert words in outcome["reason"], outcome
+        with psycopg.connect(site.dsn, autocommit=True) as conn:
+            keys = conn.execute("SELECT effect_key FROM flyd.effects WHERE run_id = %s",
+                                (run,)).fetchall()
+        assert keys == [("finish",)]
+    assert not _events(site, "serve-n1.log", "launcher.launched"), "an invalid run launched"
+    assert not _events(site, "serve-n1.log", "scope_error")
+    refused = {e["run"] for e in _events(site, "serve-n1.log", "run.invalid_spec")}
+    assert refused == {run for run, _, _ in cases}
+
+    good = submit(site, "--steps", "10", "--mode", "in-process")
+    deadline = time.monotonic() + 90
+    while run_row(site, good)["state"] != "succeeded":
+        assert run_row(site, good)["state"] in ("pending", "running"), run_row(site, good)
+        assert time.monotonic() < deadline, "the valid run did not finish"
+        time.sleep(0.2)
+    node.send_signal(signal.SIGTERM)
+    assert node.wait(timeout=60) == 0
+
+
+# --------------------------------------------------------------------------------------------
+# corrupt checkpoint files
+
+
+def _corruptions() -> list[tuple[str, bytes]]:
+    """The fixture's first corruption of each reader check, applied (and resealed where the
+    fixture says so, so checks after R2 are reachable)."""
+    from tests.state.test_envelope_corruption import reseal
+
+    doc = json.loads(FIXTURE.read_text())
+    data = base64.b64decode(doc["envelope"])
+    out: dict[str, bytes] = {}
+    for case in doc["corruptions"]:
+        if case["check"] in out:
+            continue
+        edited = bytearray(data)
+        for edit in case["edits"]:
+            new = bytes.fromhex(edit["hex"])
+            edited[edit["at"]:edit["at"] + len(new)] = new
+        if case["truncateTo"] is not None:
+            edited = edited[:case["truncateTo"]]
+        out[case["check"]] = reseal(edited) if case["reseal"] else bytes(edited)
+    return sorted(out.items())
+
+
+def test_a_corrupt_checkpoint_file_is_refused_on_import_naming_its_check(site: Site) -> None:
+    cases = _corruptions()
+    assert [check for check, _ in cases] == [f"R{i}" for i in range(1, 9)]
+    for check, data in cases:
+        path = site.path / f"{check}.flysess"
+        path.write_bytes(data)
+        message = _refused(site, [*FLYCTL, "checkpoints", "import", str(path), "--steps", "10",
+                                  "--json"], "INCOMPATIBLE_STATE", exit_code=1)
+        assert message.startswith(f"envelope {check}: "), message
+        assert len(message) > len(f"envelope {check}: "), "the reason is empty"
+        verified = flyctl(site, "checkpoints", "verify", str(path), socket=False)
+        assert verified.code == 1
+        assert verified.json == {"ok": False, "check": check,
+                                 "reason": message.removeprefix(f"envelope {check}: ")}
+        assert _rows(site) == (0, 0), f"{check}: the import changed the database"
+    # the intact file imports: the refusals above were the checks, not the database
+    good = site.path / "good.flysess"
+    good.write_bytes(base64.b64decode(json.loads(FIXTURE.read_text())["envelope"]))
+    imported = flyctl(site, "checkpoints", "import", str(good), "--steps", "10", socket=False)
+    assert imported.code == 0, imported
+    assert _rows(site) == (1, 1)
+
+
+# --------------------------------------------------------------------------------------------
+# unreachable database, socket path too long
+
+
+def _closed_port() -> int:
+    """A loopback port nothing listens on (bound, then closed)."""
+    with socketlib.socket(socketlib.AF_INET, socketlib.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def test_an_unreachable_dsn_is_a_config_error_that_changes_nothing(site: Site) -> None:
+    port = _closed_port()
+    dsn = f"postgresql://flyd:s3cret@127.0.0.1:{port}/flyd?connect_timeout=2"
+    good = site.path / "good.flysess"
+    good.write_bytes(base64.b64decode(json.loads(FIXTURE.read_text())["envelope"]))
+    state = site.path / "state"
+    for argv in (_flyd("run", "--steps", "10", "--dsn", dsn, "--socket", site.socket,
+                       "--state-dir", str(state), "--json"),
+                 [*FLYCTL, "checkpoints", "import", str(good), "--steps", "10", "--dsn", dsn,
+                  "--json"],
+                 [*FLYCTL, "checkpoints", "list", "1", "--dsn", dsn, "--json"],
+                 [*FLYCTL, "runs", "cancel", "1", "--dsn", dsn, "--json"],
+                 [*FLYCTL, "runs", "requeue", "1", "--dsn", dsn, "--json"]):
+        message = _refused(site, argv, "CONFIG", str(port))
+        assert "s3cret" not in message
+    assert not os.path.exists(site.socket)
+    assert not state.exists() or list(state.iterdir()) == []
+    _untouched(site, "good.flysess", "state")
+
+
+def test_a_socket_path_over_sun_path_is_refused_before_anything_starts(site: Site) -> None:
+    base = str(site.path / "d") + "/"
+    long = base + "s" * (SUN_PATH_MAX + 1 - len(base) - len("/bus.sock")) + "/bus.sock"
+    fits = long[:-len("x/bus.sock")] + "/bus.sock"
+    assert (len(os.fsencode(long)), len(os.fsencode(fits))) == (SUN_PATH_MAX + 1, SUN_PATH_MAX)
+    config = site.path / "flyd.toml"
+    config.write_text(f"[bus]\nsocket = {json.dumps(long)}\n")
+    limit = f"at most {SUN_PATH_MAX} bytes"
+    for argv, env, source in (
+            (_flyd("run", "--steps", "10", "--socket", long, "--json"), None, "flag --socket"),
+            (_flyd("run", "--steps", "10", "--json"), site.env(FLYD_SOCKET=long),
+             "environment FLYD_SOCKET"),
+            (_flyd("serve", "--socket", long, "--json"), None, "flag --socket"),
+            (_flyd("serve", "--config", str(config), "--json"), None, str(config)),
+            ([*FLYCTL, "status", "--socket", long, "--json"], None, "flag --socket")):
+        message = _refused(site, argv, "CONFIG", limit, env=env)
+        assert message.startswith(f"{source}: [bus] socket"), message
+    code, doc, stderr = _run(site, _flyd("router", "--socket", long), timeout=30)
+    assert (code, doc) == (2, None) and f"flag --socket: [bus] socket must be a path of {limit}" \
+        in stderr, stderr
+    _untouched(site, "flyd.toml")
+    # one byte less is a valid socket path
+    code, doc, _ = _run(site, _flyd("config", "show", "--socket", fits, "--json"))
+    assert code == 0 and doc is not None
+    assert doc["settings"]["bus.socket"] == {"value": fits, "source": "flag"}
