@@ -7,11 +7,15 @@ steps) and commits boundaries; node B starts and idles; A is killed with SIGKILL
 database's: `killed_at` = `clock_timestamp()` just before the kill; `reclaim_s` = the grant of
 lease epoch 2 (`run_attempts.granted_at`); `commit_s` = the first `effects` row written under
 epoch 2 (`recorded_at`), i.e. the run's next committed boundary on B after the restore, relaunch
-and the steps up to the next checkpoint. Measured at the short-TTL profile (4 s, the config file of
+and the steps up to the next checkpoint. The line splits `commit_s` into where the time went:
+`expiry_s` (kill to the expiry of A's lease, `ended_at` of epoch 1: what A's last renewal left
+of the TTL), `notice_s` (expiry to B's grant: B noticing the expired lease and claiming it) and
+`start_s` (grant to the committed boundary: worker launch, restore of the head, the steps to the
+next capture and its group commit). Measured at the short-TTL profile (4 s, the config file of
 `bench/leases.py`) and at the default TTL (15 s). Prints one JSON line per TTL:
 
   {"bench":"failover","to":"committed_boundary","ttl_s":..,"reclaim_s":..,"commit_s":..,
-   "ttl_multiple":..,"target_s":..,"met":..}
+   "expiry_s":..,"notice_s":..,"start_s":..,"ttl_multiple":..,"target_s":..,"met":..}
 
 `ttl_multiple` = commit_s / ttl_s; the target is commit_s ≤ 1.0 × TTL + 1 s (the holder's last
 renewal already used part of the TTL, so the reclaim itself comes before a full TTL).
@@ -126,6 +130,8 @@ def bench_failover(leases: ModuleType, dsn: str, ttl: float, config: str) -> Non
             committed = wait_for(conn, "a boundary committed under epoch 2",
                                  "SELECT min(recorded_at) FROM flyd.effects WHERE run_id = %s "
                                  "AND lease_epoch = 2", run, timeout=bound)
+            expired = leases.one(conn, "SELECT ended_at FROM flyd.run_attempts "
+                                       "WHERE run_id = %s AND lease_epoch = 1", run)
             holder = leases.one(conn, "SELECT n.node_name FROM flyd.run_attempts a JOIN "
                                       "flyd.nodes n USING (node_id) WHERE a.run_id = %s AND "
                                       "a.lease_epoch = 2", run)
@@ -134,6 +140,9 @@ def bench_failover(leases: ModuleType, dsn: str, ttl: float, config: str) -> Non
             commit = (committed - killed_at).total_seconds()
             emit({"bench": "failover", "to": "committed_boundary", "ttl_s": ttl,
                   "reclaim_s": round(reclaim, 3), "commit_s": round(commit, 3),
+                  "expiry_s": round((expired - killed_at).total_seconds(), 3),
+                  "notice_s": round((granted - expired).total_seconds(), 3),
+                  "start_s": round((committed - granted).total_seconds(), 3),
                   "ttl_multiple": round(commit / ttl, 3), "target_s": ttl + 1.0,
                   "met": commit <= ttl + 1.0})
             conn.execute("UPDATE flyd.runs SET cancel_requested = true WHERE run_id = %s",

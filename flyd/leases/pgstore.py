@@ -1,8 +1,10 @@
 """`PgStore`: the statements of distribution.md §3 on PostgreSQL (psycopg 3 async, psycopg_pool).
 
 Rules:
-- The SQL is §3's, verbatim; every method is one round trip (the group commit is one pipeline),
-  READ COMMITTED, autocommit unless written as a transaction.
+- The SQL is §3's, verbatim, except the `picked` step of the claim (3.3), which finds the same
+  rows in the same order with the same locks without walking held runs (docs/leases.md, "Claim
+  order"; migration 0004 adds its index); every method is one round trip (the group commit is
+  one pipeline), READ COMMITTED, autocommit unless written as a transaction.
 - Connections (§5.3): a work pool (`:work`), a dedicated heartbeat connection (`:heartbeat`,
   statement timeout R) for renew and node registration, reconnected lazily after any failure,
   and a dedicated listener connection (`:listen`) per `listen()` iterator. Each work
@@ -38,9 +40,13 @@ Decisions where the spec is silent:
 - 23505 on `effects_pkey`: among the commit's keys already stored, the first whose digest
   differs is reported as `ConflictingEffect`, else the first as `DuplicateEffect`; a key
   repeated inside one commit is classified against its earlier copy in that commit.
-- `listen()` probes its connection with `SELECT 1` (bound R) after each quiet period of
-  `claim_poll_s`, so a dead listener ends the iterator (`Transient`) rather than waiting
-  forever; losing it only slows wake-ups (§5.3).
+- `listen()` probes its connection (bound R) after each quiet period of `claim_poll_s`, so a
+  dead listener ends the iterator (`Transient`) rather than waiting forever; losing it only
+  slows wake-ups (§5.3). The probe reads when another node's reclaimable lease expires next
+  (database time, divided by `time_scale`); when that is within `claim_poll_s`, the listener
+  waits exactly that long (plus 10 ms) and yields that run id, so the claimer tries the reclaim
+  at the expiry instead of up to one poll period later. The wake-up only triggers a claim, which
+  decides expiry in SQL as always (R1): a lease renewed meanwhile is simply not granted.
 - A commit carrying only `finish_run` (no effects, no checkpoint) skips `assert_fence`:
   `finish_run` fences itself and answers `'already'` for a run already terminal in that state
   at that epoch (§3.5), which a fenced transaction could never report.
@@ -104,6 +110,7 @@ Role = Literal["work", "heartbeat", "listen"]
 ROLES: Final = ("work", "heartbeat", "listen")
 SCALE_FLOOR_MS: Final = 50
 LOST_SESSION: Final = frozenset({"57P01", "57P02", "57P03"})
+EXPIRY_SLACK_S: Final = 0.01         # the listener's wake-up after a lease's expiry
 EFFECTS_PKEY: Final = "effects_pkey"
 
 # --------------------------------------------------------------------------------------------
@@ -318,18 +325,48 @@ SELECT run_id, false, spec = %(spec)s FROM flyd.runs
  WHERE submit_key = %(key)s AND NOT EXISTS (SELECT 1 FROM ins);
 """
 
+# §3.3 with its `picked` rewritten (docs/leases.md, "Claim order"): the same rows, locked the
+# same way and in the same order, found without visiting held runs. `candidate` yields the
+# claimable run ids of the statement's snapshot in ascending order, one index probe each
+# (`runs_claim_order` for pending runs, the few expired ones from `runs_leased`), and is read
+# lazily; each candidate is re-checked against §3.3's predicate and locked with FOR UPDATE SKIP
+# LOCKED in the lateral subquery, and LIMIT stops the walk after n locked rows. No ORDER BY on
+# `picked`: an explicit sort would lock every candidate before limiting.
 CLAIM: Final = """
-WITH picked AS MATERIALIZED (
-  SELECT run_id, state AS prev_state, lease_expires_at AS prev_expiry
+WITH RECURSIVE expired AS MATERIALIZED (
+  SELECT coalesce(array_agg(run_id ORDER BY run_id), '{}') AS ids
     FROM flyd.runs
-   WHERE ((state = 'pending' AND not_before <= flyd.app_now())
-       OR (state = 'running' AND lease_expires_at <= flyd.app_now()
-           AND attempt < max_attempts AND NOT cancel_requested))
-     AND CASE WHEN %(only)s::bigint IS NULL
-              THEN NOT coalesce((spec ->> 'exclusiveToSubmitter')::boolean, false)
-              ELSE run_id = %(only)s::bigint END
-   ORDER BY run_id LIMIT %(n)s
-   FOR UPDATE SKIP LOCKED
+   WHERE state = 'running' AND lease_expires_at <= flyd.app_now()
+     AND attempt < max_attempts AND NOT cancel_requested
+     AND (%(only)s::bigint IS NULL OR run_id = %(only)s::bigint)
+), candidate (run_id) AS (
+  SELECT least((SELECT min(run_id) FROM flyd.runs
+                 WHERE state = 'pending' AND not_before <= flyd.app_now()
+                   AND (%(only)s::bigint IS NULL OR run_id = %(only)s::bigint)),
+               (SELECT min(x) FROM expired, unnest(expired.ids) AS x))
+  UNION ALL
+  SELECT least((SELECT min(r.run_id) FROM flyd.runs r
+                 WHERE r.state = 'pending' AND r.not_before <= flyd.app_now()
+                   AND (%(only)s::bigint IS NULL OR r.run_id = %(only)s::bigint)
+                   AND r.run_id > c.run_id),
+               (SELECT min(x) FROM expired, unnest(expired.ids) AS x WHERE x > c.run_id))
+    FROM candidate c
+   WHERE c.run_id IS NOT NULL
+), picked AS MATERIALIZED (
+  SELECT l.run_id, l.prev_state, l.prev_expiry
+    FROM candidate c
+   CROSS JOIN LATERAL (
+     SELECT run_id, state AS prev_state, lease_expires_at AS prev_expiry
+       FROM flyd.runs
+      WHERE run_id = c.run_id
+        AND ((state = 'pending' AND not_before <= flyd.app_now())
+          OR (state = 'running' AND lease_expires_at <= flyd.app_now()
+              AND attempt < max_attempts AND NOT cancel_requested))
+        AND CASE WHEN %(only)s::bigint IS NULL
+                 THEN NOT coalesce((spec ->> 'exclusiveToSubmitter')::boolean, false)
+                 ELSE run_id = %(only)s::bigint END
+      FOR UPDATE SKIP LOCKED) l
+   LIMIT %(n)s
 ), granted AS (
   UPDATE flyd.runs r
      SET state = 'running', lease_epoch = r.lease_epoch + 1, attempt = r.attempt + 1,
@@ -502,6 +539,16 @@ RETURNING lease_epoch
 RECORD_INTERVENTION: Final = """
 INSERT INTO flyd.interventions (actor, kind, run_id, detail)
 VALUES (%(actor)s, 'requeue', %(run)s, %(detail)s)
+"""
+
+# Not §3: the listener's probe. The reclaimable lease of another node that expires next, and
+# how long until then in database time; its holder renews it long before unless it is gone.
+NEXT_EXPIRY: Final = """
+SELECT run_id, extract(epoch FROM lease_expires_at - flyd.app_now())::float8
+  FROM flyd.runs
+ WHERE state = 'running' AND lease_expires_at > flyd.app_now()
+   AND attempt < max_attempts AND NOT cancel_requested AND owner_node <> %(node)s
+ ORDER BY lease_expires_at LIMIT 1
 """
 
 PRUNE_NODES: Final = """
@@ -844,10 +891,12 @@ class PgStore:
     # -- LISTEN ----------------------------------------------------------------------------
     async def listen(self) -> AsyncGenerator[int, None]:
         """Run ids from `flyd_claimable` notifications (§2.4) on a dedicated `:listen`
-        session; ends with `Transient` when the session is lost. Close it with `aclose()`
-        (or `contextlib.aclosing`) to release the session."""
+        session, and the run id of another node's lease at the instant it expires (expiry
+        sends no notification); ends with `Transient` when the session is lost. Close it with
+        `aclose()` (or `contextlib.aclosing`) to release the session."""
         info = conninfo(self._dsn, self._node_id, "listen", self._settings)
-        quiet_s = _bound_s(self._params.claim_poll_s, self._settings.time_scale)
+        scale = self._settings.time_scale
+        quiet_s = _bound_s(self._params.claim_poll_s, scale)
         try:
             async with asyncio.timeout(self._renew_s):
                 conn = await ClosingConnection.connect(info, autocommit=True)
@@ -857,11 +906,17 @@ class PgStore:
         try:
             await conn.execute("LISTEN flyd_claimable")
             while True:
-                async with aclosing(conn.notifies(timeout=quiet_s)) as notes:
+                async with asyncio.timeout(self._renew_s):
+                    cur = await conn.execute(NEXT_EXPIRY, {"node": self._node_id})
+                    row = await cur.fetchone()
+                wait_s, due = quiet_s, None
+                if row is not None and float(row[1]) < self._params.claim_poll_s:
+                    wait_s, due = _bound_s(float(row[1]) + EXPIRY_SLACK_S, scale), int(row[0])
+                async with aclosing(conn.notifies(timeout=wait_s)) as notes:
                     async for note in notes:
                         yield int(note.payload)
-                async with asyncio.timeout(self._renew_s):
-                    await conn.execute("SELECT 1")
+                if due is not None:
+                    yield due
         except (psycopg.Error, TimeoutError, OSError) as exc:
             raise classify(exc, sent=False, backend=None, what="listen") from exc
         finally:

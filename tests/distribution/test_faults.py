@@ -106,7 +106,7 @@ def test_embedded_default_without_dsn(tmp: Path) -> None:
             await embedded.stop()
 
     version, keys = asyncio.run(ledger())
-    assert version == 3
+    assert version == 4
     assert keys == [f"boundary-{k}" for k in range(1, 11)] + ["finish"]
 
 
