@@ -218,7 +218,8 @@ def settle() -> Callable[[Router, Callable[[dict[str, Any]], bool]], Awaitable[d
 
 # Hypothesis profile for `make fuzz` (`pytest tests/bus/test_fuzz.py --hypothesis-profile=fuzz`).
 # The hypothesis plugin loads that option when pytest configures, before any test module is
-# imported, so the profile must be registered here; test_fuzz.py registers its quick default.
+# imported, so the profile must be registered here; test_fuzz.py registers its quick default
+# and, under this profile, also raises its state machine's frame target (FRAME_TARGET).
 from hypothesis import HealthCheck as _HealthCheck  # noqa: E402
 from hypothesis import settings as _hypothesis_settings  # noqa: E402
 

@@ -1,18 +1,26 @@
 """Fuzzing the router (wire.md §2–§4, §6–§10, §14): bad input never kills it and leaks nothing.
 
-Each example starts its own router on a fresh uvloop loop and plays rounds of raw connections
-against it: the connections of a round run concurrently, rounds run one after another, and a
-connection may stay open across rounds. Connections send valid requests with random params to
-every op, mutated frames (bit flips, truncation, wrong prefixes, duplicated keys, bad ids, bad
-members) and random bytes, then end in one of several ways (close, half-close, reset, a frame
-cut short). Throughout, every frame the router sends must be a strict, schema-valid frame with
-`bus.closing` (or a refused hello) as the last one. Afterwards the router must still answer
-`bus.stats` on a fresh connection and, once everything is closed, its gauges must settle back
-to the baseline.
+Two tests. `test_router_survives_random_and_mutated_frames` plays scripted rounds against an
+in-process router per example (about 60 frames an example). The state machine test
+(`RouterMachine`, see its section below) drives raw connections to a `flyd router` process and
+carries the volume: the test run asserts that the router read at least 100 000 frames (its own
+`framesIn` counter) after a warm-up, and that its fd count and RSS are back within 10 % of the
+warm baseline afterwards.
 
-`make fuzz` runs this with `--hypothesis-profile=fuzz` (registered in conftest.py, because the
-option is applied before test modules are imported); `HYPOTHESIS_PROFILE=<name>` also selects a
-profile. The default run uses the quick profile registered below.
+In the first test, each example starts its own router on a fresh uvloop loop and plays rounds
+of raw connections against it: the connections of a round run concurrently, rounds run one
+after another, and a connection may stay open across rounds. Connections send valid requests
+with random params to every op, mutated frames (bit flips, truncation, wrong prefixes,
+duplicated keys, bad ids, bad members) and random bytes, then end in one of several ways
+(close, half-close, reset, a frame cut short). Throughout, every frame the router sends must be
+a strict, schema-valid frame with `bus.closing` (or a refused hello) as the last one.
+Afterwards the router must still answer `bus.stats` on a fresh connection and, once everything
+is closed, its gauges must settle back to the baseline.
+
+`make fuzz` runs both with `--hypothesis-profile=fuzz` (registered in conftest.py, because the
+option is applied before test modules are imported): 2000 scripted examples, and state machine
+examples until 2 000 000 frames. `HYPOTHESIS_PROFILE=<name>` also selects a profile. The
+default run uses the quick profile registered below.
 """
 
 from __future__ import annotations
@@ -21,23 +29,39 @@ import asyncio
 import contextlib
 import io
 import os
+import random
+import select
 import shutil
+import socket
 import struct
+import subprocess
 import sys
 import tempfile
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
+import psutil
 import pytest
 import uvloop
 from hypothesis import HealthCheck, given, settings, target
 from hypothesis import strategies as st
+from hypothesis.stateful import (
+    Bundle,
+    RuleBasedStateMachine,
+    consumes,
+    initialize,
+    invariant,
+    rule,
+    run_state_machine_as_test,
+)
 
 from bus import codec
 from bus.client import _Validators
 from bus.errors import BusError
-from bus.limits import Limits
+from bus.limits import Limits, snake_case
 from bus.policy import Policy
 from bus.router import Router, RouterConfig
 
@@ -519,7 +543,7 @@ class Conn:
                 "str": str(self.last_id + 1), "null": None, "missing": "missing"}[mode]
 
 
-def _resolve(value: Any, conn: Conn, counter: list[int]) -> Any:
+def _resolve(value: Any, conn: Conn | Sock, counter: list[int]) -> Any:
     """Fill in the `$` placeholders with what the connection learned (or a plausible guess)."""
     if isinstance(value, str) and value.startswith("$"):
         counter[0] += 1
@@ -540,7 +564,7 @@ def _resolve(value: Any, conn: Conn, counter: list[int]) -> Any:
     return value
 
 
-def _build(conn: Conn, action: tuple[Any, ...]) -> tuple[dict[str, Any], bool]:
+def _build(conn: Conn | Sock, action: tuple[Any, ...]) -> tuple[dict[str, Any], bool]:
     """The request object of a `req` action, and whether it is well formed (untainted)."""
     _, op, params, id_mode, form = action
     rid = conn.next_id(id_mode)
@@ -783,8 +807,10 @@ class Player:
             if conn.tainted or conn.dead or conn.writer.is_closing() or not conn.sent:
                 continue
             try:
-                async with asyncio.timeout(5):
-                    await conn.wait_response(conn.last_id)
+                async with asyncio.timeout(15):
+                    # the reader's auto-answers may send more requests meanwhile
+                    while conn.last_response < conn.last_id and not conn.eof:
+                        await conn.wait_response(conn.last_id)
             except TimeoutError:
                 pass
             missing = sorted(set(conn.sent) - conn.responded)
@@ -796,7 +822,7 @@ class Player:
         for conn in self.open:
             assert conn.task is not None
             try:
-                async with asyncio.timeout(5):
+                async with asyncio.timeout(15):
                     await conn.task
             except TimeoutError:
                 self.problems.append(f"{conn.name}: the reader never saw EOF")
@@ -872,7 +898,7 @@ async def fuzz_router(case: list[list[Script]]) -> None:
     try:
         baseline = r.stats()
         player = Player(r.socket_path)
-        async with asyncio.timeout(30):
+        async with asyncio.timeout(60):
             for round_ in case:
                 await player.run_round(round_)
             assert r.fatal is None, f"the router broke an invariant: {r.fatal!r}"
@@ -907,3 +933,697 @@ def test_router_survives_random_and_mutated_frames(case: list[list[Script]]) -> 
     except BaseException:
         sys.stdout.write("".join(logs.getvalue().splitlines(keepends=True)[-200:]))
         raise
+
+
+# --- the state machine over a router process --------------------------------------------------
+#
+# A `RuleBasedStateMachine` drives raw, blocking sockets against a real `flyd router` process
+# with the limits above. Rules open connections (callers, services, un-helloed, refused hellos),
+# send bursts of requests replayed from hypothesis-drawn templates (a drawn seed picks the
+# order, placeholders resolve to the live delivery ids, calls and incarnations), split frames,
+# maximum-size frames, and end connections with poison of a known outcome, random mutations,
+# random bytes, truncated frames, half-closes, closes and resets. Every frame the router sends
+# is checked as in the test above. After each example every connection is closed and the
+# router's gauges must settle back to the baseline.
+#
+# The test counts the frames the router read (its own `framesIn` counter, which excludes frames
+# refused at the length prefix) and keeps running examples until at least FRAME_TARGET have
+# passed after the warm-up. Resource baseline: the warm-up runs the same machine for
+# WARMUP_FRAMES frames, so allocator arenas, caches and the remembered incarnations of the
+# client-id pool reach their working size; then, with every connection closed and the gauges
+# settled, the router's fd count and RSS are the baseline. After the measured run they must be
+# back within 10 % of it (fds: exactly, since every connection is closed).
+
+FRAME_TARGET = 100_000 if PROFILE == "bus-fuzz-quick" else 2_000_000
+WARMUP_FRAMES = 15_000
+MACHINE_EXAMPLES = 8 if PROFILE == "bus-fuzz-quick" else 100
+IO_TIMEOUT_S = 30.0
+CLIENT_POOL = 12  # clientIds fz-0..fz-11: collisions give CONFLICT, memory stays bounded
+SERVICE_NAMES = ["fz.a", "fz.b", "fz.c"]
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+# expected `bus.closing` names of the poison a clean, helloed connection sends (wire.md §4)
+POISON_CLOSES: dict[tuple[str, str], str] = {
+    **{("prefix", w): "INVALID_ENVELOPE" for w in ("zero", "huge", "over", "be")},
+    **{("dupkey", w): "PARSE_ERROR" for w in ("id", "jsonrpc", "method", "nested")},
+    **{("shape", w): "PARSE_ERROR" for w in ("lead-ws", "trail-ws", "trailing", "bad-utf8",
+                                             "deep", "nan", "big-int")},
+    **{("shape", w): "INVALID_REQUEST" for w in ("extra-member", "jsonrpc-1.0", "no-jsonrpc",
+                                                 "method-int", "notification", "response",
+                                                 "batch")},
+    **{("id", w): "INVALID_REQUEST" for w in ("same", "back", "zero", "big", "float", "bool",
+                                              "str", "null", "missing")},
+    **{("form", w): "INVALID_REQUEST" for w in ("array", "null", "string")},
+}
+
+
+@dataclass
+class Tally:
+    """What the whole machine run saw, across examples."""
+
+    path: str
+    problems: list[str] = field(default_factory=list)
+    frames_sent: int = 0
+    connections: int = 0
+    closings: dict[str, int] = field(default_factory=dict)
+    poison_checked: int = 0
+    next_incarnation: int = 0
+
+
+class Sock:
+    """A raw blocking connection; `pump()` reads whatever arrived and checks every frame."""
+
+    def __init__(self, tally: Tally, role: str, auto: str | None) -> None:
+        tally.connections += 1
+        self.tally = tally
+        self.name = f"sock#{tally.connections}"
+        self.role = role
+        self.auto = auto
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(IO_TIMEOUT_S)
+        self.buf = bytearray()
+        self.last_id = 0
+        self.last_response = 0
+        self.sent: dict[int, str] = {}
+        self.responded: set[int] = set()
+        self.dlv: list[str] = []
+        self.svc: list[str] = []
+        self.sent_calls: list[int] = []
+        self.held: list[str] = []  # request deliveries a "hold" service answers later
+        self.out = bytearray()
+        self.out_frames = 0
+        self.batching = False
+        self.helloed = False
+        self.tainted = False
+        self.dead = False  # nothing more may be written
+        self.ended = False  # we closed, half-closed or reset our side
+        self.eof = False
+        self.final: str | None = None
+        self.closing: str | None = None
+        self.answered = 0
+        self.last_result: Any = None
+        try:
+            self.sock.connect(tally.path)
+        except OSError as exc:
+            self.fail(f"connect failed: {exc}")
+            self.dead = self.eof = True
+
+    next_id = Conn.next_id  # the same id modes as the scripted connections
+
+    def fail(self, message: str) -> None:
+        self.tally.problems.append(f"{self.name}: {message}")
+
+    def send(self, data: bytes, *, tainted: bool = True, frames: int = 1) -> None:
+        """Write now, or at the next `flush()` while batching (one write for many frames)."""
+        if self.dead:
+            return
+        self.tainted = self.tainted or tainted
+        self.out += data
+        self.out_frames += frames
+        if not self.batching:
+            self.flush()
+
+    def flush(self) -> None:
+        if self.dead or not self.out:
+            return
+        try:
+            self.sock.sendall(self.out)
+        except OSError:
+            self.dead = True  # the router closed first; its closing frame says why
+            return
+        finally:
+            self.out.clear()
+        self.tally.frames_sent += self.out_frames
+        self.out_frames = 0
+
+    def request(self, method: str, params: dict[str, Any]) -> int:
+        """A well-formed request with the next id; returns the id."""
+        self.last_id += 1
+        if not self.tainted:
+            self.sent[self.last_id] = method
+        if method == "bus.call":
+            self.sent_calls.append(self.last_id)
+        self.send(_frame(orjson.dumps({"jsonrpc": "2.0", "id": self.last_id, "method": method,
+                                       "params": params})), tainted=False)
+        return self.last_id
+
+    def play(self, action: tuple[Any, ...]) -> dict[str, Any] | None:
+        """Send a `req` action (hypothesis template); returns the message sent."""
+        msg, ok = _build(self, action)
+        body = _dumps(msg)
+        if body is None:
+            return None
+        if ok and not self.tainted:
+            self.sent[msg["id"]] = msg["method"]
+        if msg["method"] == "bus.call" and isinstance(msg.get("id"), int):
+            self.sent_calls.append(msg["id"])
+        self.send(_frame(body), tainted=not ok)
+        return msg
+
+    def pump(self) -> None:
+        """Read and check everything that has arrived, without blocking."""
+        while not self.eof:
+            if not select.select([self.sock], [], [], 0)[0]:
+                return
+            try:
+                data = self.sock.recv(1 << 20)
+            except OSError:
+                data = b""
+            if not data:
+                self.eof = True
+                if self.buf and not self.ended:
+                    self.fail(f"router frame cut short: {bytes(self.buf[:40])!r}")
+                return
+            self.buf += data
+            self._frames()
+
+    def _frames(self) -> None:
+        buf = self.buf
+        while len(buf) >= 4:
+            (n,) = struct.unpack_from("<I", buf, 0)
+            if not 1 <= n <= LIMITS.maxEnvelopeBytes:
+                self.fail(f"router frame length {n}")
+                self.eof = True
+                return
+            if len(buf) < 4 + n:
+                return
+            body = bytes(buf[4:4 + n])
+            del buf[:4 + n]
+            self._check(body)
+
+    def _check(self, body: bytes) -> None:
+        """wire.md §2–§4, §8, §15 for one router frame."""
+        v = _Validators.get()
+        if self.final is not None:
+            self.fail(f"a frame after the final {self.final}: {body[:200]!r}")
+            return
+        try:
+            msg = codec.decode(body)
+        except BusError as exc:
+            self.fail(f"router frame is not strict JSON ({exc.message}): {body[:200]!r}")
+            return
+        if type(msg) is not dict or msg.get("jsonrpc") != "2.0":
+            self.fail(f"router frame is not a JSON-RPC object: {body[:200]!r}")
+            return
+        if "id" in msg:
+            self._check_response(v, msg, body)
+            return
+        method = msg.get("method")
+        check = v.notifications.get(method) if isinstance(method, str) else None
+        if check is None or set(msg) != {"jsonrpc", "method", "params"}:
+            self.fail(f"bad notification: {body[:300]!r}")
+            return
+        problem = check(msg["params"])
+        if problem is not None:
+            self.fail(f"bad {method} ({problem}): {body[:300]!r}")
+            return
+        params = msg["params"]
+        if method == "bus.closing":
+            self.final = "bus.closing"
+            self.closing = params["error"]["data"]["name"]
+            closings = self.tally.closings
+            closings[self.closing] = closings.get(self.closing, 0) + 1
+            if params["error"]["data"]["dispatch"] != "unknown":
+                self.fail(f"bus.closing with dispatch {params['error']['data']}")
+        elif method in ("bus.request", "bus.result"):
+            self.dlv.append(params["deliveryId"])
+            del self.dlv[:-16]
+            self._auto_answer(method, params)
+
+    def _check_response(self, v: _Validators, msg: dict[str, Any], body: bytes) -> None:
+        problem = v.response(msg)
+        if problem is not None:
+            self.fail(f"bad response ({problem}): {body[:300]!r}")
+            return
+        rid = msg["id"]
+        if rid <= self.last_response:
+            self.fail(f"response {rid} after response {self.last_response}")
+        self.last_response = rid
+        self.responded.add(rid)
+        self.last_result = msg.get("result")
+        method = self.sent.get(rid)
+        if "result" in msg and method in v.results and not self.tainted:
+            problem = v.results[method](msg["result"])
+            if problem is not None:
+                self.fail(f"bad {method} result ({problem}): {body[:300]!r}")
+            if method == "bus.register":
+                self.svc.append(msg["result"]["serviceIncarnation"])
+            if method == "bus.hello":
+                self.helloed = True
+        if "error" in msg:
+            if method == "bus.hello" and not self.tainted:
+                self.final = "refused hello"
+            if msg["error"]["data"]["dispatch"] != "not-dispatched":
+                self.fail(f"an error response with dispatch {msg['error']['data']}")
+
+    def _auto_answer(self, method: str, params: dict[str, Any]) -> None:
+        """Services answer (echo, release or hold) and consume; callers consume results,
+        unless they hold them for a later `completed` cancel or an explicit consume."""
+        if self.tainted or self.dead or self.auto is None:
+            return
+        dlv = params["deliveryId"]
+        if method == "bus.request":
+            mode = self.auto
+            if mode == "mixed":
+                mode = ("echo", "echo", "release", "hold")[self.answered % 4]
+            self.answered += 1
+            if mode == "hold":
+                self.held.append(dlv)
+                return
+            if mode == "consume":
+                return
+            if mode == "echo":
+                self.request("bus.reply", {"deliveryId": dlv, "outcome": {"n": self.answered}})
+            else:
+                self.request("bus.release", {"deliveryId": dlv})
+        elif self.auto == "mixed" and self.answered % 5 == 0:
+            self.answered += 1
+            return
+        self.request("bus.consumed", {"deliveryIds": [dlv]})
+
+    def lifecycle_op(self, rnd: random.Random) -> None:
+        """One valid request that moves calls along: answer a held request, call a service,
+        cancel a recent call, consume recent deliveries, or look at the router."""
+        r = rnd.random()
+        if self.held and r < 0.3:
+            dlv = self.held.pop(rnd.randrange(len(self.held)))
+            if rnd.random() < 0.75:
+                self.request("bus.reply", {"deliveryId": dlv, "outcome": {"r": rnd.random()}})
+            else:
+                self.request("bus.release", {"deliveryId": dlv})
+            self.request("bus.consumed", {"deliveryIds": [dlv]})
+        elif r < 0.65:
+            pin = self.svc[-1] if self.svc and rnd.random() < 0.2 else None
+            self.request("bus.call", {"target": rnd.choice(SERVICE_NAMES),
+                                      "expectedIncarnation": pin, "method": "M",
+                                      "payload": {"n": rnd.randrange(1000)}})
+        elif r < 0.8 and self.sent_calls:
+            self.request("bus.cancel", {"callId": rnd.choice(self.sent_calls[-8:])})
+        elif r < 0.9 and self.dlv:
+            self.request("bus.consumed", {"deliveryIds": sorted(set(
+                rnd.choices(self.dlv[-6:], k=rnd.randint(1, 3))))})
+        else:
+            self.request(rnd.choice(["bus.stats", "bus.services"]), {})
+
+    def wait(self, until: Callable[[], bool], timeout: float = IO_TIMEOUT_S) -> bool:
+        """Pump until `until()` or EOF; False on timeout."""
+        deadline = time.monotonic() + timeout
+        while True:
+            self.flush()
+            self.pump()
+            if until() or self.eof:
+                return True
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            select.select([self.sock], [], [], min(left, 0.05))
+
+    def wait_response(self, rid: int) -> None:
+        if not self.wait(lambda: self.last_response >= rid):
+            self.fail(f"no response to id {rid} within {IO_TIMEOUT_S} s")
+
+    def half_close_and_drain(self) -> None:
+        """Our EOF, then every frame up to the router's EOF (wire.md §2: a clean close)."""
+        if not self.dead:
+            self.dead = self.ended = True
+            with contextlib.suppress(OSError):
+                self.sock.shutdown(socket.SHUT_WR)
+        self.ended = True
+        if not self.wait(lambda: False):
+            self.fail("the router did not close after our EOF")
+
+    def reset(self) -> None:
+        self.dead = self.ended = True
+        with contextlib.suppress(OSError):
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        self.close()
+
+    def close(self) -> None:
+        self.flush()
+        self.dead = self.ended = self.eof = True
+        self.sock.close()
+
+
+class RouterProcess:
+    """`flyd router` as a child process with the fuzz limits; psutil watches its resources."""
+
+    def __init__(self) -> None:
+        self.dir = tempfile.mkdtemp(prefix="flyd-fzm-", dir="/tmp")
+        self.path = os.path.join(self.dir, "bus.sock")
+        config = os.path.join(self.dir, "router.toml")
+        with open(config, "w") as f:
+            f.write("[bus.limits]\n")
+            for name in Limits.__dataclass_fields__:
+                f.write(f"{snake_case(name)} = {getattr(LIMITS, name)}\n")
+        self.log = open(os.path.join(self.dir, "router.log"), "wb")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "flyd", "router", "--socket", self.path, "--config", config,
+             "--open", "-qq"], cwd=ROOT, stdin=subprocess.DEVNULL, stdout=self.log,
+            stderr=self.log)
+        self.ps = psutil.Process(self.proc.pid)
+        deadline = time.monotonic() + 15
+        while not os.path.exists(self.path):
+            assert self.proc.poll() is None, self.log_tail()
+            assert time.monotonic() < deadline, "the router did not create its socket"
+            time.sleep(0.02)
+
+    def log_tail(self) -> str:
+        self.log.flush()
+        with open(os.path.join(self.dir, "router.log"), "rb") as f:
+            return f.read()[-4000:].decode(errors="replace")
+
+    def resources(self) -> tuple[int, int]:
+        """(open fds, RSS bytes) of the router process."""
+        return self.ps.num_fds(), self.ps.memory_info().rss
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+        try:
+            code = self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            code = self.proc.wait()
+        self.log.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
+        return code
+
+
+class Monitor:
+    """One long-lived helloed connection that polls `bus.stats` (it is part of the baseline)."""
+
+    def __init__(self, tally: Tally) -> None:
+        self.conn = Sock(tally, "monitor", None)
+        self.conn.request("bus.hello", {"clientId": "fz-monitor", "clientIncarnation":
+                                        f"inc-m-{os.urandom(4).hex()}", "supportedMajors": [1]})
+        self.conn.wait_response(1)
+        assert self.conn.helloed and not self.conn.eof, self.conn.tally.problems
+
+    def stats(self) -> dict[str, Any]:
+        rid = self.conn.request("bus.stats", {"detail": True})
+        self.conn.wait_response(rid)
+        assert rid in self.conn.responded and not self.conn.eof, "the router stopped answering"
+        stats: dict[str, Any] = self.conn.last_result
+        return stats
+
+    def settle(self, baseline: dict[str, Any], timeout: float = 30.0) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        while True:
+            stats = self.stats()
+            if all(stats[k] == baseline[k] for k in GAUGES):
+                return stats
+            if time.monotonic() > deadline:
+                diff = {k: (baseline[k], stats[k]) for k in GAUGES if stats[k] != baseline[k]}
+                raise AssertionError(f"router state did not return to the baseline: {diff}")
+            time.sleep(0.02)
+
+
+@dataclass
+class Harness:
+    router: RouterProcess
+    tally: Tally
+    monitor: Monitor
+    baseline: dict[str, Any]
+
+
+MACHINE_HELLOS = st.sampled_from(["fresh"] * 10 + ["reused", "bad", "none"])
+MACHINE_POOL = [*CLIENT_IDS, *(f"fz-{k}" for k in range(CLIENT_POOL - len(CLIENT_IDS)))]
+ENDS = st.sampled_from(["close", "reset", "eof"])
+
+
+@st.composite
+def burst_template(draw: st.DrawFn) -> tuple[Any, ...]:
+    """A well-formed request to replay in a burst (a second hello would end the burst)."""
+    role = draw(st.sampled_from(["service", "caller", "mixed"]))
+    return draw(request_action(role).filter(lambda a: a[1] != "bus.hello"))
+
+
+class RouterMachine(RuleBasedStateMachine):
+    """Raw connections against one router process; see the section comment above."""
+
+    conns = Bundle("conns")
+
+    def __init__(self, harness: Harness) -> None:
+        super().__init__()
+        self.h = harness
+        self.tally = harness.tally
+        self.tally.problems = []
+        self.socks: list[Sock] = []
+
+    def _pump_all(self) -> None:
+        for s in self.socks:
+            s.pump()
+            s.flush()
+
+    @initialize(target=conns, name=st.sampled_from(SERVICE_NAMES),
+                auto=st.sampled_from(["echo", "mixed", "hold"]), max_queued=st.integers(1, 4),
+                max_in_flight=st.integers(1, 2))
+    def first_service(self, name: str, auto: str, max_queued: int, max_in_flight: int) -> Sock:
+        """Every example starts with a service, so calls reach dispatch and replies."""
+        return self.open_conn("service", "fresh", f"fz-s{self.tally.connections}", auto, name,
+                              max_queued, max_in_flight)
+
+    @rule(target=conns, role=st.sampled_from(["caller", "caller", "service", "mixed"]),
+          hello=MACHINE_HELLOS, client=st.sampled_from(MACHINE_POOL),
+          auto=st.sampled_from(["echo", "release", "mixed", "mixed", "consume", "hold"]),
+          name=st.sampled_from(SERVICE_NAMES), max_queued=st.integers(1, 4),
+          max_in_flight=st.integers(1, 2))
+    def open_conn(self, role: str, hello: str, client: str, auto: str, name: str,
+                  max_queued: int, max_in_flight: int) -> Sock:
+        s = Sock(self.tally, role, auto)
+        self.socks.append(s)
+        if hello == "none":
+            return s
+        self.tally.next_incarnation += 1
+        inc = "i-reused" if hello == "reused" else f"i-{self.tally.next_incarnation}"
+        params: dict[str, Any] = {"clientId": client, "clientIncarnation": inc,
+                                  "supportedMajors": [1]}
+        if hello == "bad":
+            params["supportedMajors"] = [2]
+        s.wait_response(s.request("bus.hello", params))
+        if hello == "bad" and not s.eof:
+            assert s.final == "refused hello", f"{s.name}: VERSION_MISMATCH did not end it"
+        if role == "service" and s.helloed:
+            s.wait_response(s.request("bus.register", {"name": name, "maxQueued": max_queued,
+                                                       "maxInFlight": max_in_flight}))
+        return s
+
+    @rule(conn=conns, templates=st.lists(burst_template(), max_size=3),
+          lifecycle=st.sampled_from([0.5, 0.8, 1.0]), seed=st.integers(0, 2**32 - 1),
+          n=st.integers(50, 600))
+    def burst(self, conn: Sock, templates: list[tuple[Any, ...]], lifecycle: float, seed: int,
+              n: int) -> None:
+        """`n` requests: lifecycle ops, or the templates replayed with placeholders resolved
+        afresh each time, in a seeded order. Written 16 at a time; every connection is read
+        in between so services keep answering."""
+        rnd = random.Random(seed)
+        conn.batching = True
+        try:
+            for i in range(n):
+                if conn.dead:
+                    break
+                if templates and rnd.random() >= lifecycle:
+                    conn.play(templates[rnd.randrange(len(templates))])
+                else:
+                    conn.lifecycle_op(rnd)
+                del conn.sent_calls[:-16]
+                if i % 16 == 15:
+                    self._pump_all()
+        finally:
+            conn.batching = False
+            conn.flush()
+
+    @rule(conn=conns, action=split_action("mixed"))
+    def split_frame(self, conn: Sock, action: tuple[Any, ...]) -> None:
+        """A valid request written in pieces, the router reading in between (wire.md §2)."""
+        if action[1][1] == "bus.hello":
+            return
+        msg, _ = _build(conn, action[1])
+        body = _dumps(msg)
+        if body is None:
+            return
+        conn.sent[msg["id"]] = msg["method"]
+        chunks = _mutate(body, msg, action[2])
+        for chunk in chunks:
+            conn.send(chunk, tainted=False, frames=0)
+            self._pump_all()
+        conn.tally.frames_sent += 1
+
+    @rule(conn=conns, exact=st.booleans())
+    def max_size_frame(self, conn: Sock, exact: bool) -> None:
+        """A `bus.call` body of exactly (or just under) maxEnvelopeBytes: its worst-case
+        `bus.request` cannot fit, so it is refused and the connection stays (wire.md §7.3)."""
+        conn.last_id += 1
+        head = {"jsonrpc": "2.0", "id": conn.last_id, "method": "bus.call",
+                "params": {"target": "fz.a", "expectedIncarnation": None, "method": "M",
+                           "payload": {"big": ""}}}
+        size = LIMITS.maxEnvelopeBytes - (0 if exact else 1)
+        body = orjson.dumps(head)
+        head["params"]["payload"]["big"] = "x" * (size - len(body))
+        body = orjson.dumps(head)
+        assert len(body) == size
+        conn.sent[conn.last_id] = "bus.call"
+        conn.send(_frame(body), tainted=False)
+
+    @rule(conn=consumes(conns), action=request_action(),
+          poison=st.sampled_from(sorted(POISON_CLOSES)), end=ENDS)
+    def poison(self, conn: Sock, action: tuple[Any, ...], poison: tuple[str, str],
+               end: str) -> None:
+        """A violation with a known outcome (wire.md §4 checks 1–4): `bus.closing` with its
+        name, then EOF."""
+        kind, which = poison
+        _, op, params, id_mode, form = action
+        if kind == "id":
+            id_mode = which
+        elif kind == "form":
+            form = which
+        elif kind == "dupkey":
+            form = "obj"
+        msg, _ = _build(conn, ("req", op, params, id_mode, form))
+        body = _dumps(msg)
+        chunks = [] if body is None else (
+            _mutate(body, msg, (kind, which)) if kind in ("prefix", "dupkey", "shape")
+            else [_frame(body)])
+        expected = POISON_CLOSES[poison]
+        if poison == ("prefix", "be") and body is not None:
+            (n,) = struct.unpack("<I", struct.pack(">I", len(body)))
+            if n <= LIMITS.maxEnvelopeBytes:
+                expected = ""  # the swapped length happens to be a valid one
+        conn.pump()
+        clean = not (conn.eof or conn.final or conn.dead)
+        for chunk in chunks:
+            conn.send(chunk)
+        if not chunks or not expected or not clean:
+            self._end(conn, end)
+            return
+        if not conn.wait(lambda: conn.eof):
+            conn.fail(f"no close after poison {poison}")
+        allowed = {expected, "QUOTA_EXCEEDED"} | (set() if conn.helloed
+                                                  else {"INVALID_ENVELOPE"})
+        if conn.closing not in allowed:
+            conn.fail(f"poison {poison}: closing {conn.closing}, expected {expected}")
+        self.tally.poison_checked += 1
+        conn.close()
+
+    @rule(conn=consumes(conns), junk=st.one_of(
+        mutated_action(), st.tuples(st.just("bytes"), st.binary(min_size=1, max_size=64))),
+        end=ENDS)
+    def mutate(self, conn: Sock, junk: tuple[Any, ...], end: str) -> None:
+        """A random mutation or random bytes, whatever its outcome, then an ending."""
+        if junk[0] == "bytes":
+            conn.send(junk[1])
+        else:
+            msg, _ = _build(conn, junk[1])
+            body = _dumps(msg)
+            if body is not None:
+                for chunk in _mutate(body, msg, junk[2]):
+                    conn.send(chunk)
+        self._end(conn, end)
+
+    @rule(conn=consumes(conns), action=request_action(), cut=st.integers(1, 10_000), end=ENDS)
+    def truncated(self, conn: Sock, action: tuple[Any, ...], cut: int, end: str) -> None:
+        """A frame cut short (inside the prefix or the body), then an ending (wire.md §2)."""
+        msg, _ = _build(conn, action)
+        body = _dumps(msg)
+        if body is not None:
+            data = _frame(body)
+            conn.send(data[:1 + cut % (len(data) - 1)])
+        self._end(conn, end)
+
+    @rule(conn=consumes(conns), end=ENDS)
+    def end(self, conn: Sock, end: str) -> None:
+        """Close, reset or half-close; a service that goes leaves its callers callFailed."""
+        self._end(conn, end)
+
+    def _end(self, conn: Sock, end: str) -> None:
+        conn.ended = True
+        if end == "eof":
+            conn.half_close_and_drain()
+            conn.close()
+        elif end == "reset":
+            conn.reset()
+        else:
+            conn.close()
+
+    @invariant()
+    def router_alive_and_frames_valid(self) -> None:
+        self._pump_all()
+        assert self.h.router.proc.poll() is None, self.h.router.log_tail()
+        assert not self.tally.problems, "\n".join(self.tally.problems[:20])
+
+    def teardown(self) -> None:
+        """Every request of a clean live connection got its response; once everything is
+        closed, the gauges return to the baseline (no connection, call or delivery left)."""
+        for s in self.socks:
+            if s.tainted or s.dead or s.eof or s.final or not s.sent:
+                continue
+            s.wait(lambda s=s: s.last_response >= max(s.sent))  # type: ignore[misc]
+            missing = sorted(set(s.sent) - s.responded)
+            if missing and not s.eof:
+                s.fail(f"no response to ids {missing[:10]}")
+        for s in self.socks:
+            s.close()
+        self.h.monitor.settle(self.h.baseline)
+        assert self.h.router.proc.poll() is None, self.h.router.log_tail()
+        assert not self.tally.problems, "\n".join(self.tally.problems[:20])
+
+
+def _run_machine(h: Harness, frames_in: int) -> int:
+    """Run machine examples until the router has read `frames_in` frames in total."""
+    machine = settings(max_examples=MACHINE_EXAMPLES, stateful_step_count=40, deadline=None,
+                       suppress_health_check=list(HealthCheck))
+    while True:
+        seen: int = h.monitor.stats()["counters"]["framesIn"]
+        if seen >= frames_in:
+            return seen
+        run_state_machine_as_test(lambda: RouterMachine(h), settings=machine)
+
+
+@pytest.mark.timeout(900 if PROFILE == "bus-fuzz-quick" else 12 * 3600)
+def test_router_state_machine_frames_and_resources() -> None:
+    router = RouterProcess()
+    monitor: Monitor | None = None
+    try:
+        tally = Tally(router.path)
+        monitor = Monitor(tally)
+        h = Harness(router, tally, monitor, monitor.stats())
+        t0 = time.monotonic()
+        _run_machine(h, WARMUP_FRAMES)
+        monitor.settle(h.baseline)
+        fds0, rss0 = router.resources()
+        start: int = monitor.stats()["counters"]["framesIn"]
+        sent0 = tally.frames_sent
+        _run_machine(h, start + FRAME_TARGET)
+        stats = monitor.settle(h.baseline)
+        fds1, rss1 = router.resources()
+        frames = stats["counters"]["framesIn"] - start
+        summary = {"framesIn": frames, "framesSent": tally.frames_sent - sent0,
+                   "connections": tally.connections, "poisonChecked": tally.poison_checked,
+                   "closings": tally.closings, "fds": [fds0, fds1], "rss": [rss0, rss1],
+                   "calls": {k: stats["counters"][k] for k in (
+                       "callsAdmitted", "callsRefused", "callsFailed", "repliesRouted",
+                       "repliesUnrouted", "cancels")},
+                   "seconds": round(time.monotonic() - t0, 1)}
+        print(orjson.dumps(summary).decode())
+        assert frames >= FRAME_TARGET, summary
+        assert tally.frames_sent - sent0 >= frames, summary
+        assert fds1 == fds0, summary
+        assert abs(rss1 - rss0) <= rss0 // 10, summary
+        counters = stats["counters"]
+        for name in ("INVALID_ENVELOPE", "PARSE_ERROR", "INVALID_REQUEST"):
+            assert tally.closings.get(name, 0) > 0, summary
+        assert counters["repliesRouted"] > 0 and counters["callsFailed"] > 0, counters
+        assert counters["cancels"]["execution-unknown"] > 0, counters
+        fresh = Sock(tally, "check", None)
+        fresh.wait_response(fresh.request("bus.hello", {
+            "clientId": "fz-check", "clientIncarnation": f"inc-{os.urandom(4).hex()}",
+            "supportedMajors": [1]}))
+        fresh.wait_response(fresh.request("bus.stats", {"detail": False}))
+        assert fresh.helloed and fresh.last_result["routerId"] == stats["routerId"]
+        fresh.close()
+        assert not tally.problems, tally.problems
+    finally:
+        if monitor is not None:
+            monitor.conn.close()
+        code = router.stop()
+    assert code == 0, "the router did not stop cleanly"
