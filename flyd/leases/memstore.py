@@ -38,8 +38,7 @@ Rules reproduced from the migrations and statements:
   another digest is a `ConflictingEffect`, else the first a `DuplicateEffect`, naming the
   stored row's epoch and digest.
 - A statement PostgreSQL would refuse for another reason (a CHECK constraint, a duplicate
-  checkpoint id, a non-boolean `exclusiveToSubmitter`) raises `Transient`: a server error,
-  nothing committed.
+  checkpoint id) raises `Transient`: a server error, nothing committed.
 """
 
 from __future__ import annotations
@@ -84,8 +83,6 @@ from flyd.leases.store import (
 
 DEFAULT_EPOCH_BASE: Final = datetime(2030, 1, 1, tzinfo=UTC)
 PRUNE_AFTER_S: Final = 86400.0
-_TRUE: Final = frozenset({"t", "tr", "tru", "true", "y", "ye", "yes", "on", "1"})
-_FALSE: Final = frozenset({"f", "fa", "fal", "fals", "false", "n", "no", "of", "off", "0"})
 
 
 class ForeignKeyViolation(StoreError):
@@ -367,18 +364,8 @@ class MemStore:
 
     @staticmethod
     def _exclusive(spec: Any) -> bool:
-        """`coalesce((spec ->> 'exclusiveToSubmitter')::boolean, false)`."""
-        value = spec.get("exclusiveToSubmitter") if isinstance(spec, dict) else None
-        if value is None:
-            return False
-        if isinstance(value, bool):
-            return value
-        text = (json.dumps(value) if not isinstance(value, str) else value).strip().lower()
-        if text in _TRUE:
-            return True
-        if text in _FALSE:
-            return False
-        raise Transient(f"invalid input syntax for type boolean: {text!r}")
+        """`coalesce(spec -> 'exclusiveToSubmitter' = 'true'::jsonb, false)`: only JSON `true`."""
+        return isinstance(spec, dict) and spec.get("exclusiveToSubmitter") is True
 
     async def claim(self, node_id: str, n: int, ttl_s: float,
                     only: int | None = None) -> list[Grant]:

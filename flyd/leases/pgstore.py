@@ -363,7 +363,7 @@ WITH RECURSIVE expired AS MATERIALIZED (
           OR (state = 'running' AND lease_expires_at <= flyd.app_now()
               AND attempt < max_attempts AND NOT cancel_requested))
         AND CASE WHEN %(only)s::bigint IS NULL
-                 THEN NOT coalesce((spec ->> 'exclusiveToSubmitter')::boolean, false)
+                 THEN NOT coalesce(spec -> 'exclusiveToSubmitter' = 'true'::jsonb, false)
                  ELSE run_id = %(only)s::bigint END
       FOR UPDATE SKIP LOCKED) l
    LIMIT %(n)s

@@ -149,3 +149,29 @@ async def test_claim_does_not_visit_held_runs(db: Conn, db_dsn: str) -> None:
             await conn.rollback()
     assert read["spec"] >= 2000
     assert read["sent"] <= 20
+
+
+async def test_claim_skips_no_run_for_a_malformed_exclusivity_flag(db: Conn, db_dsn: str) -> None:
+    """A spec whose `exclusiveToSubmitter` is not a boolean (written without the submit path's
+    validation) makes §3.3's cast fail for every claim; the statement sent grants that run like
+    any other (the scope's spec check then fails it) and still skips an exclusive one."""
+    await set_clock(db, T0)
+    ids = {}
+    for name, spec in (("malformed", {"exclusiveToSubmitter": "maybe"}), ("plain", {}),
+                       ("exclusive", {"exclusiveToSubmitter": True})):
+        cur = await db.execute("INSERT INTO flyd.runs (spec) VALUES (%s) RETURNING run_id",
+                               (Jsonb(spec),))
+        row = await cur.fetchone()
+        assert row is not None
+        ids[name] = int(row[0])
+    params = {"only": None, "n": 10, "node": "n2", "ttl": 15.0}
+    try:
+        await outcome(db_dsn, SPEC_CLAIM, params)
+    except psycopg.errors.InvalidTextRepresentation:
+        pass
+    else:
+        raise AssertionError("§3.3's cast accepted a non-boolean flag")
+    grants, _ = await outcome(db_dsn, CLAIM, params)
+    assert [int(g[0]) for g in grants] == sorted([ids["malformed"], ids["plain"]])
+    only, _ = await outcome(db_dsn, CLAIM, {**params, "only": ids["exclusive"]})
+    assert [int(g[0]) for g in only] == [ids["exclusive"]]
