@@ -5,11 +5,15 @@ router must do per frame with the same loop (uvloop) and codec: strict-decode th
 re-encode it for the other side. Router: three processes (client SDK, `flyd router`, echo
 service SDK). Both carry the same domain-shaped payload.
 
-Prints two JSON lines:
-  {"bench":"bus_rtt","floor_us":..,"router_us":..,"ratio":..,"p99_us":..}
-  {"bench":"bus_throughput","calls_per_s":..,"floor_msgs_per_s":..,"ratio":..}
-Round trips are sequential (one outstanding call); throughput uses 8 concurrent callers.
-Progress goes to stderr. The target (not asserted anywhere) is ratio <= 1.3 for the RTT.
+The host is shared and noisy, so floor and router run alternately, `--repeat` pairs (default
+3), each pair with fresh processes and a warm-up of 200 calls per client; the lines give the
+medians over the pairs (an RTT per pair is the median of its round trips) and every pair's
+numbers. Prints two JSON lines:
+  {"bench":"bus_rtt","floor_us":..,"router_us":..,"ratio":..,"p99_us":..,"pairs":[[f,r],..]}
+  {"bench":"bus_throughput","calls_per_s":..,"floor_calls_per_s":..,"ratio":..,"pairs":..}
+`ratio` is router/floor in both lines: RTT targets ratio <= 1.3, throughput ratio >= 0.7
+(neither is asserted anywhere). Round trips are sequential (one outstanding call); throughput
+uses 8 concurrent callers on one connection. Progress goes to stderr.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ PAYLOAD: dict[str, Any] = {
     "params": {"agent": "fly-a", "observation": {"t": 0, "values": list(range(16))}},
 }
 CONCURRENCY = 8
+CLIENT_TIMEOUT_S = 600  # a wedged run fails instead of hanging the whole bench
 
 
 def progress(msg: str) -> None:
@@ -84,28 +89,34 @@ class _Framed(asyncio.Protocol):
 
 
 async def forwarder(path: str) -> None:
-    """Accepts the echo first, then clients; forwards frames both ways through the codec."""
-    peers: dict[str, _Framed] = {}
+    """Forwards frames both ways through the codec between the echo, which connects to its own
+    socket (`path` + ".echo") so a slow-starting echo is never taken for a client, and the
+    clients on `path`."""
+    echo: list[_Framed] = []
     clients: list[_Framed] = []
 
     def on_body(conn: _Framed, body: bytes) -> None:
         msg = codec.decode(body)
         out = codec.encode_trusted(msg)
-        if conn is peers.get("echo"):
+        if conn is echo[0]:
             clients[0].send(out)
         else:
-            peers["echo"].send(out)
+            echo[0].send(out)
 
-    def factory() -> _Framed:
+    def echo_factory() -> _Framed:
         conn = _Framed(on_body)
-        if "echo" not in peers:
-            peers["echo"] = conn
-        else:
-            clients.append(conn)
+        echo.append(conn)
         return conn
 
-    server = await asyncio.get_running_loop().create_unix_server(factory, path)
-    async with server:
+    def client_factory() -> _Framed:
+        conn = _Framed(on_body)
+        clients.append(conn)
+        return conn
+
+    loop = asyncio.get_running_loop()
+    echo_server = await loop.create_unix_server(echo_factory, path + ".echo")
+    server = await loop.create_unix_server(client_factory, path)
+    async with echo_server, server:
         await server.serve_forever()
 
 
@@ -116,7 +127,8 @@ async def echo_floor(path: str) -> None:
 
     loop = asyncio.get_running_loop()
     lost: asyncio.Future[None] = loop.create_future()
-    await loop.create_unix_connection(lambda: _Framed(on_body, lost), path)
+    await loop.create_unix_connection(lambda: _Framed(on_body, lost), path + ".echo")
+    print("ready", flush=True)  # the client may start
     await lost
 
 
@@ -193,9 +205,9 @@ async def client_router(path: str, n: int) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------------------------
-def _spawn(*args: str) -> subprocess.Popen[bytes]:
+def _spawn(*args: str, stdout: int | None = None) -> subprocess.Popen[bytes]:
     return subprocess.Popen([sys.executable, *args], cwd=ROOT, stderr=subprocess.DEVNULL,
-                            env={**os.environ, "FLYD_LOG_FORMAT": "json"})
+                            stdout=stdout, env={**os.environ, "FLYD_LOG_FORMAT": "json"})
 
 
 def _wait_socket(path: str, proc: subprocess.Popen[bytes]) -> None:
@@ -208,7 +220,8 @@ def _wait_socket(path: str, proc: subprocess.Popen[bytes]) -> None:
 
 def _run_client(role: str, path: str, n: int) -> dict[str, Any]:
     out = subprocess.run([sys.executable, __file__, "--role", role, "--socket", path,
-                          "-n", str(n)], cwd=ROOT, capture_output=True, check=True)
+                          "-n", str(n)], cwd=ROOT, capture_output=True, check=True,
+                         timeout=CLIENT_TIMEOUT_S)
     result: dict[str, Any] = orjson.loads(out.stdout)
     return result
 
@@ -231,8 +244,11 @@ def measure_floor(tmp: str, n: int) -> dict[str, Any]:
     echo: subprocess.Popen[bytes] | None = None
     try:
         _wait_socket(path, fwd)
-        echo = _spawn(__file__, "--role", "echo-floor", "--socket", path)
-        time.sleep(0.3)  # the echo must be the forwarder's first connection
+        echo = _spawn(__file__, "--role", "echo-floor", "--socket", path,
+                      stdout=subprocess.PIPE)
+        assert echo.stdout is not None
+        if echo.stdout.readline() != b"ready\n":  # "" if it died: the forwarder has no echo
+            raise RuntimeError("the floor's echo did not connect")
         return _run_client("client-floor", path, n)
     finally:
         _stop(*(p for p in (echo, fwd) if p is not None))
@@ -264,6 +280,8 @@ def main() -> None:
     ap.add_argument("--role")
     ap.add_argument("--socket")
     ap.add_argument("-n", type=int, default=4000)
+    ap.add_argument("--repeat", type=int, default=3,
+                    help="floor/router pairs, run alternately; the medians over pairs are printed")
     args = ap.parse_args()
     roles = {
         "forwarder": lambda: forwarder(args.socket),
@@ -277,24 +295,36 @@ def main() -> None:
         if result is not None:
             sys.stdout.write(orjson.dumps(result).decode())
         return
+    floors: list[dict[str, Any]] = []
+    routers: list[dict[str, Any]] = []
     tmp = tempfile.mkdtemp(prefix="flyd-bench-", dir="/tmp")
     try:
-        progress(f"floor: forwarder + echo + client, {args.n} calls")
-        floor = measure_floor(tmp, args.n)
-        progress(f"router: flyd router + SDK echo + SDK client, {args.n} calls")
-        routed = measure_router(tmp, args.n)
+        for rep in range(1, args.repeat + 1):
+            progress(f"pair {rep}/{args.repeat}: floor (forwarder + echo + client), {args.n} calls")
+            floors.append(measure_floor(tmp, args.n))
+            progress(f"pair {rep}/{args.repeat}: router (flyd router + SDK echo + SDK client)")
+            routers.append(measure_router(tmp, args.n))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    floor_us = statistics.median(floor["rtts"]) * 1e6
-    router_us = statistics.median(routed["rtts"]) * 1e6
-    p99 = statistics.quantiles(routed["rtts"], n=100)[98] * 1e6
+    floor_rtts = [statistics.median(f["rtts"]) * 1e6 for f in floors]
+    router_rtts = [statistics.median(r["rtts"]) * 1e6 for r in routers]
+    p99s = [statistics.quantiles(r["rtts"], n=100)[98] * 1e6 for r in routers]
+    floor_us = statistics.median(floor_rtts)
+    router_us = statistics.median(router_rtts)
     print(orjson.dumps({"bench": "bus_rtt", "floor_us": round(floor_us, 1),
                         "router_us": round(router_us, 1),
                         "ratio": round(router_us / floor_us, 3),
-                        "p99_us": round(p99, 1)}).decode())
-    print(orjson.dumps({"bench": "bus_throughput", "calls_per_s": round(routed["per_s"]),
-                        "floor_msgs_per_s": round(floor["per_s"]),
-                        "ratio": round(floor["per_s"] / routed["per_s"], 3)}).decode())
+                        "p99_us": round(statistics.median(p99s), 1),
+                        "pairs": [[round(f, 1), round(r, 1)]
+                                  for f, r in zip(floor_rtts, router_rtts, strict=True)]}
+                       ).decode())
+    floor_rate = statistics.median(f["per_s"] for f in floors)
+    router_rate = statistics.median(r["per_s"] for r in routers)
+    print(orjson.dumps({"bench": "bus_throughput", "calls_per_s": round(router_rate),
+                        "floor_calls_per_s": round(floor_rate),
+                        "ratio": round(router_rate / floor_rate, 3),
+                        "pairs": [[round(f["per_s"]), round(r["per_s"])]
+                                  for f, r in zip(floors, routers, strict=True)]}).decode())
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ from collections.abc import Awaitable, Callable, Generator
 from dataclasses import dataclass
 from typing import Any, Final, cast
 
+import orjson
 import structlog
 
 from bus import codec
@@ -280,6 +281,8 @@ class BusClient:
         self._consume: list[str] = []
         self._out: list[bytes] = []
         self._flush_scheduled = False
+        self._reading = False
+        self._flush_after_read = False
         self._drained: asyncio.Future[None] | None = None
         self._closed_with: BaseException | None = None
         self._closed = self._loop.create_future()
@@ -362,7 +365,9 @@ class BusClient:
         self._schedule_flush()
 
     def _schedule_flush(self) -> None:
-        if not self._flush_scheduled:
+        if self._reading:
+            self._flush_after_read = True
+        elif not self._flush_scheduled:
             self._flush_scheduled = True
             self._loop.call_soon(self._flush)
 
@@ -384,6 +389,27 @@ class BusClient:
     def _encode_request(self, rid: int, method: str, params: dict[str, Any]) -> bytes:
         return codec.encode({"jsonrpc": "2.0", "id": rid, "method": method, "params": params},
                             self._max_envelope)
+
+    def _encode_call(self, rid: int, target: str, method: str, payload: dict[str, Any],
+                     expected_incarnation: str | None) -> bytes:
+        """A `bus.call` frame: only the payload needs the strict encoder's value checks.
+
+        The envelope around it is strings, an int and maybe a null, and the strict encoder
+        would walk the whole value again just because that null might be a NaN."""
+        if type(target) is not str or type(method) is not str or not (
+                expected_incarnation is None or type(expected_incarnation) is str):
+            return self._encode_request(rid, "bus.call", {
+                "target": target, "expectedIncarnation": expected_incarnation,
+                "method": method, "payload": payload})
+        body = codec.encode_trusted({
+            "jsonrpc": "2.0", "id": rid, "method": "bus.call", "params": {
+                "target": target, "expectedIncarnation": expected_incarnation,
+                "method": method, "payload": orjson.Fragment(codec.encode(payload)),
+            }})
+        if len(body) > self._max_envelope:
+            raise InvalidEnvelope(f"encoded body is {len(body)} bytes, over the "
+                                  f"{self._max_envelope}-byte limit", "not-dispatched")
+        return body
 
     async def _command(self, method: str, params: dict[str, Any], *,
                        wait_drain: bool = True,
@@ -421,9 +447,22 @@ class BusClient:
 
     # inbound -----------------------------------------------------------------------------
     def _on_data(self, data: bytes) -> None:
+        """Handle every frame of a read; the flush they ask for is scheduled after the
+        tasks they woke or started, so those tasks' frames leave in the same write one loop
+        iteration later (a handler's reply, a caller's next request) instead of one after."""
         if self._closed_with is not None:
             return
         self._decoder.feed(data)
+        self._reading = True
+        try:
+            self._read_frames()
+        finally:
+            self._reading = False
+        if self._flush_after_read:
+            self._flush_after_read = False
+            self._schedule_flush()
+
+    def _read_frames(self) -> None:
         while self._closed_with is None:
             try:
                 body = self._decoder.next_frame()
@@ -543,11 +582,7 @@ class BusClient:
                     # the credit leaves in the same write as the reply, right behind it
                     self._queue_consumed(req.delivery_id)
                     consumed = True
-                    try:
-                        await req.reply(outcome)
-                    except InvalidEnvelope as exc:
-                        log.warning("bus.client.reply_refused", method=req.method,
-                                    call_id=req.call_id, error=exc.message)
+                    await self._send_reply(req, outcome)
                 if not req.answered:
                     await req.release()
         except RouterLost:
@@ -555,6 +590,33 @@ class BusClient:
         finally:
             if self._closed_with is None and not consumed:
                 self._queue_consumed(req.delivery_id)
+
+    async def _send_reply(self, req: Request, outcome: dict[str, Any]) -> None:
+        """Send the reply a handler returned without waiting for the router's answer: the
+        task ends now instead of waking once more. Only a refusal as too large needs a
+        follow-up (a release), and the answer's callback does it."""
+        self._check_open()
+        if self._drained is not None and not self._drained.done():
+            await self._drained
+            self._check_open()
+        try:
+            fut = self._send_nowait("bus.reply", {"deliveryId": req.delivery_id,
+                                                  "outcome": outcome})
+        except InvalidEnvelope as exc:
+            log.warning("bus.client.reply_refused", method=req.method, call_id=req.call_id,
+                        error=exc.message)
+            return
+        req._answered = True
+        fut.add_done_callback(lambda f: self._reply_answered(req, f))
+
+    def _reply_answered(self, req: Request, fut: asyncio.Future[dict[str, Any]]) -> None:
+        exc = None if fut.cancelled() else fut.exception()
+        if isinstance(exc, InvalidEnvelope) and self._closed_with is None:
+            # the router refused the reply (its bus.result would be too large) and kept the
+            # capability: give it back so the caller hears CALL_GONE instead of nothing
+            log.warning("bus.client.reply_refused", method=req.method, call_id=req.call_id,
+                        error=exc.message)
+            self._send_nowait("bus.release", {"deliveryId": req.delivery_id})
 
     def _finish_cancelled(self, state: _CallState, cancel_state: str) -> None:
         self._calls.pop(state.call_id, None)
@@ -594,9 +656,7 @@ class BusClient:
                expected_incarnation: str | None) -> _CallState:
         self._check_open()
         rid = self._next_id + 1
-        body = self._encode_request(rid, "bus.call", {
-            "target": target, "expectedIncarnation": expected_incarnation,
-            "method": method, "payload": payload})
+        body = self._encode_call(rid, target, method, payload, expected_incarnation)
         self._next_id = rid
         state = _CallState(self._loop, rid)
         fut: asyncio.Future[dict[str, Any]] = self._loop.create_future()
@@ -634,7 +694,8 @@ class BusClient:
         state = self._admit(target, method, payload, expected_incarnation)
         try:
             async with asyncio.timeout(timeout):
-                await state.admitted
+                # `done` also settles on a refused admission: not waking up for the
+                # admission response saves a task step per call
                 return await state.done
         except TimeoutError:
             return await self._deadline(state)

@@ -1,0 +1,60 @@
+"""SDK replies that the router refuses (wire.md §7.4 step 4, §17 handler contract).
+
+The SDK sends a handler's returned outcome without waiting for the router's answer, so the
+refusal of a reply whose worst-case `bus.result` would exceed maxEnvelopeBytes arrives after
+the handler task has ended; it must still lead to a release and the caller's CALL_GONE.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from bus import codec
+from bus.client import Request
+from bus.errors import CallGone
+
+LONG_ID = "r" * 64  # the longest Id: the bus.result frame grows with the responder identity
+MAX_ENVELOPE = 65536
+
+
+def _outcome_filling_the_reply(delivery_id: str, rid: int) -> dict[str, Any]:
+    """An outcome whose bus.reply frame is exactly maxEnvelopeBytes long: it leaves the SDK,
+    but the router's worst-case bus.result frame (longer ids around it) would not fit."""
+    def reply_size(n: int) -> int:
+        return len(codec.encode({"jsonrpc": "2.0", "id": rid, "method": "bus.reply", "params": {
+            "deliveryId": delivery_id, "outcome": {"blob": "x" * n}}}))
+
+    n = MAX_ENVELOPE - reply_size(0)
+    assert reply_size(n) == MAX_ENVELOPE
+    return {"blob": "x" * n}
+
+
+async def test_reply_refused_as_too_large_is_released(router: Any, sdk: Any,
+                                                      settle: Any) -> None:
+    r = await router(maxEnvelopeBytes=MAX_ENVELOPE, maxControlBytes=MAX_ENVELOPE,
+                     maxQueuedCallBytes=MAX_ENVELOPE)
+    service = await sdk(r, LONG_ID, client_incarnation="i" * 64)
+    caller = await sdk(r, "rr-caller")
+
+    async def handler(req: Request) -> dict[str, Any]:
+        if req.method == "Big":
+            # the SDK's next request id is the reply's (hello 1, register 2, then replies)
+            return _outcome_filling_the_reply(req.delivery_id, service._next_id + 1)
+        return {"ok": True}
+
+    # maxInFlight=1: serving again proves the release returned the in-flight slot
+    await service.register("rr.svc", handler, max_in_flight=1)
+    with pytest.raises(CallGone) as info:
+        await caller.call("rr.svc", "Big", {}, timeout=5)
+    assert info.value.name == "CALL_GONE"
+    assert info.value.dispatch == "dispatched"
+    res = await caller.call("rr.svc", "Small", {}, timeout=5)
+    assert res.outcome == {"ok": True}
+    stats = await settle(r, lambda s: s["calls"] == 0 and s["replyCapabilities"] == 0)
+    errors = stats["counters"]["errors"]
+    assert errors.get("INVALID_ENVELOPE") == 1  # the refused reply
+    assert errors.get("CALL_GONE") == 1  # the caller's callFailed after the release
+    assert stats["counters"]["repliesRouted"] == 1
+    assert not service.closed and not caller.closed
