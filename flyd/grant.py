@@ -26,7 +26,8 @@ Sequence:
 4. End (§9.3): the target → a final durable capture carrying the remaining effects, `finish`
    and `finish_run(succeeded)` in one transaction; a cancel request → the pending effects,
    `finish` and `finish_run(cancelled)` without a checkpoint; exhausted or refused recovery, or a
-   final capture too large → `finish` and `finish_run(failed)` only; a drain → a durable capture
+   final or forced capture too large → `finish` and `finish_run(failed)` only, outcome
+   `{error: "checkpoint too large", byteLength, limit}`; a drain → a durable capture
    at the current boundary (bounded by the drain window), then release with refund.
 
 Decisions:
@@ -59,7 +60,7 @@ from flyd.launcher import ExecutionMode, Launcher, composition_plans, connect_ex
 from flyd.leases.node import Scope
 from flyd.runspec import RunSpec
 from flyd.state.cadence import Cadence
-from flyd.state.durability import Durability, TooLarge
+from flyd.state.durability import CheckpointTooLarge, Durability, TooLarge
 from flyd.state.effects import epoch_number
 from flyd.state.recovery import Exhausted, RecoveryBudget, is_permanent
 from flyd.state.store import CheckpointRecord, CheckpointStore, FinishRun
@@ -252,6 +253,9 @@ class GrantSession:
                 break
             except SessionFailure as exc:
                 failure = exc
+            except CheckpointTooLarge as exc:
+                await self._failed(exc.refused.outcome())
+                return
         await self._end(ending)
 
     async def _launch(self) -> None:
@@ -322,15 +326,16 @@ class GrantSession:
                 raise health[0]
             raise asyncio.CancelledError
         result = stepper.result()
-        if isinstance(result, SessionFailure):
+        if isinstance(result, SessionFailure | CheckpointTooLarge):
             raise result
         return result
 
-    async def _steps_or_failure(self) -> Ending | SessionFailure:
-        """A failed epoch as a value, so it leaves the task group as itself."""
+    async def _steps_or_failure(self) -> Ending | SessionFailure | CheckpointTooLarge:
+        """A failed epoch (or a forced capture that can never commit) as a value, so it leaves
+        the task group as itself."""
         try:
             return await self._steps()
-        except SessionFailure as exc:
+        except (SessionFailure, CheckpointTooLarge) as exc:
             return exc
 
     async def _steps(self) -> Ending:
@@ -586,9 +591,7 @@ class GrantSession:
                 self.report.state = "succeeded"
                 return
             if isinstance(result, TooLarge):
-                await self._failed({"error": "checkpoint too large",
-                                    "message": result.message,
-                                    "limit": self.config.max_envelope_bytes})
+                await self._failed(result.outcome())
                 return
             backoff = self.config.recovery_backoff_s
             self.log.warning("checkpoint.final_retry", checkpoint_id=checkpoint_id,

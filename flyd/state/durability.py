@@ -17,7 +17,8 @@ Rules:
   same way; one that failed the epoch raises its `SessionFailure`.
 - `durable(coordinator, kind, finish=None, budget=None)`: a durable capture (`final`, `drain`,
   `forced`): reserve (waiting for a slot), capture, submit (never coalesced), await the outcome.
-  `UNSUPPORTED` (too large for `max_envelope_bytes`) is returned as `TooLarge`, never retried.
+  `UNSUPPORTED` (too large for `max_envelope_bytes`) is returned as `TooLarge` with both sizes,
+  never retried; a forced capture raises it as `CheckpointTooLarge`, which ends the run.
 - Ids come from the cadence (`ck-e<N>-<n>[-final|-drain|-forced]`), so none recurs in a run.
 - `committed` counts the generations this grant committed; `head` is the writer's (id, k).
 """
@@ -39,6 +40,7 @@ from flyd.state.writer import (
     CaptureSubmission,
     CheckpointWriter,
     Committed,
+    EnvelopeTooLarge,
     Reservation,
     SaveOutcome,
     SaveTicket,
@@ -48,7 +50,7 @@ from workers.domain import DomainError, ErrorCode
 if TYPE_CHECKING:
     from flyd.coordinator import Coordinator
 
-__all__ = ["Durability", "TooLarge"]
+__all__ = ["CheckpointTooLarge", "Durability", "TooLarge"]
 
 log = structlog.get_logger("flyd.state.durability")
 
@@ -61,9 +63,24 @@ class TooLarge:
 
     checkpoint_id: str
     message: str
+    byte_length: int
+    limit: int
 
     def is_durable(self) -> bool:
         return False
+
+    def outcome(self) -> dict[str, object]:
+        """The failed run's outcome (§5.2)."""
+        return {"error": "checkpoint too large", "byteLength": self.byte_length,
+                "limit": self.limit}
+
+
+class CheckpointTooLarge(Exception):
+    """A forced capture can never commit: the session ends the run `failed` (§5.2, §9.3)."""
+
+    def __init__(self, refused: TooLarge) -> None:
+        super().__init__(refused.message)
+        self.refused = refused
 
 
 class Durability:
@@ -125,7 +142,7 @@ class Durability:
             if isinstance(outcome, Committed):
                 return
             if isinstance(outcome, TooLarge):
-                raise DomainError.before(ErrorCode.UNSUPPORTED, outcome.message)
+                raise CheckpointTooLarge(outcome)
             log.warning("checkpoint.forced_retry", checkpoint_id=outcome.checkpoint_id,
                         outcome=type(outcome).__name__, backoff_s=backoff)
             await asyncio.sleep(backoff)
@@ -142,10 +159,8 @@ class Durability:
         try:
             ticket = await self._capture_and_submit(coordinator, checkpoint_id, reservation,
                                                     replaceable=False, finish=finish)
-        except DomainError as exc:
-            if exc.code == ErrorCode.UNSUPPORTED:
-                return TooLarge(checkpoint_id, exc.message)
-            raise
+        except EnvelopeTooLarge as exc:
+            return TooLarge(checkpoint_id, exc.message, exc.byte_length, exc.limit)
         if ticket is None:
             raise DomainError.before(
                 ErrorCode.INVALID_PHASE,

@@ -127,6 +127,17 @@ class RetryThenRelease:
 RetryPolicy = ReleaseAndReport | RetryThenRelease
 
 
+
+class EnvelopeTooLarge(DomainError):
+    """`UNSUPPORTED`/`none` at submit: the capture's payload bytes exceed `max_envelope_bytes`;
+    the sizes travel with it because a forced or final capture ends the run with them (§5.2)."""
+
+    def __init__(self, byte_length: int, limit: int) -> None:
+        super().__init__(ErrorCode.UNSUPPORTED, f"checkpoint of {byte_length} bytes exceeds "
+                         f"max_envelope_bytes {limit}", Mutation.NONE)
+        self.byte_length = byte_length
+        self.limit = limit
+
 @dataclass(frozen=True, slots=True)
 class WriterConfig:
     """TOML `[checkpoints]` (state.md §5.1); `max_pending_effects` None = its derived default."""
@@ -480,8 +491,7 @@ class CheckpointWriter:
         if size > limit:
             self.stats.rejected += 1
             reservation.release()
-            raise DomainError(ErrorCode.UNSUPPORTED, f"checkpoint of {size} bytes exceeds "
-                              f"max_envelope_bytes {limit}", Mutation.NONE)
+            raise EnvelopeTooLarge(size, limit)
         victim = (next((j for j in self._queue if j.sub.replaceable), None)
                   if sub.replaceable else None)
         after = self.queued_bytes - (victim.size if victim is not None else 0) + size

@@ -23,7 +23,7 @@ import pytest
 from flyd.grant import writer_config
 from flyd.runspec import RunSpec
 from flyd.state.cadence import Cadence, CadenceError
-from flyd.state.durability import Durability
+from flyd.state.durability import CheckpointTooLarge, Durability, TooLarge
 from flyd.state.store import FinishRun
 from flyd.state.writer import CheckpointWriter, Committed, WriterConfig, WriterFaults
 from flyd.trace import EpochRebase
@@ -236,3 +236,28 @@ def test_a_run_spec_overrides_the_node_cadence() -> None:
     assert (merged.every_steps, merged.keep_generations) == (5, 2)
     plain = writer_config(node, RunSpec.validate({"steps": "10"}))
     assert (plain.every_steps, plain.keep_generations) == (60, 3)
+
+
+async def test_a_capture_over_the_envelope_limit_names_both_sizes(mem_run: RunCtx) -> None:
+    """A hot capture over `max_envelope_bytes` is abandoned and stepping goes on; a forced one
+    can never commit and raises `CheckpointTooLarge`; a final one returns `TooLarge`; both carry
+    the outcome the run ends `failed` with, `{error, byteLength, limit}` (state.md §5.2)."""
+    limit = 64
+    config = WriterConfig(every_steps=2, max_pending_effects=6)
+    # The configured floor is 1 MiB (§6); a synthetic capture is a few KiB, so the limit is set
+    # below the floor here to make every capture too large.
+    object.__setattr__(config, "max_envelope_bytes", limit)
+    async with driven(mem_run, config) as d:
+        await d.run(5)                     # hot captures at 2 and 4, each refused at submit
+        assert d.writer.stats.rejected >= 2
+        with pytest.raises(CheckpointTooLarge) as forced:
+            await d.run(1)                 # boundary 6 fills the buffer: a forced capture
+        refused = forced.value.refused
+        assert refused.byte_length > limit and refused.limit == limit
+        assert refused.outcome() == {"error": "checkpoint too large",
+                                     "byteLength": refused.byte_length, "limit": limit}
+        final = await d.durability.durable(d.h.coordinator, "final",
+                                           finish=FinishRun("succeeded", {}, 6, 1))
+        assert isinstance(final, TooLarge) and final.limit == limit
+        assert final.outcome()["byteLength"] == final.byte_length > limit
+        assert await effect_rows(mem_run) == [], "nothing of a refused capture is durable"
