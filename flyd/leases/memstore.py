@@ -414,6 +414,9 @@ class MemStore:
                 boundary=head.boundary))
         return grants
 
+    async def reconnect_heartbeat(self) -> None:
+        """No sessions in memory: nothing to re-establish."""
+
     async def renew(self, node_id: str, holds: Sequence[Held], ttl_s: float) -> list[Renewed]:
         now = self._tick()
         matched: dict[int, RunRow] = {}

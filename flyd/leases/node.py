@@ -20,6 +20,20 @@ Rules:
   dict with `event`, the local clock time `t`, `node` and snake_case fields.
 
 Decisions where the spec is silent:
+- Registration at start (§3.1) is tried up to `REGISTER_ATTEMPTS` (5) times, each bounded by R
+  and logged `register_failed` (with `attempt`) when it fails, `claim_poll` apart; `run()`
+  returns 1 only when every attempt failed. One slow reply at start (a loaded host, a server
+  still starting) is no reason for a node to exit, and a service manager restarting it would
+  only take longer; five attempts still end a start against a server that is truly gone.
+- The heartbeat reconnects eagerly (§5.4 "close, reconnect within the next slot"): right after
+  an abandoned renewal it calls `store.reconnect_heartbeat()` under its own bound R
+  (`heartbeat_reconnected` / `heartbeat_reconnect_failed`), then renews at the next slot, or at
+  once when the reconnect overran the slot. Why: with latency near R, a reconnect (one round
+  trip) and the renewal's statement (another) do not both fit in one renewal's R, so a lazy
+  reconnect inside the renewal would let no renewal succeed after the first abandonment.
+  Renewals still never overlap (one task does both in turn), safe_until still comes only from
+  an acknowledged renewal's `t_send`, and a renewal whose session is still down (the reconnect
+  failed) reconnects inside its own bound R, as before.
 - An unknown commit outcome is resolved by reading (§3.10) only when the store named the backend
   to end first; without one (`UnknownOutcome(backend=None)` or the client bound C expiring) a read
   cannot prove the old COMMIT will not land later, so the outcome is `lost`.
@@ -42,6 +56,12 @@ Decisions where the spec is silent:
   sets `drain_hurry` on every scope (release now, no checkpoint) and cuts the remaining drain
   window to at most B.
 - The reaper reaps at most `REAP_BATCH` runs per tick.
+- The heartbeat (before applying a renewal's reply) and the resolver of an unknown commit
+  outcome (after every await, `_lost_on_wake`) apply the watchdog's `expire_due` first:
+  whichever task wakes first after a pause or a stretch off the CPU, a hold whose safe_until
+  has passed is fenced (`lease_lost(safe_until)`) before anything else happens for it. A late
+  reply never revives a hold the watchdog would already have fenced, and a grant found lost
+  is left to its cleanup without a `resolved` line.
 """
 
 from __future__ import annotations
@@ -105,6 +125,7 @@ SCOPE_FATAL_S: Final = 60.0
 WORKER_POLL_S: Final = 0.05
 REAP_BATCH: Final = 32
 RELINQUISH_TRIES: Final = 3
+REGISTER_ATTEMPTS: Final = 5
 
 
 class ProcessGroups(Protocol):
@@ -285,13 +306,25 @@ class NodeRuntime:
         self._exit_code = 1
         self.stop()
 
+    async def _register(self) -> bool:
+        """§3.1 at start: up to `REGISTER_ATTEMPTS` attempts, each bounded by R, `claim_poll`
+        apart (module docstring); False when every attempt failed."""
+        for attempt in range(1, REGISTER_ATTEMPTS + 1):
+            try:
+                async with asyncio.timeout(self._p.R):
+                    await self._store.register_node(self._node)
+            except Exception as exc:  # logged per attempt; only the last one ends the start
+                self._event("register_failed", level="error", error=repr(exc), attempt=attempt,
+                            attempts=REGISTER_ATTEMPTS)
+            else:
+                return True
+            if attempt < REGISTER_ATTEMPTS:
+                await self._clock.sleep_until(self._clock.now() + self._p.claim_poll_s)
+        return False
+
     async def run(self) -> int:
         """Register, run every task of §5.3 in one TaskGroup until drained or stopped."""
-        try:
-            async with asyncio.timeout(self._p.R):
-                await self._store.register_node(self._node)
-        except Exception as exc:  # any failure to register ends the start
-            self._event("register_failed", level="error", error=repr(exc))
+        if not await self._register():
             return 1
         try:
             async with asyncio.TaskGroup() as tg:
@@ -518,6 +551,9 @@ class NodeRuntime:
 
     # -- heartbeat and watchdog (§5.4) -------------------------------------------------------
     async def _heartbeat(self) -> None:
+        """Renew every H ± 10 %, bounded by R; after an abandoned renewal, reconnect the
+        heartbeat session at once, on its own bound R (module docstring), then renew at the
+        next slot, or at once when the reconnect overran it."""
         p = self._p
         start = self._clock.now()
         while True:
@@ -525,13 +561,17 @@ class NodeRuntime:
             held = [Held(e.run_id, e.epoch) for e in batch.entries]
             t_send = self._clock.now()
             self._event("renew_sent", runs=[[h.run_id, h.lease_epoch] for h in held])
+            abandoned = False
             try:
                 async with asyncio.timeout(p.R):
                     rows = await self._store.renew(self._node_id, held, p.T)
             except Exception as exc:  # unknown renewal (§5.6): nothing
                 self._event("renew_unknown", error=repr(exc))
                 actions = self._core.on_renew_unknown(batch)
+                abandoned = True
             else:
+                # a hold past safe_until is lost before the reply is applied (module docstring)
+                self._perform(self._core.expire_due(self._clock.now()))
                 got = [RenewRow(r.run_id, r.lease_epoch, r.cancel_requested) for r in rows]
                 self._event("renewed", t_send=t_send,
                             runs=[[r.run_id, r.epoch] for r in got])
@@ -542,8 +582,21 @@ class NodeRuntime:
                 self._watch_wake.set()
             self._perform(actions)
             start += p.H * self._rng.uniform(0.9, 1.1)
+            if abandoned:
+                await self._reconnect_heartbeat()
             start = max(start, self._clock.now())
             await self._clock.sleep_until(start)
+
+    async def _reconnect_heartbeat(self) -> None:
+        """One reconnect of the heartbeat session, bounded by R; on failure the next renewal
+        reconnects within its own bound (and, abandoned again, brings the next attempt)."""
+        try:
+            async with asyncio.timeout(self._p.R):
+                await self._store.reconnect_heartbeat()
+        except Exception as exc:  # the next renewal is still sent at its slot
+            self._event("heartbeat_reconnect_failed", level="warning", error=repr(exc))
+        else:
+            self._event("heartbeat_reconnected")
 
     async def _watchdog(self) -> None:
         w = self._p.watchdog_tick_s
@@ -826,6 +879,8 @@ class NodeRuntime:
         ckpt = commit.checkpoint.checkpoint_id if commit.checkpoint is not None else None
         ended = False
         while True:
+            if self._lost_on_wake(run, epoch):
+                return "lost"
             try:
                 self._core.check(run, epoch, self._clock.now(), self._p.commit_timeout_s)
             except LeaseLost:
@@ -838,15 +893,28 @@ class NodeRuntime:
                         ended = True
                     read = await self._store.read_run(run, epoch, ckpt)
             except Exception as exc:  # read again while the guard allows
+                if self._lost_on_wake(run, epoch):
+                    return "lost"
                 self._event("resolve_retry", level="warning", run=run, epoch=epoch,
                             error=repr(exc))
                 await self._clock.sleep_until(self._clock.now() + self._p.watchdog_tick_s)
                 continue
+            if self._lost_on_wake(run, epoch):
+                return "lost"
             final = commit.finish.state if commit.finish is not None else None
             decision = decide(read, lease_epoch=epoch, node_id=self._node_id,
                               checkpoint_id=ckpt, final=final)
             self._event("resolved", run=run, epoch=epoch, decision=decision)
             return decision
+
+    def _lost_on_wake(self, run: int, epoch: int) -> bool:
+        """After an await: first fence every hold past safe_until, as the watchdog would, so a
+        task waking late (after a pause, or a reply delivered late) never acts or logs for
+        its grant before the loss; True when the grant is no longer live (then nothing more
+        is logged for it: the cleanup reports it)."""
+        self._perform(self._core.expire_due(self._clock.now()))
+        h = self._core.hold(run, epoch)
+        return h is None or h.phase in FINAL
 
     async def _release(self, sc: Scope, *, refund: bool, backoff_s: float) -> None:
         self._live(sc)

@@ -6,10 +6,11 @@ Rules:
   order"; migration 0004 adds its index); every method is one round trip (the group commit is
   one pipeline), READ COMMITTED, autocommit unless written as a transaction.
 - Connections (§5.3): a work pool (`:work`), a dedicated heartbeat connection (`:heartbeat`,
-  statement timeout R) for renew and node registration, reconnected lazily after any failure,
-  and a dedicated listener connection (`:listen`) per `listen()` iterator. Each work
-  connection records its `Backend` (pid, backend_start) when it opens, so an unknown commit
-  names the session to end (§3.10).
+  statement timeout R) for renew and node registration, closed after any failure and
+  reconnected by `reconnect_heartbeat()` (the node calls it right after an abandoned renewal)
+  or, failing that, lazily by the next call, and a dedicated listener connection (`:listen`)
+  per `listen()` iterator. Each work connection records its `Backend` (pid, backend_start)
+  when it opens, so an unknown commit names the session to end (§3.10).
 - Errors are classified by `sqlstate`, never by message text: LF001..LF004 map to their typed
   errors; 23505 on `effects_pkey` is classified by reading the existing rows in a new call
   after the failed transaction was rolled back (§6.4); any other server error with the
@@ -27,7 +28,8 @@ Rules:
 
 Decisions where the spec is silent:
 - Client bounds: every work call is bounded by C (`commit_timeout_s`), renew and node
-  registration by R including the reconnect, the pool wait included; all divided by
+  registration by R including a lazy reconnect, `reconnect_heartbeat()` by R on its own, the
+  pool wait included; all divided by
   `time_scale` like the server-side timeouts (§4.2), floor 50 ms.
 - Scaling (§4.2): the scaled durations are S (or R for the heartbeat session), I, the lock
   timeout, `tcp_user_timeout` (both sides), the keepalive idle/interval times (both sides)
@@ -673,12 +675,7 @@ class PgStore:
         try:
             async with asyncio.timeout(self._renew_s):
                 async with self._heartbeat_lock:
-                    conn = self._heartbeat
-                    if conn is None or conn.closed:
-                        info = conninfo(self._dsn, self._node_id, "heartbeat", self._settings,
-                                        statement_timeout_ms=self._params.renew_timeout_s * 1000)
-                        conn = await ClosingConnection.connect(info, autocommit=True)
-                        self._heartbeat = conn
+                    conn = await self._heartbeat_session()
                     try:
                         sent = True
                         cur = await conn.execute(query, params)
@@ -689,6 +686,26 @@ class PgStore:
                         raise
         except (psycopg.Error, TimeoutError, OSError) as exc:
             raise classify(exc, sent=sent, backend=None, what=what) from exc
+
+    async def _heartbeat_session(self) -> ClosingConnection:
+        """The heartbeat session (the caller holds its lock), connected when it is down."""
+        conn = self._heartbeat
+        if conn is None or conn.closed:
+            info = conninfo(self._dsn, self._node_id, "heartbeat", self._settings,
+                            statement_timeout_ms=self._params.renew_timeout_s * 1000)
+            conn = await ClosingConnection.connect(info, autocommit=True)
+            self._heartbeat = conn
+        return conn
+
+    async def reconnect_heartbeat(self) -> None:
+        """Connect the heartbeat session now if it is down, bounded by R on its own (§5.4):
+        under latency near R a reconnect and a statement do not both fit in one renewal's R."""
+        try:
+            async with asyncio.timeout(self._renew_s):
+                async with self._heartbeat_lock:
+                    await self._heartbeat_session()
+        except (psycopg.Error, TimeoutError, OSError) as exc:
+            raise classify(exc, sent=False, backend=None, what="heartbeat reconnect") from exc
 
     # -- §3.1 ------------------------------------------------------------------------------
     async def register_node(self, node: NodeInfo) -> None:

@@ -291,6 +291,10 @@ class Store(Protocol):
     async def renew(self, node_id: str, holds: Sequence[Held], ttl_s: float) -> list[Renewed]:
         """§3.4: exactly the pairs still held come back."""
 
+    async def reconnect_heartbeat(self) -> None:
+        """§5.4: re-establish the heartbeat session (closed after an abandoned renewal) now,
+        outside any renewal; a no-op when it is up or the store has no sessions."""
+
     async def release(self, run_id: int, lease_epoch: int, node_id: str, *, refund: bool,
                       backoff_s: float) -> Released | None:
         """§3.6: None when the grant was no longer this node's (nothing changed)."""

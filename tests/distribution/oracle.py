@@ -640,12 +640,15 @@ def render(j: Judgement) -> str:
 
 
 def main(argv: Sequence[str]) -> int:
-    """`python -m tests.distribution.oracle <record.json>`: re-judge a record offline."""
+    """`python -m tests.distribution.oracle <record.json>`: re-judge a record offline, a
+    history or a tier-2 replay record (whose `history` is judged)."""
     if len(argv) != 1:
         print("usage: python -m tests.distribution.oracle <record.json>", file=sys.stderr)
         return 2
     with open(argv[0], encoding="utf-8") as fh:
         record = json.load(fh)
+    if isinstance(record.get("history"), dict):
+        record = record["history"]
     j = judge(record, record.get("vacuity", ()))
     print(render(j))
     return 0 if j.ok else 1

@@ -428,6 +428,29 @@ async def test_contract_renew_missing_means_lost(h: Harness) -> None:
     assert {n["node_id"]: n["held"] for n in (await h.dump())["nodes"]}[A] == 0
 
 
+async def test_contract_heartbeat_reconnect(h: Harness) -> None:
+    """§5.4: `reconnect_heartbeat()` re-establishes the session a failed renewal closed, so the
+    next renewal is one statement; with the session up it changes nothing."""
+    (r,) = await submit(h)
+    await h.store.claim(A, 1, 5.0)
+    await h.store.reconnect_heartbeat()
+    assert [x.run_id for x in await h.store.renew(A, [Held(r, 1)], 5.0)] == [r]
+    if isinstance(h, PgHarness):
+        app = "flyd:harness-000000000000:heartbeat"
+        sessions = "SELECT pid FROM pg_stat_activity WHERE application_name = %s"
+        (old,) = await (await h.admin.execute(sessions, (app,))).fetchall()
+        await h.admin.execute("SELECT pg_terminate_backend(%s, 5000)", (old[0],))
+        with pytest.raises(StoreError):
+            await h.store.renew(A, [Held(r, 1)], 5.0)    # the session is gone: closed
+        assert await (await h.admin.execute(sessions, (app,))).fetchall() == []
+        await h.store.reconnect_heartbeat()
+        (new,) = await (await h.admin.execute(sessions, (app,))).fetchall()
+        assert new[0] != old[0]                          # a new session, before any renewal
+        await h.store.reconnect_heartbeat()              # up: no second session
+        assert await (await h.admin.execute(sessions, (app,))).fetchall() == [new]
+    assert [x.run_id for x in await h.store.renew(A, [Held(r, 1)], 5.0)] == [r]
+
+
 async def test_contract_fenced_writes(h: Harness) -> None:
     (r,) = await submit(h)
     await h.store.claim(A, 1, 1.0)

@@ -1,10 +1,19 @@
-"""Tier-2 tests of distribution.md §8 (tests 52–55, 57–59 so far).
+"""Tier-2 tests of distribution.md §8 (tests 52–60).
 
 Tests 52–55 and 57 prove the harness itself: the fault proxy and its taps (against an echo
 server and through psycopg to a real server), the harness clock shared by `flyd.app_now()` and
 the nodes' clock file, the clock-mode refusal at node start, and the wall budget of a scenario
-(`harness/runner.py`). Tests 58–59 need only a real node, a real PostgreSQL and signals. The
-scenarios of §7.3.5 (test 56) join this file with the oracle.
+(`harness/runner.py`). Tests 58–59 need only a real node, a real PostgreSQL and signals.
+Test 56 runs every scenario of §7.3.5 (`harness/scenarios.py`, bodies in `harness/bodies.py`)
+and judges it with the oracle; test 60 is the inventory.
+
+Inventory (test 60), decided where the spec is silent: every test that ran a registered
+scenario leaves a mark in the test run's inventory directory (`runner.inventory_dir`, shared
+by all xdist workers): test 56 for its scenario, `tests/distribution/conftest.py` for the
+tier-1 tests of `test_sim.py`. Test 60 may run before scenarios still running on another
+worker have ended (xdist does not order tests across workers), so it first waits for every
+selected scenario test to leave its mark, then requires every registered scenario of both
+tiers to have run and no process of this test run with a scenario marker to survive.
 """
 
 from __future__ import annotations
@@ -35,6 +44,7 @@ from flyd.leases.embedded import EmbeddedPostgres
 from flyd.leases.params import LeaseParams
 from flyd.leases.pgstore import DbSettings, PgStore
 from flyd.runspec import RunSpec
+from tests.distribution.harness import scenarios
 from tests.distribution.harness.clock import EPOCH, TICK_S, HarnessClock
 from tests.distribution.harness.proxy import (
     DROP,
@@ -47,13 +57,18 @@ from tests.distribution.harness.proxy import (
     Upstream,
 )
 from tests.distribution.harness.runner import (
+    MARKER,
+    RUN_ENV,
     Report,
+    inventory_dir,
     processes_with_marker,
     pytest_reporter,
     run_scenario,
     suite_line,
 )
-from tests.distribution.harness.scenarios import scenario_seed, suite_seed
+from tests.distribution.harness.scenarios import lookup, scenario_seed, suite_seed
+from tests.distribution.sim.canaries import CANARIES
+from tests.distribution.sim.world import KINDS
 from tests.serve_nodes import ROOT, processes_under, query, start_node, wait_for
 
 pytestmark = pytest.mark.timeout(180)
@@ -376,12 +391,13 @@ def test_harness_clock_shared(db_dsn: str, tmp: Path) -> None:
     with HarnessClock(db_dsn, tmp / "clock", time_scale=20.0) as clock, \
             psycopg.connect(db_dsn, autocommit=True) as conn:
         node = SimFileClock(tmp / "clock")
-        tick = TICK_S * clock.time_scale
         try:
             for _ in range(20):
                 lo = node.now()
                 db = app_now(conn)
                 hi = node.now()
+                tick = clock.max_step_s()             # a late tick is one larger step
+                assert tick >= TICK_S * clock.time_scale
                 assert lo - tick - 1e-6 <= db <= hi + tick + 1e-6
                 time.sleep(0.01)
             start = node.now()
@@ -433,6 +449,7 @@ def test_node_refuses_clock_mode_mismatch(db_dsn: str, tmp: Path) -> None:
 @pytest.fixture(scope="session")
 def faults_suite(request: pytest.FixtureRequest, pg_server_dsn: str) -> tuple[int, Report]:
     """The suite seed and the reporter; prints the suite's seed line once."""
+    inventory_dir(request.config)
     report = pytest_reporter(request.config)
     seed = suite_seed()
     report(suite_line(seed, pg_server_dsn))
@@ -481,3 +498,97 @@ def test_budget_expiry(faults_suite: tuple[int, Report], tmp: Path) -> None:
     assert any("budget expired" in line for line in err)
     assert (tmp / "standalone" / f"budget_probe-{seed}.json").exists()
     assert not processes_with_marker("budget_probe")
+
+
+# ------------------------------------------------------------------------------------------
+# The scenarios of §7.3.5 (test 56) and the inventory (test 60).
+
+SAFETY = ("S1", "S2", "S3", "S4", "S5", "S6")
+#: The tier-1 test running each registered tier-1 scenario kind and canary (test_sim.py).
+TIER1_TESTS = {
+    "mixed": "test_trace_deterministic", "partitions": "test_sim_partitions",
+    "latency": "test_sim_latency_near_ttl", "crash_pause": "test_sim_crash_and_pause",
+    "skew": "test_sim_clock_skew_within_bound",
+    "cancel_exhaust_drain": "test_sim_cancel_exhaust_drain",
+    "unknown_commit": "test_sim_unknown_commit_outcomes",
+    "delayed_cancel": "test_sim_delayed_cancellation_safe",
+    **{f"canary:{name}": "test_sim_canaries_detected" for name in CANARIES},
+}
+INVENTORY_WAIT_S = 540.0
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("scenario_id", scenarios.ids())
+def test_scenario(scenario_id: str, faults_suite: tuple[int, Report], pg_server_dsn: str,
+                  pg_template: str, request: pytest.FixtureRequest) -> None:
+    suite, reporter = faults_suite
+    scenario = lookup(scenario_id)
+    lines: list[str] = []
+
+    def report(line: str) -> None:
+        lines.append(line)
+        reporter(line)
+
+    seed = scenario_seed(suite, scenario_id)
+    outcome = run_scenario(scenario_id, seed, report, suite=suite, dsn=pg_server_dsn,
+                           template=pg_template)
+    ran = not outcome.message.startswith("NotWired")
+    (inventory_dir(request.config) / f"tier2-{scenario_id}").write_text(
+        outcome.status if ran else "not wired")
+    assert lines[0] == f"[faults] {scenario_id} seed={seed} budget={scenario.budget_s:g}"
+    assert outcome.status == "passed", outcome.message
+    assert any(line.startswith(f"[faults] {scenario_id} t=") and " phase=" in line
+               for line in lines[1:]), "no progress line"
+    judgement = outcome.context.judgement
+    assert judgement is not None, "the scenario was not judged"
+    verdicts = {v["check"]: v for v in judgement["verdicts"]}
+    if scenario.inverted:
+        violated = [c for c in SAFETY if not verdicts[c]["ok"]]
+        assert violated, "the oracle reported no violation: it is blind to the canary"
+        report(f"[faults] {scenario_id}: violation reported by {violated}: "
+               f"{verdicts[violated[0]]['evidence'][:2]}")
+        return
+    for check in (*SAFETY, "L1", "L2", "L3", "L4"):
+        assert verdicts[check]["ok"], verdicts[check]
+    for fact in scenario.vacuity:
+        assert verdicts[f"vacuity:{fact}"]["ok"], f"fault did not bite: {fact}"
+        assert judgement["facts"][fact] > 0
+    facts = judgement["facts"]
+    report(f"[faults] {scenario_id}: reclaims={facts.get('reclaim', 0)} "
+           f"lf001={outcome.context.lf001()} self_fences={facts.get('self_fence', 0)} "
+           f"db_fenced={facts.get('db_fenced', 0)} vacuity="
+           f"{ {f: facts[f] for f in scenario.vacuity} }")
+
+
+def test_no_orphans_and_inventory(request: pytest.FixtureRequest) -> None:
+    inventory = inventory_dir(request.config)
+    run = os.environ[RUN_ENV]
+    selected = {item.name for item in request.session.items}
+    tier2 = {f"tier2-{i}": f"test_scenario[{i}]" for i in scenarios.ids()}
+    tier1 = {f"tier1-{test}": test for test in TIER1_TESTS.values()}
+    awaited = sorted(mark for mark, test in {**tier2, **tier1}.items() if test in selected)
+    deadline = time.monotonic() + INVENTORY_WAIT_S
+    while any(not (inventory / mark).exists() for mark in awaited) and \
+            time.monotonic() < deadline:
+        time.sleep(1.0)
+    assert set(TIER1_TESTS) == set(KINDS) | {f"canary:{n}" for n in CANARIES}, \
+        "a tier-1 scenario kind or canary has no test in the inventory"
+    missing = [i for i in scenarios.ids()
+               if not (inventory / f"tier2-{i}").exists()
+               or (inventory / f"tier2-{i}").read_text() == "not wired"]
+    missing += [kind for kind, test in TIER1_TESTS.items()
+                if not (inventory / f"tier1-{test}").exists()]
+    registered = set(scenarios.ids()) | {s.id for s in scenarios.PROBES}
+    survivors = [p for p in psutil.process_iter()
+                 if _environ(p).get(MARKER) in registered and _environ(p).get(RUN_ENV) == run]
+    for proc in survivors:
+        proc.kill()
+    assert not survivors, f"processes with a scenario marker survived: {survivors}"
+    assert not missing, f"registered scenarios that did not run: {missing}"
+
+
+def _environ(proc: psutil.Process) -> dict[str, str]:
+    try:
+        return dict(proc.environ())
+    except psutil.Error:
+        return {}

@@ -74,6 +74,20 @@ class Store(MemStore):
         self.commits: list[Commit] = []
         self.renews: list[list[Held]] = []
         self.node_states: list[NodeState] = []
+        self.register_failures = 0
+        self.reconnect_down = False
+        self.reconnects = 0
+
+    async def register_node(self, node: NodeInfo) -> None:
+        if self.register_failures > 0:
+            self.register_failures -= 1
+            raise Transient("register timed out")
+        await super().register_node(node)
+
+    async def reconnect_heartbeat(self) -> None:
+        self.reconnects += 1
+        if self.reconnect_down:
+            raise Transient("connection refused")
 
     async def set_node_state(self, node_id: str, state: NodeState) -> None:
         self.node_states.append(state)
@@ -312,6 +326,55 @@ async def test_watchdog_self_fences_at_safe_until_when_store_unreachable() -> No
         assert h.store.run_row(run)["state"] in ("pending", "running")
         assert h.named("renew_unknown")
         assert not h.named("finished") and not any(c.finish for c in h.store.commits)
+        await h.stop(task)
+
+
+async def test_registration_retried_before_giving_up() -> None:
+    h = Harness(block)
+    h.store.register_failures = 2
+    async with asyncio.TaskGroup() as tg:
+        task = await h.run(tg)
+        await h.until(lambda: bool(h.named("renewed")))
+        failed = h.named("register_failed")
+        assert [e["attempt"] for e in failed] == [1, 2]
+        assert failed[1]["t"] - failed[0]["t"] == pytest.approx(P.claim_poll_s)
+        await h.stop(task)
+    assert h.exit == 0
+    h = Harness(block)
+    h.store.register_failures = 99
+    async with asyncio.TaskGroup() as tg:
+        task = await h.run(tg)
+        await h.until(task.done, 10.0)
+    assert h.exit == 1 and [e["attempt"] for e in h.named("register_failed")] == [1, 2, 3, 4, 5]
+    assert not h.named("renew_sent")
+
+
+@pytest.mark.parametrize("reconnect_ok", [True, False])
+async def test_abandoned_renewal_reconnects_heartbeat_at_once(reconnect_ok: bool) -> None:
+    h = Harness(block)
+    [run] = await h.submit()
+    h.store.reconnect_down = not reconnect_ok
+    async with asyncio.TaskGroup() as tg:
+        task = await h.run(tg)
+        await h.until(lambda: bool(h.executor.scopes) and len(h.named("renewed")) >= 2)
+        assert h.store.reconnects == 0                   # nothing abandoned yet
+        h.store.renew_down = True
+        await h.until(lambda: bool(h.named("renew_unknown")))
+        h.store.renew_down = False
+        [unknown] = h.named("renew_unknown")
+        await h.until(lambda: len([e for e in h.named("renew_sent")
+                                   if e["t"] > unknown["t"]]) >= 1, 5.0)
+        after = [e for e in h.events[h.events.index(unknown):] if e["event"] in (
+            "renew_unknown", "heartbeat_reconnected", "heartbeat_reconnect_failed",
+            "renew_sent", "renewed")]
+        done = "heartbeat_reconnected" if reconnect_ok else "heartbeat_reconnect_failed"
+        assert [e["event"] for e in after[:3]] == ["renew_unknown", done, "renew_sent"]
+        assert after[1]["t"] == unknown["t"] and h.store.reconnects == 1  # before the slot
+        sent = [e["t"] for e in h.named("renew_sent")]
+        assert after[2]["t"] - sent[sent.index(after[2]["t"]) - 1] >= 0.9 * P.H - 1e-9
+        await h.until(lambda: bool(h.named("renewed", runs=[[run, 1]])
+                                   and h.named("renewed")[-1]["t"] > unknown["t"]), 5.0)
+        assert not h.named("lease_lost")
         await h.stop(task)
 
 

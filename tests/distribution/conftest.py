@@ -1,0 +1,20 @@
+"""The inventory marks of the tier-1 tests (distribution.md §7.3.7, test 60): each test of
+`test_sim.py` that ran leaves `tier1-<test>` in the test run's inventory directory."""
+
+from __future__ import annotations
+
+from collections.abc import Generator
+
+import pytest
+
+from tests.distribution.harness.runner import inventory_dir
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item,
+                              call: pytest.CallInfo[None]) -> Generator[None, object, object]:
+    report = yield
+    if call.when == "call" and item.path.name == "test_sim.py":
+        (inventory_dir(item.config) / f"tier1-{item.originalname}").write_text(  # type: ignore[attr-defined]
+            str(getattr(report, "outcome", "")))
+    return report
