@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-dev
 PYTEST_ARGS ?=
 
-.PHONY: install run test lint bench faults faults-sweep fuzz clean
+.PHONY: install run test lint bench faults faults-sweep fuzz load soak chaos clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -51,6 +51,18 @@ faults-sweep: $(STAMP)
 
 fuzz: $(STAMP)
 	$(BIN)/python -m pytest -q tests/bus/test_fuzz.py --hypothesis-profile=fuzz
+
+# 64 clients x 10000 calls through one router with random cancels and service restarts.
+load: $(STAMP)
+	$(BIN)/python -P bench/load.py
+
+# 300 + 100 consecutive sessions on one node: no growth, no leftovers (scripts/soak.py).
+soak: $(STAMP)
+	$(BIN)/python scripts/soak.py $(SOAK_ARGS)
+
+# 100 runs, each with a SIGKILL of a random process: each ends succeeded, once (scripts/chaos.py).
+chaos: $(STAMP)
+	$(BIN)/python scripts/chaos.py $(CHAOS_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

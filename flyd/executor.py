@@ -23,6 +23,10 @@ Decisions:
   are read back from `flyd.effects` when a run's outcome needs every record (`behaviourDigest`).
 - The checkpoint event ring of each run (state.md §5.6) stays readable after the grant ends, for
   `Control.RunEvents`, until the node executes the run again.
+- A run's `RunReport` (its behaviour records, its coordinator) is dropped when the grant's
+  execution ends, so a long-lived `flyd serve` node holds nothing of the runs it finished (the
+  soak measured a steady RSS growth per run before); `flyd run`, which reads its one run's report
+  after the end, sets `keep_reports`.
 """
 
 from __future__ import annotations
@@ -123,6 +127,7 @@ class SessionExecutor:
         self._router_up = asyncio.Event()
         self._router_up.set()
         self.reports: dict[int, RunReport] = {}
+        self.keep_reports = False
         self._launchers: dict[int, Launcher] = {}
         self._groups: dict[int, list[int]] = {}
         self._clients: dict[int, BusClient] = {}
@@ -165,6 +170,8 @@ class SessionExecutor:
             await self._execute(scope, report)
         finally:
             report.ended.set()
+            if not self.keep_reports and self.reports.get(scope.run_id) is report:
+                del self.reports[scope.run_id]
 
     async def _execute(self, scope: Scope, report: RunReport) -> None:
         bound = log.bind(run=scope.run_id, lease_epoch=scope.lease_epoch, node=self.node_id)

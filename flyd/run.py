@@ -310,6 +310,7 @@ async def _execute(node: NodeProcess, spec: RunSpec, max_attempts: int, signals:
     progress = Progress(spec.steps, sys.stderr.isatty())
     node.executor.on_progress = lambda r: progress.update(r.boundary)
     node.executor.on_recovery = _print_recovery
+    node.executor.keep_reports = True
     progress.start()
     runtime = node.make_runtime(only=run_id)
     row: dict[str, Any] | None = None
