@@ -45,6 +45,8 @@ LOCAL = "postgresql://postgres@127.0.0.1:5432/postgres"
 MIB = 1 << 20
 TARGETS = {"router": 40, "worker": 30}
 RUN_DEADLINE_S = 400.0
+#: extra deadline per step: a loaded 2-CPU host runs 10k steps well below 30 steps/s
+DEADLINE_S_PER_STEP = 0.1
 
 
 def progress(msg: str) -> None:
@@ -99,7 +101,8 @@ def measure(dsn: str, steps: int) -> tuple[int, dict[str, Any], dict[str, Any]]:
          str(steps), "--mode", "process", "--dsn", dsn, "--socket", str(tmp / "run.sock"),
          "--state-dir", str(tmp / "state")],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    watchdog = threading.Timer(RUN_DEADLINE_S, proc.send_signal, (signal.SIGTERM,))
+    watchdog = threading.Timer(RUN_DEADLINE_S + DEADLINE_S_PER_STEP * steps, proc.send_signal,
+                               (signal.SIGTERM,))
     watchdog.start()
     node = psutil.Process(proc.pid)
     taken: tuple[int, dict[str, Any]] | None = None

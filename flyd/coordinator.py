@@ -106,7 +106,7 @@ from flyd.state.writer import (
     SaveTicket,
     audit_line,
 )
-from flyd.trace import EpochRebase, TraceLog
+from flyd.trace import EpochRebase, TraceLog, TransitionTrace
 from workers.canonical import canonical, controls_digest, typed_digest
 from workers.clock import RationalNs
 from workers.composition import composition_digest, config_asset
@@ -478,6 +478,7 @@ class Coordinator:
         self.stats = Stats()
         self.metrics = Metrics()
         self.trace = TraceLog(phase_source=self._machine.phase_path)
+        self._issued: tuple[int, TransitionTrace | None, int] = (0, None, 0)
         self.snapshots = Feed()
         self.injection_log: list[InjectionOutcome] = []
         self.episode_request: EpisodeRequest | None = None
@@ -540,6 +541,21 @@ class Coordinator:
     def _audio_position(self) -> dict[str, int]:
         """Each declared stream's position (what a capture records)."""
         return self._audio.positions()
+
+    def issued_events(self) -> int:
+        """The task events of the traced transitions (their `eventIds`), counted on from the
+        last call: a capture at every boundary must not rescan the whole trace. The count is
+        reused only while the trace still holds the transition it ended at (a restore cuts
+        the trace)."""
+        transitions = self.trace.transitions
+        counted, last, total = self._issued
+        if not (0 < counted <= len(transitions) and transitions[counted - 1] is last):
+            counted, total = 0, 0
+        for t in transitions[counted:]:
+            total += len(t.behaviour.get("eventIds", []))
+        if transitions:
+            self._issued = (len(transitions), transitions[-1], total)
+        return total
 
     def participants(self) -> list[str]:
         """The environment, then the agents by id (the order of stages and activations)."""
@@ -1155,10 +1171,11 @@ class Coordinator:
             slot.telemetry = Telemetry.from_json(result["telemetry"])
             slot.committed_step = k + 1
             slot.last_decision = slot.decision
+        by_port = {self._slots[a].spec.port_id: self._slots[a] for a in self.agent_ids}
         for control in controls:
-            for agent_id in self.agent_ids:
-                if self._slots[agent_id].spec.port_id == control.port_id:
-                    self._slots[agent_id].last_controls = control
+            bound = by_port.get(control.port_id)
+            if bound is not None:
+                bound.last_controls = control
         self.observation = new
         self._media = self._pending_media
         self._pending_media = _Media()
@@ -1298,12 +1315,12 @@ class Coordinator:
             if isinstance(got, DomainError):
                 raise _Blame(got, Detail.COMMIT, agent_id)
         out: dict[str, dict[str, Any]] = {}
+        request_ids = {c.worker_id: c.request_id for c in calls}
         for agent_id in self.agent_ids:
             got = results[agent_id]
             assert not isinstance(got, DomainError)
             out[agent_id] = got
-            self._slots[agent_id].commit_request = next(
-                c.request_id for c in calls if c.worker_id == agent_id)
+            self._slots[agent_id].commit_request = request_ids[agent_id]
             self.audit.add(f"committed:{agent_id}@{k}")
             self.stats.commits += 1
         if self.injections.at_step == k and self.injections.duplicate_commit is not None:

@@ -127,6 +127,9 @@ class AgentEndpoint(Endpoint):
     def extras(self) -> tuple[str, ...]:
         return tuple(getattr(self.model_class, "capabilities", ()))
 
+    def inline_calls(self) -> bool:
+        return getattr(self.model_class, "inline_calls", False) is True
+
     # helpers ----------------------------------------------------------------------------------
 
     def _live(self) -> tuple[AgentModel, TickAccumulator]:

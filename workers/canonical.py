@@ -337,7 +337,11 @@ def body_digest(method: str, scope: Scope | Mapping[str, Any] | None, params: An
 
 
 def typed_digest(typed_value: Any) -> str:
-    """`digest_of({"schema", "value"})` of a `TypedValue` (or its JSON object)."""
+    """`digest_of({"schema", "value"})` of a `TypedValue` (or its JSON object); a `TypedValue`
+    hashes the canonical bytes it computed on construction."""
+    cached = getattr(typed_value, "canonical_bytes", None)
+    if cached is not None:
+        return digest_bytes(cached())
     if isinstance(typed_value, Mapping):
         if set(typed_value) != {"schema", "value"}:
             raise _refuse("a TypedValue has exactly the keys schema and value")

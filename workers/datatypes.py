@@ -40,11 +40,12 @@ from __future__ import annotations
 import base64
 import binascii
 import hashlib
+import json
 import math
 import sys
 from array import array
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Final, Literal, cast
 
 from workers.canonical import canonical, canonical_size, plain
@@ -195,23 +196,35 @@ class SchemaRef:
 
 @dataclass(frozen=True, slots=True)
 class TypedValue:
-    """A JSON value tagged with its schema; at most 32 KiB of canonical JSON."""
+    """A JSON value tagged with its schema; at most 32 KiB of canonical JSON.
+
+    The canonical bytes of `{schema, value}` are computed once, on construction (the size
+    bound needs them anyway), and kept: `typed_digest` hashes them and `to_json` reads the
+    value back from them, so a value that crosses a step several times (a decision, a
+    context) is written canonically once. The value is never mutated after construction."""
 
     schema: SchemaRef
     value: Any
+    _canonical: bytes = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         try:
-            # = canonical_size(self) without `plain`'s round trip: canonical(plain(v)) is
+            # = canonical(self) without `plain`'s round trip: canonical(plain(v)) is
             # canonical(v) whenever plain(v) succeeds
-            size = len(canonical({"schema": self.schema, "value": self.value}))
+            data = canonical({"schema": self.schema, "value": self.value})
         except Exception:
-            size = canonical_size(self)  # the refusal exactly as canonical_size words it
-        if size > MAX_TYPED_VALUE_BYTES:
+            canonical_size(self)  # raises the refusal exactly as canonical_size words it
+            raise
+        if len(data) > MAX_TYPED_VALUE_BYTES:
             raise DomainError.invalid(
-                f"a TypedValue of schema {self.schema.id} has {size} canonical bytes; "
+                f"a TypedValue of schema {self.schema.id} has {len(data)} canonical bytes; "
                 f"at most {MAX_TYPED_VALUE_BYTES}"
             )
+        object.__setattr__(self, "_canonical", data)
+
+    def canonical_bytes(self) -> bytes:
+        """`canonical({"schema": schema, "value": value})`, as computed on construction."""
+        return self._canonical
 
     @classmethod
     def from_json(cls, value: Any, what: str = "typedValue") -> TypedValue:
@@ -224,7 +237,10 @@ class TypedValue:
             raise exc.with_message(f"{what}: {exc.message}") from None
 
     def to_json(self) -> dict[str, Any]:
-        return {"schema": self.schema.to_json(), "value": plain(self.value)}
+        cached: bytes | None = getattr(self, "_canonical", None)  # unset while refusing
+        if cached is None:
+            return {"schema": self.schema.to_json(), "value": plain(self.value)}
+        return {"schema": self.schema.to_json(), "value": json.loads(cached)["value"]}
 
 
 @dataclass(frozen=True, slots=True)

@@ -160,6 +160,9 @@ class EnvironmentEndpoint(Endpoint):
     def extras(self) -> tuple[str, ...]:
         return tuple(getattr(self.world_class, "capabilities", ()))
 
+    def inline_calls(self) -> bool:
+        return getattr(self.world_class, "inline_calls", False) is True
+
     # helpers ----------------------------------------------------------------------------------
 
     async def _world(self, what: str, fn: Callable[[], T], mutation: Mutation) -> T:

@@ -20,6 +20,12 @@ Resolved ambiguities:
 - A world's `engineFrame` is not part of `World`; a world may offer `engine_frame(boundary)`
   (the counter arena does), otherwise the shell reports null.
 - Model and world `config` objects are the run spec's `modelConfig` / `config` (JSON objects).
+- A model or world class may declare `inline_calls: ClassVar[bool] = True` when every call is
+  short pure-Python work (the synthetic classes do): the shell then runs its calls on the
+  worker's event loop instead of handing each one to the model thread and back, which costs
+  two thread wake-ups per call on the step's critical path. Such calls have no
+  `MODEL_CALL_TIMEOUT_S` deadline and the loop answers nothing else while one runs. Absent or
+  false, the model thread is used.
 """
 
 from __future__ import annotations

@@ -144,6 +144,20 @@ class Request:
         }
 
 
+def _has_bus_key(value: Any) -> bool:
+    """Whether a bus-only key occurs anywhere inside `value` (no paths built: the common case
+    is a clean request, and `_bus_key_path` words the refusal)."""
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if key in BUS_ONLY_KEYS or (isinstance(item, dict | list) and _has_bus_key(item)):
+                return True
+    elif isinstance(value, list):
+        for item in value:
+            if isinstance(item, dict | list) and _has_bus_key(item):
+                return True
+    return False
+
+
 def _bus_key_path(value: Any, path: str) -> str | None:
     """The path of the first bus-only key inside `value`, or None."""
     if isinstance(value, dict):
@@ -175,7 +189,7 @@ def parse_request(payload: Any) -> Request:
     params = payload["params"]
     if not isinstance(params, dict):
         raise DomainError.invalid(f"params must be an object; got {short(params)}")
-    path = _bus_key_path(params, "params")
+    path = _bus_key_path(params, "params") if _has_bus_key(params) else None
     if path is not None:
         raise DomainError.invalid(f"{path} is a bus-only key and may not appear in params")
     return Request(request_id, scope, params)

@@ -52,6 +52,9 @@ Resolved ambiguities:
   plugin may use the offered `ThreadPoolExecutor(max_workers=threads)` from inside a call without
   deadlocking it. A model call has a deadline of `MODEL_CALL_TIMEOUT_S`; passing it is
   `BACKEND_FAILURE`/`unknown`.
+  A plugin class that declares `inline_calls = True` (`workers.protocols`; the synthetic
+  classes do) has its calls run on the event loop instead: short calls do not pay two thread
+  wake-ups each, at the price of no deadline and no `Worker.Status` answer while one runs.
 - An exception other than `DomainError` escaping a handler is `BACKEND_FAILURE`/`unknown` (the
   shell cannot know whether it mutated), which makes the worker `failed`.
 - A connection that cannot be opened or a registration refused by anything but `CONFLICT` exits
@@ -399,8 +402,15 @@ class Endpoint:
                      step=step, ms=ms)
             await asyncio.sleep(ms / 1000)
 
+    def inline_calls(self) -> bool:
+        """Whether the plugin declared its calls short enough to run on the event loop."""
+        return False
+
     async def run_model(self, what: str, fn: Callable[[], T]) -> T:
-        """Run model/world code in the model thread, bounded by `MODEL_CALL_TIMEOUT_S`."""
+        """Run model/world code in the model thread, bounded by `MODEL_CALL_TIMEOUT_S`, or
+        inline for a plugin that declares `inline_calls`."""
+        if self.inline_calls():
+            return fn()
         return await self.shell.run_model(what, fn)
 
 

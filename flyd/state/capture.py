@@ -22,8 +22,8 @@ Rules, in order (`capture`):
    A worker error with `none` abandons the capture without failing the epoch: back to the
    origin phase, audit `not-durable:failed:<id>@<k>`, raise.
 5. Build the coordinator payloads for k (§6.3) and the manifest (§2.4); `Worker.Acknowledge`
-   the capture replies; audit `captured:<id>@<k>`; the last trace record's operational
-   `captures` gets `{checkpointId, boundary, kind}`.
+   the capture replies (one call per participant, concurrently); audit `captured:<id>@<k>`;
+   the last trace record's operational `captures` gets `{checkpointId, boundary, kind}`.
 6. Back to the origin phase; return the `Capture`.
 
 Refusals that leave the epoch intact are `SessionFailure`s whose `fenced` state is unchanged
@@ -268,15 +268,33 @@ async def capture(coordinator: Coordinator, checkpoint_id: str, *,
         built = _assemble(coordinator, checkpoint_id, k, scope, live, replies, kind)
     except DomainError as exc:
         coordinator._fail_now(exc, Detail.CAPTURE)
-    for wid, reply in replies.items():
-        await coordinator._guarded(functools.partial(
-            coordinator._acknowledge, wid, [reply.request_id], require_all=False))
+    await coordinator._guarded(functools.partial(_acknowledge_all, coordinator, replies))
     coordinator.audit.add(f"captured:{checkpoint_id}@{k}")
     if coordinator.trace.transitions:
         coordinator.trace.transitions[-1].operational.setdefault("captures", []).append(
             {"checkpointId": checkpoint_id, "boundary": format_u64(k), "kind": kind})
     coordinator._move(origin, Detail.CAPTURE)
     return built
+
+
+async def _acknowledge_all(coordinator: Coordinator, replies: Mapping[str, _Reply]) -> None:
+    """One `Worker.Acknowledge` per participant, all at once: they are independent read-only
+    calls, and sent one after another they were most of a capture's time at the boundary.
+    The first failure in participant order is raised once every call finished."""
+    failures: dict[str, BaseException] = {}
+
+    async def one(wid: str, request_id: str) -> None:
+        try:
+            await coordinator._acknowledge(wid, [request_id], require_all=False)
+        except Exception as exc:  # re-raised below, in participant order
+            failures[wid] = exc
+
+    async with asyncio.TaskGroup() as group:
+        for wid, reply in replies.items():
+            group.create_task(one(wid, reply.request_id))
+    for wid in replies:
+        if wid in failures:
+            raise failures[wid]
 
 
 def _abandon(coordinator: Coordinator, checkpoint_id: str, k: int, origin: Ready | Paused) -> None:
@@ -354,7 +372,7 @@ def _assemble(coordinator: Coordinator, checkpoint_id: str, k: int, scope: Scope
         "audioPositions": [{"streamId": a.stream_id,
                             "position": format_u64(positions.get(a.stream_id, 0))}
                            for a in descriptor.audio]})))
-    issued = sum(len(t.behaviour.get("eventIds", [])) for t in coordinator.trace.transitions)
+    issued = coordinator.issued_events()
     watermarks = {"lastSourceStep": format_u64(k), "issued": format_u64(issued)}
     payloads.append((COORDINATOR_ADMISSION, canonical({
         **_head(COORDINATOR_ADMISSION, checkpoint_id, k), "admissions": [],

@@ -61,6 +61,8 @@ class CounterArena:
     """A signed counter moved by the `inc`/`dec` buttons of every port."""
 
     capabilities: ClassVar[tuple[str, ...]] = ()
+    #: every call is microseconds of pure Python: no model-thread hop (`workers.protocols`)
+    inline_calls: ClassVar[bool] = True
 
     def __init__(self, *, world_id: str, ports: Sequence[str], step: RationalNs,
                  observation_delay_steps: int, threads: int,

@@ -4,8 +4,9 @@
 Why the triangle: the pitch follows the counter and the phase persists across chunks, so a
 dropped, repeated or overlapping chunk changes bytes; every operation is rounded to IEEE binary32
 (round to nearest even) through `struct`, so the bytes are the same on every platform. A sample
-frame depends only on the phase and the channel count, so `frame_bytes` memoises it (at most
-`SAMPLE_RATE` frames per channel count); `chunk` joins memoised frames.
+frame depends only on the phase and the channel count, so each channel count has one table of
+`SAMPLE_RATE` frames, filled as phases are first reached; `chunk` joins table entries (one list
+comprehension per chunk: the arena renders a chunk every step, on the step's critical path).
 
 Why the timelines live here: a restore must never restart a stream at 0 silently (state.md
 §7.2 step 8 names `AudioTimelines.restored`); the environment marks the first chunk after an
@@ -31,7 +32,6 @@ from __future__ import annotations
 import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from functools import cache
 from typing import Any, Final
 
 from workers.datatypes import AudioRef, EnvironmentDescriptor
@@ -44,6 +44,8 @@ STEP_HZ: Final = 55
 AMPLITUDE: Final = 0.25
 
 _F32: Final = struct.Struct("<f")
+#: channel count -> the frame of each phase, None until first reached
+_TABLES: Final[dict[int, list[bytes | None]]] = {}
 
 
 def f32(x: float) -> float:
@@ -52,7 +54,6 @@ def f32(x: float) -> float:
     return result
 
 
-@cache
 def frame_bytes(phase: int, channels: int) -> bytes:
     """The interleaved little-endian f32 sample frame at `phase` (0..SAMPLE_RATE-1)."""
     rate = f32(float(SAMPLE_RATE))
@@ -75,10 +76,18 @@ class TriangleSource:
         """`frames` interleaved little-endian f32 sample frames at the current counter."""
         increment = BASE_HZ + (counter % 8) * STEP_HZ
         start = self.phase
-        phases = [(start + increment * i) % SAMPLE_RATE for i in range(1, frames + 1)]
-        if phases:
-            self.phase = phases[-1]
-        return b"".join([frame_bytes(phase, channels) for phase in phases])
+        table = _TABLES.get(channels)
+        if table is None:
+            table = _TABLES.setdefault(channels, [None] * SAMPLE_RATE)
+        picked = [table[p % SAMPLE_RATE]
+                  for p in range(start + increment, start + increment * (frames + 1), increment)]
+        if None in picked:
+            for i, frame in enumerate(picked):
+                if frame is None:
+                    phase = (start + increment * (i + 1)) % SAMPLE_RATE
+                    picked[i] = table[phase] = frame_bytes(phase, channels)
+        self.phase = (start + increment * max(frames, 0)) % SAMPLE_RATE
+        return b"".join(picked)  # type: ignore[arg-type]  # no None is left
 
 
 def _incompatible(message: str) -> DomainError:

@@ -63,6 +63,8 @@ class FakeBrain:
     """A 64-bit LCG brain; `mutations()` counts every operation that changes it."""
 
     capabilities: ClassVar[tuple[str, ...]] = ()
+    #: every call is microseconds of pure Python: no model-thread hop (`workers.protocols`)
+    inline_calls: ClassVar[bool] = True
     model_version: ClassVar[str] = "fake-brain-v1"
     plasticity_version: ClassVar[str] = "fake-reinforce-v1"
 
