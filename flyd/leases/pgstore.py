@@ -49,6 +49,10 @@ Decisions where the spec is silent:
   waits exactly that long (plus 10 ms) and yields that run id, so the claimer tries the reclaim
   at the expiry instead of up to one poll period later. The wake-up only triggers a claim, which
   decides expiry in SQL as always (R1): a lease renewed meanwhile is simply not granted.
+- The heartbeat session never prepares its statements (`prepare_threshold=None`): psycopg
+  would prepare renew on its sixth run, and preparing is a round trip of its own (Parse, wait,
+  then Bind/Execute), so that one renewal would need two round trips inside R. A renew costs
+  the server little to plan; one round trip per renewal, always, is what R is sized for.
 - A commit carrying only `finish_run` (no effects, no checkpoint) skips `assert_fence`:
   `finish_run` fences itself and answers `'already'` for a run already terminal in that state
   at that epoch (§3.5), which a fenced transaction could never report.
@@ -693,7 +697,8 @@ class PgStore:
         if conn is None or conn.closed:
             info = conninfo(self._dsn, self._node_id, "heartbeat", self._settings,
                             statement_timeout_ms=self._params.renew_timeout_s * 1000)
-            conn = await ClosingConnection.connect(info, autocommit=True)
+            conn = await ClosingConnection.connect(info, autocommit=True,
+                                                   prepare_threshold=None)
             self._heartbeat = conn
         return conn
 

@@ -961,6 +961,11 @@ class Cluster:
             if count <= 0:
                 v.fail(f"fault did not bite: {text}")
             verdicts.append(v)
+        for text in self.ctx.scenario.observed:
+            count = vacuity_fact(text, history, facts)
+            facts[text] = count
+            verdicts.append(oracle.Verdict(f"observed:{text}", evidence=[
+                f"{count} (reported, not required: scenarios.py rules)"]))
         judgement = oracle.Judgement(verdicts, facts)
         self.ctx.judgement = judgement.as_dict()
         self.ctx.verdicts = [v.as_dict() for v in verdicts]
