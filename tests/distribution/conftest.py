@@ -18,3 +18,12 @@ def pytest_runtest_makereport(item: pytest.Item,
         (inventory_dir(item.config) / f"tier1-{item.originalname}").write_text(  # type: ignore[attr-defined]
             str(getattr(report, "outcome", "")))
     return report
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Test 60 waits for the marks of every selected scenario test, so it must be the last item
+    of the session: under xdist's load scheduling nothing is then queued behind it on its
+    worker (a scenario queued there could never run while it waits)."""
+    last = [i for i in items if i.name == "test_no_orphans_and_inventory"]
+    items[:] = [i for i in items if i not in last] + last

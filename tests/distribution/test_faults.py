@@ -560,6 +560,7 @@ def test_scenario(scenario_id: str, faults_suite: tuple[int, Report], pg_server_
            f"{ {f: facts[f] for f in scenario.vacuity} }")
 
 
+@pytest.mark.timeout(INVENTORY_WAIT_S + 60)
 def test_no_orphans_and_inventory(request: pytest.FixtureRequest) -> None:
     inventory = inventory_dir(request.config)
     run = os.environ[RUN_ENV]
