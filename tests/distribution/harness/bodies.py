@@ -113,6 +113,7 @@ from tests.distribution.harness.runner import (
     RUN_ENV,
     ScenarioContext,
     processes_with_marker,
+    read_tables,
 )
 from tests.distribution.harness.scenarios import (
     CancelRun,
@@ -214,36 +215,9 @@ def sim_seconds(value: object) -> object:
     return value
 
 
-TABLES: Final = {
-    "runs": "SELECT run_id, submit_key, state::text AS state, lease_epoch, attempt, "
-            "max_attempts, owner_node, lease_expires_at, "
-            "CASE WHEN not_before = '-infinity' THEN NULL ELSE not_before END AS not_before, "
-            "cancel_requested, faults_fired, outcome, submitted_at, finished_at "
-            "FROM flyd.runs ORDER BY run_id",
-    "run_attempts": "SELECT * FROM flyd.run_attempts ORDER BY run_id, lease_epoch",
-    "run_heads": "SELECT * FROM flyd.run_heads ORDER BY run_id",
-    "checkpoints": "SELECT run_id, checkpoint_id, lease_epoch, node_id, session_id, "
-                   "session_epoch, boundary, envelope_digest, byte_length, committed_at "
-                   "FROM flyd.checkpoints ORDER BY run_id, boundary",
-    "effects": "SELECT run_id, effect_key, lease_epoch, node_id, session_epoch, boundary, "
-               "checkpoint_id, payload_digest, recorded_at FROM flyd.effects "
-               "ORDER BY run_id, boundary NULLS LAST",
-    "interventions": "SELECT * FROM flyd.interventions ORDER BY intervention_id",
-    "nodes": "SELECT node_id, node_name, pid, capacity, held, state, started_at, heartbeat_at "
-             "FROM flyd.nodes ORDER BY started_at",
-}
-
-
 def dump_tables(dsn: str) -> dict[str, list[dict[str, Any]]]:
     """The oracle's tables, instants as sim seconds, bytes as hex (no envelopes)."""
-    out: dict[str, list[dict[str, Any]]] = {}
-    with psycopg.connect(dsn, autocommit=True, connect_timeout=5) as conn:
-        for name, query in TABLES.items():
-            cur = conn.execute(query)
-            cols = [c.name for c in cur.description or []]
-            out[name] = [{c: sim_seconds(v) for c, v in zip(cols, row, strict=True)}
-                         for row in cur.fetchall()]
-    return out
+    return read_tables(dsn, sim_seconds)
 
 
 # ------------------------------------------------------------------------------------------

@@ -297,9 +297,11 @@ def rerun_commands(scenario: Scenario, seed: int, suite: int | None) -> list[str
 
 
 TABLES: Final = {
-    "runs": "SELECT run_id, submit_key, state::text, lease_epoch, attempt, max_attempts, "
-            "owner_node, lease_expires_at, not_before, cancel_requested, faults_fired, "
-            "outcome, submitted_at, finished_at FROM flyd.runs ORDER BY run_id",
+    "runs": "SELECT run_id, submit_key, state::text AS state, lease_epoch, attempt, "
+            "max_attempts, owner_node, lease_expires_at, "
+            "CASE WHEN not_before = '-infinity' THEN NULL ELSE not_before END AS not_before, "
+            "cancel_requested, faults_fired, outcome, submitted_at, finished_at "
+            "FROM flyd.runs ORDER BY run_id",
     "run_attempts": "SELECT * FROM flyd.run_attempts ORDER BY run_id, lease_epoch",
     "run_heads": "SELECT * FROM flyd.run_heads ORDER BY run_id",
     "checkpoints": "SELECT run_id, checkpoint_id, lease_epoch, node_id, session_id, "
@@ -309,7 +311,8 @@ TABLES: Final = {
                "checkpoint_id, payload_digest, recorded_at FROM flyd.effects "
                "ORDER BY run_id, boundary NULLS LAST",
     "interventions": "SELECT * FROM flyd.interventions ORDER BY intervention_id",
-    "nodes": "SELECT * FROM flyd.nodes ORDER BY started_at",
+    "nodes": "SELECT node_id, node_name, pid, capacity, held, state, started_at, heartbeat_at "
+             "FROM flyd.nodes ORDER BY started_at",
 }
 
 
@@ -321,21 +324,26 @@ def _jsonable(value: object) -> object:
     return value
 
 
+def read_tables(dsn: str, convert: Callable[[object], object]) -> dict[str, list[dict[str, Any]]]:
+    """`TABLES` (checkpoint envelopes and effect payloads left out), each value `convert`ed."""
+    out: dict[str, list[dict[str, Any]]] = {}
+    with psycopg.connect(dsn, autocommit=True, connect_timeout=5) as conn:
+        for name, sql in TABLES.items():
+            cur = conn.execute(sql)
+            cols = [c.name for c in cur.description or []]
+            out[name] = [{c: convert(v) for c, v in zip(cols, row, strict=True)}
+                         for row in cur.fetchall()]
+    return out
+
+
 def dump_tables(dsn: str | None) -> dict[str, object]:
-    """The ledger tables for the record (checkpoint envelopes and effect payloads left out)."""
+    """The ledger tables for the record; a database error is recorded, not raised."""
     if dsn is None:
         return {}
-    out: dict[str, object] = {}
     try:
-        with psycopg.connect(dsn, autocommit=True, connect_timeout=5) as conn:
-            for name, sql in TABLES.items():
-                cur = conn.execute(sql)
-                cols = [c.name for c in cur.description or []]
-                out[name] = [{c: _jsonable(v) for c, v in zip(cols, row, strict=True)}
-                             for row in cur.fetchall()]
+        return dict(read_tables(dsn, _jsonable))
     except psycopg.Error as exc:
-        out["error"] = str(exc)
-    return out
+        return {"error": str(exc)}
 
 
 def _excerpt(path: Path | None) -> list[str]:
