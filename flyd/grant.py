@@ -23,6 +23,9 @@ Sequence:
    participant, take the next epoch, restore the head (or, with none, bootstrap a fresh
    coordinator), resume. Attempts are bounded (`flyd.state.recovery`); an incompatible head is
    refused at once.
+   A launch that fails (a worker that dies or does not identify within the boot budget) hands
+   the run back charged, `claim_poll` from now, for another attempt here or elsewhere; on the
+   run's last attempt it ends the run `failed` with `{error: "launch failed", failure}`.
 4. End (§9.3): the target → a final durable capture carrying the remaining effects, `finish`
    and `finish_run(succeeded)` in one transaction; a cancel request → the pending effects,
    `finish` and `finish_run(cancelled)` without a checkpoint; exhausted or refused recovery, or a
@@ -278,7 +281,12 @@ class GrantSession:
         self.report.failure = {"detail": "launch", "participant": None, "code": code,
                                "mutation": mutation, "message": message}
         self.report.failures.append(self.report.failure)
-        self.log.error("run.launch_failed", code=code, message=message)
+        await self._durability().writer.shutdown()
+        if await self.scope.retry_later():
+            self.log.warning("run.launch_failed", code=code, message=message, retry=True)
+            self.report.state = "released"
+            return
+        self.log.error("run.launch_failed", code=code, message=message, retry=False)
         await self._failed({"error": "launch failed", "failure": self.report.failure})
 
     async def _begin(self, head: CheckpointRecord | None) -> None:

@@ -43,6 +43,7 @@ from flyd.budget import ThreadBudget
 from flyd.config import Config
 from flyd.control import ControlService
 from flyd.executor import SessionExecutor
+from flyd.health import HealthPolicy
 from flyd.identities import node_client_id
 from flyd.leases import queries
 from flyd.leases.clock import BootClock, Clock, SimFileClock
@@ -158,7 +159,8 @@ class NodeProcess:
             checkpoints=self.checkpoints, ledger=self.read_ledger,
             writer_defaults=self.writer_defaults(),
             drain_timeout_s=self.params.drain_timeout_s,
-            max_agents=int(setup.config.value("session", "max_agents")))
+            max_agents=int(setup.config.value("session", "max_agents")),
+            health=HealthPolicy.from_config(setup.config.section("session")))
         self.control = ControlService(self)
         await self.control.start()
 

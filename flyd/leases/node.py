@@ -199,6 +199,15 @@ class Scope:
         """Hand the run back (§3.6); sent again on an unknown outcome while the guard allows."""
         await self._rt._release(self, refund=refund, backoff_s=backoff_s)
 
+    async def retry_later(self) -> bool:
+        """Hand the run back charged, `claim_poll` from now, when this grant is not its last
+        attempt (as a relinquish would be, §3.6); False, with nothing sent, when it is: the
+        caller then ends the run itself."""
+        if self.attempt >= self._rt._p.max_attempts:
+            return False
+        await self.release(refund=False, backoff_s=self._rt._p.claim_poll_s)
+        return True
+
     async def mark_faults_fired(self, faults: Sequence[str]) -> tuple[str, ...]:
         """§3.11: the merged set; a grant no longer live is a loss (`LeaseLost`)."""
         return await self._rt._mark_faults(self, tuple(faults))

@@ -574,3 +574,28 @@ def test_flyctl_resolves_the_database_without_starting_one(site: Site) -> None:
     assert not [p for p in psutil.process_iter(["name", "cmdline"])
                 if "postgres" in (p.info["name"] or "")
                 and str(site.path) in " ".join(p.info["cmdline"] or [])]
+
+
+def test_a_launch_failure_is_retried_until_the_last_attempt(tmp: Path) -> None:
+    """Workers that cannot identify within the boot budget fail the launch: each grant but the
+    last hands the run back charged (a `released` attempt, another grant later); the last one
+    ends the run `failed` with the launch failure as its outcome."""
+    import psycopg
+
+    config = tmp / "flyd.toml"
+    config.write_text("[session]\nhealth_boot_s = 0.001\n")
+    code, summary, stderr = flyd_run(tmp, "--steps", "10", "--mode", "process",
+                                     "--config", str(config), timeout=150)
+    assert code == 1 and summary["state"] == "failed", stderr[-2000:]
+    with psycopg.connect(_DSN[tmp]) as conn:
+        row = conn.execute("SELECT outcome, attempt, max_attempts FROM flyd.runs "
+                           "WHERE run_id = %s", (summary["run"],)).fetchone()
+        ends = conn.execute("SELECT end_reason FROM flyd.run_attempts WHERE run_id = %s "
+                            "ORDER BY lease_epoch", (summary["run"],)).fetchall()
+    assert row is not None
+    outcome, attempt, max_attempts = row
+    assert outcome["error"] == "launch failed", outcome
+    assert outcome["failure"]["detail"] == "launch"
+    assert attempt == max_attempts == len(ends)
+    assert [e[0] for e in ends[:-1]] == ["released"] * (max_attempts - 1)
+    assert stderr.count('"run.launch_failed"') >= max_attempts
