@@ -523,7 +523,7 @@ class NodeRuntime:
                 stuck = True
                 self._event("scope_stuck", level="error", run=run_id, epoch=epoch,
                             workers_alive=workers, task_running=task)
-            if workers and stuck:
+            if workers:  # a worker the launch spawned after the first kill dies here
                 self._groups.kill(run_id)
             if task and sc is not None:
                 await self._wait_for(sc._task_done, now + WORKER_POLL_S)

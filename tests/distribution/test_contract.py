@@ -437,7 +437,8 @@ async def test_contract_heartbeat_reconnect(h: Harness) -> None:
     assert [x.run_id for x in await h.store.renew(A, [Held(r, 1)], 5.0)] == [r]
     if isinstance(h, PgHarness):
         app = "flyd:harness-000000000000:heartbeat"
-        sessions = "SELECT pid FROM pg_stat_activity WHERE application_name = %s"
+        sessions = ("SELECT pid FROM pg_stat_activity WHERE application_name = %s "
+                    "AND datname = current_database()")   # tests in parallel share the name
         (old,) = await (await h.admin.execute(sessions, (app,))).fetchall()
         await h.admin.execute("SELECT pg_terminate_backend(%s, 5000)", (old[0],))
         with pytest.raises(StoreError):

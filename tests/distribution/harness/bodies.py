@@ -561,6 +561,10 @@ class Cluster:
         if rate != 1.0:
             argv += ["--clock-rate", f"{rate:g}"]
         argv += ["--log-format", "json", "--capacity", str(self.workload.capacity)]
+        config = self.tmp / "leases.toml"
+        if self.params.kill_bound_s != LeaseParams().kill_bound_s:
+            config.write_text(f"[leases]\nkill_bound_s = {self.params.kill_bound_s!r}\n")
+            argv += ["--config", str(config)]
         env = {k: v for k, v in os.environ.items()
                if k not in ("FLYD_SOCKET", "FLYD_DSN", "FLYD_CONFIG", "FLYD_NODE_NAME",
                             "NOTIFY_SOCKET")}

@@ -75,6 +75,12 @@ from tests.distribution.harness.taps import Tap
 
 ROOT: Final = Path(__file__).resolve().parents[3]
 TIME_SCALE: Final = 5.0
+# K, the bound on confirming a run's process groups dead after SIGKILL, is a physical time:
+# the default 0.5 s sim is 100 ms real at TIME_SCALE, less than a loaded 2-CPU host guarantees
+# for three processes to die and be reaped. Tier-2 nodes run with K = 2 s sim (400 ms real),
+# which §4.3 allows with the default margin (ε = 3.5 ≥ W + K + 1 = 3.25); the oracle judges
+# with the same K.
+TIER2_PARAMS: Final = LeaseParams(kill_bound_s=2.0)
 EXIT_BUDGET: Final = 124
 MARKER: Final = "FLYD_TEST_SCENARIO"
 RUN_ENV: Final = "FLYD_TEST_RUN"
@@ -422,7 +428,7 @@ def run_scenario(scenario_id: str, seed: int, report: Report, *,
         scenario = dataclasses.replace(scenario, budget_s=budget_s)
     load_bodies()
     run = body or BODIES.get(scenario.id)
-    ctx = ScenarioContext(scenario, seed, suite, params or LeaseParams(), time_scale, dsn,
+    ctx = ScenarioContext(scenario, seed, suite, params or TIER2_PARAMS, time_scale, dsn,
                           template)
     report(f"[faults] {scenario.id} seed={seed} budget={scenario.budget_s:g}")
     failure: list[BaseException] = []
