@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import shutil
 import statistics
@@ -240,6 +241,8 @@ def _stop(*procs: subprocess.Popen[bytes]) -> None:
 
 def measure_floor(tmp: str, n: int) -> dict[str, Any]:
     path = os.path.join(tmp, "floor.sock")
+    with contextlib.suppress(FileNotFoundError):  # a previous pair's socket: never wait on it
+        os.unlink(path)
     fwd = _spawn(__file__, "--role", "forwarder", "--socket", path)
     echo: subprocess.Popen[bytes] | None = None
     try:
@@ -256,6 +259,8 @@ def measure_floor(tmp: str, n: int) -> dict[str, Any]:
 
 def measure_router(tmp: str, n: int) -> dict[str, Any]:
     path = os.path.join(tmp, "bus.sock")
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
     router = _spawn("-m", "flyd", "router", "--socket", path, "--open", "-q")
     echo: subprocess.Popen[bytes] | None = None
     try:
