@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -135,10 +136,13 @@ async def bench_commit(dsn: str) -> None:
 def steps_per_s(dsn: str, every: int, steps: int) -> float:
     tmp = tempfile.mkdtemp(prefix="flyd-bench-")
     env = {k: v for k, v in os.environ.items() if not k.startswith("FLYD_")}
-    out = subprocess.run(
-        [sys.executable, "-m", "flyd", "run", "--json", "-q", "--steps", str(steps), "--mode",
-         "process", "--checkpoint-every", str(every), "--dsn", dsn, "--socket",
-         os.path.join(tmp, "run.sock")], cwd=ROOT, env=env, capture_output=True, check=True)
+    try:
+        out = subprocess.run(
+            [sys.executable, "-m", "flyd", "run", "--json", "-q", "--steps", str(steps),
+             "--mode", "process", "--checkpoint-every", str(every), "--dsn", dsn, "--socket",
+             os.path.join(tmp, "run.sock")], cwd=ROOT, env=env, capture_output=True, check=True)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     summary = orjson.loads(out.stdout)
     if summary["state"] != "succeeded":
         raise RuntimeError(f"flyd run ended {summary['state']}: {summary['failures']}")
