@@ -371,6 +371,32 @@ def cases(draw: st.DrawFn) -> list[list[Script]]:
 # --- the player -------------------------------------------------------------------------------
 
 
+def router_frame(v: _Validators, body: bytes,
+                 final: str | None) -> tuple[dict[str, Any], None] | tuple[None, str]:
+    """One router frame decoded and checked (wire.md §2–§4, §8, §15): strict JSON, a JSON-RPC
+    object, a valid response or a known notification with valid params, and nothing after the
+    connection's final frame; else what is wrong with it."""
+    if final is not None:
+        return None, f"a frame after the final {final}: {body[:200]!r}"
+    try:
+        msg = codec.decode(body)
+    except BusError as exc:
+        return None, f"router frame is not strict JSON ({exc.message}): {body[:200]!r}"
+    if type(msg) is not dict or msg.get("jsonrpc") != "2.0":
+        return None, f"router frame is not a JSON-RPC object: {body[:200]!r}"
+    if "id" in msg:
+        problem = v.response(msg)
+        return (None, f"bad response ({problem}): {body[:300]!r}") if problem else (msg, None)
+    method = msg.get("method")
+    check = v.notifications.get(method) if isinstance(method, str) else None
+    if check is None or set(msg) != {"jsonrpc", "method", "params"}:
+        return None, f"bad notification: {body[:300]!r}"
+    problem = check(msg["params"])
+    if problem is not None:
+        return None, f"bad {method} ({problem}): {body[:300]!r}"
+    return msg, None
+
+
 @dataclass
 class Conn:
     """One raw fuzz connection and what its reader saw."""
@@ -436,22 +462,11 @@ class Conn:
                 if not self.ended:
                     self.fail("router frame cut short")
                 return
-            if final is not None:
-                self.fail(f"a frame after the final {final}: {body[:200]!r}")
-                return
-            try:
-                msg = codec.decode(body)
-            except BusError as exc:
-                self.fail(f"router frame is not strict JSON ({exc.message}): {body[:200]!r}")
-                return
-            if type(msg) is not dict or msg.get("jsonrpc") != "2.0":
-                self.fail(f"router frame is not a JSON-RPC object: {body[:200]!r}")
+            msg, problem = router_frame(v, body, final)
+            if msg is None:
+                self.fail(problem)
                 return
             if "id" in msg:
-                problem = v.response(msg)
-                if problem is not None:
-                    self.fail(f"bad response ({problem}): {body[:300]!r}")
-                    return
                 rid = msg["id"]
                 if rid <= self.last_response:
                     self.fail(f"response {rid} after response {self.last_response}")
@@ -472,16 +487,7 @@ class Conn:
                     if data["dispatch"] != "not-dispatched":
                         self.fail(f"an error response with dispatch {data['dispatch']}")
                 continue
-            method = msg.get("method")
-            check = v.notifications.get(method) if isinstance(method, str) else None
-            if check is None or set(msg) != {"jsonrpc", "method", "params"}:
-                self.fail(f"bad notification: {body[:300]!r}")
-                return
-            problem = check(msg["params"])
-            if problem is not None:
-                self.fail(f"bad {method} ({problem}): {body[:300]!r}")
-                return
-            params = msg["params"]
+            method, params = msg["method"], msg["params"]
             if method in ("bus.request", "bus.result"):
                 self.dlv.append(params["deliveryId"])
                 if self.auto is not None:
@@ -1114,30 +1120,14 @@ class Sock:
     def _check(self, body: bytes) -> None:
         """wire.md §2–§4, §8, §15 for one router frame."""
         v = _Validators.get()
-        if self.final is not None:
-            self.fail(f"a frame after the final {self.final}: {body[:200]!r}")
-            return
-        try:
-            msg = codec.decode(body)
-        except BusError as exc:
-            self.fail(f"router frame is not strict JSON ({exc.message}): {body[:200]!r}")
-            return
-        if type(msg) is not dict or msg.get("jsonrpc") != "2.0":
-            self.fail(f"router frame is not a JSON-RPC object: {body[:200]!r}")
+        msg, problem = router_frame(v, body, self.final)
+        if msg is None:
+            self.fail(problem)
             return
         if "id" in msg:
             self._check_response(v, msg, body)
             return
-        method = msg.get("method")
-        check = v.notifications.get(method) if isinstance(method, str) else None
-        if check is None or set(msg) != {"jsonrpc", "method", "params"}:
-            self.fail(f"bad notification: {body[:300]!r}")
-            return
-        problem = check(msg["params"])
-        if problem is not None:
-            self.fail(f"bad {method} ({problem}): {body[:300]!r}")
-            return
-        params = msg["params"]
+        method, params = msg["method"], msg["params"]
         if method == "bus.closing":
             self.final = "bus.closing"
             self.closing = params["error"]["data"]["name"]
@@ -1151,10 +1141,6 @@ class Sock:
             self._auto_answer(method, params)
 
     def _check_response(self, v: _Validators, msg: dict[str, Any], body: bytes) -> None:
-        problem = v.response(msg)
-        if problem is not None:
-            self.fail(f"bad response ({problem}): {body[:300]!r}")
-            return
         rid = msg["id"]
         if rid <= self.last_response:
             self.fail(f"response {rid} after response {self.last_response}")
