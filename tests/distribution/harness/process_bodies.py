@@ -825,9 +825,21 @@ def db_restart(ctx: ScenarioContext) -> None:
 
 
 def _refunds(h: Mapping[str, Any], run: int) -> int:
-    return sum(1 for e in h["events"] if e["event"] == "released" and e.get("run") == run
-               and e.get("refund") and (e.get("kind") == "sweep"
-                                        or e.get("result") == "released"))
+    """Refunded releases of `run`: a release the node sent with `refund` whose grant the store
+    shows ended `released` (the node may be killed before it logs the reply), and the own-grant
+    sweep's refunded releases."""
+    asked, swept = set(), set()
+    for e in h["events"]:
+        if e.get("run") != run or not e.get("refund"):
+            continue
+        if e["event"] == "write_begin" and e.get("kind") == "release":
+            asked.add(e.get("epoch"))
+        elif e["event"] == "released" and (e.get("kind") == "sweep"
+                                           or e.get("result") == "released"):
+            swept.add(e.get("epoch"))
+    confirmed = {ep for ep, a in _attempts(h)[run].items()
+                 if a["end_reason"] == "released" and ep in asked}
+    return len(confirmed | swept)
 
 
 def _x_exhausted(h: dict[str, Any]) -> list[str]:
