@@ -19,6 +19,7 @@ tiers to have run and no process of this test run with a scenario marker to surv
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime
 import os
 import shutil
@@ -60,6 +61,7 @@ from tests.distribution.harness.runner import (
     MARKER,
     RUN_ENV,
     Report,
+    done_mark,
     inventory_dir,
     processes_with_marker,
     pytest_reporter,
@@ -568,6 +570,9 @@ def test_no_orphans_and_inventory(request: pytest.FixtureRequest) -> None:
     tier2 = {f"tier2-{i}": f"test_scenario[{i}]" for i in scenarios.ids()}
     tier1 = {f"tier1-{test}": test for test in TIER1_TESTS.values()}
     awaited = sorted(mark for mark, test in {**tier2, **tier1}.items() if test in selected)
+    package = Path(__file__).parent
+    awaited += sorted(done_mark(inventory, item.nodeid).name for item in request.session.items
+                      if item.path.is_relative_to(package) and item.nodeid != request.node.nodeid)
     deadline = time.monotonic() + INVENTORY_WAIT_S
     while any(not (inventory / mark).exists() for mark in awaited) and \
             time.monotonic() < deadline:
@@ -582,10 +587,19 @@ def test_no_orphans_and_inventory(request: pytest.FixtureRequest) -> None:
     registered = set(scenarios.ids()) | {s.id for s in scenarios.PROBES}
     survivors = [p for p in psutil.process_iter()
                  if _environ(p).get(MARKER) in registered and _environ(p).get(RUN_ENV) == run]
+    described = [f"{p.pid} {_environ(p).get(MARKER)}: {_cmdline(p)}" for p in survivors]
     for proc in survivors:
-        proc.kill()
-    assert not survivors, f"processes with a scenario marker survived: {survivors}"
+        with contextlib.suppress(psutil.Error):
+            proc.kill()
+    assert not described, f"processes with a scenario marker survived: {described}"
     assert not missing, f"registered scenarios that did not run: {missing}"
+
+
+def _cmdline(proc: psutil.Process) -> str:
+    try:
+        return " ".join(proc.cmdline())[:200]
+    except psutil.Error:
+        return "?"
 
 
 def _environ(proc: psutil.Process) -> dict[str, str]:

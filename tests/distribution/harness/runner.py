@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import hashlib
 import importlib
 import os
 import signal
@@ -510,6 +511,11 @@ def inventory_dir(config: Any) -> Path:
     path.mkdir(exist_ok=True)
     os.environ[RUN_ENV] = str(path)
     return path
+
+
+def done_mark(inventory: Path, nodeid: str) -> Path:
+    """The file a test of the fault suite leaves once its teardown has run (conftest.py)."""
+    return inventory / f"done-{hashlib.sha256(nodeid.encode()).hexdigest()[:16]}"
 
 
 def pytest_reporter(config: Any) -> Report:
