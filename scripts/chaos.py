@@ -333,6 +333,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             except HarnessError as exc:
                 summary = {"tool": "chaos", "ok": False, "records": chaos.records,
                            "violations": [*chaos.violations, f"harness: {exc}"]}
+                summary["logTails"] = {n.name: n.log_tail() for n in chaos.nodes.values()}
     finally:
         if args.work_dir is None:
             shutil.rmtree(work, ignore_errors=True)

@@ -257,6 +257,13 @@ class Node:
     def log_path(self) -> Path:
         return self.home / "node.log"
 
+    def log_tail(self, lines: int = 30) -> list[str]:
+        """The last lines of its log, for a harness error's report."""
+        try:
+            return self.log_path.read_text(errors="replace").splitlines()[-lines:]
+        except OSError:
+            return []
+
     def start(self, dsn: str) -> None:
         """Start (or restart after a kill) and wait until its router accepts and the node is
         registered `active`."""

@@ -37,7 +37,7 @@ def test_every_run_survives_a_random_sigkill(db_dsn: str, tmp: Path) -> None:
     summary = run_script("chaos.py", "--runs", str(RUNS), "--steps", str(STEPS), "--dsn",
                          db_dsn, "--work-dir", str(tmp))
     seed = summary["seed"]
-    assert summary["violations"] == [], (seed, summary["violations"])
+    assert summary["violations"] == [], (seed, summary["violations"], summary.get("logTails"))
     assert summary["ok"] and summary["nodeExits"] == {"a": 0, "b": 0}
     assert summary["victims"] == dict.fromkeys(KINDS, RUNS // len(KINDS))
     assert summary["passedByVictim"] == summary["victims"]
