@@ -53,6 +53,11 @@ Decisions where the spec is silent:
   would prepare renew on its sixth run, and preparing is a round trip of its own (Parse, wait,
   then Bind/Execute), so that one renewal would need two round trips inside R. A renew costs
   the server little to plan; one round trip per renewal, always, is what R is sized for.
+- A group commit whose envelope exceeds `PIPELINE_MAX_BYTES` (64 KiB) sends its statements one
+  round trip each instead of as one pipeline: psycopg's async pipeline stops sending a large
+  parameter part-way (the server waits in `ClientRead`, the client waits for results; a 64 MiB
+  envelope hangs every time, psycopg issue 685), so the commit would time out and its retries
+  with it. Those few extra round trips are small beside the transfer of such an envelope.
 - A commit carrying only `finish_run` (no effects, no checkpoint) skips `assert_fence`:
   `finish_run` fences itself and answers `'already'` for a run already terminal in that state
   at that epoch (§3.5), which a fenced transaction could never report.
@@ -62,6 +67,7 @@ Decisions where the spec is silent:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import math
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping, Sequence
@@ -75,6 +81,7 @@ import psycopg
 from psycopg import waiting
 from psycopg.abc import PQGen
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
+from psycopg.pq import TransactionStatus
 from psycopg.rows import TupleRow
 from psycopg.types.json import Jsonb
 from psycopg_pool import AsyncConnectionPool, PoolTimeout
@@ -115,6 +122,8 @@ T = TypeVar("T")
 Role = Literal["work", "heartbeat", "listen"]
 ROLES: Final = ("work", "heartbeat", "listen")
 SCALE_FLOOR_MS: Final = 50
+#: The largest envelope a group commit sends as one pipeline (module decisions).
+PIPELINE_MAX_BYTES: Final = 64 * 1024
 LOST_SESSION: Final = frozenset({"57P01", "57P02", "57P03"})
 EXPIRY_SLACK_S: Final = 0.01         # the listener's wake-up after a lease's expiry
 EFFECTS_PKEY: Final = "effects_pkey"
@@ -271,6 +280,20 @@ def classify(exc: BaseException, *, sent: bool, backend: Backend | None,
 
 # --------------------------------------------------------------------------------------------
 # Connections
+
+
+@asynccontextmanager
+async def _unpipelined(conn: ClosingConnection) -> AsyncIterator[None]:
+    """The group commit's statements one round trip each (`PIPELINE_MAX_BYTES`); a statement
+    that fails rolls the transaction back here, as a failed pipeline does, so the connection
+    goes back to the pool idle."""
+    try:
+        yield None
+    except psycopg.Error:
+        if not conn.closed and conn.info.transaction_status != TransactionStatus.IDLE:
+            with contextlib.suppress(psycopg.Error):
+                await conn.rollback()
+        raise
 
 
 class ClosingConnection(psycopg.AsyncConnection[TupleRow]):
@@ -760,8 +783,9 @@ class PgStore:
 
     # -- §3.5 ------------------------------------------------------------------------------
     async def commit(self, commit: CommitRequest) -> Committed:
-        """One pipeline: BEGIN, fence, [checkpoint], [effects], [head + rotation], [finish],
-        COMMIT. `sent` turns true as COMMIT is queued: from then on a lost session or an
+        """One pipeline (statement by statement past `PIPELINE_MAX_BYTES` of envelope):
+        BEGIN, fence, [checkpoint], [effects], [head + rotation], [finish], COMMIT. `sent`
+        turns true as COMMIT is queued: from then on a lost session or an
         overrun bound is an unknown outcome."""
         c = commit
         ckpt = c.checkpoint
@@ -775,7 +799,8 @@ class PgStore:
             async with self._work_conn() as conn:
                 backend = conn.backend
                 finish_cur: psycopg.AsyncCursor[TupleRow] | None = None
-                async with conn.pipeline() as pipe:
+                pipelined = ckpt is None or len(ckpt.envelope) <= PIPELINE_MAX_BYTES
+                async with conn.pipeline() if pipelined else _unpipelined(conn) as pipe:
                     await conn.execute("BEGIN")
                     if c.effects or ckpt is not None or c.finish is None:
                         await conn.execute(ASSERT_FENCE, base)
@@ -802,7 +827,8 @@ class PgStore:
                             "outcome": Jsonb(dict(c.finish.outcome))})
                     sent = True
                     await conn.execute("COMMIT")
-                    await pipe.sync()
+                    if pipe is not None:
+                        await pipe.sync()
                 if finish_cur is None:
                     return None
                 row = await finish_cur.fetchone()

@@ -13,6 +13,7 @@ import psycopg
 import pytest
 from structlog.testing import capture_logs
 
+from flyd.leases import pgstore
 from flyd.leases.store import Commit, Fenced, HeadRegression
 from flyd.state.envelope import EnvelopeError, encode
 from flyd.state.store import (
@@ -33,6 +34,7 @@ from flyd.state.writer import (
 )
 from tests.state.conftest import (
     NODE,
+    OTHER,
     ExpiringPath,
     RunCtx,
     behaviour,
@@ -498,3 +500,28 @@ async def test_flyctl_checkpoints_json_output(claimed_run: RunCtx, tmp_path: Pat
     code, imported = await flyctl("checkpoints", "import", str(out), "--steps", "12")
     assert code == 0 and imported["boundary"] == 6 and imported["checkpointId"] == "ck-6"
     assert imported["run"] != ctx.run_id
+
+
+async def test_a_large_envelope_commits_and_a_refused_one_leaves_the_pool_usable(
+        claimed_run: RunCtx) -> None:
+    """A 64 MiB envelope, past `PIPELINE_MAX_BYTES`, commits within the commit bound (as one
+    pipeline it never finished sending); the same commit refused as fenced rolls back, and
+    the pool's next commit goes through."""
+    ctx = claimed_run
+    manifest, payloads = make_capture("ck-big", 1, world=bytes(range(256)) * (1 << 18))
+    envelope = encode(manifest, payloads)
+    assert len(envelope) > 64 * (1 << 20) > pgstore.PIPELINE_MAX_BYTES
+    job = replace(make_job(ctx.run_id, 1, "ck-big", 1), envelope=envelope,
+                  envelope_digest=hashlib.sha256(envelope).digest())
+    async with asyncio.timeout(60):
+        record = await ctx.store.commit(job, ctx.path)
+    assert record.is_head and record.byte_length == len(envelope)
+    assert (await ctx.store.read_bytes(record))[0] == envelope
+    epoch = await ctx.reclaim()
+    stale = replace(job, checkpoint_id="ck-big-2", boundary=2, effects=())
+    with pytest.raises(CommitFailure) as refused:
+        await ctx.store.commit(stale, ctx.path)
+    assert refused.value.reason == "fenced"
+    path = DirectCommitPath(ctx.lease, ctx.run_id, epoch, OTHER)
+    after = await ctx.store.commit(make_job(ctx.run_id, epoch, "ck-3", 3, after=1), path)
+    assert after.is_head and after.lease_epoch == epoch
