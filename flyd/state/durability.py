@@ -17,8 +17,10 @@ Rules:
   same way; one that failed the epoch raises its `SessionFailure`.
 - `durable(coordinator, kind, finish=None, budget=None)`: a durable capture (`final`, `drain`,
   `forced`): reserve (waiting for a slot), capture, submit (never coalesced), await the outcome.
-  `UNSUPPORTED` (too large for `max_envelope_bytes`) is returned as `TooLarge` with both sizes,
-  never retried; a forced capture raises it as `CheckpointTooLarge`, which ends the run.
+  `UNSUPPORTED` (too large for `max_envelope_bytes`, or more payloads than an envelope holds:
+  a session of more than 30 agents) is returned as `TooLarge` with both sizes, never retried; a
+  forced capture raises it as `CheckpointTooLarge`, which ends the run. A payload-count refusal's
+  outcome adds `payloadCount` and `payloadLimit` to §5.2's `{error, byteLength, limit}`.
 - Ids come from the cadence (`ck-e<N>-<n>[-final|-drain|-forced]`), so none recurs in a run.
 - `committed` counts the generations this grant committed; `head` is the writer's (id, k).
 """
@@ -35,6 +37,7 @@ import structlog
 
 from flyd.fence import SessionFailure
 from flyd.state.cadence import Cadence, Kind
+from flyd.state.envelope import MAX_PAYLOADS
 from flyd.state.store import FinishRun
 from flyd.state.writer import (
     CaptureSubmission,
@@ -65,14 +68,19 @@ class TooLarge:
     message: str
     byte_length: int
     limit: int
+    payload_count: int | None = None
 
     def is_durable(self) -> bool:
         return False
 
     def outcome(self) -> dict[str, object]:
-        """The failed run's outcome (§5.2)."""
-        return {"error": "checkpoint too large", "byteLength": self.byte_length,
-                "limit": self.limit}
+        """The failed run's outcome (§5.2); a capture refused for its payload count adds
+        `payloadCount` and `payloadLimit` (module rules)."""
+        outcome: dict[str, object] = {"error": "checkpoint too large",
+                                      "byteLength": self.byte_length, "limit": self.limit}
+        if self.payload_count is not None:
+            outcome.update(payloadCount=self.payload_count, payloadLimit=MAX_PAYLOADS)
+        return outcome
 
 
 class CheckpointTooLarge(Exception):
@@ -160,7 +168,8 @@ class Durability:
             ticket = await self._capture_and_submit(coordinator, checkpoint_id, reservation,
                                                     replaceable=False, finish=finish)
         except EnvelopeTooLarge as exc:
-            return TooLarge(checkpoint_id, exc.message, exc.byte_length, exc.limit)
+            return TooLarge(checkpoint_id, exc.message, exc.byte_length, exc.limit,
+                            exc.payload_count)
         if ticket is None:
             raise DomainError.before(
                 ErrorCode.INVALID_PHASE,

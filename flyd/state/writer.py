@@ -58,7 +58,7 @@ import structlog
 
 from flyd.config import ConfigError
 from flyd.state.effects import PendingEffects
-from flyd.state.envelope import MAX_ENVELOPE_BYTES, encode
+from flyd.state.envelope import MAX_ENVELOPE_BYTES, MAX_PAYLOADS, encode
 from flyd.state.store import (
     CheckpointStore,
     CommitFailure,
@@ -129,14 +129,21 @@ RetryPolicy = ReleaseAndReport | RetryThenRelease
 
 
 class EnvelopeTooLarge(DomainError):
-    """`UNSUPPORTED`/`none` at submit: the capture's payload bytes exceed `max_envelope_bytes`;
-    the sizes travel with it because a forced or final capture ends the run with them (§5.2)."""
+    """`UNSUPPORTED`/`none` at submit: the capture's payload bytes exceed `max_envelope_bytes`,
+    or it has more payloads than an envelope holds (`MAX_PAYLOADS`, §2: 4 plus 2 per agent,
+    so more than 30 agents); the sizes travel with it because a forced or final capture ends
+    the run with them (§5.2). Either can never commit, so neither is retried."""
 
-    def __init__(self, byte_length: int, limit: int) -> None:
-        super().__init__(ErrorCode.UNSUPPORTED, f"checkpoint of {byte_length} bytes exceeds "
-                         f"max_envelope_bytes {limit}", Mutation.NONE)
+    def __init__(self, byte_length: int, limit: int, payload_count: int | None = None) -> None:
+        if payload_count is None:
+            message = f"checkpoint of {byte_length} bytes exceeds max_envelope_bytes {limit}"
+        else:
+            message = (f"checkpoint of {payload_count} payloads exceeds the envelope's "
+                       f"{MAX_PAYLOADS} (4 plus 2 per agent)")
+        super().__init__(ErrorCode.UNSUPPORTED, message, Mutation.NONE)
         self.byte_length = byte_length
         self.limit = limit
+        self.payload_count = payload_count
 
 @dataclass(frozen=True, slots=True)
 class WriterConfig:
@@ -488,10 +495,10 @@ class CheckpointWriter:
             self.stats.rejected += 1
             reservation.release()
             raise DomainError(ErrorCode.BUSY, "checkpoint writer is stopped", Mutation.NONE)
-        if size > limit:
+        if size > limit or len(sub.payloads) > MAX_PAYLOADS:
             self.stats.rejected += 1
             reservation.release()
-            raise EnvelopeTooLarge(size, limit)
+            raise EnvelopeTooLarge(size, limit, None if size > limit else len(sub.payloads))
         victim = (next((j for j in self._queue if j.sub.replaceable), None)
                   if sub.replaceable else None)
         after = self.queued_bytes - (victim.size if victim is not None else 0) + size
