@@ -16,6 +16,9 @@ Decisions:
 - The thread budget is the configured `[node] threads` for `flyd serve`; `flyd run`, which holds
   exactly its own run, raises it to the run's need when the configured budget is smaller.
 - The router's `[bus.limits]` floors follow the node's capacity and `[session] max_agents`.
+- The node's temporary directory is `flyd-node-<pid>-*` in `TMPDIR`; a SIGKILLed node cannot
+  remove it, so every node start removes those of this uid whose pid is gone
+  (`sweep_dead_node_dirs`, logged as `node.temp_swept`).
 """
 
 from __future__ import annotations
@@ -60,6 +63,8 @@ __all__ = ["NodeProcess", "NodeSetup", "NodeStartError"]
 
 log = structlog.get_logger("flyd.node")
 
+TEMP_PREFIX: Final = "flyd-node-"
+
 VERSION: Final = "0.1.0"
 CLOSE_S: Final = 5.0
 ROUTER_BACKOFF_S: Final = 0.1
@@ -100,13 +105,46 @@ class NodeSetup:
         return value if isinstance(value, str) and value else None
 
 
+def sweep_dead_node_dirs(root: str | None = None) -> list[str]:
+    """Remove the temporary directories of nodes that were killed (a clean close removes its
+    own): `flyd-node-<pid>-*` of this uid whose pid is no longer a process. A live pid's
+    directory stays, even if the pid was reused; the next sweep after that process ends takes
+    it."""
+    base = Path(root or tempfile.gettempdir())
+    swept = []
+    for path in base.glob(f"{TEMP_PREFIX}*-*"):
+        pid_text = path.name[len(TEMP_PREFIX):].split("-", 1)[0]
+        try:
+            if (not pid_text.isdigit() or not path.is_dir() or path.is_symlink()
+                    or path.stat().st_uid != os.getuid() or _alive(int(pid_text))):
+                continue
+        except OSError:
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        swept.append(path.name)
+    return sorted(swept)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 class NodeProcess:
     """One node's parts, owned for an orderly start and a bounded teardown."""
 
     def __init__(self, setup: NodeSetup) -> None:
         self.setup = setup
         self.params = setup.config.leases
-        self.directory = tempfile.mkdtemp(prefix="flyd-node-")
+        swept = sweep_dead_node_dirs()
+        if swept:
+            log.info("node.temp_swept", count=len(swept), directories=swept)
+        self.directory = tempfile.mkdtemp(prefix=f"{TEMP_PREFIX}{os.getpid()}-")
         self.embedded: EmbeddedPostgres | None = None
         self.dsn = ""
         self.router: RouterChild | None = None

@@ -32,9 +32,9 @@ orphan: the holder is idle again (no workers), every live node has exactly one r
 started under a killed node's directory survives it. At the end both nodes drain (exit 0) and
 no process started under the work directory survives.
 
-Decision: a node killed with SIGKILL cannot remove its private temporary directory
-(`flyd-node-*` under its `TMPDIR`); the summary counts those (`killedNodeTempDirs`), and the nodes
-that drain must leave their `TMPDIR` empty.
+A node killed with SIGKILL cannot remove its private temporary directory (`flyd-node-<pid>-*`
+under its `TMPDIR`); its restart removes it (`node.temp_swept`, counted as `sweptNodeTempDirs`),
+and at the end every node's `TMPDIR` must be empty.
 
 Output: progress lines on stderr, one JSON summary object on stdout (`violations` lists every
 failed criterion; exit 1 when it is not empty). Without `--dsn` a fresh database is created on
@@ -126,7 +126,7 @@ class Chaos:
     records: list[dict[str, Any]] = field(default_factory=list)
     violations: list[str] = field(default_factory=list)
     digest: str | None = None
-    killed_temp_dirs: int = 0
+    swept_temp_dirs: int = 0
 
     def victims(self) -> list[str]:
         order: list[str] = []
@@ -272,9 +272,9 @@ class Chaos:
             if code != 0:
                 self.violations.append(f"node {name}'s drain exited {code}")
             leftovers = [n for n in entries(self.nodes[name].tmp_dir) if "/" not in n]
-            kept = [n for n in leftovers if not n.startswith("flyd-node-")]
-            self.killed_temp_dirs += len(leftovers) - len(kept)
-            if len(leftovers) - len(kept) > self.nodes[name].starts - 1 or kept:
+            self.swept_temp_dirs += sum(int(e.get("count", 0))
+                                        for e in self.nodes[name].events("node.temp_swept"))
+            if leftovers:
                 self.violations.append(f"node {name} left temporary files: {leftovers}")
             if entries(self.nodes[name].socket_dir):
                 self.violations.append(f"node {name} left its socket dir non-empty: "
@@ -295,7 +295,7 @@ class Chaos:
                 "victims": dict(by_kind), "passedByVictim": dict(ok_kind),
                 "succeeded": sum(1 for r in self.records if r["state"] == "succeeded"),
                 "recoveries": sum(r["recoveries"] for r in self.records),
-                "killedNodeTempDirs": self.killed_temp_dirs, "nodeExits": codes,
+                "sweptNodeTempDirs": self.swept_temp_dirs, "nodeExits": codes,
                 "wallSeconds": round(time.monotonic() - started, 1), "records": self.records,
                 "violations": self.violations, "ok": not self.violations}
 

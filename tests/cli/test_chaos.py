@@ -41,7 +41,7 @@ def test_every_run_survives_a_random_sigkill(db_dsn: str, tmp: Path) -> None:
     assert summary["ok"] and summary["nodeExits"] == {"a": 0, "b": 0}
     assert summary["victims"] == dict.fromkeys(KINDS, RUNS // len(KINDS))
     assert summary["passedByVictim"] == summary["victims"]
-    assert summary["killedNodeTempDirs"] == summary["victims"]["node"]
+    assert summary["sweptNodeTempDirs"] == summary["victims"]["node"]
     records = summary["records"]
     for record in records:
         assert record["state"] == "succeeded" and not record["problems"], (seed, record)

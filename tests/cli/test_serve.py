@@ -7,6 +7,9 @@ statement (`PgStore.submit`), as `flyctl runs submit` does.
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import sys
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -16,6 +19,7 @@ import pytest
 
 from flyd.leases.params import LeaseParams
 from flyd.leases.pgstore import DbSettings, PgStore
+from flyd.node import TEMP_PREFIX, sweep_dead_node_dirs
 from flyd.runspec import RunSpec
 from tests.serve_nodes import (
     commands_under,
@@ -220,3 +224,19 @@ def test_two_named_nodes_share_a_host(db_dsn: str, tmp: Path) -> None:
     finally:
         codes = [stop(proc) for proc in nodes.values()]
     assert codes == [0, 0]
+
+
+def test_a_node_start_sweeps_the_temp_dirs_of_killed_nodes_only(tmp_path: Path) -> None:
+    """A SIGKILLed node leaves `flyd-node-<pid>-*`; the next start removes it, and never the
+    directory of a live pid, another uid's, or anything not named like a node's."""
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    names = {"dead": f"{TEMP_PREFIX}{dead.pid}-abc", "live": f"{TEMP_PREFIX}{os.getpid()}-def",
+             "odd": f"{TEMP_PREFIX}x1-ghi", "other": "flyd-chaos-jkl"}
+    for name in names.values():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "router.toml").write_text("")
+    assert sweep_dead_node_dirs(str(tmp_path)) == [names["dead"]]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        names[k] for k in ("live", "odd", "other"))
+    assert sweep_dead_node_dirs(str(tmp_path)) == []
