@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import shutil
 import signal
 import struct
@@ -39,6 +38,7 @@ import pytest
 
 from bus.client import BusClient, Request, connect
 from bus.errors import Backpressure, QuotaExceeded
+from flyd.router_child import router_answers
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -71,7 +71,7 @@ async def router(home: Path) -> AsyncIterator[str]:
         "--open", "-q", cwd=ROOT, stderr=subprocess.DEVNULL)
     try:
         async with asyncio.timeout(30):
-            while not await asyncio.to_thread(os.path.exists, sock):
+            while not await asyncio.to_thread(router_answers, sock):
                 assert proc.returncode is None, "the router exited"
                 await asyncio.sleep(0.05)
         yield sock

@@ -23,6 +23,7 @@ import orjson
 import psutil
 import pytest
 
+from flyd.router_child import router_answers
 from tests.cli.test_flyctl_runs import FLYCTL, Site
 from tests.cli.test_flyctl_runs import site as site
 
@@ -306,7 +307,7 @@ def test_the_default_socket_is_used_when_free_and_a_private_one_when_busy(tmp: P
         env=env_for(tmp), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 20
-        while not default.exists():
+        while not router_answers(str(default)):
             assert blocker.poll() is None and time.monotonic() < deadline
             time.sleep(0.02)
         argv = [sys.executable, "-m", "flyd", "run", "--json", "--steps", "3", "--mode",

@@ -44,6 +44,7 @@ from flyd.launcher import (
     connect_expected,
     start_error,
 )
+from flyd.router_child import router_answers
 from flyd.runspec import AgentSpec, RunSpec, TaskSpec
 from workers.domain import DomainError
 from workers.faults import Faults
@@ -108,7 +109,7 @@ class RouterHandle:
             stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
             start_new_session=True)
         deadline = time.monotonic() + WAIT
-        while not await asyncio.to_thread(os.path.exists, self.socket):
+        while not await asyncio.to_thread(router_answers, self.socket):
             if self._child.returncode is not None or time.monotonic() > deadline:
                 raise RuntimeError("the router child did not start")
             await asyncio.sleep(0.01)
