@@ -44,6 +44,7 @@ import contextlib
 import signal
 import sys
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
@@ -294,7 +295,7 @@ async def run_session(opts: RunOptions) -> int:
                        time.monotonic() - started)
     if opts.trace is not None and report is not None:
         _write_trace(opts.trace, report.records)
-    _print_summary(opts, summary)
+    _print_summary(opts, summary, (row or {}).get("outcome"))
     if signals.exit_code is not None:
         return signals.exit_code
     return EXIT_OK if summary["state"] == "succeeded" else EXIT_FAILED
@@ -411,7 +412,11 @@ def _write_trace(path: Path, records: list[dict[str, Any]]) -> None:
             fh.write(canonical(record) + b"\n")
 
 
-def _print_summary(opts: RunOptions, summary: dict[str, Any]) -> None:
+def _print_summary(opts: RunOptions, summary: dict[str, Any],
+                   outcome: Mapping[str, Any] | None) -> None:
+    """The summary; a run that ended on an outcome `error` (checkpoint too large, launch
+    failed, invalid run spec, ...) with no session failure to name also prints that outcome,
+    so the reason is on the terminal (the JSON summary's keys are cli.md §4.2's)."""
     if opts.as_json:
         sys.stdout.write(orjson.dumps(summary).decode() + "\n")
         sys.stdout.flush()
@@ -425,6 +430,8 @@ def _print_summary(opts: RunOptions, summary: dict[str, Any]) -> None:
         who = f" ({failure['participant']})" if failure["participant"] else ""
         print(f"flyd run: failure: {failure['detail']}{who}: {failure['code']}: "
               f"{failure['message']}", file=sys.stderr)
+    if summary["state"] != "succeeded" and outcome and "error" in outcome:
+        print(f"flyd run: outcome: {orjson.dumps(dict(outcome)).decode()}", file=sys.stderr)
 
 
 def _error(opts: RunOptions, code: str, message: str) -> int:

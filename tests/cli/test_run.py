@@ -625,3 +625,12 @@ def test_a_session_too_wide_to_checkpoint_fails_naming_the_payload_count(tmp: Pa
     assert outcome["error"] == "checkpoint too large", outcome
     assert (outcome["payloadCount"], outcome["payloadLimit"]) == (4 + 2 * agents, 64), outcome
     assert outcome["byteLength"] < outcome["limit"], "refused for its count, not its bytes"
+    human = subprocess.run(
+        [sys.executable, "-m", "flyd", "run", "--steps", "3", "--mode", "in-process",
+         "--checkpoint-every", "0", "--config", str(config), "--socket", str(tmp / "bus.sock"),
+         "--agents", ",".join(f"a{i}" for i in range(1, agents + 1))],
+        cwd=ROOT, env=env_for(tmp), capture_output=True, timeout=90, check=False)
+    said = [line for line in human.stderr.decode().splitlines()
+            if line.startswith("flyd run: outcome: ")]
+    assert human.returncode != 0 and len(said) == 1, human.stderr[-2000:]
+    assert orjson.loads(said[0].removeprefix("flyd run: outcome: "))["payloadCount"] == 66
