@@ -809,11 +809,13 @@ class NodeRuntime:
                 async with asyncio.timeout(self._p.commit_timeout_s):
                     done = await self._store.commit(commit)
             except Fenced as exc:
+                self._raise_if_lost(run, epoch, kind, exc)
                 self._event("write_result", run=run, epoch=epoch, kind=kind, result="fenced",
                             code=exc.code)
                 self.cancel_scope(run, epoch, "fenced")
                 raise LeaseLost(f"{run}@{epoch} fenced: {exc.message}") from exc
             except (DuplicateEffect, ConflictingEffect, HeadRegression) as exc:
+                self._raise_if_lost(run, epoch, kind, exc)
                 self._event("write_result", level="error", run=run, epoch=epoch, kind=kind,
                             result=exc.code, error=exc.message)
                 self._perform(self._core.end(run, kind, "failed"))
@@ -822,16 +824,19 @@ class NodeRuntime:
                 await self._fail_run(sc, exc, checkpoint)
                 raise
             except (TerminalFinal, LedgerImmutable) as exc:
+                self._raise_if_lost(run, epoch, kind, exc)
                 self._event("write_result", level="error", run=run, epoch=epoch, kind=kind,
                             result=exc.code, error=exc.message)
                 self.cancel_scope(run, epoch, "fenced")
                 raise LeaseLost(f"{run}@{epoch}: {exc.message}") from exc
             except Transient as exc:
+                self._raise_if_lost(run, epoch, kind, exc)
                 self._event("write_result", run=run, epoch=epoch, kind=kind, result="failed",
                             code=exc.code, error=exc.message)
                 self._perform(self._core.end(run, kind, "failed"))
                 raise
             except Exception as exc:  # UnknownOutcome, C expired, unclassified
+                self._raise_if_lost(run, epoch, kind, exc)
                 backend = exc.backend if isinstance(exc, UnknownOutcome) else None
                 self._event("write_result", run=run, epoch=epoch, kind=kind, result="unknown",
                             error=repr(exc))
@@ -847,6 +852,7 @@ class NodeRuntime:
                     self._perform(self._core.end(run, kind, "lost"))
                     raise LeaseLost(f"{run}@{epoch}: unknown outcome lost") from exc
             else:
+                self._raise_if_lost(run, epoch, kind, None)
                 self._event("write_result", run=run, epoch=epoch, kind=kind,
                             result="committed", finished=done.finished)
             self._committed(sc, effects, checkpoint)
@@ -855,6 +861,15 @@ class NodeRuntime:
                 sc._ended = True
                 self._event("finished", run=run, epoch=epoch, state=finish.state)
             return
+
+    def _raise_if_lost(self, run: int, epoch: int, kind: Kind,
+                       cause: BaseException | None) -> None:
+        """A write's reply that arrives after its grant was fenced (the watchdog passed
+        safe_until while it was in flight) is not acted on or logged: after `lease_lost` the
+        node logs nothing more for the grant but the cleanup (§7.3.6, S6). What the write did is
+        the database's to tell; the grant's next holder reads it."""
+        if self._lost_on_wake(run, epoch):
+            raise LeaseLost(f"{run}@{epoch}: lost while its {kind} was in flight") from cause
 
     def _committed(self, sc: Scope, effects: tuple[Effect, ...],
                    checkpoint: Checkpoint | None) -> None:
@@ -883,7 +898,9 @@ class NodeRuntime:
         """§5.6 / §3.10: end the old backend, read, decide; only while `check(C)` passes."""
         run, epoch = sc.run_id, sc.lease_epoch
         if backend is None:
-            self._event("resolved", run=run, epoch=epoch, decision="lost", why="no backend")
+            if not self._lost_on_wake(run, epoch):
+                self._event("resolved", run=run, epoch=epoch, decision="lost",
+                            why="no backend")
             return "lost"
         ckpt = commit.checkpoint.checkpoint_id if commit.checkpoint is not None else None
         ended = False
