@@ -93,6 +93,16 @@ ORPHAN_TIMEOUT_S = 10.0
 HOLDER_TIMEOUT_S = 120.0
 
 
+def holds(dsn: str, run: int, node: Node | None) -> bool:
+    """Whether `run` is running under `node`'s live process (any node's, for None)."""
+    rows = query(dsn, "SELECT n.node_name, n.pid FROM flyd.runs r JOIN flyd.nodes n "
+                      "ON n.node_id = r.owner_node WHERE r.run_id = %s AND r.state = 'running'",
+                 run)
+    if not rows:
+        return False
+    return node is None or (rows[0][0] == node.name and rows[0][1] == node.pid)
+
+
 def holder_of(dsn: str, run: int, nodes: dict[str, Node]) -> Node:
     """The node whose live process holds `run` (its `owner_node` row names that node's pid)."""
     found: list[Node] = []
@@ -148,11 +158,16 @@ class Chaos:
     def one(self, index: int, kind: str, clock: HarnessClock) -> None:
         run = submit(self.dsn, run_spec(self.steps, self.every, self.pace_s))
         step = self.rng.randint(1, max(1, self.steps - 10))
-        holder = holder_of(self.dsn, run, self.nodes)
-        restarts = len(holder.events("router.restarted"))
-        entry = live_run(holder.socket, run, step)
-        if entry is None:
-            raise HarnessError(f"run {run} ended before its kill at boundary {step}")
+        while True:
+            holder = holder_of(self.dsn, run, self.nodes)
+            restarts = len(holder.events("router.restarted"))
+            entry = live_run(holder.socket, run, step,
+                             held=lambda h=holder: holds(self.dsn, run, h))  # type: ignore[misc]
+            if entry is not None:
+                break
+            if query(self.dsn, "SELECT state::text FROM flyd.runs WHERE run_id = %s",
+                     run)[0][0] != "pending" and not holds(self.dsn, run, None):
+                raise HarnessError(f"run {run} ended before its kill at boundary {step}")
         record: dict[str, Any] = {"index": index, "run": run, "victim": kind,
                                   "holder": holder.name, "targetBoundary": step,
                                   "killedAtBoundary": entry["boundary"]}

@@ -363,11 +363,13 @@ def entries(path: Path) -> list[str]:
 # the live boundary, and a kill at a step
 
 
-async def _live_run(socket: Path, run: int, at_least: int,
-                    deadline: float) -> dict[str, Any] | None:
+async def _live_run(socket: Path, run: int, at_least: int, deadline: float,
+                    held: Callable[[], bool] | None = None) -> dict[str, Any] | None:
     """Poll the node's `Control.Status` until run `run` is at boundary ≥ `at_least` (before
     `deadline`, monotonic); its run entry (workers with pids), or None if the run left the
-    node first."""
+    node first. `held` (the database still names this node as the holder) catches a run that
+    left before the node ever listed it: a node that claims a run that does not fit its
+    thread budget hands it back at once (`run_does_not_fit`), and another node takes it."""
     serial = 0
     async with connect(str(socket), client_id=ctl_client_id(), timeout=5.0) as client:
         services = await client.services(CONTROL_PREFIX)
@@ -386,19 +388,19 @@ async def _live_run(socket: Path, run: int, at_least: int,
                 seen = True
                 if int(mine[0]["boundary"]) >= at_least:
                     return dict(mine[0])
-            elif seen:
+            elif seen or (held is not None and not await asyncio.to_thread(held)):
                 return None
             await asyncio.sleep(POLL_S)
     raise HarnessError(f"run {run} did not reach boundary {at_least} in time")
 
 
-def live_run(socket: Path, run: int, at_least: int,
-             timeout: float = RUN_TIMEOUT_S) -> dict[str, Any] | None:
+def live_run(socket: Path, run: int, at_least: int, timeout: float = RUN_TIMEOUT_S,
+             held: Callable[[], bool] | None = None) -> dict[str, Any] | None:
     """`_live_run`, reconnecting while the node's router is not up yet."""
     deadline = time.monotonic() + timeout
     while True:
         try:
-            return asyncio.run(_live_run(socket, run, at_least, deadline))
+            return asyncio.run(_live_run(socket, run, at_least, deadline, held))
         except (BusError, OSError) as exc:
             if time.monotonic() > deadline:
                 raise HarnessError(f"no control service on {socket}: {exc}") from None
