@@ -625,3 +625,46 @@ async def test_unknown_claim_outcome_sweeps_unseen_grant() -> None:
         assert (h.executor.scopes[0].run_id, h.executor.scopes[0].lease_epoch) == (run, 2)
         assert h.executor.scopes[0].attempt == 1
         await h.stop(task)
+
+
+async def test_a_commit_reply_after_the_self_fence_is_neither_logged_nor_acted_on() -> None:
+    """S6 (§7.3.6): a group commit lands, the store then stops answering renewals, and the
+    commit's reply (committed) comes back only after the watchdog fenced the hold. After
+    `lease_lost` the node logs nothing more for the grant but its cleanup (the session's scope
+    is cancelled)."""
+    clock_box: list[ManualClock] = []
+
+    async def late(store: Store, c: Commit) -> Committed:
+        done = await MemStore.commit(store, c)
+        store.renew_down = True
+        clock = clock_box[0]
+        await clock.sleep_until(clock.now() + P.G + 2 * P.watchdog_tick_s)
+        return done
+
+    writes: list[asyncio.Task[None]] = []
+
+    async def body(scope: Scope) -> None:
+        # the write outlives the scope's cancellation, as a session's checkpoint writer may
+        writes.append(asyncio.ensure_future(step_one(scope)))
+        await asyncio.shield(writes[0])
+
+    h = Harness(body)
+    clock_box.append(h.clock)
+    h.store.commit_faults.append(late)
+    [run] = await h.submit()
+    async with asyncio.TaskGroup() as tg:
+        task = await h.run(tg)
+        await h.until(lambda: bool(writes) and writes[0].done(), 30.0)
+        assert isinstance(writes[0].exception(), LeaseLost)
+        [lost] = h.named("lease_lost", run=run, epoch=1)
+        assert lost["reason"] == "safe_until"
+        [begin] = h.named("write_begin", run=run, epoch=1, kind="commit")
+        assert begin["t"] < lost["t"], "the commit was in flight when the hold was fenced"
+        assert h.store.effect_keys(run) == ["boundary-1"], "the commit landed"
+        after = h.events[h.events.index(lost) + 1:]
+        mine = [e["event"] for e in after if e.get("run") == run and e.get("epoch") == 1]
+        assert set(mine) <= {"scope_cancelled", "released", "write_begin", "write_result"}
+        assert not h.named("write_result", run=run, epoch=1, kind="commit")
+        assert not h.named("resolved", run=run, epoch=1)
+        assert h.named("scope_cancelled", run=run, epoch=1)
+        await h.stop(task)
