@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
+import psutil
 import psycopg
 import structlog
 
@@ -116,23 +117,13 @@ def sweep_dead_node_dirs(root: str | None = None) -> list[str]:
         pid_text = path.name[len(TEMP_PREFIX):].split("-", 1)[0]
         try:
             if (not pid_text.isdigit() or not path.is_dir() or path.is_symlink()
-                    or path.stat().st_uid != os.getuid() or _alive(int(pid_text))):
+                    or path.stat().st_uid != os.getuid() or psutil.pid_exists(int(pid_text))):
                 continue
         except OSError:
             continue
         shutil.rmtree(path, ignore_errors=True)
         swept.append(path.name)
     return sorted(swept)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 class NodeProcess:
