@@ -9,7 +9,7 @@ import dataclasses
 import itertools
 from fractions import Fraction
 
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from flyd.leases.core import (
@@ -139,6 +139,12 @@ op_st = st.one_of(
 
 @settings(max_examples=600, deadline=None)
 @given(st.sampled_from([LeaseParams(), LeaseParams.short_ttl()]), st.lists(op_st, max_size=60))
+# A self-fence whose scope is gone (cancel, relinquish), a grant flagged for cancellation
+# (stop) and a passing guard: every kind of decision is made in every run, not only when the
+# draws reach it.
+@example(LeaseParams.short_ttl(), [("grant", RUNS[0], False), ("advance", 5.0), ("watchdog",),
+                                   ("gone", RUNS[0]), ("grant", RUNS[1], True),
+                                   ("grant", RUNS[2], False), ("check", RUNS[2], 0.5)])
 def test_core_decisions_under_virtual_time(p: LeaseParams, ops: list[tuple[object, ...]]) -> None:
     core = LeaseCore(p, "n-000000000000", capacity=3)
     now = 0.0
