@@ -93,14 +93,18 @@ ORPHAN_TIMEOUT_S = 10.0
 HOLDER_TIMEOUT_S = 120.0
 
 
-def holds(dsn: str, run: int, node: Node | None) -> bool:
-    """Whether `run` is running under `node`'s live process (any node's, for None)."""
+def running_under(dsn: str, run: int) -> tuple[str, int] | None:
+    """(node name, node pid) of the node row holding `run` while it is `running`."""
     rows = query(dsn, "SELECT n.node_name, n.pid FROM flyd.runs r JOIN flyd.nodes n "
                       "ON n.node_id = r.owner_node WHERE r.run_id = %s AND r.state = 'running'",
                  run)
-    if not rows:
-        return False
-    return node is None or (rows[0][0] == node.name and rows[0][1] == node.pid)
+    return (str(rows[0][0]), int(rows[0][1])) if rows else None
+
+
+def holds(dsn: str, run: int, node: Node | None) -> bool:
+    """Whether `run` is running under `node`'s live process (any node's, for None)."""
+    row = running_under(dsn, run)
+    return row is not None and (node is None or row == (node.name, node.pid))
 
 
 def holder_of(dsn: str, run: int, nodes: dict[str, Node]) -> Node:
@@ -108,13 +112,11 @@ def holder_of(dsn: str, run: int, nodes: dict[str, Node]) -> Node:
     found: list[Node] = []
 
     def held() -> bool:
-        rows = query(dsn, "SELECT n.node_name, n.pid, r.state::text FROM flyd.runs r "
-                          "LEFT JOIN flyd.nodes n ON n.node_id = r.owner_node "
-                          "WHERE r.run_id = %s", run)
-        if not rows or rows[0][2] != "running" or rows[0][0] not in nodes:
+        row = running_under(dsn, run)
+        if row is None or row[0] not in nodes:
             return False
-        node = nodes[str(rows[0][0])]
-        if node.alive() and node.pid == rows[0][1]:
+        node = nodes[row[0]]
+        if node.alive() and node.pid == row[1]:
             found[:] = [node]
         return bool(found)
     wait_until(f"a node to hold run {run}", held, HOLDER_TIMEOUT_S, poll=0.05)
