@@ -67,11 +67,10 @@ Decisions where the spec is silent:
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import math
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping, Sequence
-from contextlib import aclosing, asynccontextmanager
+from contextlib import aclosing, asynccontextmanager, nullcontext
 from dataclasses import dataclass
 from datetime import datetime
 from types import TracebackType
@@ -81,7 +80,6 @@ import psycopg
 from psycopg import waiting
 from psycopg.abc import PQGen
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
-from psycopg.pq import TransactionStatus
 from psycopg.rows import TupleRow
 from psycopg.types.json import Jsonb
 from psycopg_pool import AsyncConnectionPool, PoolTimeout
@@ -280,20 +278,6 @@ def classify(exc: BaseException, *, sent: bool, backend: Backend | None,
 
 # --------------------------------------------------------------------------------------------
 # Connections
-
-
-@asynccontextmanager
-async def _unpipelined(conn: ClosingConnection) -> AsyncIterator[None]:
-    """The group commit's statements one round trip each (`PIPELINE_MAX_BYTES`); a statement
-    that fails rolls the transaction back here, as a failed pipeline does, so the connection
-    goes back to the pool idle."""
-    try:
-        yield None
-    except psycopg.Error:
-        if not conn.closed and conn.info.transaction_status != TransactionStatus.IDLE:
-            with contextlib.suppress(psycopg.Error):
-                await conn.rollback()
-        raise
 
 
 class ClosingConnection(psycopg.AsyncConnection[TupleRow]):
@@ -800,7 +784,7 @@ class PgStore:
                 backend = conn.backend
                 finish_cur: psycopg.AsyncCursor[TupleRow] | None = None
                 pipelined = ckpt is None or len(ckpt.envelope) <= PIPELINE_MAX_BYTES
-                async with conn.pipeline() if pipelined else _unpipelined(conn) as pipe:
+                async with conn.pipeline() if pipelined else nullcontext() as pipe:
                     await conn.execute("BEGIN")
                     if c.effects or ckpt is not None or c.finish is None:
                         await conn.execute(ASSERT_FENCE, base)

@@ -503,10 +503,10 @@ async def test_flyctl_checkpoints_json_output(claimed_run: RunCtx, tmp_path: Pat
 
 
 async def test_a_large_envelope_commits_and_a_refused_one_leaves_the_pool_usable(
-        claimed_run: RunCtx) -> None:
+        claimed_run: RunCtx, caplog: pytest.LogCaptureFixture) -> None:
     """A 64 MiB envelope, past `PIPELINE_MAX_BYTES`, commits within the commit bound (as one
-    pipeline it never finished sending); the same commit refused as fenced rolls back, and
-    the pool's next commit goes through."""
+    pipeline it never finished sending); the same commit refused as fenced is rolled back
+    before its connection returns to the pool, and the pool's next commit goes through."""
     ctx = claimed_run
     manifest, payloads = make_capture("ck-big", 1, world=bytes(range(256)) * (1 << 18))
     envelope = encode(manifest, payloads)
@@ -519,9 +519,12 @@ async def test_a_large_envelope_commits_and_a_refused_one_leaves_the_pool_usable
     assert (await ctx.store.read_bytes(record))[0] == envelope
     epoch = await ctx.reclaim()
     stale = replace(job, checkpoint_id="ck-big-2", boundary=2, effects=())
-    with pytest.raises(CommitFailure) as refused:
+    with caplog.at_level("WARNING", logger="psycopg.pool"), \
+            pytest.raises(CommitFailure) as refused:
         await ctx.store.commit(stale, ctx.path)
     assert refused.value.reason == "fenced"
+    assert not [r for r in caplog.records if "rolling back returned connection" in r.message], \
+        "the refused transaction reached the pool still open"
     path = DirectCommitPath(ctx.lease, ctx.run_id, epoch, OTHER)
     after = await ctx.store.commit(make_job(ctx.run_id, epoch, "ck-3", 3, after=1), path)
     assert after.is_head and after.lease_epoch == epoch
