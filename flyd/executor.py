@@ -50,6 +50,7 @@ from flyd.identities import SessionNames, SessionTags
 from flyd.launcher import LaunchedWorker, Launcher
 from flyd.leases.node import Scope
 from flyd.runspec import DEFAULT_MAX_AGENTS, RunSpec, RunSpecError
+from flyd.spawn import group_running
 from flyd.state.store import CheckpointStore
 from flyd.state.writer import EventRing, WriterConfig
 from workers.domain import DomainError
@@ -146,20 +147,12 @@ class SessionExecutor:
             self._groups.setdefault(run_id, []).extend(launcher.kill_process_groups())
 
     def alive(self, run_id: int) -> bool:
-        """Whether a process of the run's signalled groups still exists."""
+        """Whether a process of the run's signalled groups still runs (zombies are dead)."""
         groups = list(self._groups.get(run_id, ()))
         launcher = self._launchers.get(run_id)
         if launcher is not None:
             groups += [w.pid for w in launcher.workers().values() if w.pid is not None]
-        for pgid in groups:
-            try:
-                os.killpg(pgid, 0)
-            except ProcessLookupError:
-                continue
-            except PermissionError:
-                return True
-            return True
-        return False
+        return any(group_running(pgid) for pgid in groups)
 
     # ------------------------------------------------------------------ Executor
 

@@ -38,7 +38,8 @@ import structlog
 
 from workers.launch import START_GATE, die_with_parent
 
-__all__ = ["MAX_LINE", "ChildProcess", "ProcessInfo", "peak_rss_kib", "process_info"]
+__all__ = ["MAX_LINE", "ChildProcess", "ProcessInfo", "group_running", "peak_rss_kib",
+           "process_info"]
 
 log = structlog.get_logger("flyd.spawn")
 
@@ -70,6 +71,36 @@ def peak_rss_kib(pid: int) -> int | None:
     except (OSError, ValueError, IndexError):
         return None
     return None
+
+
+def group_running(pgid: int) -> bool:
+    """Whether process group `pgid` has a member that is not a zombie.
+
+    `killpg(pgid, 0)` also succeeds for a group of zombies, and a killed worker's own children
+    are orphans whose zombies only init reaps, on its own schedule (or never, when init does
+    not reap). A zombie executes nothing, so for "the run's processes are dead" (distribution.md
+    §5.5) it counts as dead. Reads `/proc/<pid>/stat` (state and pgrp follow the last ")");
+    without /proc every existing group counts as running.
+    """
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        pids = [name for name in os.listdir("/proc") if name.isdigit()]
+    except OSError:
+        return True
+    for name in pids:
+        try:
+            with open(f"/proc/{name}/stat", "rb") as fh:
+                fields = fh.read().rpartition(b")")[2].split()
+        except OSError:  # gone meanwhile
+            continue
+        if len(fields) > 2 and int(fields[2]) == pgid and fields[0] not in (b"Z", b"X"):
+            return True
+    return False
 
 
 def process_info(pid: int) -> ProcessInfo:

@@ -63,7 +63,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import ctypes.util
+import functools
 import os
 import re
 import signal
@@ -574,10 +574,13 @@ def thread_environment(threads: int) -> dict[str, str]:
 PR_SET_PDEATHSIG: Final = 1
 
 
+@functools.cache
 def _prctl() -> Callable[..., int]:
-    """libc `prctl`, resolved before any fork (Linux only)."""
-    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-    fn: Callable[..., int] = libc.prctl
+    """libc `prctl`, resolved before any fork (Linux only). From the process's own symbols
+    (`dlopen(NULL)`), not `ctypes.util.find_library`: that runs `ldconfig -p` in a child
+    process, and a worker killed while that child ran left it an orphan zombie in the
+    worker's process group until init reaped it."""
+    fn: Callable[..., int] = ctypes.CDLL(None, use_errno=True).prctl
     return fn
 
 

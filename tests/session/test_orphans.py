@@ -1,4 +1,6 @@
-"""Nothing outlives its parent (session.md §7.5 `die_with_parent`, §8 test 75)."""
+"""Nothing outlives its parent (session.md §7.5 `die_with_parent`, §8 test 75), and a killed
+group counts as dead once only zombies are left (distribution.md §5.5: confirming a run's process
+groups dead after SIGKILL)."""
 
 from __future__ import annotations
 
@@ -10,6 +12,9 @@ import time
 
 import psutil
 import pytest
+
+from flyd.spawn import group_running
+from workers import launch
 
 HELPER = """
 import subprocess, sys, time
@@ -54,3 +59,83 @@ def test_a_killed_parent_takes_its_workers_with_it() -> None:
                 os.kill(control, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+# A leader in its own session that forks a child; both sleep. Prints the child's pid.
+FORKING_LEADER = """
+import os, sys, time
+child = os.fork()
+if child == 0:
+    time.sleep(300)
+    os._exit(0)
+print(child, flush=True)
+time.sleep(300)
+"""
+
+
+def _state(pid: int) -> str | None:
+    try:
+        return psutil.Process(pid).status()
+    except psutil.NoSuchProcess:
+        return None
+
+
+@pytest.mark.timeout(30)
+def test_a_killed_group_left_as_zombies_is_not_running() -> None:
+    """The leader stays an unreaped zombie of ours, so `killpg(pgid, 0)` still succeeds (the
+    liveness check this replaced said "alive" here until someone reaped); `group_running` must
+    say dead, while it said running before the kill."""
+    leader = subprocess.Popen([sys.executable, "-c", FORKING_LEADER], stdout=subprocess.PIPE,
+                              start_new_session=True)
+    try:
+        assert leader.stdout is not None
+        child = int(leader.stdout.readline())
+        assert os.getpgid(child) == leader.pid
+        assert group_running(leader.pid)
+        os.killpg(leader.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while _state(leader.pid) != psutil.STATUS_ZOMBIE and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert _state(leader.pid) == psutil.STATUS_ZOMBIE
+        os.killpg(leader.pid, 0)  # the group still exists: the zombie leader is in it
+        while _state(child) not in (None, psutil.STATUS_ZOMBIE) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not group_running(leader.pid)
+    finally:
+        leader.kill()
+        leader.wait(5)
+    assert not group_running(leader.pid)  # reaped: the group is gone altogether
+
+
+@pytest.mark.timeout(30)
+def test_one_live_member_keeps_a_group_running() -> None:
+    """The leader is killed and reaped; its forked child, not signalled, still runs in the
+    group."""
+    leader = subprocess.Popen([sys.executable, "-c", FORKING_LEADER], stdout=subprocess.PIPE,
+                              start_new_session=True)
+    child = None
+    try:
+        assert leader.stdout is not None
+        child = int(leader.stdout.readline())
+        leader.kill()
+        leader.wait(5)
+        assert _state(child) not in (None, psutil.STATUS_ZOMBIE)
+        assert group_running(leader.pid)
+    finally:
+        if child is not None:
+            os.kill(child, signal.SIGKILL)
+
+
+def test_resolving_prctl_starts_no_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`die_with_parent` (in the node) and `arm_die_with_parent` (in every worker) resolve
+    libc's `prctl`; doing so through `ctypes.util.find_library` ran `ldconfig -p` in a child,
+    which a SIGKILL of the worker's group left behind as an orphan zombie."""
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError(f"a process was started: {args}")
+
+    monkeypatch.setattr(subprocess, "Popen", refuse)
+    monkeypatch.setattr(os, "posix_spawn", refuse)
+    monkeypatch.setattr(os, "fork", refuse)
+    launch._prctl.cache_clear()
+    assert callable(launch._prctl())
