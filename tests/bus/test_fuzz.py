@@ -62,7 +62,7 @@ from hypothesis.stateful import (
 from bus import codec
 from bus.client import _Validators
 from bus.errors import BusError
-from bus.limits import Limits, snake_case
+from bus.limits import REMEMBERED_INCARNATIONS, Limits, snake_case
 from bus.policy import Policy
 from bus.router import Router, RouterConfig
 
@@ -957,17 +957,20 @@ def test_router_survives_random_and_mutated_frames(case: list[list[Script]]) -> 
 #
 # The test counts the frames the router read (its own `framesIn` counter, which excludes frames
 # refused at the length prefix) and keeps running examples until at least FRAME_TARGET have
-# passed after the warm-up. Resource baseline: the warm-up runs the same machine for
-# WARMUP_FRAMES frames, so allocator arenas, caches and the remembered incarnations of the
-# client-id pool reach their working size; then, with every connection closed and the gauges
-# settled, the router's fd count and RSS are the baseline. After the measured run they must be
-# back within 10 % of it (fds: exactly, since every connection is closed).
+# passed after the warm-up. Resource baseline: the router remembers the last 1024 incarnations
+# of every clientId it has seen, for as long as it runs (wire.md §6.2), so the machine uses a
+# fixed set of clientIds (MACHINE_POOL and SERVICE_CLIENT) and the warm-up first hellos each of
+# them that many times, which brings that memory to its full size; then it runs the machine for
+# WARMUP_FRAMES frames, so allocator arenas and caches reach their working size. With every
+# connection closed and the gauges settled, the router's fd count and RSS are the baseline.
+# After the measured run they must be back within 10 % of it (fds: exactly, since every
+# connection is closed).
 
 FRAME_TARGET = 100_000 if PROFILE == "bus-fuzz-quick" else 2_000_000
 WARMUP_FRAMES = 15_000
 MACHINE_EXAMPLES = 8 if PROFILE == "bus-fuzz-quick" else 100
 IO_TIMEOUT_S = 30.0
-CLIENT_POOL = 12  # clientIds fz-0..fz-11: collisions give CONFLICT, memory stays bounded
+CLIENT_POOL = 12  # clientIds fz-a..fz-d, fz-0..fz-7: collisions give CONFLICT
 SERVICE_NAMES = ["fz.a", "fz.b", "fz.c"]
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -1337,6 +1340,7 @@ class Harness:
 
 MACHINE_HELLOS = st.sampled_from(["fresh"] * 10 + ["reused", "bad", "none"])
 MACHINE_POOL = [*CLIENT_IDS, *(f"fz-{k}" for k in range(CLIENT_POOL - len(CLIENT_IDS)))]
+SERVICE_CLIENT = "fz-s"  # every example's first service (the previous one has closed by then)
 ENDS = st.sampled_from(["close", "reset", "eof"])
 
 
@@ -1370,8 +1374,8 @@ class RouterMachine(RuleBasedStateMachine):
                 max_in_flight=st.integers(1, 2))
     def first_service(self, name: str, auto: str, max_queued: int, max_in_flight: int) -> Sock:
         """Every example starts with a service, so calls reach dispatch and replies."""
-        return self.open_conn("service", "fresh", f"fz-s{self.tally.connections}", auto, name,
-                              max_queued, max_in_flight)
+        return self.open_conn("service", "fresh", SERVICE_CLIENT, auto, name, max_queued,
+                              max_in_flight)
 
     @rule(target=conns, role=st.sampled_from(["caller", "caller", "service", "mixed"]),
           hello=MACHINE_HELLOS, client=st.sampled_from(MACHINE_POOL),
@@ -1560,6 +1564,45 @@ class RouterMachine(RuleBasedStateMachine):
         assert not self.tally.problems, "\n".join(self.tally.problems[:20])
 
 
+def _fill_remembered_incarnations(tally: Tally) -> int:
+    """Hello every clientId the machine uses REMEMBERED_INCARNATIONS times, each time with a
+    fresh incarnation, so the router remembers as many of their incarnations as it ever will
+    (the last 1024 per clientId, wire.md §6.2). Each connection is half-closed and drained to
+    the router's EOF, so its teardown is done before the next hello of that clientId.
+    Returns the number of hellos sent."""
+    left = dict.fromkeys([*MACHINE_POOL, SERVICE_CLIENT], REMEMBERED_INCARNATIONS)
+    sent = 0
+    while left:
+        socks = []
+        for client in left:
+            tally.next_incarnation += 1
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.settimeout(IO_TIMEOUT_S)
+            s.connect(tally.path)
+            s.sendall(_frame(orjson.dumps({"jsonrpc": "2.0", "id": 1, "method": "bus.hello",
+                                           "params": {
+                                               "clientId": client, "supportedMajors": [1],
+                                               "clientIncarnation":
+                                                   f"i-{tally.next_incarnation}"}})))
+            socks.append((client, s))
+            sent += 1
+        for client, s in socks:
+            with s.makefile("rb") as f:
+                head = f.read(4)
+                reply = f.read(struct.unpack("<I", head)[0]) if len(head) == 4 else b""
+            if "result" in orjson.loads(reply or b"{}"):  # else a CONFLICT: one more round
+                left[client] -= 1
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_WR)
+        for _, s in socks:
+            with contextlib.suppress(OSError):
+                while s.recv(1 << 16):
+                    pass
+            s.close()
+        left = {k: n for k, n in left.items() if n > 0}
+    return sent
+
+
 def _run_machine(h: Harness, frames_in: int) -> int:
     """Run machine examples until the router has read `frames_in` frames in total."""
     machine = settings(max_examples=MACHINE_EXAMPLES, stateful_step_count=40, deadline=None,
@@ -1580,6 +1623,7 @@ def test_router_state_machine_frames_and_resources() -> None:
         monitor = Monitor(tally)
         h = Harness(router, tally, monitor, monitor.stats())
         t0 = time.monotonic()
+        _fill_remembered_incarnations(tally)
         _run_machine(h, WARMUP_FRAMES)
         monitor.settle(h.baseline)
         fds0, rss0 = router.resources()
