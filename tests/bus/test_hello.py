@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from bus.limits import REMEMBERED_INCARNATIONS
 from bus.policy import Policy, PolicyEntry
 from bus.schema import SCHEMA_ROOT, contract_digest
 
@@ -176,6 +177,32 @@ async def test_incarnation_never_reused(router, raw, settle) -> None:
     # incarnations are remembered per clientId: another client may use the same string
     other = await raw(r)
     assert "result" in await other.hello("reuse-other", "reuse-inc-1")
+
+
+async def test_remembered_incarnations_bounded_per_client(router, raw) -> None:
+    """wire.md §6.2, §14.1: only the last REMEMBERED_INCARNATIONS incarnations of a clientId
+    are remembered and the oldest is forgotten, so however often a client reconnects, what the
+    router keeps for it stays bounded."""
+    r = await router()
+
+    async def hello_and_close(inc: str) -> dict[str, Any]:
+        c = await raw(r)
+        resp = await c.hello("win", inc)
+        c.writer.write_eof()
+        await c.expect_eof()  # the router has torn the connection down
+        return resp
+
+    for k in range(REMEMBERED_INCARNATIONS + 1):
+        assert "result" in await hello_and_close(f"win-{k}")
+    remembered = r._incarnations["win"]
+    assert len(remembered) == REMEMBERED_INCARNATIONS
+    assert "win-0" not in remembered and "win-1" in remembered
+    # the forgotten one is accepted again and pushes out the next oldest
+    assert "result" in await hello_and_close("win-0")
+    assert len(remembered) == REMEMBERED_INCARNATIONS
+    assert "win-1" not in remembered
+    _error(await hello_and_close("win-2"), "CONFLICT", -32009)
+    assert len(r._incarnations) == 1
 
 
 async def test_invalid_hello_params_close(router, raw) -> None:
