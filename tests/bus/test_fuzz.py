@@ -961,13 +961,14 @@ def test_router_survives_random_and_mutated_frames(case: list[list[Script]]) -> 
 # of every clientId it has seen, for as long as it runs (wire.md §6.2), so the machine uses a
 # fixed set of clientIds (MACHINE_POOL and SERVICE_CLIENT) and the warm-up first hellos each of
 # them that many times, which brings that memory to its full size; then it runs the machine for
-# WARMUP_FRAMES frames, so allocator arenas and caches reach their working size. With every
-# connection closed and the gauges settled, the router's fd count and RSS are the baseline.
-# After the measured run they must be back within 10 % of it (fds: exactly, since every
-# connection is closed).
+# WARMUP_FRAMES frames, half the measured run, so allocator arenas and caches reach their
+# working size (under the fuzz profile the router's RSS rose for about the first million frames,
+# while its Python heap stayed flat, and then levelled off). With every connection closed and
+# the gauges settled, the router's fd count and RSS are the baseline. After the measured run
+# they must be back within 10 % of it (fds: exactly, since every connection is closed).
 
 FRAME_TARGET = 100_000 if PROFILE == "bus-fuzz-quick" else 2_000_000
-WARMUP_FRAMES = 15_000
+WARMUP_FRAMES = FRAME_TARGET // 2
 MACHINE_EXAMPLES = 8 if PROFILE == "bus-fuzz-quick" else 100
 IO_TIMEOUT_S = 30.0
 CLIENT_POOL = 12  # clientIds fz-a..fz-d, fz-0..fz-7: collisions give CONFLICT
