@@ -29,8 +29,10 @@ Rules:
   is the COMMIT tag held on that link (the transaction committed), and A gets SIGKILL at that
   instant. Its victims are the final commits A logged (`write_begin(finish)`) without a
   result: those that landed (grant closed `finished` or `finish` in the ledger) must number
-  the COMMIT tags held and stay terminal at A's epoch; a second one still unsent at the kill
-  must land nothing. kill_finish_uncommitted's victims are found the same way.
+  the connections whose COMMIT tag A never read (held, or let through only by the final heal
+  at A's kill: a second final commit on another connection may send its COMMIT after the
+  trigger and land) and stay terminal at A's epoch; one still unsent at the kill must land
+  nothing. kill_finish_uncommitted's victims are found the same way.
 - db_restart runs on a private cluster started from pgserver's binaries in a temporary
   directory (`PrivateServer`), never on the shared server;
   db_backends_terminated ends only sessions named `flyd:%` in the scenario's database.
@@ -649,6 +651,21 @@ def _held_commit(h: Mapping[str, Any]) -> list[Mapping[str, Any]]:
             and str(r["detail"].get("tag", "")).startswith("COMMIT")]
 
 
+def _unread_commits(h: Mapping[str, Any]) -> set[Any]:
+    """The connections of A's link whose COMMIT tag A never read: held by the trigger, or let
+    through only by the final heal at A's kill. A final commit on another connection may still
+    send its COMMIT after the trigger (the up link passes) and land; its reply then reaches the
+    proxy while the down link holds and is delivered to a killed A."""
+    kills = _faults(h, "signal", node="a", signal="KILL")
+    kill_t = float(kills[0]["true"]) if kills else float("inf")
+    links = [r for r in h["raw_taps"] if r["node"] == "a"]
+    before = {r.get("conn") for r in links if float(r["t"]) < kill_t}  # the killed A's
+    return {r.get("conn") for r in links
+            if r["dir"] == "down" and r["kind"] == "complete" and r.get("conn") in before
+            and str(r["detail"].get("tag", "")).startswith("COMMIT")
+            and (r["fate"] == "held" or float(r["t"]) >= kill_t - 1e-6)}
+
+
 def _landed(h: Mapping[str, Any], v: Mapping[str, Any]) -> bool:
     """Whether a final commit of A committed: its grant closed `finished`, or its `finish`
     effect is in the ledger."""
@@ -664,12 +681,13 @@ def _terminal_once_at_a(h: dict[str, Any]) -> list[str]:
     held) left their runs terminal at A's epoch for good; the others landed nothing."""
     victims = _victims(h)
     landed = [v for v in victims if _landed(h, v)]
-    held = _held_commit(h)
+    unread = _unread_commits(h)
     out = []
     if not landed:
         out.append("no final commit of A landed unanswered")
-    if len(landed) != len(held):
-        out.append(f"{len(landed)} final commits of A landed, {len(held)} COMMIT tags held")
+    if len(landed) != len(unread):
+        out.append(f"{len(landed)} final commits of A landed, {len(unread)} COMMIT tags "
+                   f"held or let through only at A's kill")
     atts, runs = _attempts(h), _runs(h)
     a_ids = _ids(h, "a")
     for v in victims:
@@ -703,7 +721,7 @@ def _committed_trigger(h: Mapping[str, Any], _facts: Mapping[str, int]) -> int:
     if not kills or not held or held[0]["t"] > float(kills[0]["true"]) + 1e-6:
         return 0
     landed = [v for v in _victims(h) if _landed(h, v)]
-    return len(landed) if len(landed) == len(held) else 0
+    return len(landed) if len(landed) == len(_unread_commits(h)) else 0
 
 
 def kill_finish_committed(ctx: ScenarioContext) -> None:
