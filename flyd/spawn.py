@@ -46,6 +46,7 @@ log = structlog.get_logger("flyd.spawn")
 MAX_LINE: Final = 16 * 1024
 _LEVELS: Final = ("debug", "info", "warning", "error", "critical")
 _SKIP: Final = frozenset({"level", "event", "ts", "timestamp"})
+_DEAD: Final = frozenset({psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD})
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,8 +80,7 @@ def group_running(pgid: int) -> bool:
     `killpg(pgid, 0)` also succeeds for a group of zombies, and a killed worker's own children
     are orphans whose zombies only init reaps, on its own schedule (or never, when init does
     not reap). A zombie executes nothing, so for "the run's processes are dead" (distribution.md
-    §5.5) it counts as dead. Reads `/proc/<pid>/stat` (state and pgrp follow the last ")");
-    without /proc every existing group counts as running.
+    §5.5) it counts as dead. A member whose status cannot be read counts as running.
     """
     try:
         os.killpg(pgid, 0)
@@ -88,18 +88,12 @@ def group_running(pgid: int) -> bool:
         return False
     except PermissionError:
         return True
-    try:
-        pids = [name for name in os.listdir("/proc") if name.isdigit()]
-    except OSError:
-        return True
-    for name in pids:
+    for proc in psutil.process_iter(["status"]):
         try:
-            with open(f"/proc/{name}/stat", "rb") as fh:
-                fields = fh.read().rpartition(b")")[2].split()
-        except OSError:  # gone meanwhile
+            if os.getpgid(proc.pid) == pgid and proc.info["status"] not in _DEAD:
+                return True
+        except ProcessLookupError:  # gone meanwhile
             continue
-        if len(fields) > 2 and int(fields[2]) == pgid and fields[0] not in (b"Z", b"X"):
-            return True
     return False
 
 
