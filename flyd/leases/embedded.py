@@ -22,6 +22,9 @@ Decisions where the spec is silent:
   dir's, so every process sharing a data directory shares one lock.
 - Handles of processes that died without `stop()` (SIGKILL) are pruned from pgserver's refcount
   at `stop()`, so a crashed node never keeps the server alive for ever.
+- Several processes may start on one fresh state dir at once (two `flyd run`): creating
+  database `flyd` tolerates losing that race to another process (`_create_database`); the
+  migrations already serialise on their advisory lock.
 - `embedded_dsn_if_running` reads `postmaster.pid` only; it never starts or connects to anything
   (`flyctl`, cli.md §7.1).
 """
@@ -37,7 +40,7 @@ from typing import Any, Final
 
 import psutil
 import psycopg
-from psycopg import sql
+from psycopg import errors, sql
 
 from flyd.config import ConfigError
 from flyd.leases.migrate import migrate
@@ -45,6 +48,7 @@ from flyd.leases.migrate import migrate
 ROOT_USER: Final = "pgserver"
 START_TIMEOUT_S: Final = 60.0
 STOP_TIMEOUT_S: Final = 30.0
+_FLYD_EXISTS: Final = "SELECT 1 FROM pg_database WHERE datname = 'flyd'"
 _ADVICE: Final = ("run flyd as a dedicated non-root user, or point [database] dsn (FLYD_DSN, "
                   "--dsn) at an external PostgreSQL")
 
@@ -137,10 +141,19 @@ def _get_server(pgserver: Any, pgdata: Path) -> Any:
 
 
 def _create_database(admin_uri: str) -> None:
+    """Create database `flyd` unless it exists. Processes starting on one fresh state dir at
+    once may all see it missing: the one whose `CREATE DATABASE` loses the race (a
+    `duplicate_database`, or a unique violation on the catalog's name index when both
+    inserted concurrently) finds the winner's database and goes on."""
     with psycopg.connect(admin_uri, autocommit=True, connect_timeout=10) as conn:
-        found = conn.execute("SELECT 1 FROM pg_database WHERE datname = 'flyd'").fetchone()
-        if found is None:
+        found = conn.execute(_FLYD_EXISTS).fetchone()
+        if found is not None:
+            return
+        try:
             conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier("flyd")))
+        except (errors.DuplicateDatabase, errors.UniqueViolation):
+            if conn.execute(_FLYD_EXISTS).fetchone() is None:
+                raise
 
 
 def _prune_dead_handles(server: Any) -> None:

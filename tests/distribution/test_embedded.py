@@ -2,17 +2,22 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import stat
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
+import orjson
 import psutil
 import psycopg
 import pytest
+from psycopg.conninfo import make_conninfo
 
 from flyd.leases.embedded import EmbeddedPostgres, embedded_dsn_if_running
 
@@ -100,4 +105,56 @@ def test_db_migrate_without_a_dsn_uses_the_embedded_server(state_dir: Path) -> N
     assert proc.stdout.startswith('{"schemaVersion":')
     assert (state_dir / "pg" / "PG_VERSION").is_file()
     assert stat.S_IMODE((state_dir / "run").stat().st_mode) == 0o700
+    assert _postmasters(state_dir / "pg") == []
+
+
+def _creating(admin: psycopg.Connection[Any]) -> set[int]:
+    """Backends whose `CREATE DATABASE` waits for a lock."""
+    rows = admin.execute("SELECT pid FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
+                         "AND query ILIKE 'CREATE DATABASE%'").fetchall()
+    return {int(r[0]) for r in rows}
+
+
+@pytest.mark.timeout(240)
+def test_two_flyd_runs_on_a_fresh_state_dir_both_create_the_database(state_dir: Path) -> None:
+    """Two `flyd run` started together on a state dir without database `flyd` both find it
+    missing and both create it; the loser of that race joins the winner's database instead of
+    failing with a raw `duplicate key … pg_database_datname_index`. The race is made certain:
+    the test holds `pg_database` until both processes wait inside `CREATE DATABASE` (the
+    vacuity check), then lets them go."""
+    embedded = EmbeddedPostgres()  # keeps the server up, so the runs join it
+    dsn = asyncio.run(embedded.start(state_dir))
+    procs: list[subprocess.Popen[str]] = []
+    try:
+        admin_dsn = make_conninfo(dsn, dbname="postgres")
+        with psycopg.connect(admin_dsn, autocommit=True) as admin:
+            admin.execute("DROP DATABASE flyd")
+            holder = psycopg.connect(admin_dsn)
+            holder.execute("LOCK TABLE pg_database IN EXCLUSIVE MODE")
+            env = {k: v for k, v in os.environ.items()
+                   if not k.startswith("FLYD_") and k != "XDG_RUNTIME_DIR"}
+            for name in ("a", "b"):
+                procs.append(subprocess.Popen(
+                    [sys.executable, "-m", "flyd", "run", "--json", "--steps", "3", "--mode",
+                     "in-process", "--state-dir", str(state_dir), "--socket",
+                     str(state_dir / f"{name}.sock")],
+                    env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+            deadline = time.monotonic() + 120
+            while len(_creating(admin)) < 2:
+                assert all(p.poll() is None for p in procs), [p.communicate() for p in procs]
+                assert time.monotonic() < deadline, "the runs never both reached CREATE DATABASE"
+                time.sleep(0.1)
+            holder.commit()
+            holder.close()
+        for proc in procs:
+            out, err = proc.communicate(timeout=150)
+            assert proc.returncode == 0, (out, err[-3000:])
+            assert "Traceback" not in err and "duplicate key" not in out + err, err[-3000:]
+            assert orjson.loads(out.splitlines()[-1])["state"] == "succeeded"
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        asyncio.run(embedded.stop())
     assert _postmasters(state_dir / "pg") == []
