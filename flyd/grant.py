@@ -25,7 +25,9 @@ Sequence:
    refused at once.
    A launch that fails (a worker that dies or does not identify within the boot budget) hands
    the run back charged, `claim_poll` from now, for another attempt here or elsewhere; on the
-   run's last attempt it ends the run `failed` with `{error: "launch failed", failure}`.
+   run's last attempt it ends the run `failed` with `{error: "launch failed", failure}`. A
+   launch refused for its arguments (`INVALID_ARGUMENT`, `launch_refusal_repeats`) would be
+   refused again on every node and attempt, so it ends the run that way at once.
 4. End (§9.3): the target → a final durable capture carrying the remaining effects, `finish`
    and `finish_run(succeeded)` in one transaction; a cancel request → the pending effects,
    `finish` and `finish_run(cancelled)` without a checkpoint; exhausted or refused recovery, or a
@@ -70,14 +72,14 @@ from flyd.state.store import CheckpointRecord, CheckpointStore, FinishRun
 from flyd.state.writer import CheckpointWriter, Committed, EventRing, WriterConfig
 from flyd.trace import EpochRebase
 from workers.canonical import digest_of
-from workers.domain import DomainError
+from workers.domain import DomainError, ErrorCode
 from workers.shell import load_plugin
 from workers.synthetic.executor import IdentityExecutor
 
 if TYPE_CHECKING:
     from flyd.executor import RunReport, SessionExecutor
 
-__all__ = ["GrantSession", "RunAbandoned", "writer_config"]
+__all__ = ["GrantSession", "RunAbandoned", "launch_refusal_repeats", "writer_config"]
 
 log = structlog.get_logger("flyd.grant")
 
@@ -101,6 +103,12 @@ _SPEC_KEYS: Final = {
 class RunAbandoned(Exception):
     """The grant's work cannot go on here (the writer would not drain); the runtime
     relinquishes the run and the next holder resumes from the head."""
+
+
+def launch_refusal_repeats(exc: DomainError | BusError) -> bool:
+    """Whether a launch failure would recur on any node and attempt: the launch values built
+    from the spec were refused (`INVALID_ARGUMENT`), not a process, the bus or the budget."""
+    return isinstance(exc, DomainError) and exc.code == ErrorCode.INVALID_ARGUMENT
 
 
 def writer_config(node: WriterConfig, spec: RunSpec) -> WriterConfig:
@@ -282,7 +290,7 @@ class GrantSession:
                                "mutation": mutation, "message": message}
         self.report.failures.append(self.report.failure)
         await self._durability().writer.shutdown()
-        if await self.scope.retry_later():
+        if not launch_refusal_repeats(exc) and await self.scope.retry_later():
             self.log.warning("run.launch_failed", code=code, message=message, retry=True)
             self.report.state = "released"
             return

@@ -17,7 +17,8 @@ coordinator, the harness and the node agree byte for byte, and the default close
 
 Resolved ambiguities:
 - Tags and generations are validated at construction (`s1..s999999`, generations 1..9999, worker
-  ids ≤ 48 characters), so every derived name is a valid bus Id (≤ 64 characters).
+  ids by `workers.domain.parse_worker_id`, the run spec's rule too), so every derived name is
+  a valid bus Id (≤ 64 characters) and every service a valid service name.
 - `WorkerRef` (the coordinator's pinned reference, §6.1) lives here rather than in the
   coordinator because the launcher produces it (`LaunchedWorker.worker_ref()`) and imports go
   downward only.
@@ -32,7 +33,7 @@ from dataclasses import dataclass, replace
 from typing import Final, Literal
 
 from bus.client import new_incarnation
-from workers.domain import DomainError, parse_id
+from workers.domain import MAX_WORKER_ID, DomainError, parse_id, parse_worker_id
 
 __all__ = [
     "MAX_GENERATION",
@@ -62,7 +63,6 @@ Role = Literal["agent", "environment"]
 MAX_TAG: Final = 999_999
 FIRST_TAG_MAX: Final = 900_000
 MAX_GENERATION: Final = 9999
-MAX_WORKER_ID: Final = 48
 _TAG: Final = re.compile(r"s([1-9][0-9]{0,5})")
 _NODE_NAME: Final = re.compile(r"[a-z0-9][a-z0-9-]{0,31}")
 
@@ -80,15 +80,6 @@ def _check_generation(generation: int) -> int:
             or not 1 <= generation <= MAX_GENERATION:
         raise DomainError.invalid(f"generation {generation!r} is not in 1..{MAX_GENERATION}")
     return generation
-
-
-def _check_worker_id(worker_id: str) -> str:
-    parse_id(worker_id, "worker id")
-    if len(worker_id) > MAX_WORKER_ID:
-        raise DomainError.invalid(
-            f"worker id {worker_id!r} has {len(worker_id)} characters; at most "
-            f"{MAX_WORKER_ID} are allowed")
-    return worker_id
 
 
 class SessionTags:
@@ -139,21 +130,21 @@ def launcher_client_id(tag: str) -> str:
 
 def worker_client_id(tag: str, worker_id: str, generation: int) -> str:
     parse_tag(tag)
-    return f"{tag}.{_check_worker_id(worker_id)}.g{_check_generation(generation)}"
+    return f"{tag}.{parse_worker_id(worker_id)}.g{_check_generation(generation)}"
 
 
 def agent_service(tag: str, agent_id: str) -> str:
     parse_tag(tag)
-    return f"{tag}.agent.{_check_worker_id(agent_id)}"
+    return f"{tag}.agent.{parse_worker_id(agent_id)}"
 
 
 def environment_service(tag: str, world_id: str) -> str:
     parse_tag(tag)
-    return f"{tag}.env.{_check_worker_id(world_id)}"
+    return f"{tag}.env.{parse_worker_id(world_id)}"
 
 
 def domain_incarnation(worker_id: str, generation: int) -> str:
-    return f"{_check_worker_id(worker_id)}-inc-{_check_generation(generation)}"
+    return f"{parse_worker_id(worker_id)}-inc-{_check_generation(generation)}"
 
 
 def session_client_grants(tag: str) -> dict[str, list[str]]:

@@ -52,6 +52,7 @@ from workers.domain import (
     parse_int,
     parse_request_id,
     parse_u64,
+    parse_worker_id,
 )
 from workers.faults import KNOBS, Faults, Knob, Role, camel_case, role_fields, role_knobs
 from workers.synthetic.task import Terminal
@@ -78,7 +79,6 @@ __all__ = [
 SPEC_VERSION: Final = 1
 DEFAULT_MAX_AGENTS: Final = 4
 MAX_AGENTS_LIMIT: Final = 256
-MAX_WORKER_ID: Final = 48
 MAX_THREADS: Final = 256
 MAX_OBSERVATION_DELAY: Final = 8
 MAX_SAFE: Final = 2**53 - 1
@@ -196,10 +196,7 @@ def _choice(value: Any, path: str, choices: Sequence[str]) -> str:
 
 
 def _worker_id(value: Any, path: str, what: str) -> str:
-    worker = _at(path, parse_id, value, what)
-    if len(worker) > MAX_WORKER_ID:
-        raise RunSpecError(path, f"{what} {worker} is longer than {MAX_WORKER_ID} characters")
-    return worker
+    return _at(path, parse_worker_id, value, what)
 
 
 def _import_path(value: Any, path: str) -> str:

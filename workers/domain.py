@@ -7,6 +7,10 @@ Scalars (§1.2) — each `parse_*` returns the Python value or raises `DomainErr
 `INVALID_ARGUMENT`/`none` naming what was wrong:
 
     Id          str   ^[a-z0-9][a-z0-9._-]{0,63}$
+    WorkerId    str   an Id of at most 48 characters without an empty dot-separated segment
+                      (no `..`, no trailing `.`): it ends the worker's bus service name
+                      `<tag>.agent.<id>` / `<tag>.env.<id>` (wire.md §5), so a run spec that
+                      validates always launches
     RequestId   str   req-<U64>, canonical decimal, >= 1 (req-0 only as an outcome's fallback)
     U64         int   JSON *string* "0" or [1-9][0-9]{0,19}, value <= 2^64-1
     I32         int   JSON integer in -2^31..2^31-1 (a bool or a float is refused)
@@ -58,6 +62,7 @@ __all__ = [
     "I32_MAX",
     "I32_MIN",
     "MAX_MESSAGE_CODE_POINTS",
+    "MAX_WORKER_ID",
     "U64_MAX",
     "Answered",
     "AssetRef",
@@ -130,6 +135,7 @@ __all__ = [
     "parse_strict",
     "parse_string",
     "parse_u64",
+    "parse_worker_id",
     "readable_request_id",
     "serial",
     "short",
@@ -141,6 +147,7 @@ U64_MAX: Final = 2**64 - 1
 I32_MIN: Final = -(2**31)
 I32_MAX: Final = 2**31 - 1
 MAX_MESSAGE_CODE_POINTS: Final = 512
+MAX_WORKER_ID: Final = 48
 
 _ID: Final = re.compile(r"[a-z0-9][a-z0-9._-]{0,63}")
 _U64: Final = re.compile(r"0|[1-9][0-9]{0,19}")
@@ -325,6 +332,19 @@ def parse_id(value: Any, what: str = "id") -> str:
         )
     result: str = value
     return result
+
+
+def parse_worker_id(value: Any, what: str = "worker id") -> str:
+    """An agent's or the world's id (the WorkerId rule above): one rule for the run spec and
+    for the bus names the launcher derives from it."""
+    worker = parse_id(value, what)
+    if len(worker) > MAX_WORKER_ID:
+        raise DomainError.invalid(f"{what} {worker} is longer than {MAX_WORKER_ID} characters")
+    if ".." in worker or worker.endswith("."):
+        raise DomainError.invalid(
+            f"{what} {worker} has an empty dot-separated segment (no '..', no trailing '.'): "
+            "it must end a bus service name")
+    return worker
 
 
 def parse_string(value: Any, what: str) -> str:

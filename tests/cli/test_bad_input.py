@@ -138,6 +138,18 @@ def test_a_malformed_fault_spec_on_submit_and_import_changes_nothing(site: Site)
     _untouched(site, "good.flysess")
 
 
+def test_agent_ids_that_cannot_name_a_bus_service_exit_2_naming_their_path(site: Site) -> None:
+    """`a..b` and `c.` are Ids, but `<tag>.agent.a..b` is no service name: they were accepted
+    and every launch was refused (three attempts). One rule now refuses them up front."""
+    for argv in (_flyd("run", "--steps", "10", "--agents", "a..b,c.", "--json", "--socket",
+                       site.socket),
+                 [*FLYCTL, "runs", "submit", "--steps", "10", "--agents", "a..b,c.", "--json"]):
+        _refused(site, argv, "USAGE", "/agents/0/agentId", "a..b", "empty dot-separated segment")
+    _refused(site, _flyd("run", "--steps", "10", "--agents", "ok,c.", "--json", "--socket",
+                         site.socket), "USAGE", "/agents/1/agentId", "c.")
+    _untouched(site)
+
+
 # --------------------------------------------------------------------------------------------
 # configuration
 
@@ -201,6 +213,9 @@ def test_invalid_queued_specs_fail_with_their_reason_and_the_node_keeps_serving(
         (_insert_raw(site, {"steps": 10}), "/steps", "U64 string"),
         (_insert_raw(site, {**spec_json(10), "startFrom": ghost}), "/startFrom",
          "checkpoint ck-e1-5 is not stored"),
+        (_insert_raw(site, {**spec_json(10), "agents": [
+            {"agentId": "a..b", "portId": "p1", "seed": None}]}), "/agents/0/agentId",
+         "empty dot-separated segment"),
         (store_submit(site.dsn, {**spec_json(10), "stepz": "10"}), "/stepz", "unknown key"),
         (store_submit(site.dsn, {**spec_json(10), "world": {"impl": "nomodule.x:World"}}),
          "/world/impl", "cannot be found"),
@@ -230,10 +245,12 @@ def test_invalid_queued_specs_fail_with_their_reason_and_the_node_keeps_serving(
 
     good = submit(site, "--steps", "10", "--mode", "in-process")
     deadline = time.monotonic() + 90
-    while run_row(site, good)["state"] != "succeeded":
-        assert run_row(site, good)["state"] in ("pending", "running"), run_row(site, good)
+    row = run_row(site, good)
+    while row["state"] != "succeeded":
+        assert row["state"] in ("pending", "running"), row
         assert time.monotonic() < deadline, "the valid run did not finish"
         time.sleep(0.2)
+        row = run_row(site, good)
     node.send_signal(signal.SIGTERM)
     assert node.wait(timeout=60) == 0
 

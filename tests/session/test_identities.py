@@ -12,9 +12,12 @@ import re
 from typing import TYPE_CHECKING
 
 import pytest
+from hypothesis import example, given
+from hypothesis import strategies as st
 
 from bus.client import connect
-from bus.errors import Conflict, NotAuthorized
+from bus.errors import Conflict, NotAuthorized, RouterLost
+from flyd.grant import launch_refusal_repeats
 from flyd.identities import (
     SessionNames,
     SessionTags,
@@ -32,7 +35,9 @@ from flyd.identities import (
     worker_grants,
 )
 from flyd.launcher import connect_expected
-from workers.domain import DomainError, is_id
+from flyd.runspec import RunSpec, RunSpecError
+from workers.domain import DomainError, ErrorCode, Mutation, is_id, parse_worker_id
+from workers.launch import AgentSettings, WorkerLaunch
 
 if TYPE_CHECKING:
     from tests.session.conftest import Node
@@ -113,6 +118,59 @@ def test_every_derived_name_is_a_bus_id_at_the_largest_tag_and_generation() -> N
         assert is_id(name), name
     with pytest.raises(DomainError):
         agent.next_generation()  # generation 10000
+
+
+def _spec_accepts(agent_id: str) -> bool:
+    try:
+        RunSpec.validate({"agents": [{"agentId": agent_id, "portId": "p1", "seed": None}]})
+    except RunSpecError as exc:
+        assert exc.path == "/agents/0/agentId", exc
+        return False
+    return True
+
+
+def _launch_accepts(service: str) -> bool:
+    """The launch values' own service-name check (what a worker is started with)."""
+    try:
+        WorkerLaunch(socket="/tmp/x.sock", session_id="demo", worker_id="w",
+                     incarnation_id="w-inc-1", client_id="s1.w.g1", service=service,
+                     supervisor="s1.launcher", callers=("s1.coordinator",), threads=1,
+                     max_agents=4, settings=AgentSettings(port_id="p1"))
+    except DomainError:
+        return False
+    return True
+
+
+@given(st.from_regex(r"[a-z0-9][a-z0-9._-]{0,63}", fullmatch=True))
+@example("a..b")
+@example("c.")
+@example("a.b")
+@example("a" * 48)
+@example("a" * 49)
+def test_a_worker_id_validates_exactly_when_its_bus_names_launch(agent_id: str) -> None:
+    """One rule for the run spec and the launcher (issue: `--agents a..b,c.` validated, then
+    every launch was refused): an Id the spec accepts always makes a valid service name, and
+    one it refuses for its dots never would."""
+    launches = _launch_accepts(f"s1.agent.{agent_id}") and _launch_accepts(f"s1.env.{agent_id}")
+    assert _spec_accepts(agent_id) == (launches and len(agent_id) <= 48)
+    if _spec_accepts(agent_id):
+        assert NAMES.agent(agent_id, "p1", threads=1).service == f"s3.agent.{agent_id}"
+        assert parse_worker_id(agent_id) == agent_id
+    else:
+        with pytest.raises(DomainError):
+            NAMES.agent(agent_id, "p1", threads=1)
+
+
+def test_only_a_refusal_of_the_launch_values_is_not_retried() -> None:
+    """A launch refused for its arguments recurs on every node and attempt (the run ends at
+    once); a worker that died, a budget or a bus failure may not, so those are retried."""
+    assert launch_refusal_repeats(DomainError.invalid("service 's1.agent.c.' is not a name"))
+    for transient in (DomainError(ErrorCode.BACKEND_FAILURE, "fly-a exited with code 70",
+                                  Mutation.NONE),
+                      DomainError.before(ErrorCode.BUSY, "2 of 8 threads remain"),
+                      DomainError.before(ErrorCode.IDENTITY_MISMATCH, "no live worker"),
+                      RouterLost("router stopping")):
+        assert not launch_refusal_repeats(transient), transient
 
 
 async def test_the_node_connection_admits_exactly_the_session_clients(node: Node) -> None:
