@@ -455,6 +455,18 @@ class Config:
     def value(self, section: str, key: str) -> Any:
         return self.setting(section, key).value
 
+    def origin(self, section: str, key: str) -> str:
+        """Where a value came from, as error messages name it: `flag --socket`, `environment
+        FLYD_SOCKET`, the config file's path, or `default`."""
+        spec, source = KEYS[section][key], self.source(section, key)
+        if source == "flag":
+            return f"flag {spec.flag or f'{section}.{key}'}"
+        if source == "env":
+            return f"environment {spec.env}"
+        if source == "file":
+            return str(self.config_file)
+        return "default"
+
     def source(self, section: str, key: str) -> Source:
         return self.setting(section, key).source
 

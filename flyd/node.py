@@ -5,9 +5,11 @@ differ only in what they claim (`only`: `flyd run` claims the one run it submitt
 they stop. This module wires the parts in order and takes them down in reverse, each step
 bounded:
 
-start: embedded PostgreSQL under `<state-dir>/pg` when no DSN is configured (§5.9) → migrations
-→ router child on the socket (cli.md §5.1; `--no-router` connects to a router managed
-separately) → node connection `node.<node_id>` → `PgStore` → `SessionExecutor`.
+start: the socket path checked (`flyd.router_child.check_socket_path`: nothing that is not
+the node's is ever touched) → embedded PostgreSQL under `<state-dir>/pg` when no DSN is
+configured (§5.9) → migrations → router child on the socket (cli.md §5.1; `--no-router`
+connects to a router managed separately) → node connection `node.<node_id>` → `PgStore` →
+`SessionExecutor`.
 serve: `NodeRuntime(...).run()` until drained or stopped; SIGTERM/SIGINT drain (a second one
 skips the checkpoints, §5.8).
 close: store, node connection, router (SIGTERM, SIGKILL after 5 s), embedded server.
@@ -56,7 +58,7 @@ from flyd.leases.migrate import migrate
 from flyd.leases.node import NodeRuntime
 from flyd.leases.pgstore import DbSettings, PgStore
 from flyd.leases.store import NodeInfo
-from flyd.router_child import RouterChild, RouterStartError
+from flyd.router_child import RouterChild, RouterStartError, check_socket_path
 from flyd.state.store import PgCheckpointStore
 from flyd.state.writer import WriterConfig
 
@@ -96,6 +98,7 @@ class NodeSetup:
     threads: int
     router: bool = True
     router_quiet: int = 1
+    socket_origin: str = "default"
     sim_clock: Path | None = None
     time_scale: float = 1.0
     clock_rate: float = 1.0
@@ -154,6 +157,8 @@ class NodeProcess:
 
     async def start(self) -> None:
         setup = self.setup
+        if setup.router:
+            check_socket_path(setup.socket, setup.socket_origin)
         setup.state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         if setup.dsn is None:
             self.embedded = EmbeddedPostgres()
@@ -285,8 +290,7 @@ class NodeProcess:
         setup = self.setup
         bus: Mapping[str, Any] = {k: v for k, v in setup.config.section("bus").items()
                                   if v is not None}
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(setup.socket)
+        router.remove_socket()
         await router.start(bus, capacity=setup.capacity,
                            max_agents=int(setup.config.value("session", "max_agents")),
                            quiet=setup.router_quiet)

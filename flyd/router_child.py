@@ -8,6 +8,17 @@ session.md §7.2 with the node's pid unless `[bus.policy]` is set.
 
 Socket choice (§4.1): a forced path is used as given; otherwise the default socket, unless a
 router already answers there, in which case a private `run-<pid>.sock` beside it.
+
+A node never touches a path it did not bind (`check_socket_path`, `RouterChild.stop`):
+- Before anything starts, the socket path is refused (`SocketPathError`, exit 2, `CONFIG`)
+  when something other than a socket is there (a regular file, a directory, a symbolic link,
+  ...), when a router already answers on it, and, for a path the user named (flag,
+  environment, config file), when its directory does not exist: a mistyped path is an error,
+  not a tree created and left behind. Only the default socket's directory (cli.md §2.2) is the
+  node's to create.
+- The router child's socket is removed by the node only if the path still holds the very socket
+  (device and inode) that child bound, so a refused start, or a file that replaced the socket
+  meanwhile, is left as it is.
 """
 
 from __future__ import annotations
@@ -18,6 +29,7 @@ import os
 import re
 import signal
 import socket as socketlib
+import stat
 import sys
 import time
 from collections.abc import Mapping
@@ -35,8 +47,8 @@ from flyd.config import ConfigError, default_socket
 from flyd.runspec import DEFAULT_MAX_AGENTS
 from flyd.spawn import ChildProcess
 
-__all__ = ["RouterChild", "RouterStartError", "choose_socket", "required_limits", "router_answers",
-           "router_toml"]
+__all__ = ["RouterChild", "RouterStartError", "SocketPathError", "check_socket_path",
+           "choose_socket", "required_limits", "router_answers", "router_toml"]
 
 log = structlog.get_logger("flyd.router_child")
 
@@ -53,6 +65,38 @@ class RouterStartError(Exception):
     def __init__(self, message: str) -> None:
         super().__init__(message)
         self.message = message
+
+
+class SocketPathError(ConfigError):
+    """The node's router cannot bind this socket path without touching what is there, or the
+    path's directory is missing (exit 2, `CONFIG`); nothing was changed."""
+
+
+_KINDS: Final = ((stat.S_ISREG, "a regular file"), (stat.S_ISDIR, "a directory"),
+                 (stat.S_ISLNK, "a symbolic link"), (stat.S_ISFIFO, "a FIFO"),
+                 (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
+
+
+def check_socket_path(path: str, origin: str = "default") -> None:
+    """Refuse a router socket path (module docstring) before anything starts; `origin` says
+    where the path came from (`Config.origin`), `default` for the node's own default."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        parent = os.path.dirname(path) or "."
+        if origin != "default" and not os.path.isdir(parent):
+            what = "is not a directory" if os.path.lexists(parent) else "does not exist"
+            raise SocketPathError(f"{origin}: [bus] socket {path}: the directory {parent} "
+                                  f"{what}") from None
+        return
+    except OSError as exc:
+        raise SocketPathError(f"{origin}: [bus] socket {path}: {exc.strerror}") from None
+    if not stat.S_ISSOCK(st.st_mode):
+        kind = next((name for test, name in _KINDS if test(st.st_mode)), "not a socket")
+        raise SocketPathError(f"{origin}: [bus] socket {path} is {kind}, not a socket; not "
+                              f"touching it")
+    if router_answers(path):
+        raise SocketPathError(f"{origin}: [bus] socket {path}: a router already answers there")
 
 
 def router_answers(path: str) -> bool:
@@ -169,6 +213,7 @@ class RouterChild:
         self.directory = directory
         self.socket = socket
         self.process: ChildProcess | None = None
+        self._bound: tuple[int, int] | None = None
 
     async def start(self, bus: Mapping[str, Any], *, capacity: int = 1,
                     max_agents: int = DEFAULT_MAX_AGENTS, quiet: int = 1) -> None:
@@ -186,6 +231,8 @@ class RouterChild:
                 raise RouterStartError(f"the router on {self.socket} exited with code "
                                        f"{self.process.exited.result()}")
             if await asyncio.to_thread(router_answers, self.socket):
+                st = os.lstat(self.socket)
+                self._bound = (st.st_dev, st.st_ino)
                 return
             if time.monotonic() > deadline:
                 raise RouterStartError(f"the router did not accept on {self.socket} within "
@@ -196,11 +243,24 @@ class RouterChild:
     def pid(self) -> int | None:
         return None if self.process is None else self.process.pid
 
+    def remove_socket(self) -> None:
+        """Remove the socket file this router child bound, if the path still holds that very
+        socket (device and inode) and nothing answers on it; anything else is left alone."""
+        bound, self._bound = self._bound, None
+        try:
+            st = os.lstat(self.socket)
+        except FileNotFoundError:
+            return
+        if (bound == (st.st_dev, st.st_ino) and stat.S_ISSOCK(st.st_mode)
+                and not router_answers(self.socket)):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.socket)
+
     async def stop(self) -> None:
         """SIGTERM, then SIGKILL after `ROUTER_STOP_S`. The router's own process is checked by
         pid and command line too (a child whose exit watch fired early must not survive as an
         orphan still serving the socket). A router that had to be killed could not remove its
-        socket file; the path is this node's, so it is removed here."""
+        socket file; that socket is removed here (`remove_socket`)."""
         router, self.process = self.process, None
         if router is None:
             return
@@ -217,9 +277,7 @@ class RouterChild:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
         await router.close(ROUTER_STOP_S)
-        if not await asyncio.to_thread(router_answers, self.socket):
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.socket)
+        await asyncio.to_thread(self.remove_socket)
 
     def _serves(self, pid: int) -> bool:
         """Whether `pid` is still this router (alive, not a zombie, our socket in its argv)."""

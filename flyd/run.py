@@ -149,6 +149,7 @@ def node_setup(opts: RunOptions, config: Config, spec: RunSpec) -> NodeSetup:
     if forced is None and config.source("bus", "socket") in ("file", "env", "flag"):
         forced = str(config.value("bus", "socket"))
     socket, private = choose_socket(forced)
+    origin = config.origin("bus", "socket") if forced else "default"
     if private:
         print(f"flyd run: a router answers on the default socket; using the private socket "
               f"{socket}", file=sys.stderr)
@@ -159,7 +160,7 @@ def node_setup(opts: RunOptions, config: Config, spec: RunSpec) -> NodeSetup:
     threads = max(int(config.value("node", "threads")), spec.thread_need(reservation))
     return NodeSetup(config=config, node_id=new_node_id(name), node_name=name, socket=socket,
                      state_dir=Path(str(config.value("node", "state_dir"))), capacity=1,
-                     threads=threads, router_quiet=opts.router_quiet)
+                     threads=threads, router_quiet=opts.router_quiet, socket_origin=origin)
 
 
 class Progress:

@@ -104,6 +104,7 @@ async def serve(opts: ServeOptions) -> int:
         capacity=int(config.value("node", "capacity")),
         threads=int(config.value("node", "threads")),
         router=bool(config.value("node", "router")), router_quiet=opts.router_quiet,
+        socket_origin=config.origin("bus", "socket"),
         sim_clock=opts.sim_clock, time_scale=opts.time_scale, clock_rate=opts.clock_rate)
     node = NodeProcess(setup)
     try:

@@ -40,6 +40,7 @@ import socket as socketlib
 import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import orjson
@@ -332,6 +333,77 @@ def test_an_unreachable_dsn_is_a_config_error_that_changes_nothing(site: Site) -
     assert not os.path.exists(site.socket)
     assert not state.exists() or list(state.iterdir()) == []
     _untouched(site, "good.flysess", "state")
+
+
+def _fingerprint(path: Path) -> tuple[object, ...]:
+    """What must not change: the entry itself (type, inode, mode, size, mtime) and, for a file,
+    a directory or a symbolic link, its bytes, listing or target."""
+    st = path.lstat()
+    if path.is_symlink():
+        content: object = os.readlink(path)
+    elif path.is_dir():
+        content = sorted((p.name, p.read_bytes()) for p in path.iterdir())
+    elif path.is_file():
+        content = path.read_bytes()
+    else:
+        content = None
+    return (st.st_mode, st.st_ino, st.st_size, st.st_mtime_ns, content)
+
+
+@pytest.mark.parametrize("command", ["run", "serve"])
+def test_a_socket_path_that_is_not_the_nodes_is_never_touched(site: Site, command: str) -> None:
+    """`--socket` naming a regular file, a directory, a symbolic link or another live router's
+    socket: refused before anything starts (exit 2, `CONFIG`, naming the path and what is
+    there), the path byte-identical afterwards (before, the node's cleanup unlinked a file,
+    a directory gave a traceback and left the node's temp dir); a path in a missing directory
+    is refused and no directory is created."""
+    notes = site.path / "notes.txt"
+    notes.write_bytes(b"data\n")
+    folder = site.path / "folder"
+    folder.mkdir()
+    (folder / "inside.txt").write_bytes(b"keep me\n")
+    link = site.path / "link"
+    link.symlink_to(notes)
+    live = site.path / "live.sock"
+    router = subprocess.Popen(_flyd("router", "--socket", str(live), "--open", "-q"), cwd=ROOT,
+                              env=site.env(), stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL)
+    site.procs.append(router)
+    deadline = time.monotonic() + 30
+    while not live.exists():
+        assert router.poll() is None and time.monotonic() < deadline, "no router came up"
+        time.sleep(0.05)
+    missing = site.path / "missing" / "deeper"
+    tmp = site.path / "tmp"
+    tmp.mkdir()
+    env = site.env(TMPDIR=str(tmp))
+    cases = [(notes, "is a regular file"), (folder, "is a directory"),
+             (link, "is a symbolic link"), (live, "a router already answers there"),
+             (missing / "bus.sock", f"the directory {missing} does not exist")]
+    for path, words in cases:
+        before = _fingerprint(path) if path.parent.exists() else None
+        argv = _flyd(command, "--socket", str(path), "--json")
+        if command == "run":
+            argv += ["--steps", "10", "--mode", "in-process"]
+        message = _refused(site, argv, "CONFIG", str(path), words, env=env)
+        assert message.startswith("flag --socket: [bus] socket "), message
+        if before is not None:
+            assert _fingerprint(path) == before, path
+    assert notes.read_bytes() == b"data\n" and os.readlink(link) == str(notes)
+    assert (folder / "inside.txt").read_bytes() == b"keep me\n"
+    assert not (site.path / "missing").exists()
+    assert router.poll() is None and _accepts(str(live)), "the live router was disturbed"
+    assert list(tmp.iterdir()) == [], "a node's temporary directory was left behind"
+    _untouched(site, "notes.txt", "folder", "link", "live.sock", "tmp")
+
+
+def _accepts(path: str) -> bool:
+    with socketlib.socket(socketlib.AF_UNIX, socketlib.SOCK_STREAM) as probe:
+        try:
+            probe.connect(path)
+        except OSError:
+            return False
+    return True
 
 
 def test_a_socket_path_over_sun_path_is_refused_before_anything_starts(site: Site) -> None:
