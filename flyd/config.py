@@ -10,6 +10,9 @@ Rules:
   distribution.md §4.3 through `LeaseParams` (its clause named).
 - The config file is `--config PATH`, else `FLYD_CONFIG`, else `/etc/flyd/flyd.toml` if it
   exists, else none.
+- Every duration key (`*_s`, `*_ms`), from the file, the environment or a flag, is finite and
+  at most 2^31−1 ms (`flyd.durations`); keepalive times and counts stay within what Linux
+  accepts. NaN, infinities, negative and absurd values are refused naming the key.
 - `--lease-ttl` / `FLYD_LEASE_TTL` / `[leases] ttl_s` set T only: H follows T/5 unless
   `[leases] heartbeat_interval_s` is set (distribution.md §4.2).
 
@@ -40,6 +43,13 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 from bus.limits import LimitError, Limits, snake_case
 from bus.policy import Policy, PolicyError
 from bus.router import SUN_PATH_MAX, RouterConfig
+from flyd.durations import (
+    DURATION_RULE,
+    MAX_DURATION_MS,
+    MAX_KEEPALIVE_COUNT,
+    MAX_KEEPALIVE_S,
+    is_duration_s,
+)
 
 if TYPE_CHECKING:
     from flyd.leases.params import LeaseParams
@@ -207,16 +217,20 @@ def _int(default: int | None, lo: int, hi: int | None = None, *, flag: str | Non
     return Key("int", default, lambda v: lo <= v and (hi is None or v <= hi), rule, flag=flag)
 
 
-def _pos_int(default: int) -> Key:
-    return Key("int", default, lambda v: v > 0, "> 0")
+def _ms(default: int, lo: int = 1) -> Key:
+    """A duration in integer milliseconds (`flyd.durations`)."""
+    return _int(default, lo, MAX_DURATION_MS)
 
 
 def _num(default: float | None, *, env: str | None = None, flag: str | None = None) -> Key:
-    return Key("number", default, lambda v: v > 0, "> 0", env=env, flag=flag)
+    """A duration in seconds > 0 (`flyd.durations`)."""
+    return Key("number", default, is_duration_s, f"> 0 and {DURATION_RULE}", env=env, flag=flag)
 
 
 def _nonneg_num(default: float) -> Key:
-    return Key("number", default, lambda v: v >= 0, "≥ 0")
+    """A duration in seconds ≥ 0 (`flyd.durations`)."""
+    return Key("number", default, lambda v: is_duration_s(v, zero=True),
+               f"≥ 0 and {DURATION_RULE}")
 
 
 def _choice(default: str | None, *choices: str, env: str | None = None,
@@ -249,20 +263,21 @@ KEYS: Final[dict[str, dict[str, Key]]] = {
     },
     "database": {
         "dsn": Key("dsn", None, rule="libpq conninfo or URI", env="FLYD_DSN", flag="--dsn"),
-        "statement_timeout_ms": _pos_int(2000),
-        "idle_in_transaction_timeout_ms": _pos_int(1500),
-        "lock_timeout_ms": _pos_int(1000),
-        "connect_timeout_s": Key("int", 2, lambda v: v == 0 or v >= 2, "0 (unset) or ≥ 2"),
+        "statement_timeout_ms": _ms(2000),
+        "idle_in_transaction_timeout_ms": _ms(1500),
+        "lock_timeout_ms": _ms(1000),
+        "connect_timeout_s": Key("int", 2, lambda v: v == 0 or 2 <= v <= MAX_DURATION_MS // 1000,
+                                 f"0 (unset) or 2..{MAX_DURATION_MS // 1000}"),
         "keepalives": _int(1, 0, 1),
-        "keepalives_idle_s": _int(5, 1),
-        "keepalives_interval_s": _int(1, 1),
-        "keepalives_count": _int(3, 1),
-        "tcp_user_timeout_ms": _int(4000, 0),
-        "server_keepalives_idle_s": _int(5, 1),
-        "server_keepalives_interval_s": _int(1, 1),
-        "server_keepalives_count": _int(3, 1),
-        "server_tcp_user_timeout_ms": _int(4000, 0),
-        "client_connection_check_interval_ms": _int(1000, 0),
+        "keepalives_idle_s": _int(5, 1, MAX_KEEPALIVE_S),
+        "keepalives_interval_s": _int(1, 1, MAX_KEEPALIVE_S),
+        "keepalives_count": _int(3, 1, MAX_KEEPALIVE_COUNT),
+        "tcp_user_timeout_ms": _ms(4000, 0),
+        "server_keepalives_idle_s": _int(5, 1, MAX_KEEPALIVE_S),
+        "server_keepalives_interval_s": _int(1, 1, MAX_KEEPALIVE_S),
+        "server_keepalives_count": _int(3, 1, MAX_KEEPALIVE_COUNT),
+        "server_tcp_user_timeout_ms": _ms(4000, 0),
+        "client_connection_check_interval_ms": _ms(1000, 0),
     },
     "leases": {
         "ttl_s": _num(15.0, env="FLYD_LEASE_TTL", flag="--lease-ttl"),
@@ -329,8 +344,11 @@ def _typed(kind: Kind, value: Any, key: Key) -> tuple[bool, Any]:
     if kind == "int":
         return isinstance(value, int) and not isinstance(value, bool), value
     if kind == "number":
-        ok = (isinstance(value, int | float) and not isinstance(value, bool)
-              and math.isfinite(value))
+        try:
+            ok = (isinstance(value, int | float) and not isinstance(value, bool)
+                  and math.isfinite(value))
+        except OverflowError:  # a TOML integer beyond any float
+            ok = False
         return ok, float(value) if ok else value
     if kind == "bool":
         return isinstance(value, bool), value

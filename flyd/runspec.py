@@ -40,6 +40,7 @@ from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Final, TypeVar
 
+from flyd.durations import DURATION_RULE, MAX_DURATION_S, is_duration_s
 from workers.canonical import canonical
 from workers.clock import RationalNs
 from workers.composition import derive_seed
@@ -109,17 +110,17 @@ _NUMBER: Final = "number"
 #: camelCase key → (kind, low, high, exclusive low); the `[checkpoints]` keys of state.md §5.1.
 CHECKPOINT_KEYS: Final[dict[str, tuple[str, float, float, bool]]] = {
     "everySteps": (_INT, 0, MAX_SAFE, False),
-    "everySeconds": (_NUMBER, 0, math.inf, False),
+    "everySeconds": (_NUMBER, 0, MAX_DURATION_S, False),
     "keepGenerations": (_INT, 1, 100, False),
     "queueCapacity": (_INT, 1, 16, False),
     "maxQueuedBytes": (_INT, 2**20, 2**30, False),
     "retry": ("retry", 0, 0, False),
     "retryAttempts": (_INT, 1, 10, False),
-    "retryBackoffS": (_NUMBER, 0, math.inf, True),
-    "durableTimeoutS": (_NUMBER, 0, math.inf, True),
+    "retryBackoffS": (_NUMBER, 0, MAX_DURATION_S, True),
+    "durableTimeoutS": (_NUMBER, 0, MAX_DURATION_S, True),
     "recoveryMaxAttempts": (_INT, 1, 100, False),
-    "recoveryBackoffS": (_NUMBER, 0, math.inf, True),
-    "recoveryBackoffMaxS": (_NUMBER, 0, math.inf, True),
+    "recoveryBackoffS": (_NUMBER, 0, MAX_DURATION_S, True),
+    "recoveryBackoffMaxS": (_NUMBER, 0, MAX_DURATION_S, True),
     "maxPendingEffects": (_INT, 1, MAX_SAFE, False),
     "maxPendingEffectBytes": (_INT, 2**20, MAX_SAFE, False),
     "maxEnvelopeBytes": (_INT, 2**20, 2**30 - 1, False),
@@ -436,7 +437,8 @@ def _checkpoints(value: Any, path: str) -> dict[str, Any]:
                 raise RunSpecError(where, f"{key} must be a finite number; got {raw!r}")
             if raw < low or (open_low and raw == low) or raw > high:
                 bound = f"> {low:g}" if open_low else f"≥ {low:g}"
-                raise RunSpecError(where, f"{key} must be {bound}; got {raw!r}")
+                raise RunSpecError(where, f"{key} must be {bound} and {DURATION_RULE}; got "
+                                          f"{raw!r}")
             out[key] = raw
     return out
 
@@ -553,9 +555,9 @@ class RunSpec:
         else:
             bounds = _Bounds(0, None)
         pace_s = obj.get("paceS")
-        if pace_s is not None and (isinstance(pace_s, bool) or not isinstance(pace_s, int | float)
-                                   or not math.isfinite(pace_s) or pace_s <= 0):
-            raise RunSpecError("/paceS", f"paceS must be a number > 0 or null; got {pace_s!r}")
+        if pace_s is not None and not is_duration_s(pace_s):
+            raise RunSpecError("/paceS", f"paceS must be a number > 0 and {DURATION_RULE}, or "
+                                         f"null; got {pace_s!r}")
         exclusive = _at("/exclusiveToSubmitter", parse_bool,
                         obj.get("exclusiveToSubmitter", False), "exclusiveToSubmitter")
 

@@ -57,6 +57,7 @@ from typing import Any, Final, Literal
 import structlog
 
 from flyd.config import ConfigError
+from flyd.durations import DURATION_RULE, is_duration_s
 from flyd.state.effects import PendingEffects
 from flyd.state.envelope import MAX_ENVELOPE_BYTES, MAX_PAYLOADS, encode
 from flyd.state.store import (
@@ -208,9 +209,10 @@ def _int_in(value: object, low: int, high: float = math.inf) -> str | None:
 
 
 def _positive(value: object, *, zero: bool = False) -> str | None:
-    ok = (isinstance(value, int | float) and not isinstance(value, bool)
-          and math.isfinite(value) and (value >= 0 if zero else value > 0))
-    return None if ok else ("a finite number ≥ 0" if zero else "a finite number > 0")
+    """A duration in seconds (`flyd.durations`)."""
+    ok = is_duration_s(value, zero=zero)
+    return None if ok else (f"a number ≥ 0 and {DURATION_RULE}" if zero
+                            else f"a number > 0 and {DURATION_RULE}")
 
 
 def _problem(name: str, value: object) -> str | None:

@@ -335,6 +335,27 @@ def test_an_unreachable_dsn_is_a_config_error_that_changes_nothing(site: Site) -
     _untouched(site, "good.flysess", "state")
 
 
+def test_an_absurd_duration_is_refused_before_anything_starts(site: Site) -> None:
+    """`--lease-ttl 1e308` was accepted; every claim then failed with "timestamp out of range"
+    and `flyd run` hung with its run pending. A duration beyond 2^31−1 ms (flag, environment or
+    file) is refused at parse time naming the key, and nothing starts."""
+    config = site.path / "flyd.toml"
+    config.write_text("[checkpoints]\ndurable_timeout_s = 1e300\n")
+    run = ["--steps", "10", "--mode", "in-process", "--json", "--socket", site.socket]
+    for argv, env, named in (
+            (_flyd("run", "--lease-ttl", "1e308", *run), None, "flag --lease-ttl"),
+            (_flyd("serve", "--lease-ttl", "1e308", "--json", "--socket", site.socket), None,
+             "flag --lease-ttl"),
+            (_flyd("run", *run), site.env(FLYD_LEASE_TTL="1e308"), "environment FLYD_LEASE_TTL"),
+            (_flyd("run", "--lease-ttl", "-inf", *run), None, "flag --lease-ttl")):
+        message = _refused(site, argv, "CONFIG", named, env=env)
+        assert message.startswith(f"{named}: [leases] ttl_s "), message
+    message = _refused(site, _flyd("run", "--config", str(config), *run), "CONFIG",
+                       "[checkpoints] durable_timeout_s", "2147483.647")
+    assert message.startswith(str(config)), message
+    _untouched(site, "flyd.toml")
+
+
 def _fingerprint(path: Path) -> tuple[object, ...]:
     """What must not change: the entry itself (type, inode, mode, size, mtime) and, for a file,
     a directory or a symbolic link, its bytes, listing or target."""

@@ -11,7 +11,10 @@ from typing import Any
 import orjson
 import pytest
 
-from flyd.config import ConfigError, load_config, redact_dsn, validate_node_name
+from flyd.config import KEYS, ConfigError, load_config, redact_dsn, validate_node_name
+from flyd.durations import MAX_DURATION_MS, MAX_DURATION_S
+from flyd.runspec import RunSpec, RunSpecError
+from flyd.state.writer import WriterConfig
 
 
 def _env(tmp_path: Path, **extra: str) -> dict[str, str]:
@@ -160,3 +163,59 @@ def test_validate_node_name() -> None:
     for bad in ("", "-a", "A", "a_b", "a" * 33):
         with pytest.raises(ConfigError):
             validate_node_name(bad)
+
+
+DURATIONS = [(section, key) for section, keys in KEYS.items() for key, spec in keys.items()
+             if key.endswith(("_s", "_ms")) and spec.kind in ("int", "number")]
+
+
+def test_every_duration_key_is_bounded_at_parse_time_by_name(tmp_path: Path) -> None:
+    """Issue: `--lease-ttl 1e308` was accepted, then every claim failed with "timestamp out of
+    range" while the command waited silently. Every duration (file, environment, flag) is
+    finite and at most 2^31−1 ms, else refused naming the key and where it came from."""
+    assert len(DURATIONS) >= 30, DURATIONS
+    cfg = tmp_path / "flyd.toml"
+    for section, key in DURATIONS:
+        number = KEYS[section][key].kind == "number"
+        absurd = ["1e308", "1e999", "-1e308", "nan", "inf", "-inf", "-1", str(10**400)] \
+            if number else [str(2**63), str(MAX_DURATION_MS + 1), "-1"]
+        for text in absurd:
+            cfg.write_text(f"[{section}]\n{key} = {text}\n")
+            with pytest.raises(ConfigError) as refused:
+                load_config(cfg, {}, {})
+            assert f"[{section}] {key}" in str(refused.value) and str(cfg) in str(refused.value)
+            with pytest.raises(ConfigError) as refused:
+                load_config(None, {f"{section}.{key}": text}, {})
+            assert f"[{section}] {key}" in str(refused.value), refused.value
+    for text in ("1e308", "nan", "inf", "-5", "0", "2147483.648"):
+        with pytest.raises(ConfigError) as refused:
+            load_config(None, {}, {"FLYD_LEASE_TTL": text})
+        assert "environment FLYD_LEASE_TTL: [leases] ttl_s" in str(refused.value)
+    # the bound itself is a valid duration
+    assert load_config(None, {"leases.ttl_s": MAX_DURATION_S}, {}).leases.T == MAX_DURATION_S
+    cfg.write_text(f"[database]\nclient_connection_check_interval_ms = {MAX_DURATION_MS}\n"
+                   "[checkpoints]\ndurable_timeout_s = 2147483.647\nevery_seconds = 0\n")
+    config = load_config(cfg, {}, {})
+    assert config.value("database", "client_connection_check_interval_ms") == MAX_DURATION_MS
+    assert config.value("checkpoints", "durable_timeout_s") == MAX_DURATION_S
+
+
+@pytest.mark.parametrize(("where", "key"), [
+    ("/checkpoints/durableTimeoutS", "durableTimeoutS"),
+    ("/checkpoints/everySeconds", "everySeconds"),
+    ("/paceS", "paceS"),
+])
+def test_run_spec_durations_share_the_bound(where: str, key: str) -> None:
+    """The run spec's durations (its `checkpoints` are the camelCase `[checkpoints]` keys, same
+    ranges) are bounded alike."""
+    for value in (1e308, MAX_DURATION_S + 0.001, -1.0):
+        doc: dict[str, Any] = ({"paceS": value} if key == "paceS"
+                               else {"checkpoints": {key: value}})
+        with pytest.raises(RunSpecError) as refused:
+            RunSpec.validate(doc)
+        assert refused.value.path == where
+    ok: dict[str, Any] = ({"paceS": MAX_DURATION_S} if key == "paceS"
+                          else {"checkpoints": {key: MAX_DURATION_S}})
+    RunSpec.validate(ok)
+    with pytest.raises(ConfigError, match="durable_timeout_s"):
+        WriterConfig(durable_timeout_s=1e308)
