@@ -429,11 +429,8 @@ async def drain(opts: CtlOptions) -> Result:
 def _submitted_spec(config: Config, run: RunOptions) -> RunSpec:
     """The spec `flyd run` would build from these options, claimable by any node."""
     try:
-        doc = build_spec(run).to_json()
+        doc = build_spec(run.with_host_defaults(config)).to_json()
         doc.pop("exclusiveToSubmitter", None)
-        if run.checkpoint_every is None:
-            doc["checkpoints"] = {**doc.get("checkpoints", {}), "everySteps": int(
-                config.value("checkpoints", "every_steps"))}
         return RunSpec.validate(doc, max_agents=DEFAULT_MAX_AGENTS)
     except RunUsageError as exc:
         raise CtlError(exc.code, exc.message) from None
