@@ -16,7 +16,7 @@ from typing import Any
 import psycopg
 import pytest
 
-from tests.cli.test_flyctl_runs import Site, submit
+from tests.cli.test_flyctl_runs import Site, flyctl, submit
 from tests.cli.test_flyctl_runs import site as site
 from tests.cli.test_run import _DSN, flyd_run
 from tests.cli.test_run import tmp as tmp
@@ -151,3 +151,22 @@ def test_session_and_cadence_keys_are_the_defaults_of_flyctl_runs_submit(site: S
     spec = _stored_spec(site.dsn, run)
     assert (spec["mode"], spec["dispatch"], spec["pacing"]) == ("thread", "reversed", "off")
     assert spec["checkpoints"]["everySteps"] == 3, "flags win"
+
+
+# -- [leases] node_stale_after_s: flyctl status marks a silent node (distribution.md §4.2) ----
+
+
+def test_leases_node_stale_after_s_marks_a_silent_node_in_status(site: Site) -> None:
+    with psycopg.connect(site.dsn, autocommit=True) as conn:
+        conn.execute("INSERT INTO flyd.nodes (node_id, node_name, host, pid, version, capacity, "
+                     "heartbeat_at) VALUES ('n1-000000000000', 'n1', 'h', 1, '0', 1, "
+                     "flyd.app_now() - interval '60 seconds')")
+    states = {}
+    for stale_s in (30, 90):
+        config = site.path / "flyd.toml"
+        config.write_text(f"[leases]\nnode_stale_after_s = {stale_s}\n")
+        ran = flyctl(site, "status", "--config", str(config))
+        assert ran.code == 0 and ran.json["source"] == "database", ran
+        [node] = ran.json["nodes"]
+        states[stale_s] = node["state"]
+    assert states == {30: "silent", 90: "active"}
