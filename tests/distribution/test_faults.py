@@ -61,6 +61,7 @@ from tests.distribution.harness.runner import (
     MARKER,
     RUN_ENV,
     Report,
+    commit_sha,
     done_mark,
     inventory_dir,
     processes_with_marker,
@@ -488,6 +489,29 @@ def test_budget_expiry(faults_suite: tuple[int, Report], tmp: Path) -> None:
     assert any("budget expired" in line for line in err)
     assert (tmp / "standalone" / f"budget_probe-{seed}.json").exists()
     assert not processes_with_marker("budget_probe")
+
+
+def test_the_seed_line_names_the_commit_in_a_clone_and_in_a_worktree(tmp_path: Path) -> None:
+    """`commit=` of the suite's seed line (§7.3.7) from `.git` files: a clone's loose or packed
+    branch, and a linked worktree's, whose `.git` file names its git directory."""
+    sha, other = "a" * 40, "b" * 40
+    repo = tmp_path / "repo"
+    (repo / ".git" / "refs" / "heads").mkdir(parents=True)
+    (repo / ".git" / "HEAD").write_text("ref: refs/heads/main\n")
+    (repo / ".git" / "packed-refs").write_text(f"# pack-refs\n{sha} refs/heads/main\n")
+    assert commit_sha(repo) == sha
+    (repo / ".git" / "refs" / "heads" / "main").write_text(other + "\n")
+    assert commit_sha(repo) == other
+    linked = repo / ".git" / "worktrees" / "w"
+    linked.mkdir(parents=True)
+    (linked / "HEAD").write_text("ref: refs/heads/topic\n")
+    (linked / "commondir").write_text("../..\n")
+    (repo / ".git" / "refs" / "heads" / "topic").write_text(sha + "\n")
+    worktree = tmp_path / "w"
+    worktree.mkdir()
+    (worktree / ".git").write_text(f"gitdir: {linked}\n")
+    assert commit_sha(worktree) == sha
+    assert commit_sha(tmp_path) == "unknown"
 
 
 @pytest.mark.timeout(240)

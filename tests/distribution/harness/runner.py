@@ -258,17 +258,23 @@ def processes_with_marker(scenario_id: str) -> list[psutil.Process]:
 
 
 def commit_sha(root: Path = ROOT) -> str:
-    """The checked-out commit, from `.git` files (module rules); `unknown` without one."""
+    """The checked-out commit, from `.git` files (module rules); `unknown` without one. In a
+    linked worktree `.git` is a file naming the worktree's git directory, whose `commondir`
+    holds the branches."""
     git = root / ".git"
     try:
+        if git.is_file():
+            git = root / git.read_text().strip().removeprefix("gitdir: ")
+        common = git / (git / "commondir").read_text().strip() \
+            if (git / "commondir").exists() else git
         head = (git / "HEAD").read_text().strip()
         if not head.startswith("ref: "):
             return head
         ref = head[5:]
-        loose = git / ref
+        loose = common / ref
         if loose.exists():
             return loose.read_text().strip()
-        for line in (git / "packed-refs").read_text().splitlines():
+        for line in (common / "packed-refs").read_text().splitlines():
             if line.endswith(" " + ref):
                 return line.split()[0]
     except OSError:
