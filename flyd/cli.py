@@ -117,16 +117,17 @@ class _JsonErrors(click.Command):
 @click.option("--agents", help="Agent ids, bound to ports p1, p2, ... in order "
                                "(default fly-a,fly-b).")
 @click.option("--mode", type=click.Choice(["process", "thread", "in-process", "inprocess"]),
-              default="process", show_default=True, help="Execution mode of the workers.")
+              help="Execution mode of the workers (default [session] mode).")
 @click.option("--seed", type=int, help="Master seed; agents switch to derived seeds.")
 @click.option("--dispatch", type=click.Choice(["concurrent", "sequential", "reversed"]),
-              default="concurrent", show_default=True, help="Dispatch order.")
+              help="Dispatch order (default [session] dispatch).")
 @click.option("--fault", "faults", multiple=True, metavar="SPEC",
               help="Fault injection (repeatable): WORKER.KNOB=VALUE[@STEP], kill:WORKER@STEP, "
                    "lose-advance-result@STEP.")
 @click.option("--trace", type=click.Path(dir_okay=False, path_type=Path),
               help="Write the behaviour trace as JSON lines.")
-@click.option("--pace/--no-pace", default=False, help="Pace transitions at world time (60 Hz).")
+@click.option("--pace/--no-pace", default=None,
+              help="Pace transitions at world time, 60 Hz (default [session] pacing).")
 @click.option("--checkpoint-every", type=int,
               help="Durable checkpoint cadence in steps (default [checkpoints] every_steps).")
 @click.option("--socket", "socket_path", help="Router socket (default: cli.md §4.1).")
@@ -136,8 +137,8 @@ class _JsonErrors(click.Command):
 @click.option("--lease-ttl", type=float, help="Lease TTL in seconds (default 15).")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON on stdout.")
 @_global_options
-def run_cmd(steps: int, agents: str | None, mode: str, seed: int | None, dispatch: str,
-            faults: tuple[str, ...], trace: Path | None, pace: bool,
+def run_cmd(steps: int, agents: str | None, mode: str | None, seed: int | None,
+            dispatch: str | None, faults: tuple[str, ...], trace: Path | None, pace: bool | None,
             checkpoint_every: int | None, socket_path: str | None, dsn: str | None,
             state_dir: Path | None, lease_ttl: float | None, as_json: bool,
             config_file: Path | None, log_format: str | None, verbose: int,
@@ -374,20 +375,22 @@ def ctl_runs_group() -> None:
 @click.option("--steps", type=int, default=600, show_default=True, help="Transitions to run.")
 @click.option("--agents", help="Agent ids, bound to ports p1, p2, ... in order.")
 @click.option("--mode", type=click.Choice(["process", "thread", "in-process", "inprocess"]),
-              default="process", show_default=True, help="Execution mode of the workers.")
+              help="Execution mode of the workers (default [session] mode).")
 @click.option("--seed", type=int, help="Master seed; agents switch to derived seeds.")
 @click.option("--checkpoint-every", type=int,
               help="Durable checkpoint cadence in steps (default [checkpoints] every_steps).")
 @click.option("--dispatch", type=click.Choice(["concurrent", "sequential", "reversed"]),
-              default="concurrent", show_default=True, help="Dispatch order.")
-@click.option("--pace/--no-pace", default=False, help="Pace transitions at world time.")
+              help="Dispatch order (default [session] dispatch).")
+@click.option("--pace/--no-pace", default=None,
+              help="Pace transitions at world time (default [session] pacing).")
 @click.option("--fault", "faults", multiple=True, metavar="SPEC",
               help="Fault injection (repeatable), as for `flyd run`.")
 @click.option("--key", help="Idempotency key: a second submit with it returns the same run.")
 @click.option("--max-attempts", type=int, help="Grant attempts (default [leases] max_attempts).")
 @_ctl_options
-def ctl_runs_submit_cmd(steps: int, agents: str | None, mode: str, seed: int | None,
-                        checkpoint_every: int | None, dispatch: str, pace: bool,
+def ctl_runs_submit_cmd(steps: int, agents: str | None, mode: str | None, seed: int | None,
+                        checkpoint_every: int | None, dispatch: str | None,
+                        pace: bool | None,
                         faults: tuple[str, ...], key: str | None, max_attempts: int | None,
                         socket_path: str | None, dsn: str | None, as_json: bool,
                         config_file: Path | None, log_format: str | None, verbose: int,
@@ -507,21 +510,23 @@ def ctl_checkpoints_export_cmd(run_id: int, checkpoint_id: str | None, out: Path
               help="Total boundary target counted from 0 (above the imported boundary).")
 @click.option("--agents", help="Agent ids, bound to ports p1, p2, ... in order.")
 @click.option("--mode", type=click.Choice(["process", "thread", "in-process", "inprocess"]),
-              default="process", show_default=True, help="Execution mode of the workers.")
+              help="Execution mode of the workers (default [session] mode).")
 @click.option("--seed", type=int, help="Master seed; agents switch to derived seeds.")
 @click.option("--checkpoint-every", type=int,
               help="Durable checkpoint cadence in steps (default [checkpoints] every_steps).")
 @click.option("--dispatch", type=click.Choice(["concurrent", "sequential", "reversed"]),
-              default="concurrent", show_default=True, help="Dispatch order.")
-@click.option("--pace/--no-pace", default=False, help="Pace transitions at world time.")
+              help="Dispatch order (default [session] dispatch).")
+@click.option("--pace/--no-pace", default=None,
+              help="Pace transitions at world time (default [session] pacing).")
 @click.option("--fault", "faults", multiple=True, metavar="SPEC",
               help="Fault injection (repeatable), as for `flyd run`.")
 @click.option("--key", help="Idempotency key of the submitted run.")
 @click.option("--max-attempts", type=int, help="Grant attempts (default [leases] max_attempts).")
 @_ctl_options
-def ctl_checkpoints_import_cmd(file: Path, steps: int, agents: str | None, mode: str,
-                               seed: int | None, checkpoint_every: int | None, dispatch: str,
-                               pace: bool, faults: tuple[str, ...], key: str | None,
+def ctl_checkpoints_import_cmd(file: Path, steps: int, agents: str | None, mode: str | None,
+                               seed: int | None, checkpoint_every: int | None,
+                               dispatch: str | None, pace: bool | None,
+                               faults: tuple[str, ...], key: str | None,
                                max_attempts: int | None, socket_path: str | None,
                                dsn: str | None, as_json: bool, config_file: Path | None,
                                log_format: str | None, verbose: int, quiet: int) -> None:

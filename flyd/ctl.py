@@ -22,8 +22,11 @@ Decisions where the spec is silent:
   terminal run or requeueing a run that is not `failed` is refused `INVALID_PHASE`, exit 1.
 - `status`'s database view lists the registered nodes and the runs that are not terminal; the
   fields only a node knows are null (`router`, `uptimeMs`, `threads`, `phase`, workers empty).
+  An `active` node whose last heartbeat (by the database clock) is older than `[leases]
+  node_stale_after_s` is shown `silent` (distribution.md §4.2: status only).
 - `runs submit` builds the spec exactly as `flyd run` does, without `exclusiveToSubmitter`, so
-  any serve node may claim it; the checkpoint cadence defaults to `[checkpoints] every_steps`.
+  any serve node may claim it; `[session] mode`, `dispatch`, `pacing` and the `[checkpoints]`
+  cadence of this host's configuration are its defaults (cli.md §2.3), a flag wins.
 - Checkpoint commands use the checkpoint store (`flyd.state.store`, imported by those commands
   only, so the other commands never depend on the state layer); its database failures
   (`BACKEND_FAILURE`) are `CONFIG` (exit 2), its refusals (a missing generation, a failing S-check
@@ -381,12 +384,15 @@ async def _database_status(opts: CtlOptions, config: Config) -> dict[str, Any]:
         run_rows = [r for r in await queries.list_runs(conn) if r["state"] not in TERMINAL]
     if opts.node is not None:
         node_rows = [n for n in node_rows if str(n["nodeId"]).startswith(opts.node)]
+    stale_s = config.leases.node_stale_after_s
     nodes = []
     for n in node_rows:
         mine = [r for r in run_rows if r["ownerNode"] == n["nodeId"] and r["state"] == "running"]
+        silent = n["state"] == "active" and n["silentForS"] > stale_s
         nodes.append({
             "nodeId": n["nodeId"], "nodeName": n["nodeName"], "pid": n["pid"],
-            "state": n["state"], "uptimeMs": None, "capacity": n["capacity"], "threads": None,
+            "state": "silent" if silent else n["state"], "uptimeMs": None,
+            "capacity": n["capacity"], "threads": None,
             "runs": [r["run"] for r in mine],
             "leases": [{"run": r["run"], "leaseEpoch": r["leaseEpoch"],
                         "leaseExpiresAt": r["leaseExpiresAt"]} for r in mine],
@@ -429,11 +435,8 @@ async def drain(opts: CtlOptions) -> Result:
 def _submitted_spec(config: Config, run: RunOptions) -> RunSpec:
     """The spec `flyd run` would build from these options, claimable by any node."""
     try:
-        doc = build_spec(run).to_json()
+        doc = build_spec(run.with_host_defaults(config)).to_json()
         doc.pop("exclusiveToSubmitter", None)
-        if run.checkpoint_every is None:
-            doc["checkpoints"] = {**doc.get("checkpoints", {}), "everySteps": int(
-                config.value("checkpoints", "every_steps"))}
         return RunSpec.validate(doc, max_agents=DEFAULT_MAX_AGENTS)
     except RunUsageError as exc:
         raise CtlError(exc.code, exc.message) from None

@@ -48,6 +48,7 @@ from bus.errors import BusError
 from flyd.budget import ThreadBudget
 from flyd.config import Config
 from flyd.control import ControlService
+from flyd.coordinator import Deadlines
 from flyd.executor import SessionExecutor
 from flyd.health import HealthPolicy
 from flyd.identities import node_client_id
@@ -62,7 +63,7 @@ from flyd.router_child import RouterChild, RouterStartError, check_socket_path
 from flyd.state.store import PgCheckpointStore
 from flyd.state.writer import WriterConfig
 
-__all__ = ["NodeProcess", "NodeSetup", "NodeStartError"]
+__all__ = ["NodeProcess", "NodeSetup", "NodeStartError", "session_deadlines"]
 
 log = structlog.get_logger("flyd.node")
 
@@ -107,6 +108,16 @@ class NodeSetup:
     def dsn(self) -> str | None:
         value = self.config.value("database", "dsn")
         return value if isinstance(value, str) and value else None
+
+
+def session_deadlines(config: Config) -> Deadlines:
+    """The coordinator's deadlines (session.md §6.1) from `[session]` and
+    `[checkpoints] durable_timeout_s`; every session this node executes uses them."""
+    session = config.section("session")
+    return Deadlines(probe=float(session["probe_s"]), resolve=float(session["resolve_s"]),
+                     resolve_attempts=int(session["resolve_attempts"]),
+                     boot=float(session["boot_s"]), capture=float(session["capture_s"]),
+                     durable=float(config.value("checkpoints", "durable_timeout_s")))
 
 
 def sweep_dead_node_dirs(root: str | None = None) -> list[str]:
@@ -194,7 +205,8 @@ class NodeProcess:
             writer_defaults=self.writer_defaults(),
             drain_timeout_s=self.params.drain_timeout_s,
             max_agents=int(setup.config.value("session", "max_agents")),
-            health=HealthPolicy.from_config(setup.config.section("session")))
+            health=HealthPolicy.from_config(setup.config.section("session")),
+            deadlines=session_deadlines(setup.config))
         self.control = ControlService(self)
         await self.control.start()
 

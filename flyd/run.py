@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import signal
 import sys
 import time
@@ -91,15 +92,18 @@ class RunUsageError(Exception):
 
 @dataclass(frozen=True)
 class RunOptions:
+    """The options of a run spec; None leaves a choice to the host (`with_host_defaults`)."""
+
     steps: int = 600
     agents: tuple[str, ...] | None = None
-    mode: str = "process"
+    mode: str | None = None
     seed: int | None = None
-    dispatch: str = "concurrent"
+    dispatch: str | None = None
     faults: tuple[str, ...] = ()
     trace: Path | None = None
-    pace: bool = False
+    pace: bool | None = None
     checkpoint_every: int | None = None
+    checkpoint_seconds: float | None = None
     socket: str | None = None
     dsn: str | None = None
     state_dir: Path | None = None
@@ -107,6 +111,21 @@ class RunOptions:
     as_json: bool = False
     config_file: Path | None = None
     router_quiet: int = 1
+
+    def with_host_defaults(self, config: Config) -> RunOptions:
+        """cli.md §2.3: `[session] mode`, `dispatch`, `pacing` and the `[checkpoints]` cadence
+        are the defaults of the run specs this host builds; an option given on the command
+        line wins."""
+        pacing = config.value("session", "pacing") == "realtime"
+        return dataclasses.replace(
+            self, mode=self.mode or str(config.value("session", "mode")),
+            dispatch=self.dispatch or str(config.value("session", "dispatch")),
+            pace=pacing if self.pace is None else self.pace,
+            checkpoint_every=(int(config.value("checkpoints", "every_steps"))
+                              if self.checkpoint_every is None else self.checkpoint_every),
+            checkpoint_seconds=(float(config.value("checkpoints", "every_seconds"))
+                                if self.checkpoint_seconds is None
+                                else self.checkpoint_seconds))
 
 
 # --------------------------------------------------------------------------------------------
@@ -118,13 +137,17 @@ def build_spec(opts: RunOptions, max_agents: int = DEFAULT_MAX_AGENTS) -> RunSpe
     max_agents` is `max_agents`; `RunUsageError` otherwise."""
     doc: dict[str, Any] = {
         "steps": str(opts.steps) if opts.steps >= 0 else opts.steps,
-        "mode": "in-process" if opts.mode == "inprocess" else opts.mode,
-        "dispatch": opts.dispatch,
-        "pacing": "realtime" if opts.pace else "off",
         "exclusiveToSubmitter": True,
     }
-    if opts.checkpoint_every is not None:
-        doc["checkpoints"] = {"everySteps": opts.checkpoint_every}
+    if opts.mode is not None:
+        doc["mode"] = "in-process" if opts.mode == "inprocess" else opts.mode
+    if opts.dispatch is not None:
+        doc["dispatch"] = opts.dispatch
+    if opts.pace is not None:
+        doc["pacing"] = "realtime" if opts.pace else "off"
+    cadence = {"everySteps": opts.checkpoint_every, "everySeconds": opts.checkpoint_seconds}
+    if any(v is not None for v in cadence.values()):
+        doc["checkpoints"] = {k: v for k, v in cadence.items() if v is not None}
     if opts.seed is not None:
         doc["seed"] = str(opts.seed) if opts.seed >= 0 else opts.seed
     if opts.agents is not None or opts.seed is not None:
@@ -256,14 +279,8 @@ async def run_session(opts: RunOptions) -> int:
         config = load_config(opts.config_file, flags={
             "database.dsn": opts.dsn, "node.state_dir": opts.state_dir,
             "leases.ttl_s": opts.lease_ttl, "bus.socket": opts.socket})
-        max_agents = int(config.value("session", "max_agents"))
-        spec = build_spec(opts, max_agents)
-        if opts.checkpoint_every is None:
-            spec = RunSpec.validate(
-                {**spec.to_json(), "checkpoints": {
-                    **spec.to_json().get("checkpoints", {}),
-                    "everySteps": int(config.value("checkpoints", "every_steps"))}},
-                max_agents=max_agents)
+        opts = opts.with_host_defaults(config)
+        spec = build_spec(opts, int(config.value("session", "max_agents")))
         if opts.trace is not None:
             try:
                 opts.trace.write_bytes(b"")

@@ -12,6 +12,7 @@ import shutil
 import struct
 import tempfile
 from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import orjson
@@ -22,9 +23,18 @@ from bus.limits import Limits
 from bus.policy import Policy
 from bus.router import Router, RouterConfig
 
-pytestmark = pytest.mark.timeout(10)
-
+#: every wire test runs under pytest-timeout (10 s) unless it names its own (wire.md §20)
+WIRE_TIMEOUT_S = 10
 RECV_TIMEOUT = 5.0
+HERE = Path(__file__).parent
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Give every test under tests/bus without a timeout marker of its own (function, class or
+    module) the wire tests' 10 s; a `pytestmark` in a conftest would mark nothing."""
+    for item in items:
+        if item.path.is_relative_to(HERE) and item.get_closest_marker("timeout") is None:
+            item.add_marker(pytest.mark.timeout(WIRE_TIMEOUT_S))
 
 
 def short_socket_dir() -> str:

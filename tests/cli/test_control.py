@@ -87,6 +87,23 @@ async def test_the_control_service_is_closed_to_other_clients(site: Site) -> Non
                 seen.add(method)
             assert outcome["result"] == {"workerId": "fly-a", "run": None,
                                          "outcome": "AlreadyGone"}
+
+            # a run the node holds: its event ring, once a checkpoint was taken
+            run = await asyncio.to_thread(submit, site, "--steps", "600", "--pace",
+                                          "--mode", "in-process", "--checkpoint-every", "10")
+            await asyncio.to_thread(wait_state, site, run, {"running"})
+            deadline = time.monotonic() + 30
+            for serial in range(40, 400):
+                outcome = await call(serial, "Control.RunEvents", {"run": run})
+                assert outcome["type"] == "result", outcome
+                if outcome["result"]["events"] or time.monotonic() > deadline:
+                    break
+                await asyncio.sleep(0.2)
+            events = outcome["result"]["events"]
+            assert outcome["result"]["run"] == run and events, outcome
+            assert control_validator("Control.RunEvents", "result")(outcome["result"]) is None
+            assert {e["run"] for e in events} == {run}
+            seen.add("Control.RunEvents")
             refusals = [
                 ("Control.Kill", {"run": 7, "workerId": "fly-a", "signal": "KILL"},
                  "IDENTITY_MISMATCH", f"run 7 is not held by node {node_id}"),
@@ -111,7 +128,7 @@ async def test_the_control_service_is_closed_to_other_clients(site: Site) -> Non
                 assert outcome["result"] == {"draining": True}
                 assert control_validator("Control.Drain", "result")(outcome["result"]) is None
             seen.add("Control.Drain")
-            assert seen == set(METHODS) - {"Control.RunEvents"}
+            assert seen == set(METHODS)
         assert await asyncio.to_thread(site.procs[0].wait, 60) == 0
     finally:
         await router.stop()
@@ -147,8 +164,9 @@ def test_flyctl_drain_and_runs_show(site: Site) -> None:
         run = submit(site, "--steps", "600", "--pace")
         wait_state(site, run, {"running"})
         shown = _live_show(site, run)
-        assert isinstance(shown["events"], list) and shown["phase"]
+        assert shown["phase"]
         assert shown["state"] == "running" and shown["ownerNode"].startswith("n1-")
+        _assert_checkpoint_events(shown, run)
         drained = flyctl(site, "drain")
         assert drained.code == 0
         assert drained.json == {"node": shown["ownerNode"], "draining": True}
@@ -175,14 +193,34 @@ def test_flyctl_drain_and_runs_show(site: Site) -> None:
 
 
 def _live_show(site: Site, run: int) -> dict[str, Any]:
+    """`runs show` of a live run once its holder's ring holds a committed checkpoint."""
     deadline = time.monotonic() + 30
     while True:
         ran = flyctl(site, "runs", "show", str(run))
         assert ran.code == 0, ran
-        if ran.json["phase"] is not None:
+        events = ran.json["events"] or []
+        if ran.json["phase"] is not None and any(e["event"] == "committed" for e in events):
             return dict(ran.json)
         assert time.monotonic() < deadline, ran
         time.sleep(0.3)
+
+
+def _assert_checkpoint_events(shown: dict[str, Any], run: int) -> None:
+    """The ring of state.md §5.6: every event carries the run, its lease epoch and the
+    generation; a cadence generation (every 60 steps) of e1 is queued, then committed, with its
+    size."""
+    events = shown["events"]
+    fields = {"event", "run", "leaseEpoch", "checkpointId", "sessionId", "epoch", "episodeId",
+              "boundary", "byteLength"}
+    assert all(fields <= set(e) for e in events), events
+    assert {(e["run"], e["leaseEpoch"], e["epoch"]) for e in events} == {(run, 1, "e1")}
+    assert {e["event"] for e in events} <= {"captured", "queued", "superseded", "committed",
+                                            "failed"}
+    committed = next(e for e in events if e["event"] == "committed")
+    assert committed["boundary"] > 0 and committed["boundary"] % 60 == 0, committed
+    assert committed["byteLength"] > 0
+    story = [e["event"] for e in events if e["checkpointId"] == committed["checkpointId"]]
+    assert story == ["queued", "committed"], story
 
 
 def _received(receiver: socketlib.socket) -> list[str]:

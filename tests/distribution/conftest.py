@@ -1,7 +1,12 @@
 """The inventory marks (distribution.md §7.3.7, test 60): each test of `test_sim.py` that ran
 leaves `tier1-<test>` in the test run's inventory directory, and every test of this package
 leaves `done-<digest of its node id>` after its teardown, so test 60 judges orphans only once
-no other test of the suite (a scenario, the budget probe) can still own a marked process."""
+no other test of the suite (a scenario, the budget probe) can still own a marked process.
+
+The suite's seed line (§7.3.7) comes first: `faults_suite` writes it once per test run, before
+the first tier-2 scenario line or tier-1 `[sim]` line of any xdist worker; `live` is the
+reporter of both (`live_reporter`: on the terminal as it happens, also under xdist).
+"""
 
 from __future__ import annotations
 
@@ -9,7 +14,30 @@ from collections.abc import Generator
 
 import pytest
 
-from tests.distribution.harness.runner import done_mark, inventory_dir
+from tests.distribution.harness.runner import (
+    Report,
+    announce_once,
+    done_mark,
+    inventory_dir,
+    live_reporter,
+    suite_line,
+)
+from tests.distribution.harness.scenarios import suite_seed
+
+
+@pytest.fixture(scope="session")
+def faults_suite(request: pytest.FixtureRequest, pg_server_dsn: str) -> tuple[int, Report]:
+    """The suite seed and the live reporter; the suite's seed line is written once per run."""
+    report = live_reporter(request.config)
+    seed = suite_seed()
+    announce_once(request.config, suite_line(seed, pg_server_dsn), report)
+    return seed, report
+
+
+@pytest.fixture
+def live(faults_suite: tuple[int, Report]) -> Report:
+    """The live reporter of tier 1's `[sim]` lines, after the suite's seed line."""
+    return faults_suite[1]
 
 
 @pytest.hookimpl(wrapper=True)

@@ -61,12 +61,11 @@ from tests.distribution.harness.runner import (
     MARKER,
     RUN_ENV,
     Report,
+    commit_sha,
     done_mark,
     inventory_dir,
     processes_with_marker,
-    pytest_reporter,
     run_scenario,
-    suite_line,
 )
 from tests.distribution.harness.scenarios import lookup, scenario_seed, suite_seed
 from tests.distribution.sim.canaries import CANARIES
@@ -448,16 +447,6 @@ def test_node_refuses_clock_mode_mismatch(db_dsn: str, tmp: Path) -> None:
     assert query(db_dsn, "SELECT count(*) FROM flyd.nodes") == [(0,)], "nothing started"
 
 
-@pytest.fixture(scope="session")
-def faults_suite(request: pytest.FixtureRequest, pg_server_dsn: str) -> tuple[int, Report]:
-    """The suite seed and the reporter; prints the suite's seed line once."""
-    inventory_dir(request.config)
-    report = pytest_reporter(request.config)
-    seed = suite_seed()
-    report(suite_line(seed, pg_server_dsn))
-    return seed, report
-
-
 def test_budget_expiry(faults_suite: tuple[int, Report], tmp: Path) -> None:
     suite, reporter = faults_suite
     lines: list[str] = []
@@ -500,6 +489,76 @@ def test_budget_expiry(faults_suite: tuple[int, Report], tmp: Path) -> None:
     assert any("budget expired" in line for line in err)
     assert (tmp / "standalone" / f"budget_probe-{seed}.json").exists()
     assert not processes_with_marker("budget_probe")
+
+
+def test_the_seed_line_names_the_commit_in_a_clone_and_in_a_worktree(tmp_path: Path) -> None:
+    """`commit=` of the suite's seed line (§7.3.7) from `.git` files: a clone's loose or packed
+    branch, and a linked worktree's, whose `.git` file names its git directory."""
+    sha, other = "a" * 40, "b" * 40
+    repo = tmp_path / "repo"
+    (repo / ".git" / "refs" / "heads").mkdir(parents=True)
+    (repo / ".git" / "HEAD").write_text("ref: refs/heads/main\n")
+    (repo / ".git" / "packed-refs").write_text(f"# pack-refs\n{sha} refs/heads/main\n")
+    assert commit_sha(repo) == sha
+    (repo / ".git" / "refs" / "heads" / "main").write_text(other + "\n")
+    assert commit_sha(repo) == other
+    linked = repo / ".git" / "worktrees" / "w"
+    linked.mkdir(parents=True)
+    (linked / "HEAD").write_text("ref: refs/heads/topic\n")
+    (linked / "commondir").write_text("../..\n")
+    (repo / ".git" / "refs" / "heads" / "topic").write_text(sha + "\n")
+    worktree = tmp_path / "w"
+    worktree.mkdir()
+    (worktree / ".git").write_text(f"gitdir: {linked}\n")
+    assert commit_sha(worktree) == sha
+    assert commit_sha(tmp_path) == "unknown"
+
+
+@pytest.mark.timeout(240)
+def test_progress_is_live_under_xdist(tmp: Path) -> None:
+    """§7.3.7 under pytest-xdist, as `make faults` and `make test` run the suite: the suite's
+    seed line first and once, each scenario's seed line and its progress, and tier 1's `[sim]`
+    lines reach the controlling pytest's stderr while the run goes on."""
+    selection = ["tests/distribution/test_faults.py::test_budget_expiry",
+                 "tests/distribution/test_sim.py::test_sim_crash_and_pause"]
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("PYTEST_", RUN_ENV))}
+    out = (tmp / "stdout").open("wb")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pytest", "-q", "-n", "2", "-p", "no:randomly", "-p",
+         "no:cacheprovider", "--basetemp", str(tmp / "base"), *selection],
+        cwd=ROOT, env={**env, "FLYD_FAULT_ARTIFACTS": str(tmp / "records")}, stdout=out,
+        stderr=subprocess.PIPE)
+    lines: list[str] = []
+    running_at: dict[str, bool] = {}
+    try:
+        assert proc.stderr is not None
+        for raw in proc.stderr:
+            line = raw.decode(errors="replace").rstrip("\n")
+            if not line.startswith(("[faults]", "[sim]")):
+                continue
+            lines.append(line)
+            for kind in ("[faults] budget_probe seed=", "[sim] seeds 3000.."):
+                if line.startswith(kind) and kind not in running_at:
+                    running_at[kind] = proc.poll() is None
+        assert proc.wait(timeout=180) == 0, (tmp / "stdout").read_text()[-3000:]
+    finally:
+        out.close()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert lines, "no [faults] or [sim] line reached the controlling pytest's stderr"
+    assert lines[0].startswith("[faults] seed=") and " commit=" in lines[0] and \
+        " pg=" in lines[0] and " time_scale=" in lines[0], lines[:3]
+    assert [line for line in lines if line.startswith("[faults] seed=")] == lines[:1]
+    seed = scenario_seed(suite_seed(), "budget_probe")
+    probe = [line for line in lines if line.startswith("[faults] budget_probe")]
+    assert probe[0] == f"[faults] budget_probe seed={seed} budget=1", probe
+    assert any("budget expired" in line for line in probe[1:]), probe
+    assert any(line.startswith("[faults]   node a pid=") for line in lines)
+    assert any(line.startswith("[sim] seeds 3000..3023: ok 24, failed 0") for line in lines)
+    assert running_at == {"[faults] budget_probe seed=": True, "[sim] seeds 3000..": True}, \
+        "the lines arrive while the run goes on"
 
 
 # ------------------------------------------------------------------------------------------

@@ -21,6 +21,7 @@ from flyd.leases.core import (
     StartScope,
 )
 from flyd.leases.params import LeaseParams, LeaseParamsError
+from tests.distribution.harness.runner import Report
 
 # Each clause of §4.3 violated alone (every other clause holds).
 ALONE: dict[str, list[dict[str, float | int | None]]] = {
@@ -273,10 +274,10 @@ async def test_cancel_scope_before_first_await() -> None:
 # every seed must pass S1–S6 and L1–L4, and the block's facts show that the faults bit.
 
 
-def _sim_sweep(kind: str, seeds: range, variant_name: str = "real") -> Any:
+def _sim_sweep(live: Report, kind: str, seeds: range, variant_name: str = "real") -> Any:
     from tests.distribution.sim.sweep import sweep
 
-    result = sweep(seeds, kind=kind, variant_name=variant_name, workers=2, progress=print)
+    result = sweep(seeds, kind=kind, variant_name=variant_name, workers=2, progress=live)
     assert not result.failed, [(r.seed, r.failures, r.record_path) for r in result.failed]
     return result
 
@@ -310,8 +311,8 @@ def test_trace_deterministic() -> None:
     assert digests == {first}
 
 
-def test_sim_partitions() -> None:
-    result = _sim_sweep("partitions", range(1000, 1024))
+def test_sim_partitions(live: Report) -> None:
+    result = _sim_sweep(live, "partitions", range(1000, 1024))
     facts = result.fact_counts()
     assert facts["reclaim"] > 0 and facts["self_fence"] > 0
     modes = set()
@@ -321,12 +322,13 @@ def test_sim_partitions() -> None:
                 modes.add((f["mode"], f["direction"]))
     assert {m for m, _ in modes} == {"hold", "drop"}
     assert {d for _, d in modes} & {"up", "down"}          # asymmetric partitions happened
-    fenced = sum(r.facts.get("db_fenced", 0) for r in _sim_sweep("mixed", range(0, 60)).results)
+    mixed = _sim_sweep(live, "mixed", range(0, 60))
+    fenced = sum(r.facts.get("db_fenced", 0) for r in mixed.results)
     assert fenced > 0                                        # stale writes reached the fence
 
 
-def test_sim_latency_near_ttl() -> None:
-    result = _sim_sweep("latency", range(2000, 2020))
+def test_sim_latency_near_ttl(live: Report) -> None:
+    result = _sim_sweep(live, "latency", range(2000, 2020))
     facts = result.fact_counts()
     assert facts["self_fence"] > 0                           # some holds fenced themselves
     renewed_late = 0
@@ -340,8 +342,8 @@ def test_sim_latency_near_ttl() -> None:
     assert renewed_late > 0                                  # renewals still succeeded, slowly
 
 
-def test_sim_crash_and_pause() -> None:
-    result = _sim_sweep("crash_pause", range(3000, 3024))
+def test_sim_crash_and_pause(live: Report) -> None:
+    result = _sim_sweep(live, "crash_pause", range(3000, 3024))
     facts = result.fact_counts()
     assert facts["reclaim"] > 0 and facts["fault_crash"] > 0 and facts["fault_pause"] > 0
     assert facts["lost_on_resume"] > 0                       # loss was the first act on resume
@@ -353,20 +355,20 @@ def test_sim_crash_and_pause() -> None:
     assert late > 0                                          # in-flight requests landed late
 
 
-def test_sim_clock_skew_within_bound() -> None:
+def test_sim_clock_skew_within_bound(live: Report) -> None:
     from tests.distribution.sim import scenario
     from tests.distribution.sim.world import PARAMS
 
     sc = scenario(4000, "skew")
     rho = PARAMS.clock_rate_bound
     assert sc.nodes[0].rate == 1 - 0.9 * rho and sc.nodes[1].rate == 1 + 0.9 * rho
-    result = _sim_sweep("skew", range(4000, 4020))
+    result = _sim_sweep(live, "skew", range(4000, 4020))
     facts = result.fact_counts()
     assert facts["reclaim"] > 0 and facts["self_fence"] > 0
 
 
-def test_sim_cancel_exhaust_drain() -> None:
-    result = _sim_sweep("cancel_exhaust_drain", range(5000, 5020))
+def test_sim_cancel_exhaust_drain(live: Report) -> None:
+    result = _sim_sweep(live, "cancel_exhaust_drain", range(5000, 5020))
     facts = result.fact_counts()
     assert facts["cancel_applied"] > 0
     assert facts["finished_cancelled"] > 0                   # cancel via the holder
@@ -396,8 +398,8 @@ def test_sim_cancel_exhaust_drain() -> None:
     assert resumed_after_drain > 0
 
 
-def test_sim_unknown_commit_outcomes() -> None:
-    result = _sim_sweep("unknown_commit", range(6000, 6040))
+def test_sim_unknown_commit_outcomes(live: Report) -> None:
+    result = _sim_sweep(live, "unknown_commit", range(6000, 6040))
     facts = result.fact_counts()
     assert facts["unknown_commit"] > 0
     assert facts["resolved_committed"] > 0
@@ -405,8 +407,8 @@ def test_sim_unknown_commit_outcomes() -> None:
     assert facts["resolved_lost"] > 0
 
 
-def test_sim_delayed_cancellation_safe() -> None:
-    result = _sim_sweep("delayed_cancel", range(7000, 7024))
+def test_sim_delayed_cancellation_safe(live: Report) -> None:
+    result = _sim_sweep(live, "delayed_cancel", range(7000, 7024))
     late_refused = sum(r.facts.get("late_refused", 0) for r in result.results)
     late_through = sum(r.facts.get("late_through", 0) for r in result.results)
     assert late_refused > 0 and late_through == 0
@@ -414,26 +416,28 @@ def test_sim_delayed_cancellation_safe() -> None:
 
 @pytest.mark.serial
 @pytest.mark.timeout(300)
-def test_sim_sweep_1000_seeds_under_60s() -> None:
+def test_sim_sweep_1000_seeds_under_60s(live: Report) -> None:
     import os
 
     from tests.distribution.sim.sweep import NON_VACUITY, seed_count, summary, sweep
 
     n = seed_count()
     assert n >= 1000 or "FLYD_SIM_SEEDS" in os.environ
-    result = sweep(range(n), workers=min(4, os.cpu_count() or 1), progress=print)
-    print("[sim]", summary(result))
+    result = sweep(range(n), workers=min(4, os.cpu_count() or 1), progress=live)
+    live(f"[sim] {summary(result)}")
     assert not result.failed, [(r.seed, r.failures, r.record_path) for r in result.failed]
     assert not result.vacuity_problems(), result.vacuity_problems()
     assert set(NON_VACUITY) <= set(result.fact_counts())
-    # The spec's rate (1000 seeds in < 60 s) is measured and printed, not asserted: on a shared
-    # host a wall-clock bound fails on load alone; `make test` runs this alone to measure it.
+    # distribution.md test 49: 1000 seeds in < 60 s (a larger FLYD_SIM_SEEDS scales the bound).
+    # The test is `serial`: `make test` and `make faults` run it alone, after the parallel pass.
     bound = 60.0 * max(n, 1000) / 1000
-    print(f"[sim] {n} seeds in {result.seconds:.1f} s, {n / result.seconds:.1f} seeds/s; target "
-          f"< {bound:.0f} s: {'met' if result.seconds < bound else 'NOT met'}")
+    live(f"[sim] {n} seeds in {result.seconds:.1f} s, {n / result.seconds:.1f} seeds/s; bound "
+          f"< {bound:.0f} s")
+    assert result.seconds < bound, f"{n} seeds took {result.seconds:.1f} s, bound {bound:.0f} s"
 
 
-def test_sim_canaries_detected(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_sim_canaries_detected(tmp_path: Any, monkeypatch: pytest.MonkeyPatch,
+                               live: Report) -> None:
     import json
     from pathlib import Path
 
@@ -443,7 +447,7 @@ def test_sim_canaries_detected(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setenv("FLYD_FAULT_ARTIFACTS", str(tmp_path))
     for name in CANARIES:
         result = sweep(range(200), variant_name=name, workers=2, stop_on_failure=True,
-                       progress=print)
+                       progress=live)
         assert result.failed, f"canary {name} survived 200 seeds: the oracle is blind"
         first = result.failed[0]
         assert first.record_path is not None
@@ -452,20 +456,24 @@ def test_sim_canaries_detected(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -
         assert record["seed"] == first.seed and record["variant"] == name
         assert f"--seed {first.seed}" in record["rerun"] and name in record["rerun"]
         assert not record["verdicts"]["ok"]
-        print(f"[sim] canary {name}: flagged at seed {first.seed} ({first.failures[0]})")
+        live(f"[sim] canary {name}: flagged at seed {first.seed} ({first.failures[0]})")
 
 
-def test_sim_replay_from_env(capsys: pytest.CaptureFixture[str]) -> None:
+def test_sim_replay_from_env(live: Report) -> None:
     import os
 
     from tests.distribution.sim.sweep import replay, sweep
 
     seed = int(os.environ.get("FLYD_SIM_SEED", "17"))
-    swept = sweep([seed], workers=1, progress=print).results[0]
-    replayed = replay(seed)
-    out = capsys.readouterr().out
-    with capsys.disabled():
-        print(out)
+    swept = sweep([seed], workers=1, progress=live).results[0]
+    lines: list[str] = []
+
+    def trace(line: str) -> None:
+        lines.append(line)
+        live(line)
+
+    replayed = replay(seed, out=trace)
+    out = "\n".join(lines)
     assert replayed.digest == swept.digest
     assert f"[sim] digest {swept.digest}" in out
     assert "\"event\": \"claimed\"" in out and "S1: ok" in out

@@ -12,12 +12,14 @@ Decisions where the spec leaves the harness open:
   state.md §9.1), so every scenario compares against it.
 - Test 84's seeds are `FLYD_RECOVERY_SEEDS` cases per mode (default 3), each seed derived by
   SHA-256 from the suite seed `FLYD_RECOVERY_SEED` (default 84), the mode and the case index,
-  and printed first. A seed picks the worker, a step s in 1..39 and, in process mode, a
-  mid-step or a between-steps kill. The between-steps kill is the test's own SIGKILL of the
-  worker's process (found by its command line) once the paced session logs the hot capture at
-  the first cadence boundary ≥ s (at most 35, the last hot one), i.e. while it is at
-  `Ready(b)`; thread and in-process workers have no process of their own, so they always take
-  the mid-step variant (`kill:<worker>@<s>`).
+  and printed first. A seed picks the worker, a step s in 1..39 and a mid-step
+  (`kill:<worker>@<s>`) or a between-steps kill. The between-steps kill runs `flyd run`
+  through a small launcher module whose coordinator, once a step leaves the session at
+  `Ready(s)`, calls its kill injection: the node's `launcher.kill`, in every mode.
+- The head at the failure is read from the database, not from the node's log: the effects the
+  failed epoch e1 executed are exactly those its committed generations covered, so the head
+  is the generation covering the highest of them (none: a restart from zero). The log's
+  `recovery.drained`, `recovery.restored` and `recovery.resumed` must name that head.
 - Test 86's "worker dying at every launch" is `fly-b.fail_activate_restore=true`: every launch
   of fly-b fails the install (`BACKEND_FAILURE`, retried), so every attempt fails until the
   bound. A first kill before any head (restart from zero, no install) followed by a commit
@@ -41,7 +43,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
@@ -107,6 +108,36 @@ class GatedWriter(CheckpointWriter):
 
 flyd.grant.CheckpointWriter = GatedWriter
 flyd_main(args=["run", *sys.argv[1:]], prog_name="flyd")
+'''
+
+KILLING_RUN = '''\
+"""`flyd run` that kills a worker through the node's `launcher.kill` (the coordinator's kill
+injection is that method) once its session is at `Ready(AT)`, between two steps."""
+import sys
+
+import orjson
+
+from flyd.cli import flyd_main
+from flyd.coordinator import Coordinator
+
+WORKER, AT = sys.argv[1], int(sys.argv[2])
+step = Coordinator.step
+killed = []
+
+
+async def step_then_kill(self):
+    report = await step(self)
+    if not killed and report.boundary == AT and self.phase.label == f"Ready({AT})":
+        killed.append(AT)
+        outcome = await self.injections.kill(WORKER)
+        sys.stderr.write(orjson.dumps({"event": "test.killed", "worker": WORKER,
+                                       "phase": f"Ready({AT})",
+                                       "outcome": type(outcome).__name__}).decode() + "\\n")
+    return report
+
+
+Coordinator.step = step_then_kill
+flyd_main(args=["run", *sys.argv[3:]], prog_name="flyd")
 '''
 
 
@@ -183,67 +214,24 @@ def finish_run(box: Box, out: bytes, err: str, code: int) -> Result:
     return Result(code, orjson.loads(lines[0]), parse_log(err))
 
 
-def flyd_run(box: Box, *args: str, config: str = "", gated: bool = False) -> Result:
-    """`flyd run --json … --socket <private>` (or the gated launcher) to its end."""
+def flyd_run(box: Box, *args: str, config: str = "", gated: bool = False,
+             kill_at: tuple[str, int] | None = None) -> Result:
+    """`flyd run --json … --socket <private>` (or the gated or the killing launcher) to its
+    end."""
     if gated:
         script = box.path / "gated_run.py"
         script.write_text(GATED_RUN)
         argv = [sys.executable, str(script)]
+    elif kill_at is not None:
+        script = box.path / "killing_run.py"
+        script.write_text(KILLING_RUN)
+        argv = [sys.executable, str(script), kill_at[0], str(kill_at[1])]
     else:
         argv = [sys.executable, "-m", "flyd", "run"]
     argv += ["--json", "--socket", str(box.path / "bus.sock"), *args]
     out = subprocess.run(argv, cwd=ROOT, env=env_for(box, config), capture_output=True,
                          timeout=120, check=False)
     return finish_run(box, out.stdout, out.stderr.decode(errors="replace"), out.returncode)
-
-
-def worker_process(box: Box, worker: str) -> psutil.Process | None:
-    for proc in processes_under(str(box.path)):
-        try:
-            cmdline = proc.cmdline()
-        except psutil.Error:
-            continue
-        if "--worker" in cmdline and cmdline[cmdline.index("--worker") + 1] == worker:
-            return proc
-    return None
-
-
-def flyd_run_killing(box: Box, worker: str, at: int, *args: str) -> tuple[Result, int]:
-    """A paced `flyd run` whose `worker` process the test SIGKILLs once the session logs the
-    hot capture at a boundary ≥ `at` (the session is at that `Ready(b)`); (result, b)."""
-    argv = [sys.executable, "-m", "flyd", "run", "--json", "--socket",
-            str(box.path / "bus.sock"), "--pace", *args]
-    proc = subprocess.Popen(argv, cwd=ROOT, env=env_for(box), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE)
-    err: list[str] = []
-    killed: list[int] = []
-    target: list[psutil.Process] = []
-
-    def read() -> None:
-        assert proc.stderr is not None
-        for raw in proc.stderr:
-            line = raw.decode(errors="replace")
-            err.append(line)
-            if killed or not line.startswith("{"):
-                continue
-            event = orjson.loads(line)
-            if not target and event.get("event") in ("worker.serving", "launcher.launched"):
-                found = worker_process(box, worker)
-                if found is not None:
-                    target.append(found)
-            if (target and event.get("event") == "checkpoint.queued"
-                    and int(event["boundary"]) >= at):
-                target[0].kill()
-                killed.append(int(event["boundary"]))
-
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
-    assert proc.stdout is not None
-    out = proc.stdout.read()
-    proc.wait(120)
-    reader.join(10)
-    assert killed, f"the session never reached a hot capture at ≥ {at}"
-    return finish_run(box, out, "".join(err), proc.returncode), killed[0]
 
 
 def ledger(dsn: str, run: int) -> list[tuple[str, int | None, Any, int]]:
@@ -329,6 +317,20 @@ def case_seed(mode: str, index: int) -> int:
 # ------------------------------------------------------------------ 84
 
 
+def head_at_failure(dsn: str, run: int) -> tuple[int, str | None]:
+    """The head the failed epoch e1 left in the database: the effects e1 executed are exactly
+    those its committed generations covered (state.md §9.3), so the head is the generation
+    covering the highest of them; (0, None) when e1 committed none. The boundaries after it
+    were re-executed by e2."""
+    rows = query(dsn, "SELECT boundary, session_epoch, checkpoint_id FROM flyd.effects "
+                      "WHERE run_id = %s AND boundary IS NOT NULL ORDER BY boundary", run)
+    e1 = [(int(b), str(c)) for b, n, c in rows if n == 1]  # type: ignore[call-overload]
+    boundary, checkpoint_id = e1[-1] if e1 else (0, None)
+    assert [b for b, _ in e1] == list(range(1, boundary + 1)), e1
+    assert [n for b, n, _ in rows if b > boundary] == [2] * (STEPS - boundary), rows
+    return boundary, checkpoint_id
+
+
 @pytest.mark.parametrize("index", range(CASES))
 @pytest.mark.parametrize("mode", MODES)
 def test_killing_any_worker_at_a_random_step_recovers_to_identical_behaviour(
@@ -337,14 +339,16 @@ def test_killing_any_worker_at_a_random_step_recovers_to_identical_behaviour(
     rng = random.Random(seed)
     worker = rng.choice(WORKERS)
     step = rng.randint(1, STEPS - 1)
-    between = rng.random() < 0.5 and mode == "process"
+    between = rng.random() < 0.5
     print(f"[recovery] seed={seed} mode={mode} worker={worker} step={step} "
           f"variant={'between-steps' if between else 'mid-step'}")
     reference = clean(box)
     common = ("--steps", str(STEPS), "--checkpoint-every", str(EVERY), "--mode", mode)
     fault = f"kill:{worker}@{step}"
     if between:
-        r, reached_at_kill = flyd_run_killing(box, worker, min(step, LAST_HOT), *common)
+        r = flyd_run(box, *common, kill_at=(worker, step))
+        [killed] = events(r.log, "test.killed")
+        assert (killed["phase"], killed["outcome"]) == (f"Ready({step})", "Terminated")
     else:
         r = flyd_run(box, *common, "--fault", fault)
     assert r.code == 0, (r.summary, recovery_events(r.log))
@@ -357,29 +361,25 @@ def test_killing_any_worker_at_a_random_step_recovers_to_identical_behaviour(
     [drained] = events(r.log, "recovery.drained")
     assert started["failure"]["participant"] == worker, started
     assert started["attempt"] == resumed["attempt"] == 1
-    head = drained["head"]
-    if head is None:
-        assert not events(r.log, "recovery.restored")
+    head_boundary, head_id = head_at_failure(box.dsn, run)
+    assert resumed["boundary"] == head_boundary
+    if head_id is None:
+        assert drained["head"] is None and not events(r.log, "recovery.restored")
         [restarted] = events(r.log, "recovery.restarted")
-        assert resumed["boundary"] == 0 and restarted["new_epoch"] == resumed["new_epoch"]
-        head_boundary = 0
+        assert restarted["new_epoch"] == resumed["new_epoch"]
     else:
+        assert (drained["head"]["checkpoint_id"], drained["head"]["boundary"]) == (
+            head_id, head_boundary)
         [restored] = events(r.log, "recovery.restored")
-        assert restored["checkpoint_id"] == head["checkpoint_id"]
-        assert restored["boundary"] == resumed["boundary"] == head["boundary"]
-        head_boundary = head["boundary"]
+        assert (restored["checkpoint_id"], restored["boundary"]) == (head_id, head_boundary)
+        assert not events(r.log, "recovery.restarted"), "a durable head existed"
     abandoned = events(r.log, "recovery.abandoned")
-    if between:
-        assert head_boundary >= reached_at_kill or abandoned, "the work since the head"
-    else:
-        assert abandoned or head_boundary == step, "a range after the head is logged"
-        if abandoned:
-            assert (abandoned[0]["from_boundary"], abandoned[0]["to_boundary"]) == (
-                head_boundary + 1, step)
-    if abandoned:
+    if head_boundary < step:
         [a] = abandoned
-        assert a["from_boundary"] == head_boundary + 1 <= a["to_boundary"]
+        assert (a["from_boundary"], a["to_boundary"]) == (head_boundary + 1, step)
         assert a["failed_epoch"] == started["failed_epoch"] == "e1"
+    else:
+        assert head_boundary == step and not abandoned
     assert resumed["new_epoch"] == "e2" and s["epochs"][-1] == "e2"
 
     assert_matches_clean(box, run, reference)
@@ -390,7 +390,7 @@ def test_killing_any_worker_at_a_random_step_recovers_to_identical_behaviour(
     else:
         assert fired == [fault]
         assert [e["faults"] for e in events(r.log, "faults.fired")] == [[fault]]
-        assert [f["participant"] for f in s["failures"]] == [worker], "it did not recur"
+    assert [f["participant"] for f in s["failures"]] == [worker], "it did not recur"
 
 
 # ------------------------------------------------------------------ 85

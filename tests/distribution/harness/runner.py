@@ -4,7 +4,8 @@ Rules:
 - `run_scenario` prints `[faults] <id> seed=<n> budget=<s>` first, runs the scenario's body in
   a worker thread and, from the calling thread, a progress line once per real second (sim
   time, phase, runs by state, highest epoch, LF001 count, live node pids) through `report`:
-  pytest's terminal reporter under pytest (`pytest_reporter`), stderr in the standalone runner.
+  under pytest `live_reporter` (the terminal reporter, or under xdist the controlling
+  pytest's stderr, so `make faults` shows every line live), stderr in the standalone runner.
 - The body is a plain function of a `ScenarioContext`. It starts processes with `ctx.spawn`
   (own session, `FLYD_TEST_SCENARIO=<id>` in the environment, inherited by everything below
   them), keeps `ctx.phase`, `ctx.nodes[...]` and the evidence fields current, and waits only
@@ -47,6 +48,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import fcntl
 import hashlib
 import importlib
 import os
@@ -256,17 +258,23 @@ def processes_with_marker(scenario_id: str) -> list[psutil.Process]:
 
 
 def commit_sha(root: Path = ROOT) -> str:
-    """The checked-out commit, from `.git` files (module rules); `unknown` without one."""
+    """The checked-out commit, from `.git` files (module rules); `unknown` without one. In a
+    linked worktree `.git` is a file naming the worktree's git directory, whose `commondir`
+    holds the branches."""
     git = root / ".git"
     try:
+        if git.is_file():
+            git = root / git.read_text().strip().removeprefix("gitdir: ")
+        common = git / (git / "commondir").read_text().strip() \
+            if (git / "commondir").exists() else git
         head = (git / "HEAD").read_text().strip()
         if not head.startswith("ref: "):
             return head
         ref = head[5:]
-        loose = git / ref
+        loose = common / ref
         if loose.exists():
             return loose.read_text().strip()
-        for line in (git / "packed-refs").read_text().splitlines():
+        for line in (common / "packed-refs").read_text().splitlines():
             if line.endswith(" " + ref):
                 return line.split()[0]
     except OSError:
@@ -518,22 +526,45 @@ def done_mark(inventory: Path, nodeid: str) -> Path:
     return inventory / f"done-{hashlib.sha256(nodeid.encode()).hexdigest()[:16]}"
 
 
-def pytest_reporter(config: Any) -> Report:
-    """Lines through pytest's terminal reporter, visible under `-q` and output capture."""
+def live_reporter(config: Any) -> Report:
+    """Lines for the terminal, live, visible under `-q` and output capture. Without xdist
+    pytest's terminal reporter writes them. An xdist worker's terminal reporter reaches no
+    terminal, but the worker's fd 2 is the controlling pytest's stderr (execnet workers
+    inherit it): a worker writes each line there, whole, in one write, with capture
+    suspended, so the lines of every worker reach the terminal (and CI's log) as they
+    happen."""
     reporter = config.pluginmanager.get_plugin("terminalreporter")
     capture = config.pluginmanager.get_plugin("capturemanager")
+    direct = reporter is None or hasattr(config, "workerinput")
 
-    def report(line: str) -> None:
-        if reporter is None:
-            print(line, file=sys.stderr)
-            return
-        if capture is not None:
-            with capture.global_and_fixture_disabled():
-                reporter.write_line(line)
+    def write(line: str) -> None:
+        if direct:
+            data = (line + "\n").encode()
+            while data:
+                data = data[os.write(2, data):]
         else:
             reporter.write_line(line)
 
+    def report(line: str) -> None:
+        if capture is None:
+            write(line)
+            return
+        with capture.global_and_fixture_disabled():
+            write(line)
+
     return report
+
+
+def announce_once(config: Any, line: str, report: Report) -> None:
+    """The suite's seed line once per test run, before any line of the run's tests: the first
+    worker (or the only process) to take the lock writes it; every other worker waits for the
+    lock, so none writes a line of its own before it."""
+    with (inventory_dir(config) / "suite-line").open("a+") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        fh.seek(0)
+        if not fh.read():
+            report(line)
+            fh.write(line)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
