@@ -33,7 +33,7 @@ from bus.limits import Limits, snake_case
 from bus.policy import Policy
 from flyd.config import ConfigError, default_socket
 from flyd.runspec import DEFAULT_MAX_AGENTS
-from flyd.spawn import ChildProcess
+from flyd.spawn import ChildProcess, SpawnedChild
 
 __all__ = ["RouterChild", "RouterStartError", "choose_socket", "required_limits", "router_answers",
            "router_toml"]
@@ -180,7 +180,7 @@ class RouterChild:
         env = {**os.environ, "FLYD_LOG_FORMAT": "json"}
         env.pop("FLYD_SOCKET", None)
         flags = ["-q"] * quiet if quiet > 0 else ["-v"] * -quiet
-        self.process = await ChildProcess.spawn(
+        self.process = await SpawnedChild.spawn(
             [sys.executable, "-m", "flyd", "router", "--socket", self.socket, "--config",
              str(config), *flags], env=env, fields={"component": "router"})
         deadline = time.monotonic() + ROUTER_START_S
