@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import importlib
 import os
 import selectors
@@ -204,6 +205,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     arm_die_with_parent(args.parent_pid)
     for module in PRELOAD:
         importlib.import_module(module)
+    # The imported objects move to the permanent generation: a child's collections never
+    # touch (and so never copy) the pages they share with the server.
+    gc.collect()
+    gc.freeze()
     control = socket.socket(fileno=args.control_fd)
     return Server(control).serve()
 
