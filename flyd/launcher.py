@@ -8,7 +8,8 @@ node. One `Launcher` per session does that on the node's event loop, with its ow
 
 API (all coroutines run on the node's loop):
 
-    Launcher.open(names=, socket=, node=, budget=, health=, max_agents=, log_format=) -> Launcher
+    Launcher.open(names=, socket=, node=, budget=, health=, max_agents=, log_format=,
+                  spawner=) -> Launcher
     launcher.launch(identity, settings, mode, *, faults=None) -> LaunchedWorker
     launcher.launch_composition(spec, mode) -> dict[workerId, LaunchedWorker]
     launcher.health_check(worker_id) -> dict        the `Worker.Status` result (§2.6)
@@ -23,9 +24,12 @@ API (all coroutines run on the node's loop):
     connect_expected(node, socket, client_id, grants=, ttl=) -> BusClient
 
 Execution modes (§7.1), all over the Unix socket:
-- `PROCESS`: `python -m workers.agent|workers.environment <argv>` in its own session and process
-  group, spawned through `die_with_parent` on the node's loop thread, stdin = start gate. The
-  expectation is made with the child's pid, then `go\\n` is written.
+- `PROCESS`: the worker's `main` with `<argv>` in its own session and process group, started by
+  the node's `Spawner` (`flyd.spawner`): forked from the fork server, or
+  `python -m workers.agent|workers.environment <argv>` spawned on the spawner's thread, never on
+  the event loop; stdin = start gate. The expectation is made with the child's pid, then `go\\n`
+  is written. A process launch holds one of the spawner's slots (`[session]
+  launch_concurrency`) from its start until it identified.
 - `THREAD`: a dedicated OS thread running its own uvloop loop and the worker shell.
 - `IN_PROCESS`: a task on the node's loop, owned by the launcher.
 

@@ -1,16 +1,19 @@
 """Worker child processes: spawn, exit watch, output forwarding, kill, psutil info (§7.5, §7.6).
 
 Why: the launcher's process mode needs a handful of careful OS mechanics that have nothing to do
-with sessions: a child in its own session and process group (pgid = pid) spawned through
-`workers.launch.die_with_parent` with a start-gate pipe on stdin, an exit watch that costs no
-thread (a pidfd registered with the event loop), the child's stdout and stderr forwarded line by
-line into our log with the worker's identity attached (cli.md §9), and `killpg(SIGKILL)` of the
-whole group. `ChildProcess` owns all of that for one child.
+with sessions: a child in its own session and process group (pgid = pid) with a start-gate pipe
+on stdin, the child's stdout and stderr forwarded line by line into our log with the worker's
+identity attached (cli.md §9), and `killpg(SIGKILL)` of the whole group. `ChildProcess` owns
+that for one child; `SpawnedChild` adds the start through `workers.launch.die_with_parent`
+(`spawn_worker`) and an exit watch that costs no thread (a pidfd registered with the event
+loop). A worker forked by the fork server is `flyd.forkserver.ForkedChild`.
 
 Decisions:
 - The exit watch is `os.pidfd_open` + `loop.add_reader`: when the pidfd turns readable the child
   is a zombie, so its pid (= its pgid) cannot be reused yet; the watcher first sweeps the group
   with SIGKILL (nothing of a worker outlives it), then reaps with `Popen.poll()`.
+- `spawn_worker` blocks (fork, then the wait for exec): the spawner runs it on its own thread,
+  which lives as long as the node, never on the event loop.
 - stdout and stderr share one pipe (stderr=STDOUT); a protocol splits it into lines in
   `data_received` (no reader task). A JSON object line (the worker's structlog output) is
   re-logged at its own level with its own event and fields plus `worker`, `incarnation`, `pid`;
