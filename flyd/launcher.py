@@ -702,7 +702,7 @@ class Launcher:
         started = asyncio.get_running_loop().time()
         process = mode is ExecutionMode.PROCESS
         try:
-            async with self.spawner.slot if process else contextlib.nullcontext():
+            async with self.spawner.launch_slot() if process else contextlib.nullcontext():
                 parent = await self._parent_pid() if process else None
                 launch = self.worker_launch(identity, settings, faults, mode, parent)
                 body = await self._start_body(identity, launch, mode)

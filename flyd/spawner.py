@@ -9,7 +9,7 @@ holds from the start of a worker until it identified.
 
     spawner = Spawner(LauncherSettings(), socket=path)
     parent = await spawner.parent_pid()          # what the worker's --parent-pid names
-    async with spawner.slot:                     # one of `concurrency` launches in flight
+    async with spawner.launch_slot():            # one of `concurrency` launches in flight
         child = await spawner.start(launch, env=..., fields=..., timeout=...)
     await spawner.close()
 
@@ -29,9 +29,10 @@ Decisions:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import sys
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Final
 
@@ -58,7 +59,9 @@ class Spawner:
         self.settings = settings or LauncherSettings()
         self.socket = socket
         self.python = python
-        self.slot = asyncio.Semaphore(self.settings.concurrency)
+        self._slots = asyncio.Semaphore(self.settings.concurrency)
+        #: process launches holding a slot now
+        self.in_flight = 0
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="launch-spawner")
         self._server: ForkServer | None = None
         self._server_lock = asyncio.Lock()
@@ -67,6 +70,16 @@ class Spawner:
     @property
     def method(self) -> str:
         return self.settings.method
+
+    @contextlib.asynccontextmanager
+    async def launch_slot(self) -> AsyncIterator[None]:
+        """One of `concurrency` launches in flight, for the start and identify of a worker."""
+        async with self._slots:
+            self.in_flight += 1
+            try:
+                yield
+            finally:
+                self.in_flight -= 1
 
     async def fork_server(self) -> ForkServer:
         """The running fork server, started (again) when there is none. Its start is bounded
