@@ -37,7 +37,7 @@ import orjson
 import structlog
 
 from flyd.spawn import ChildProcess
-from workers.forkserver import MAX_MESSAGE
+from workers.forkserver import MAX_MESSAGE, ROOM
 from workers.launch import die_with_parent
 
 __all__ = ["ForkServer", "ForkServerError", "ForkedChild"]
@@ -84,7 +84,7 @@ class ForkServer:
         as the node: the server's death signal follows it) and wait for its `ready`."""
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         argv = [python, "-m", "workers.forkserver", "--control-fd", str(theirs.fileno()),
-                "--parent-pid", str(os.getpid()), "--socket", socket_path]
+                "--parent-pid", str(os.getpid()), "--socket", socket_path, "--room", " " * ROOM]
         loop = asyncio.get_running_loop()
         try:
             popen = await loop.run_in_executor(executor, functools.partial(

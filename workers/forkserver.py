@@ -21,8 +21,16 @@ Protocol: one `SOCK_SEQPACKET` socket (one JSON object per packet), the node's e
 The child (between the fork and the worker's `main`): a new session and process group
 (pgid = pid), `PR_SET_PDEATHSIG(SIGKILL)` towards this server (which itself dies with the node),
 the gate on stdin, the output pipe on stdout and stderr, every other descriptor closed, the
-launch's environment variables set; then exactly what `python -m workers.<role>` runs, and
-`os._exit` with its code (nothing of the server's own state runs again in the child).
+launch's environment variables set, and its command line (`/proc/<pid>/cmdline`) rewritten to
+the `python -m workers.<role> <argv>` it stands for, so `ps`, psutil and every tool that finds
+workers by their command line sees a forked worker as a spawned one; then exactly what
+`python -m workers.<role>` runs, and `os._exit` with its code (nothing of the server's own state
+runs again in the child).
+
+Command line: the kernel shows a process's argument area, which a process may overwrite in
+place but not grow; the node starts the server with `--room` and `ROOM` spaces so there is room
+for a worker's arguments (a longer one is cut after the last whole argument that fits; the
+padding after it is NUL bytes, which psutil reports as empty trailing arguments).
 
 Exit watch: a pidfd per child. When it turns readable the child is a zombie (`waitid` with
 `WNOWAIT` reads its status and leaves it), so its pid, which is its pgid, cannot be reused: the
@@ -39,6 +47,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import gc
 import importlib
 import os
@@ -54,10 +63,12 @@ import orjson
 
 from workers.launch import arm_die_with_parent
 
-__all__ = ["MAX_MESSAGE", "PRELOAD", "exit_code", "main"]
+__all__ = ["MAX_MESSAGE", "PRELOAD", "ROOM", "exit_code", "main", "set_cmdline"]
 
 #: the largest packet either side sends (a launch's argv carries its model config)
 MAX_MESSAGE: Final = 1 << 20
+#: bytes of command line a forked worker can show (the server's `--room` padding)
+ROOM: Final = 4096
 #: what the server imports before it forks anything: both roles, their shell, the bus client,
 #: the synthetic plugins (the defaults) and the event loop every worker runs
 PRELOAD: Final = ("uvloop", "workers.agent", "workers.environment", "workers.synthetic")
@@ -163,6 +174,23 @@ class Server:
                 os.waitpid(pid, 0)
 
 
+def set_cmdline(argv: Sequence[str]) -> None:
+    """Overwrite this process's argument area (`arg_start`..`arg_end` of `/proc/self/stat`)
+    with `argv`, NUL-separated and NUL-padded; what does not fit is left out whole."""
+    with open("/proc/self/stat", "rb") as fh:
+        stat = fh.read()
+    fields = stat[stat.rindex(b")") + 2:].split()
+    start, end = int(fields[45]), int(fields[46])  # fields 48 and 49 of proc(5)
+    room = end - start
+    data = b""
+    for arg in argv:
+        item = os.fsencode(arg) + b"\0"
+        if len(data) + len(item) > room:
+            break
+        data += item
+    ctypes.memmove(start, data.ljust(room, b"\0"), room)
+
+
 def child(server_pid: int, role: str, argv: Sequence[str], env: dict[str, str], gate: int,
           output: int) -> NoReturn:
     """The forked worker: detach, arm, rewire its standard streams, run the role's `main`."""
@@ -175,6 +203,7 @@ def child(server_pid: int, role: str, argv: Sequence[str], env: dict[str, str], 
         os.dup2(output, 2)
         os.closerange(3, os.sysconf("SC_OPEN_MAX"))
         os.environ.update(env)
+        set_cmdline([sys.executable, "-m", _ROLES[role][0], *argv])
         sys.stdin = os.fdopen(0, "r", closefd=False)
         sys.stdout = os.fdopen(1, "w", buffering=1, closefd=False)
         sys.stderr = os.fdopen(2, "w", buffering=1, closefd=False)
@@ -195,12 +224,14 @@ def child(server_pid: int, role: str, argv: Sequence[str], env: dict[str, str], 
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """`python -m workers.forkserver --control-fd N --parent-pid P [--socket PATH]`; the socket
-    is the node's bus socket, named only so the command line says whose server this is."""
+    """`python -m workers.forkserver --control-fd N --parent-pid P [--socket PATH] [--room S]`;
+    the socket is the node's bus socket, named only so the command line says whose server this
+    is; `--room` is spaces that make room for a forked worker's command line."""
     parser = argparse.ArgumentParser(prog="python -m workers.forkserver")
     parser.add_argument("--control-fd", type=int, required=True)
     parser.add_argument("--parent-pid", type=int, required=True)
     parser.add_argument("--socket", default="")
+    parser.add_argument("--room", default="")
     args = parser.parse_args(argv)
     arm_die_with_parent(args.parent_pid)
     for module in PRELOAD:

@@ -98,8 +98,6 @@ def children(*, servers: bool = False) -> list[psutil.Process]:
 
 
 def fork_server(proc: psutil.Process) -> bool:
-    """A fork server: its command line names `workers.forkserver` and its parent's does not
-    (a forked worker shares its server's command line)."""
-    parent = proc.parent()
-    return "workers.forkserver" in proc.cmdline() and (
-        parent is None or "workers.forkserver" not in parent.cmdline())
+    """A fork server: its command line names `workers.forkserver` (a worker it forked shows the
+    `workers.agent|environment` command line it stands for)."""
+    return "workers.forkserver" in proc.cmdline()

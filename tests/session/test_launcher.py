@@ -337,6 +337,13 @@ async def test_a_session_launches_identifies_restarts_and_reaps_in_every_mode(
                 assert parent.ppid() == os.getpid()
             else:
                 assert parent.pid == os.getpid()
+            # either way the command line is the worker's own (`python -m workers.<role>`)
+            shown = [arg for arg in psutil.Process(lw.pid).cmdline() if arg]
+            module = "workers.agent" if identity.role == "agent" else "workers.environment"
+            assert shown[:3] == [sys.executable, "-m", module]
+            written = parse_worker_argv(identity.role, shown[3:])
+            assert (written.worker_id, written.incarnation_id, written.parent_pid) == (
+                wid, identity.incarnation_id, parent.pid)
             assert lw.peak_rss_kib is not None and lw.peak_rss_kib > 0
             if method == "spawn":  # a forked worker sets them in its own memory, not /proc
                 env = psutil.Process(lw.pid).environ()
