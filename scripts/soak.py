@@ -317,7 +317,9 @@ class Node:
         return None
 
     def workers(self) -> list[psutil.Process]:
-        return [c for c in self.children() if "-m workers." in cmdline(c)]
+        """The node's worker processes (not its fork server, which lives as long as it)."""
+        return [c for c in self.children()
+                if "-m workers." in cmdline(c) and "workers.forkserver" not in cmdline(c)]
 
     def events(self, event: str) -> list[dict[str, Any]]:
         """The node's structlog lines of `event` (its stderr, JSON lines)."""
