@@ -63,7 +63,7 @@ import orjson
 
 from workers.launch import arm_die_with_parent
 
-__all__ = ["MAX_MESSAGE", "PRELOAD", "ROOM", "exit_code", "main", "set_cmdline"]
+__all__ = ["MAX_MESSAGE", "PRELOAD", "ROOM", "exit_code", "main", "set_cmdline", "warm"]
 
 #: the largest packet either side sends (a launch's argv carries its model config)
 MAX_MESSAGE: Final = 1 << 20
@@ -174,6 +174,18 @@ class Server:
                 os.waitpid(pid, 0)
 
 
+def warm() -> None:
+    """Fill the caches every worker fills at its start (the build and contract digests, every
+    method schema compiled), so each child inherits them instead of computing them again."""
+    from workers import shell
+
+    shell.build_digest()
+    shell.contract_digest()
+    for path in sorted(shell.METHOD_SCHEMAS.glob("*.json")):
+        method, kind, _ = path.name.rsplit(".", 2)
+        shell.method_validator(method, kind)
+
+
 def set_cmdline(argv: Sequence[str]) -> None:
     """Overwrite this process's argument area (`arg_start`..`arg_end` of `/proc/self/stat`)
     with `argv`, NUL-separated and NUL-padded; what does not fit is left out whole."""
@@ -236,6 +248,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     arm_die_with_parent(args.parent_pid)
     for module in PRELOAD:
         importlib.import_module(module)
+    warm()
     # The imported objects move to the permanent generation: a child's collections never
     # touch (and so never copy) the pages they share with the server.
     gc.collect()
