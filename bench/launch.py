@@ -17,7 +17,7 @@ Prints one JSON line per measurement:
   {"bench":"launch","mode":..,"workers":3,"rounds":..,"launch_ms":{"min","median","max"},
    "restart_ms":{..},"reap_ms":{..}}
   {"bench":"worker_rss","mode":"process","rss_kib":{worker: ..},"peak_rss_kib":{..},
-   "node_rss_kib":..}
+   "uss_kib":{..},"node_rss_kib":..}       (forked workers, sampled after a health check)
 Progress goes to stderr.
 """
 
@@ -78,6 +78,14 @@ def cpu_s(proc: psutil.Process) -> float:
     except psutil.Error:
         return 0.0
     return float(times.user + times.system)
+
+
+def unique_kib(pid: int | None) -> int | None:
+    """Memory only this process holds (USS): what a forked worker does not share."""
+    try:
+        return int(psutil.Process(pid).memory_full_info().uss) // 1024
+    except (psutil.Error, ValueError):
+        return None
 
 
 class LagProbe:
@@ -194,8 +202,9 @@ async def session_rounds(rounds: int) -> list[dict[str, Any]]:
                         if mode is ExecutionMode.PROCESS and n == rounds - 1:
                             rss = {wid: launcher.info(wid).rss_kib for wid in launched}
                             peak = {wid: launcher.info(wid).peak_rss_kib for wid in launched}
+                            uss = {wid: unique_kib(w.pid) for wid, w in launched.items()}
                             lines.append({"bench": "worker_rss", "mode": mode.label(),
-                                          "rss_kib": rss, "peak_rss_kib": peak,
+                                          "rss_kib": rss, "peak_rss_kib": peak, "uss_kib": uss,
                                           "node_rss_kib": process_info(os.getpid()).rss_kib})
                         t0 = time.perf_counter()
                         await launcher.restart("fly-b")
