@@ -17,6 +17,8 @@ Decisions:
 - The spawner's thread is a one-thread executor that lives until `close()`: the death signal of
   a child follows the thread that forked it, so the thread must outlive every child it started
   (the node closes its spawner after its sessions reaped their workers).
+- A launch waits for its slot without a deadline of its own: every holder's start and identify
+  are bounded by `[session] health_boot_s`, so the wait is bounded by the launches ahead of it.
 - The fork server starts at the first process-mode launch (a node that runs only thread-mode
   sessions never pays for it) and again after it was lost.
 - In fork mode a worker's `--parent-pid` is the fork server's pid; the server itself dies with
