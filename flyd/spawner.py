@@ -90,6 +90,8 @@ class Spawner:
             if self._closed:
                 raise RuntimeError("the spawner is closed")
             if self._server is None or self._server.closed:
+                if self._server is not None:  # lost: reap it before starting the next
+                    await self._server.close(1.0)
                 self._server = await ForkServer.start(
                     python=self.python, socket_path=self.socket, executor=self._thread,
                     timeout=SERVER_START_S)

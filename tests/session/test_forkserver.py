@@ -107,6 +107,7 @@ async def test_a_dead_fork_server_takes_its_workers_and_the_next_launch_starts_a
     assert again.pid is not None
     new_server = psutil.Process(again.pid).ppid()
     assert new_server != server.pid and new_server == await launcher.spawner.parent_pid()
+    assert not psutil.pid_exists(server.pid), "the lost server was reaped, not left a zombie"
     assert (await launcher.health_check("a1"))["state"] == "uninitialized"
 
 
