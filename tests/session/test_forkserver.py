@@ -13,7 +13,9 @@ import asyncio
 import os
 import signal
 import subprocess
+import sys
 import threading
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import psutil
@@ -144,3 +146,16 @@ def test_the_launcher_settings_are_read_from_the_session_section() -> None:
     with pytest.raises(ValueError, match=r"\[session\] launch_concurrency"):
         load_config(None, {"session.launch_concurrency": 0}, {})
 
+
+
+def test_a_command_line_longer_than_the_room_is_cut_after_its_last_whole_argument() -> None:
+    """`set_cmdline` rewrites the process's argument area in place: what fits shows, NUL
+    separated; an argument that does not fit is left out whole; the rest is NUL padding."""
+    script = ("import sys; from workers.forkserver import set_cmdline; "
+              "set_cmdline(['a' * 10, 'b' * 10, 'c' * 10000]); "
+              "sys.stdout.buffer.write(open('/proc/self/cmdline', 'rb').read())")
+    argv = [sys.executable, "-c", script]
+    out = subprocess.run(argv, capture_output=True, check=True, timeout=60,
+                         cwd=Path(__file__).resolve().parents[2]).stdout
+    assert len(out) == sum(len(os.fsencode(a)) + 1 for a in argv), "the room did not grow"
+    assert out.rstrip(b"\0").split(b"\0") == [b"a" * 10, b"b" * 10]
