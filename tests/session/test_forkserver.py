@@ -4,7 +4,8 @@ The test process is the node (tests/session/conftest.py). What is checked: the e
 thread never starts a process in either launch method; a worker forked by the server runs the
 same worker as `python -m workers.agent` (same exit codes); a fork server that dies takes its
 workers with it, the launcher sees them end, and the next launch starts a new server; the
-configured concurrency bounds the launches in flight.
+configured concurrency bounds the launches in flight; a worker's command line is rewritten in
+place and never past the room it has.
 """
 
 from __future__ import annotations
