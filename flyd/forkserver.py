@@ -17,6 +17,10 @@ Decisions:
   every child still known here is settled as killed (−9), waiting forks fail, and the spawner
   starts a new server for the next launch.
 - A fork answer that arrives after its launch gave up is killed at once.
+- A fork request over `MAX_REQUEST` bytes (its argv carries the model or world config) fails
+  that launch alone, before anything is sent: a larger packet would not fit the socket's
+  buffer, and an exec'd worker could not take such an argument either (Linux limits one to
+  128 KiB).
 """
 
 from __future__ import annotations
@@ -40,11 +44,13 @@ from flyd.spawn import ChildProcess
 from workers.forkserver import MAX_MESSAGE, ROOM
 from workers.launch import die_with_parent
 
-__all__ = ["ForkServer", "ForkServerError", "ForkedChild"]
+__all__ = ["MAX_REQUEST", "ForkServer", "ForkServerError", "ForkedChild"]
 
 log = structlog.get_logger("flyd.forkserver")
 
 _KILLED: Final = -int(signal.SIGKILL)
+#: the largest fork request sent (see the module docstring)
+MAX_REQUEST: Final = 128 * 1024
 
 
 class ForkServerError(Exception):
@@ -176,11 +182,13 @@ class ForkServer:
     # ------------------------------------------------------------------ send
 
     def _send(self, message: dict[str, Any], fds: Sequence[int] = ()) -> None:
-        if self.closed:
+        data = orjson.dumps(message)
+        if self.closed or len(data) > MAX_REQUEST:
             for fd in fds:
                 os.close(fd)
-            raise ForkServerError("the fork server is gone")
-        self._outbox.append((orjson.dumps(message), list(fds)))
+            raise ForkServerError("the fork server is gone" if self.closed else
+                                  f"a fork request of {len(data)} bytes exceeds {MAX_REQUEST}")
+        self._outbox.append((data, list(fds)))
         self._flush()
 
     def _flush(self) -> None:

@@ -4,8 +4,8 @@ The test process is the node (tests/session/conftest.py). What is checked: the e
 thread never starts a process in either launch method; a worker forked by the server runs the
 same worker as `python -m workers.agent` (same exit codes); a fork server that dies takes its
 workers with it, the launcher sees them end, and the next launch starts a new server; the
-configured concurrency bounds the launches in flight; a worker's command line is rewritten in
-place and never past the room it has.
+configured concurrency bounds the launches in flight; an oversized request fails its launch
+alone; a worker's command line is rewritten in place and never past the room it has.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import pytest
 
 from flyd.budget import ThreadBudget
 from flyd.config import LauncherSettings, load_config
+from flyd.forkserver import MAX_REQUEST
 from flyd.launcher import ExecutionMode, composition_plans
 from flyd.runspec import AgentSpec, RunSpec
 from flyd.spawner import Spawner
@@ -160,3 +161,19 @@ def test_a_command_line_longer_than_the_room_is_cut_after_its_last_whole_argumen
                          cwd=Path(__file__).resolve().parents[2]).stdout
     assert len(out) == sum(len(os.fsencode(a)) + 1 for a in argv), "the room did not grow"
     assert out.rstrip(b"\0").split(b"\0") == [b"a" * 10, b"b" * 10]
+
+
+async def test_an_oversized_fork_request_fails_that_launch_alone(
+        launchers: LauncherFactory) -> None:
+    launcher = await launchers(budget=ThreadBudget(4, 1))
+    identity, settings, faults = composition_plans(launcher.names, spec(1))[1]
+    huge = type(settings)(port_id="p1", model_config={"blob": "x" * (MAX_REQUEST + 1)})
+    with pytest.raises(DomainError) as err:
+        await launcher.launch(identity, huge, ExecutionMode.PROCESS, faults=faults)
+    assert (err.value.code, err.value.mutation) == ("BACKEND_FAILURE", "none")
+    assert "could not be started (fork)" in err.value.message
+    assert f"exceeds {MAX_REQUEST}" in err.value.message
+    assert children() == []
+    launched = await launcher.launch(identity.next_generation(), settings, ExecutionMode.PROCESS,
+                                     faults=faults)
+    assert (await launcher.health_check(launched.worker_id))["state"] == "uninitialized"
