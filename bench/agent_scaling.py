@@ -18,15 +18,11 @@ target: ≤ 1.2 at 64 agents, i.e. time per step grows at most linearly).
 
 Decisions:
 - The rate comes from the run's own `run.progress` log lines (every 5 s, cli.md §4) over a fixed
-  window, not from the summary: a run with more than 30 agents cannot be checkpointed (2
-  payloads per agent + 4 exceed the envelope's 64, state.md §2), so its final capture ends it
-  `failed` (`checkpoint too large` with `payloadCount`) and its summary is not a success. The
-  run is abandoned with SIGTERM once the window is measured.
-- The default mode is `thread`. On a 2-CPU host process mode cannot launch 64 agents: 64
-  interpreters booting at once starve the node's event loop for longer than the lease's safety
-  window (loop lag > 10 s), the node drops its own lease and the run fails before its first
-  step. Thread mode keeps the bus (every agent has its own connection and event loop);
-  `--mode process` runs the same sweep on a larger host.
+  window, not from the summary, so the launch and the final capture stay out of it. The run is
+  abandoned with SIGTERM once the window is measured.
+- The default mode is `thread` (every agent still has its own connection and event loop);
+  `--mode process` runs the same sweep with a process per agent, forked from the node's fork
+  server (docs/launcher.md).
 
 Runs against `FLYD_TEST_DSN`'s server (or 127.0.0.1:5432) in a database created and dropped here.
 Run it as `python -P bench/agent_scaling.py`. Progress goes to stderr.

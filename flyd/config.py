@@ -302,6 +302,8 @@ KEYS: Final[dict[str, dict[str, Key]]] = {
                             flag="--dispatch"),
         "pacing": _choice("off", "off", "realtime", flag="--pace/--no-pace"),
         "max_agents": _int(4, 1, 256),
+        "launcher": _choice("fork", "fork", "spawn"),
+        "launch_concurrency": _int(8, 1, 256),
         "probe_s": _num(2.0),
         "resolve_s": _num(8.0),
         "resolve_attempts": _int(8192, 1, 2**32 - 1),
@@ -329,6 +331,16 @@ KEYS: Final[dict[str, dict[str, Key]]] = {
         "max_envelope_bytes": _int(67108864, 2**20, 2**30 - 1),
     },
 }
+
+
+@dataclass(frozen=True, slots=True)
+class LauncherSettings:
+    """How a node starts process-mode workers (`[session] launcher`, `launch_concurrency`;
+    docs/launcher.md): `fork` from the node's fork server or `spawn` with fork + exec, and how
+    many launches may be in flight at once."""
+
+    method: Literal["fork", "spawn"] = "fork"
+    concurrency: int = 8
 
 
 @dataclass(frozen=True, slots=True)
@@ -496,6 +508,12 @@ class Config:
     def leases(self) -> LeaseParams:
         """The validated lease parameters (distribution.md §4.2, §4.3)."""
         return self._leases
+
+    @property
+    def launcher(self) -> LauncherSettings:
+        """`[session] launcher` and `launch_concurrency`, typed."""
+        return LauncherSettings(method=self.value("session", "launcher"),
+                                concurrency=int(self.value("session", "launch_concurrency")))
 
     @property
     def limits(self) -> Limits:

@@ -51,6 +51,7 @@ from flyd.launcher import LaunchedWorker, Launcher
 from flyd.leases.node import Scope
 from flyd.runspec import DEFAULT_MAX_AGENTS, RunSpec, RunSpecError
 from flyd.spawn import group_running
+from flyd.spawner import Spawner
 from flyd.state.store import CheckpointStore
 from flyd.state.writer import EventRing, WriterConfig
 from workers.domain import DomainError
@@ -107,7 +108,7 @@ class SessionExecutor:
                  claim_poll_s: float, checkpoints: CheckpointStore, ledger: LedgerReader,
                  writer_defaults: WriterConfig, drain_timeout_s: float,
                  max_agents: int = DEFAULT_MAX_AGENTS, health: HealthPolicy | None = None,
-                 deadlines: Deadlines | None = None,
+                 deadlines: Deadlines | None = None, spawner: Spawner | None = None,
                  on_progress: Callable[[RunReport], None] | None = None,
                  on_recovery: Callable[[RunReport, dict[str, Any]], None] | None = None) -> None:
         self.socket = socket
@@ -121,6 +122,7 @@ class SessionExecutor:
         self.drain_timeout_s = drain_timeout_s
         self.max_agents = max_agents
         self.health = health or HealthPolicy()
+        self.spawner = spawner
         self.deadlines = deadlines or Deadlines()
         self.on_progress = on_progress
         self.on_recovery = on_recovery
@@ -237,7 +239,7 @@ class SessionExecutor:
     async def open_launcher(self, run_id: int, names: SessionNames) -> Launcher:
         launcher = await Launcher.open(names=names, socket=self.socket, node=self.node,
                                        budget=self.budget, health=self.health,
-                                       max_agents=self.max_agents)
+                                       max_agents=self.max_agents, spawner=self.spawner)
         self._launchers[run_id] = launcher
         return launcher
 

@@ -8,7 +8,8 @@ node. One `Launcher` per session does that on the node's event loop, with its ow
 
 API (all coroutines run on the node's loop):
 
-    Launcher.open(names=, socket=, node=, budget=, health=, max_agents=, log_format=) -> Launcher
+    Launcher.open(names=, socket=, node=, budget=, health=, max_agents=, log_format=,
+                  spawner=) -> Launcher
     launcher.launch(identity, settings, mode, *, faults=None) -> LaunchedWorker
     launcher.launch_composition(spec, mode) -> dict[workerId, LaunchedWorker]
     launcher.health_check(worker_id) -> dict        the `Worker.Status` result (§2.6)
@@ -23,9 +24,12 @@ API (all coroutines run on the node's loop):
     connect_expected(node, socket, client_id, grants=, ttl=) -> BusClient
 
 Execution modes (§7.1), all over the Unix socket:
-- `PROCESS`: `python -m workers.agent|workers.environment <argv>` in its own session and process
-  group, spawned through `die_with_parent` on the node's loop thread, stdin = start gate. The
-  expectation is made with the child's pid, then `go\\n` is written.
+- `PROCESS`: the worker's `main` with `<argv>` in its own session and process group, started by
+  the node's `Spawner` (`flyd.spawner`): forked from the fork server, or
+  `python -m workers.agent|workers.environment <argv>` spawned on the spawner's thread, never on
+  the event loop; stdin = start gate. The expectation is made with the child's pid, then `go\\n`
+  is written. A process launch holds one of the spawner's slots (`[session]
+  launch_concurrency`) from its start until it identified.
 - `THREAD`: a dedicated OS thread running its own uvloop loop and the worker shell.
 - `IN_PROCESS`: a task on the node's loop, owned by the launcher.
 
@@ -97,6 +101,7 @@ from bus.errors import (
     TargetChanged,
 )
 from flyd.budget import ThreadBudget
+from flyd.forkserver import ForkServerError
 from flyd.health import HealthPolicy, format_seconds, no_answer
 from flyd.identities import (
     SessionNames,
@@ -106,6 +111,7 @@ from flyd.identities import (
 )
 from flyd.runspec import RunSpec
 from flyd.spawn import ChildProcess, ProcessInfo, process_info, settled_within
+from flyd.spawner import Spawner
 from workers.domain import DomainError, ErrorCode, Mutation, format_request_id
 from workers.launch import (
     AgentSettings,
@@ -304,15 +310,18 @@ Plan = tuple[WorkerIdentity, Settings, Faults]
 
 def worker_launch(names: SessionNames, identity: WorkerIdentity, settings: Settings,
                   faults: Faults, mode: ExecutionMode, *, socket: str, supervisor: str,
-                  max_agents: int, log_format: LogFormat = "json") -> WorkerLaunch:
+                  max_agents: int, log_format: LogFormat = "json",
+                  parent_pid: int | None = None) -> WorkerLaunch:
     """The `WorkerLaunch` of one launch: identity, the session's callers (coordinator, launcher,
-    node), the supervisor (the launcher), and `--parent-pid` in process mode only."""
+    node), the supervisor (the launcher), and `--parent-pid` in process mode only: the process
+    that starts the worker (`parent_pid`: the fork server), this one by default."""
     return WorkerLaunch(
         socket=socket, session_id=identity.session_id, worker_id=identity.worker_id,
         incarnation_id=identity.incarnation_id, client_id=identity.client_id,
         service=identity.service, supervisor=supervisor, callers=names.callers,
         threads=identity.worker_threads, max_agents=max_agents, settings=settings,
-        faults=faults, parent_pid=os.getpid() if mode is ExecutionMode.PROCESS else None,
+        faults=faults,
+        parent_pid=(parent_pid or os.getpid()) if mode is ExecutionMode.PROCESS else None,
         log_format=log_format)
 
 
@@ -533,6 +542,7 @@ class Launcher:
                  budget: ThreadBudget, health: HealthPolicy | None = None, max_agents: int = 4,
                  log_format: LogFormat = "json", python: str = sys.executable,
                  endpoint_factory: EndpointFactory | None = None,
+                 spawner: Spawner | None = None,
                  holds_reservation: bool = False, owns_client: bool = False) -> None:
         self.names = names
         self.socket = socket
@@ -544,6 +554,8 @@ class Launcher:
         self.log_format: LogFormat = log_format
         self.python = python
         self._endpoint_factory = endpoint_factory
+        self._owns_spawner = spawner is None
+        self.spawner = spawner or Spawner(socket=socket, python=python)
         self._holds_reservation = holds_reservation
         self._owns_client = owns_client
         self._serial = 0
@@ -558,9 +570,11 @@ class Launcher:
                    budget: ThreadBudget, health: HealthPolicy | None = None,
                    max_agents: int = 4, log_format: LogFormat = "json",
                    python: str = sys.executable,
-                   endpoint_factory: EndpointFactory | None = None) -> Launcher:
+                   endpoint_factory: EndpointFactory | None = None,
+                   spawner: Spawner | None = None) -> Launcher:
         """Take the session's coordinator reservation, have the node expect the launcher's
-        client (`<tag>.launcher`) and connect it."""
+        client (`<tag>.launcher`) and connect it. Process workers start through `spawner` (the
+        node's); without one the launcher owns a default one and closes it with itself."""
         health = health or HealthPolicy()
         budget.open_session(names.tag)
         try:
@@ -571,7 +585,8 @@ class Launcher:
             raise
         return cls(names=names, socket=socket, node=node, client=client, budget=budget,
                    health=health, max_agents=max_agents, log_format=log_format, python=python,
-                   endpoint_factory=endpoint_factory, holds_reservation=True, owns_client=True)
+                   endpoint_factory=endpoint_factory, spawner=spawner, holds_reservation=True,
+                   owns_client=True)
 
     # ------------------------------------------------------------------------- properties
 
@@ -625,11 +640,18 @@ class Launcher:
             raise DomainError.invalid(f"{wid}: environment settings for an {identity.role}")
 
     def worker_launch(self, identity: WorkerIdentity, settings: Settings, faults: Faults,
-                      mode: ExecutionMode) -> WorkerLaunch:
+                      mode: ExecutionMode, parent_pid: int | None = None) -> WorkerLaunch:
         """The `WorkerLaunch` this launcher writes for a launch (§7.7)."""
         return worker_launch(self.names, identity, settings, faults, mode, socket=self.socket,
                              supervisor=self.client_id, max_agents=self.max_agents,
-                             log_format=self.log_format)
+                             log_format=self.log_format, parent_pid=parent_pid)
+
+    async def _parent_pid(self) -> int:
+        try:
+            return await self.spawner.parent_pid()
+        except (OSError, ForkServerError) as exc:
+            raise DomainError(ErrorCode.BACKEND_FAILURE, f"the fork server is unavailable: {exc}",
+                              Mutation.NONE) from None
 
     async def _expect(self, identity: WorkerIdentity, pid: int) -> None:
         await expect(self.node, identity.client_id, pid, identity.incarnation_id,
@@ -639,13 +661,18 @@ class Launcher:
                           mode: ExecutionMode) -> _Body:
         wid = identity.worker_id
         if mode is ExecutionMode.PROCESS:
-            env = dict(os.environ)
-            env.update(thread_environment(identity.worker_threads))
+            env = thread_environment(identity.worker_threads)
             env["PYTHONUNBUFFERED"] = "1"
-            child = await ChildProcess.spawn(
-                launch.command(self.python), env=env,
-                fields={"worker": wid, "incarnation": identity.incarnation_id,
-                        "session": identity.session_id})
+            try:
+                child = await self.spawner.start(
+                    launch, env=env, timeout=self.health.boot,
+                    fields={"worker": wid, "incarnation": identity.incarnation_id,
+                            "session": identity.session_id})
+            except (OSError, ForkServerError, TimeoutError) as exc:
+                raise DomainError(ErrorCode.BACKEND_FAILURE,
+                                  f"{wid}: the worker process could not be started "
+                                  f"({self.spawner.method}): {exc or type(exc).__name__}",
+                                  Mutation.NONE) from None
             body: _Body = _ProcessBody(child)
             self._starting[wid] = body
             await self._expect(identity, child.pid)
@@ -667,16 +694,19 @@ class Launcher:
         """Allocate threads, start the body, identify it with `Worker.Hello` (§7.5)."""
         self._check_launch(identity, settings)
         faults = faults if faults is not None else Faults()
-        launch = self.worker_launch(identity, settings, faults, mode)
         wid = identity.worker_id
         holder = self.holder(wid)
         self.budget.allocate(holder, identity.worker_threads)
         self._plans[wid] = _Plan(identity, settings, faults, mode)
         body: _Body | None = None
         started = asyncio.get_running_loop().time()
+        process = mode is ExecutionMode.PROCESS
         try:
-            body = await self._start_body(identity, launch, mode)
-            service_incarnation = await self._identify(identity, body)
+            async with self.spawner.launch_slot() if process else contextlib.nullcontext():
+                parent = await self._parent_pid() if process else None
+                launch = self.worker_launch(identity, settings, faults, mode, parent)
+                body = await self._start_body(identity, launch, mode)
+                service_incarnation = await self._identify(identity, body)
         except BaseException:
             starting = self._starting.pop(wid, None)
             self.budget.release(holder)
@@ -993,6 +1023,8 @@ class Launcher:
             self._holds_reservation = False
         if self._owns_client:
             await self.client.close()
+        if self._owns_spawner:
+            await self.spawner.close()
 
     async def __aenter__(self) -> Launcher:
         return self

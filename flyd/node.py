@@ -60,6 +60,7 @@ from flyd.leases.node import NodeRuntime
 from flyd.leases.pgstore import DbSettings, PgStore
 from flyd.leases.store import NodeInfo
 from flyd.router_child import RouterChild, RouterStartError, check_socket_path
+from flyd.spawner import Spawner
 from flyd.state.store import PgCheckpointStore
 from flyd.state.writer import WriterConfig
 
@@ -160,6 +161,7 @@ class NodeProcess:
         self.runtime: NodeRuntime | None = None
         self.control: ControlService | None = None
         self.drain_listeners: list[Callable[[], None]] = []
+        self.spawner: Spawner | None = None
         self.budget = ThreadBudget.for_this_machine(
             setup.capacity, threads=setup.threads,
             coordinator_reservation=int(setup.config.value("node", "coordinator_reservation")))
@@ -198,6 +200,7 @@ class NodeProcess:
                              capacity=setup.capacity)
         await self.store.open()
         self.checkpoints = PgCheckpointStore(self.dsn)
+        self.spawner = Spawner(setup.config.launcher, socket=setup.socket)
         self.executor = SessionExecutor(
             socket=setup.socket, node=self.client, node_id=setup.node_id, budget=self.budget,
             claim_poll_s=self.params.claim_poll_s,
@@ -206,7 +209,8 @@ class NodeProcess:
             drain_timeout_s=self.params.drain_timeout_s,
             max_agents=int(setup.config.value("session", "max_agents")),
             health=HealthPolicy.from_config(setup.config.section("session")),
-            deadlines=session_deadlines(setup.config))
+            deadlines=session_deadlines(setup.config),
+            spawner=self.spawner)
         self.control = ControlService(self)
         await self.control.start()
 
@@ -350,6 +354,9 @@ class NodeProcess:
             with contextlib.suppress(Exception):
                 async with asyncio.timeout(CLOSE_S):
                     await client.close()
+        spawner, self.spawner = self.spawner, None
+        if spawner is not None:
+            await spawner.close()
         router, self.router = self.router, None
         if router is not None:
             await router.stop()

@@ -45,7 +45,7 @@ from bus.limits import Limits, snake_case
 from bus.policy import Policy
 from flyd.config import ConfigError, default_socket
 from flyd.runspec import DEFAULT_MAX_AGENTS
-from flyd.spawn import ChildProcess
+from flyd.spawn import ChildProcess, SpawnedChild
 
 __all__ = ["RouterChild", "RouterStartError", "SocketPathError", "check_socket_path",
            "choose_socket", "required_limits", "router_answers", "router_toml"]
@@ -176,9 +176,12 @@ def _policy_table(policy: Policy) -> dict[str, Any]:
 
 
 def required_limits(capacity: int = 1, max_agents: int = DEFAULT_MAX_AGENTS) -> dict[str, int]:
-    """cli.md §5.1: the `[bus.limits]` floors a node needs (snake_case keys)."""
+    """cli.md §5.1: the `[bus.limits]` floors a node needs (snake_case keys). Expectations
+    follow the clients' floor: every client of a session (workers, launcher, coordinator) is
+    expected before it connects, and all of a composition's launches are in flight at once."""
     return {"max_clients": capacity * (max_agents + 3) + 8,
             "max_services": capacity * (max_agents + 1) + 1,
+            "max_expectations": capacity * (max_agents + 3) + 8,
             "max_active_calls_per_client": 2 * max_agents}
 
 
@@ -222,7 +225,7 @@ class RouterChild:
         env = {**os.environ, "FLYD_LOG_FORMAT": "json"}
         env.pop("FLYD_SOCKET", None)
         flags = ["-q"] * quiet if quiet > 0 else ["-v"] * -quiet
-        self.process = await ChildProcess.spawn(
+        self.process = await SpawnedChild.spawn(
             [sys.executable, "-m", "flyd", "router", "--socket", self.socket, "--config",
              str(config), *flags], env=env, fields={"component": "router"})
         deadline = time.monotonic() + ROUTER_START_S

@@ -1,16 +1,19 @@
 """Worker child processes: spawn, exit watch, output forwarding, kill, psutil info (§7.5, §7.6).
 
 Why: the launcher's process mode needs a handful of careful OS mechanics that have nothing to do
-with sessions: a child in its own session and process group (pgid = pid) spawned through
-`workers.launch.die_with_parent` with a start-gate pipe on stdin, an exit watch that costs no
-thread (a pidfd registered with the event loop), the child's stdout and stderr forwarded line by
-line into our log with the worker's identity attached (cli.md §9), and `killpg(SIGKILL)` of the
-whole group. `ChildProcess` owns all of that for one child.
+with sessions: a child in its own session and process group (pgid = pid) with a start-gate pipe
+on stdin, the child's stdout and stderr forwarded line by line into our log with the worker's
+identity attached (cli.md §9), and `killpg(SIGKILL)` of the whole group. `ChildProcess` owns
+that for one child; `SpawnedChild` adds the start through `workers.launch.die_with_parent`
+(`spawn_worker`) and an exit watch that costs no thread (a pidfd registered with the event
+loop). A worker forked by the fork server is `flyd.forkserver.ForkedChild`.
 
 Decisions:
 - The exit watch is `os.pidfd_open` + `loop.add_reader`: when the pidfd turns readable the child
   is a zombie, so its pid (= its pgid) cannot be reused yet; the watcher first sweeps the group
   with SIGKILL (nothing of a worker outlives it), then reaps with `Popen.poll()`.
+- `spawn_worker` blocks (fork, then the wait for exec): the spawner runs it on its own thread,
+  which lives as long as the node, never on the event loop.
 - stdout and stderr share one pipe (stderr=STDOUT); a protocol splits it into lines in
   `data_received` (no reader task). A JSON object line (the worker's structlog output) is
   re-logged at its own level with its own event and fields plus `worker`, `incarnation`, `pid`;
@@ -30,7 +33,7 @@ import signal
 import subprocess
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any, BinaryIO, Final
 
 import orjson
 import psutil
@@ -38,8 +41,8 @@ import structlog
 
 from workers.launch import START_GATE, die_with_parent
 
-__all__ = ["MAX_LINE", "ChildProcess", "ProcessInfo", "group_running", "peak_rss_kib",
-           "process_info"]
+__all__ = ["MAX_LINE", "ChildProcess", "ProcessInfo", "SpawnedChild", "group_running",
+           "peak_rss_kib", "process_info", "settled_within", "spawn_worker"]
 
 log = structlog.get_logger("flyd.spawn")
 
@@ -163,44 +166,133 @@ async def settled_within(fut: asyncio.Future[Any], timeout: float) -> bool:  # n
     return True
 
 class ChildProcess:
-    """One worker child: own process group, die-with-parent, start gate, exit watch.
+    """One worker child: own process group, start gate, output forwarding, kill.
 
-    Create with `await ChildProcess.spawn(...)`; the child blocks on its start gate until
-    `open_gate()`. `exited` resolves with the return code once the child was reaped.
+    `exited` resolves with the exit code once the child is gone. How the child was started and
+    how its exit is learnt is the subclass's: `SpawnedChild` (our own child, a pidfd watch) or
+    `flyd.forkserver.ForkedChild` (the fork server's child, whose exit the server reports).
     """
 
-    def __init__(self, popen: subprocess.Popen[bytes], fields: Mapping[str, Any]) -> None:
-        self._popen = popen
+    def __init__(self, pid: int, gate: BinaryIO, output: BinaryIO,
+                 fields: Mapping[str, Any]) -> None:
         self._loop = asyncio.get_running_loop()
-        self.pid: int = popen.pid
-        self.pgid: int = popen.pid
-        self._fields = dict(fields, pid=popen.pid)
+        self.pid: int = pid
+        self.pgid: int = pid
+        self._gate = gate
+        self._output = output
+        self._fields = dict(fields, pid=pid)
         self.exited: asyncio.Future[int] = self._loop.create_future()
-        self._pidfd: int | None = None
         self._transport: asyncio.ReadTransport | None = None
         self._lines: _Lines | None = None
 
+    def settle(self, code: int) -> None:
+        """Record the exit code (once); the exit watch (ours or the fork server's) calls it."""
+        if not self.exited.done():
+            self.exited.set_result(code)
+
+    # output --------------------------------------------------------------------------------
+    async def forward(self) -> None:
+        """Start forwarding the child's output into our log (no reader task)."""
+        transport, protocol = await self._loop.connect_read_pipe(
+            lambda: _Lines(self._log_line), self._output)
+        self._transport = transport
+        self._lines = protocol
+
+    def _log_line(self, line: bytes) -> None:
+        record: Any = None
+        if line.startswith(b"{"):
+            with contextlib.suppress(orjson.JSONDecodeError):
+                record = orjson.loads(line)
+        if isinstance(record, dict):
+            level = record.get("level")
+            event = record.get("event")
+            meth = level if isinstance(level, str) and level in _LEVELS else "info"
+            extra = {k: v for k, v in record.items() if k not in _SKIP and k not in self._fields}
+            ours = {k: v for k, v in self._fields.items()
+                    if not (k == "incarnation" and "incarnation_id" in record)}
+            getattr(log, meth)(event if isinstance(event, str) else "worker.log", **ours, **extra)
+        else:
+            text = line.decode("utf-8", "replace").rstrip("\r")
+            if text:
+                log.info("worker.output", **self._fields, line=text)
+
+    # control -------------------------------------------------------------------------------
+    def open_gate(self) -> None:
+        """Write the start gate (`go\\n`) and close it."""
+        try:
+            self._gate.write(START_GATE)
+            self._gate.flush()
+        finally:
+            with contextlib.suppress(OSError):
+                self._gate.close()
+
+    @property
+    def returncode(self) -> int | None:
+        return self.exited.result() if self.exited.done() else None
+
+    def kill(self) -> None:
+        """`killpg(SIGKILL)` of the child's group (synchronous, idempotent)."""
+        if self.exited.done():
+            return
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.pgid, signal.SIGKILL)
+
+    async def wait(self, timeout: float) -> bool:  # noqa: ASYNC109 - a bound, not a deadline API
+        """Wait up to `timeout` seconds for the exit; True when it exited."""
+        return await settled_within(self.exited, timeout)
+
+    async def close(self, timeout: float) -> bool:  # noqa: ASYNC109
+        """Kill, wait up to `timeout` for the exit and for the output pipe to drain; True when
+        the child is gone."""
+        self.kill()
+        gone = await self.wait(timeout)
+        if self._lines is not None and gone:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(0.5):
+                    await asyncio.shield(self._lines.closed)
+        if self._transport is not None:  # owns (and closes) the output pipe
+            self._transport.close()
+        else:
+            with contextlib.suppress(OSError):
+                self._output.close()
+        with contextlib.suppress(OSError):
+            self._gate.close()
+        return gone
+
+    def info(self) -> ProcessInfo:
+        return process_info(self.pid)
+
+
+class SpawnedChild(ChildProcess):
+    """A worker started with fork + exec by this process (`spawn_worker`), its exit watched by
+    a pidfd on the event loop and reaped here."""
+
+    def __init__(self, popen: subprocess.Popen[bytes], fields: Mapping[str, Any]) -> None:
+        assert popen.stdin is not None and popen.stdout is not None
+        super().__init__(popen.pid, popen.stdin, popen.stdout, fields)  # type: ignore[arg-type]
+        self._popen = popen
+        self._pidfd: int | None = None
+
     @classmethod
     async def spawn(cls, argv: Sequence[str], *, env: Mapping[str, str],
-                    fields: Mapping[str, Any]) -> ChildProcess:
-        """Start `argv` (no shell) in a new session; stdin is the start-gate pipe.
+                    fields: Mapping[str, Any]) -> SpawnedChild:
+        """`spawn_worker` on the calling thread, then `start`: for the node's own children (the
+        router) started once, from the event-loop thread, which lives as long as the node."""
+        return await cls.start(spawn_worker(argv, env), fields)
 
-        Runs `fork` on the calling thread, which must live as long as the node (the event-loop
-        thread): the child's death signal follows the forking thread (§7.5).
-        """
-        popen = die_with_parent(
-            list(argv), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT, env=dict(env), start_new_session=True, close_fds=True)
+    @classmethod
+    async def start(cls, popen: subprocess.Popen[bytes],
+                    fields: Mapping[str, Any]) -> SpawnedChild:
+        """Watch and forward a child `spawn_worker` started; killed on any failure."""
         child = cls(popen, fields)
         try:
             child._watch()
-            await child._forward()
+            await child.forward()
         except BaseException:
             child.kill()
             raise
         return child
 
-    # exit watch ----------------------------------------------------------------------------
     def _watch(self) -> None:
         try:
             self._pidfd = os.pidfd_open(self.pid)
@@ -232,78 +324,14 @@ class ChildProcess:
             os.close(self._pidfd)
             self._pidfd = None
         code = self._popen.poll()
-        if not self.exited.done():
-            self.exited.set_result(code if code is not None else -int(signal.SIGKILL))
+        self.settle(code if code is not None else -int(signal.SIGKILL))
 
-    # output --------------------------------------------------------------------------------
-    async def _forward(self) -> None:
-        out = self._popen.stdout
-        assert out is not None
-        transport, protocol = await self._loop.connect_read_pipe(
-            lambda: _Lines(self._log_line), out)
-        self._transport = transport
-        self._lines = protocol
 
-    def _log_line(self, line: bytes) -> None:
-        record: Any = None
-        if line.startswith(b"{"):
-            with contextlib.suppress(orjson.JSONDecodeError):
-                record = orjson.loads(line)
-        if isinstance(record, dict):
-            level = record.get("level")
-            event = record.get("event")
-            meth = level if isinstance(level, str) and level in _LEVELS else "info"
-            extra = {k: v for k, v in record.items() if k not in _SKIP and k not in self._fields}
-            ours = {k: v for k, v in self._fields.items()
-                    if not (k == "incarnation" and "incarnation_id" in record)}
-            getattr(log, meth)(event if isinstance(event, str) else "worker.log", **ours, **extra)
-        else:
-            text = line.decode("utf-8", "replace").rstrip("\r")
-            if text:
-                log.info("worker.output", **self._fields, line=text)
-
-    # control -------------------------------------------------------------------------------
-    def open_gate(self) -> None:
-        """Write the start gate (`go\\n`) and close stdin."""
-        stdin = self._popen.stdin
-        assert stdin is not None
-        try:
-            stdin.write(START_GATE)
-            stdin.flush()
-        finally:
-            with contextlib.suppress(OSError):
-                stdin.close()
-
-    @property
-    def returncode(self) -> int | None:
-        return self.exited.result() if self.exited.done() else None
-
-    def kill(self) -> None:
-        """`killpg(SIGKILL)` of the child's group (synchronous, idempotent)."""
-        if self.exited.done():
-            return
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.pgid, signal.SIGKILL)
-
-    async def wait(self, timeout: float) -> bool:  # noqa: ASYNC109 - a bound, not a deadline API
-        """Wait up to `timeout` seconds for the exit; True when it exited."""
-        return await settled_within(self.exited, timeout)
-
-    async def close(self, timeout: float) -> bool:  # noqa: ASYNC109
-        """Kill, wait up to `timeout` for the exit and for the output pipe to drain; True when
-        the child is gone."""
-        self.kill()
-        gone = await self.wait(timeout)
-        if self._lines is not None and gone:
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(0.5):
-                    await asyncio.shield(self._lines.closed)
-        if self._transport is not None:  # owns (and closes) the output pipe
-            self._transport.close()
-        if self._popen.stdin is not None:
-            with contextlib.suppress(OSError):
-                self._popen.stdin.close()
-        return gone
-
-    def info(self) -> ProcessInfo:
-        return process_info(self.pid)
+def spawn_worker(argv: Sequence[str], env: Mapping[str, str]) -> subprocess.Popen[bytes]:
+    """Start `argv` (no shell) in a new session with die-with-parent; stdin is the start-gate
+    pipe, stdout and stderr one output pipe. Blocking (fork, then the wait for exec): callers
+    run it on a thread that lives as long as the node (the death signal follows the forking
+    thread, §7.5), never on the event loop."""
+    return die_with_parent(
+        list(argv), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, env=dict(env), start_new_session=True, close_fds=True)

@@ -29,8 +29,9 @@ about the first ten sessions, then stays flat):
   connection was still closing; a leak of one per session still shows as growth);
 - RSS of node and router: the last tenth's median is within `--rss-tolerance` (10 %) of the
   first tenth's (allocator noise, no steady growth);
-- processes: every idle sample shows exactly one descendant of the node, its router, and no
-  zombie; the router keeps its pid (a kill of a worker never takes the router down).
+- processes: every idle sample shows no descendant of the node but its router and its fork
+  server (once a process session started it), and no zombie; the router and the fork server
+  keep their pids (a kill of a worker never takes either down).
 Leftovers: the node runs with a private `TMPDIR`; its state dir, socket dir and `TMPDIR` hold
 the same entries at the end as after the warm-up, and after the node's drain (exit 0) the
 socket dir and `TMPDIR` are empty and no process started under the work directory survives.
@@ -317,7 +318,9 @@ class Node:
         return None
 
     def workers(self) -> list[psutil.Process]:
-        return [c for c in self.children() if "-m workers." in cmdline(c)]
+        """The node's worker processes (not its fork server, which lives as long as it)."""
+        return [c for c in self.children()
+                if "-m workers." in cmdline(c) and "workers.forkserver" not in cmdline(c)]
 
     def events(self, event: str) -> list[dict[str, Any]]:
         """The node's structlog lines of `event` (its stderr, JSON lines)."""
@@ -435,6 +438,7 @@ class Sample:
     router_pid: int
     descendants: int
     zombies: int
+    server_pids: tuple[int, ...]
 
 
 def sample(node: Node, session: int) -> Sample:
@@ -449,10 +453,13 @@ def sample(node: Node, session: int) -> Sample:
         raise HarnessError("the node has no router")
     children = proc.children(recursive=True)
     zombies = sum(1 for c in children if c.status() == psutil.STATUS_ZOMBIE)
+    servers = tuple(c.pid for c in children if "workers.forkserver" in cmdline(c))
     return Sample(session=session, node_fds=proc.num_fds(), node_threads=proc.num_threads(),
                   node_rss=proc.memory_info().rss, router_fds=router.num_fds(),
                   router_threads=router.num_threads(), router_rss=router.memory_info().rss,
-                  router_pid=router.pid, descendants=len(children) - zombies, zombies=zombies)
+                  router_pid=router.pid,
+                  descendants=len(children) - zombies - len(servers), zombies=zombies,
+                  server_pids=servers)
 
 
 def tenths(values: Sequence[int]) -> tuple[float, float]:
@@ -479,8 +486,12 @@ def growth(samples: Sequence[Sample], rss_tolerance: float) -> tuple[dict[str, A
             problems.append(f"{metric} grew from {first:g} to {last:g}")
     odd = [s.session for s in samples if s.descendants != 1 or s.zombies]
     if odd:
-        problems.append(f"idle node with other descendants than its router (or zombies) "
-                        f"after sessions {odd[:10]}")
+        problems.append(f"idle node with other descendants than its router and its fork "
+                        f"server (or zombies) after sessions {odd[:10]}")
+    servers = sorted({pid for s in samples for pid in s.server_pids})
+    if len(servers) > 1 or any(len(s.server_pids) > 1 for s in samples):
+        problems.append(f"the fork server was replaced or doubled during the soak: pids "
+                        f"{servers}")
     routers = sorted({s.router_pid for s in samples})
     if len(routers) != 1:
         problems.append(f"the router was replaced during the soak: pids {routers}")

@@ -17,8 +17,8 @@ Rules:
   same way; one that failed the epoch raises its `SessionFailure`.
 - `durable(coordinator, kind, finish=None, budget=None)`: a durable capture (`final`, `drain`,
   `forced`): reserve (waiting for a slot), capture, submit (never coalesced), await the outcome.
-  `UNSUPPORTED` (too large for `max_envelope_bytes`, or more payloads than an envelope holds:
-  a session of more than 30 agents) is returned as `TooLarge` with both sizes, never retried; a
+  `UNSUPPORTED` (too large for `max_envelope_bytes`, or more payloads than an envelope holds,
+  `MAX_PAYLOADS`) is returned as `TooLarge` with both sizes, never retried; a
   forced capture raises it as `CheckpointTooLarge`, which ends the run. A payload-count refusal's
   outcome adds `payloadCount` and `payloadLimit` to §5.2's `{error, byteLength, limit}`.
 - Ids come from the cadence (`ck-e<N>-<n>[-final|-drain|-forced]`), so none recurs in a run.

@@ -131,9 +131,10 @@ RetryPolicy = ReleaseAndReport | RetryThenRelease
 
 class EnvelopeTooLarge(DomainError):
     """`UNSUPPORTED`/`none` at submit: the capture's payload bytes exceed `max_envelope_bytes`,
-    or it has more payloads than an envelope holds (`MAX_PAYLOADS`, §2: 4 plus 2 per agent,
-    so more than 30 agents); the sizes travel with it because a forced or final capture ends
-    the run with them (§5.2). Either can never commit, so neither is retried."""
+    or it has more payloads than an envelope holds (`MAX_PAYLOADS`, §2.1: a session needs 4 plus
+    2 per agent, 516 at `[session] max_agents` 256); the sizes travel with it because a forced
+    or final capture ends the run with them (§5.2). Either can never commit, so neither is
+    retried."""
 
     def __init__(self, byte_length: int, limit: int, payload_count: int | None = None) -> None:
         if payload_count is None:

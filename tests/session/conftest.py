@@ -84,13 +84,20 @@ async def launchers(node: Node) -> AsyncIterator[LauncherFactory]:
         await launcher.close()
 
 
-def children() -> list[psutil.Process]:
-    """Every live (non-zombie) descendant of the test process."""
+def children(*, servers: bool = False) -> list[psutil.Process]:
+    """Every live (non-zombie) descendant of the test process: the workers, and with `servers`
+    also the fork servers (which live as long as their launcher or node, not a worker)."""
     out = []
     for child in psutil.Process().children(recursive=True):
         try:
-            if child.status() != psutil.STATUS_ZOMBIE:
+            if child.status() != psutil.STATUS_ZOMBIE and (servers or not fork_server(child)):
                 out.append(child)
         except psutil.NoSuchProcess:
             pass
     return out
+
+
+def fork_server(proc: psutil.Process) -> bool:
+    """A fork server: its command line names `workers.forkserver` (a worker it forked shows the
+    `workers.agent|environment` command line it stands for)."""
+    return "workers.forkserver" in proc.cmdline()

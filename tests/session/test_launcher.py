@@ -15,7 +15,7 @@ import sys
 import threading
 import time
 from dataclasses import fields
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import psutil
 import pytest
@@ -23,6 +23,7 @@ import pytest
 from bus.client import CallResult, Identity
 from bus.errors import NoService, NotAuthorized, QuotaExceeded, TargetChanged
 from flyd.budget import ThreadBudget
+from flyd.config import LauncherSettings
 from flyd.health import HealthPolicy, format_seconds, no_answer
 from flyd.identities import SessionNames
 from flyd.launcher import (
@@ -36,6 +37,7 @@ from flyd.launcher import (
     worker_launch,
 )
 from flyd.runspec import AgentSpec, FaultSpecError, KillAt, RunSpec
+from flyd.spawner import Spawner
 from tests.session.conftest import children
 from workers.domain import DomainError
 from workers.faults import Faults, role_fields
@@ -47,6 +49,10 @@ if TYPE_CHECKING:
 
 MODES = list(ExecutionMode)
 MODE_IDS = [m.label() for m in MODES]
+#: every mode, process mode with both launch methods ([session] launcher)
+METHODS = [(ExecutionMode.PROCESS, "fork"), (ExecutionMode.PROCESS, "spawn"),
+           (ExecutionMode.THREAD, "fork"), (ExecutionMode.IN_PROCESS, "fork")]
+METHOD_IDS = ["process-fork", "process-spawn", "thread", "in-process"]
 NAMES = SessionNames(session_id="demo", tag="s3", node_id="host-a-3f9c0e1b2a4d")
 SOCKET = "/tmp/flyd-test/bus.sock"
 
@@ -280,11 +286,13 @@ def worker_threads() -> list[threading.Thread]:
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("mode", MODES, ids=MODE_IDS)
+@pytest.mark.parametrize(("mode", "method"), METHODS, ids=METHOD_IDS)
 async def test_a_session_launches_identifies_restarts_and_reaps_in_every_mode(
-        mode: ExecutionMode, launchers: LauncherFactory) -> None:
+        mode: ExecutionMode, method: Literal["fork", "spawn"],
+        launchers: LauncherFactory) -> None:
     budget = ThreadBudget(8, 1)
-    launcher = await launchers(budget=budget)
+    launcher = await launchers(budget=budget,
+                               spawner=Spawner(LauncherSettings(method=method, concurrency=2)))
     tag = launcher.names.tag
     assert budget.holders() == {f"coordinator-{tag}": 1}
     started = time.perf_counter()
@@ -322,11 +330,25 @@ async def test_a_session_launches_identifies_restarts_and_reaps_in_every_mode(
             assert info.pid == lw.pid
             assert os.getpgid(lw.pid) == lw.pid  # its own process group
             assert os.getsid(lw.pid) == lw.pid  # and session
-            assert psutil.Process(lw.pid).ppid() == os.getpid()
+            parent = psutil.Process(psutil.Process(lw.pid).ppid())
+            if method == "fork":  # forked by the launcher's fork server, a child of ours
+                assert parent.pid == await launcher.spawner.parent_pid()
+                assert "workers.forkserver" in parent.cmdline()
+                assert parent.ppid() == os.getpid()
+            else:
+                assert parent.pid == os.getpid()
+            # either way the command line is the worker's own (`python -m workers.<role>`)
+            shown = [arg for arg in psutil.Process(lw.pid).cmdline() if arg]
+            module = "workers.agent" if identity.role == "agent" else "workers.environment"
+            assert shown[:3] == [sys.executable, "-m", module]
+            written = parse_worker_argv(identity.role, shown[3:])
+            assert (written.worker_id, written.incarnation_id, written.parent_pid) == (
+                wid, identity.incarnation_id, parent.pid)
             assert lw.peak_rss_kib is not None and lw.peak_rss_kib > 0
-            env = psutil.Process(lw.pid).environ()
-            assert env["OMP_NUM_THREADS"] == str(identity.worker_threads)
-            assert env["PYTHONUNBUFFERED"] == "1"
+            if method == "spawn":  # a forked worker sets them in its own memory, not /proc
+                env = psutil.Process(lw.pid).environ()
+                assert env["OMP_NUM_THREADS"] == str(identity.worker_threads)
+                assert env["PYTHONUNBUFFERED"] == "1"
         else:
             assert lw.pid is None
             assert info.pid == os.getpid()
@@ -363,8 +385,9 @@ async def test_a_session_launches_identifies_restarts_and_reaps_in_every_mode(
     assert launcher.workers() == {}
     assert budget.holders() == {f"coordinator-{tag}": 1}
     await launcher.close()
+    await launcher.spawner.close()
     assert budget.holders() == {}
-    assert children() == []
+    assert children(servers=True) == []
     assert worker_threads() == []
     services = await launcher.node.services(f"{tag}.")
     assert services == []
@@ -581,9 +604,11 @@ from bus.client import connect
 from bus.policy import Policy
 from bus.router import Router, RouterConfig
 from flyd.budget import ThreadBudget
+from flyd.config import LauncherSettings
 from flyd.identities import SessionNames, new_node_id, node_client_id
 from flyd.launcher import ExecutionMode, Launcher
 from flyd.runspec import RunSpec
+from flyd.spawner import Spawner
 
 structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.ERROR))
 
@@ -595,7 +620,8 @@ async def main():
     node_id = new_node_id("orphans")
     node = await connect(path, client_id=node_client_id(node_id))
     launcher = await Launcher.open(names=SessionNames("demo", "s1", node_id), socket=path,
-                                   node=node, budget=ThreadBudget(8, 1))
+                                   node=node, budget=ThreadBudget(8, 1),
+                                   spawner=Spawner(LauncherSettings(method=sys.argv[1])))
     launched = await launcher.launch_composition(RunSpec(), ExecutionMode.PROCESS)
     print("PIDS", d, *(w.pid for w in launched.values()), flush=True)
     await asyncio.sleep(300)
@@ -612,8 +638,9 @@ def gone(proc: psutil.Process) -> bool:
 
 
 @pytest.mark.timeout(60)
-def test_a_killed_node_takes_its_process_workers_with_it() -> None:
-    node = subprocess.Popen([sys.executable, "-c", NODE_SCRIPT], stdout=subprocess.PIPE,
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_a_killed_node_takes_its_process_workers_with_it(method: str) -> None:
+    node = subprocess.Popen([sys.executable, "-c", NODE_SCRIPT, method], stdout=subprocess.PIPE,
                             stdin=subprocess.DEVNULL)
     socket_dir = ""
     try:
@@ -623,7 +650,13 @@ def test_a_killed_node_takes_its_process_workers_with_it() -> None:
         _, socket_dir, *pids = line.split()
         workers = [psutil.Process(int(pid)) for pid in pids]
         assert len(workers) == 3
-        assert all(w.ppid() == node.pid for w in workers)
+        parents = {w.ppid() for w in workers}
+        if method == "fork":  # the node's fork server, itself a child of the node
+            (server,) = (psutil.Process(pid) for pid in parents)
+            assert server.ppid() == node.pid and "workers.forkserver" in server.cmdline()
+            workers.append(server)
+        else:
+            assert parents == {node.pid}
         node.send_signal(signal.SIGKILL)
         node.wait(10)
         deadline = time.monotonic() + 5
@@ -684,12 +717,16 @@ async def test_a_worker_that_never_registers_fails_at_the_boot_budget(
     silent.write_text("#!/bin/sh\nexec sleep 60\n")
     silent.chmod(0o755)
     budget = ThreadBudget(4, 1)
-    launcher = await launchers(budget=budget, python=str(silent),
+    spawner = Spawner(LauncherSettings(method="spawn"), python=str(silent))
+    launcher = await launchers(budget=budget, python=str(silent), spawner=spawner,
                                health=HealthPolicy(probe=0.2, fail=0.2, boot=0.5))
     identity, settings, faults = agent_plan(launcher)
     started = time.perf_counter()
-    with pytest.raises(DomainError) as err:
-        await launcher.launch(identity, settings, ExecutionMode.PROCESS, faults=faults)
+    try:
+        with pytest.raises(DomainError) as err:
+            await launcher.launch(identity, settings, ExecutionMode.PROCESS, faults=faults)
+    finally:
+        await spawner.close()
     assert 0.5 <= time.perf_counter() - started < 3
     assert err.value.code == "BACKEND_FAILURE"
     assert err.value.message.startswith(

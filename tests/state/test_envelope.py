@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from flyd.state.envelope import (
     FOOTER_BYTES,
     MANIFEST_FIELDS,
+    MAX_PAYLOADS,
     TABLE_ENTRY_BYTES,
     EnvelopeError,
     align8,
@@ -128,8 +129,8 @@ long_names = st.builds(lambda head, tail: head + tail, st.sampled_from(_FIRST),
 
 
 @settings(max_examples=40, deadline=None)
-@given(names=st.lists(long_names, min_size=0, max_size=64, unique=True),
-       sizes=st.lists(st.integers(0, 40), min_size=64, max_size=64),
+@given(names=st.lists(long_names, min_size=0, max_size=MAX_PAYLOADS, unique=True),
+       sizes=st.lists(st.integers(0, 40), min_size=MAX_PAYLOADS, max_size=MAX_PAYLOADS),
        note=st.text(alphabet=_REST, max_size=20))
 def test_decode_then_encode_round_trips(names: list[str], sizes: list[int], note: str) -> None:
     payloads = [(name, bytes([i % 251 + 1]) * size)
@@ -153,7 +154,7 @@ def test_decode_then_encode_round_trips(names: list[str], sizes: list[int], note
     assert data[end:layout.footer_offset] == bytes(layout.footer_offset - end)
 
     # the same names as helper payloads of a real checkpoint: encode/decode round trip
-    helpers = payloads[:64 - 6]
+    helpers = payloads[:MAX_PAYLOADS - 6]
     doc = load()
     manifest = copy.deepcopy(doc["manifest"])
     checkpoint = bodies(doc) + helpers
@@ -169,12 +170,12 @@ def test_the_encoder_refuses_what_no_reader_accepts() -> None:
     doc = load()
     manifest, payloads = doc["manifest"], bodies(doc)
 
-    many = payloads + [(f"helper-{i}", b"x") for i in range(59)]
-    assert len(many) == 65
+    many = payloads + [(f"helper-{i}", b"x") for i in range(MAX_PAYLOADS + 1 - len(payloads))]
+    assert len(many) == MAX_PAYLOADS + 1 == 1025
     too_many = copy.deepcopy(manifest)
     too_many["helperState"] = [name for name, _ in many[6:]]
     too_many["payloads"] = listing(many)
-    assert "65 payloads" in internal(lambda: encode(too_many, many)).message
+    assert "1025 payloads" in internal(lambda: encode(too_many, many)).message
     internal(lambda: pack(canonical({}), many))
 
     duplicate = [*payloads, ("world", b"again")]

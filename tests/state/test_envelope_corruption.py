@@ -18,7 +18,15 @@ from typing import Any
 
 import pytest
 
-from flyd.state.envelope import MANIFEST_FIELDS, EnvelopeError, align8, decode, encode, pack
+from flyd.state.envelope import (
+    MANIFEST_FIELDS,
+    MAX_PAYLOADS,
+    EnvelopeError,
+    align8,
+    decode,
+    encode,
+    pack,
+)
 from workers.canonical import canonical, digest_bytes
 from workers.domain import ErrorCode, Mutation
 
@@ -102,7 +110,7 @@ def test_r1_header() -> None:
     refused(patch(DATA, 8, struct.pack("<I", 2)), "R1", "envelopeVersion 2")
     refused(patch(DATA, 12, struct.pack("<I", 31)), "R1", "headerBytes 31")
     refused(patch(DATA, 28, struct.pack("<I", 1)), "R1", "reserved")
-    refused(patch(DATA, 20, struct.pack("<I", 65)), "R1", "payloadCount 65")
+    refused(patch(DATA, 20, struct.pack("<I", MAX_PAYLOADS + 1)), "R1", "payloadCount 1025")
 
 
 def test_r2_footer() -> None:

@@ -16,11 +16,13 @@ import pytest
 from structlog.testing import capture_logs
 
 from flyd.leases.store import Checkpoint, Effect, Transient
+from flyd.state.envelope import MAX_PAYLOADS
 from flyd.state.writer import (
     CaptureSubmission,
     CheckpointWriter,
     Committed,
     DeadlineExpired,
+    EnvelopeTooLarge,
     EventRing,
     Failed,
     ReplyLost,
@@ -138,6 +140,30 @@ async def test_the_byte_budget_is_checked_at_submit(mem_run: RunCtx) -> None:
         assert info.value.code == ErrorCode.UNSUPPORTED
         assert "exceeds max_envelope_bytes" in info.value.message
         assert writer.outstanding() == 0 and writer.stats.rejected == 2
+
+
+async def test_a_capture_with_more_payloads_than_an_envelope_holds_is_refused_at_submit(
+        mem_run: RunCtx) -> None:
+    """state.md §2.1: an envelope holds `MAX_PAYLOADS` (1024) payloads; a capture with more can
+    never commit, so it is refused at submit (`UNSUPPORTED`/`none`, both counts) and nothing is
+    queued. The widest session, 256 agents, needs 516."""
+    assert 4 + 2 * 256 <= MAX_PAYLOADS == 1024
+    writer = CheckpointWriter(mem_run.store, mem_run.path, WriterConfig())
+    async with running(writer) as s:
+        s.step()
+        manifest, payloads = make_capture("ck-wide", s.boundary)
+        extra = [(f"helper-{i}", b"x") for i in range(MAX_PAYLOADS + 1 - len(payloads))]
+        with pytest.raises(EnvelopeTooLarge) as info:
+            writer.submit(writer.reserve(), CaptureSubmission(
+                "ck-wide", s.boundary, "e1", "ep-1", manifest, payloads + extra,
+                replaceable=False))
+        err = info.value
+        assert (err.code, err.mutation) == (ErrorCode.UNSUPPORTED, Mutation.NONE)
+        assert err.payload_count == MAX_PAYLOADS + 1
+        assert err.message == ("checkpoint of 1025 payloads exceeds the envelope's 1024 "
+                               "(4 plus 2 per agent)")
+        assert writer.outstanding() == 0 and writer.stats.rejected == 1
+        assert writer.stats.queued == 0
 
 
 # 38

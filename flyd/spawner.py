@@ -1,0 +1,125 @@
+"""How a node starts its process-mode workers: the fork server or plain spawn (docs/launcher.md).
+
+Why: one object per node owns everything a worker start needs beyond one session: the launch
+method of `[session] launcher` (`fork`: children of the fork server, `workers.forkserver`;
+`spawn`: `python -m workers.<role>` forked and exec'd by the node), the thread that runs every
+blocking fork/exec (the fork server's own start, and each plain spawn) so the event loop never
+does, and the bound on launches in flight (`[session] launch_concurrency`), which the launcher
+holds from the start of a worker until it identified.
+
+    spawner = Spawner(LauncherSettings(), socket=path)
+    parent = await spawner.parent_pid()          # what the worker's --parent-pid names
+    async with spawner.launch_slot():            # one of `concurrency` launches in flight
+        child = await spawner.start(launch, env=..., fields=..., timeout=...)
+    await spawner.close()
+
+Decisions:
+- The spawner's thread is a one-thread executor that lives until `close()`: the death signal of
+  a child follows the thread that forked it, so the thread must outlive every child it started
+  (the node closes its spawner after its sessions reaped their workers).
+- A launch waits for its slot without a deadline of its own: every holder's start and identify
+  are bounded by `[session] health_boot_s`, so the wait is bounded by the launches ahead of it.
+- The fork server starts at the first process-mode launch (a node that runs only thread-mode
+  sessions never pays for it) and again after it was lost.
+- In fork mode a worker's `--parent-pid` is the fork server's pid; the server itself dies with
+  the node, so nothing a node started outlives it either way.
+- The environment of a forked worker is the server's (the node's at the server's start) plus
+  the launch's thread variables and `PYTHONUNBUFFERED`; a spawned one gets the node's current
+  environment plus the same.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import sys
+from collections.abc import AsyncIterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Final
+
+import structlog
+
+from flyd.config import LauncherSettings
+from flyd.forkserver import ForkServer
+from flyd.spawn import ChildProcess, SpawnedChild, spawn_worker
+from workers.launch import WorkerLaunch
+
+__all__ = ["Spawner"]
+
+log = structlog.get_logger("flyd.spawner")
+
+#: how long the fork server may take to start (the interpreter and the worker imports)
+SERVER_START_S: Final = 30.0
+
+
+class Spawner:
+    """A node's worker starts: method, thread, fork server, concurrency bound."""
+
+    def __init__(self, settings: LauncherSettings | None = None, *, socket: str = "",
+                 python: str = sys.executable) -> None:
+        self.settings = settings or LauncherSettings()
+        self.socket = socket
+        self.python = python
+        self._slots = asyncio.Semaphore(self.settings.concurrency)
+        #: process launches holding a slot now
+        self.in_flight = 0
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="launch-spawner")
+        self._server: ForkServer | None = None
+        self._server_lock = asyncio.Lock()
+        self._closed = False
+
+    @property
+    def method(self) -> str:
+        return self.settings.method
+
+    @contextlib.asynccontextmanager
+    async def launch_slot(self) -> AsyncIterator[None]:
+        """One of `concurrency` launches in flight, for the start and identify of a worker."""
+        async with self._slots:
+            self.in_flight += 1
+            try:
+                yield
+            finally:
+                self.in_flight -= 1
+
+    async def fork_server(self) -> ForkServer:
+        """The running fork server, started (again) when there is none. Its start is bounded
+        by `SERVER_START_S`, not by a launch's boot budget: it happens once per node."""
+        async with self._server_lock:
+            if self._closed:
+                raise RuntimeError("the spawner is closed")
+            if self._server is None or self._server.closed:
+                if self._server is not None:  # lost: reap it before starting the next
+                    await self._server.close(1.0)
+                self._server = await ForkServer.start(
+                    python=self.python, socket_path=self.socket, executor=self._thread,
+                    timeout=SERVER_START_S)
+            return self._server
+
+    async def parent_pid(self) -> int:
+        """The pid a process worker's `--parent-pid` names: the fork server's or ours."""
+        if self.settings.method == "fork":
+            return (await self.fork_server()).pid
+        return os.getpid()
+
+    async def start(self, launch: WorkerLaunch, *, env: Mapping[str, str],
+                    fields: Mapping[str, Any], timeout: float) -> ChildProcess:  # noqa: ASYNC109
+        """Start one worker process; it blocks on its start gate until `open_gate()`."""
+        if self.settings.method == "fork":
+            server = await self.fork_server()
+            return await server.fork(launch.role, launch.to_argv(), env, fields, timeout)
+        full = dict(os.environ)
+        full.update(env)
+        popen = await asyncio.get_running_loop().run_in_executor(
+            self._thread, spawn_worker, launch.command(self.python), full)
+        return await SpawnedChild.start(popen, fields)
+
+    async def close(self) -> None:
+        """Stop the fork server (it kills what is left of its children) and the thread."""
+        async with self._server_lock:
+            self._closed = True
+            server, self._server = self._server, None
+        if server is not None:
+            await server.close(5.0)
+        self._thread.shutdown(wait=False)

@@ -1,0 +1,179 @@
+"""The node's fork server and spawner with real processes (docs/launcher.md, session.md §7.5).
+
+The test process is the node (tests/session/conftest.py). What is checked: the event loop's
+thread never starts a process in either launch method; a worker forked by the server runs the
+same worker as `python -m workers.agent` (same exit codes); a fork server that dies takes its
+workers with it, the launcher sees them end, and the next launch starts a new server; the
+configured concurrency bounds the launches in flight; an oversized request fails its launch
+alone; a worker's command line is rewritten in place and never past the room it has.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+import psutil
+import pytest
+
+from flyd.budget import ThreadBudget
+from flyd.config import LauncherSettings, load_config
+from flyd.forkserver import MAX_REQUEST
+from flyd.launcher import ExecutionMode, composition_plans
+from flyd.runspec import AgentSpec, RunSpec
+from flyd.spawner import Spawner
+from tests.session.conftest import children
+from workers.domain import DomainError
+
+if TYPE_CHECKING:
+    from tests.session.conftest import LauncherFactory
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def spec(agents: int) -> RunSpec:
+    return RunSpec(agents=tuple(AgentSpec(f"a{i}", f"p{i}") for i in range(1, agents + 1)))
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+async def test_the_event_loop_thread_never_starts_a_process(
+        method: Literal["fork", "spawn"], launchers: LauncherFactory,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    started_on: list[str] = []
+    real = subprocess.Popen
+
+    def recording(*args: Any, **kwargs: Any) -> Any:
+        started_on.append(threading.current_thread().name)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(subprocess, "Popen", recording)
+    loop_thread = threading.current_thread().name
+    spawner = Spawner(LauncherSettings(method=method))
+    try:
+        launcher = await launchers(budget=ThreadBudget(8, 1), spawner=spawner)
+        launched = await launcher.launch_composition(spec(3), ExecutionMode.PROCESS)
+        assert len(launched) == 4
+        await launcher.restart("a2")
+        await launcher.close()
+    finally:
+        await spawner.close()
+    # fork: the server's own start only; spawn: the four workers and the restart
+    assert len(started_on) == (1 if method == "fork" else 5), started_on
+    assert loop_thread not in started_on
+    assert set(started_on) == {"launch-spawner_0"}
+    assert children(servers=True) == []
+
+
+async def test_a_forked_worker_exits_as_a_spawned_one_does(launchers: LauncherFactory) -> None:
+    """A refused model exits 2 in both methods (`EXIT_ARGS`), and the launch names the code."""
+    launcher = await launchers(budget=ThreadBudget(4, 1))
+    assert launcher.spawner.method == "fork"
+    identity, settings, faults = composition_plans(launcher.names, spec(1))[1]
+    settings = type(settings)(port_id="p1", model="no_such_module:Model")
+    with pytest.raises(DomainError) as err:
+        await launcher.launch(identity, settings, ExecutionMode.PROCESS, faults=faults)
+    assert "exited with code 2" in err.value.message
+    assert children() == []
+
+
+async def test_a_dead_fork_server_takes_its_workers_and_the_next_launch_starts_another(
+        launchers: LauncherFactory) -> None:
+    launcher = await launchers(budget=ThreadBudget(8, 1))
+    reports: list[tuple[str, DomainError]] = []
+    all_reported = asyncio.Event()
+
+    def report(worker_id: str, error: DomainError) -> None:
+        reports.append((worker_id, error))
+        if len(reports) == 3:
+            all_reported.set()
+
+    launched = await launcher.launch_composition(spec(2), ExecutionMode.PROCESS)
+    server = psutil.Process(await launcher.spawner.parent_pid())
+    workers = [psutil.Process(w.pid) for w in launched.values() if w.pid is not None]
+    assert {w.ppid() for w in workers} == {server.pid}
+    async with asyncio.TaskGroup() as tg:
+        watch = tg.create_task(launcher.supervise(report))
+        os.kill(server.pid, signal.SIGKILL)
+        async with asyncio.timeout(10):
+            await all_reported.wait()
+        watch.cancel()
+    assert sorted(wid for wid, _ in reports) == ["a1", "a2", "arena"]
+    assert all(f"exited with code {-signal.SIGKILL}" in e.message for _, e in reports)
+    psutil.wait_procs(workers, timeout=5)
+    assert not any(w.is_running() and w.status() != psutil.STATUS_ZOMBIE for w in workers)
+    again = await launcher.restart("a1")
+    assert again.pid is not None
+    new_server = psutil.Process(again.pid).ppid()
+    assert new_server != server.pid and new_server == await launcher.spawner.parent_pid()
+    assert not psutil.pid_exists(server.pid), "the lost server was reaped, not left a zombie"
+    assert (await launcher.health_check("a1"))["state"] == "uninitialized"
+
+
+async def test_the_concurrency_bounds_the_launches_in_flight(launchers: LauncherFactory) -> None:
+    spawner = Spawner(LauncherSettings(concurrency=2))
+    launcher = await launchers(budget=ThreadBudget(12, 1), spawner=spawner)
+    most = 0
+
+    async def watch() -> None:
+        nonlocal most
+        while True:
+            most = max(most, spawner.in_flight)
+            await asyncio.sleep(0)
+
+    try:
+        async with asyncio.TaskGroup() as tg:
+            watcher = tg.create_task(watch())
+            launched = await launcher.launch_composition(spec(7), ExecutionMode.PROCESS)
+            watcher.cancel()
+        assert len(launched) == 8
+        assert most == 2
+        await launcher.close()
+    finally:
+        await spawner.close()
+
+
+def test_the_launcher_settings_are_read_from_the_session_section() -> None:
+    assert load_config(None, {}, {}).launcher == LauncherSettings("fork", 8)
+    config = load_config(None, {"session.launcher": "spawn",
+                                "session.launch_concurrency": 3}, {})
+    assert config.launcher == LauncherSettings("spawn", 3)
+    with pytest.raises(ValueError, match=r"\[session\] launcher"):
+        load_config(None, {"session.launcher": "exec"}, {})
+    with pytest.raises(ValueError, match=r"\[session\] launch_concurrency"):
+        load_config(None, {"session.launch_concurrency": 0}, {})
+
+
+
+def test_a_command_line_longer_than_the_room_is_cut_after_its_last_whole_argument() -> None:
+    """`set_cmdline` rewrites the process's argument area in place: what fits shows, NUL
+    separated; an argument that does not fit is left out whole; the rest is NUL padding."""
+    script = ("import sys; from workers.forkserver import set_cmdline; "
+              "set_cmdline(['a' * 10, 'b' * 10, 'c' * 10000]); "
+              "sys.stdout.buffer.write(open('/proc/self/cmdline', 'rb').read())")
+    argv = [sys.executable, "-c", script]
+    out = subprocess.run(argv, capture_output=True, check=True, timeout=60,
+                         cwd=Path(__file__).resolve().parents[2]).stdout
+    assert len(out) == sum(len(os.fsencode(a)) + 1 for a in argv), "the room did not grow"
+    assert out.rstrip(b"\0").split(b"\0") == [b"a" * 10, b"b" * 10]
+
+
+async def test_an_oversized_fork_request_fails_that_launch_alone(
+        launchers: LauncherFactory) -> None:
+    launcher = await launchers(budget=ThreadBudget(4, 1))
+    identity, settings, faults = composition_plans(launcher.names, spec(1))[1]
+    huge = type(settings)(port_id="p1", model_config={"blob": "x" * (MAX_REQUEST + 1)})
+    with pytest.raises(DomainError) as err:
+        await launcher.launch(identity, huge, ExecutionMode.PROCESS, faults=faults)
+    assert (err.value.code, err.value.mutation) == ("BACKEND_FAILURE", "none")
+    assert "could not be started (fork)" in err.value.message
+    assert f"exceeds {MAX_REQUEST}" in err.value.message
+    assert children() == []
+    launched = await launcher.launch(identity.next_generation(), settings, ExecutionMode.PROCESS,
+                                     faults=faults)
+    assert (await launcher.health_check(launched.worker_id))["state"] == "uninitialized"
