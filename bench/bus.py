@@ -298,7 +298,11 @@ def main() -> None:
     if args.role:
         result = uvloop.run(roles[args.role]())
         if result is not None:
-            sys.stdout.write(orjson.dumps(result).decode())
+            # blocking, and all of it: a role's result is larger than a pipe buffer, and a
+            # descriptor the loop left non-blocking would otherwise cut it short at exit
+            os.set_blocking(sys.stdout.fileno(), True)
+            sys.stdout.buffer.write(orjson.dumps(result))
+            sys.stdout.flush()
         return
     floors: list[dict[str, Any]] = []
     routers: list[dict[str, Any]] = []

@@ -41,6 +41,7 @@ from bus.schema import NOTIFICATIONS, OPS, Validator, contract_digest, validator
 log = structlog.get_logger("bus.client")
 
 CANCEL_WAIT_S: Final = 0.5
+CREDIT_DELAY_S: Final = 0.005  # result credits wait this long for a call to carry them (§21.6)
 MAX_ID: Final = 2**53 - 1
 
 Handler = Callable[["Request"], Awaitable[dict[str, Any] | None]]
@@ -150,16 +151,21 @@ class Service:
 
 
 class _CallState:
-    """SDK-side record of one bus.call: admission, then exactly one terminal outcome."""
+    """SDK-side record of one bus.call: admission, then exactly one terminal outcome.
+
+    `admitted` exists only for a request-form call (`start_call` awaits the admission); a
+    lean call has no admission response to wait for."""
 
     __slots__ = ("admitted", "call_id", "done", "service_incarnation")
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, call_id: int) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, call_id: int, admission: bool) -> None:
         self.call_id = call_id
-        self.admitted: asyncio.Future[str] = loop.create_future()
+        self.admitted: asyncio.Future[str] | None = None
+        if admission:
+            self.admitted = loop.create_future()
+            _quiet(self.admitted)
         self.done: asyncio.Future[CallResult] = loop.create_future()
         self.service_incarnation: str | None = None
-        _quiet(self.admitted)
         _quiet(self.done)
 
 
@@ -178,9 +184,9 @@ def _quiet(fut: asyncio.Future[Any]) -> None:
     fut.add_done_callback(lambda f: f.cancelled() or f.exception())
 
 
-def _settle(fut: asyncio.Future[Any], exc: BaseException | None = None,
+def _settle(fut: asyncio.Future[Any] | None, exc: BaseException | None = None,
             value: Any = None) -> None:
-    if not fut.done():
+    if fut is not None and not fut.done():
         if exc is not None:
             fut.set_exception(exc)
         else:
@@ -278,7 +284,11 @@ class BusClient:
         self._services: dict[str, Service] = {}
         self._registering: dict[int, Handler] = {}
         self._tasks: set[asyncio.Task[None]] = set()
-        self._consume: list[str] = []
+        self._lean = False  # the router announced minor >= 1 (wire.md §21.1)
+        self._consume: list[str] = []  # credits that leave at the next flush
+        self._credits: list[str] = []  # result credits waiting for a call to carry them
+        self._credit_timer: asyncio.TimerHandle | None = None
+        self._last_credit = 0.0
         self._out: list[bytes] = []
         self._flush_scheduled = False
         self._reading = False
@@ -336,6 +346,9 @@ class BusClient:
         self._services.clear()
         if self._drained is not None:
             _settle(self._drained, RouterLost(failure.message))
+        if self._credit_timer is not None:
+            self._credit_timer.cancel()
+            self._credit_timer = None
         for t in self._tasks:
             t.cancel()
         _settle(self._closed, value=error)
@@ -378,7 +391,10 @@ class BusClient:
         while self._consume:
             batch = self._consume[:MAX_CONSUME_BATCH]
             del self._consume[:MAX_CONSUME_BATCH]
-            self._send_nowait("bus.consumed", {"deliveryIds": batch})
+            if self._lean:
+                self._notify("bus.consumed", {"deliveryIds": batch})
+            else:
+                self._send_nowait("bus.consumed", {"deliveryIds": batch})
         self._flush_scheduled = False
         out, self._out = self._out, []
         if out:
@@ -391,24 +407,34 @@ class BusClient:
                             self._max_envelope)
 
     def _encode_call(self, rid: int, target: str, method: str, payload: dict[str, Any],
-                     expected_incarnation: str | None) -> bytes:
-        """A `bus.call` frame: only the payload needs the strict encoder's value checks.
+                     expected_incarnation: str | None, lean: bool) -> bytes:
+        """A `bus.call` frame, the notification form when `lean` (its callId is `rid`);
+        a lean router also takes the pending result credits with it (wire.md §21.3).
 
-        The envelope around it is strings, an int and maybe a null, and the strict encoder
-        would walk the whole value again just because that null might be a NaN."""
+        Only the payload needs the strict encoder's value checks: the envelope around it is
+        strings, ints and maybe a null, and the strict encoder would walk the whole value
+        again just because that null might be a NaN."""
+        params: dict[str, Any] = {"target": target, "expectedIncarnation": expected_incarnation,
+                                  "method": method, "payload": payload}
+        if lean:
+            params["callId"] = rid
+        credits = self._credits[:MAX_CONSUME_BATCH] if self._lean else None
+        if credits:
+            params["consumed"] = credits
+        msg: dict[str, Any] = ({"jsonrpc": "2.0", "method": "bus.call", "params": params} if lean
+                               else {"jsonrpc": "2.0", "id": rid, "method": "bus.call",
+                                     "params": params})
         if type(target) is not str or type(method) is not str or not (
                 expected_incarnation is None or type(expected_incarnation) is str):
-            return self._encode_request(rid, "bus.call", {
-                "target": target, "expectedIncarnation": expected_incarnation,
-                "method": method, "payload": payload})
-        body = codec.encode_trusted({
-            "jsonrpc": "2.0", "id": rid, "method": "bus.call", "params": {
-                "target": target, "expectedIncarnation": expected_incarnation,
-                "method": method, "payload": orjson.Fragment(codec.encode(payload)),
-            }})
+            body = codec.encode(msg, self._max_envelope)
+        else:
+            params["payload"] = orjson.Fragment(codec.encode(payload))
+            body = codec.encode_trusted(msg)
         if len(body) > self._max_envelope:
             raise InvalidEnvelope(f"encoded body is {len(body)} bytes, over the "
                                   f"{self._max_envelope}-byte limit", "not-dispatched")
+        if credits:  # they leave with this frame
+            del self._credits[:len(credits)]
         return body
 
     async def _command(self, method: str, params: dict[str, Any], *,
@@ -433,6 +459,43 @@ class BusClient:
         """Credits go out with the next flush, batched (at most MAX_CONSUME_BATCH per frame)."""
         self._consume.append(delivery_id)
         self._schedule_flush()
+
+    def _queue_result_credit(self, delivery_id: str) -> None:
+        """A consumed `bus.result`. A lean router takes it inside the next `bus.call`; if
+        none leaves within CREDIT_DELAY_S of the last result, or MAX_CONSUME_BATCH credits
+        are waiting, they go in one `bus.consumed` (wire.md §21.6). One timer serves the
+        whole window, not one per result."""
+        if not self._lean:
+            self._queue_consumed(delivery_id)
+            return
+        credits = self._credits
+        credits.append(delivery_id)
+        if len(credits) >= MAX_CONSUME_BATCH:
+            self._release_credits()
+            return
+        self._last_credit = self._loop.time()
+        if self._credit_timer is None:
+            self._credit_timer = self._loop.call_later(CREDIT_DELAY_S, self._credits_due)
+
+    def _credits_due(self) -> None:
+        self._credit_timer = None
+        if not self._credits or self._closed_with is not None:
+            return
+        left = self._last_credit + CREDIT_DELAY_S - self._loop.time()
+        if left > 0.0005:
+            self._credit_timer = self._loop.call_later(left, self._credits_due)
+            return
+        self._release_credits()
+
+    def _release_credits(self) -> None:
+        self._consume.extend(self._credits)
+        self._credits.clear()
+        self._schedule_flush()
+
+    def _notify(self, method: str, params: dict[str, Any]) -> None:
+        """A lean notification (wire.md §21): no id, no response, never waits to drain."""
+        self._write(codec.encode({"jsonrpc": "2.0", "method": method, "params": params},
+                                 self._max_envelope))
 
     def _send_nowait(self, method: str, params: dict[str, Any]) -> asyncio.Future[dict[str, Any]]:
         """A credit-returning command: never waits for the transport to drain."""
@@ -535,7 +598,7 @@ class BusClient:
                     params["callId"], params["serviceIncarnation"],
                     Identity(r["clientId"], r["clientIncarnation"]), params["outcome"]))
             # queued after the wake-up: the credit leaves with the caller's next request
-            self._queue_consumed(params["deliveryId"])
+            self._queue_result_credit(params["deliveryId"])
         elif method == "bus.request":
             self._on_request(params)
         elif method == "bus.callFailed":
@@ -544,6 +607,8 @@ class BusClient:
                 err = from_wire(params["error"])
                 _settle(state.admitted, err)
                 _deliver(state, err)
+        elif method == "bus.replyFailed":
+            self._reply_failed(params)
         elif method == "bus.routeRemoved":
             hook = self._on_route_removed
             if hook is not None:
@@ -579,10 +644,13 @@ class BusClient:
                 outcome = None
             if not req.answered:
                 if outcome is not None:
-                    # the credit leaves in the same write as the reply, right behind it
-                    self._queue_consumed(req.delivery_id)
-                    consumed = True
-                    await self._send_reply(req, outcome)
+                    if self._lean:
+                        consumed = await self._send_reply(req, outcome)
+                    else:
+                        # the credit leaves in the same write as the reply, right behind it
+                        self._queue_consumed(req.delivery_id)
+                        consumed = True
+                        await self._send_reply(req, outcome)
                 if not req.answered:
                     await req.release()
         except RouterLost:
@@ -591,23 +659,40 @@ class BusClient:
             if self._closed_with is None and not consumed:
                 self._queue_consumed(req.delivery_id)
 
-    async def _send_reply(self, req: Request, outcome: dict[str, Any]) -> None:
+    def _reply_failed(self, params: dict[str, Any]) -> None:
+        """A lean reply was refused (wire.md §21.4, §21.6): the frame changed nothing, so give
+        the capability back (if still held, the caller hears CALL_GONE instead of nothing) and
+        return the delivery its `consumed: true` did not."""
+        delivery_id: str = params["deliveryId"]
+        log.warning("bus.client.reply_refused", delivery_id=delivery_id,
+                    error=params["error"]["data"]["name"], message=params["error"]["message"])
+        self._send_nowait("bus.release", {"deliveryId": delivery_id})
+        self._queue_consumed(delivery_id)
+
+    async def _send_reply(self, req: Request, outcome: dict[str, Any]) -> bool:
         """Send the reply a handler returned without waiting for the router's answer: the
         task ends now instead of waking once more. Only a refusal as too large needs a
-        follow-up (a release), and the answer's callback does it."""
+        follow-up (a release): the answer's callback, or a `bus.replyFailed`, does it.
+        Returns True when the reply also returned the delivery (lean `consumed: true`)."""
         self._check_open()
         if self._drained is not None and not self._drained.done():
             await self._drained
             self._check_open()
+        params: dict[str, Any] = {"deliveryId": req.delivery_id, "outcome": outcome}
         try:
-            fut = self._send_nowait("bus.reply", {"deliveryId": req.delivery_id,
-                                                  "outcome": outcome})
+            if self._lean:
+                params["consumed"] = True
+                self._notify("bus.reply", params)
+                req._answered = True
+                return True
+            fut = self._send_nowait("bus.reply", params)
         except InvalidEnvelope as exc:
             log.warning("bus.client.reply_refused", method=req.method, call_id=req.call_id,
                         error=exc.message)
-            return
+            return False
         req._answered = True
         fut.add_done_callback(lambda f: self._reply_answered(req, f))
+        return False
 
     def _reply_answered(self, req: Request, fut: asyncio.Future[dict[str, Any]]) -> None:
         exc = None if fut.cancelled() else fut.exception()
@@ -653,16 +738,19 @@ class BusClient:
         return self._services[result["name"]]
 
     def _admit(self, target: str, method: str, payload: dict[str, Any],
-               expected_incarnation: str | None) -> _CallState:
+               expected_incarnation: str | None, *, lean: bool = False) -> _CallState:
+        """Send a `bus.call`: the request form (an admission response follows), or with
+        `lean` the notification form, whose only answer is the outcome (wire.md §21.2)."""
         self._check_open()
         rid = self._next_id + 1
-        body = self._encode_call(rid, target, method, payload, expected_incarnation)
+        body = self._encode_call(rid, target, method, payload, expected_incarnation, lean)
         self._next_id = rid
-        state = _CallState(self._loop, rid)
-        fut: asyncio.Future[dict[str, Any]] = self._loop.create_future()
-        _quiet(fut)
-        fut.add_done_callback(lambda f: self._admission_failed(state, f))
-        self._pending.append((rid, "bus.call", fut))
+        state = _CallState(self._loop, rid, not lean)
+        if not lean:
+            fut: asyncio.Future[dict[str, Any]] = self._loop.create_future()
+            _quiet(fut)
+            fut.add_done_callback(lambda f: self._admission_failed(state, f))
+            self._pending.append((rid, "bus.call", fut))
         self._calls[rid] = state
         self._write(body)
         return state
@@ -680,6 +768,7 @@ class BusClient:
         if self._drained is not None and not self._drained.done():
             await self._drained
         state = self._admit(target, method, payload, expected_incarnation)
+        assert state.admitted is not None
         await state.admitted
         return PendingCall(self, state)
 
@@ -691,7 +780,7 @@ class BusClient:
             raise ValueError("timeout must be > 0 seconds, or None")
         if self._drained is not None and not self._drained.done():
             await self._drained
-        state = self._admit(target, method, payload, expected_incarnation)
+        state = self._admit(target, method, payload, expected_incarnation, lean=self._lean)
         try:
             async with asyncio.timeout(timeout):
                 # `done` also settles on a refused admission: not waking up for the
@@ -753,8 +842,8 @@ class BusClient:
         result = await self._command("bus.hello", {
             "clientId": self.client_id, "clientIncarnation": self.client_incarnation,
             "supportedMajors": list(supported_majors)})
-        if result["major"] != 1 or result["minor"] != 0:
-            raise VersionMismatch(f"router speaks {result['major']}.{result['minor']}, not 1.0")
+        if result["major"] != 1:
+            raise VersionMismatch(f"router speaks {result['major']}.{result['minor']}, not 1.x")
         if result["contractDigest"] != contract_digest():
             raise VersionMismatch("the router's contractDigest differs from this SDK's schemas")
         if set(result["limits"]) != set(HELLO_KEYS):
@@ -765,6 +854,7 @@ class BusClient:
         self.grants = result["grants"]
         self._max_envelope = self.limits["maxEnvelopeBytes"]
         self._decoder = _rebound(self._decoder, self._max_envelope)
+        self._lean = result["minor"] >= 1
 
 
 def _rebound(decoder: FrameDecoder, max_bytes: int) -> FrameDecoder:

@@ -32,7 +32,7 @@ from typing import Any, Final, cast
 import orjson
 import structlog
 
-from bus import codec
+from bus import codec, limits
 from bus.errors import (
     Backpressure,
     BusError,
@@ -73,6 +73,17 @@ CANCEL_STATES: Final = (
 QUEUED: Final = 0
 DISPATCHED: Final = 1
 REPLIED: Final = 2
+
+
+def _serial(delivery_id: object) -> int | None:
+    """The serial of a well-formed `dlv-<n>` (wire.md §5), else None."""
+    if type(delivery_id) is not str or not delivery_id.startswith("dlv-"):
+        return None
+    digits = delivery_id[4:]
+    if not digits.isascii() or not digits.isdigit() or digits[0] == "0" or len(digits) > 16:
+        return None
+    serial = int(digits)
+    return serial if serial <= MAX_ID else None
 
 
 class RouterStartError(RuntimeError):
@@ -228,7 +239,8 @@ class Router:
         self._conns: dict[int, _Conn] = {}
         self._conn_counter = 0
         self._live: dict[str, _Conn] = {}
-        self._incarnations: dict[str, OrderedDict[str, None]] = {}
+        # clientId -> its remembered incarnations, least recently seen clientId first
+        self._incarnations: OrderedDict[str, OrderedDict[str, None]] = OrderedDict()
         self._services: dict[str, _Service] = {}
         self._svc_next = secrets.randbelow(2**40) + 1
         self._expectations: dict[str, _Expectation] = {}
@@ -247,6 +259,7 @@ class Router:
             "callsAdmitted": 0, "callsRefused": 0, "callsFailed": 0, "repliesRouted": 0,
             "repliesUnrouted": 0, "cancels": dict.fromkeys(CANCEL_STATES, 0), "errors": {},
             "closes": {}, "framesIn": 0, "framesOut": 0, "bytesIn": 0, "bytesOut": 0,
+            "leanCalls": 0, "leanReplies": 0, "leanConsumed": 0, "creditsCarried": 0,
         }
         v = validator
         self._ops: dict[str, tuple[Validator, Callable[[_Conn, dict[str, Any], int], Any]]] = {
@@ -262,6 +275,12 @@ class Router:
             "bus.expect": (v("ops/bus.expect.params.json"), self._op_expect),
         }
         self._hello_params = v("ops/bus.hello.params.json")
+        # the lean notification forms (wire.md §21): the same params schemas as the requests
+        self._lean: dict[str, Callable[[_Conn, dict[str, Any]], None]] = {
+            "bus.call": self._lean_call,
+            "bus.reply": self._lean_reply,
+            "bus.consumed": self._lean_consumed,
+        }
 
     # lifecycle --------------------------------------------------------------------------
     async def start(self) -> None:
@@ -476,24 +495,33 @@ class Router:
         except BusError as exc:
             self._close(conn, "PARSE_ERROR", exc.message)
             return
-        if type(msg) is not dict or msg.get("jsonrpc") != "2.0" or "id" not in msg:
+        if type(msg) is not dict or msg.get("jsonrpc") != "2.0":
             self._close(conn, "INVALID_REQUEST", "not a JSON-RPC 2.0 request object")
             return
         method = msg.get("method")
         if type(method) is not str:
             self._close(conn, "INVALID_REQUEST", "method must be a string")
             return
-        n = len(msg)
-        if n == 4 and "params" in msg:
+        has_id = "id" in msg
+        n = len(msg) - has_id
+        if n == 3 and "params" in msg:
             params = msg["params"]
             if type(params) is not dict:
                 self._close(conn, "INVALID_REQUEST", "params must be an object")
                 return
-        elif n == 3:
+        elif n == 2:
             params = {}
         else:
             self._close(conn, "INVALID_REQUEST",
                         "a request has exactly jsonrpc, id, method and optional params")
+            return
+        if not has_id:
+            lean = self._lean.get(method)
+            if lean is None:
+                self._close(conn, "INVALID_REQUEST", "only bus.call, bus.reply and bus.consumed "
+                            "may be sent as notifications")
+                return
+            lean(conn, params)
             return
         rid = msg["id"]
         if type(rid) is not int or not 1 <= rid <= MAX_ID:
@@ -520,6 +548,8 @@ class Router:
             return
         problem = op[0](params)
         if problem is not None:
+            if method == "bus.call":
+                counters["callsRefused"] += 1
             self._respond_error(conn, rid, "INVALID_PARAMS", f"{method}: {problem}",
                                 "not-dispatched")
             return
@@ -531,6 +561,82 @@ class Router:
             self._respond_error(conn, rid, exc.name, exc.message, exc.dispatch)
             return
         self._respond(conn, rid, result)
+
+    # lean notifications (wire.md §21) ------------------------------------------------------
+    def _lean_call(self, conn: _Conn, p: dict[str, Any]) -> None:
+        """§21.2: the callId takes the place of the id (check 4); a refusal is one
+        `bus.callFailed`, success sends nothing."""
+        call_id = p.get("callId")
+        if type(call_id) is not int or not 1 <= call_id <= MAX_ID:
+            self._close(conn, "INVALID_REQUEST",
+                        "a bus.call notification needs a callId, an integer in 1..2^53-1")
+            return
+        if call_id <= conn.last_id:
+            self._close(conn, "INVALID_REQUEST",
+                        f"callId {call_id} is not greater than the previous id {conn.last_id}")
+            return
+        conn.last_id = call_id
+        if conn.client_id is None:
+            self._close(conn, "INVALID_ENVELOPE", "the first request must be bus.hello")
+            return
+        counters = self.counters
+        counters["leanCalls"] += 1
+        problem = self._ops["bus.call"][0](p)
+        try:
+            if problem is not None:
+                raise InvalidParams(f"bus.call: {problem}")
+            self._admit(conn, p, call_id)
+        except BusError as exc:
+            counters["callsRefused"] += 1
+            self._count_error(exc.name)
+            target = p.get("target")
+            svc = self._services.get(target) if type(target) is str else None
+            self._notify_control(conn, "bus.callFailed", {
+                "callId": call_id,
+                "serviceIncarnation": None if svc is None else svc.incarnation,
+                "error": error_object(exc.name, exc.message, "not-dispatched"),
+            })
+
+    def _lean_reply(self, conn: _Conn, p: dict[str, Any]) -> None:
+        """§21.4: a deliveryId that cannot be answered closes; a refusal of one that can is
+        one `bus.replyFailed`; success sends nothing."""
+        if conn.client_id is None:
+            self._close(conn, "INVALID_ENVELOPE", "the first request must be bus.hello")
+            return
+        delivery_id = p.get("deliveryId")
+        serial = _serial(delivery_id)
+        if serial is None or serial > conn.dlv:
+            self._close(conn, "INVALID_REQUEST", "a bus.reply notification needs a deliveryId "
+                        "issued on this connection")
+            return
+        self.counters["leanReplies"] += 1
+        problem = self._ops["bus.reply"][0](p)
+        try:
+            if problem is not None:
+                raise InvalidParams(f"bus.reply: {problem}")
+            self._op_reply(conn, p, 0)
+        except BusError as exc:
+            self._count_error(exc.name)
+            self._notify_control(conn, "bus.replyFailed", {
+                "deliveryId": delivery_id,
+                "error": error_object(exc.name, exc.message, "not-dispatched"),
+            })
+
+    def _lean_consumed(self, conn: _Conn, p: dict[str, Any]) -> None:
+        """§21.5: nothing to answer, so anything wrong closes and releases nothing."""
+        if conn.client_id is None:
+            self._close(conn, "INVALID_ENVELOPE", "the first request must be bus.hello")
+            return
+        problem = self._ops["bus.consumed"][0](p)
+        if problem is not None:
+            self._close(conn, "INVALID_REQUEST", f"bus.consumed notification: {problem}")
+            return
+        try:
+            self._release(conn, p["deliveryIds"])
+        except InvalidParams as exc:
+            self._close(conn, "INVALID_REQUEST", exc.message)
+            return
+        self.counters["leanConsumed"] += 1
 
     # outbound ---------------------------------------------------------------------------
     def _respond(self, conn: _Conn, rid: int, result: Any) -> None:
@@ -720,9 +826,11 @@ class Router:
             conn.hello_timer = None
         log.info("bus.close", connection_id=conn.connection_id, client_id=conn.client_id,
                  reason=reason)
-        # 1. no longer live
+        # 1. no longer live (its incarnations stay remembered, as its most recent sighting)
         if conn.client_id is not None and self._live.get(conn.client_id) is conn:
             del self._live[conn.client_id]
+            if conn.client_id in self._incarnations:
+                self._incarnations.move_to_end(conn.client_id)
         # 2. its services are removed
         for svc in list(conn.services.values()):
             self._remove_route(svc, "disconnected")
@@ -872,6 +980,9 @@ class Router:
             self._drop_expectation(exp)
         if seen is None:
             seen = self._incarnations[client_id] = OrderedDict()
+            self._forget_clients()
+        else:
+            self._incarnations.move_to_end(client_id)
         seen[incarnation] = None
         if len(seen) > REMEMBERED_INCARNATIONS:
             seen.popitem(last=False)
@@ -888,7 +999,7 @@ class Router:
             "routerId": self.router_id,
             "connectionId": conn.connection_id,
             "major": 1,
-            "minor": 0,
+            "minor": 1,
             "contractDigest": self._digest,
             "grants": grants.to_wire(),
             "limits": self.limits.hello(),
@@ -926,6 +1037,15 @@ class Router:
         return {"removed": True}
 
     def _op_call(self, conn: _Conn, p: dict[str, Any], rid: int) -> dict[str, Any]:
+        if "callId" in p:
+            raise InvalidParams("bus.call: callId belongs to the notification form (wire.md §21.2)")
+        return self._admit(conn, p, rid)
+
+    def _admit(self, conn: _Conn, p: dict[str, Any], rid: int) -> dict[str, Any]:
+        """§7.3 checks and admission, after the credits the call carries (§21.3)."""
+        consumed = p.get("consumed")
+        if consumed:
+            self.counters["creditsCarried"] += self._release(conn, consumed)
         target: str = p["target"]
         if not any_matches(conn.grants.call, target):
             raise NotAuthorized(f"no call grant for {target}")
@@ -1007,6 +1127,9 @@ class Router:
             )
         d.capability = False
         conn.capabilities -= 1
+        if p.get("consumed") is True and not d.consumed:
+            d.consumed = True
+            self.counters["creditsCarried"] += 1
         if d.consumed:
             self._free_request(conn, d)
         if call.detached:
@@ -1061,7 +1184,11 @@ class Router:
         return {"state": state}
 
     def _op_consumed(self, conn: _Conn, p: dict[str, Any], rid: int) -> dict[str, Any]:
-        ids: list[str] = p["deliveryIds"]
+        return {"released": self._release(conn, p["deliveryIds"])}
+
+    def _release(self, conn: _Conn, ids: list[str]) -> int:
+        """§7.7: all ids issued or nothing released (InvalidParams); returns how many live
+        deliveries were newly released."""
         serials = [int(d[4:]) for d in ids]
         for d_id, serial in zip(ids, serials, strict=True):
             if serial > conn.dlv:
@@ -1079,7 +1206,7 @@ class Router:
             else:
                 del conn.deliveries[serial]
                 self._remove_call(d.call)
-        return {"released": released}
+        return released
 
     def _op_services(self, conn: _Conn, p: dict[str, Any], rid: int) -> dict[str, Any]:
         prefix: str = p.get("prefix", "")
@@ -1133,6 +1260,19 @@ class Router:
         self._expectations[client_id] = exp
         conn.expectations.add(client_id)
         return {"clientId": client_id, "expiresInMs": ttl_ms}
+
+    def _forget_clients(self) -> None:
+        """§14.1: over REMEMBERED_CLIENT_IDS clientIds, forget the least recently seen one
+        without a live connection, with its incarnations. maxClients <= 4096 = the bound, and
+        the clientId just added is live, so one without a live connection always exists."""
+        remembered = self._incarnations
+        while len(remembered) > limits.REMEMBERED_CLIENT_IDS:
+            for client_id in remembered:
+                if client_id not in self._live:
+                    del remembered[client_id]
+                    break
+            else:
+                return
 
     def _expire(self, client_id: str) -> None:
         exp = self._expectations.get(client_id)

@@ -57,6 +57,7 @@ NOTIFICATIONS: Final = (
     "bus.request",
     "bus.result",
     "bus.callFailed",
+    "bus.replyFailed",
     "bus.routeRemoved",
     "bus.closing",
 )

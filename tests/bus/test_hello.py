@@ -68,7 +68,7 @@ async def test_hello_result_shape(router, raw, sdk) -> None:
     assert set(result) == {"routerId", "connectionId", "major", "minor", "contractDigest",
                            "grants", "limits"}
     assert result["major"] == 1 and type(result["major"]) is int
-    assert result["minor"] == 0 and type(result["minor"]) is int
+    assert result["minor"] == 1 and type(result["minor"]) is int  # §21: minor 1
     assert re.fullmatch(r"router-[0-9a-f]{16}", result["routerId"])
     assert result["routerId"] == r.router_id
     assert re.fullmatch(r"conn-\d+", result["connectionId"])
