@@ -220,10 +220,13 @@ def _wait_socket(path: str, proc: subprocess.Popen[bytes]) -> None:
 
 
 def _run_client(role: str, path: str, n: int) -> dict[str, Any]:
-    out = subprocess.run([sys.executable, __file__, "--role", role, "--socket", path,
-                          "-n", str(n)], cwd=ROOT, capture_output=True, check=True,
-                         timeout=CLIENT_TIMEOUT_S)
-    result: dict[str, Any] = orjson.loads(out.stdout)
+    out = path + ".result.json"
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(out)
+    subprocess.run([sys.executable, __file__, "--role", role, "--socket", path, "-n", str(n),
+                    "--out", out], cwd=ROOT, capture_output=True, check=True,
+                   timeout=CLIENT_TIMEOUT_S)
+    result: dict[str, Any] = orjson.loads(Path(out).read_bytes())
     return result
 
 
@@ -284,6 +287,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--role")
     ap.add_argument("--socket")
+    ap.add_argument("--out", help="a client role writes its JSON result here")
     ap.add_argument("-n", type=int, default=4000)
     ap.add_argument("--repeat", type=int, default=3,
                     help="floor/router pairs, run alternately; the medians over pairs are printed")
@@ -298,11 +302,8 @@ def main() -> None:
     if args.role:
         result = uvloop.run(roles[args.role]())
         if result is not None:
-            # blocking, and all of it: a role's result is larger than a pipe buffer, and a
-            # descriptor the loop left non-blocking would otherwise cut it short at exit
-            os.set_blocking(sys.stdout.fileno(), True)
-            sys.stdout.buffer.write(orjson.dumps(result))
-            sys.stdout.flush()
+            # a file, not stdout: a pipe has been seen to deliver only its first 64 KiB
+            Path(args.out).write_bytes(orjson.dumps(result))
         return
     floors: list[dict[str, Any]] = []
     routers: list[dict[str, Any]] = []
