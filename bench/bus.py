@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import orjson
+import psutil
 import uvloop
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -156,6 +157,7 @@ async def client_floor(path: str, n: int) -> dict[str, Any]:
 
     for _ in range(200):
         await one()
+    cpu0 = time.process_time()
     rtts = [await one() for _ in range(n)]
 
     async def worker(k: int) -> None:
@@ -167,8 +169,10 @@ async def client_floor(path: str, n: int) -> dict[str, Any]:
         for _ in range(CONCURRENCY):
             tg.create_task(worker(n // CONCURRENCY))
     elapsed = time.perf_counter() - t0
+    cpu = time.process_time() - cpu0
     transport.close()
-    return {"rtts": rtts, "per_s": (n // CONCURRENCY) * CONCURRENCY / elapsed}
+    return {"rtts": rtts, "per_s": (n // CONCURRENCY) * CONCURRENCY / elapsed,
+            "cpu_s": cpu, "calls": n + (n // CONCURRENCY) * CONCURRENCY}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -191,6 +195,7 @@ async def client_router(path: str, n: int) -> dict[str, Any]:
 
         for _ in range(200):
             await one()
+        cpu0 = time.process_time()
         rtts = [await one() for _ in range(n)]
 
         async def worker(k: int) -> None:
@@ -202,7 +207,9 @@ async def client_router(path: str, n: int) -> dict[str, Any]:
             for _ in range(CONCURRENCY):
                 tg.create_task(worker(n // CONCURRENCY))
         elapsed = time.perf_counter() - t0
-    return {"rtts": rtts, "per_s": (n // CONCURRENCY) * CONCURRENCY / elapsed}
+        cpu = time.process_time() - cpu0
+    return {"rtts": rtts, "per_s": (n // CONCURRENCY) * CONCURRENCY / elapsed,
+            "cpu_s": cpu, "calls": n + (n // CONCURRENCY) * CONCURRENCY}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -219,7 +226,20 @@ def _wait_socket(path: str, proc: subprocess.Popen[bytes]) -> None:
         time.sleep(0.01)
 
 
-def _run_client(role: str, path: str, n: int) -> dict[str, Any]:
+def _cpu(procs: list[subprocess.Popen[bytes]]) -> float:
+    """User + system CPU seconds the processes have used so far."""
+    total = 0.0
+    for p in procs:
+        times = psutil.Process(p.pid).cpu_times()
+        total += times.user + times.system
+    return total
+
+
+def _run_client(role: str, path: str, n: int,
+                servers: list[subprocess.Popen[bytes]]) -> dict[str, Any]:
+    """Run a client role; its result gains `servers_cpu_s`, the CPU the middle and echo
+    processes used meanwhile (their share of the client's connect and warm-up included)."""
+    cpu0 = _cpu(servers)
     out = path + ".result.json"
     with contextlib.suppress(FileNotFoundError):
         os.unlink(out)
@@ -227,6 +247,7 @@ def _run_client(role: str, path: str, n: int) -> dict[str, Any]:
                     "--out", out], cwd=ROOT, capture_output=True, check=True,
                    timeout=CLIENT_TIMEOUT_S)
     result: dict[str, Any] = orjson.loads(Path(out).read_bytes())
+    result["servers_cpu_s"] = _cpu(servers) - cpu0
     return result
 
 
@@ -255,7 +276,7 @@ def measure_floor(tmp: str, n: int) -> dict[str, Any]:
         assert echo.stdout is not None
         if echo.stdout.readline() != b"ready\n":  # "" if it died: the forwarder has no echo
             raise RuntimeError("the floor's echo did not connect")
-        return _run_client("client-floor", path, n)
+        return _run_client("client-floor", path, n, [fwd, echo])
     finally:
         _stop(*(p for p in (echo, fwd) if p is not None))
 
@@ -273,7 +294,7 @@ def measure_router(tmp: str, n: int) -> dict[str, Any]:
         result: dict[str, Any] | None = None
         while result is None:
             try:
-                result = _run_client("client-router", path, n)
+                result = _run_client("client-router", path, n, [router, echo])
             except subprocess.CalledProcessError:
                 if time.monotonic() > deadline:
                     raise
@@ -335,6 +356,18 @@ def main() -> None:
                         "ratio": round(router_rate / floor_rate, 3),
                         "pairs": [[round(f["per_s"]), round(r["per_s"])]
                                   for f, r in zip(floors, routers, strict=True)]}).decode())
+
+    def cpu_us(r: dict[str, Any]) -> float:
+        return (r["cpu_s"] + r["servers_cpu_s"]) / r["calls"] * 1e6
+
+    floor_cpu = [cpu_us(f) for f in floors]
+    router_cpu = [cpu_us(r) for r in routers]
+    print(orjson.dumps({"bench": "bus_cpu", "floor_us_per_call": round(
+        statistics.median(floor_cpu), 1), "router_us_per_call": round(
+        statistics.median(router_cpu), 1), "ratio": round(
+        statistics.median(router_cpu) / statistics.median(floor_cpu), 3),
+        "pairs": [[round(f, 1), round(r, 1)] for f, r in zip(floor_cpu, router_cpu,
+                                                             strict=True)]}).decode())
 
 
 if __name__ == "__main__":

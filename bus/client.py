@@ -163,34 +163,44 @@ class _CallState:
         self.admitted: asyncio.Future[str] | None = None
         if admission:
             self.admitted = loop.create_future()
-            _quiet(self.admitted)
         self.done: asyncio.Future[CallResult] = loop.create_future()
         self.service_incarnation: str | None = None
-        _quiet(self.done)
+
+
+class _DeadlineReached(Exception):
+    """Set on a call's `done` future when its deadline passes (the outcome moves on to a
+    fresh future that `_deadline` reads)."""
 
 
 def _deliver(state: _CallState, exc: BaseException | None = None, value: Any = None) -> None:
     """Settle a call's outcome. `call()` awaits `done` directly (no shield: one wake-up
-    fewer), so a deadline may have cancelled it; the outcome then goes to a fresh future
-    that `_deadline` reads."""
+    fewer), so a task cancellation may have cancelled it; the outcome then goes to a fresh
+    future that `_deadline` reads."""
     if state.done.cancelled():
         state.done = asyncio.get_running_loop().create_future()
-        _quiet(state.done)
     _settle(state.done, exc, value)
-
-
-def _quiet(fut: asyncio.Future[Any]) -> None:
-    """Mark a future's exception as retrieved: pending calls nobody awaits may fail."""
-    fut.add_done_callback(lambda f: f.cancelled() or f.exception())
 
 
 def _settle(fut: asyncio.Future[Any] | None, exc: BaseException | None = None,
             value: Any = None) -> None:
+    """Settle a future once. A failure is marked retrieved at once (a pending call nobody
+    awaits may fail), which costs nothing per call, unlike a done-callback on every future;
+    an awaiting task still gets the exception."""
     if fut is not None and not fut.done():
         if exc is not None:
             fut.set_exception(exc)
+            fut.exception()
         else:
             fut.set_result(value)
+
+
+def _expire(state: _CallState) -> None:
+    """A `call()` deadline: wake the caller with _DeadlineReached; a later outcome goes to a
+    fresh future."""
+    done = state.done
+    if not done.done():
+        state.done = done.get_loop().create_future()
+        done.set_exception(_DeadlineReached())
 
 
 class PendingCall:
@@ -296,7 +306,6 @@ class BusClient:
         self._drained: asyncio.Future[None] | None = None
         self._closed_with: BaseException | None = None
         self._closed = self._loop.create_future()
-        _quiet(self._closed)
 
     # connection ---------------------------------------------------------------------------
     @property
@@ -365,7 +374,6 @@ class BusClient:
     def _pause_writing(self) -> None:
         if self._drained is None or self._drained.done():
             self._drained = self._loop.create_future()
-            _quiet(self._drained)
 
     def _resume_writing(self) -> None:
         if self._drained is not None:
@@ -450,7 +458,6 @@ class BusClient:
         if on_id is not None:
             on_id(rid)
         fut: asyncio.Future[dict[str, Any]] = self._loop.create_future()
-        _quiet(fut)
         self._pending.append((rid, method, fut))
         self._write(body)
         return await fut
@@ -503,7 +510,6 @@ class BusClient:
         body = self._encode_request(rid, method, params)
         self._next_id = rid
         fut: asyncio.Future[dict[str, Any]] = self._loop.create_future()
-        _quiet(fut)
         self._pending.append((rid, method, fut))
         self._write(body)
         return fut
@@ -678,14 +684,21 @@ class BusClient:
         if self._drained is not None and not self._drained.done():
             await self._drained
             self._check_open()
-        params: dict[str, Any] = {"deliveryId": req.delivery_id, "outcome": outcome}
         try:
             if self._lean:
-                params["consumed"] = True
-                self._notify("bus.reply", params)
+                # only the handler's outcome needs the strict encoder; the router issued the
+                # delivery id (a checked string)
+                body = codec.encode_trusted({"jsonrpc": "2.0", "method": "bus.reply", "params": {
+                    "deliveryId": req.delivery_id,
+                    "outcome": orjson.Fragment(codec.encode(outcome)), "consumed": True}})
+                if len(body) > self._max_envelope:
+                    raise InvalidEnvelope(f"encoded body is {len(body)} bytes, over the "
+                                          f"{self._max_envelope}-byte limit", "not-dispatched")
+                self._write(body)
                 req._answered = True
                 return True
-            fut = self._send_nowait("bus.reply", params)
+            fut = self._send_nowait("bus.reply", {"deliveryId": req.delivery_id,
+                                                  "outcome": outcome})
         except InvalidEnvelope as exc:
             log.warning("bus.client.reply_refused", method=req.method, call_id=req.call_id,
                         error=exc.message)
@@ -748,7 +761,6 @@ class BusClient:
         state = _CallState(self._loop, rid, not lean)
         if not lean:
             fut: asyncio.Future[dict[str, Any]] = self._loop.create_future()
-            _quiet(fut)
             fut.add_done_callback(lambda f: self._admission_failed(state, f))
             self._pending.append((rid, "bus.call", fut))
         self._calls[rid] = state
@@ -781,12 +793,15 @@ class BusClient:
         if self._drained is not None and not self._drained.done():
             await self._drained
         state = self._admit(target, method, payload, expected_incarnation, lean=self._lean)
+        # One plain loop timer, not asyncio.timeout: that one also cancels and uncancels the
+        # task and, on Python 3.11, calls getpid() through get_running_loop() on every call.
+        timer = None if timeout is None else self._loop.call_at(
+            self._loop.time() + timeout, _expire, state)
         try:
-            async with asyncio.timeout(timeout):
-                # `done` also settles on a refused admission: not waking up for the
-                # admission response saves a task step per call
-                return await state.done
-        except TimeoutError:
+            # `done` also settles on a refused admission: not waking up for the
+            # admission response saves a task step per call
+            return await state.done
+        except _DeadlineReached:
             return await self._deadline(state)
         except asyncio.CancelledError:
             finished = state.done.done() and not state.done.cancelled()
@@ -794,11 +809,13 @@ class BusClient:
                 fut = self._send_nowait("bus.cancel", {"callId": state.call_id})
                 fut.add_done_callback(lambda f: self._task_cancel_answered(state, f))
             raise
+        finally:
+            if timer is not None:
+                timer.cancel()
 
     async def _deadline(self, state: _CallState) -> CallResult:
         if state.done.cancelled():
             state.done = self._loop.create_future()
-            _quiet(state.done)
         elif state.done.done():
             return state.done.result()
         self._check_open()

@@ -60,6 +60,7 @@ MAX_ID: Final = 2**53 - 1
 MAX_DLV: Final = b'"dlv-9007199254740991"'
 CLOSE_GRACE_S: Final = 4.0
 WRITE_BATCH_BYTES: Final = 65536
+GRANT_CACHE: Final = 1024  # call-grant answers remembered per connection
 STOP_BUDGET_S: Final = 5.0
 PEERCRED: Final = struct.Struct("3i")
 CANCEL_STATES: Final = (
@@ -169,11 +170,14 @@ class _Conn(asyncio.Protocol):
         self.created = time.monotonic()
         self.client_id: str | None = None
         self.client_incarnation: str | None = None
+        self.identity = orjson.Fragment(b"null")  # {clientId, clientIncarnation}, encoded once
         self.grants = Grants()
+        self.may_call: dict[str, bool] = {}  # target -> a call grant matches (grants are fixed)
         self.last_id = 0
         self.decoder = FrameDecoder(router.limits.maxEnvelopeBytes)
         self.hello_timer: asyncio.TimerHandle | None = None
         self.services: dict[str, _Service] = {}
+        self.service_list: list[_Service] = []  # the same, in registration order, for dispatch
         self.rr = 0
         self.calls: dict[int, _Call] = {}
         self.active = 0
@@ -275,6 +279,9 @@ class Router:
             "bus.expect": (v("ops/bus.expect.params.json"), self._op_expect),
         }
         self._hello_params = v("ops/bus.hello.params.json")
+        self._call_params = self._ops["bus.call"][0]
+        self._reply_params = self._ops["bus.reply"][0]
+        self._consumed_params = self._ops["bus.consumed"][0]
         # the lean notification forms (wire.md §21): the same params schemas as the requests
         self._lean: dict[str, Callable[[_Conn, dict[str, Any]], None]] = {
             "bus.call": self._lean_call,
@@ -581,7 +588,7 @@ class Router:
             return
         counters = self.counters
         counters["leanCalls"] += 1
-        problem = self._ops["bus.call"][0](p)
+        problem = self._call_params(p)
         try:
             if problem is not None:
                 raise InvalidParams(f"bus.call: {problem}")
@@ -610,7 +617,7 @@ class Router:
                         "issued on this connection")
             return
         self.counters["leanReplies"] += 1
-        problem = self._ops["bus.reply"][0](p)
+        problem = self._reply_params(p)
         try:
             if problem is not None:
                 raise InvalidParams(f"bus.reply: {problem}")
@@ -627,7 +634,7 @@ class Router:
         if conn.client_id is None:
             self._close(conn, "INVALID_ENVELOPE", "the first request must be bus.hello")
             return
-        problem = self._ops["bus.consumed"][0](p)
+        problem = self._consumed_params(p)
         if problem is not None:
             self._close(conn, "INVALID_REQUEST", f"bus.consumed notification: {problem}")
             return
@@ -738,7 +745,7 @@ class Router:
         """Pull requests round robin across this connection's services (wire.md §9.2, §14.2);
         returns the budget left."""
         limit = self.limits.maxOpenRequestsPerClient
-        services = list(conn.services.values())
+        services = conn.service_list
         count = len(services)
         idle = 0
         i = conn.rr
@@ -869,6 +876,7 @@ class Router:
         svc.live = False
         del self._services[svc.name]
         del svc.owner.services[svc.name]
+        svc.owner.service_list.remove(svc)
         affected: dict[int, _Conn] = {}
         for call in svc.queue:
             affected[call.caller.number] = call.caller
@@ -988,6 +996,8 @@ class Router:
             seen.popitem(last=False)
         conn.client_id = client_id
         conn.client_incarnation = incarnation
+        conn.identity = orjson.Fragment(orjson.dumps(
+            {"clientId": client_id, "clientIncarnation": incarnation}))
         conn.grants = grants
         self._live[client_id] = conn
         if conn.hello_timer is not None:
@@ -1025,6 +1035,7 @@ class Router:
         svc = _Service(name, incarnation, conn, p["maxQueued"], p["maxInFlight"])
         self._services[name] = svc
         conn.services[name] = svc
+        conn.service_list.append(svc)
         log.info("bus.register", connection_id=conn.connection_id, service=name,
                  service_incarnation=incarnation)
         return {"name": name, "serviceIncarnation": incarnation}
@@ -1047,7 +1058,12 @@ class Router:
         if consumed:
             self.counters["creditsCarried"] += self._release(conn, consumed)
         target: str = p["target"]
-        if not any_matches(conn.grants.call, target):
+        allowed = conn.may_call.get(target)
+        if allowed is None:
+            if len(conn.may_call) >= GRANT_CACHE:
+                conn.may_call.clear()
+            allowed = conn.may_call[target] = any_matches(conn.grants.call, target)
+        if not allowed:
             raise NotAuthorized(f"no call grant for {target}")
         lim = self.limits
         if conn.active >= lim.maxActiveCallsPerClient:
@@ -1070,8 +1086,7 @@ class Router:
             "params": {
                 "deliveryId": "dlv-9007199254740991",
                 "callId": rid,
-                "caller": {"clientId": conn.client_id,
-                           "clientIncarnation": conn.client_incarnation},
+                "caller": conn.identity,
                 "target": target,
                 "serviceIncarnation": svc.incarnation,
                 "method": p["method"],
@@ -1115,8 +1130,7 @@ class Router:
                 "deliveryId": "dlv-9007199254740991",
                 "callId": call.call_id,
                 "serviceIncarnation": call.service.incarnation,
-                "responder": {"clientId": conn.client_id,
-                              "clientIncarnation": conn.client_incarnation},
+                "responder": conn.identity,
                 "outcome": orjson.Fragment(outcome),
             },
         })

@@ -537,6 +537,7 @@ async def test_sdk_lean_refusal_raises_its_error(router: Any, sdk: Any) -> None:
 
 # --- 122 ------------------------------------------------------------------------------------
 
+@pytest.mark.timeout(300)  # a router process and hypothesis examples, like test_fuzz.py's
 def test_lean_and_request_forms_agree() -> None:
     """The fuzz state machine of §20 with a random mix of both forms (tests/bus/test_fuzz.py,
     `Sock.lean`): every call of a clean caller gets exactly one terminal outcome, and the
@@ -544,7 +545,6 @@ def test_lean_and_request_forms_agree() -> None:
     from tests.bus.test_fuzz import run_mixed_forms_machine
 
     summary = run_mixed_forms_machine(frames=20_000)
-    print(summary)
     assert summary["leanCalls"] > 0 and summary["requestCalls"] > 0, summary
     assert summary["leanReplies"] > 0 and summary["leanConsumed"] > 0, summary
     assert summary["callsTracked"] > 100, summary
