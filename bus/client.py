@@ -41,6 +41,7 @@ from bus.schema import NOTIFICATIONS, OPS, Validator, contract_digest, validator
 log = structlog.get_logger("bus.client")
 
 CANCEL_WAIT_S: Final = 0.5
+IDENTITY_CACHE: Final = 1024
 CREDIT_DELAY_S: Final = 0.005  # result credits wait this long for a call to carry them (§21.6)
 MAX_ID: Final = 2**53 - 1
 
@@ -97,7 +98,7 @@ class Request:
         self.delivery_id: str = params["deliveryId"]
         self.call_id: int = params["callId"]
         caller = params["caller"]
-        self.caller = Identity(caller["clientId"], caller["clientIncarnation"])
+        self.caller = client._identity(caller)
         self.target: str = params["target"]
         self.service_incarnation: str = params["serviceIncarnation"]
         self.method: str = params["method"]
@@ -295,6 +296,7 @@ class BusClient:
         self._registering: dict[int, Handler] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._lean = False  # the router announced minor >= 1 (wire.md §21.1)
+        self._identities: dict[tuple[str, str], Identity] = {}
         self._consume: list[str] = []  # credits that leave at the next flush
         self._credits: list[str] = []  # result credits waiting for a call to carry them
         self._credit_timer: asyncio.TimerHandle | None = None
@@ -588,7 +590,8 @@ class BusClient:
         method = msg.get("method")
         check = self._v.notifications.get(method) if isinstance(method, str) else None
         params = msg.get("params")
-        if check is None or set(msg) != {"jsonrpc", "method", "params"}:
+        # jsonrpc and method are present: three members with params are exactly the three
+        if check is None or len(msg) != 3 or "params" not in msg:
             self._violation(f"unexpected notification {method!r}")
             return
         problem = check(params)
@@ -602,7 +605,7 @@ class BusClient:
                 r = params["responder"]
                 _deliver(state, value=CallResult(
                     params["callId"], params["serviceIncarnation"],
-                    Identity(r["clientId"], r["clientIncarnation"]), params["outcome"]))
+                    self._identity(r), params["outcome"]))
             # queued after the wake-up: the credit leaves with the caller's next request
             self._queue_result_credit(params["deliveryId"])
         elif method == "bus.request":
@@ -624,6 +627,17 @@ class BusClient:
                     log.exception("bus.client.route_removed_hook_failed")
         else:
             self._lost(from_wire(params["error"]))
+
+    def _identity(self, wire: dict[str, str]) -> Identity:
+        """The Identity of a caller or responder; the same few peers recur, so each is built
+        once (bounded: the cache starts over when full)."""
+        key = (wire["clientId"], wire["clientIncarnation"])
+        found = self._identities.get(key)
+        if found is None:
+            if len(self._identities) >= IDENTITY_CACHE:
+                self._identities.clear()
+            found = self._identities[key] = Identity(*key)
+        return found
 
     def _on_request(self, params: dict[str, Any]) -> None:
         svc = self._services.get(params["target"])
