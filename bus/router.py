@@ -555,8 +555,6 @@ class Router:
             return
         problem = op[0](params)
         if problem is not None:
-            if method == "bus.call":
-                counters["callsRefused"] += 1
             self._respond_error(conn, rid, "INVALID_PARAMS", f"{method}: {problem}",
                                 "not-dispatched")
             return
@@ -594,7 +592,8 @@ class Router:
                 raise InvalidParams(f"bus.call: {problem}")
             self._admit(conn, p, call_id)
         except BusError as exc:
-            counters["callsRefused"] += 1
+            if problem is None:  # as in the request form, bad params are not a refused call
+                counters["callsRefused"] += 1
             self._count_error(exc.name)
             target = p.get("target")
             svc = self._services.get(target) if type(target) is str else None
