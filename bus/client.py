@@ -6,6 +6,11 @@ rules to the router's frames as the router applies to ours (§2–§4): any viol
 a lost connection nothing is known about what ran. Deadlines live here, on the caller's
 monotonic clock: at a deadline the SDK cancels and reports the certainty the cancel proved.
 
+Against a router of minor >= 1 (wire.md §21) `call()` and handlers' returned replies use the
+lean notification forms, and credits ride inside them: a call carries the result deliveries
+consumed since the last one, a reply returns its request delivery (`consumed: true`); result
+credits no call took within CREDIT_DELAY_S leave in one `bus.consumed` notification.
+
 Task ownership: every handler task is owned by its client, tracked in `_tasks` and cancelled
 and awaited when the connection ends; the SDK starts no other tasks.
 """

@@ -7,6 +7,11 @@ that connection's transport buffer: control frames (responses and notices) first
 results, then requests pulled lazily from the FIFOs of the services it owns. A call therefore
 waits Queued (bounded, cancellable) instead of piling up in socket buffers.
 
+Since minor 1 (wire.md §21) `bus.call`, `bus.reply` and `bus.consumed` may also arrive as
+notifications: they run the same checks and state changes as the requests, answer nothing on
+success and report a refusal as one `bus.callFailed` or `bus.replyFailed` (or close, when the
+frame names nothing that could be answered), so a routed call costs four frames.
+
 Frames are built once: a `bus.request` or `bus.result` is encoded at admission (or reply) with
 the longest possible delivery id, which both proves the worst-case size fits and gives the
 bytes to send; at dispatch only that first id is rewritten.
