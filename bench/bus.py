@@ -8,12 +8,16 @@ service SDK). Both carry the same domain-shaped payload.
 The host is shared and noisy, so floor and router run alternately, `--repeat` pairs (default
 3), each pair with fresh processes and a warm-up of 200 calls per client; the lines give the
 medians over the pairs (an RTT per pair is the median of its round trips) and every pair's
-numbers. Prints two JSON lines:
+numbers. Prints three JSON lines:
   {"bench":"bus_rtt","floor_us":..,"router_us":..,"ratio":..,"p99_us":..,"pairs":[[f,r],..]}
   {"bench":"bus_throughput","calls_per_s":..,"floor_calls_per_s":..,"ratio":..,"pairs":..}
-`ratio` is router/floor in both lines: RTT targets ratio <= 1.3, throughput ratio >= 0.7
-(neither is asserted anywhere). Round trips are sequential (one outstanding call); throughput
-uses 8 concurrent callers on one connection. Progress goes to stderr.
+  {"bench":"bus_cpu","floor_us_per_call":..,"router_us_per_call":..,"ratio":..,"pairs":..}
+`ratio` is router/floor in every line: RTT targets ratio <= 1.5, throughput ratio >= 0.5 (none
+is asserted anywhere). Round trips are sequential (one outstanding call); throughput uses 8
+concurrent callers on one connection. CPU per call is user + system CPU of all three processes
+over both parts (steadier than wall time on a shared host). The SDK speaks bus minor 1 to the
+router, so the router path moves the same four frames per call as the floor (wire.md §21).
+Progress goes to stderr.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import orjson
+import psutil
 import uvloop
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -156,6 +161,7 @@ async def client_floor(path: str, n: int) -> dict[str, Any]:
 
     for _ in range(200):
         await one()
+    cpu0 = time.process_time()
     rtts = [await one() for _ in range(n)]
 
     async def worker(k: int) -> None:
@@ -167,8 +173,10 @@ async def client_floor(path: str, n: int) -> dict[str, Any]:
         for _ in range(CONCURRENCY):
             tg.create_task(worker(n // CONCURRENCY))
     elapsed = time.perf_counter() - t0
+    cpu = time.process_time() - cpu0
     transport.close()
-    return {"rtts": rtts, "per_s": (n // CONCURRENCY) * CONCURRENCY / elapsed}
+    return {"rtts": rtts, "per_s": (n // CONCURRENCY) * CONCURRENCY / elapsed,
+            "cpu_s": cpu, "calls": n + (n // CONCURRENCY) * CONCURRENCY}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -191,6 +199,7 @@ async def client_router(path: str, n: int) -> dict[str, Any]:
 
         for _ in range(200):
             await one()
+        cpu0 = time.process_time()
         rtts = [await one() for _ in range(n)]
 
         async def worker(k: int) -> None:
@@ -202,7 +211,9 @@ async def client_router(path: str, n: int) -> dict[str, Any]:
             for _ in range(CONCURRENCY):
                 tg.create_task(worker(n // CONCURRENCY))
         elapsed = time.perf_counter() - t0
-    return {"rtts": rtts, "per_s": (n // CONCURRENCY) * CONCURRENCY / elapsed}
+        cpu = time.process_time() - cpu0
+    return {"rtts": rtts, "per_s": (n // CONCURRENCY) * CONCURRENCY / elapsed,
+            "cpu_s": cpu, "calls": n + (n // CONCURRENCY) * CONCURRENCY}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -219,11 +230,28 @@ def _wait_socket(path: str, proc: subprocess.Popen[bytes]) -> None:
         time.sleep(0.01)
 
 
-def _run_client(role: str, path: str, n: int) -> dict[str, Any]:
-    out = subprocess.run([sys.executable, __file__, "--role", role, "--socket", path,
-                          "-n", str(n)], cwd=ROOT, capture_output=True, check=True,
-                         timeout=CLIENT_TIMEOUT_S)
-    result: dict[str, Any] = orjson.loads(out.stdout)
+def _cpu(procs: list[subprocess.Popen[bytes]]) -> float:
+    """User + system CPU seconds the processes have used so far."""
+    total = 0.0
+    for p in procs:
+        times = psutil.Process(p.pid).cpu_times()
+        total += times.user + times.system
+    return total
+
+
+def _run_client(role: str, path: str, n: int,
+                servers: list[subprocess.Popen[bytes]]) -> dict[str, Any]:
+    """Run a client role; its result gains `servers_cpu_s`, the CPU the middle and echo
+    processes used meanwhile (their share of the client's connect and warm-up included)."""
+    cpu0 = _cpu(servers)
+    out = path + ".result.json"
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(out)
+    subprocess.run([sys.executable, __file__, "--role", role, "--socket", path, "-n", str(n),
+                    "--out", out], cwd=ROOT, capture_output=True, check=True,
+                   timeout=CLIENT_TIMEOUT_S)
+    result: dict[str, Any] = orjson.loads(Path(out).read_bytes())
+    result["servers_cpu_s"] = _cpu(servers) - cpu0
     return result
 
 
@@ -252,7 +280,7 @@ def measure_floor(tmp: str, n: int) -> dict[str, Any]:
         assert echo.stdout is not None
         if echo.stdout.readline() != b"ready\n":  # "" if it died: the forwarder has no echo
             raise RuntimeError("the floor's echo did not connect")
-        return _run_client("client-floor", path, n)
+        return _run_client("client-floor", path, n, [fwd, echo])
     finally:
         _stop(*(p for p in (echo, fwd) if p is not None))
 
@@ -270,7 +298,7 @@ def measure_router(tmp: str, n: int) -> dict[str, Any]:
         result: dict[str, Any] | None = None
         while result is None:
             try:
-                result = _run_client("client-router", path, n)
+                result = _run_client("client-router", path, n, [router, echo])
             except subprocess.CalledProcessError:
                 if time.monotonic() > deadline:
                     raise
@@ -284,6 +312,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--role")
     ap.add_argument("--socket")
+    ap.add_argument("--out", help="a client role writes its JSON result here")
     ap.add_argument("-n", type=int, default=4000)
     ap.add_argument("--repeat", type=int, default=3,
                     help="floor/router pairs, run alternately; the medians over pairs are printed")
@@ -298,7 +327,8 @@ def main() -> None:
     if args.role:
         result = uvloop.run(roles[args.role]())
         if result is not None:
-            sys.stdout.write(orjson.dumps(result).decode())
+            # a file, not stdout: a pipe has been seen to deliver only its first 64 KiB
+            Path(args.out).write_bytes(orjson.dumps(result))
         return
     floors: list[dict[str, Any]] = []
     routers: list[dict[str, Any]] = []
@@ -330,6 +360,18 @@ def main() -> None:
                         "ratio": round(router_rate / floor_rate, 3),
                         "pairs": [[round(f["per_s"]), round(r["per_s"])]
                                   for f, r in zip(floors, routers, strict=True)]}).decode())
+
+    def cpu_us(r: dict[str, Any]) -> float:
+        return (r["cpu_s"] + r["servers_cpu_s"]) / r["calls"] * 1e6
+
+    floor_cpu = [cpu_us(f) for f in floors]
+    router_cpu = [cpu_us(r) for r in routers]
+    print(orjson.dumps({"bench": "bus_cpu", "floor_us_per_call": round(
+        statistics.median(floor_cpu), 1), "router_us_per_call": round(
+        statistics.median(router_cpu), 1), "ratio": round(
+        statistics.median(router_cpu) / statistics.median(floor_cpu), 3),
+        "pairs": [[round(f, 1), round(r, 1)] for f, r in zip(floor_cpu, router_cpu,
+                                                             strict=True)]}).decode())
 
 
 if __name__ == "__main__":

@@ -292,13 +292,15 @@ class Services:
 
 async def _restarter(monitor: BusClient, services: Services, setup: Setup, total: int,
                      done: asyncio.Event) -> None:
-    """Restart a random service each time `callsAdmitted` passes a random threshold."""
+    """Restart a random service each time the calls made so far (admitted or refused: a
+    refused call is one a caller made too) pass a random threshold."""
     rnd = random.Random(setup.seed)
     thresholds = sorted(rnd.randrange(total // 20, total * 9 // 10)
                         for _ in range(setup.restarts))
     while thresholds and not done.is_set():
         async with asyncio.timeout(COMMAND_TIMEOUT_S):
-            admitted: int = (await monitor.stats())["counters"]["callsAdmitted"]
+            counters = (await monitor.stats())["counters"]
+            admitted: int = counters["callsAdmitted"] + counters["callsRefused"]
         while thresholds and admitted >= thresholds[0]:
             thresholds.pop(0)
             await services.restart(rnd.randrange(len(services.names)))

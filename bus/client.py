@@ -6,6 +6,11 @@ rules to the router's frames as the router applies to ours (§2–§4): any viol
 a lost connection nothing is known about what ran. Deadlines live here, on the caller's
 monotonic clock: at a deadline the SDK cancels and reports the certainty the cancel proved.
 
+Against a router of minor >= 1 (wire.md §21) `call()` and handlers' returned replies use the
+lean notification forms, and credits ride inside them: a call carries the result deliveries
+consumed since the last one, a reply returns its request delivery (`consumed: true`); result
+credits no call took within CREDIT_DELAY_S leave in one `bus.consumed` notification.
+
 Task ownership: every handler task is owned by its client, tracked in `_tasks` and cancelled
 and awaited when the connection ends; the SDK starts no other tasks.
 """
@@ -41,6 +46,8 @@ from bus.schema import NOTIFICATIONS, OPS, Validator, contract_digest, validator
 log = structlog.get_logger("bus.client")
 
 CANCEL_WAIT_S: Final = 0.5
+IDENTITY_CACHE: Final = 1024
+CREDIT_DELAY_S: Final = 0.005  # result credits wait this long for a call to carry them (§21.6)
 MAX_ID: Final = 2**53 - 1
 
 Handler = Callable[["Request"], Awaitable[dict[str, Any] | None]]
@@ -96,7 +103,7 @@ class Request:
         self.delivery_id: str = params["deliveryId"]
         self.call_id: int = params["callId"]
         caller = params["caller"]
-        self.caller = Identity(caller["clientId"], caller["clientIncarnation"])
+        self.caller = client._identity(caller)
         self.target: str = params["target"]
         self.service_incarnation: str = params["serviceIncarnation"]
         self.method: str = params["method"]
@@ -150,41 +157,56 @@ class Service:
 
 
 class _CallState:
-    """SDK-side record of one bus.call: admission, then exactly one terminal outcome."""
+    """SDK-side record of one bus.call: admission, then exactly one terminal outcome.
+
+    `admitted` exists only for a request-form call (`start_call` awaits the admission); a
+    lean call has no admission response to wait for."""
 
     __slots__ = ("admitted", "call_id", "done", "service_incarnation")
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, call_id: int) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, call_id: int, admission: bool) -> None:
         self.call_id = call_id
-        self.admitted: asyncio.Future[str] = loop.create_future()
+        self.admitted: asyncio.Future[str] | None = None
+        if admission:
+            self.admitted = loop.create_future()
         self.done: asyncio.Future[CallResult] = loop.create_future()
         self.service_incarnation: str | None = None
-        _quiet(self.admitted)
-        _quiet(self.done)
+
+
+class _DeadlineReached(Exception):
+    """Set on a call's `done` future when its deadline passes (the outcome moves on to a
+    fresh future that `_deadline` reads)."""
 
 
 def _deliver(state: _CallState, exc: BaseException | None = None, value: Any = None) -> None:
     """Settle a call's outcome. `call()` awaits `done` directly (no shield: one wake-up
-    fewer), so a deadline may have cancelled it; the outcome then goes to a fresh future
-    that `_deadline` reads."""
+    fewer), so a task cancellation may have cancelled it; the outcome then goes to a fresh
+    future that `_deadline` reads."""
     if state.done.cancelled():
         state.done = asyncio.get_running_loop().create_future()
-        _quiet(state.done)
     _settle(state.done, exc, value)
 
 
-def _quiet(fut: asyncio.Future[Any]) -> None:
-    """Mark a future's exception as retrieved: pending calls nobody awaits may fail."""
-    fut.add_done_callback(lambda f: f.cancelled() or f.exception())
-
-
-def _settle(fut: asyncio.Future[Any], exc: BaseException | None = None,
+def _settle(fut: asyncio.Future[Any] | None, exc: BaseException | None = None,
             value: Any = None) -> None:
-    if not fut.done():
+    """Settle a future once. A failure is marked retrieved at once (a pending call nobody
+    awaits may fail), which costs nothing per call, unlike a done-callback on every future;
+    an awaiting task still gets the exception."""
+    if fut is not None and not fut.done():
         if exc is not None:
             fut.set_exception(exc)
+            fut.exception()
         else:
             fut.set_result(value)
+
+
+def _expire(state: _CallState) -> None:
+    """A `call()` deadline: wake the caller with _DeadlineReached; a later outcome goes to a
+    fresh future."""
+    done = state.done
+    if not done.done():
+        state.done = done.get_loop().create_future()
+        done.set_exception(_DeadlineReached())
 
 
 class PendingCall:
@@ -278,7 +300,12 @@ class BusClient:
         self._services: dict[str, Service] = {}
         self._registering: dict[int, Handler] = {}
         self._tasks: set[asyncio.Task[None]] = set()
-        self._consume: list[str] = []
+        self._lean = False  # the router announced minor >= 1 (wire.md §21.1)
+        self._identities: dict[tuple[str, str], Identity] = {}
+        self._consume: list[str] = []  # credits that leave at the next flush
+        self._credits: list[str] = []  # result credits waiting for a call to carry them
+        self._credit_timer: asyncio.TimerHandle | None = None
+        self._last_credit = 0.0
         self._out: list[bytes] = []
         self._flush_scheduled = False
         self._reading = False
@@ -286,7 +313,6 @@ class BusClient:
         self._drained: asyncio.Future[None] | None = None
         self._closed_with: BaseException | None = None
         self._closed = self._loop.create_future()
-        _quiet(self._closed)
 
     # connection ---------------------------------------------------------------------------
     @property
@@ -336,6 +362,9 @@ class BusClient:
         self._services.clear()
         if self._drained is not None:
             _settle(self._drained, RouterLost(failure.message))
+        if self._credit_timer is not None:
+            self._credit_timer.cancel()
+            self._credit_timer = None
         for t in self._tasks:
             t.cancel()
         _settle(self._closed, value=error)
@@ -352,7 +381,6 @@ class BusClient:
     def _pause_writing(self) -> None:
         if self._drained is None or self._drained.done():
             self._drained = self._loop.create_future()
-            _quiet(self._drained)
 
     def _resume_writing(self) -> None:
         if self._drained is not None:
@@ -378,7 +406,10 @@ class BusClient:
         while self._consume:
             batch = self._consume[:MAX_CONSUME_BATCH]
             del self._consume[:MAX_CONSUME_BATCH]
-            self._send_nowait("bus.consumed", {"deliveryIds": batch})
+            if self._lean:
+                self._notify("bus.consumed", {"deliveryIds": batch})
+            else:
+                self._send_nowait("bus.consumed", {"deliveryIds": batch})
         self._flush_scheduled = False
         out, self._out = self._out, []
         if out:
@@ -391,24 +422,34 @@ class BusClient:
                             self._max_envelope)
 
     def _encode_call(self, rid: int, target: str, method: str, payload: dict[str, Any],
-                     expected_incarnation: str | None) -> bytes:
-        """A `bus.call` frame: only the payload needs the strict encoder's value checks.
+                     expected_incarnation: str | None, lean: bool) -> bytes:
+        """A `bus.call` frame, the notification form when `lean` (its callId is `rid`);
+        a lean router also takes the pending result credits with it (wire.md §21.3).
 
-        The envelope around it is strings, an int and maybe a null, and the strict encoder
-        would walk the whole value again just because that null might be a NaN."""
+        Only the payload needs the strict encoder's value checks: the envelope around it is
+        strings, ints and maybe a null, and the strict encoder would walk the whole value
+        again just because that null might be a NaN."""
+        params: dict[str, Any] = {"target": target, "expectedIncarnation": expected_incarnation,
+                                  "method": method, "payload": payload}
+        if lean:
+            params["callId"] = rid
+        credits = self._credits[:MAX_CONSUME_BATCH] if self._lean else None
+        if credits:
+            params["consumed"] = credits
+        msg: dict[str, Any] = ({"jsonrpc": "2.0", "method": "bus.call", "params": params} if lean
+                               else {"jsonrpc": "2.0", "id": rid, "method": "bus.call",
+                                     "params": params})
         if type(target) is not str or type(method) is not str or not (
                 expected_incarnation is None or type(expected_incarnation) is str):
-            return self._encode_request(rid, "bus.call", {
-                "target": target, "expectedIncarnation": expected_incarnation,
-                "method": method, "payload": payload})
-        body = codec.encode_trusted({
-            "jsonrpc": "2.0", "id": rid, "method": "bus.call", "params": {
-                "target": target, "expectedIncarnation": expected_incarnation,
-                "method": method, "payload": orjson.Fragment(codec.encode(payload)),
-            }})
+            body = codec.encode(msg, self._max_envelope)
+        else:
+            params["payload"] = orjson.Fragment(codec.encode(payload))
+            body = codec.encode_trusted(msg)
         if len(body) > self._max_envelope:
             raise InvalidEnvelope(f"encoded body is {len(body)} bytes, over the "
                                   f"{self._max_envelope}-byte limit", "not-dispatched")
+        if credits:  # they leave with this frame
+            del self._credits[:len(credits)]
         return body
 
     async def _command(self, method: str, params: dict[str, Any], *,
@@ -424,7 +465,6 @@ class BusClient:
         if on_id is not None:
             on_id(rid)
         fut: asyncio.Future[dict[str, Any]] = self._loop.create_future()
-        _quiet(fut)
         self._pending.append((rid, method, fut))
         self._write(body)
         return await fut
@@ -434,13 +474,49 @@ class BusClient:
         self._consume.append(delivery_id)
         self._schedule_flush()
 
+    def _queue_result_credit(self, delivery_id: str) -> None:
+        """A consumed `bus.result`. A lean router takes it inside the next `bus.call`; if
+        none leaves within CREDIT_DELAY_S of the last result, or MAX_CONSUME_BATCH credits
+        are waiting, they go in one `bus.consumed` (wire.md §21.6). One timer serves the
+        whole window, not one per result."""
+        if not self._lean:
+            self._queue_consumed(delivery_id)
+            return
+        credits = self._credits
+        credits.append(delivery_id)
+        if len(credits) >= MAX_CONSUME_BATCH:
+            self._release_credits()
+            return
+        self._last_credit = self._loop.time()
+        if self._credit_timer is None:
+            self._credit_timer = self._loop.call_later(CREDIT_DELAY_S, self._credits_due)
+
+    def _credits_due(self) -> None:
+        self._credit_timer = None
+        if not self._credits or self._closed_with is not None:
+            return
+        left = self._last_credit + CREDIT_DELAY_S - self._loop.time()
+        if left > 0.0005:
+            self._credit_timer = self._loop.call_later(left, self._credits_due)
+            return
+        self._release_credits()
+
+    def _release_credits(self) -> None:
+        self._consume.extend(self._credits)
+        self._credits.clear()
+        self._schedule_flush()
+
+    def _notify(self, method: str, params: dict[str, Any]) -> None:
+        """A lean notification (wire.md §21): no id, no response, never waits to drain."""
+        self._write(codec.encode({"jsonrpc": "2.0", "method": method, "params": params},
+                                 self._max_envelope))
+
     def _send_nowait(self, method: str, params: dict[str, Any]) -> asyncio.Future[dict[str, Any]]:
         """A credit-returning command: never waits for the transport to drain."""
         rid = self._next_id + 1
         body = self._encode_request(rid, method, params)
         self._next_id = rid
         fut: asyncio.Future[dict[str, Any]] = self._loop.create_future()
-        _quiet(fut)
         self._pending.append((rid, method, fut))
         self._write(body)
         return fut
@@ -519,7 +595,8 @@ class BusClient:
         method = msg.get("method")
         check = self._v.notifications.get(method) if isinstance(method, str) else None
         params = msg.get("params")
-        if check is None or set(msg) != {"jsonrpc", "method", "params"}:
+        # jsonrpc and method are present: three members with params are exactly the three
+        if check is None or len(msg) != 3 or "params" not in msg:
             self._violation(f"unexpected notification {method!r}")
             return
         problem = check(params)
@@ -533,9 +610,9 @@ class BusClient:
                 r = params["responder"]
                 _deliver(state, value=CallResult(
                     params["callId"], params["serviceIncarnation"],
-                    Identity(r["clientId"], r["clientIncarnation"]), params["outcome"]))
+                    self._identity(r), params["outcome"]))
             # queued after the wake-up: the credit leaves with the caller's next request
-            self._queue_consumed(params["deliveryId"])
+            self._queue_result_credit(params["deliveryId"])
         elif method == "bus.request":
             self._on_request(params)
         elif method == "bus.callFailed":
@@ -544,6 +621,8 @@ class BusClient:
                 err = from_wire(params["error"])
                 _settle(state.admitted, err)
                 _deliver(state, err)
+        elif method == "bus.replyFailed":
+            self._reply_failed(params)
         elif method == "bus.routeRemoved":
             hook = self._on_route_removed
             if hook is not None:
@@ -553,6 +632,17 @@ class BusClient:
                     log.exception("bus.client.route_removed_hook_failed")
         else:
             self._lost(from_wire(params["error"]))
+
+    def _identity(self, wire: dict[str, str]) -> Identity:
+        """The Identity of a caller or responder; the same few peers recur, so each is built
+        once (bounded: the cache starts over when full)."""
+        key = (wire["clientId"], wire["clientIncarnation"])
+        found = self._identities.get(key)
+        if found is None:
+            if len(self._identities) >= IDENTITY_CACHE:
+                self._identities.clear()
+            found = self._identities[key] = Identity(*key)
+        return found
 
     def _on_request(self, params: dict[str, Any]) -> None:
         svc = self._services.get(params["target"])
@@ -579,10 +669,13 @@ class BusClient:
                 outcome = None
             if not req.answered:
                 if outcome is not None:
-                    # the credit leaves in the same write as the reply, right behind it
-                    self._queue_consumed(req.delivery_id)
-                    consumed = True
-                    await self._send_reply(req, outcome)
+                    if self._lean:
+                        consumed = await self._send_reply(req, outcome)
+                    else:
+                        # the credit leaves in the same write as the reply, right behind it
+                        self._queue_consumed(req.delivery_id)
+                        consumed = True
+                        await self._send_reply(req, outcome)
                 if not req.answered:
                     await req.release()
         except RouterLost:
@@ -591,23 +684,47 @@ class BusClient:
             if self._closed_with is None and not consumed:
                 self._queue_consumed(req.delivery_id)
 
-    async def _send_reply(self, req: Request, outcome: dict[str, Any]) -> None:
+    def _reply_failed(self, params: dict[str, Any]) -> None:
+        """A lean reply was refused (wire.md §21.4, §21.6): the frame changed nothing, so give
+        the capability back (if still held, the caller hears CALL_GONE instead of nothing) and
+        return the delivery its `consumed: true` did not."""
+        delivery_id: str = params["deliveryId"]
+        log.warning("bus.client.reply_refused", delivery_id=delivery_id,
+                    error=params["error"]["data"]["name"], message=params["error"]["message"])
+        self._send_nowait("bus.release", {"deliveryId": delivery_id})
+        self._queue_consumed(delivery_id)
+
+    async def _send_reply(self, req: Request, outcome: dict[str, Any]) -> bool:
         """Send the reply a handler returned without waiting for the router's answer: the
         task ends now instead of waking once more. Only a refusal as too large needs a
-        follow-up (a release), and the answer's callback does it."""
+        follow-up (a release): the answer's callback, or a `bus.replyFailed`, does it.
+        Returns True when the reply also returned the delivery (lean `consumed: true`)."""
         self._check_open()
         if self._drained is not None and not self._drained.done():
             await self._drained
             self._check_open()
         try:
+            if self._lean:
+                # only the handler's outcome needs the strict encoder; the router issued the
+                # delivery id (a checked string)
+                body = codec.encode_trusted({"jsonrpc": "2.0", "method": "bus.reply", "params": {
+                    "deliveryId": req.delivery_id,
+                    "outcome": orjson.Fragment(codec.encode(outcome)), "consumed": True}})
+                if len(body) > self._max_envelope:
+                    raise InvalidEnvelope(f"encoded body is {len(body)} bytes, over the "
+                                          f"{self._max_envelope}-byte limit", "not-dispatched")
+                self._write(body)
+                req._answered = True
+                return True
             fut = self._send_nowait("bus.reply", {"deliveryId": req.delivery_id,
                                                   "outcome": outcome})
         except InvalidEnvelope as exc:
             log.warning("bus.client.reply_refused", method=req.method, call_id=req.call_id,
                         error=exc.message)
-            return
+            return False
         req._answered = True
         fut.add_done_callback(lambda f: self._reply_answered(req, f))
+        return False
 
     def _reply_answered(self, req: Request, fut: asyncio.Future[dict[str, Any]]) -> None:
         exc = None if fut.cancelled() else fut.exception()
@@ -653,16 +770,18 @@ class BusClient:
         return self._services[result["name"]]
 
     def _admit(self, target: str, method: str, payload: dict[str, Any],
-               expected_incarnation: str | None) -> _CallState:
+               expected_incarnation: str | None, *, lean: bool = False) -> _CallState:
+        """Send a `bus.call`: the request form (an admission response follows), or with
+        `lean` the notification form, whose only answer is the outcome (wire.md §21.2)."""
         self._check_open()
         rid = self._next_id + 1
-        body = self._encode_call(rid, target, method, payload, expected_incarnation)
+        body = self._encode_call(rid, target, method, payload, expected_incarnation, lean)
         self._next_id = rid
-        state = _CallState(self._loop, rid)
-        fut: asyncio.Future[dict[str, Any]] = self._loop.create_future()
-        _quiet(fut)
-        fut.add_done_callback(lambda f: self._admission_failed(state, f))
-        self._pending.append((rid, "bus.call", fut))
+        state = _CallState(self._loop, rid, not lean)
+        if not lean:
+            fut: asyncio.Future[dict[str, Any]] = self._loop.create_future()
+            fut.add_done_callback(lambda f: self._admission_failed(state, f))
+            self._pending.append((rid, "bus.call", fut))
         self._calls[rid] = state
         self._write(body)
         return state
@@ -680,6 +799,7 @@ class BusClient:
         if self._drained is not None and not self._drained.done():
             await self._drained
         state = self._admit(target, method, payload, expected_incarnation)
+        assert state.admitted is not None
         await state.admitted
         return PendingCall(self, state)
 
@@ -691,13 +811,16 @@ class BusClient:
             raise ValueError("timeout must be > 0 seconds, or None")
         if self._drained is not None and not self._drained.done():
             await self._drained
-        state = self._admit(target, method, payload, expected_incarnation)
+        state = self._admit(target, method, payload, expected_incarnation, lean=self._lean)
+        # One plain loop timer, not asyncio.timeout: that one also cancels and uncancels the
+        # task and, on Python 3.11, calls getpid() through get_running_loop() on every call.
+        timer = None if timeout is None else self._loop.call_at(
+            self._loop.time() + timeout, _expire, state)
         try:
-            async with asyncio.timeout(timeout):
-                # `done` also settles on a refused admission: not waking up for the
-                # admission response saves a task step per call
-                return await state.done
-        except TimeoutError:
+            # `done` also settles on a refused admission: not waking up for the
+            # admission response saves a task step per call
+            return await state.done
+        except _DeadlineReached:
             return await self._deadline(state)
         except asyncio.CancelledError:
             finished = state.done.done() and not state.done.cancelled()
@@ -705,11 +828,13 @@ class BusClient:
                 fut = self._send_nowait("bus.cancel", {"callId": state.call_id})
                 fut.add_done_callback(lambda f: self._task_cancel_answered(state, f))
             raise
+        finally:
+            if timer is not None:
+                timer.cancel()
 
     async def _deadline(self, state: _CallState) -> CallResult:
         if state.done.cancelled():
             state.done = self._loop.create_future()
-            _quiet(state.done)
         elif state.done.done():
             return state.done.result()
         self._check_open()
@@ -753,8 +878,8 @@ class BusClient:
         result = await self._command("bus.hello", {
             "clientId": self.client_id, "clientIncarnation": self.client_incarnation,
             "supportedMajors": list(supported_majors)})
-        if result["major"] != 1 or result["minor"] != 0:
-            raise VersionMismatch(f"router speaks {result['major']}.{result['minor']}, not 1.0")
+        if result["major"] != 1:
+            raise VersionMismatch(f"router speaks {result['major']}.{result['minor']}, not 1.x")
         if result["contractDigest"] != contract_digest():
             raise VersionMismatch("the router's contractDigest differs from this SDK's schemas")
         if set(result["limits"]) != set(HELLO_KEYS):
@@ -765,6 +890,7 @@ class BusClient:
         self.grants = result["grants"]
         self._max_envelope = self.limits["maxEnvelopeBytes"]
         self._decoder = _rebound(self._decoder, self._max_envelope)
+        self._lean = result["minor"] >= 1
 
 
 def _rebound(decoder: FrameDecoder, max_bytes: int) -> FrameDecoder:

@@ -7,6 +7,11 @@ that connection's transport buffer: control frames (responses and notices) first
 results, then requests pulled lazily from the FIFOs of the services it owns. A call therefore
 waits Queued (bounded, cancellable) instead of piling up in socket buffers.
 
+Since minor 1 (wire.md §21) `bus.call`, `bus.reply` and `bus.consumed` may also arrive as
+notifications: they run the same checks and state changes as the requests, answer nothing on
+success and report a refusal as one `bus.callFailed` or `bus.replyFailed` (or close, when the
+frame names nothing that could be answered), so a routed call costs four frames.
+
 Frames are built once: a `bus.request` or `bus.result` is encoded at admission (or reply) with
 the longest possible delivery id, which both proves the worst-case size fits and gives the
 bytes to send; at dispatch only that first id is rewritten.
@@ -32,7 +37,7 @@ from typing import Any, Final, cast
 import orjson
 import structlog
 
-from bus import codec
+from bus import codec, limits
 from bus.errors import (
     Backpressure,
     BusError,
@@ -60,6 +65,7 @@ MAX_ID: Final = 2**53 - 1
 MAX_DLV: Final = b'"dlv-9007199254740991"'
 CLOSE_GRACE_S: Final = 4.0
 WRITE_BATCH_BYTES: Final = 65536
+GRANT_CACHE: Final = 1024  # call-grant answers remembered per connection
 STOP_BUDGET_S: Final = 5.0
 PEERCRED: Final = struct.Struct("3i")
 CANCEL_STATES: Final = (
@@ -73,6 +79,17 @@ CANCEL_STATES: Final = (
 QUEUED: Final = 0
 DISPATCHED: Final = 1
 REPLIED: Final = 2
+
+
+def _serial(delivery_id: object) -> int | None:
+    """The serial of a well-formed `dlv-<n>` (wire.md §5), else None."""
+    if type(delivery_id) is not str or not delivery_id.startswith("dlv-"):
+        return None
+    digits = delivery_id[4:]
+    if not digits.isascii() or not digits.isdigit() or digits[0] == "0" or len(digits) > 16:
+        return None
+    serial = int(digits)
+    return serial if serial <= MAX_ID else None
 
 
 class RouterStartError(RuntimeError):
@@ -158,11 +175,14 @@ class _Conn(asyncio.Protocol):
         self.created = time.monotonic()
         self.client_id: str | None = None
         self.client_incarnation: str | None = None
+        self.identity = orjson.Fragment(b"null")  # {clientId, clientIncarnation}, encoded once
         self.grants = Grants()
+        self.may_call: dict[str, bool] = {}  # target -> a call grant matches (grants are fixed)
         self.last_id = 0
         self.decoder = FrameDecoder(router.limits.maxEnvelopeBytes)
         self.hello_timer: asyncio.TimerHandle | None = None
         self.services: dict[str, _Service] = {}
+        self.service_list: list[_Service] = []  # the same, in registration order, for dispatch
         self.rr = 0
         self.calls: dict[int, _Call] = {}
         self.active = 0
@@ -228,7 +248,8 @@ class Router:
         self._conns: dict[int, _Conn] = {}
         self._conn_counter = 0
         self._live: dict[str, _Conn] = {}
-        self._incarnations: dict[str, OrderedDict[str, None]] = {}
+        # clientId -> its remembered incarnations, least recently seen clientId first
+        self._incarnations: OrderedDict[str, OrderedDict[str, None]] = OrderedDict()
         self._services: dict[str, _Service] = {}
         self._svc_next = secrets.randbelow(2**40) + 1
         self._expectations: dict[str, _Expectation] = {}
@@ -247,6 +268,7 @@ class Router:
             "callsAdmitted": 0, "callsRefused": 0, "callsFailed": 0, "repliesRouted": 0,
             "repliesUnrouted": 0, "cancels": dict.fromkeys(CANCEL_STATES, 0), "errors": {},
             "closes": {}, "framesIn": 0, "framesOut": 0, "bytesIn": 0, "bytesOut": 0,
+            "leanCalls": 0, "leanReplies": 0, "leanConsumed": 0, "creditsCarried": 0,
         }
         v = validator
         self._ops: dict[str, tuple[Validator, Callable[[_Conn, dict[str, Any], int], Any]]] = {
@@ -262,6 +284,15 @@ class Router:
             "bus.expect": (v("ops/bus.expect.params.json"), self._op_expect),
         }
         self._hello_params = v("ops/bus.hello.params.json")
+        self._call_params = self._ops["bus.call"][0]
+        self._reply_params = self._ops["bus.reply"][0]
+        self._consumed_params = self._ops["bus.consumed"][0]
+        # the lean notification forms (wire.md §21): the same params schemas as the requests
+        self._lean: dict[str, Callable[[_Conn, dict[str, Any]], None]] = {
+            "bus.call": self._lean_call,
+            "bus.reply": self._lean_reply,
+            "bus.consumed": self._lean_consumed,
+        }
 
     # lifecycle --------------------------------------------------------------------------
     async def start(self) -> None:
@@ -476,24 +507,33 @@ class Router:
         except BusError as exc:
             self._close(conn, "PARSE_ERROR", exc.message)
             return
-        if type(msg) is not dict or msg.get("jsonrpc") != "2.0" or "id" not in msg:
+        if type(msg) is not dict or msg.get("jsonrpc") != "2.0":
             self._close(conn, "INVALID_REQUEST", "not a JSON-RPC 2.0 request object")
             return
         method = msg.get("method")
         if type(method) is not str:
             self._close(conn, "INVALID_REQUEST", "method must be a string")
             return
-        n = len(msg)
-        if n == 4 and "params" in msg:
+        has_id = "id" in msg
+        n = len(msg) - has_id
+        if n == 3 and "params" in msg:
             params = msg["params"]
             if type(params) is not dict:
                 self._close(conn, "INVALID_REQUEST", "params must be an object")
                 return
-        elif n == 3:
+        elif n == 2:
             params = {}
         else:
             self._close(conn, "INVALID_REQUEST",
                         "a request has exactly jsonrpc, id, method and optional params")
+            return
+        if not has_id:
+            lean = self._lean.get(method)
+            if lean is None:
+                self._close(conn, "INVALID_REQUEST", "only bus.call, bus.reply and bus.consumed "
+                            "may be sent as notifications")
+                return
+            lean(conn, params)
             return
         rid = msg["id"]
         if type(rid) is not int or not 1 <= rid <= MAX_ID:
@@ -531,6 +571,83 @@ class Router:
             self._respond_error(conn, rid, exc.name, exc.message, exc.dispatch)
             return
         self._respond(conn, rid, result)
+
+    # lean notifications (wire.md §21) ------------------------------------------------------
+    def _lean_call(self, conn: _Conn, p: dict[str, Any]) -> None:
+        """§21.2: the callId takes the place of the id (check 4); a refusal is one
+        `bus.callFailed`, success sends nothing."""
+        call_id = p.get("callId")
+        if type(call_id) is not int or not 1 <= call_id <= MAX_ID:
+            self._close(conn, "INVALID_REQUEST",
+                        "a bus.call notification needs a callId, an integer in 1..2^53-1")
+            return
+        if call_id <= conn.last_id:
+            self._close(conn, "INVALID_REQUEST",
+                        f"callId {call_id} is not greater than the previous id {conn.last_id}")
+            return
+        conn.last_id = call_id
+        if conn.client_id is None:
+            self._close(conn, "INVALID_ENVELOPE", "the first request must be bus.hello")
+            return
+        counters = self.counters
+        counters["leanCalls"] += 1
+        problem = self._call_params(p)
+        try:
+            if problem is not None:
+                raise InvalidParams(f"bus.call: {problem}")
+            self._admit(conn, p, call_id)
+        except BusError as exc:
+            if problem is None:  # as in the request form, bad params are not a refused call
+                counters["callsRefused"] += 1
+            self._count_error(exc.name)
+            target = p.get("target")
+            svc = self._services.get(target) if type(target) is str else None
+            self._notify_control(conn, "bus.callFailed", {
+                "callId": call_id,
+                "serviceIncarnation": None if svc is None else svc.incarnation,
+                "error": error_object(exc.name, exc.message, "not-dispatched"),
+            })
+
+    def _lean_reply(self, conn: _Conn, p: dict[str, Any]) -> None:
+        """§21.4: a deliveryId that cannot be answered closes; a refusal of one that can is
+        one `bus.replyFailed`; success sends nothing."""
+        if conn.client_id is None:
+            self._close(conn, "INVALID_ENVELOPE", "the first request must be bus.hello")
+            return
+        delivery_id = p.get("deliveryId")
+        serial = _serial(delivery_id)
+        if serial is None or serial > conn.dlv:
+            self._close(conn, "INVALID_REQUEST", "a bus.reply notification needs a deliveryId "
+                        "issued on this connection")
+            return
+        self.counters["leanReplies"] += 1
+        problem = self._reply_params(p)
+        try:
+            if problem is not None:
+                raise InvalidParams(f"bus.reply: {problem}")
+            self._op_reply(conn, p, 0)
+        except BusError as exc:
+            self._count_error(exc.name)
+            self._notify_control(conn, "bus.replyFailed", {
+                "deliveryId": delivery_id,
+                "error": error_object(exc.name, exc.message, "not-dispatched"),
+            })
+
+    def _lean_consumed(self, conn: _Conn, p: dict[str, Any]) -> None:
+        """§21.5: nothing to answer, so anything wrong closes and releases nothing."""
+        if conn.client_id is None:
+            self._close(conn, "INVALID_ENVELOPE", "the first request must be bus.hello")
+            return
+        problem = self._consumed_params(p)
+        if problem is not None:
+            self._close(conn, "INVALID_REQUEST", f"bus.consumed notification: {problem}")
+            return
+        try:
+            self._release(conn, p["deliveryIds"])
+        except InvalidParams as exc:
+            self._close(conn, "INVALID_REQUEST", exc.message)
+            return
+        self.counters["leanConsumed"] += 1
 
     # outbound ---------------------------------------------------------------------------
     def _respond(self, conn: _Conn, rid: int, result: Any) -> None:
@@ -632,7 +749,7 @@ class Router:
         """Pull requests round robin across this connection's services (wire.md §9.2, §14.2);
         returns the budget left."""
         limit = self.limits.maxOpenRequestsPerClient
-        services = list(conn.services.values())
+        services = conn.service_list
         count = len(services)
         idle = 0
         i = conn.rr
@@ -720,9 +837,11 @@ class Router:
             conn.hello_timer = None
         log.info("bus.close", connection_id=conn.connection_id, client_id=conn.client_id,
                  reason=reason)
-        # 1. no longer live
+        # 1. no longer live (its incarnations stay remembered, as its most recent sighting)
         if conn.client_id is not None and self._live.get(conn.client_id) is conn:
             del self._live[conn.client_id]
+            if conn.client_id in self._incarnations:
+                self._incarnations.move_to_end(conn.client_id)
         # 2. its services are removed
         for svc in list(conn.services.values()):
             self._remove_route(svc, "disconnected")
@@ -761,6 +880,7 @@ class Router:
         svc.live = False
         del self._services[svc.name]
         del svc.owner.services[svc.name]
+        svc.owner.service_list.remove(svc)
         affected: dict[int, _Conn] = {}
         for call in svc.queue:
             affected[call.caller.number] = call.caller
@@ -872,11 +992,16 @@ class Router:
             self._drop_expectation(exp)
         if seen is None:
             seen = self._incarnations[client_id] = OrderedDict()
+            self._forget_clients()
+        else:
+            self._incarnations.move_to_end(client_id)
         seen[incarnation] = None
         if len(seen) > REMEMBERED_INCARNATIONS:
             seen.popitem(last=False)
         conn.client_id = client_id
         conn.client_incarnation = incarnation
+        conn.identity = orjson.Fragment(orjson.dumps(
+            {"clientId": client_id, "clientIncarnation": incarnation}))
         conn.grants = grants
         self._live[client_id] = conn
         if conn.hello_timer is not None:
@@ -888,7 +1013,7 @@ class Router:
             "routerId": self.router_id,
             "connectionId": conn.connection_id,
             "major": 1,
-            "minor": 0,
+            "minor": 1,
             "contractDigest": self._digest,
             "grants": grants.to_wire(),
             "limits": self.limits.hello(),
@@ -914,6 +1039,7 @@ class Router:
         svc = _Service(name, incarnation, conn, p["maxQueued"], p["maxInFlight"])
         self._services[name] = svc
         conn.services[name] = svc
+        conn.service_list.append(svc)
         log.info("bus.register", connection_id=conn.connection_id, service=name,
                  service_incarnation=incarnation)
         return {"name": name, "serviceIncarnation": incarnation}
@@ -926,8 +1052,22 @@ class Router:
         return {"removed": True}
 
     def _op_call(self, conn: _Conn, p: dict[str, Any], rid: int) -> dict[str, Any]:
+        if "callId" in p:
+            raise InvalidParams("bus.call: callId belongs to the notification form (wire.md §21.2)")
+        return self._admit(conn, p, rid)
+
+    def _admit(self, conn: _Conn, p: dict[str, Any], rid: int) -> dict[str, Any]:
+        """§7.3 checks and admission, after the credits the call carries (§21.3)."""
+        consumed = p.get("consumed")
+        if consumed:
+            self.counters["creditsCarried"] += self._release(conn, consumed)
         target: str = p["target"]
-        if not any_matches(conn.grants.call, target):
+        allowed = conn.may_call.get(target)
+        if allowed is None:
+            if len(conn.may_call) >= GRANT_CACHE:
+                conn.may_call.clear()
+            allowed = conn.may_call[target] = any_matches(conn.grants.call, target)
+        if not allowed:
             raise NotAuthorized(f"no call grant for {target}")
         lim = self.limits
         if conn.active >= lim.maxActiveCallsPerClient:
@@ -950,8 +1090,7 @@ class Router:
             "params": {
                 "deliveryId": "dlv-9007199254740991",
                 "callId": rid,
-                "caller": {"clientId": conn.client_id,
-                           "clientIncarnation": conn.client_incarnation},
+                "caller": conn.identity,
                 "target": target,
                 "serviceIncarnation": svc.incarnation,
                 "method": p["method"],
@@ -995,8 +1134,7 @@ class Router:
                 "deliveryId": "dlv-9007199254740991",
                 "callId": call.call_id,
                 "serviceIncarnation": call.service.incarnation,
-                "responder": {"clientId": conn.client_id,
-                              "clientIncarnation": conn.client_incarnation},
+                "responder": conn.identity,
                 "outcome": orjson.Fragment(outcome),
             },
         })
@@ -1007,6 +1145,9 @@ class Router:
             )
         d.capability = False
         conn.capabilities -= 1
+        if p.get("consumed") is True and not d.consumed:
+            d.consumed = True
+            self.counters["creditsCarried"] += 1
         if d.consumed:
             self._free_request(conn, d)
         if call.detached:
@@ -1061,7 +1202,11 @@ class Router:
         return {"state": state}
 
     def _op_consumed(self, conn: _Conn, p: dict[str, Any], rid: int) -> dict[str, Any]:
-        ids: list[str] = p["deliveryIds"]
+        return {"released": self._release(conn, p["deliveryIds"])}
+
+    def _release(self, conn: _Conn, ids: list[str]) -> int:
+        """§7.7: all ids issued or nothing released (InvalidParams); returns how many live
+        deliveries were newly released."""
         serials = [int(d[4:]) for d in ids]
         for d_id, serial in zip(ids, serials, strict=True):
             if serial > conn.dlv:
@@ -1079,7 +1224,7 @@ class Router:
             else:
                 del conn.deliveries[serial]
                 self._remove_call(d.call)
-        return {"released": released}
+        return released
 
     def _op_services(self, conn: _Conn, p: dict[str, Any], rid: int) -> dict[str, Any]:
         prefix: str = p.get("prefix", "")
@@ -1133,6 +1278,19 @@ class Router:
         self._expectations[client_id] = exp
         conn.expectations.add(client_id)
         return {"clientId": client_id, "expiresInMs": ttl_ms}
+
+    def _forget_clients(self) -> None:
+        """§14.1: over REMEMBERED_CLIENT_IDS clientIds, forget the least recently seen one
+        without a live connection, with its incarnations. maxClients <= 4096 = the bound, and
+        the clientId just added is live, so one without a live connection always exists."""
+        remembered = self._incarnations
+        while len(remembered) > limits.REMEMBERED_CLIENT_IDS:
+            for client_id in remembered:
+                if client_id not in self._live:
+                    del remembered[client_id]
+                    break
+            else:
+                return
 
     def _expire(self, client_id: str) -> None:
         exp = self._expectations.get(client_id)

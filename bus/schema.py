@@ -57,6 +57,7 @@ NOTIFICATIONS: Final = (
     "bus.request",
     "bus.result",
     "bus.callFailed",
+    "bus.replyFailed",
     "bus.routeRemoved",
     "bus.closing",
 )
@@ -287,28 +288,6 @@ def _ecma_pattern(pattern: str) -> re.Pattern[str]:
         raise SchemaError(f"invalid pattern {pattern!r}: {exc}") from None
 
 
-def _memo_search(regex: re.Pattern[str]) -> Callable[[str], object]:
-    """`regex.search`, remembering up to _MEMO_SIZE strings that matched.
-
-    Names, incarnations and methods repeat from request to request, and a set lookup is several
-    times cheaper than a regex search; only matches are remembered, so a miss is never cached.
-    """
-    search = regex.search
-    matched: set[str] = set()
-
-    def memo_search(x: str) -> object:
-        if x in matched:
-            return True
-        found = search(x)
-        if found is not None:
-            if len(matched) >= _MEMO_SIZE:
-                matched.clear()
-            matched.add(x)
-        return found
-
-    return memo_search
-
-
 def _accept(x: Any) -> _Fail | None:
     return None
 
@@ -519,7 +498,11 @@ class _Compiler:
         pattern = schema.get("pattern")
         if pattern is not None and not isinstance(pattern, str):
             raise SchemaError(f"{where}/pattern: must be a string")
-        search = None if pattern is None else _memo_search(_ecma_pattern(pattern))
+        search = None if pattern is None else _ecma_pattern(pattern).search
+        # Names, incarnations and methods repeat from request to request: a string that
+        # passed once passes again, and a set lookup is several times cheaper than the
+        # length and regex checks. Only passes are remembered, so a miss is never cached.
+        passed: set[str] = set()
         title = schema.get("title")
         bad_pattern = (
             f"is not a valid {title}" if isinstance(title, str) else f"does not match {pattern}"
@@ -529,6 +512,8 @@ class _Compiler:
         def string(x: Any) -> _Fail | None:
             if not isinstance(x, str):
                 return _Fail(f"expected string, got {_describe(x)}")
+            if x in passed:
+                return None
             n = len(x)
             if n < lo:
                 return _Fail(f"{_show(x)} is shorter than the minimum length {lo}")
@@ -536,6 +521,10 @@ class _Compiler:
                 return _Fail(f"{_show(x)} is longer than the maximum length {top}")
             if search is not None and search(x) is None:
                 return _Fail(f"{_show(x)} {bad_pattern}")
+            if search is not None:  # plain strings (payload text) are not worth remembering
+                if len(passed) >= _MEMO_SIZE:
+                    passed.clear()
+                passed.add(x)
             return None
 
         return string

@@ -1001,13 +1001,22 @@ class Tally:
     closings: dict[str, int] = field(default_factory=dict)
     poison_checked: int = 0
     next_incarnation: int = 0
+    lean_calls: int = 0  # bus.call notifications sent (wire.md §21.2)
+    request_calls: int = 0  # bus.call requests sent by lifecycle ops
+    calls_tracked: int = 0  # calls whose single terminal outcome a teardown checked
 
 
 class Sock:
     """A raw blocking connection; `pump()` reads whatever arrived and checks every frame."""
 
-    def __init__(self, tally: Tally, role: str, auto: str | None) -> None:
+    def __init__(self, tally: Tally, role: str, auto: str | None, lean: float = 0.0) -> None:
         tally.connections += 1
+        self.lean = lean  # how often this connection uses the lean forms (wire.md §21)
+        # callId -> terminal outcomes seen (§9.1: exactly one for an attached caller)
+        self.outcomes: dict[int, list[str]] = {}
+        self.cancelling: dict[int, int] = {}  # bus.cancel request id -> its callId
+        self.credits: list[str] = []  # result deliveries the next lean call carries
+        self.lean_turn = 0
         self.tally = tally
         self.name = f"sock#{tally.connections}"
         self.role = role
@@ -1074,11 +1083,46 @@ class Sock:
         self.last_id += 1
         if not self.tainted:
             self.sent[self.last_id] = method
+            if method == "bus.call":
+                self.outcomes[self.last_id] = []
+            elif method == "bus.cancel":
+                self.cancelling[self.last_id] = params["callId"]
         if method == "bus.call":
             self.sent_calls.append(self.last_id)
         self.send(_frame(orjson.dumps({"jsonrpc": "2.0", "id": self.last_id, "method": method,
                                        "params": params})), tainted=False)
         return self.last_id
+
+    def notify(self, method: str, params: dict[str, Any]) -> None:
+        """A lean notification (wire.md §21); a `bus.call` gets the next id as its callId and
+        carries the credits this connection holds."""
+        if method == "bus.call":
+            self.last_id += 1
+            params = {**params, "callId": self.last_id}
+            if self.credits:
+                params["consumed"] = self.credits[:64]
+                del self.credits[:64]
+            if not self.tainted:
+                self.outcomes[self.last_id] = []
+            self.sent_calls.append(self.last_id)
+            self.tally.lean_calls += 1
+        self.send(_frame(orjson.dumps({"jsonrpc": "2.0", "method": method, "params": params})),
+                  tainted=False)
+
+    def pick_lean(self) -> bool:
+        """Lean or request form for the next op: always at lean 1.0, every other time at 0.5,
+        never at 0.0 (a counter, not a random draw, so hypothesis replays stay exact)."""
+        self.lean_turn += 1
+        return self.lean >= 1.0 or (self.lean > 0.0 and self.lean_turn % 2 == 0)
+
+    def outcome(self, call_id: Any, what: str) -> None:
+        """A terminal outcome of a call this connection made; a second one is a bug."""
+        seen = self.outcomes.get(call_id)
+        if seen is None or self.tainted:
+            return
+        seen.append(what)
+        if len(seen) > 1:
+            self.fail(f"call {call_id} has two terminal outcomes: {seen}")
 
     def play(self, action: tuple[Any, ...]) -> dict[str, Any] | None:
         """Send a `req` action (hypothesis template); returns the message sent."""
@@ -1088,6 +1132,8 @@ class Sock:
             return None
         if ok and not self.tainted:
             self.sent[msg["id"]] = msg["method"]
+            if msg["method"] == "bus.call":
+                self.outcomes[msg["id"]] = []
         if msg["method"] == "bus.call" and isinstance(msg.get("id"), int):
             self.sent_calls.append(msg["id"])
         self.send(_frame(body), tainted=not ok)
@@ -1145,7 +1191,15 @@ class Sock:
         elif method in ("bus.request", "bus.result"):
             self.dlv.append(params["deliveryId"])
             del self.dlv[:-16]
+            if method == "bus.result":
+                self.outcome(params["callId"], "result")
             self._auto_answer(method, params)
+        elif method == "bus.callFailed":
+            self.outcome(params["callId"], f"callFailed {params['error']['data']['name']}")
+        elif method == "bus.replyFailed" and not self.tainted:
+            name = params["error"]["data"]["name"]
+            if name != "CALL_GONE":  # a reply to a delivery another op already answered
+                self.fail(f"a lean reply of a clean connection was refused: {params}")
 
     def _check_response(self, v: _Validators, msg: dict[str, Any], body: bytes) -> None:
         rid = msg["id"]
@@ -1163,6 +1217,13 @@ class Sock:
                 self.svc.append(msg["result"]["serviceIncarnation"])
             if method == "bus.hello":
                 self.helloed = True
+        if method == "bus.call" and "error" in msg:
+            self.outcome(rid, "refused")
+        elif method == "bus.cancel" and "result" in msg:
+            state = msg["result"].get("state")
+            if state in ("cancelled-before-dispatch", "execution-unknown"):
+                self.outcome(self.cancelling.get(rid), state)
+        self.cancelling.pop(rid, None)
         if "error" in msg:
             if method == "bus.hello" and not self.tainted:
                 self.final = "refused hello"
@@ -1185,6 +1246,10 @@ class Sock:
                 return
             if mode == "consume":
                 return
+            if mode == "echo" and self.pick_lean():  # the reply returns the delivery too (§21.3)
+                self.notify("bus.reply", {"deliveryId": dlv, "outcome": {"n": self.answered},
+                                          "consumed": True})
+                return
             if mode == "echo":
                 self.request("bus.reply", {"deliveryId": dlv, "outcome": {"n": self.answered}})
             else:
@@ -1192,7 +1257,13 @@ class Sock:
         elif self.auto == "mixed" and self.answered % 5 == 0:
             self.answered += 1
             return
-        self.request("bus.consumed", {"deliveryIds": [dlv]})
+        elif method == "bus.result" and self.pick_lean():
+            self.credits.append(dlv)  # the next lean call carries it
+            return
+        if self.pick_lean():
+            self.notify("bus.consumed", {"deliveryIds": [dlv]})
+        else:
+            self.request("bus.consumed", {"deliveryIds": [dlv]})
 
     def lifecycle_op(self, rnd: random.Random) -> None:
         """One valid request that moves calls along: answer a held request, call a service,
@@ -1207,9 +1278,13 @@ class Sock:
             self.request("bus.consumed", {"deliveryIds": [dlv]})
         elif r < 0.65:
             pin = self.svc[-1] if self.svc and rnd.random() < 0.2 else None
-            self.request("bus.call", {"target": rnd.choice(SERVICE_NAMES),
-                                      "expectedIncarnation": pin, "method": "M",
-                                      "payload": {"n": rnd.randrange(1000)}})
+            params = {"target": rnd.choice(SERVICE_NAMES), "expectedIncarnation": pin,
+                      "method": "M", "payload": {"n": rnd.randrange(1000)}}
+            if self.pick_lean():
+                self.notify("bus.call", params)
+            else:
+                self.tally.request_calls += 1
+                self.request("bus.call", params)
         elif r < 0.8 and self.sent_calls:
             self.request("bus.cancel", {"callId": rnd.choice(self.sent_calls[-8:])})
         elif r < 0.9 and self.dlv:
@@ -1343,6 +1418,8 @@ MACHINE_HELLOS = st.sampled_from(["fresh"] * 10 + ["reused", "bad", "none"])
 MACHINE_POOL = [*CLIENT_IDS, *(f"fz-{k}" for k in range(CLIENT_POOL - len(CLIENT_IDS)))]
 SERVICE_CLIENT = "fz-s"  # every example's first service (the previous one has closed by then)
 ENDS = st.sampled_from(["close", "reset", "eof"])
+# how often a connection uses the lean forms of wire.md §21 (never, half the time, always)
+LEAN_MIX = st.sampled_from([0.0, 0.5, 1.0])
 
 
 @st.composite
@@ -1372,20 +1449,21 @@ class RouterMachine(RuleBasedStateMachine):
 
     @initialize(target=conns, name=st.sampled_from(SERVICE_NAMES),
                 auto=st.sampled_from(["echo", "mixed", "hold"]), max_queued=st.integers(1, 4),
-                max_in_flight=st.integers(1, 2))
-    def first_service(self, name: str, auto: str, max_queued: int, max_in_flight: int) -> Sock:
+                max_in_flight=st.integers(1, 2), lean=LEAN_MIX)
+    def first_service(self, name: str, auto: str, max_queued: int, max_in_flight: int,
+                      lean: float) -> Sock:
         """Every example starts with a service, so calls reach dispatch and replies."""
         return self.open_conn("service", "fresh", SERVICE_CLIENT, auto, name, max_queued,
-                              max_in_flight)
+                              max_in_flight, lean)
 
     @rule(target=conns, role=st.sampled_from(["caller", "caller", "service", "mixed"]),
           hello=MACHINE_HELLOS, client=st.sampled_from(MACHINE_POOL),
           auto=st.sampled_from(["echo", "release", "mixed", "mixed", "consume", "hold"]),
           name=st.sampled_from(SERVICE_NAMES), max_queued=st.integers(1, 4),
-          max_in_flight=st.integers(1, 2))
+          max_in_flight=st.integers(1, 2), lean=LEAN_MIX)
     def open_conn(self, role: str, hello: str, client: str, auto: str, name: str,
-                  max_queued: int, max_in_flight: int) -> Sock:
-        s = Sock(self.tally, role, auto)
+                  max_queued: int, max_in_flight: int, lean: float) -> Sock:
+        s = Sock(self.tally, role, auto, lean)
         self.socks.append(s)
         if hello == "none":
             return s
@@ -1563,6 +1641,66 @@ class RouterMachine(RuleBasedStateMachine):
         self.h.monitor.settle(self.h.baseline)
         assert self.h.router.proc.poll() is None, self.h.router.log_tail()
         assert not self.tally.problems, "\n".join(self.tally.problems[:20])
+
+
+class MixedFormsMachine(RouterMachine):
+    """The machine with the single-terminal-outcome check of wire.md §9.1 at teardown (§21.8
+    test 122): every call a clean caller made, in either form, ends exactly once."""
+
+    def teardown(self) -> None:
+        """Close every connection that may own a service, so each call that is still open
+        fails (§10.2), then require one terminal outcome per call of each clean caller."""
+        for s in self.socks:
+            if not (s.tainted or s.dead or s.eof or s.final) and s.sent:
+                s.wait(lambda s=s: s.last_response >= max(s.sent))  # type: ignore[misc]
+        callers = [s for s in self.socks if s.helloed and not s.svc and s.role == "caller"
+                   and not (s.tainted or s.dead or s.eof or s.final)]
+        for s in self.socks:
+            if s not in callers:
+                s.close()
+        for s in callers:
+            s.flush()
+            done = s.wait(lambda s=s: all(s.outcomes.values()))  # type: ignore[misc]
+            if s.eof or s.final:
+                continue
+            if not done:
+                open_calls = [c for c, seen in s.outcomes.items() if not seen]
+                s.fail(f"calls without a terminal outcome: {open_calls[:10]}")
+            self.tally.calls_tracked += len(s.outcomes)
+        super().teardown()
+
+
+def run_mixed_forms_machine(frames: int) -> dict[str, Any]:
+    """Run MixedFormsMachine examples against a router process until it read `frames`
+    frames; returns what they did and every problem seen."""
+    router = RouterProcess()
+    monitor: Monitor | None = None
+    try:
+        tally = Tally(router.path)
+        monitor = Monitor(tally)
+        h = Harness(router, tally, monitor, monitor.stats())
+        machine = settings(max_examples=MACHINE_EXAMPLES, stateful_step_count=40,
+                           deadline=None, suppress_health_check=list(HealthCheck))
+        problems: list[str] = []
+        while monitor.stats()["counters"]["framesIn"] < frames:
+            try:
+                run_state_machine_as_test(lambda: MixedFormsMachine(h), settings=machine)
+            except AssertionError as exc:
+                problems.append(str(exc)[:2000])
+                break
+        stats = monitor.settle(h.baseline)
+        counters = stats["counters"]
+        return {"framesIn": counters["framesIn"], "leanCalls": counters["leanCalls"],
+                "leanReplies": counters["leanReplies"],
+                "leanConsumed": counters["leanConsumed"],
+                "creditsCarried": counters["creditsCarried"],
+                "requestCalls": tally.request_calls, "leanCallsSent": tally.lean_calls,
+                "callsTracked": tally.calls_tracked,
+                "problems": problems + tally.problems}
+    finally:
+        if monitor is not None:
+            monitor.conn.close()
+        router.stop()
 
 
 def _fill_remembered_incarnations(tally: Tally) -> int:

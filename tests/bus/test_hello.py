@@ -11,7 +11,8 @@ from typing import Any
 
 import pytest
 
-from bus.limits import REMEMBERED_INCARNATIONS
+from bus import limits
+from bus.limits import REMEMBERED_CLIENT_IDS, REMEMBERED_INCARNATIONS
 from bus.policy import Policy, PolicyEntry
 from bus.schema import SCHEMA_ROOT, contract_digest
 
@@ -68,7 +69,7 @@ async def test_hello_result_shape(router, raw, sdk) -> None:
     assert set(result) == {"routerId", "connectionId", "major", "minor", "contractDigest",
                            "grants", "limits"}
     assert result["major"] == 1 and type(result["major"]) is int
-    assert result["minor"] == 0 and type(result["minor"]) is int
+    assert result["minor"] == 1 and type(result["minor"]) is int  # §21: minor 1
     assert re.fullmatch(r"router-[0-9a-f]{16}", result["routerId"])
     assert result["routerId"] == r.router_id
     assert re.fullmatch(r"conn-\d+", result["connectionId"])
@@ -203,6 +204,38 @@ async def test_remembered_incarnations_bounded_per_client(router, raw) -> None:
     assert "win-1" not in remembered
     _error(await hello_and_close("win-2"), "CONFLICT", -32009)
     assert len(r._incarnations) == 1
+
+
+async def test_remembered_client_ids_bounded(router, raw, monkeypatch) -> None:
+    """wire.md §14.1 (amendment 2026-12-01): at most 4096 clientIds are remembered; past that
+    the least recently seen clientId without a live connection is forgotten with its
+    incarnations (so an incarnation of it is accepted again), while a live one never is. The
+    bound is lowered here so the test needs a handful of connections, not thousands."""
+    assert REMEMBERED_CLIENT_IDS == 4096
+    monkeypatch.setattr(limits, "REMEMBERED_CLIENT_IDS", 3)
+    r = await router()
+
+    async def hello_and_close(client_id: str, inc: str) -> dict[str, Any]:
+        c = await raw(r)
+        resp = await c.hello(client_id, inc)
+        c.writer.write_eof()
+        await c.expect_eof()  # the router has torn the connection down
+        return resp
+
+    live = await raw(r)
+    assert "result" in await live.hello("keep", "keep-1")  # the oldest, but live throughout
+    for client_id in ("a", "b", "c"):  # the third one makes four: "a" goes, not "keep"
+        assert "result" in await hello_and_close(client_id, f"{client_id}-1")
+    assert "result" in await hello_and_close("a", "a-1")  # forgotten, so accepted again
+    # that brought "a" back and pushed out "b", the least recently seen without a connection
+    assert "result" in await hello_and_close("b", "b-1")
+    _error(await hello_and_close("a", "a-1"), "CONFLICT", -32009)  # remembered again
+    assert "result" in await hello_and_close("c", "c-1")  # pushed out by "b"
+    # the live clientId was never forgotten, although it was the least recently seen
+    live.writer.write_eof()
+    await live.expect_eof()
+    _error(await hello_and_close("keep", "keep-1"), "CONFLICT", -32009)
+    assert len(r._incarnations) == 3
 
 
 async def test_invalid_hello_params_close(router, raw) -> None:

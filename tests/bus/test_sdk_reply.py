@@ -1,8 +1,9 @@
 """SDK replies that the router refuses (wire.md §7.4 step 4, §17 handler contract).
 
-The SDK sends a handler's returned outcome without waiting for the router's answer, so the
-refusal of a reply whose worst-case `bus.result` would exceed maxEnvelopeBytes arrives after
-the handler task has ended; it must still lead to a release and the caller's CALL_GONE.
+The SDK sends a handler's returned outcome as a lean `bus.reply` notification (wire.md §21.6),
+so the refusal of a reply whose worst-case `bus.result` would exceed maxEnvelopeBytes arrives
+as a `bus.replyFailed` after the handler task has ended; it must still lead to a release and
+the caller's CALL_GONE.
 """
 
 from __future__ import annotations
@@ -19,12 +20,13 @@ LONG_ID = "r" * 64  # the longest Id: the bus.result frame grows with the respon
 MAX_ENVELOPE = 65536
 
 
-def _outcome_filling_the_reply(delivery_id: str, rid: int) -> dict[str, Any]:
-    """An outcome whose bus.reply frame is exactly maxEnvelopeBytes long: it leaves the SDK,
-    but the router's worst-case bus.result frame (longer ids around it) would not fit."""
+def _outcome_filling_the_reply(delivery_id: str) -> dict[str, Any]:
+    """An outcome whose lean bus.reply frame (wire.md §21.4, `consumed: true`) is exactly
+    maxEnvelopeBytes long: it leaves the SDK, but the router's worst-case bus.result frame
+    (longer ids around it) would not fit, so a `bus.replyFailed` comes back."""
     def reply_size(n: int) -> int:
-        return len(codec.encode({"jsonrpc": "2.0", "id": rid, "method": "bus.reply", "params": {
-            "deliveryId": delivery_id, "outcome": {"blob": "x" * n}}}))
+        return len(codec.encode({"jsonrpc": "2.0", "method": "bus.reply", "params": {
+            "deliveryId": delivery_id, "outcome": {"blob": "x" * n}, "consumed": True}}))
 
     n = MAX_ENVELOPE - reply_size(0)
     assert reply_size(n) == MAX_ENVELOPE
@@ -40,8 +42,7 @@ async def test_reply_refused_as_too_large_is_released(router: Any, sdk: Any,
 
     async def handler(req: Request) -> dict[str, Any]:
         if req.method == "Big":
-            # the SDK's next request id is the reply's (hello 1, register 2, then replies)
-            return _outcome_filling_the_reply(req.delivery_id, service._next_id + 1)
+            return _outcome_filling_the_reply(req.delivery_id)
         return {"ok": True}
 
     # maxInFlight=1: serving again proves the release returned the in-flight slot

@@ -20,6 +20,7 @@ COUNTER_KEYS = {
     "accepted", "refusedAtAccept", "helloOk", "helloRefused", "closed", "callsAdmitted",
     "callsRefused", "callsFailed", "repliesRouted", "repliesUnrouted", "cancels", "errors",
     "closes", "framesIn", "framesOut", "bytesIn", "bytesOut",
+    "leanCalls", "leanReplies", "leanConsumed", "creditsCarried",  # §21.7
 }
 CANCEL_KEYS = {"cancelled-before-dispatch", "execution-unknown", "completed", "call-gone"}
 DETAIL_KEYS = {
