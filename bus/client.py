@@ -41,6 +41,10 @@ from bus.schema import NOTIFICATIONS, OPS, Validator, contract_digest, validator
 log = structlog.get_logger("bus.client")
 
 CANCEL_WAIT_S: Final = 0.5
+# A full listen backlog refuses connect with EAGAIN; the SDK tries again within its timeout,
+# waiting a little longer each time up to the cap.
+CONNECT_RETRY_FIRST_S: Final = 0.005
+CONNECT_RETRY_MAX_S: Final = 0.1
 MAX_ID: Final = 2**53 - 1
 
 Handler = Callable[["Request"], Awaitable[dict[str, Any] | None]]
@@ -774,6 +778,21 @@ def _rebound(decoder: FrameDecoder, max_bytes: int) -> FrameDecoder:
     return fresh
 
 
+async def _open_transport(loop: asyncio.AbstractEventLoop, client: BusClient,
+                          path: str) -> asyncio.Transport:
+    """Connect, trying again while the router's listen backlog is full (EAGAIN): a burst of
+    connects is a wait for the accept loop, not a refusal. The caller's timeout bounds it."""
+    pause = CONNECT_RETRY_FIRST_S
+    while True:
+        try:
+            transport, _ = await loop.create_unix_connection(lambda: _Protocol(client), path)
+        except BlockingIOError:
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, CONNECT_RETRY_MAX_S)
+            continue
+        return transport
+
+
 class _Connect:
     """`connect(...)` is both awaitable (-> BusClient) and an async context manager."""
 
@@ -790,8 +809,7 @@ class _Connect:
         client = BusClient(path, client_id, incarnation or new_incarnation(), hook)
         try:
             async with asyncio.timeout(timeout):
-                transport, _ = await loop.create_unix_connection(
-                    lambda: _Protocol(client), path)
+                transport = await _open_transport(loop, client, path)
                 client._transport = transport
                 await client._hello(majors)
         except TimeoutError:
