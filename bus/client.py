@@ -41,6 +41,8 @@ from bus.schema import NOTIFICATIONS, OPS, Validator, contract_digest, validator
 log = structlog.get_logger("bus.client")
 
 CANCEL_WAIT_S: Final = 0.5
+# How long `close()` waits for cancelled handler tasks to end.
+HANDLER_REAP_S: Final = 2.0
 # A full listen backlog refuses connect with EAGAIN; the SDK tries again within its timeout,
 # waiting a little longer each time up to the cap.
 CONNECT_RETRY_FIRST_S: Final = 0.005
@@ -315,11 +317,20 @@ class BusClient:
         await self.close()
 
     async def _reap_tasks(self) -> None:
+        """Cancel the handler tasks and wait for them, at most HANDLER_REAP_S: a handler that
+        swallows its cancellation must not hold `close()` forever. One still running is left
+        in `_tasks` (the client keeps owning it) and logged."""
         tasks = [t for t in self._tasks if t is not asyncio.current_task()]
         for t in tasks:
             t.cancel()
         if tasks:
-            await asyncio.gather(*tasks, return_exceptions=True)
+            done, stuck = await asyncio.wait(tasks, timeout=HANDLER_REAP_S)
+            for t in done:
+                if not t.cancelled():
+                    t.exception()  # retrieved: the handler's own failure was logged already
+            if stuck:
+                log.warning("bus.client.handlers_ignore_cancel", client_id=self.client_id,
+                            handlers=len(stuck), waited_s=HANDLER_REAP_S)
 
     def _lost(self, error: BusError | None) -> None:
         if self._closed_with is not None:
