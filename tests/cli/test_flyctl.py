@@ -90,9 +90,14 @@ def test_flyctl_status_and_kill_against_a_live_paced_run(site: Site) -> None:
         assert w["alive"] and w["state"] and w["step"] > 0
         assert w["threads"] >= 1 and w["uptimeMs"] > 0
 
+    # a worker that does not exist is named as such, with the run's workers (exit 1)
+    nobody = f"no worker fly-z in run {entry['run']}; workers: arena, fly-a, fly-b"
     gone = flyctl(site, "kill", "fly-z")
     assert gone.code == 1
-    assert gone.json == {"workerId": "fly-z", "run": None, "outcome": "AlreadyGone"}
+    assert gone.json == {"error": {"code": "IDENTITY_MISMATCH", "message": nobody}}
+    human = flyctl(site, "kill", "fly-z", json=False)
+    assert human.code == 1 and human.out == ""
+    assert human.err.strip() == f"flyctl kill: {nobody}"
     killed = flyctl(site, "kill", "fly-b")
     assert killed.code == 0
     assert killed.json == {"workerId": "fly-b", "run": entry["run"], "outcome": "Terminated"}
