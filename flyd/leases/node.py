@@ -47,6 +47,9 @@ Decisions where the spec is silent:
 - A scope that returns without finishing or releasing, or raises, is relinquished after its
   process groups are killed; at `attempt >= max_attempts` it is only forgotten, and its lease
   expires into the reaper.
+- Log levels: heartbeats (`renew_sent`, `renewed`) and a committed write (`write_begin`,
+  `write_result` committed) are debug, one line each per beat or write; losses, unknown
+  outcomes, fences and grants stay info or above. The event list (`events=`) gets them all.
 - A release answered with no row (the grant is no longer this node's) is evidence of loss:
   `cancel_scope(fenced)`. LF003/LF004 on a commit are bugs: logged, `cancel_scope(fenced)`.
 - `finish` accepts an optional final checkpoint (a succeeded run commits it with its last
@@ -573,7 +576,8 @@ class NodeRuntime:
             batch = self._core.renew_batch(self._clock.now())
             held = [Held(e.run_id, e.epoch) for e in batch.entries]
             t_send = self._clock.now()
-            self._event("renew_sent", runs=[[h.run_id, h.lease_epoch] for h in held])
+            self._event("renew_sent", level="debug",
+                        runs=[[h.run_id, h.lease_epoch] for h in held])
             abandoned = False
             try:
                 async with asyncio.timeout(p.R):
@@ -586,7 +590,7 @@ class NodeRuntime:
                 # a hold past safe_until is lost before the reply is applied (module docstring)
                 self._perform(self._core.expire_due(self._clock.now()))
                 got = [RenewRow(r.run_id, r.lease_epoch, r.cancel_requested) for r in rows]
-                self._event("renewed", t_send=t_send,
+                self._event("renewed", level="debug", t_send=t_send,
                             runs=[[r.run_id, r.epoch] for r in got])
                 free = self._core.free_capacity(self._clock.now())
                 actions = self._core.on_renewed(batch, got, t_send)
@@ -806,7 +810,8 @@ class NodeRuntime:
         self._core.check(run, epoch, self._clock.now(), self._p.commit_budget_s)
         self._core.begin(run, kind)
         while True:
-            self._event("write_begin", run=run, epoch=epoch, kind=kind, checkpoint=ckpt,
+            self._event("write_begin", level="debug", run=run, epoch=epoch, kind=kind,
+                        checkpoint=ckpt,
                         effects=[e.key for e in effects],
                         state=finish.state if finish is not None else None)
             try:
@@ -857,7 +862,7 @@ class NodeRuntime:
                     raise LeaseLost(f"{run}@{epoch}: unknown outcome lost") from exc
             else:
                 self._raise_if_lost(run, epoch, kind, None)
-                self._event("write_result", run=run, epoch=epoch, kind=kind,
+                self._event("write_result", level="debug", run=run, epoch=epoch, kind=kind,
                             result="committed", finished=done.finished)
             self._committed(sc, effects, checkpoint)
             self._perform(self._core.end(run, kind, "committed"))

@@ -191,7 +191,8 @@ def flyd_run(box: Box, *args: str, config: str = "", gated: bool = False) -> Res
         argv = [sys.executable, str(script)]
     else:
         argv = [sys.executable, "-m", "flyd", "run"]
-    argv += ["--json", "--socket", str(box.path / "bus.sock"), *args]
+    # -v: debug, so the per-write lines (`checkpoint.*`, `write_begin`) are in the log
+    argv += ["--json", "-v", "--socket", str(box.path / "bus.sock"), *args]
     out = subprocess.run(argv, cwd=ROOT, env=env_for(box, config), capture_output=True,
                          timeout=120, check=False)
     return finish_run(box, out.stdout, out.stderr.decode(errors="replace"), out.returncode)
@@ -211,7 +212,7 @@ def worker_process(box: Box, worker: str) -> psutil.Process | None:
 def flyd_run_killing(box: Box, worker: str, at: int, *args: str) -> tuple[Result, int]:
     """A paced `flyd run` whose `worker` process the test SIGKILLs once the session logs the
     hot capture at a boundary ≥ `at` (the session is at that `Ready(b)`); (result, b)."""
-    argv = [sys.executable, "-m", "flyd", "run", "--json", "--socket",
+    argv = [sys.executable, "-m", "flyd", "run", "--json", "-v", "--socket",
             str(box.path / "bus.sock"), "--pace", *args]
     proc = subprocess.Popen(argv, cwd=ROOT, env=env_for(box), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE)
