@@ -29,8 +29,9 @@ PER_BEAT_OR_WRITE = ("renew_sent", "renewed", "write_begin", "checkpoint.queued"
                      "checkpoint.committed")
 # info events of every run, as before
 INFO = ("run.submitted", "claimed", "launcher.launched", "finished")
-# a paced run of 5 s with T = 6 s (a heartbeat every 1.2 s), so heartbeats do happen
-PACED = ("--pace", "--steps", "300", "--mode", "thread", "--lease-ttl", "6")
+# a paced run of 5 s with T = 12 s (the shortest the other defaults allow: a heartbeat every
+# 2.4 s), so heartbeats do happen
+PACED = ("--pace", "--steps", "300", "--mode", "thread", "--lease-ttl", "12")
 
 
 def _read_all(fd: int, proc: subprocess.Popen[bytes], timeout: float = 120) -> str:
