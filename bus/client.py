@@ -48,6 +48,12 @@ log = structlog.get_logger("bus.client")
 CANCEL_WAIT_S: Final = 0.5
 IDENTITY_CACHE: Final = 1024
 CREDIT_DELAY_S: Final = 0.005  # result credits wait this long for a call to carry them (§21.6)
+# How long `close()` waits for cancelled handler tasks to end.
+HANDLER_REAP_S: Final = 2.0
+# A full listen backlog refuses connect with EAGAIN; the SDK tries again within its timeout,
+# waiting a little longer each time up to the cap.
+CONNECT_RETRY_FIRST_S: Final = 0.005
+CONNECT_RETRY_MAX_S: Final = 0.1
 MAX_ID: Final = 2**53 - 1
 
 Handler = Callable[["Request"], Awaitable[dict[str, Any] | None]]
@@ -337,11 +343,20 @@ class BusClient:
         await self.close()
 
     async def _reap_tasks(self) -> None:
+        """Cancel the handler tasks and wait for them, at most HANDLER_REAP_S: a handler that
+        swallows its cancellation must not hold `close()` forever. One still running is left
+        in `_tasks` (the client keeps owning it) and logged."""
         tasks = [t for t in self._tasks if t is not asyncio.current_task()]
         for t in tasks:
             t.cancel()
         if tasks:
-            await asyncio.gather(*tasks, return_exceptions=True)
+            done, stuck = await asyncio.wait(tasks, timeout=HANDLER_REAP_S)
+            for t in done:
+                if not t.cancelled():
+                    t.exception()  # retrieved: the handler's own failure was logged already
+            if stuck:
+                log.warning("bus.client.handlers_ignore_cancel", client_id=self.client_id,
+                            handlers=len(stuck), waited_s=HANDLER_REAP_S)
 
     def _lost(self, error: BusError | None) -> None:
         if self._closed_with is not None:
@@ -900,6 +915,21 @@ def _rebound(decoder: FrameDecoder, max_bytes: int) -> FrameDecoder:
     return fresh
 
 
+async def _open_transport(loop: asyncio.AbstractEventLoop, client: BusClient,
+                          path: str) -> asyncio.Transport:
+    """Connect, trying again while the router's listen backlog is full (EAGAIN): a burst of
+    connects is a wait for the accept loop, not a refusal. The caller's timeout bounds it."""
+    pause = CONNECT_RETRY_FIRST_S
+    while True:
+        try:
+            transport, _ = await loop.create_unix_connection(lambda: _Protocol(client), path)
+        except BlockingIOError:
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, CONNECT_RETRY_MAX_S)
+            continue
+        return transport
+
+
 class _Connect:
     """`connect(...)` is both awaitable (-> BusClient) and an async context manager."""
 
@@ -916,8 +946,7 @@ class _Connect:
         client = BusClient(path, client_id, incarnation or new_incarnation(), hook)
         try:
             async with asyncio.timeout(timeout):
-                transport, _ = await loop.create_unix_connection(
-                    lambda: _Protocol(client), path)
+                transport = await _open_transport(loop, client, path)
                 client._transport = transport
                 await client._hello(majors)
         except TimeoutError:

@@ -61,6 +61,7 @@ from bus.schema import Validator, contract_digest, validator
 log = structlog.get_logger("bus.router")
 
 SUN_PATH_MAX: Final = 107
+SOMAXCONN_PATH: Final = "/proc/sys/net/core/somaxconn"
 MAX_ID: Final = 2**53 - 1
 MAX_DLV: Final = b'"dlv-9007199254740991"'
 CLOSE_GRACE_S: Final = 4.0
@@ -320,10 +321,12 @@ class Router:
             os.chmod(path, 0o660)
         else:
             os.chmod(path, 0o600)
-        sock.listen(1024)
+        # the loop listens again with its own default backlog (100) unless it is given one
+        backlog = listen_backlog(self.limits.maxClients)
+        sock.listen(backlog)
         sock.setblocking(False)
         self._server = await self._loop.create_unix_server(
-            lambda: _Conn(self), sock=sock
+            lambda: _Conn(self), sock=sock, backlog=backlog
         )
         self._started = time.monotonic()
         if self.policy.mode == "open":
@@ -1361,3 +1364,15 @@ class Router:
                 if not c.closing
             ]
         return result
+
+
+def listen_backlog(max_clients: int) -> int:
+    """The listen backlog: at least `maxClients`, and the system maximum when that is larger,
+    so that a burst of connects waits in the kernel's queue for the accept loop instead of
+    being refused with EAGAIN (the kernel caps the value at net.core.somaxconn)."""
+    try:
+        with open(SOMAXCONN_PATH, encoding="ascii") as f:
+            system = int(f.read().strip())
+    except (OSError, ValueError):
+        system = socket.SOMAXCONN
+    return max(max_clients, system)

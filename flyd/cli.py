@@ -1,6 +1,7 @@
 """The `flyd` and `flyctl` command groups (cli.md).
 
-Human text and logs go to stderr; `--json` output goes to stdout. Exit codes follow cli.md §1:
+Results go to stdout (human text, or one JSON object with `--json`); logs, notes and error lines
+go to stderr, so `flyctl runs list | grep running` works. Exit codes follow cli.md §1:
 0 success, 1 the work failed, 2 usage or configuration error, 3 timeout, 130 interrupted.
 """
 
@@ -27,8 +28,11 @@ EXIT_FATAL = 70
 
 
 def _setup_logging(log_format: str | None, verbose: int, quiet: int) -> None:
-    base = "info"
-    logs.configure(log_format, logs.shift_level(base, verbose, quiet))  # type: ignore[arg-type]
+    """Quiet on a terminal: the console renderer starts at warning (`-v` info, `-vv` debug), so
+    a progress bar is not buried; JSON lines (a pipe, the journal) start at info as before."""
+    fmt = log_format or logs.default_format()
+    base = "warning" if fmt == "console" else "info"
+    logs.configure(fmt, logs.shift_level(base, verbose, quiet))  # type: ignore[arg-type]
 
 
 def _global_options(fn: click.decorators.FC) -> click.decorators.FC:
@@ -36,7 +40,9 @@ def _global_options(fn: click.decorators.FC) -> click.decorators.FC:
                       envvar="FLYD_CONFIG", help="TOML configuration file.")(fn)
     fn = click.option("--log-format", type=click.Choice(["json", "console"]),
                       envvar="FLYD_LOG_FORMAT", help="Log renderer (default: by TTY).")(fn)
-    fn = click.option("-v", "verbose", count=True, help="More log output (repeatable).")(fn)
+    fn = click.option("-v", "verbose", count=True,
+                      help="More log output (repeatable; a terminal starts at warnings: -v info, "
+                           "-vv debug).")(fn)
     fn = click.option("-q", "quiet", count=True, help="Less log output (repeatable).")(fn)
     return fn
 
@@ -130,7 +136,9 @@ class _JsonErrors(click.Command):
               help="Pace transitions at world time, 60 Hz (default [session] pacing).")
 @click.option("--checkpoint-every", type=int,
               help="Durable checkpoint cadence in steps (default [checkpoints] every_steps).")
-@click.option("--socket", "socket_path", help="Router socket (default: cli.md §4.1).")
+@click.option("--socket", "socket_path",
+              help="Router socket (default: the default socket when free, else a private "
+                   "run-<pid>.sock next to it; docs/cli.md).")
 @click.option("--dsn", help="PostgreSQL DSN (default: FLYD_DSN, [database] dsn, else an "
                             "embedded server under the state dir).")
 @click.option("--state-dir", type=click.Path(path_type=Path), help="Node state directory.")
@@ -158,7 +166,9 @@ def run_cmd(steps: int, agents: str | None, mode: str | None, seed: int | None,
 @flyd_main.command("serve", cls=_JsonErrors)
 @click.option("--dsn", help="PostgreSQL DSN (default: FLYD_DSN, [database] dsn, else an "
                             "embedded server under the state dir).")
-@click.option("--socket", "socket_path", help="Router socket (default: cli.md §2.2).")
+@click.option("--socket", "socket_path",
+              help="Router socket (default: FLYD_SOCKET, [bus] socket, else the per-user "
+                   "default in docs/configuration.md).")
 @click.option("--state-dir", type=click.Path(path_type=Path), help="Node state directory.")
 @click.option("--node-name", help="Node name ([a-z0-9][a-z0-9-]{0,31}; default: host name).")
 @click.option("--capacity", type=int, help="Runs held at once (default max(1, cpus // 4)).")
@@ -239,7 +249,7 @@ def db_migrate_cmd(dsn: str | None, as_json: bool, config_file: Path | None,
     if as_json:
         click.echo(orjson.dumps({"schemaVersion": version}).decode())
     else:
-        click.echo(f"schema version {version}", err=True)
+        click.echo(f"schema version {version}")
 
 
 async def _migrate(config: Config) -> int:
@@ -295,10 +305,10 @@ def config_show_cmd(dsn: str | None, socket_path: str | None, state_dir: str | N
         click.echo(orjson.dumps({"configFile": file, "settings": shown}).decode())
         return
     width = max(len(k) for k in shown)
-    click.echo(f"# config file: {config.config_file or 'none'}", err=True)
+    click.echo(f"# config file: {config.config_file or 'none'}")
     for key, entry in shown.items():
         value = orjson.dumps(entry["value"]).decode()
-        click.echo(f"{key.ljust(width)} = {value} ({entry['source']})", err=True)
+        click.echo(f"{key.ljust(width)} = {value} ({entry['source']})")
 
 
 @click.group()
@@ -308,7 +318,9 @@ def flyctl_main() -> None:
 
 def _ctl_options(fn: click.decorators.FC) -> click.decorators.FC:
     """`--socket`, `--dsn` and `--json`, which every `flyctl` command takes (cli.md §7)."""
-    fn = click.option("--socket", "socket_path", help="Router socket (default: cli.md §2.2).")(fn)
+    fn = click.option("--socket", "socket_path",
+                      help="Router socket (default: FLYD_SOCKET, [bus] socket, else the "
+                           "per-user default in docs/configuration.md).")(fn)
     fn = click.option("--dsn", help="PostgreSQL DSN (default: FLYD_DSN, [database] dsn, else a "
                                     "running embedded server under the state dir).")(fn)
     fn = click.option("--json", "as_json", is_flag=True, help="Print JSON on stdout.")(fn)
@@ -553,7 +565,10 @@ def ctl_checkpoints_verify_cmd(file: Path | None, run_id: int | None,
                                checkpoint_id: str | None, socket_path: str | None,
                                dsn: str | None, as_json: bool, config_file: Path | None,
                                log_format: str | None, verbose: int, quiet: int) -> None:
-    """R1–R8 on a .flysess file, or S1–S5 on a stored generation."""
+    """Check a .flysess file, or a stored generation (--run), without restoring it.
+
+    A file gets the reader's checks (format, digests, sizes, compatibility); a stored
+    generation also its integrity against the database. docs/state.md lists every check."""
     from flyd import ctl
 
     opts = ctl.CtlOptions(config_file, socket_path, dsn)

@@ -23,8 +23,11 @@ Rules:
 
 Decisions where the spec is silent:
 - A run is held when the lease runtime holds it in a non-final phase; its workers are those of the
-  run's launcher. `run: null` with the worker in no held run answers `AlreadyGone` with `run:
-  null`.
+  run's launcher. Kill of a worker the run's launcher never launched (not in its composition) is
+  refused `IDENTITY_MISMATCH` "no worker <w> in run <r>; workers: <ids>"; with `run: null` the
+  runs searched are all those held, and a worker of a held run's composition that is no longer
+  live answers `AlreadyGone` with that run. A node holding no run answers `AlreadyGone` with
+  `run: null` (it has no composition to judge the name by).
 - Status: the node's `state` and `lastHeartbeat` come from its `flyd.nodes` row (read with a short
   deadline); without an answer, `state` is what this process knows (`starting` before the lease
   runtime exists, `draining` after a Drain, else `active`) and `lastHeartbeat` is null.
@@ -304,10 +307,21 @@ class ControlService:
                 raise DomainError.invalid(
                     f"{worker_id} is a worker of runs {', '.join(map(str, having))}; "
                     "name one with run")
-            run = having[0] if having else None
+            run = having[0] if having else self._composed_of(worker_id, sorted(held))
+            if run is None and len(held) > 1:
+                names = sorted({w for r in held for w in self._launched_of(r)})
+                raise DomainError.before(
+                    ErrorCode.IDENTITY_MISMATCH,
+                    f"no worker {worker_id} in runs {', '.join(map(str, sorted(held)))}; "
+                    f"workers: {', '.join(names)}")
         launcher = None if run is None else self.launcher(run)
         if launcher is None:
             return {"workerId": worker_id, "run": run, "outcome": "AlreadyGone"}
+        if worker_id not in launcher.launched_ids():
+            raise DomainError.before(
+                ErrorCode.IDENTITY_MISMATCH,
+                f"no worker {worker_id} in run {run}; workers: "
+                f"{', '.join(launcher.launched_ids())}")
         if params["signal"] == "KILL":
             outcome = (await launcher.kill(worker_id)).label
         else:
@@ -315,6 +329,18 @@ class ControlService:
         log.warning("control.kill", run=run, worker=worker_id, signal=params["signal"],
                     outcome=outcome)
         return {"workerId": worker_id, "run": run, "outcome": outcome}
+
+    def _composed_of(self, worker_id: str, runs: list[int]) -> int | None:
+        """The held run whose composition has `worker_id` (the first), else the only held run
+        (so the refusal can list its workers), else None."""
+        for run in runs:
+            if worker_id in self._launched_of(run):
+                return run
+        return runs[0] if len(runs) == 1 else None
+
+    def _launched_of(self, run_id: int) -> list[str]:
+        launcher = self.launcher(run_id)
+        return [] if launcher is None else launcher.launched_ids()
 
     def _workers_of(self, run_id: int) -> set[str]:
         launcher = self.launcher(run_id)

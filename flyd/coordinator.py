@@ -20,7 +20,7 @@ API (§6.1):
     await coordinator.probe_raw(wid, method, scope, params, ref=None)
     capture = await coordinator.capture(checkpoint_id, kind="durable")   # state.md §5.7
     ticket = await coordinator.save(checkpoint_id); await coordinator.await_durable(ticket)
-    coordinator.replace_participant(wid, ref); coordinator.replace_client(client)
+    coordinator.replace_participant(wid, ref); await coordinator.replace_client(client)
     report = await coordinator.restore(checkpoint_id | None, "e2")      # state.md §7
     coordinator.tainted(); coordinator.durable(); coordinator.reset()   # reset: UNSUPPORTED
 
@@ -641,15 +641,18 @@ class Coordinator:
         """Pin the domain incarnation a `Worker.Hello` returned."""
         self._refs[worker_id] = replace(self._refs[worker_id], domain_incarnation=incarnation_id)
 
-    def replace_client(self, client: BusClient) -> None:
+    async def replace_client(self, client: BusClient) -> None:
+        """Swap in the new client and close the old one here, within the probe deadline (its
+        connection is already lost, so closing only fails what is still pending on it)."""
         if not self._machine.fenced:
             raise DomainError.before(ErrorCode.INVALID_PHASE,
                                      "replace_client needs a fenced epoch")
         old = self._client
         self._client = client
         if old is not client:
-            task = asyncio.get_running_loop().create_task(old.close())
-            task.add_done_callback(lambda t: t.exception() if not t.cancelled() else None)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.deadlines.probe):
+                    await old.close()
 
     # ------------------------------------------------------------------ calls (§6.4)
 
@@ -1660,16 +1663,19 @@ class Coordinator:
         except BusError as exc:
             raise from_bus_error(advance.method, exc) from None
         found = False
-        for _ in range(LOSS_POLLS):
-            status_call = self._new_call(self.world_id, "Worker.Status", None, {})
-            outcome = await self._send(status_call, self.deadlines.probe)
-            if isinstance(outcome, Answered) and outcome.outcome.result is not None:
-                st = outcome.outcome.result
-                if st.get("lastBatchId") == batch_id or advance.request_id in (
-                        st.get("activeRequestId"), st.get("lastCompletedRequestId")):
-                    found = True
-                    break
-            await asyncio.sleep(RESOLVE_PAUSE)
+        # at most LOSS_POLLS polls and, all of them together, the resolve budget
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(self.deadlines.resolve):
+                for _ in range(LOSS_POLLS):
+                    status_call = self._new_call(self.world_id, "Worker.Status", None, {})
+                    outcome = await self._send(status_call, self.deadlines.probe)
+                    if isinstance(outcome, Answered) and outcome.outcome.result is not None:
+                        st = outcome.outcome.result
+                        if st.get("lastBatchId") == batch_id or advance.request_id in (
+                                st.get("activeRequestId"), st.get("lastCompletedRequestId")):
+                            found = True
+                            break
+                    await asyncio.sleep(RESOLVE_PAUSE)
         self.injection_log.append(InjectionOutcome("status-after-loss", None, found))
         state = "call-gone"
         try:

@@ -14,8 +14,8 @@ Rules:
   database: pass --dsn" (`CONFIG`).
 - Errors: `CtlError(code, message)`; exit 2 for `USAGE`, `CONFIG` and a router refusing the
   connection, 3 for `TIMEOUT`, 1 otherwise (a control service's refusal carries its domain code).
-- Output: `--json` prints one object on stdout; human text (tables included) goes to stderr,
-  also on a terminal (cli.md §1).
+- Output: results on stdout (human text and tables, or one JSON object with `--json`);
+  diagnostics on stderr (notes, the one-line error, logs), so a shell can pipe the results.
 
 Decisions where the spec is silent:
 - An unknown run (`runs show|cancel|requeue`) is a bad argument: `USAGE`, exit 2. Cancelling a
@@ -32,6 +32,11 @@ Decisions where the spec is silent:
   (`BACKEND_FAILURE`) are `CONFIG` (exit 2), its refusals (a missing generation, a failing S-check
   on export) exit 1 with their domain code. A file over the envelope limit, or unreadable, is
   `USAGE` (exit 2); a file failing R1–R8 on import exits 1 naming the check.
+- `runs show`: `recoveries` is the outcome's count once the run has one; before that (running,
+  or ended without one) it is the number of session epochs after the first that committed
+  effects, a lower bound (a recovery that failed before its first commit leaves no trace).
+  `checkpoints` lists the generations kept in the database (rotation keeps
+  `[checkpoints] keep_generations`), not every checkpoint taken; the human line says "kept".
 - `runs show` asks the holder (when the run is `running` and its owner's control service answers
   on this socket) for the run's phase (`Control.Status`) and event ring (`Control.RunEvents`);
   otherwise both are null.
@@ -124,7 +129,7 @@ class CtlOptions:
 
 @dataclass
 class Result:
-    """What a command prints: `data` with `--json`, else `human` on stderr; `notes` go to
+    """What a command prints: on stdout `data` with `--json`, else `human`; `notes` go to
     stderr in both modes; and its exit code."""
 
     data: dict[str, Any]
@@ -141,8 +146,8 @@ def ctl_client_id() -> str:
 def execute(command: str, as_json: bool, work: Callable[[], Awaitable[Result]]) -> int:
     """Run one command on a fresh loop and print what it gives; returns the exit code.
 
-    `--json`: the result object (or `{"error": {code, message}}`) on stdout. Human text, notes
-    and a one-line error always go to stderr."""
+    The result on stdout: its human lines, or with `--json` the object (or `{"error": {code,
+    message}}`). Notes and the one-line error always go to stderr."""
     try:
         result = uvloop.run(_awaited(work))
     except CtlError as exc:
@@ -157,8 +162,8 @@ def execute(command: str, as_json: bool, work: Callable[[], Awaitable[Result]]) 
     if as_json:
         _stdout(result.data)
     else:
-        for line in result.human:
-            print(line, file=sys.stderr)
+        sys.stdout.write("".join(f"{line}\n" for line in result.human))
+        sys.stdout.flush()
     return result.exit_code
 
 
@@ -513,13 +518,14 @@ async def runs_show(opts: CtlOptions, run_id: int) -> Result:
            "boundary": row["boundary"], "cancelRequested": row["cancelRequested"],
            "submittedAt": row["submittedAt"], "finishedAt": row["finishedAt"],
            "grants": grants, "checkpoints": checkpoints, "effects": len(effect_rows),
-           "recoveries": outcome.get("recoveries"), "epochs": outcome.get("epochs") or epochs,
+           "recoveries": _recoveries(outcome, outcome.get("epochs") or epochs),
+           "epochs": outcome.get("epochs") or epochs,
            "outcome": row["outcome"], "phase": phase, "events": events}
     lines = [f"run {run_id}: {row['state']}  lease epoch {row['leaseEpoch']}  attempt "
              f"{row['attempt']}/{row['maxAttempts']}  owner {row['ownerNode'] or '-'}  boundary "
              f"{row['boundary'] if row['boundary'] is not None else '-'}  effects "
-             f"{len(effect_rows)}  checkpoints {len(checkpoints)}  recoveries "
-             f"{doc['recoveries'] if doc['recoveries'] is not None else '-'}  epochs "
+             f"{len(effect_rows)}  checkpoints kept {len(checkpoints)}  recoveries "
+             f"{doc['recoveries']}  epochs "
              f"{','.join(doc['epochs']) or '-'}  phase {phase or '-'}"]
     lines += table(["LEASE-EPOCH", "NODE", "GRANTED", "ENDED", "REASON"],
                    [[g["leaseEpoch"], g["nodeId"], g["grantedAt"], g["endedAt"], g["endReason"]]
@@ -527,6 +533,14 @@ async def runs_show(opts: CtlOptions, run_id: int) -> Result:
     if events is not None:
         lines.append(f"events: {len(events)}")
     return Result(doc, lines)
+
+
+def _recoveries(outcome: dict[str, Any], epochs: Sequence[str]) -> int:
+    """The outcome's count; without one, the session epochs after the first seen in effects."""
+    counted = outcome.get("recoveries")
+    if isinstance(counted, int):
+        return counted
+    return max(len(epochs) - 1, 0)
 
 
 async def _live_view(opts: CtlOptions, config: Config,

@@ -476,7 +476,7 @@ class GrantSession:
             with contextlib.suppress(BusError, TimeoutError):
                 async with asyncio.timeout(CLOSE_S):
                     await previous.close()
-        self._coordinator().replace_client(client)
+        await self._coordinator().replace_client(client)
         self.fresh_launcher = True
         self._rlog().info("recovery.reconnected", router_id=None, sessions=1)
 

@@ -601,6 +601,11 @@ class Launcher:
         """The live workers by id."""
         return {wid: live.launched for wid, live in self._workers.items()}
 
+    def launched_ids(self) -> list[str]:
+        """Every worker id this launcher has launched, live or not (its composition), sorted:
+        tells a worker that is gone from one that never existed."""
+        return sorted(self._plans)
+
     def get(self, worker_id: str) -> LaunchedWorker:
         live = self._workers.get(worker_id)
         if live is None:

@@ -63,7 +63,7 @@ def start_node(tmp: Path, name: str, dsn: str, *args: str,
     return subprocess.Popen(
         [sys.executable, "-m", "flyd", "serve", "--dsn", dsn, "--socket",
          str(home / "bus.sock"), "--state-dir", str(home), "--node-name", name,
-         "--config", str(toml), "--log-format", "json", *args],
+         "--config", str(toml), "--log-format", "json", "-v", *args],
         cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=log)
 
 

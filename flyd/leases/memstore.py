@@ -377,7 +377,8 @@ class MemStore:
             if len(picked) >= n:
                 break
             r = self._runs[run_id]
-            claimable = ((r.state == "pending" and r.not_before <= now)
+            claimable = ((r.state == "pending" and r.not_before <= now
+                          and r.attempt < r.max_attempts)
                          or (r.state == "running" and r.lease_expires_at is not None
                              and r.lease_expires_at <= now and r.attempt < r.max_attempts
                              and not r.cancel_requested))
@@ -411,7 +412,7 @@ class MemStore:
                 lease_expires_at=self.dt(r.lease_expires_at), attempt=r.attempt,
                 cancel_requested=r.cancel_requested, spec=_json(r.spec),
                 faults_fired=tuple(r.faults_fired), high_water=head.high_water,
-                boundary=head.boundary))
+                boundary=head.boundary, max_attempts=r.max_attempts))
         return grants
 
     async def reconnect_heartbeat(self) -> None:

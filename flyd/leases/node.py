@@ -11,7 +11,8 @@ Rules:
 - `cancel_scope` (§5.5) runs steps 1–4 synchronously, before any await: the core marks the hold
   LOST, the scope's fence callbacks run, `groups.kill(run)`, the scope task is cancelled. A
   cleanup task then confirms the workers dead (K) and the task ended (5 s), logs
-  `scope_cancelled`, relinquishes once (skipped at `attempt >= max_attempts`) and forgets.
+  `scope_cancelled`, relinquishes once (skipped at `attempt >= max_attempts`, the run's own
+  budget from its grant, not `[leases] max_attempts`) and forgets.
 - The guard runs synchronously immediately before each write for a grant: `check(B)` before a
   group commit (and before resending one), `check(C)` before the fault mark and while resolving
   an unknown outcome, `check(0)` before a graceful release; a relinquish is exempt.
@@ -46,6 +47,9 @@ Decisions where the spec is silent:
 - A scope that returns without finishing or releasing, or raises, is relinquished after its
   process groups are killed; at `attempt >= max_attempts` it is only forgotten, and its lease
   expires into the reaper.
+- Log levels: heartbeats (`renew_sent`, `renewed`) and a committed write (`write_begin`,
+  `write_result` committed) are debug, one line each per beat or write; losses, unknown
+  outcomes, fences and grants stay info or above. The event list (`events=`) gets them all.
 - A release answered with no row (the grant is no longer this node's) is evidence of loss:
   `cancel_scope(fenced)`. LF003/LF004 on a commit are bugs: logged, `cancel_scope(fenced)`.
 - `finish` accepts an optional final checkpoint (a succeeded run commits it with its last
@@ -160,6 +164,8 @@ class Scope:
         self.run_id = grant.run_id
         self.lease_epoch = grant.lease_epoch
         self.attempt = grant.attempt
+        #: the run's own budget: at `attempt >= max_attempts` the run is not handed back
+        self.max_attempts = grant.max_attempts
         self.node_id = node_id
         self.grant = grant
         self.cancel_requested = asyncio.Event()
@@ -203,7 +209,7 @@ class Scope:
         """Hand the run back charged, `claim_poll` from now, when this grant is not its last
         attempt (as a relinquish would be, §3.6); False, with nothing sent, when it is: the
         caller then ends the run itself."""
-        if self.attempt >= self._rt._p.max_attempts:
+        if self.attempt >= self.max_attempts:
             return False
         await self.release(refund=False, backoff_s=self._rt._p.claim_poll_s)
         return True
@@ -474,7 +480,8 @@ class NodeRuntime:
         sc = Scope(self, grant, self._node_id)
         self._scopes[sc.key] = sc
         self._seen.add(sc.key)
-        self._event("claimed", run=a.run_id, epoch=a.epoch, attempt=a.attempt)
+        self._event("claimed", run=a.run_id, epoch=a.epoch, attempt=a.attempt,
+                    max_attempts=sc.max_attempts)
         if self._tg is None:
             raise LeaseCoreError("scope started outside run()")
         sc._task = self._tg.create_task(self._scope_main(sc))
@@ -530,17 +537,17 @@ class NodeRuntime:
             else:
                 await self._clock.sleep_until(now + WORKER_POLL_S)
         self._event("scope_cancelled", run=run_id, epoch=epoch, reason=reason)
-        hold = self._core.hold(run_id, epoch)
-        attempt = hold.attempt if hold is not None else 0
         for a in self._core.scope_gone(run_id, epoch):
             if isinstance(a, Relinquish):
-                await self._relinquish(a.run_id, a.epoch, attempt)
+                await self._relinquish(a.run_id, a.epoch, sc)
             else:
                 self._perform([a])
 
-    async def _relinquish(self, run_id: int, epoch: int, attempt: int) -> None:
-        """3.6 with `refund = false`, once; skipped at `attempt >= max_attempts`."""
-        if attempt >= self._p.max_attempts:
+    async def _relinquish(self, run_id: int, epoch: int, sc: Scope | None) -> None:
+        """3.6 with `refund = false`, once; skipped at the run's own `attempt >= max_attempts`
+        (so the reaper fails it), and without a scope, whose grant told the budget: the lease
+        then expires and the store judges the run by its own budget."""
+        if sc is None or sc.attempt >= sc.max_attempts:
             self._event("released", run=run_id, epoch=epoch, refund=False, kind="relinquish",
                         result="skipped")
             return
@@ -569,7 +576,8 @@ class NodeRuntime:
             batch = self._core.renew_batch(self._clock.now())
             held = [Held(e.run_id, e.epoch) for e in batch.entries]
             t_send = self._clock.now()
-            self._event("renew_sent", runs=[[h.run_id, h.lease_epoch] for h in held])
+            self._event("renew_sent", level="debug",
+                        runs=[[h.run_id, h.lease_epoch] for h in held])
             abandoned = False
             try:
                 async with asyncio.timeout(p.R):
@@ -582,7 +590,7 @@ class NodeRuntime:
                 # a hold past safe_until is lost before the reply is applied (module docstring)
                 self._perform(self._core.expire_due(self._clock.now()))
                 got = [RenewRow(r.run_id, r.lease_epoch, r.cancel_requested) for r in rows]
-                self._event("renewed", t_send=t_send,
+                self._event("renewed", level="debug", t_send=t_send,
                             runs=[[r.run_id, r.epoch] for r in got])
                 free = self._core.free_capacity(self._clock.now())
                 actions = self._core.on_renewed(batch, got, t_send)
@@ -784,7 +792,7 @@ class NodeRuntime:
             except LeaseCoreError:
                 self.cancel_scope(sc.run_id, sc.lease_epoch, "node_fatal")
                 return
-        if sc.attempt >= self._p.max_attempts:
+        if sc.attempt >= sc.max_attempts:
             self._event("released", run=sc.run_id, epoch=sc.lease_epoch, refund=False,
                         kind="forget", result="skipped")
             self._perform(self._core.end(sc.run_id, "release", "committed"))
@@ -802,7 +810,8 @@ class NodeRuntime:
         self._core.check(run, epoch, self._clock.now(), self._p.commit_budget_s)
         self._core.begin(run, kind)
         while True:
-            self._event("write_begin", run=run, epoch=epoch, kind=kind, checkpoint=ckpt,
+            self._event("write_begin", level="debug", run=run, epoch=epoch, kind=kind,
+                        checkpoint=ckpt,
                         effects=[e.key for e in effects],
                         state=finish.state if finish is not None else None)
             try:
@@ -853,7 +862,7 @@ class NodeRuntime:
                     raise LeaseLost(f"{run}@{epoch}: unknown outcome lost") from exc
             else:
                 self._raise_if_lost(run, epoch, kind, None)
-                self._event("write_result", run=run, epoch=epoch, kind=kind,
+                self._event("write_result", level="debug", run=run, epoch=epoch, kind=kind,
                             result="committed", finished=done.finished)
             self._committed(sc, effects, checkpoint)
             self._perform(self._core.end(run, kind, "committed"))

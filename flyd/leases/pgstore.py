@@ -344,7 +344,10 @@ SELECT run_id, false, spec = %(spec)s FROM flyd.runs
 # (`runs_claim_order` for pending runs, the few expired ones from `runs_leased`), and is read
 # lazily; each candidate is re-checked against §3.3's predicate and locked with FOR UPDATE SKIP
 # LOCKED in the lateral subquery, and LIMIT stops the walk after n locked rows. No ORDER BY on
-# `picked`: an explicit sort would lock every candidate before limiting.
+# `picked`: an explicit sort would lock every candidate before limiting. The re-check also
+# requires `attempt < max_attempts` of a pending run (docs/leases.md, "Attempts"): a run is never
+# granted beyond its own budget, whatever handed it back. The claim returns `max_attempts` too,
+# so the node compares with the run's budget, not its own `[leases] max_attempts`.
 CLAIM: Final = """
 WITH RECURSIVE expired AS MATERIALIZED (
   SELECT coalesce(array_agg(run_id ORDER BY run_id), '{}') AS ids
@@ -372,7 +375,8 @@ WITH RECURSIVE expired AS MATERIALIZED (
      SELECT run_id, state AS prev_state, lease_expires_at AS prev_expiry
        FROM flyd.runs
       WHERE run_id = c.run_id
-        AND ((state = 'pending' AND not_before <= flyd.app_now())
+        AND ((state = 'pending' AND not_before <= flyd.app_now()
+              AND attempt < max_attempts)
           OR (state = 'running' AND lease_expires_at <= flyd.app_now()
               AND attempt < max_attempts AND NOT cancel_requested))
         AND CASE WHEN %(only)s::bigint IS NULL
@@ -388,7 +392,7 @@ WITH RECURSIVE expired AS MATERIALIZED (
     FROM picked p
    WHERE r.run_id = p.run_id
   RETURNING r.run_id, r.lease_epoch, r.lease_expires_at, r.attempt, r.cancel_requested, r.spec,
-            r.faults_fired
+            r.faults_fired, r.max_attempts
 ), closed AS (
   UPDATE flyd.run_attempts a
      SET ended_at = p.prev_expiry, end_reason = 'expired'
@@ -399,7 +403,7 @@ WITH RECURSIVE expired AS MATERIALIZED (
   SELECT run_id, lease_epoch, %(node)s, flyd.app_now() FROM granted
 )
 SELECT g.run_id, g.lease_epoch, g.lease_expires_at, g.attempt, g.cancel_requested, g.spec,
-       g.faults_fired, h.high_water, h.boundary
+       g.faults_fired, h.high_water, h.boundary, g.max_attempts
   FROM granted g JOIN flyd.run_heads h USING (run_id);
 """
 
@@ -754,7 +758,8 @@ class PgStore:
             "node": node_id, "n": n, "ttl": float(ttl_s), "only": only})
         return [Grant(run_id=int(r[0]), lease_epoch=int(r[1]), lease_expires_at=r[2],
                       attempt=int(r[3]), cancel_requested=bool(r[4]), spec=r[5],
-                      faults_fired=tuple(r[6]), high_water=r[7], boundary=int(r[8]))
+                      faults_fired=tuple(r[6]), high_water=r[7], boundary=int(r[8]),
+                      max_attempts=int(r[9]))
                 for r in rows]
 
     # -- §3.4 ------------------------------------------------------------------------------

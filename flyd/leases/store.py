@@ -163,6 +163,8 @@ class Grant:
     faults_fired: tuple[str, ...]
     high_water: str | None
     boundary: int
+    #: the run's own grant budget (`runs.max_attempts`), which the node compares with
+    max_attempts: int
 
 
 @dataclass(frozen=True, slots=True)

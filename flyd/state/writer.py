@@ -324,6 +324,11 @@ class WriterStats:
     peak_bytes: int = 0
 
 
+# One line per checkpoint written is logged at debug, so an info log is not mostly checkpoints
+# (`-v` shows them under JSON, `-vv` on a terminal); the ring keeps them all regardless.
+PER_WRITE: Final = frozenset({"queued", "committed", "superseded"})
+
+
 class EventRing:
     """The v1 checkpoint sink: a structlog line `checkpoint.<event>` and a 256-entry ring."""
 
@@ -334,7 +339,8 @@ class EventRing:
 
     def __call__(self, event: Mapping[str, Any]) -> None:
         fields = {_snake(k): v for k, v in event.items() if k != "event"}
-        self._log.info(f"checkpoint.{event['event']}", **fields)
+        level = "debug" if event["event"] in PER_WRITE else "info"
+        getattr(self._log, level)(f"checkpoint.{event['event']}", **fields)
         self.ring.append(dict(event))
 
 

@@ -19,7 +19,7 @@ import orjson
 import pytest
 import uvloop
 
-from bus.client import BusClient, CallResult, Request, connect
+from bus.client import HANDLER_REAP_S, BusClient, CallResult, Request, connect
 from bus.errors import (
     CallDeadlineExceeded,
     CallGone,
@@ -190,6 +190,41 @@ async def test_connection_loss_fails_everything_pending(router, sdk, settle) -> 
     assert isinstance(await service.wait_closed(), RouterLost)
     await _raises_router_lost(service.services())
     await settle(r, lambda s: s["connections"] == 0 and s["calls"] == 0 and s["services"] == 0)
+
+
+async def test_close_is_bounded_by_a_handler_that_ignores_cancellation(router, sdk) -> None:
+    """close() cancels handler tasks and waits at most HANDLER_REAP_S, not for ever."""
+    r = await router()
+    service = await sdk(r, "stubborn-svc")
+    caller = await sdk(r, "stubborn-caller")
+    started = asyncio.Event()
+    let_go = asyncio.Event()
+    cancels = 0
+
+    async def handler(req: Request) -> dict[str, Any]:
+        nonlocal cancels
+        started.set()
+        while not let_go.is_set():
+            try:
+                await asyncio.sleep(0.05)
+            except asyncio.CancelledError:
+                cancels += 1  # swallowed on purpose: the bug under test
+        return {}
+
+    await service.register("stubborn.svc", handler)
+    pending = await caller.start_call("stubborn.svc", "Op", {})
+    await asyncio.wait_for(started.wait(), 5)
+    try:
+        async with asyncio.timeout(HANDLER_REAP_S + 5):
+            await service.close()
+        assert cancels >= 1, "the handler was never cancelled: the case did not bite"
+        assert service.closed
+    finally:
+        let_go.set()
+    with pytest.raises(NoService) as gone:  # the caller hears the service left mid-call
+        async with asyncio.timeout(5):
+            await pending.result()
+    assert gone.value.dispatch == "dispatched"
 
 
 # --- fake routers (103, 104) ------------------------------------------------------------------

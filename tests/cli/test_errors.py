@@ -124,7 +124,7 @@ def test_flyctl_status_renders_in_a_pseudo_terminal(site: Site) -> None:
     assert {row.split()[1] for row in table[1:]} == {"arena", "fly-a", "fly-b"}
     assert text.lstrip().startswith("router ") and "\nnode " in text
     piped = flyctl(site, "status", json=False)
-    assert piped.code == 0 and piped.out == ""
-    assert len(_aligned(piped.err)) == 4
+    assert piped.code == 0 and piped.err == ""
+    assert len(_aligned(piped.out)) == 4
     run.terminate()
     run.wait(timeout=60)

@@ -90,9 +90,12 @@ def test_flyctl_status_and_kill_against_a_live_paced_run(site: Site) -> None:
         assert w["alive"] and w["state"] and w["step"] > 0
         assert w["threads"] >= 1 and w["uptimeMs"] > 0
 
+    # a worker that does not exist is named as such, with the run's workers (exit 1)
+    nobody = f"no worker fly-z in run {entry['run']}; workers: arena, fly-a, fly-b"
     gone = flyctl(site, "kill", "fly-z")
     assert gone.code == 1
-    assert gone.json == {"workerId": "fly-z", "run": None, "outcome": "AlreadyGone"}
+    assert gone.json == {"error": {"code": "IDENTITY_MISMATCH", "message": nobody}}
+    assert gone.err.strip() == f"flyctl kill: {nobody}"  # the diagnostic line on stderr
     killed = flyctl(site, "kill", "fly-b")
     assert killed.code == 0
     assert killed.json == {"workerId": "fly-b", "run": entry["run"], "outcome": "Terminated"}

@@ -196,6 +196,11 @@ def test_runs_submit_list_show_cancel_requeue(site: Site) -> None:
     listed = flyctl(site, "runs", "list", socket=False)
     assert listed.code == 0
     assert [(r["run"], r["state"]) for r in listed.json["runs"]] == [(first, "pending")]
+    # the table is the result: on stdout, so `flyctl runs list | grep pending` finds the run
+    table = flyctl(site, "runs", "list", socket=False, json=False)
+    assert table.code == 0 and table.err == ""
+    assert [line.split()[:2] for line in table.out.splitlines() if "pending" in line] == [
+        [str(first), "pending"]]
     assert {"leaseEpoch", "attempt", "maxAttempts", "ownerNode", "leaseExpiresAt",
             "boundary"} <= set(listed.json["runs"][0])
 
@@ -220,7 +225,8 @@ def test_runs_submit_list_show_cancel_requeue(site: Site) -> None:
     assert doc["effects"] == 31 and doc["epochs"] == ["e1"] and doc["recoveries"] == 0
     assert doc["outcome"]["behaviourDigest"] and doc["phase"] is None and doc["events"] is None
     human = flyctl(site, "runs", "show", str(first), json=False)
-    assert human.code == 0 and human.out == "" and "LEASE-EPOCH" in human.err
+    assert human.code == 0 and human.err == "" and "LEASE-EPOCH" in human.out
+    assert " checkpoints kept " in human.out.splitlines()[0]
 
     # a failing run, requeued by the operator: pending again, logged as an intervention
     bad = submit(site, "--steps", "30", "--mode", "thread", "--max-attempts", "1",

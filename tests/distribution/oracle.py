@@ -19,13 +19,19 @@ Rules:
 - The oracle never trusts a node's claim about the store: the store side (tables, taps) decides
   what committed; node events decide what each node did and when.
 - Decisions where the spec is silent: a local hold ends at `lease_lost`, `finished`, the first
-  `write_begin` of its release (the node sends nothing more for the grant after it), the node's
+  `write_begin` of its release (the node sends nothing more for the grant after it), a
+  `released` of kind `forget` (a scope that ended on the run's last attempt, its workers dead:
+  the node drops the grant without a write and leaves the lease to expire), the node's
   end (crash, stop), or at a pause if its first event of §7.3.6's list (`GRANT_EVENTS`) after
   the pause is the loss. safe_until is
   bounded above by `claimed.t + G` (the claim's send time precedes its event) and extended by
   each `renewed` event processed no later than the current bound. M6 (an expired lease is never
   renewed) is judged under S1 from the taps: a renewal answered with a row whose last known expiry
   had passed at the store.
+- S5 also checks each run's own grant budget (distribution.md §1.2 T2/T3, `runs.max_attempts`,
+  which may be below `[leases] max_attempts`): no claim tap grants an `attempt` (a row's fourth
+  field, when the tap records it) beyond it, and neither the final `runs` row nor any sample
+  shows `attempt > max_attempts`.
 """
 
 from __future__ import annotations
@@ -166,6 +172,7 @@ class History:
                     continue
                 ends = (name in ("lease_lost", "finished")
                         or (name == "released" and ev.get("result") == "released")
+                        or (name == "released" and ev.get("kind") == "forget")
                         or (name == "write_begin" and ev.get("kind") == "release"))
                 if not ends:
                     continue
@@ -416,7 +423,31 @@ def s5(h: History) -> Verdict:
         elif r["state"] != "cancelled" or r["lease_epoch"] != last:
             v.fail(f"run {run_id}: terminal {r['state']} at epoch {r['lease_epoch']} but "
                    f"grant {last} ended {reason}")
+    _within_budget(h, v)
     return v
+
+
+def _within_budget(h: History, v: Verdict) -> None:
+    """No grant beyond the run's own max_attempts (store side: claim taps, samples, tables)."""
+    budget = {run_id: int(r["max_attempts"]) for run_id, r in h.runs.items()
+              if r.get("max_attempts") is not None}
+
+    def check(run_id: int, attempt: int, where: str) -> None:
+        limit = budget.get(run_id)
+        if limit is not None and attempt > limit:
+            v.fail(f"run {run_id}: attempt {attempt} beyond its max_attempts {limit} ({where})")
+
+    for tap in h.taps:
+        if tap.get("op") == "claim" and tap.get("ok"):
+            for row in tap.get("rows") or []:
+                if len(row) > 3:
+                    check(row[0], int(row[3]), f"granted at {tap.get('t')}")
+    for sample in h.log.get("samples", []):
+        for row in sample.get("runs", []):
+            if len(row) > 3:
+                check(row[0], int(row[3]), f"sampled at {sample.get('true')}")
+    for run_id, r in h.runs.items():
+        check(run_id, int(r.get("attempt", 0)), "final row")
 
 
 def s6(h: History) -> Verdict:
@@ -435,7 +466,8 @@ def s6(h: History) -> Verdict:
         evs = [e for e in h.by_node[node] if e.get("run") == run_id and e.get("epoch") == epoch]
         su = hold.start_t + h.G
         ends = [e for e in evs if e["event"] in ("lease_lost", "finished")
-                or (e["event"] == "released" and e.get("result") == "released")]
+                or (e["event"] == "released" and (e.get("result") == "released"
+                                                  or e.get("kind") == "forget"))]
         end_ev = ends[0] if ends else None
         for t, t_send in renewals.get((node, run_id, epoch), []):
             if end_ev is not None and t > float(end_ev["t"]):
@@ -597,6 +629,10 @@ def facts(h: History) -> dict[str, int]:
             f[f"finished_{ev.get('state')}"] += 1
         elif name == "reaped":
             f[f"reaped_{ev.get('state')}"] += 1
+        elif name == "released" and ev.get("result") == "skipped" and ev.get("refund") is False:
+            own = h.runs.get(ev.get("run"), {}).get("max_attempts")
+            if own is not None and own < int(h.params.get("max_attempts", own)):
+                f["own_budget_kept"] += 1  # the node's default would have handed it back
     for tap in h.taps:
         if tap.get("op") in ("commit", "commit_statements") and tap.get("code") == "LF001":
             f["db_fenced_tap"] += 1

@@ -605,6 +605,31 @@ async def test_contract_release_reap_cancel(h: Harness) -> None:
     assert (run2["state"], run2["attempt"], run2["lease_epoch"]) == ("pending", 0, 3)
 
 
+async def test_contract_a_run_is_granted_within_its_own_max_attempts(h: Harness) -> None:
+    """distribution.md §1.2 T2/T3 with the run's own budget: a run submitted with
+    max_attempts 1 is granted once, even when a relinquish hands it back pending (the pending
+    path of the claim checks `attempt < max_attempts`); each grant carries the run's budget."""
+    (one,) = await submit(h, 1, max_attempts=1)
+    (three,) = await submit(h, 1, max_attempts=3)
+    grants = await h.store.claim(A, 4, 2.0)
+    assert sorted((g.run_id, g.attempt, g.max_attempts) for g in grants) == [
+        (one, 1, 1), (three, 1, 3)]
+    for run in (one, three):  # charged hand-backs: both pending at attempt 1
+        assert norm(await h.store.release(run, 1, A, refund=False, backoff_s=0.0)) == {
+            "run_id": run, "lease_epoch": 1}
+    runs = {r["run_id"]: r for r in (await h.dump())["runs"]}
+    assert [(runs[r]["state"], runs[r]["attempt"]) for r in (one, three)] == [
+        ("pending", 1), ("pending", 1)]
+    again = await h.store.claim(B, 4, 2.0)
+    assert [(g.run_id, g.attempt, g.max_attempts) for g in again] == [(three, 2, 3)]
+    assert await h.store.claim(B, 4, 2.0, only=one) == []
+    runs = {r["run_id"]: r for r in (await h.dump())["runs"]}
+    assert (runs[one]["state"], runs[one]["attempt"], runs[one]["lease_epoch"]) == (
+        "pending", 1, 1)
+    # an operator can still end it
+    assert norm(await h.store.cancel(one, "op")) == {"run_id": one, "state": "cancelled"}
+
+
 async def test_contract_unknown_outcome_and_sweep(h: Harness) -> None:
     r1, r2, r3 = await submit(h, 3)
     assert len(await h.store.claim(A, 2, 4.0)) == 2      # r1, r2

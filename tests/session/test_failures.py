@@ -3,16 +3,27 @@
 
 from __future__ import annotations
 
+import asyncio
+import os
+import signal
 from dataclasses import dataclass
 from typing import Any
 
 import pytest
 
 from bus.errors import BusError
-from flyd.coordinator import InjectionOutcome, Injections, ResolutionEnd, SessionFailure
+from flyd.coordinator import (
+    LOSS_POLLS,
+    Deadlines,
+    InjectionOutcome,
+    Injections,
+    ResolutionEnd,
+    SessionFailure,
+)
 from flyd.identities import WorkerRef
+from flyd.launcher import ExecutionMode
 from flyd.phase import Failed
-from tests.session.harness import Fixture, SessionHarness
+from tests.session.harness import Fixture, SessionHarness, within
 from tests.session.worker_rig import context_digest, prepare_params
 from workers.domain import DomainError, Scope
 from workers.faults import Faults
@@ -95,6 +106,42 @@ async def test_a_lost_advance_result_resolves_the_same_operation() -> None:
     assert logged(run, "lost-advance-result").identical
     assert logged(run, "status-after-loss").identical
     await assert_same(run)
+
+
+async def test_status_polls_after_a_lost_result_end_within_the_resolve_budget() -> None:
+    """A world that answers nothing (stopped) after a lost Advance result: the Worker.Status
+    polls stop at the resolve budget, not after LOSS_POLLS probe deadlines (~100 s here), and the
+    step fails in about two resolve budgets."""
+    deadlines = Deadlines(probe=0.2, resolve=1.0)
+    fixture = Fixture(mode=ExecutionMode.PROCESS, deadlines=deadlines,
+                      injections=Injections(lose_advance_result_at=(1,)))
+    assert LOSS_POLLS * deadlines.probe > 30 * deadlines.resolve  # the bound is what stops it
+    async with SessionHarness.start(fixture) as h:
+        await h.bootstrap()
+        await h.step()
+        pid = h.workers["arena"].pid
+        assert pid is not None
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(SessionFailure) as caught:
+                async with asyncio.timeout(30):
+                    await h.coordinator.step()
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        assert caught.value.participant == "arena"
+        polled = next(o for o in h.coordinator.injection_log if o.what == "status-after-loss")
+        assert not polled.identical  # the world never answered: the case bit
+        assert h.coordinator.stats.last_resolution is ResolutionEnd.BUDGET_EXPIRED
+        # the fenced coordinator swaps its client and has closed the old one when it returns
+        old = h.coordinator_client
+        assert old is not None and not old.closed
+        fresh = await h.client("ctl-replacement")
+        try:
+            await within(h.coordinator.replace_client(fresh))
+            assert old.closed
+            assert not fresh.closed
+        finally:
+            await fresh.close()
 
 
 async def test_a_cached_artifact_consumed_by_its_first_caller_survives_a_retry() -> None:

@@ -228,7 +228,8 @@ def flyd_run(box: Box, *args: str, config: str = "", gated: bool = False,
         argv = [sys.executable, str(script), kill_at[0], str(kill_at[1])]
     else:
         argv = [sys.executable, "-m", "flyd", "run"]
-    argv += ["--json", "--socket", str(box.path / "bus.sock"), *args]
+    # -v: debug, so the per-write lines (`checkpoint.*`, `write_begin`) are in the log
+    argv += ["--json", "-v", "--socket", str(box.path / "bus.sock"), *args]
     out = subprocess.run(argv, cwd=ROOT, env=env_for(box, config), capture_output=True,
                          timeout=120, check=False)
     return finish_run(box, out.stdout, out.stderr.decode(errors="replace"), out.returncode)

@@ -560,7 +560,8 @@ class Cluster:
                 "--time-scale", f"{self.scale:g}"]
         if rate != 1.0:
             argv += ["--clock-rate", f"{rate:g}"]
-        argv += ["--log-format", "json", "--capacity", str(self.workload.capacity)]
+        # -v: debug, for the heartbeat and write events the oracle reads from the log
+        argv += ["--log-format", "json", "-v", "--capacity", str(self.workload.capacity)]
         config = self.tmp / "leases.toml"
         if self.params.kill_bound_s != LeaseParams().kill_bound_s:
             config.write_text(f"[leases]\nkill_bound_s = {self.params.kill_bound_s!r}\n")

@@ -254,8 +254,8 @@ class SimStore:
                     only: int | None = None) -> list[Grant]:
         result: list[Grant] = await self._call(
             "claim", lambda: self._mem.claim(node_id, n, ttl_s, only),
-            lambda gs: {"rows": [[g.run_id, g.lease_epoch, self._tap.sec(g.lease_expires_at)]
-                                 for g in gs]})
+            lambda gs: {"rows": [[g.run_id, g.lease_epoch, self._tap.sec(g.lease_expires_at),
+                                  g.attempt] for g in gs]})
         return result
 
     async def reconnect_heartbeat(self) -> None:

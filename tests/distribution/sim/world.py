@@ -87,6 +87,8 @@ class RunSpec:
     boundaries: int
     pace: float
     every: int
+    #: the run's own grant budget, submitted with it (`runs.max_attempts`)
+    max_attempts: int = PARAMS.max_attempts
 
     def spec(self) -> dict[str, Any]:
         return {"key": self.key, "boundaries": self.boundaries, "pace": self.pace,
@@ -132,6 +134,11 @@ def scenario(seed: int, kind: str) -> Scenario:
         total = shape.randint(20, 120)
         runs.append(RunSpec(f"run-{i + 1}", total, round(shape.uniform(0.01, 0.04), 4),
                             shape.randint(4, 12)))
+    # Some runs carry a budget below the nodes' `[leases] max_attempts`, drawn from a stream of
+    # its own so the other draws of a seed stay as they were.
+    budget = s("budget")
+    for r in runs:
+        r.max_attempts = budget.choice([1, 2, PARAMS.max_attempts, PARAMS.max_attempts])
     f = s("faults")
     T = PARAMS.T
     phase = 60.0
@@ -186,6 +193,7 @@ def scenario(seed: int, kind: str) -> Scenario:
         phase = 90.0
         runs[0].boundaries = max(runs[0].boundaries, 60)
         runs[0].pace = max(runs[0].pace, 0.08)
+        runs[0].max_attempts = PARAMS.max_attempts  # hunted to exhaustion: the full budget
         faults.append(Fault(0.0, "hunt", run=1))
         faults.append(Fault(round(f.uniform(1.0, 4.0), 4), "cancel", run=f.randint(2, len(runs))))
         faults.append(Fault(round(f.uniform(1.0, 6.0), 4), "drain", f.randrange(n_nodes)))
@@ -481,7 +489,7 @@ class Sim:
     async def main(self) -> dict[str, Any]:
         sc = self.scenario
         for r in sc.runs:
-            self.run_ids.append((await self.mem.submit(r.key, r.spec(), PARAMS.max_attempts))
+            self.run_ids.append((await self.mem.submit(r.key, r.spec(), r.max_attempts))
                                 .run_id)
         budget = sc.fault_phase_s + self.l1_bound() + 120.0
         async with asyncio.timeout(budget), asyncio.TaskGroup() as tg:
