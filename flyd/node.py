@@ -306,7 +306,7 @@ class NodeProcess:
         setup = self.setup
         bus: Mapping[str, Any] = {k: v for k, v in setup.config.section("bus").items()
                                   if v is not None}
-        router.remove_socket()
+        await asyncio.to_thread(router.remove_socket)
         await router.start(bus, capacity=setup.capacity,
                            max_agents=int(setup.config.value("session", "max_agents")),
                            quiet=setup.router_quiet)
