@@ -11,6 +11,12 @@ Rules:
   or, failing that, lazily by the next call, and a dedicated listener connection (`:listen`)
   per `listen()` iterator. Each work connection records its `Backend` (pid, backend_start)
   when it opens, so an unknown commit names the session to end (§3.10).
+- A work call first takes a live session: a pooled one that answers an empty statement. A dead
+  one (a PostgreSQL blip ended it) is closed and handed back, the pool opens a replacement at
+  once, and the next is tried. Taking a session is bounded by half of C and, when that runs
+  out, is `Transient` (`PoolTimeout`, nothing was sent): the node's own bound on a commit is C
+  as well, so without the shorter bound a commit still waiting for the pool to reconnect would
+  end on the node's bound, an unknown outcome with no backend, and count as a lost lease.
 - Errors are classified by `sqlstate`, never by message text: LF001..LF004 map to their typed
   errors; 23505 on `effects_pkey` is classified by reading the existing rows in a new call
   after the failed transaction was rolled back (§6.4); any other server error with the
@@ -583,6 +589,7 @@ class PgStore:
         self._params = params
         scale = settings.time_scale
         self._call_s = _bound_s(params.commit_timeout_s, scale)
+        self._conn_s = self._call_s / 2
         self._renew_s = _bound_s(params.renew_timeout_s, scale)
         self._pool: AsyncConnectionPool[ClosingConnection] = AsyncConnectionPool(
             conninfo(dsn, node_id, "work", settings),
@@ -590,7 +597,6 @@ class PgStore:
             min_size=2,
             max_size=capacity + 3,
             open=False,
-            check=AsyncConnectionPool.check_connection,
             configure=_record_backend,
             kwargs={"autocommit": True},
             name=f"flyd:{node_id}:work",
@@ -630,7 +636,7 @@ class PgStore:
     async def _work_conn(self) -> AsyncIterator[ClosingConnection]:
         """A pooled work connection; closed instead of returned when the call did not end
         cleanly (timeout, cancellation, lost session)."""
-        conn = await self._pool.getconn()
+        conn = await self._live_conn()
         clean = False
         try:
             yield conn
@@ -644,6 +650,28 @@ class PgStore:
             elif clean and conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
                 await self._rollback_or_close(conn)
             await self._pool.putconn(conn)
+
+    async def _live_conn(self) -> ClosingConnection:
+        """A pooled work connection that answered an empty statement, within half of C (module
+        rules): a dead one is closed and handed back (the pool opens a replacement at once)
+        and the next is tried, without psycopg_pool's own check backoff (1 s, then 2 s, ...)."""
+        try:
+            async with asyncio.timeout(self._conn_s):
+                while True:
+                    conn = await self._pool.getconn()
+                    try:
+                        await conn.execute("")
+                    except (psycopg.Error, OSError):
+                        await conn.close()
+                        await self._pool.putconn(conn)
+                        continue
+                    except BaseException:
+                        await conn.close()
+                        await self._pool.putconn(conn)
+                        raise
+                    return conn
+        except TimeoutError as exc:
+            raise PoolTimeout(f"no live work session within {self._conn_s:.3g} s") from exc
 
     async def _rollback_or_close(self, conn: ClosingConnection) -> None:
         try:
