@@ -19,7 +19,7 @@ import orjson
 import psycopg
 import pytest
 
-from tests.cli.test_run import _DSN, ROOT, clean_digest, env_for, leftovers, ledger
+from tests.cli.test_run import _DSN, ROOT, clean_digest, env_for, ledger, leftovers
 from tests.cli.test_run import tmp as tmp
 
 pytestmark = pytest.mark.timeout(180)

@@ -38,7 +38,9 @@ async def terminate_all(admin: psycopg.AsyncConnection[tuple[object, ...]]) -> i
 async def gone(admin: psycopg.AsyncConnection[tuple[object, ...]], pids: set[int]) -> None:
     """Until none of `pids` is in pg_stat_activity any more (bounded)."""
     async with asyncio.timeout(10):
-        while await other_sessions(admin) & pids:
+        while True:
+            if not await other_sessions(admin) & pids:
+                return
             await asyncio.sleep(0.02)
 
 
