@@ -3,8 +3,10 @@
 Rules:
 - The SQL is §3's, verbatim, except the `picked` step of the claim (3.3), which finds the same
   rows in the same order with the same locks without walking held runs (docs/leases.md, "Claim
-  order"; migration 0004 adds its index); every method is one round trip (the group commit is
-  one pipeline), READ COMMITTED, autocommit unless written as a transaction.
+  order"; migration 0004 adds its index), and the reap (3.7), which also ends a
+  submitter-exclusive run whose submitter's node is gone (docs/leases.md, "Reap"); every
+  method is one round trip (the group commit is one pipeline), READ COMMITTED, autocommit
+  unless written as a transaction.
 - Connections (§5.3): a work pool (`:work`), a dedicated heartbeat connection (`:heartbeat`,
   statement timeout R) for renew and node registration, closed after any failure and
   reconnected by `reconnect_heartbeat()` (the node calls it right after an abandoned renewal)
@@ -482,12 +484,21 @@ UPDATE flyd.run_attempts a
 RETURNING a.run_id, a.lease_epoch;
 """
 
+# §3.7 with one more case (docs/leases.md, "Reap"): a submitter-exclusive run whose lease
+# expired while its submitter's node is gone (no registry row, `stopped`, or no heartbeat for
+# `stale` seconds) can be taken by no node, so it is failed `{error: "submitter gone"}`.
 REAP: Final = """
 WITH picked AS MATERIALIZED (
-  SELECT run_id, lease_expires_at AS prev_expiry, cancel_requested AS cancelled
-    FROM flyd.runs
+  SELECT run_id, lease_expires_at AS prev_expiry, cancel_requested AS cancelled,
+         attempt >= max_attempts AS exhausted
+    FROM flyd.runs r
    WHERE state = 'running' AND lease_expires_at <= flyd.app_now()
-     AND (attempt >= max_attempts OR cancel_requested)
+     AND (attempt >= max_attempts OR cancel_requested
+          OR (coalesce(spec -> 'exclusiveToSubmitter' = 'true'::jsonb, false)
+              AND NOT EXISTS (
+                SELECT 1 FROM flyd.nodes n
+                 WHERE n.node_id = r.owner_node AND n.state <> 'stopped'
+                   AND n.heartbeat_at > flyd.app_now() - make_interval(secs => %(stale)s))))
    ORDER BY run_id LIMIT %(n)s
    FOR UPDATE SKIP LOCKED
 ), dead AS (
@@ -495,8 +506,11 @@ WITH picked AS MATERIALIZED (
      SET state = CASE WHEN p.cancelled THEN 'cancelled' ELSE 'failed' END::flyd.run_state,
          lease_epoch = r.lease_epoch + 1, owner_node = NULL, lease_expires_at = NULL,
          finished_at = flyd.app_now(),
-         outcome = jsonb_build_object('reaped', CASE WHEN p.cancelled
-                     THEN 'cancel requested, holder gone' ELSE 'attempts exhausted' END)
+         outcome = CASE WHEN p.cancelled
+                        THEN jsonb_build_object('reaped', 'cancel requested, holder gone')
+                        WHEN p.exhausted
+                        THEN jsonb_build_object('reaped', 'attempts exhausted')
+                        ELSE jsonb_build_object('error', 'submitter gone') END
     FROM picked p
    WHERE r.run_id = p.run_id
   RETURNING r.run_id, r.lease_epoch, r.state, p.prev_expiry, p.cancelled
@@ -890,7 +904,8 @@ class PgStore:
 
     # -- §3.7 ------------------------------------------------------------------------------
     async def reap(self, n: int) -> list[Reaped]:
-        rows = await self._fetchall("reap", REAP, {"n": n})
+        rows = await self._fetchall("reap", REAP, {
+            "n": n, "stale": float(self._params.node_stale_after_s)})
         return [Reaped(run_id=int(r[0]), lease_epoch=int(r[1]),
                        state=cast(TerminalState, str(r[2]))) for r in rows]
 
