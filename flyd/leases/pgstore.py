@@ -15,10 +15,11 @@ Rules:
   when it opens, so an unknown commit names the session to end (§3.10).
 - A work call first takes a live session: a pooled one that answers an empty statement. A dead
   one (a PostgreSQL blip ended it) is closed and handed back, the pool opens a replacement at
-  once, and the next is tried. Taking a session is bounded by half of C and, when that runs
-  out, is `Transient` (`PoolTimeout`, nothing was sent): the node's own bound on a commit is C
-  as well, so without the shorter bound a commit still waiting for the pool to reconnect would
-  end on the node's bound, an unknown outcome with no backend, and count as a lost lease.
+  once, and the next is tried. Taking a session is bounded by half of C (never more than the
+  call's own bound) and, when that runs out, is `Transient` (`PoolTimeout`, nothing was sent):
+  the node's own bound on a commit is C in loop time, unscaled, so without the shorter bound a
+  commit still waiting for the pool to reconnect would end on the node's bound, an unknown
+  outcome with no backend, and count as a lost lease.
 - Errors are classified by `sqlstate`, never by message text: LF001..LF004 map to their typed
   errors; 23505 on `effects_pkey` is classified by reading the existing rows in a new call
   after the failed transaction was rolled back (§6.4); any other server error with the
@@ -603,7 +604,7 @@ class PgStore:
         self._params = params
         scale = settings.time_scale
         self._call_s = _bound_s(params.commit_timeout_s, scale)
-        self._conn_s = self._call_s / 2
+        self._conn_s = min(self._call_s, params.commit_timeout_s / 2)
         self._renew_s = _bound_s(params.renew_timeout_s, scale)
         self._pool: AsyncConnectionPool[ClosingConnection] = AsyncConnectionPool(
             conninfo(dsn, node_id, "work", settings),
