@@ -19,7 +19,11 @@ Rules:
   call's own bound) and, when that runs out, is `Transient` (`PoolTimeout`, nothing was sent):
   the node's own bound on a commit is C in loop time, unscaled, so without the shorter bound a
   commit still waiting for the pool to reconnect would end on the node's bound, an unknown
-  outcome with no backend, and count as a lost lease.
+  outcome with no backend, and count as a lost lease. Likewise a heartbeat statement that
+  finds its (reused) session lost is sent once more on a new session within its bound R:
+  otherwise a session reconnected during a blip and ended by the blip's next round would
+  cost the next renewal too, and renewals one H apart could each meet a dead session until
+  the holds pass safe_until.
 - Errors are classified by `sqlstate`, never by message text: LF001..LF004 map to their typed
   errors; 23505 on `effects_pkey` is classified by reading the existing rows in a new call
   after the failed transaction was rolled back (§6.4); any other server error with the
@@ -123,7 +127,7 @@ from flyd.leases.store import (
 )
 from flyd.leases.store import Commit as CommitRequest
 
-__all__ = ["DbSettings", "PgStore", "Role", "classify", "conninfo"]
+__all__ = ["DbSettings", "PgStore", "Role", "classify", "conninfo", "session_lost"]
 
 T = TypeVar("T")
 Role = Literal["work", "heartbeat", "listen"]
@@ -253,6 +257,16 @@ def conninfo(dsn: str, node_id: str, role: Role, settings: DbSettings,
 
 # --------------------------------------------------------------------------------------------
 # Error classification
+
+
+def session_lost(exc: BaseException) -> bool:
+    """The session ended or never answered: class 08 and 57P01..57P03 (the server ended it), a
+    client-side error without a SQLSTATE, a broken socket, a bound that ran out. A server
+    error on a live session is not: repeating the statement would fail the same way."""
+    if isinstance(exc, psycopg.Error):
+        state = exc.sqlstate
+        return state is None or state.startswith("08") or state in LOST_SESSION
+    return isinstance(exc, TimeoutError | OSError)
 
 
 def classify(exc: BaseException, *, sent: bool, backend: Backend | None,
@@ -724,20 +738,31 @@ class PgStore:
     async def _heartbeat_call(self, what: str, query: str,
                               params: Mapping[str, Any]) -> list[TupleRow]:
         """One statement on the heartbeat session, bounded by R including a reconnect; any
-        failure closes the session, the next call reconnects."""
+        failure closes the session, the next call reconnects. A session that was already
+        open and turns out lost (a blip ended it while idle) is replaced and the statement
+        sent once more within the same bound: renew and registration are idempotent, and a
+        renewal's `t_send` precedes both sends, so the safe_until it yields stays safe."""
         sent = False
         try:
             async with asyncio.timeout(self._renew_s):
                 async with self._heartbeat_lock:
-                    conn = await self._heartbeat_session()
-                    try:
-                        sent = True
-                        cur = await conn.execute(query, params)
-                        return await cur.fetchall() if cur.description is not None else []
-                    except BaseException:
-                        self._heartbeat = None
-                        await conn.close()
-                        raise
+                    for reused in (True, False):
+                        before = self._heartbeat
+                        conn = await self._heartbeat_session()
+                        try:
+                            sent = True
+                            cur = await conn.execute(query, params)
+                            return await cur.fetchall() if cur.description is not None else []
+                        except psycopg.Error as exc:
+                            self._heartbeat = None
+                            await conn.close()
+                            if not (reused and conn is before and session_lost(exc)):
+                                raise
+                        except BaseException:
+                            self._heartbeat = None
+                            await conn.close()
+                            raise
+                    raise AssertionError("unreachable: the second send returns or raises")
         except (psycopg.Error, TimeoutError, OSError) as exc:
             raise classify(exc, sent=sent, backend=None, what=what) from exc
 

@@ -6,10 +6,8 @@ read at once, and that one failed read would throw away a grant's head read, a r
 or `flyd run`'s end-of-run poll, although the database answers again a moment later.
 
 Rules:
-- `session_lost(exc)` says whether a failure means the session is gone or never answered: class
-  08 and 57P01..57P03 (the server ended the session), a client-side error without a SQLSTATE, a
-  broken socket, a bound that ran out. A server error on a live session is not: repeating the
-  statement would fail the same way.
+- `session_lost(exc)` (the lease store's) says whether a failure means the session is gone or
+  never answered; a server error on a live session is not, and is never repeated.
 - `ReadConnection.read(op, what)` runs `op` on one long-lived autocommit connection (opened
   lazily; closed after any failure, so the next use reconnects). While the session is lost it
   reconnects and repeats `op`, `BACKOFF_S` doubling to `BACKOFF_MAX_S` apart, until `within_s`
@@ -30,7 +28,7 @@ from typing import Final, TypeVar
 import psycopg
 import structlog
 
-from flyd.leases.pgstore import LOST_SESSION, ClosingConnection
+from flyd.leases.pgstore import ClosingConnection, session_lost
 
 __all__ = ["BACKOFF_MAX_S", "BACKOFF_S", "ReadConnection", "session_lost"]
 
@@ -40,14 +38,6 @@ BACKOFF_S: Final = 0.05
 BACKOFF_MAX_S: Final = 1.0
 
 log = structlog.get_logger("flyd.leases.reconnect")
-
-
-def session_lost(exc: BaseException) -> bool:
-    """The session ended or never answered (module rules); False for a server's own error."""
-    if isinstance(exc, psycopg.Error):
-        state = exc.sqlstate
-        return state is None or state.startswith("08") or state in LOST_SESSION
-    return isinstance(exc, TimeoutError | OSError)
 
 
 class ReadConnection:

@@ -10,7 +10,7 @@ import psycopg
 import pytest
 
 from flyd.leases.params import LeaseParams
-from flyd.leases.store import Commit, Effect, Transient
+from flyd.leases.store import Commit, Effect, Held, Transient
 from tests.state.conftest import NODE, RunCtx, make_job
 
 TERMINATE = """
@@ -102,3 +102,24 @@ async def test_a_commit_without_a_live_session_is_transient_within_the_nodes_bou
     cur = await admin.execute("SELECT count(*) FROM flyd.effects WHERE run_id = %s",
                               (ctx.run_id,))
     assert await cur.fetchone() == (1,)
+
+
+async def test_a_renewal_outlives_a_heartbeat_session_ended_while_idle(
+        claimed_run: RunCtx) -> None:
+    """A blip ends the heartbeat session between renewals: the next renewal is sent again on
+    a new session within its bound R and acknowledged, instead of an unknown renewal."""
+    ctx = claimed_run
+    assert ctx.admin is not None
+    held = [Held(ctx.run_id, ctx.lease_epoch)]
+    [first] = await ctx.lease.renew(NODE, held, 60.0)
+    cur = await ctx.admin.execute(
+        "SELECT pid FROM pg_stat_activity WHERE application_name = %s",
+        (f"flyd:{NODE}:heartbeat",))
+    pids = {int(str(r[0])) for r in await cur.fetchall()}
+    assert len(pids) == 1, "the heartbeat session is open"
+    cur = await ctx.admin.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                                  "WHERE pid = ANY(%s)", (list(pids),))
+    assert await cur.fetchall() == [(True,)]
+    await gone(ctx.admin, pids)
+    [again] = await ctx.lease.renew(NODE, held, 60.0)
+    assert (again.run_id, again.lease_epoch) == (first.run_id, first.lease_epoch)
