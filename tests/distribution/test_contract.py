@@ -441,9 +441,16 @@ async def test_contract_heartbeat_reconnect(h: Harness) -> None:
                     "AND datname = current_database()")   # tests in parallel share the name
         (old,) = await (await h.admin.execute(sessions, (app,))).fetchall()
         await h.admin.execute("SELECT pg_terminate_backend(%s, 5000)", (old[0],))
+        # a session ended while idle: the renewal is sent again on a new one (issue 23)
+        assert [x.run_id for x in await h.store.renew(A, [Held(r, 1)], 5.0)] == [r]
+        (old,) = await (await h.admin.execute(sessions, (app,))).fetchall()
         with pytest.raises(StoreError):
-            await h.store.renew(A, [Held(r, 1)], 5.0)    # the session is gone: closed
-        assert await (await h.admin.execute(sessions, (app,))).fetchall() == []
+            await h.store.renew(A, [Held(r, 1)], 1e308)  # a server error: closed, not resent
+        async with asyncio.timeout(5):                   # the server ends the closed session
+            while True:
+                if not await (await h.admin.execute(sessions, (app,))).fetchall():
+                    break
+                await asyncio.sleep(0.02)
         await h.store.reconnect_heartbeat()
         (new,) = await (await h.admin.execute(sessions, (app,))).fetchall()
         assert new[0] != old[0]                          # a new session, before any renewal
