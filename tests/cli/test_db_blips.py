@@ -24,7 +24,7 @@ from tests.cli.test_run import tmp as tmp
 
 pytestmark = pytest.mark.timeout(180)
 
-STEPS = 600
+STEPS = 1500
 BURST_S = 2.0
 BURST_EVERY_S = 0.15
 
