@@ -38,6 +38,12 @@ Sequence:
 Decisions:
 - The guard of restore precondition 4 is the runtime's own (every commit checks it); a lost
   lease cancels this task through the scope, never through recovery.
+- A router death never costs a recovery attempt: an attempt reconnects first (§8.2 step 0)
+  when any of the coordinator's, the node's or the launcher's connection is closed, and an
+  attempt that fails while one of them is closed (the router died during it) is given back
+  (`recovery.attempt_interrupted`) and started again once the router is back. Routers killed
+  in a burst therefore never end a run "recovery attempts exhausted"; a router that does not
+  come back within `durable_timeout_s` abandons the run locally, as before.
 - A recovery that cannot drain the writer within `durable_timeout_s` abandons the run locally
   (`recovery.abandoned_run`): the task returns without ending the run and the runtime
   relinquishes it; the next holder resumes from the head.
@@ -441,6 +447,12 @@ class GrantSession:
                     exc, self._coordinator().phase.label, "restore", None)
             else:
                 return False
+            if self._router_lost():
+                self.budget.refund()
+                self._rlog().warning("recovery.attempt_interrupted", attempt=attempt,
+                                     code=str(last.code), message=last.message,
+                                     participant=last.participant)
+                continue
             backoff = self.budget.failed()
             self._rlog().warning("recovery.attempt_failed", attempt=attempt, code=str(last.code),
                              message=last.message, participant=last.participant,
@@ -480,8 +492,16 @@ class GrantSession:
         self.fresh_launcher = True
         self._rlog().info("recovery.reconnected", router_id=None, sessions=1)
 
+    def _router_lost(self) -> bool:
+        """A connection recovery needs is closed: the coordinator's client, the node's, or the
+        one the launcher was opened with. A router death closes them all, in whatever order
+        their readers notice, so any one of them closed means the router is gone."""
+        launcher = self.launcher
+        return (self.ex.coordinator_client(self.run_id).closed or self.ex.node.closed
+                or (launcher is not None and launcher.node.closed))
+
     async def _attempt(self, attempt: int, failure: SessionFailure) -> None:
-        if self.ex.coordinator_client(self.run_id).closed:
+        if self._router_lost():
             await self._reconnect()
         durability = self._durability()
         writer = durability.writer

@@ -25,6 +25,12 @@ Decisions:
 - `--trace PATH` writes the behaviour records (canonical JSON, one line each), also for a
   failed run; the file is created (truncated) before anything starts, so an unwritable path is
   `USAGE` (exit 2).
+- The end-of-run poll and the summary's reads use a connection of their own that reconnects
+  (`flyd.leases.reconnect`): a PostgreSQL blip that ends it is retried, never a crash that
+  would leave the run `running`. A poll that still fails after `POLL_READ_S` is logged
+  (`run.poll_failed`) and tried again at the next poll; the cancel request of a SIGINT is sent
+  again at each poll until it is acknowledged. When the summary's ledger reads still fail after
+  `SUMMARY_READ_S`, the summary is built from what this node saw (`run.summary_read_failed`).
 - Human summary and progress go to stderr (cli.md §1); with `--json` the summary is the only
   stdout output.
 - Progress: on a TTY a one-line bar on stderr, redrawn at most every 0.1 s; otherwise a
@@ -47,6 +53,7 @@ import sys
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any, Final
 
@@ -59,6 +66,8 @@ from flyd.executor import RunReport
 from flyd.identities import new_node_id
 from flyd.leases import queries
 from flyd.leases.migrate import MigrationError
+from flyd.leases.pgstore import ClosingConnection
+from flyd.leases.reconnect import ReadConnection
 from flyd.leases.store import TERMINAL, StoreError
 from flyd.node import NodeProcess, NodeSetup, NodeStartError
 from flyd.router_child import RouterStartError, choose_socket
@@ -76,6 +85,8 @@ EXIT_INTERRUPTED: Final = 130
 EXIT_TERMINATED: Final = 143
 EPOCH: Final = "e1"
 POLL_S: Final = 0.2
+POLL_READ_S: Final = 5.0
+SUMMARY_READ_S: Final = 30.0
 PROGRESS_LOG_S: Final = 5.0
 BAR_REDRAW_S: Final = 0.1
 ACTOR: Final = "flyd run"
@@ -304,8 +315,13 @@ async def run_session(opts: RunOptions) -> int:
             return _error(opts, "CONFIG", getattr(exc, "message", None) or str(exc))
         run_id, report, row = await _execute(node, spec, int(config.value(
             "leases", "max_attempts")), signals, setup.config.leases.drain_timeout_s)
-        effects = await _read_effects(node.dsn, run_id)
-        checkpoints = await _count_checkpoints(node.dsn, run_id)
+        try:
+            effects = await _read_effects(node.dsn, run_id)
+            checkpoints = await _count_checkpoints(node.dsn, run_id)
+        except (psycopg.Error, TimeoutError, OSError) as exc:
+            log.error("run.summary_read_failed", run=run_id,
+                      error=f"{type(exc).__name__}: {exc}")
+            effects, checkpoints = [], 0
     finally:
         signals.remove()
         await node.close()
@@ -346,40 +362,63 @@ async def _execute(node: NodeProcess, spec: RunSpec, max_attempts: int, signals:
 async def _await_end(node: NodeProcess, run_id: int, signals: _Signals,
                      serving: asyncio.Task[int], drain_s: float) -> dict[str, Any] | None:
     """Poll the run row until it is terminal; a SIGINT cancels it (waiting at most `drain_s`),
-    a second signal or the runtime's own end stops waiting."""
+    a second signal or the runtime's own end stops waiting. A poll or cancel request that
+    meets a lost database session is tried again at the next poll (module decisions)."""
     assert node.store is not None
     cancel_deadline: float | None = None
-    async with await psycopg.AsyncConnection.connect(node.dsn, autocommit=True) as conn:
+    cancel_sent = False
+    row: dict[str, Any] | None = None
+    reads = ReadConnection(node.dsn, within_s=POLL_READ_S)
+    try:
         while True:
-            row = await queries.run_row(conn, run_id)
+            try:
+                row = await reads.read(partial(queries.run_row, run_id=run_id), "poll run")
+            except (psycopg.Error, TimeoutError, OSError) as exc:
+                log.warning("run.poll_failed", run=run_id, error=f"{type(exc).__name__}: {exc}")
             if row is not None and row["state"] in TERMINAL:
                 return row
             if signals.abandon.is_set() or serving.done():
                 return row
             if signals.cancel.is_set() and cancel_deadline is None:
-                await node.store.cancel(run_id, ACTOR)
                 cancel_deadline = time.monotonic() + drain_s
+            if cancel_deadline is not None and not cancel_sent:
+                try:
+                    await node.store.cancel(run_id, ACTOR)
+                    cancel_sent = True
+                except StoreError as exc:
+                    log.warning("run.cancel_failed", run=run_id, error=exc.message)
             if cancel_deadline is not None and time.monotonic() > cancel_deadline:
                 log.warning("run.cancel_timeout", run=run_id, waited_s=drain_s)
                 return row
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(POLL_S):
                     await signals.abandon.wait()
+    finally:
+        await reads.close()
 
 
 async def _read_effects(dsn: str, run_id: int) -> list[dict[str, Any]]:
-    async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
-        return await queries.effects(conn, run_id)
+    reads = ReadConnection(dsn, within_s=SUMMARY_READ_S)
+    try:
+        return await reads.read(partial(queries.effects, run_id=run_id), "read effects")
+    finally:
+        await reads.close()
 
 
 async def _count_checkpoints(dsn: str, run_id: int) -> int:
     """Generations the run committed: distinct checkpoint ids its effects and head name."""
-    async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
+    async def op(conn: ClosingConnection) -> int:
         cur = await conn.execute(
             "SELECT count(DISTINCT checkpoint_id) FROM flyd.effects "
             "WHERE run_id = %(run)s AND checkpoint_id IS NOT NULL", {"run": run_id})
         found = await cur.fetchone()
         return int(found[0]) if found is not None else 0
+
+    reads = ReadConnection(dsn, within_s=SUMMARY_READ_S)
+    try:
+        return await reads.read(op, "count checkpoints")
+    finally:
+        await reads.close()
 
 
 def _summary(spec: RunSpec, run_id: int, row: dict[str, Any] | None, report: RunReport | None,

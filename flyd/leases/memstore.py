@@ -37,6 +37,11 @@ Rules reproduced from the migrations and statements:
   (or repeated in the commit) is classified as §6.4 reads the stored rows: the first key with
   another digest is a `ConflictingEffect`, else the first a `DuplicateEffect`, naming the
   stored row's epoch and digest.
+- The reap (§3.7 as `PgStore` sends it) also ends a running submitter-exclusive run whose lease
+  expired while its owner (the submitter's node) has no registry row, is `stopped`, or has not
+  beaten for `node_stale_after_s` (a constructor argument, default `LeaseParams`'): `failed`,
+  `{error: "submitter gone"}`, unless a cancel was asked (`cancelled`) or its attempts were
+  exhausted (that outcome).
 - A statement PostgreSQL would refuse for another reason (a CHECK constraint, a duplicate
   checkpoint id) raises `Transient`: a server error, nothing committed.
 """
@@ -52,6 +57,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any, Final
 
+from flyd.leases.params import LeaseParams
 from flyd.leases.store import (
     TERMINAL,
     Backend,
@@ -246,9 +252,11 @@ class MemStore:
     """The §3 statements over in-memory tables at the instants `now()` returns."""
 
     def __init__(self, now: Callable[[], float], *, idle_in_transaction_timeout_s: float = 1.5,
-                 epoch_base: datetime = DEFAULT_EPOCH_BASE) -> None:
+                 epoch_base: datetime = DEFAULT_EPOCH_BASE,
+                 node_stale_after_s: float = LeaseParams().node_stale_after_s) -> None:
         self._now = now
         self.idle_in_transaction_timeout_s = idle_in_transaction_timeout_s
+        self.node_stale_after_s = node_stale_after_s
         self.epoch_base = epoch_base
         self._runs: dict[int, RunRow] = {}
         self._by_key: dict[str, int] = {}
@@ -473,7 +481,8 @@ class MemStore:
             r = self._runs[run_id]
             if (r.state == "running" and r.lease_expires_at is not None
                     and r.lease_expires_at <= now
-                    and (r.attempt >= r.max_attempts or r.cancel_requested)
+                    and (r.attempt >= r.max_attempts or r.cancel_requested
+                         or self._submitter_gone(r, now))
                     and not self._key_share_locked(run_id) and not self._row_locked(run_id)):
                 picked.append(r)
         out: list[Reaped] = []
@@ -486,8 +495,12 @@ class MemStore:
             r.owner_node = None
             r.lease_expires_at = None
             r.finished_at = now
-            r.outcome = {"reaped": "cancel requested, holder gone" if cancelled
-                         else "attempts exhausted"}
+            if cancelled:
+                r.outcome = {"reaped": "cancel requested, holder gone"}
+            elif r.attempt >= r.max_attempts:
+                r.outcome = {"reaped": "attempts exhausted"}
+            else:
+                r.outcome = {"error": "submitter gone"}
             a = self._attempts.get((r.run_id, r.lease_epoch - 1))
             if a is None:
                 continue
@@ -495,6 +508,15 @@ class MemStore:
             a.end_reason = "cancelled" if cancelled else "exhausted"
             out.append(Reaped(run_id=r.run_id, lease_epoch=r.lease_epoch, state=state))
         return out
+
+    def _submitter_gone(self, r: RunRow, now: float) -> bool:
+        """3.7's added case: an exclusive run whose owner has no registry row, is `stopped`
+        or has not beaten for `node_stale_after_s`."""
+        if not self._exclusive(r.spec):
+            return False
+        node = self._nodes.get(r.owner_node) if r.owner_node is not None else None
+        return (node is None or node.state == "stopped"
+                or node.heartbeat_at <= now - self.node_stale_after_s)
 
     async def cancel(self, run_id: int, actor: str) -> Cancelled | None:
         now = self._tick()

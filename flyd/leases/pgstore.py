@@ -3,14 +3,27 @@
 Rules:
 - The SQL is §3's, verbatim, except the `picked` step of the claim (3.3), which finds the same
   rows in the same order with the same locks without walking held runs (docs/leases.md, "Claim
-  order"; migration 0004 adds its index); every method is one round trip (the group commit is
-  one pipeline), READ COMMITTED, autocommit unless written as a transaction.
+  order"; migration 0004 adds its index), and the reap (3.7), which also ends a
+  submitter-exclusive run whose submitter's node is gone (docs/leases.md, "Reap"); every
+  method is one round trip (the group commit is one pipeline), READ COMMITTED, autocommit
+  unless written as a transaction.
 - Connections (§5.3): a work pool (`:work`), a dedicated heartbeat connection (`:heartbeat`,
   statement timeout R) for renew and node registration, closed after any failure and
   reconnected by `reconnect_heartbeat()` (the node calls it right after an abandoned renewal)
   or, failing that, lazily by the next call, and a dedicated listener connection (`:listen`)
   per `listen()` iterator. Each work connection records its `Backend` (pid, backend_start)
   when it opens, so an unknown commit names the session to end (§3.10).
+- A work call first takes a live session: a pooled one that answers an empty statement. A dead
+  one (a PostgreSQL blip ended it) is closed and handed back, the pool opens a replacement at
+  once, and the next is tried. Taking a session is bounded by half of C (never more than the
+  call's own bound) and, when that runs out, is `Transient` (`PoolTimeout`, nothing was sent):
+  the node's own bound on a commit is C in loop time, unscaled, so without the shorter bound a
+  commit still waiting for the pool to reconnect would end on the node's bound, an unknown
+  outcome with no backend, and count as a lost lease. Likewise a heartbeat statement that
+  finds its (reused) session lost is sent once more on a new session within its bound R:
+  otherwise a session reconnected during a blip and ended by the blip's next round would
+  cost the next renewal too, and renewals one H apart could each meet a dead session until
+  the holds pass safe_until.
 - Errors are classified by `sqlstate`, never by message text: LF001..LF004 map to their typed
   errors; 23505 on `effects_pkey` is classified by reading the existing rows in a new call
   after the failed transaction was rolled back (§6.4); any other server error with the
@@ -114,7 +127,7 @@ from flyd.leases.store import (
 )
 from flyd.leases.store import Commit as CommitRequest
 
-__all__ = ["DbSettings", "PgStore", "Role", "classify", "conninfo"]
+__all__ = ["DbSettings", "PgStore", "Role", "classify", "conninfo", "session_lost"]
 
 T = TypeVar("T")
 Role = Literal["work", "heartbeat", "listen"]
@@ -244,6 +257,16 @@ def conninfo(dsn: str, node_id: str, role: Role, settings: DbSettings,
 
 # --------------------------------------------------------------------------------------------
 # Error classification
+
+
+def session_lost(exc: BaseException) -> bool:
+    """The session ended or never answered: class 08 and 57P01..57P03 (the server ended it), a
+    client-side error without a SQLSTATE, a broken socket, a bound that ran out. A server
+    error on a live session is not: repeating the statement would fail the same way."""
+    if isinstance(exc, psycopg.Error):
+        state = exc.sqlstate
+        return state is None or state.startswith("08") or state in LOST_SESSION
+    return isinstance(exc, TimeoutError | OSError)
 
 
 def classify(exc: BaseException, *, sent: bool, backend: Backend | None,
@@ -480,12 +503,21 @@ UPDATE flyd.run_attempts a
 RETURNING a.run_id, a.lease_epoch;
 """
 
+# §3.7 with one more case (docs/leases.md, "Reap"): a submitter-exclusive run whose lease
+# expired while its submitter's node is gone (no registry row, `stopped`, or no heartbeat for
+# `stale` seconds) can be taken by no node, so it is failed `{error: "submitter gone"}`.
 REAP: Final = """
 WITH picked AS MATERIALIZED (
-  SELECT run_id, lease_expires_at AS prev_expiry, cancel_requested AS cancelled
-    FROM flyd.runs
+  SELECT run_id, lease_expires_at AS prev_expiry, cancel_requested AS cancelled,
+         attempt >= max_attempts AS exhausted
+    FROM flyd.runs r
    WHERE state = 'running' AND lease_expires_at <= flyd.app_now()
-     AND (attempt >= max_attempts OR cancel_requested)
+     AND (attempt >= max_attempts OR cancel_requested
+          OR (coalesce(spec -> 'exclusiveToSubmitter' = 'true'::jsonb, false)
+              AND NOT EXISTS (
+                SELECT 1 FROM flyd.nodes n
+                 WHERE n.node_id = r.owner_node AND n.state <> 'stopped'
+                   AND n.heartbeat_at > flyd.app_now() - make_interval(secs => %(stale)s))))
    ORDER BY run_id LIMIT %(n)s
    FOR UPDATE SKIP LOCKED
 ), dead AS (
@@ -493,8 +525,11 @@ WITH picked AS MATERIALIZED (
      SET state = CASE WHEN p.cancelled THEN 'cancelled' ELSE 'failed' END::flyd.run_state,
          lease_epoch = r.lease_epoch + 1, owner_node = NULL, lease_expires_at = NULL,
          finished_at = flyd.app_now(),
-         outcome = jsonb_build_object('reaped', CASE WHEN p.cancelled
-                     THEN 'cancel requested, holder gone' ELSE 'attempts exhausted' END)
+         outcome = CASE WHEN p.cancelled
+                        THEN jsonb_build_object('reaped', 'cancel requested, holder gone')
+                        WHEN p.exhausted
+                        THEN jsonb_build_object('reaped', 'attempts exhausted')
+                        ELSE jsonb_build_object('error', 'submitter gone') END
     FROM picked p
    WHERE r.run_id = p.run_id
   RETURNING r.run_id, r.lease_epoch, r.state, p.prev_expiry, p.cancelled
@@ -587,6 +622,7 @@ class PgStore:
         self._params = params
         scale = settings.time_scale
         self._call_s = _bound_s(params.commit_timeout_s, scale)
+        self._conn_s = min(self._call_s, params.commit_timeout_s / 2)
         self._renew_s = _bound_s(params.renew_timeout_s, scale)
         self._pool: AsyncConnectionPool[ClosingConnection] = AsyncConnectionPool(
             conninfo(dsn, node_id, "work", settings),
@@ -594,7 +630,6 @@ class PgStore:
             min_size=2,
             max_size=capacity + 3,
             open=False,
-            check=AsyncConnectionPool.check_connection,
             configure=_record_backend,
             kwargs={"autocommit": True},
             name=f"flyd:{node_id}:work",
@@ -634,7 +669,7 @@ class PgStore:
     async def _work_conn(self) -> AsyncIterator[ClosingConnection]:
         """A pooled work connection; closed instead of returned when the call did not end
         cleanly (timeout, cancellation, lost session)."""
-        conn = await self._pool.getconn()
+        conn = await self._live_conn()
         clean = False
         try:
             yield conn
@@ -648,6 +683,28 @@ class PgStore:
             elif clean and conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
                 await self._rollback_or_close(conn)
             await self._pool.putconn(conn)
+
+    async def _live_conn(self) -> ClosingConnection:
+        """A pooled work connection that answered an empty statement, within half of C (module
+        rules): a dead one is closed and handed back (the pool opens a replacement at once)
+        and the next is tried, without psycopg_pool's own check backoff (1 s, then 2 s, ...)."""
+        try:
+            async with asyncio.timeout(self._conn_s):
+                while True:
+                    conn = await self._pool.getconn()
+                    try:
+                        await conn.execute("")
+                    except (psycopg.Error, OSError):
+                        await conn.close()
+                        await self._pool.putconn(conn)
+                        continue
+                    except BaseException:
+                        await conn.close()
+                        await self._pool.putconn(conn)
+                        raise
+                    return conn
+        except TimeoutError as exc:
+            raise PoolTimeout(f"no live work session within {self._conn_s:.3g} s") from exc
 
     async def _rollback_or_close(self, conn: ClosingConnection) -> None:
         try:
@@ -685,20 +742,31 @@ class PgStore:
     async def _heartbeat_call(self, what: str, query: str,
                               params: Mapping[str, Any]) -> list[TupleRow]:
         """One statement on the heartbeat session, bounded by R including a reconnect; any
-        failure closes the session, the next call reconnects."""
+        failure closes the session, the next call reconnects. A session that was already
+        open and turns out lost (a blip ended it while idle) is replaced and the statement
+        sent once more within the same bound: renew and registration are idempotent, and a
+        renewal's `t_send` precedes both sends, so the safe_until it yields stays safe."""
         sent = False
         try:
             async with asyncio.timeout(self._renew_s):
                 async with self._heartbeat_lock:
-                    conn = await self._heartbeat_session()
-                    try:
-                        sent = True
-                        cur = await conn.execute(query, params)
-                        return await cur.fetchall() if cur.description is not None else []
-                    except BaseException:
-                        self._heartbeat = None
-                        await conn.close()
-                        raise
+                    for reused in (True, False):
+                        before = self._heartbeat
+                        conn = await self._heartbeat_session()
+                        try:
+                            sent = True
+                            cur = await conn.execute(query, params)
+                            return await cur.fetchall() if cur.description is not None else []
+                        except psycopg.Error as exc:
+                            self._heartbeat = None
+                            await conn.close()
+                            if not (reused and conn is before and session_lost(exc)):
+                                raise
+                        except BaseException:
+                            self._heartbeat = None
+                            await conn.close()
+                            raise
+                    raise AssertionError("unreachable: the second send returns or raises")
         except (psycopg.Error, TimeoutError, OSError) as exc:
             raise classify(exc, sent=sent, backend=None, what=what) from exc
 
@@ -867,7 +935,8 @@ class PgStore:
 
     # -- §3.7 ------------------------------------------------------------------------------
     async def reap(self, n: int) -> list[Reaped]:
-        rows = await self._fetchall("reap", REAP, {"n": n})
+        rows = await self._fetchall("reap", REAP, {
+            "n": n, "stale": float(self._params.node_stale_after_s)})
         return [Reaped(run_id=int(r[0]), lease_epoch=int(r[1]),
                        state=cast(TerminalState, str(r[2]))) for r in rows]
 

@@ -8,7 +8,8 @@ Rules:
   cancellation or a drain (the caller never asks then).
 - `start()` begins an attempt: `attempt += 1`; past `max_attempts` → `Exhausted`. Attempts count
   consecutive recoveries without a durable commit between them: `committed()` (a `Committed`
-  outcome after a resume) resets the count and the backoff.
+  outcome after a resume) resets the count and the backoff. `refund()` gives back an attempt
+  interrupted by a router death (the grant session reconnects and starts it again).
 - Backoff before a retry of a failed attempt: `recovery_backoff_s`, doubling per failed attempt up
   to `recovery_backoff_max_s`.
 - Permanent (§8.2 step 9): `INCOMPATIBLE_STATE` from the restore's preconditions 5–7, a stage or
@@ -54,6 +55,11 @@ class RecoveryBudget:
         delay = self._next_backoff
         self._next_backoff = min(self._next_backoff * 2, self.backoff_max_s)
         return delay
+
+    def refund(self) -> None:
+        """The attempt was interrupted by something recovery itself repairs (a router death):
+        it does not count, and the backoff does not grow."""
+        self.attempt = max(0, self.attempt - 1)
 
     def resumed(self) -> None:
         """The attempt succeeded: the session steps again."""

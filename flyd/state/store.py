@@ -44,11 +44,14 @@ Decisions where the spec is silent:
   the path reports them; the path has already failed the run (the node's `Scope` does, and so
   does `DirectCommitPath`).
 - `PgCheckpointStore` uses one connection of its own (autocommit, opened lazily, closed after
-  any failure) for reads, the §3.10 read, ending a backend and imports; every call is bounded
-  by `timeout_s`. Database failures are `BACKEND_FAILURE`/`unknown`. Its connections are the
-  lease store's `ClosingConnection`: a call cancelled mid-query (its bound, or a lost lease
-  cancelling the grant) closes the socket at once instead of waiting up to 10 s for a
-  server-side cancel that an unreachable server never answers.
+  any failure) for reads, the §3.10 read and ending a backend, and a connection per import;
+  every call is bounded by `timeout_s`. Those statements are idempotent, so while the session
+  is lost (a PostgreSQL blip ended it, `flyd.leases.reconnect`) a call reconnects and repeats
+  its statement within that bound: a connection left stale by a blip never fails a grant's
+  first head read or a recovery's read. Database failures are `BACKEND_FAILURE`/`unknown`.
+  Its connections are the lease store's `ClosingConnection`: a call cancelled mid-query (its
+  bound, or a lost lease cancelling the grant) closes the socket at once instead of waiting up
+  to 10 s for a server-side cancel that an unreachable server never answers.
 - `MemoryCheckpointStore` reads the in-memory lease store's tables through `MemStore.dump()`;
   it has no `import_envelope` (the in-memory lease store has no lease-epoch-0 write path).
 - An import inserts the row with node id `import`; the run's spec gains
@@ -76,6 +79,7 @@ from flyd.leases import pgstore as sql
 from flyd.leases.core import LeaseLost
 from flyd.leases.memstore import MemStore
 from flyd.leases.node import finish_effect
+from flyd.leases.reconnect import ReadConnection
 from flyd.leases.resolve import decide
 from flyd.leases.store import (
     Backend,
@@ -647,29 +651,21 @@ class PgCheckpointStore(_Base):
         super().__init__()
         self._dsn = dsn
         self._timeout_s = timeout_s
-        self._conn: sql.ClosingConnection | None = None
-        self._lock = asyncio.Lock()
+        self._reads = ReadConnection(dsn, within_s=timeout_s)
 
     async def close(self) -> None:
-        conn, self._conn = self._conn, None
-        if conn is not None:
-            await conn.close()
+        await self._reads.close()
 
     async def _fetch(self, what: str, query: str, params: Mapping[str, Any], *,
                      binary: bool = False) -> list[Any]:
+        """An idempotent statement (every caller's is a read, or ends a backend), repeated on
+        a new connection while the session is lost, within `timeout_s` (module rules)."""
+        async def op(conn: sql.ClosingConnection) -> list[Any]:
+            cur = await conn.execute(query, params, binary=binary)
+            return await cur.fetchall() if cur.description is not None else []
+
         try:
-            async with asyncio.timeout(self._timeout_s), self._lock:
-                if self._conn is None or self._conn.closed:
-                    self._conn = await sql.ClosingConnection.connect(self._dsn,
-                                                                     autocommit=True)
-                conn = self._conn
-                try:
-                    cur = await conn.execute(query, params, binary=binary)
-                    return await cur.fetchall() if cur.description is not None else []
-                except BaseException:
-                    self._conn = None
-                    await conn.close()
-                    raise
+            return await self._reads.read(op, what)
         except (psycopg.Error, TimeoutError, OSError) as exc:
             raise _backend_failure(what, exc) from exc
 

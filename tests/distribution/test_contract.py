@@ -441,9 +441,16 @@ async def test_contract_heartbeat_reconnect(h: Harness) -> None:
                     "AND datname = current_database()")   # tests in parallel share the name
         (old,) = await (await h.admin.execute(sessions, (app,))).fetchall()
         await h.admin.execute("SELECT pg_terminate_backend(%s, 5000)", (old[0],))
+        # a session ended while idle: the renewal is sent again on a new one (issue 23)
+        assert [x.run_id for x in await h.store.renew(A, [Held(r, 1)], 5.0)] == [r]
+        (old,) = await (await h.admin.execute(sessions, (app,))).fetchall()
         with pytest.raises(StoreError):
-            await h.store.renew(A, [Held(r, 1)], 5.0)    # the session is gone: closed
-        assert await (await h.admin.execute(sessions, (app,))).fetchall() == []
+            await h.store.renew(A, [Held(r, 1)], 1e308)  # a server error: closed, not resent
+        async with asyncio.timeout(5):                   # the server ends the closed session
+            while True:
+                if not await (await h.admin.execute(sessions, (app,))).fetchall():
+                    break
+                await asyncio.sleep(0.02)
         await h.store.reconnect_heartbeat()
         (new,) = await (await h.admin.execute(sessions, (app,))).fetchall()
         assert new[0] != old[0]                          # a new session, before any renewal
@@ -628,6 +635,49 @@ async def test_contract_a_run_is_granted_within_its_own_max_attempts(h: Harness)
         "pending", 1, 1)
     # an operator can still end it
     assert norm(await h.store.cancel(one, "op")) == {"run_id": one, "state": "cancelled"}
+
+
+async def test_contract_reap_ends_an_exclusive_run_whose_submitter_is_gone(h: Harness
+                                                                          ) -> None:
+    """Issue 23, item 4: an exclusive run whose lease expired while its owner (the submitter's
+    node) is stopped, unregistered or silent for `node_stale_after_s` is failed `{error:
+    "submitter gone"}` (`cancelled` when a cancel was asked); one whose owner still beats, and
+    any shared run, is left for a claim."""
+    c, d = "node-c-0000000000c3", "node-d-0000000000d4"
+    await h.store.register_node(node(d))
+    ex = [(await h.store.submit(None, {"exclusiveToSubmitter": True, "i": i}, 3)).run_id
+          for i in range(5)]
+    (shared,) = await submit(h, 1)
+    stopped, alive, unregistered, cancelled, silent = ex
+    for owner, run in ((A, stopped), (B, alive), (c, unregistered), (A, cancelled),
+                       (d, silent), (A, shared)):
+        assert [g.run_id for g in await h.store.claim(owner, 1, 2.0, only=run)] == [run]
+    await h.store.cancel(cancelled, "op")
+    await h.store.set_node_state(A, "stopped")
+    await h.advance(1.0)
+    assert await h.store.reap(10) == []                  # every lease still live
+    await h.advance(1.5)
+    reaped = sorted(norm(await h.store.reap(10)), key=lambda x: x["run_id"])
+    assert reaped == [{"run_id": stopped, "lease_epoch": 2, "state": "failed"},
+                      {"run_id": unregistered, "lease_epoch": 2, "state": "failed"},
+                      {"run_id": cancelled, "lease_epoch": 2, "state": "cancelled"}]
+    await h.advance(6.0)                                 # d has not beaten for 8.5 s < 9 s
+    await h.store.renew(B, [], 2.0)
+    assert await h.store.reap(10) == []
+    await h.advance(1.0)
+    assert norm(await h.store.reap(10)) == [{"run_id": silent, "lease_epoch": 2,
+                                             "state": "failed"}]
+    assert [(g.run_id, g.lease_epoch) for g in await h.store.claim(B, 1, 2.0, only=alive)] == [
+        (alive, 2)]
+    assert [(g.run_id, g.lease_epoch) for g in await h.store.claim(B, 1, 2.0)] == [(shared, 2)]
+    dump = await h.dump()
+    runs = {r["run_id"]: r for r in dump["runs"]}
+    attempts = {(a["run_id"], a["lease_epoch"]): a for a in dump["run_attempts"]}
+    for run in (stopped, unregistered, silent):
+        assert runs[run]["outcome"] == {"error": "submitter gone"}
+        assert (attempts[(run, 1)]["end_reason"], attempts[(run, 1)]["ended_at"]) == (
+            "exhausted", 2.0)
+    assert runs[cancelled]["outcome"] == {"reaped": "cancel requested, holder gone"}
 
 
 async def test_contract_unknown_outcome_and_sweep(h: Harness) -> None:

@@ -750,10 +750,12 @@ class Cluster:
     def _server(self, fault: ServerFault) -> None:
         if fault.kind != "terminate_backends":
             raise NotImplementedError(f"server fault {fault.kind}")
-        rows = self.query("SELECT count(*) FILTER (WHERE pg_terminate_backend(pid)) "
+        rows = self.query("SELECT count(*) FILTER (WHERE pg_terminate_backend(pid)), "
+                          "count(*) FILTER (WHERE state <> 'idle') "
                           "FROM pg_stat_activity WHERE datname = current_database() "
                           "AND application_name LIKE 'flyd:%%'")
-        self.log("backend_kill", ended=int(rows[0][0]))
+        self.log("backend_kill", ended=int(rows[0][0]), busy=int(rows[0][1]),
+                 burst=fault.burst)
 
     def _cancel(self, fault: CancelRun) -> None:
         held = self.held_by().get(fault.node, [])

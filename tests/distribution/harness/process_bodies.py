@@ -1,8 +1,8 @@
 """The bodies of the process and server scenarios of distribution.md §7.3.5.
 
 pause, node_loss, kill_finish_committed, kill_finish_uncommitted, db_backends_terminated,
-db_restart, attempts_exhausted, cancel_while_partitioned and graceful_drain, registered into
-the runner's `BODIES` like the link scenarios of `bodies.py`, whose driver (`Cluster`) they
+db_blips, db_restart, attempts_exhausted, cancel_while_partitioned and graceful_drain, registered
+into the runner's `BODIES` like the link scenarios of `bodies.py`, whose driver (`Cluster`) they
 use through `ProcessCluster`. Each body ends with `Cluster.conclude`: the oracle (S1–S6,
 L1–L4), the row's must-hold checks (`must:<name>`) and its vacuity facts (`VACUITY`). Every
 check reads the history record only (tables, node events, taps, the fault log and the
@@ -36,6 +36,12 @@ Rules:
 - db_restart runs on a private cluster started from pgserver's binaries in a temporary
   directory (`PrivateServer`), never on the shared server;
   db_backends_terminated ends only sessions named `flyd:%` in the scenario's database.
+- db_blips: three bursts T/2 apart, each eight such rounds 0.25 s apart (sessions opened
+  during a burst are ended too); every round logs the sessions it ended and how many of them
+  were not idle (`busy`). Its vacuity fact is the fewest sessions any burst ended; its
+  must-hold adds "all succeed" and "no grant lost" (no `lease_lost`, one grant per run: a
+  blip of seconds is far shorter than the lease) to the server rows' checks (S3 already holds
+  every boundary once, with the reference digest).
 - attempts_exhausted: 3 runs on nodes of capacity 1, so the node holding X holds nothing
   else and only X is charged by each kill. Whenever X is granted at a new epoch, its holder
   gets SIGKILL and restarts; X ends `failed` (reaped) once its charged grants (grants minus
@@ -827,6 +833,48 @@ def db_backends_terminated(ctx: ScenarioContext) -> None:
         cluster.conclude(_server_must(("backend_kill",)))
 
 
+def _each_burst_ended(h: Mapping[str, Any], _facts: Mapping[str, int]) -> int:
+    """db_blips: the fewest sessions any burst ended (0 when a scheduled round is missing)."""
+    rounds = _faults(h, "backend_kill")
+    want = sum(1 for f in h["log"]["schedule"] if f["kind"] == "server")
+    if len(rounds) != want or not rounds:
+        return 0
+    ended: dict[int, int] = defaultdict(int)
+    for f in rounds:
+        ended[int(f["burst"])] += int(f["ended"])
+    return min(ended.values())
+
+
+def _all_succeeded(h: Mapping[str, Any]) -> list[str]:
+    runs = _runs(h)
+    return [f"run {r} is {runs[r]['state'] if r in runs else None}: "
+            f"{runs[r].get('outcome') if r in runs else None}"
+            for r in h["log"]["spawned"] if r not in runs or runs[r]["state"] != "succeeded"]
+
+
+def _no_grant_lost(h: Mapping[str, Any]) -> list[str]:
+    """A blip of a few seconds is far shorter than the lease: no hold is lost and every run
+    is granted once (a commit waiting for the pool to reconnect is no lost lease)."""
+    lost = [f"{e['node']} lost {e.get('run')}@{e.get('epoch')}: {e.get('reason')}"
+            for e in h["events"] if e["event"] == "lease_lost"]
+    lost += [f"run {r} was granted {len(grants)} times"
+             for r, grants in sorted(_attempts(h).items()) if len(grants) != 1]
+    return lost
+
+
+def db_blips(ctx: ScenarioContext) -> None:
+    """Bursts of backend terminations (every flyd session, repeatedly, also the ones opened
+    during the burst) while both nodes hold runs: every run succeeds; S3 holds each boundary
+    recorded once with the reference digest."""
+    with ProcessCluster(ctx, _workload(ctx)) as cluster:
+        cluster.start()
+        cluster.await_mid_run()
+        cluster.fault_phase(cluster.now())
+        cluster.liveness_phase()
+        cluster.conclude({**_server_must(("backend_kill",)), "all succeed": _all_succeeded,
+                          "no grant lost": _no_grant_lost})
+
+
 def db_restart(ctx: ScenarioContext) -> None:
     with PrivateServer() as server:
         ctx.dsn, ctx.template = server.admin_dsn, None
@@ -1054,6 +1102,7 @@ BODIES.update({
     "kill_finish_committed": kill_finish_committed,
     "kill_finish_uncommitted": kill_finish_uncommitted,
     "db_backends_terminated": db_backends_terminated,
+    "db_blips": db_blips,
     "db_restart": db_restart,
     "attempts_exhausted": attempts_exhausted,
     "cancel_while_partitioned": cancel_while_partitioned,
@@ -1069,6 +1118,7 @@ VACUITY.update({
                                    else _uncommitted_trigger(h, f)),
     "final epoch = A's + 1": _final_epoch_next,
     "each round ended ≥ 1 live session": _each_round_ended,
+    "each burst ended ≥ 1 live session": _each_burst_ended,
     "restart while leases held": _restart_while_held,
     "X had max_attempts grants": _x_grants,
     "≥ 1 cancel applied": _cancel_applied,

@@ -95,8 +95,11 @@ class NodeSignal:
 
 @dataclass(frozen=True, slots=True)
 class ServerFault:
+    """`burst` groups the rounds of one blip (db_blips): its vacuity fact is per burst."""
+
     at: Span
     kind: Literal["terminate_backends", "restart"]
+    burst: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,6 +163,23 @@ class Scenario:
 
 def _partition(mode: Mode) -> tuple[Fault, ...]:
     return (LinkFault(Span(0), "a", "both", mode, lasts=Span(3, "T")),)
+
+
+BLIP_BURSTS: Final = 3
+BLIP_ROUNDS: Final = 8
+BLIP_ROUND_S: Final = 0.25
+
+
+def _blips(_rng: random.Random, params: LeaseParams) -> tuple[Fault, ...]:
+    """db_blips: `BLIP_BURSTS` bursts half a lease TTL apart (all within one run's length),
+    each `BLIP_ROUNDS` rounds of terminating every flyd session, `BLIP_ROUND_S` apart: about
+    2 s, like a restart or a failover, and sessions opened during a burst are ended too.
+    Between bursts the database answers for longer than two heartbeat intervals, so a node
+    can renew before its give-up time; bursts closer than H apart would end every renewal,
+    which no lease can survive and is not a blip."""
+    return tuple(ServerFault(Span(burst * params.T / 2 + k * BLIP_ROUND_S),
+                             "terminate_backends", burst=burst)
+                 for burst in range(BLIP_BURSTS) for k in range(BLIP_ROUNDS))
 
 
 def _swizzle(rng: random.Random, params: LeaseParams) -> tuple[Fault, ...]:
@@ -248,6 +268,10 @@ REGISTRY: Final[tuple[Scenario, ...]] = (
              "reconnection; no epoch regression; all terminal",
              ("each round ended ≥ 1 live session",),
              runs=3, budget_s=PROCESS_BUDGET_S),
+    Scenario("db_blips", (),
+             "reconnection; no epoch regression; all succeed; no grant lost",
+             ("each burst ended ≥ 1 live session",), generate=_blips,
+             runs=3, budget_s=PROCESS_BUDGET_S),
     Scenario("db_restart", (ServerFault(Span(0), "restart"),),
              "reconnection; no epoch regression; all terminal",
              ("restart while leases held",),
@@ -316,7 +340,8 @@ def describe_fault(fault: Fault, params: LeaseParams) -> dict[str, object]:
         return {"kind": "signal", "at": fault.at.seconds(params), "node": fault.node,
                 "signal": fault.signal, "restart": fault.restart}
     if isinstance(fault, ServerFault):
-        return {"kind": "server", "at": fault.at.seconds(params), "what": fault.kind}
+        return {"kind": "server", "at": fault.at.seconds(params), "what": fault.kind,
+                "burst": fault.burst}
     if isinstance(fault, ClockRate):
         return {"kind": "clock_rate", "node": fault.node,
                 "rate": 1 + fault.skew * params.clock_rate_bound}

@@ -1,0 +1,86 @@
+"""Reads that outlive their connection.
+
+Why: a PostgreSQL blip (a server restart, a failover, an operator's `pg_terminate_backend`) ends
+every session at once. A long-lived connection that is simply reused afterwards fails its next
+read at once, and that one failed read would throw away a grant's head read, a recovery attempt
+or `flyd run`'s end-of-run poll, although the database answers again a moment later.
+
+Rules:
+- `session_lost(exc)` (the lease store's) says whether a failure means the session is gone or
+  never answered; a server error on a live session is not, and is never repeated.
+- `ReadConnection.read(op, what)` runs `op` on one long-lived autocommit connection (opened
+  lazily; closed after any failure, so the next use reconnects). While the session is lost it
+  reconnects and repeats `op`, `BACKOFF_S` doubling to `BACKOFF_MAX_S` apart, until `within_s`
+  has passed since the read began; then the last error stands. Each try is bounded by what is
+  left of `within_s`. Only idempotent reads may be passed: a write repeated after a lost reply
+  could apply twice.
+- Tries are serialised by a lock (one connection, one statement at a time); the backoff sleeps
+  outside it. The connection is the lease store's `ClosingConnection`: a try cut by its bound
+  closes the socket at once instead of waiting for a server-side cancel.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import Final, TypeVar
+
+import psycopg
+import structlog
+
+from flyd.leases.pgstore import ClosingConnection, session_lost
+
+__all__ = ["BACKOFF_MAX_S", "BACKOFF_S", "ReadConnection", "session_lost"]
+
+T = TypeVar("T")
+
+BACKOFF_S: Final = 0.05
+BACKOFF_MAX_S: Final = 1.0
+
+log = structlog.get_logger("flyd.leases.reconnect")
+
+
+class ReadConnection:
+    """One lazily opened autocommit connection for idempotent reads (module rules)."""
+
+    def __init__(self, dsn: str, *, within_s: float) -> None:
+        self._dsn = dsn
+        self.within_s = within_s
+        self._conn: ClosingConnection | None = None
+        self._lock = asyncio.Lock()
+        #: tries repeated after a lost session (for logs and tests)
+        self.retries = 0
+
+    async def close(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            await conn.close()
+
+    async def read(self, op: Callable[[ClosingConnection], Awaitable[T]], what: str) -> T:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.within_s
+        delay = BACKOFF_S
+        while True:
+            try:
+                async with asyncio.timeout_at(deadline):
+                    return await self._try(op)
+            except (psycopg.Error, TimeoutError, OSError) as exc:
+                if not session_lost(exc) or loop.time() + delay >= deadline:
+                    raise
+                self.retries += 1
+                log.warning("db.read_retry", what=what, error=f"{type(exc).__name__}: {exc}",
+                            retry_in_s=delay)
+            await asyncio.sleep(delay)
+            delay = min(2 * delay, BACKOFF_MAX_S)
+
+    async def _try(self, op: Callable[[ClosingConnection], Awaitable[T]]) -> T:
+        async with self._lock:
+            conn = self._conn
+            if conn is None or conn.closed:
+                conn = self._conn = await ClosingConnection.connect(self._dsn, autocommit=True)
+            try:
+                return await op(conn)
+            except BaseException:
+                self._conn = None
+                await conn.close()
+                raise
