@@ -68,6 +68,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import functools
 import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
@@ -437,6 +438,16 @@ def _as_domain(exc: Exception) -> DomainError:
     return DomainError(ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}", Mutation.UNKNOWN)
 
 
+@functools.cache
+def decision_schema_of(model_path: str) -> SchemaRef:
+    """A model class's registered decision schema: a class attribute, so it is looked up once per
+    model path rather than once per Prepare (a failed look-up is not cached)."""
+    model = load_plugin(model_path, "model")
+    schema = getattr(model, "decision_schema", DECISION)
+    assert isinstance(schema, SchemaRef)
+    return schema
+
+
 # --------------------------------------------------------------------------------------------
 # the coordinator
 
@@ -701,9 +712,9 @@ class Coordinator:
         if want_inc is not None and outcome.incarnation_id != want_inc:
             raise _mismatch(f"{method}: the reply comes from incarnation "
                             f"{outcome.incarnation_id}, expected {want_inc}")
-        got_scope = None if outcome.scope is None else outcome.scope.to_json()
-        want_scope = None if call.scope is None else call.scope.to_json()
-        if got_scope != want_scope:
+        if outcome.scope != call.scope:  # equal values, equal JSON: the text only to word it
+            got_scope = None if outcome.scope is None else outcome.scope.to_json()
+            want_scope = None if call.scope is None else call.scope.to_json()
             raise _mismatch(f"{method}: the reply echoes scope "
                             f"{canonical(got_scope).decode()}, expected "
                             f"{canonical(want_scope).decode()}")
@@ -1130,11 +1141,12 @@ class Coordinator:
         # B. Apply
         self._move(Applying(k), Detail.STEP)
         controls = self._controls(scope, old)
-        self._controls_digest = controls_digest([c.to_json() for c in controls])
+        wire_controls = [c.to_json() for c in controls]
+        self._controls_digest = controls_digest(wire_controls)
         batch_id = f"batch-{self.epoch}-{k}"
         self.audit.add(f"advance:{k}")
         advance = self._new_call(self.world_id, "Environment.Advance", scope, {
-            "batchId": batch_id, "controls": [c.to_json() for c in controls]})
+            "batchId": batch_id, "controls": wire_controls})
         try:
             if k in self.injections.lose_advance_result_at:
                 step_result = await self._lose_advance_result(advance, batch_id)
@@ -1160,15 +1172,15 @@ class Coordinator:
         self.audit.add(f"evaluate:{k}")
         # D. Commit
         self._move(Committing(k), Detail.STEP)
-        commits = await self._commit(k, scope, new, evaluation)
+        commits, telemetry = await self._commit(k, scope, new, evaluation)
         # E. Ready(k+1)
         self._move(Ready(k + 1), Detail.STEP)
         for agent_id in self.agent_ids:
             slot = self._slots[agent_id]
-            result = commits[agent_id]
             slot.context = evaluation.next_contexts[agent_id]
-            slot.context_digest = typed_digest(slot.context)
-            slot.telemetry = Telemetry.from_json(result["telemetry"])
+            # checked equal to typed_digest(slot.context) by _commit
+            slot.context_digest = commits[agent_id]["decisionContextDigest"]
+            slot.telemetry = telemetry[agent_id]
             slot.committed_step = k + 1
             slot.last_decision = slot.decision
         by_port = {self._slots[a].spec.port_id: self._slots[a] for a in self.agent_ids}
@@ -1185,7 +1197,7 @@ class Coordinator:
         self._last_event_ids = [e.id for e in evaluation.events]
         self._record_trace(k, batch_id, controls, new, evaluation, commits, advance, wall)
         self._append_effect(k)
-        self._publish_snapshot(k + 1)
+        self._publish_snapshot(k + 1, observed=True)
         for slot in self._slots.values():
             slot.prepared = None
             slot.decision = None
@@ -1205,11 +1217,7 @@ class Coordinator:
     def _decision_schema(self, agent_id: str) -> SchemaRef:
         """The model's registered decision schema (`decision_schema`, default
         `arena.decision.v1`)."""
-        slot = self._slots[agent_id]
-        model = load_plugin(slot.spec.model, "model")
-        schema = getattr(model, "decision_schema", DECISION)
-        assert isinstance(schema, SchemaRef)
-        return schema
+        return decision_schema_of(self._slots[agent_id].spec.model)
 
     def _controls(self, scope: Scope, old: WorldObservation) -> list[PortControl]:
         assert self.descriptor is not None and self._progress is not None
@@ -1271,8 +1279,9 @@ class Coordinator:
             raise _Blame(exc, Detail.OBSERVATION, self.world_id) from None
         return new, media
 
-    async def _commit(self, k: int, scope: Scope, new: WorldObservation,
-                      evaluation: Evaluation) -> dict[str, dict[str, Any]]:
+    async def _commit(self, k: int, scope: Scope, new: WorldObservation, evaluation: Evaluation,
+                      ) -> tuple[dict[str, dict[str, Any]], dict[str, Telemetry]]:
+        """Commit every agent: the results and their parsed telemetry, by agent."""
         calls: list[_Call] = []
         for agent_id in self._agents_in_order():
             slot = self._slots[agent_id]
@@ -1287,6 +1296,7 @@ class Coordinator:
                 "rewards": [r.to_json() for r in outcome.rewards],
                 "taskStimulations": [s.to_json() for s in outcome.stimulations]}))
         results: dict[str, dict[str, Any] | DomainError] = {}
+        telemetry: dict[str, Telemetry] = {}
 
         async def one(call: _Call) -> None:
             agent_id = call.worker_id
@@ -1299,8 +1309,9 @@ class Coordinator:
                 if result.get("decisionContextDigest") != want:
                     raise _mismatch(f"Agent.Commit: {agent_id} holds context "
                                     f"{result.get('decisionContextDigest')}, expected {want}")
-                Telemetry.from_json(result["telemetry"]).check_rates(
-                    self._slots[agent_id].graph or Graph.from_json(None))
+                parsed = Telemetry.from_json(result["telemetry"])
+                parsed.check_rates(self._slots[agent_id].graph or Graph.from_json(None))
+                telemetry[agent_id] = parsed
                 results[agent_id] = result
             except DomainError as exc:
                 results[agent_id] = exc
@@ -1327,7 +1338,7 @@ class Coordinator:
             agent_id = self.injections.duplicate_commit
             call = next(c for c in calls if c.worker_id == agent_id)
             await self._duplicate(call, out[agent_id], "duplicate-commit")
-        return out
+        return out, telemetry
 
     # ------------------------------------------------------------------ trace and publication
 
@@ -1413,10 +1424,14 @@ class Coordinator:
                 raise DomainError.before(ErrorCode.BUFFER_INVALID,
                                          f"view {view.view_id} is not the one of boundary {b}")
 
-    def _publish_snapshot(self, b: int) -> None:
+    def _publish_snapshot(self, b: int, *, observed: bool = False) -> None:
+        """Publish boundary `b`. `observed`: a transition's Phase C already checked this
+        observation's boundary and view steps (`_observe`), and the ports are bound at bootstrap,
+        so `_check_publication` would repeat those checks; bootstrap and restore ask for it."""
         assert self.observation is not None and self.descriptor is not None
         try:
-            self._check_publication(b)
+            if not observed:
+                self._check_publication(b)
         except DomainError as exc:
             raise _Blame(exc, Detail.PUBLISH, None) from None
         obs = self.observation
