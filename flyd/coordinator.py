@@ -38,7 +38,10 @@ Resolved ambiguities (where §6 is silent):
   `Ready(0)` or while no boundary is committed).
 - `probe_raw` checks only the outcome's shape; identity checks are `worker_status`'s.
 - The feed (`snapshots`) yields `Publication(kind, body)` items: `kind` is `descriptor` or
-  `snapshot`; a replaying subscriber first gets the descriptor, then the latest snapshot.
+  `snapshot`; a replaying subscriber first gets the descriptor, then the latest snapshot. A
+  snapshot body is built when someone reads it: at once while the feed has subscribers, else on
+  the first read of `latest`; its builder holds only the boundary's immutable values, so the body
+  is the same either way and an unwatched session builds none per step.
 - Snapshot `sequence` counts snapshots of the session from 0 (boundary 0's snapshot is 0).
 - The executor's `clock` argument is the world time of boundary k.
 - An exception that is not a `DomainError` inside the transaction (a plugin bug) is an
@@ -333,8 +336,16 @@ class Feed:
 
     def __init__(self) -> None:
         self.descriptor: dict[str, Any] | None = None
-        self.latest: dict[str, Any] | None = None
+        self._latest: dict[str, Any] | None = None
+        self._build: Callable[[], dict[str, Any]] | None = None
         self._subscribers: list[Subscription] = []
+
+    @property
+    def latest(self) -> dict[str, Any] | None:
+        """The latest snapshot body, built on first read."""
+        if self._build is not None:
+            self._latest, self._build = self._build(), None
+        return self._latest
 
     def subscribe(self, depth: int = 8, replay: bool = True) -> Subscription:
         sub = Subscription(depth)
@@ -355,8 +366,15 @@ class Feed:
         self._publish(Publication("descriptor", body))
 
     def publish_snapshot(self, body: dict[str, Any]) -> None:
-        self.latest = body
-        self._publish(Publication("snapshot", body))
+        self.publish_snapshot_on_read(lambda: body)
+
+    def publish_snapshot_on_read(self, build: Callable[[], dict[str, Any]]) -> None:
+        """Publish the snapshot `build` returns: now when someone subscribes, else when read."""
+        if self._subscribers:
+            self._latest, self._build = build(), None
+            self._publish(Publication("snapshot", self._latest))
+        else:
+            self._latest, self._build = None, build
 
 
 # --------------------------------------------------------------------------------------------
@@ -1084,17 +1102,22 @@ class Coordinator:
         async def one(call: _Call) -> None:
             outcomes[call.worker_id] = await self._send(call, self._deadline_of(call.method))
 
+        # a kill injection waits one loop pass so that every call has left; a step without one
+        # saves that pass
+        kills = k is not None and any(step == k for _, step in self.injections.kill_at)
         async with asyncio.TaskGroup() as tg:
             if self.order is DispatchOrder.CONCURRENT:
                 for call in calls:
                     tg.create_task(one(call))
-                await asyncio.sleep(0)
-                if k is not None:
+                if kills:
+                    assert k is not None
+                    await asyncio.sleep(0)
                     await self._kill_injection(k)
             else:
                 for index, call in enumerate(calls):
                     task = tg.create_task(one(call))
-                    if index == len(calls) - 1 and k is not None:
+                    if index == len(calls) - 1 and kills:
+                        assert k is not None
                         await asyncio.sleep(0)
                         await self._kill_injection(k)
                     await task
@@ -1108,9 +1131,10 @@ class Coordinator:
         scope = self._scope(k)
         # A. Prepare
         self._move(Preparing(k), Detail.STEP)
+        interval = descriptor.step_duration.to_json()  # one JSON value shared by every call
         calls = [self._new_call(a, "Agent.Prepare", scope, {
             "agentId": a, "profileDigest": self._slots[a].profile["digest"],
-            "interval": descriptor.step_duration.to_json(),
+            "interval": interval,
             "decisionContextDigest": self._slots[a].context_digest,
             "preStepStimulations": []}) for a in self._agents_in_order()]
         by_agent = {c.worker_id: c for c in calls}
@@ -1283,15 +1307,15 @@ class Coordinator:
                       ) -> tuple[dict[str, dict[str, Any]], dict[str, Telemetry]]:
         """Commit every agent: the results and their parsed telemetry, by agent."""
         calls: list[_Call] = []
+        # every agent receives the same views: one JSON value shared by every call
+        views = [v.to_json() for v in new.sensory_views]
         for agent_id in self._agents_in_order():
             slot = self._slots[agent_id]
             outcome = evaluation.outcomes[agent_id]
             assert slot.prepare_request is not None
             calls.append(self._new_call(agent_id, "Agent.Commit", scope, {
                 "agentId": agent_id, "preparedRequestId": slot.prepare_request,
-                "nextInput": {"boundary": str(k + 1),
-                              "views": [v.to_json() for v in new.sensory_views],
-                              "structured": None},
+                "nextInput": {"boundary": str(k + 1), "views": views, "structured": None},
                 "nextDecisionContext": evaluation.next_contexts[agent_id].to_json(),
                 "rewards": [r.to_json() for r in outcome.rewards],
                 "taskStimulations": [s.to_json() for s in outcome.stimulations]}))
@@ -1435,30 +1459,36 @@ class Coordinator:
         except DomainError as exc:
             raise _Blame(exc, Detail.PUBLISH, None) from None
         obs = self.observation
-        agents = []
-        for agent_id in self.agent_ids:
-            slot = self._slots[agent_id]
-            fresh = b > 0
-            agents.append({
-                "agentId": agent_id,
-                "telemetry": None if slot.telemetry is None else slot.telemetry.to_json(),
-                "selectedDecision": slot.last_decision.to_json()
-                if fresh and slot.last_decision is not None else None,
-                "appliedControls": slot.last_controls.to_json()
-                if fresh and slot.last_controls is not None else None})
-        views: list[ViewRef] = list(obs.sensory_views)
-        audio: list[AudioRef] = list(obs.audio)
-        body = {
-            "descriptorRevision": str(self._descriptor_revision),
-            "scope": self._scope(b).to_json(), "episodeId": self.spec.episode_id,
-            "sequence": str(self._snapshot_sequence), "worldTime": obs.world_time.to_json(),
-            "agents": agents,
-            "progress": None if self._progress is None else self._progress.to_json(),
-            "media": {"views": [v.to_json() for v in views],
-                      "audio": [a.to_json() for a in audio]},
-            "eventIds": list(self._last_event_ids)}
+        fresh = b > 0
+        # the boundary's values, all immutable: the body is built from them only when read
+        agents = [(agent_id, slot.telemetry, slot.last_decision if fresh else None,
+                   slot.last_controls if fresh else None)
+                  for agent_id, slot in ((a, self._slots[a]) for a in self.agent_ids)]
+        revision, scope, episode_id = self._descriptor_revision, self._scope(b), \
+            self.spec.episode_id
+        sequence, progress, event_ids = self._snapshot_sequence, self._progress, \
+            tuple(self._last_event_ids)
+
+        def body() -> dict[str, Any]:
+            views: list[ViewRef] = list(obs.sensory_views)
+            audio: list[AudioRef] = list(obs.audio)
+            return {
+                "descriptorRevision": str(revision), "scope": scope.to_json(),
+                "episodeId": episode_id, "sequence": str(sequence),
+                "worldTime": obs.world_time.to_json(),
+                "agents": [{
+                    "agentId": agent_id,
+                    "telemetry": None if telemetry is None else telemetry.to_json(),
+                    "selectedDecision": None if decision is None else decision.to_json(),
+                    "appliedControls": None if controls is None else controls.to_json()}
+                    for agent_id, telemetry, decision, controls in agents],
+                "progress": None if progress is None else progress.to_json(),
+                "media": {"views": [v.to_json() for v in views],
+                          "audio": [a.to_json() for a in audio]},
+                "eventIds": list(event_ids)}
+
         self._snapshot_sequence += 1
-        self.snapshots.publish_snapshot(body)
+        self.snapshots.publish_snapshot_on_read(body)
         self.audit.add(f"publish:{b}")
         self.stats.publications += 1
 
