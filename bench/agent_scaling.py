@@ -31,6 +31,7 @@ Run it as `python -P bench/agent_scaling.py`. Progress goes to stderr.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
 import signal
@@ -39,6 +40,7 @@ import sys
 import tempfile
 import threading
 import uuid
+from collections.abc import Iterator
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -71,6 +73,22 @@ def config_text(max_agents: int) -> str:
     """The node configuration of the sweep: room for `max_agents` agents of one thread each."""
     threads = COORDINATOR_RESERVATION + 1 + max_agents
     return f"[session]\nmax_agents = {max_agents}\n[node]\nthreads = {threads}\n"
+
+
+@contextlib.contextmanager
+def scratch_database() -> Iterator[str]:
+    """A database of its own on `FLYD_TEST_DSN`'s server (or 127.0.0.1:5432), dropped after:
+    its DSN."""
+    admin = os.environ.get("FLYD_TEST_DSN") or LOCAL
+    name = f"flyd_bench_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(admin, autocommit=True) as conn:
+        conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+    try:
+        yield make_conninfo(admin, dbname=name)
+    finally:
+        with psycopg.connect(admin, autocommit=True) as conn:
+            conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(
+                sql.Identifier(name)))
 
 
 def measure(tmp: Path, dsn: str, agents: int, mode: str, intervals: int) -> dict[str, Any]:
@@ -140,23 +158,16 @@ def main() -> None:
     ap.add_argument("--intervals", type=int, default=2,
                     help="progress intervals (5 s each) measured per count")
     args = ap.parse_args()
-    admin = os.environ.get("FLYD_TEST_DSN") or LOCAL
-    name = f"flyd_bench_{uuid.uuid4().hex[:8]}"
-    with psycopg.connect(admin, autocommit=True) as conn:
-        conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
-    dsn = make_conninfo(admin, dbname=name)
     tmp = Path(tempfile.mkdtemp(prefix="flyd-bench-", dir="/tmp"))
     results: dict[int, dict[str, Any]] = {}
     try:
-        (tmp / "flyd.toml").write_text(config_text(max(COUNTS)))
-        for agents in COUNTS:
-            progress(f"{agents} agents, mode {args.mode}, {args.intervals} x 5 s")
-            results[agents] = measure(tmp, dsn, agents, args.mode, args.intervals)
+        with scratch_database() as dsn:
+            (tmp / "flyd.toml").write_text(config_text(max(COUNTS)))
+            for agents in COUNTS:
+                progress(f"{agents} agents, mode {args.mode}, {args.intervals} x 5 s")
+                results[agents] = measure(tmp, dsn, agents, args.mode, args.intervals)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-        with psycopg.connect(admin, autocommit=True) as conn:
-            conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(
-                sql.Identifier(name)))
     ms = {n: 1000.0 / r["steps_per_s"] for n, r in results.items()}
     a, b = linear_fit(ms)
     for n, r in results.items():

@@ -38,7 +38,10 @@ Resolved ambiguities (where §6 is silent):
   `Ready(0)` or while no boundary is committed).
 - `probe_raw` checks only the outcome's shape; identity checks are `worker_status`'s.
 - The feed (`snapshots`) yields `Publication(kind, body)` items: `kind` is `descriptor` or
-  `snapshot`; a replaying subscriber first gets the descriptor, then the latest snapshot.
+  `snapshot`; a replaying subscriber first gets the descriptor, then the latest snapshot. A
+  snapshot body is built when someone reads it: at once while the feed has subscribers, else on
+  the first read of `latest`; its builder holds only the boundary's immutable values, so the body
+  is the same either way and an unwatched session builds none per step.
 - Snapshot `sequence` counts snapshots of the session from 0 (boundary 0's snapshot is 0).
 - The executor's `clock` argument is the world time of boundary k.
 - An exception that is not a `DomainError` inside the transaction (a plugin bug) is an
@@ -68,6 +71,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import functools
 import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
@@ -332,8 +336,16 @@ class Feed:
 
     def __init__(self) -> None:
         self.descriptor: dict[str, Any] | None = None
-        self.latest: dict[str, Any] | None = None
+        self._latest: dict[str, Any] | None = None
+        self._build: Callable[[], dict[str, Any]] | None = None
         self._subscribers: list[Subscription] = []
+
+    @property
+    def latest(self) -> dict[str, Any] | None:
+        """The latest snapshot body, built on first read."""
+        if self._build is not None:
+            self._latest, self._build = self._build(), None
+        return self._latest
 
     def subscribe(self, depth: int = 8, replay: bool = True) -> Subscription:
         sub = Subscription(depth)
@@ -354,8 +366,15 @@ class Feed:
         self._publish(Publication("descriptor", body))
 
     def publish_snapshot(self, body: dict[str, Any]) -> None:
-        self.latest = body
-        self._publish(Publication("snapshot", body))
+        self.publish_snapshot_on_read(lambda: body)
+
+    def publish_snapshot_on_read(self, build: Callable[[], dict[str, Any]]) -> None:
+        """Publish the snapshot `build` returns: now when someone subscribes, else when read."""
+        if self._subscribers:
+            self._latest, self._build = build(), None
+            self._publish(Publication("snapshot", self._latest))
+        else:
+            self._latest, self._build = None, build
 
 
 # --------------------------------------------------------------------------------------------
@@ -435,6 +454,16 @@ def _as_domain(exc: Exception) -> DomainError:
     if isinstance(exc, DomainError):
         return exc
     return DomainError(ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}", Mutation.UNKNOWN)
+
+
+@functools.cache
+def decision_schema_of(model_path: str) -> SchemaRef:
+    """A model class's registered decision schema: a class attribute, so it is looked up once per
+    model path rather than once per Prepare (a failed look-up is not cached)."""
+    model = load_plugin(model_path, "model")
+    schema = getattr(model, "decision_schema", DECISION)
+    assert isinstance(schema, SchemaRef)
+    return schema
 
 
 # --------------------------------------------------------------------------------------------
@@ -704,9 +733,9 @@ class Coordinator:
         if want_inc is not None and outcome.incarnation_id != want_inc:
             raise _mismatch(f"{method}: the reply comes from incarnation "
                             f"{outcome.incarnation_id}, expected {want_inc}")
-        got_scope = None if outcome.scope is None else outcome.scope.to_json()
-        want_scope = None if call.scope is None else call.scope.to_json()
-        if got_scope != want_scope:
+        if outcome.scope != call.scope:  # equal values, equal JSON: the text only to word it
+            got_scope = None if outcome.scope is None else outcome.scope.to_json()
+            want_scope = None if call.scope is None else call.scope.to_json()
             raise _mismatch(f"{method}: the reply echoes scope "
                             f"{canonical(got_scope).decode()}, expected "
                             f"{canonical(want_scope).decode()}")
@@ -1076,17 +1105,22 @@ class Coordinator:
         async def one(call: _Call) -> None:
             outcomes[call.worker_id] = await self._send(call, self._deadline_of(call.method))
 
+        # a kill injection waits one loop pass so that every call has left; a step without one
+        # saves that pass
+        kills = k is not None and any(step == k for _, step in self.injections.kill_at)
         async with asyncio.TaskGroup() as tg:
             if self.order is DispatchOrder.CONCURRENT:
                 for call in calls:
                     tg.create_task(one(call))
-                await asyncio.sleep(0)
-                if k is not None:
+                if kills:
+                    assert k is not None
+                    await asyncio.sleep(0)
                     await self._kill_injection(k)
             else:
                 for index, call in enumerate(calls):
                     task = tg.create_task(one(call))
-                    if index == len(calls) - 1 and k is not None:
+                    if index == len(calls) - 1 and kills:
+                        assert k is not None
                         await asyncio.sleep(0)
                         await self._kill_injection(k)
                     await task
@@ -1100,9 +1134,10 @@ class Coordinator:
         scope = self._scope(k)
         # A. Prepare
         self._move(Preparing(k), Detail.STEP)
+        interval = descriptor.step_duration.to_json()  # one JSON value shared by every call
         calls = [self._new_call(a, "Agent.Prepare", scope, {
             "agentId": a, "profileDigest": self._slots[a].profile["digest"],
-            "interval": descriptor.step_duration.to_json(),
+            "interval": interval,
             "decisionContextDigest": self._slots[a].context_digest,
             "preStepStimulations": []}) for a in self._agents_in_order()]
         by_agent = {c.worker_id: c for c in calls}
@@ -1133,11 +1168,12 @@ class Coordinator:
         # B. Apply
         self._move(Applying(k), Detail.STEP)
         controls = self._controls(scope, old)
-        self._controls_digest = controls_digest([c.to_json() for c in controls])
+        wire_controls = [c.to_json() for c in controls]
+        self._controls_digest = controls_digest(wire_controls)
         batch_id = f"batch-{self.epoch}-{k}"
         self.audit.add(f"advance:{k}")
         advance = self._new_call(self.world_id, "Environment.Advance", scope, {
-            "batchId": batch_id, "controls": [c.to_json() for c in controls]})
+            "batchId": batch_id, "controls": wire_controls})
         try:
             if k in self.injections.lose_advance_result_at:
                 step_result = await self._lose_advance_result(advance, batch_id)
@@ -1163,15 +1199,15 @@ class Coordinator:
         self.audit.add(f"evaluate:{k}")
         # D. Commit
         self._move(Committing(k), Detail.STEP)
-        commits = await self._commit(k, scope, new, evaluation)
+        commits, telemetry = await self._commit(k, scope, new, evaluation)
         # E. Ready(k+1)
         self._move(Ready(k + 1), Detail.STEP)
         for agent_id in self.agent_ids:
             slot = self._slots[agent_id]
-            result = commits[agent_id]
             slot.context = evaluation.next_contexts[agent_id]
-            slot.context_digest = typed_digest(slot.context)
-            slot.telemetry = Telemetry.from_json(result["telemetry"])
+            # checked equal to typed_digest(slot.context) by _commit
+            slot.context_digest = commits[agent_id]["decisionContextDigest"]
+            slot.telemetry = telemetry[agent_id]
             slot.committed_step = k + 1
             slot.last_decision = slot.decision
         by_port = {self._slots[a].spec.port_id: self._slots[a] for a in self.agent_ids}
@@ -1188,7 +1224,7 @@ class Coordinator:
         self._last_event_ids = [e.id for e in evaluation.events]
         self._record_trace(k, batch_id, controls, new, evaluation, commits, advance, wall)
         self._append_effect(k)
-        self._publish_snapshot(k + 1)
+        self._publish_snapshot(k + 1, observed=True)
         for slot in self._slots.values():
             slot.prepared = None
             slot.decision = None
@@ -1208,11 +1244,7 @@ class Coordinator:
     def _decision_schema(self, agent_id: str) -> SchemaRef:
         """The model's registered decision schema (`decision_schema`, default
         `arena.decision.v1`)."""
-        slot = self._slots[agent_id]
-        model = load_plugin(slot.spec.model, "model")
-        schema = getattr(model, "decision_schema", DECISION)
-        assert isinstance(schema, SchemaRef)
-        return schema
+        return decision_schema_of(self._slots[agent_id].spec.model)
 
     def _controls(self, scope: Scope, old: WorldObservation) -> list[PortControl]:
         assert self.descriptor is not None and self._progress is not None
@@ -1274,22 +1306,24 @@ class Coordinator:
             raise _Blame(exc, Detail.OBSERVATION, self.world_id) from None
         return new, media
 
-    async def _commit(self, k: int, scope: Scope, new: WorldObservation,
-                      evaluation: Evaluation) -> dict[str, dict[str, Any]]:
+    async def _commit(self, k: int, scope: Scope, new: WorldObservation, evaluation: Evaluation,
+                      ) -> tuple[dict[str, dict[str, Any]], dict[str, Telemetry]]:
+        """Commit every agent: the results and their parsed telemetry, by agent."""
         calls: list[_Call] = []
+        # every agent receives the same views: one JSON value shared by every call
+        views = [v.to_json() for v in new.sensory_views]
         for agent_id in self._agents_in_order():
             slot = self._slots[agent_id]
             outcome = evaluation.outcomes[agent_id]
             assert slot.prepare_request is not None
             calls.append(self._new_call(agent_id, "Agent.Commit", scope, {
                 "agentId": agent_id, "preparedRequestId": slot.prepare_request,
-                "nextInput": {"boundary": str(k + 1),
-                              "views": [v.to_json() for v in new.sensory_views],
-                              "structured": None},
+                "nextInput": {"boundary": str(k + 1), "views": views, "structured": None},
                 "nextDecisionContext": evaluation.next_contexts[agent_id].to_json(),
                 "rewards": [r.to_json() for r in outcome.rewards],
                 "taskStimulations": [s.to_json() for s in outcome.stimulations]}))
         results: dict[str, dict[str, Any] | DomainError] = {}
+        telemetry: dict[str, Telemetry] = {}
 
         async def one(call: _Call) -> None:
             agent_id = call.worker_id
@@ -1302,8 +1336,9 @@ class Coordinator:
                 if result.get("decisionContextDigest") != want:
                     raise _mismatch(f"Agent.Commit: {agent_id} holds context "
                                     f"{result.get('decisionContextDigest')}, expected {want}")
-                Telemetry.from_json(result["telemetry"]).check_rates(
-                    self._slots[agent_id].graph or Graph.from_json(None))
+                parsed = Telemetry.from_json(result["telemetry"])
+                parsed.check_rates(self._slots[agent_id].graph or Graph.from_json(None))
+                telemetry[agent_id] = parsed
                 results[agent_id] = result
             except DomainError as exc:
                 results[agent_id] = exc
@@ -1330,7 +1365,7 @@ class Coordinator:
             agent_id = self.injections.duplicate_commit
             call = next(c for c in calls if c.worker_id == agent_id)
             await self._duplicate(call, out[agent_id], "duplicate-commit")
-        return out
+        return out, telemetry
 
     # ------------------------------------------------------------------ trace and publication
 
@@ -1416,37 +1451,47 @@ class Coordinator:
                 raise DomainError.before(ErrorCode.BUFFER_INVALID,
                                          f"view {view.view_id} is not the one of boundary {b}")
 
-    def _publish_snapshot(self, b: int) -> None:
+    def _publish_snapshot(self, b: int, *, observed: bool = False) -> None:
+        """Publish boundary `b`. `observed`: a transition's Phase C already checked this
+        observation's boundary and view steps (`_observe`), and the ports are bound at bootstrap,
+        so `_check_publication` would repeat those checks; bootstrap and restore ask for it."""
         assert self.observation is not None and self.descriptor is not None
         try:
-            self._check_publication(b)
+            if not observed:
+                self._check_publication(b)
         except DomainError as exc:
             raise _Blame(exc, Detail.PUBLISH, None) from None
         obs = self.observation
-        agents = []
-        for agent_id in self.agent_ids:
-            slot = self._slots[agent_id]
-            fresh = b > 0
-            agents.append({
-                "agentId": agent_id,
-                "telemetry": None if slot.telemetry is None else slot.telemetry.to_json(),
-                "selectedDecision": slot.last_decision.to_json()
-                if fresh and slot.last_decision is not None else None,
-                "appliedControls": slot.last_controls.to_json()
-                if fresh and slot.last_controls is not None else None})
-        views: list[ViewRef] = list(obs.sensory_views)
-        audio: list[AudioRef] = list(obs.audio)
-        body = {
-            "descriptorRevision": str(self._descriptor_revision),
-            "scope": self._scope(b).to_json(), "episodeId": self.spec.episode_id,
-            "sequence": str(self._snapshot_sequence), "worldTime": obs.world_time.to_json(),
-            "agents": agents,
-            "progress": None if self._progress is None else self._progress.to_json(),
-            "media": {"views": [v.to_json() for v in views],
-                      "audio": [a.to_json() for a in audio]},
-            "eventIds": list(self._last_event_ids)}
+        fresh = b > 0
+        # the boundary's values, all immutable: the body is built from them only when read
+        agents = [(agent_id, slot.telemetry, slot.last_decision if fresh else None,
+                   slot.last_controls if fresh else None)
+                  for agent_id, slot in ((a, self._slots[a]) for a in self.agent_ids)]
+        revision, scope, episode_id = self._descriptor_revision, self._scope(b), \
+            self.spec.episode_id
+        sequence, progress, event_ids = self._snapshot_sequence, self._progress, \
+            tuple(self._last_event_ids)
+
+        def body() -> dict[str, Any]:
+            views: list[ViewRef] = list(obs.sensory_views)
+            audio: list[AudioRef] = list(obs.audio)
+            return {
+                "descriptorRevision": str(revision), "scope": scope.to_json(),
+                "episodeId": episode_id, "sequence": str(sequence),
+                "worldTime": obs.world_time.to_json(),
+                "agents": [{
+                    "agentId": agent_id,
+                    "telemetry": None if telemetry is None else telemetry.to_json(),
+                    "selectedDecision": None if decision is None else decision.to_json(),
+                    "appliedControls": None if controls is None else controls.to_json()}
+                    for agent_id, telemetry, decision, controls in agents],
+                "progress": None if progress is None else progress.to_json(),
+                "media": {"views": [v.to_json() for v in views],
+                          "audio": [a.to_json() for a in audio]},
+                "eventIds": list(event_ids)}
+
         self._snapshot_sequence += 1
-        self.snapshots.publish_snapshot(body)
+        self.snapshots.publish_snapshot_on_read(body)
         self.audit.add(f"publish:{b}")
         self.stats.publications += 1
 

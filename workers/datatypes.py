@@ -40,13 +40,14 @@ from __future__ import annotations
 import base64
 import binascii
 import hashlib
-import json
 import math
 import sys
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal, cast
+
+import orjson
 
 from workers.canonical import canonical, canonical_size, plain
 from workers.clock import RationalNs
@@ -240,7 +241,8 @@ class TypedValue:
         cached: bytes | None = getattr(self, "_canonical", None)  # unset while refusing
         if cached is None:
             return {"schema": self.schema.to_json(), "value": plain(self.value)}
-        return {"schema": self.schema.to_json(), "value": json.loads(cached)["value"]}
+        # canonical integers stay within ±(2^53-1), so orjson reads them back exactly
+        return {"schema": self.schema.to_json(), "value": orjson.loads(cached)["value"]}
 
 
 @dataclass(frozen=True, slots=True)

@@ -441,12 +441,22 @@ class Scope:
         format_u64(self.step, "scope.step")
 
     @classmethod
+    def _checked(cls, session_id: str, epoch: str, step: int) -> Scope:
+        """A scope of fields already checked: every request and reply carries one, so the
+        parse does not check its ids a second time in `__post_init__`."""
+        scope = object.__new__(cls)
+        object.__setattr__(scope, "session_id", session_id)
+        object.__setattr__(scope, "epoch", epoch)
+        object.__setattr__(scope, "step", step)
+        return scope
+
+    @classmethod
     def from_json(cls, value: Any, what: str = "scope") -> Scope:
         if not isinstance(value, dict) or set(value) != {"sessionId", "epoch", "step"}:
             raise DomainError.invalid(
                 f"{what} must be an object with exactly sessionId, epoch, step"
             )
-        return cls(
+        return cls._checked(
             parse_id(value["sessionId"], f"{what}.sessionId"),
             parse_id(value["epoch"], f"{what}.epoch"),
             parse_u64(value["step"], f"{what}.step"),
@@ -456,7 +466,9 @@ class Scope:
         return {"sessionId": self.session_id, "epoch": self.epoch, "step": str(self.step)}
 
     def at(self, step: int) -> Scope:
-        return Scope(self.session_id, self.epoch, step)
+        """The same session and epoch (checked on construction) at `step`."""
+        format_u64(step, "scope.step")
+        return Scope._checked(self.session_id, self.epoch, step)
 
     def __str__(self) -> str:
         return f"({self.session_id}, {self.epoch}, {self.step})"

@@ -33,6 +33,26 @@ async def test_a_full_feed_queue_drops_its_oldest_entry() -> None:
     assert late.pending() == []
 
 
+def test_an_unwatched_feed_builds_its_snapshot_only_when_read() -> None:
+    feed = Feed()
+    built: list[int] = []
+
+    def body(n: int) -> dict[str, int]:
+        built.append(n)
+        return {"n": n}
+
+    feed.publish_snapshot_on_read(lambda: body(0))
+    feed.publish_snapshot_on_read(lambda: body(1))
+    assert built == []  # nobody watches: no body was built
+    assert feed.latest == {"n": 1} and feed.latest == {"n": 1}
+    assert built == [1]  # the latest only, once
+    sub = feed.subscribe(depth=4, replay=True)
+    assert [p.body for p in sub.pending()] == [{"n": 1}]
+    feed.publish_snapshot_on_read(lambda: body(2))
+    assert built == [1, 2]  # a subscriber gets every body at once
+    assert [p.body for p in sub.pending()] == [{"n": 1}, {"n": 2}]
+
+
 def test_the_audit_log_finds_first_matches() -> None:
     audit = AuditLog()
     for entry in ("hello:arena", "advance:0", "advance:0"):

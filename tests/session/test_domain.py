@@ -115,8 +115,15 @@ def test_scalars_accept_and_refuse() -> None:
         {"sessionId": "demo", "epoch": "e1"},
         {"sessionId": "demo", "epoch": "e1", "step": "2", "x": 1},
         {"sessionId": "Demo", "epoch": "e1", "step": "2"},
+        {"sessionId": "demo", "epoch": "E1", "step": "2"},
+        {"sessionId": "demo", "epoch": "e1", "step": "18446744073709551616"},
     ]:
         refused_invalid(Scope.from_json, bad_scope)
+    # `at` keeps the checked session and epoch and checks the new step
+    assert scope.at(3) == Scope("demo", "e1", 3)
+    assert hash(scope.at(3)) == hash(Scope("demo", "e1", 3))
+    for bad_step in [-1, 2**64, True]:
+        refused_invalid(scope.at, bad_step)
 
 
 def test_canonical_json_and_digest_vectors() -> None:

@@ -34,7 +34,7 @@ from workers.synthetic import (
 )
 from workers.synthetic import schemas as S
 from workers.synthetic.arena import BACKEND_DIGEST, CONTENT_DIGEST, configuration_digest
-from workers.synthetic.audio import TriangleSource
+from workers.synthetic.audio import TriangleSource, frame_bytes
 from workers.synthetic.brain import initial_state
 from workers.synthetic.frame import FRAME_BYTES, ROW_STRIDE, render_frame
 from workers.synthetic.readout import decide, rotate_right
@@ -303,6 +303,19 @@ def test_the_arena_audio_is_an_exact_triangle() -> None:
     world.reset("ep2", [("p1", "fly-a"), ("p2", "fly-b")])
     world.counter = 1
     assert world.audio("arena", 800) == chunks[0]
+
+
+def test_audio_chunks_picked_by_slices_equal_the_frame_by_frame_reference() -> None:
+    """`chunk` takes strided slices of the frame table, one per wrap of the phase: the bytes and
+    the phase it leaves are those of computing every frame at phase start + increment·i."""
+    source = TriangleSource()
+    for i, (counter, frames) in enumerate([(3, 800), (0, 1), (7, 0), (5, 2000), (2, 799),
+                                           (6, 801), (1, 60000)] * 3):
+        start, increment = source.phase, 220 + (counter % 8) * 55
+        phases = [(start + increment * (n + 1)) % 48000 for n in range(frames)]
+        got = source.chunk(counter, frames, channels=1 + i % 3)
+        assert got == b"".join(frame_bytes(p, 1 + i % 3) for p in phases)
+        assert source.phase == (start + increment * frames) % 48000
 
 
 # --------------------------------------------------------------------------------------------

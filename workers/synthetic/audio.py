@@ -5,8 +5,9 @@ Why the triangle: the pitch follows the counter and the phase persists across ch
 dropped, repeated or overlapping chunk changes bytes; every operation is rounded to IEEE binary32
 (round to nearest even) through `struct`, so the bytes are the same on every platform. A sample
 frame depends only on the phase and the channel count, so each channel count has one table of
-`SAMPLE_RATE` frames, filled as phases are first reached; `chunk` joins table entries (one list
-comprehension per chunk: the arena renders a chunk every step, on the step's critical path).
+`SAMPLE_RATE` frames, filled as phases are first reached; `chunk` joins table entries picked by
+strided slices, one per wrap of the phase (the arena renders a chunk every step, on the step's
+critical path).
 
 Why the timelines live here: a restore must never restart a stream at 0 silently (state.md
 §7.2 step 8 names `AudioTimelines.restored`); the environment marks the first chunk after an
@@ -79,9 +80,18 @@ class TriangleSource:
         table = _TABLES.get(channels)
         if table is None:
             table = _TABLES.setdefault(channels, [None] * SAMPLE_RATE)
-        picked = [table[p % SAMPLE_RATE]
-                  for p in range(start + increment, start + increment * (frames + 1), increment)]
-        if None in picked:
+        # the phases start + increment·i (i = 1..frames) modulo SAMPLE_RATE, taken as strided
+        # slices between wraps: a few C-level slices instead of one lookup per frame
+        picked: list[bytes | None] = []
+        phase = start + increment
+        remaining = frames
+        while remaining > 0:
+            phase %= SAMPLE_RATE
+            n = min(remaining, (SAMPLE_RATE - 1 - phase) // increment + 1)
+            picked += table[phase:phase + increment * n:increment]
+            phase += increment * n
+            remaining -= n
+        if not all(picked):  # a frame is never empty: only an unreached phase is falsy
             for i, frame in enumerate(picked):
                 if frame is None:
                     phase = (start + increment * (i + 1)) % SAMPLE_RATE
