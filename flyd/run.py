@@ -46,7 +46,7 @@ import signal
 import sys
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
@@ -60,6 +60,7 @@ from flyd.identities import new_node_id
 from flyd.leases import queries
 from flyd.leases.migrate import MigrationError
 from flyd.leases.store import TERMINAL, StoreError
+from flyd.logs import LogFlags
 from flyd.node import NodeProcess, NodeSetup, NodeStartError
 from flyd.router_child import RouterStartError, choose_socket
 from flyd.runspec import DEFAULT_MAX_AGENTS, FaultSpecError, RunSpec, RunSpecError
@@ -110,7 +111,7 @@ class RunOptions:
     lease_ttl: float | None = None
     as_json: bool = False
     config_file: Path | None = None
-    router_quiet: int = 1
+    log: LogFlags = field(default_factory=LogFlags)
 
     def with_host_defaults(self, config: Config) -> RunOptions:
         """cli.md §2.3: `[session] mode`, `dispatch`, `pacing` and the `[checkpoints]` cadence
@@ -183,7 +184,8 @@ def node_setup(opts: RunOptions, config: Config, spec: RunSpec) -> NodeSetup:
     threads = max(int(config.value("node", "threads")), spec.thread_need(reservation))
     return NodeSetup(config=config, node_id=new_node_id(name), node_name=name, socket=socket,
                      state_dir=Path(str(config.value("node", "state_dir"))), capacity=1,
-                     threads=threads, router_quiet=opts.router_quiet, socket_origin=origin)
+                     threads=threads, router_quiet=config.log_settings(opts.log).router_quiet,
+                     socket_origin=origin)
 
 
 class Progress:
@@ -278,7 +280,9 @@ async def run_session(opts: RunOptions) -> int:
     try:
         config = load_config(opts.config_file, flags={
             "database.dsn": opts.dsn, "node.state_dir": opts.state_dir,
-            "leases.ttl_s": opts.lease_ttl, "bus.socket": opts.socket})
+            "leases.ttl_s": opts.lease_ttl, "bus.socket": opts.socket,
+            "node.log_format": opts.log.format})
+        config.log_settings(opts.log).apply()
         opts = opts.with_host_defaults(config)
         spec = build_spec(opts, int(config.value("session", "max_agents")))
         if opts.trace is not None:
