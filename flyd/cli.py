@@ -28,11 +28,25 @@ EXIT_FATAL = 70
 
 
 def _setup_logging(log_format: str | None, verbose: int, quiet: int) -> None:
-    """Quiet on a terminal: the console renderer starts at warning (`-v` info, `-vv` debug), so
-    a progress bar is not buried; JSON lines (a pipe, the journal) start at info as before."""
+    """Logging from the flags and `FLYD_LOG_FORMAT` alone: quiet on a terminal (the console
+    renderer starts at warning, `-v` info, `-vv` debug), so a progress bar is not buried; JSON
+    lines (a pipe, the journal) start at info. A command that reads the configuration then
+    applies its `[node] log_format` / `log_level` (`Config.log_settings`)."""
     fmt = log_format or logs.default_format()
-    base = "warning" if fmt == "console" else "info"
-    logs.configure(fmt, logs.shift_level(base, verbose, quiet))  # type: ignore[arg-type]
+    logs.configure(fmt, logs.shift_level(logs.default_level(fmt),  # type: ignore[arg-type]
+                                         verbose, quiet))
+
+
+def _log_flags(log_format: str | None, verbose: int, quiet: int,
+               quiet_default: int = 0) -> logs.LogFlags:
+    """A command's logging flags (`--log-format` only when given on the command line: from
+    `FLYD_LOG_FORMAT` it is the environment's), logging set up from them until the command
+    has read its configuration."""
+    ctx = click.get_current_context()
+    from_cli = ctx.get_parameter_source("log_format") == click.core.ParameterSource.COMMANDLINE
+    _setup_logging(log_format, verbose, quiet + quiet_default)
+    return logs.LogFlags(log_format if from_cli else None,  # type: ignore[arg-type]
+                         verbose, quiet, quiet_default)
 
 
 def _global_options(fn: click.decorators.FC) -> click.decorators.FC:
@@ -154,12 +168,12 @@ def run_cmd(steps: int, agents: str | None, mode: str | None, seed: int | None,
     """Run one session to completion on this host (through the queue) and print a summary."""
     from flyd.run import RunOptions, parse_agents, run_session
 
-    _setup_logging(log_format, verbose, quiet)
+    log = _log_flags(log_format, verbose, quiet)
     opts = RunOptions(steps=steps, agents=None if agents is None else parse_agents(agents),
                       mode=mode, seed=seed, dispatch=dispatch, faults=faults, trace=trace,
                       pace=pace, checkpoint_every=checkpoint_every, socket=socket_path,
                       dsn=dsn, state_dir=state_dir, lease_ttl=lease_ttl, as_json=as_json,
-                      config_file=config_file, router_quiet=1 + quiet - verbose)
+                      config_file=config_file, log=log)
     sys.exit(uvloop.run(run_session(opts)))
 
 
@@ -188,11 +202,11 @@ def serve_cmd(dsn: str | None, socket_path: str | None, state_dir: Path | None,
     """Run the node service: claim, execute and finish runs from the queue until drained."""
     from flyd.serve import ServeOptions, serve
 
-    _setup_logging(log_format, verbose, quiet)
+    log = _log_flags(log_format, verbose, quiet)
     opts = ServeOptions(config_file=config_file, dsn=dsn, socket=socket_path,
                         state_dir=state_dir, node_name=node_name, capacity=capacity,
                         router=router, lease_ttl=lease_ttl, as_json=as_json,
-                        router_quiet=1 + quiet - verbose, sim_clock=sim_clock,
+                        log=log, sim_clock=sim_clock,
                         time_scale=time_scale, clock_rate=clock_rate)
     sys.exit(uvloop.run(serve(opts)))
 
@@ -206,17 +220,16 @@ def _json_error(as_json: bool, prefix: str, code: str, message: str,
     sys.exit(exit_code)
 
 
-def _load_cli_config(config_file: Path | None, log_format: str | None, verbose: int,
-                     quiet: int, flags: dict[str, object]) -> Config:
-    """The effective configuration of a command: `--log-format` from the command line counts
-    as a flag (from `FLYD_LOG_FORMAT` it is the environment); `-v`/`-q` shift the level."""
-    ctx = click.get_current_context()
-    from_cli = ctx.get_parameter_source("log_format") == click.core.ParameterSource.COMMANDLINE
-    flags = {**flags, "node.log_format": log_format if from_cli else None}
+def _load_cli_config(config_file: Path | None, log: logs.LogFlags,
+                     flags: dict[str, object]) -> Config:
+    """The effective configuration of a command, its logging applied; `-v`/`-q` shift the
+    level, which `flyd config show` then shows as a flag."""
+    flags = {**flags, "node.log_format": log.format}
     config = load_config(config_file, flags)
-    if verbose or quiet:
-        level = logs.shift_level(config.value("node", "log_level"), verbose, quiet)
-        config = load_config(config_file, {**flags, "node.log_level": level})
+    settings = config.log_settings(log)
+    settings.apply()
+    if log.verbose or log.quiet:
+        config = load_config(config_file, {**flags, "node.log_level": settings.level})
     return config
 
 
@@ -235,9 +248,9 @@ def db_migrate_cmd(dsn: str | None, as_json: bool, config_file: Path | None,
     """Apply the schema migrations and print the schema version."""
     from flyd.leases.migrate import MigrationError
 
-    _setup_logging(log_format, verbose, quiet)
+    log = _log_flags(log_format, verbose, quiet)
     try:
-        config = _load_cli_config(config_file, log_format, verbose, quiet, {"database.dsn": dsn})
+        config = _load_cli_config(config_file, log, {"database.dsn": dsn})
         version = uvloop.run(_migrate(config))
     except ConfigError as exc:
         _json_error(as_json, "flyd db migrate", exc.code, str(exc), EXIT_CONFIG)
@@ -289,14 +302,14 @@ def config_show_cmd(dsn: str | None, socket_path: str | None, state_dir: str | N
                     log_format: str | None, verbose: int, quiet: int) -> None:
     """Print the effective configuration: every key with its value and source (`serve`'s
     flags are accepted, so the output is what `flyd serve` with them would use)."""
-    _setup_logging(log_format, verbose, quiet)
+    log = _log_flags(log_format, verbose, quiet)
     flags: dict[str, object] = {
         "database.dsn": dsn, "bus.socket": socket_path, "node.state_dir": state_dir,
         "node.name": node_name, "node.capacity": capacity, "node.router": router,
         "leases.ttl_s": lease_ttl,
     }
     try:
-        config = _load_cli_config(config_file, log_format, verbose, quiet, flags)
+        config = _load_cli_config(config_file, log, flags)
     except ConfigError as exc:
         _json_error(as_json, "flyd config show", exc.code, str(exc), EXIT_CONFIG)
     shown = config.show()
@@ -340,8 +353,8 @@ def ctl_status_cmd(node: str | None, socket_path: str | None, dsn: str | None, a
     """Router, nodes and per run its workers (the database view when no node answers)."""
     from flyd import ctl
 
-    opts = ctl.CtlOptions(config_file, socket_path, dsn, node)
-    _setup_logging(log_format, verbose, quiet + 1)
+    opts = ctl.CtlOptions(config_file, socket_path, dsn, node,
+                          log=_log_flags(log_format, verbose, quiet, quiet_default=1))
     sys.exit(ctl.execute("status", as_json, lambda: ctl.status(opts)))
 
 
@@ -359,8 +372,8 @@ def ctl_kill_cmd(worker: str, run_id: int | None, signal_name: str, node: str | 
     """Stop one worker of a held run (`Control.Kill`); `AlreadyGone` exits 1."""
     from flyd import ctl
 
-    opts = ctl.CtlOptions(config_file, socket_path, dsn, node)
-    _setup_logging(log_format, verbose, quiet + 1)
+    opts = ctl.CtlOptions(config_file, socket_path, dsn, node,
+                          log=_log_flags(log_format, verbose, quiet, quiet_default=1))
     sys.exit(ctl.execute("kill", as_json, lambda: ctl.kill(opts, worker, run_id, signal_name)))
 
 
@@ -373,8 +386,8 @@ def ctl_drain_cmd(node: str | None, socket_path: str | None, dsn: str | None, as
     """Gracefully shut a node down (`Control.Drain`)."""
     from flyd import ctl
 
-    opts = ctl.CtlOptions(config_file, socket_path, dsn, node)
-    _setup_logging(log_format, verbose, quiet + 1)
+    opts = ctl.CtlOptions(config_file, socket_path, dsn, node,
+                          log=_log_flags(log_format, verbose, quiet, quiet_default=1))
     sys.exit(ctl.execute("drain", as_json, lambda: ctl.drain(opts)))
 
 
@@ -411,11 +424,11 @@ def ctl_runs_submit_cmd(steps: int, agents: str | None, mode: str | None, seed: 
     from flyd import ctl
     from flyd.run import RunOptions, parse_agents
 
-    opts = ctl.CtlOptions(config_file, socket_path, dsn)
+    opts = ctl.CtlOptions(config_file, socket_path, dsn,
+                          log=_log_flags(log_format, verbose, quiet, quiet_default=1))
     run = RunOptions(steps=steps, agents=None if agents is None else parse_agents(agents),
                      mode=mode, seed=seed, dispatch=dispatch, faults=faults, pace=pace,
                      checkpoint_every=checkpoint_every)
-    _setup_logging(log_format, verbose, quiet + 1)
     sys.exit(ctl.execute("runs submit", as_json,
                          lambda: ctl.runs_submit(opts, run, key, max_attempts)))
 
@@ -430,8 +443,8 @@ def ctl_runs_list_cmd(state: str | None, socket_path: str | None, dsn: str | Non
     """Runs with state, lease epoch, attempts, owner, lease expiry and boundary."""
     from flyd import ctl
 
-    opts = ctl.CtlOptions(config_file, socket_path, dsn)
-    _setup_logging(log_format, verbose, quiet + 1)
+    opts = ctl.CtlOptions(config_file, socket_path, dsn,
+                          log=_log_flags(log_format, verbose, quiet, quiet_default=1))
     sys.exit(ctl.execute("runs list", as_json, lambda: ctl.runs_list(opts, state)))
 
 
@@ -444,8 +457,8 @@ def ctl_runs_show_cmd(run_id: int, socket_path: str | None, dsn: str | None, as_
     """One run: grants, checkpoints, effects, outcome; live phase and events from its holder."""
     from flyd import ctl
 
-    opts = ctl.CtlOptions(config_file, socket_path, dsn)
-    _setup_logging(log_format, verbose, quiet + 1)
+    opts = ctl.CtlOptions(config_file, socket_path, dsn,
+                          log=_log_flags(log_format, verbose, quiet, quiet_default=1))
     sys.exit(ctl.execute("runs show", as_json, lambda: ctl.runs_show(opts, run_id)))
 
 
@@ -458,8 +471,8 @@ def ctl_runs_cancel_cmd(run_id: int, socket_path: str | None, dsn: str | None, a
     """Request cancellation of a run."""
     from flyd import ctl
 
-    opts = ctl.CtlOptions(config_file, socket_path, dsn)
-    _setup_logging(log_format, verbose, quiet + 1)
+    opts = ctl.CtlOptions(config_file, socket_path, dsn,
+                          log=_log_flags(log_format, verbose, quiet, quiet_default=1))
     sys.exit(ctl.execute("runs cancel", as_json, lambda: ctl.runs_cancel(opts, run_id)))
 
 
@@ -472,8 +485,8 @@ def ctl_runs_requeue_cmd(run_id: int, socket_path: str | None, dsn: str | None, 
     """Put a failed run back to pending (logged in flyd.interventions)."""
     from flyd import ctl
 
-    opts = ctl.CtlOptions(config_file, socket_path, dsn)
-    _setup_logging(log_format, verbose, quiet + 1)
+    opts = ctl.CtlOptions(config_file, socket_path, dsn,
+                          log=_log_flags(log_format, verbose, quiet, quiet_default=1))
     sys.exit(ctl.execute("runs requeue", as_json, lambda: ctl.runs_requeue(opts, run_id)))
 
 
@@ -492,8 +505,8 @@ def ctl_checkpoints_list_cmd(run_id: int, socket_path: str | None, dsn: str | No
     """A run's generations, newest first."""
     from flyd import ctl
 
-    opts = ctl.CtlOptions(config_file, socket_path, dsn)
-    _setup_logging(log_format, verbose, quiet + 1)
+    opts = ctl.CtlOptions(config_file, socket_path, dsn,
+                          log=_log_flags(log_format, verbose, quiet, quiet_default=1))
     sys.exit(ctl.execute("checkpoints list", as_json, lambda: ctl.checkpoints_list(opts, run_id)))
 
 
@@ -510,8 +523,8 @@ def ctl_checkpoints_export_cmd(run_id: int, checkpoint_id: str | None, out: Path
     """Write a generation (after its integrity checks) to a file."""
     from flyd import ctl
 
-    opts = ctl.CtlOptions(config_file, socket_path, dsn)
-    _setup_logging(log_format, verbose, quiet + 1)
+    opts = ctl.CtlOptions(config_file, socket_path, dsn,
+                          log=_log_flags(log_format, verbose, quiet, quiet_default=1))
     sys.exit(ctl.execute("checkpoints export", as_json,
                          lambda: ctl.checkpoints_export(opts, run_id, checkpoint_id, out)))
 
@@ -546,11 +559,11 @@ def ctl_checkpoints_import_cmd(file: Path, steps: int, agents: str | None, mode:
     from flyd import ctl
     from flyd.run import RunOptions, parse_agents
 
-    opts = ctl.CtlOptions(config_file, socket_path, dsn)
+    opts = ctl.CtlOptions(config_file, socket_path, dsn,
+                          log=_log_flags(log_format, verbose, quiet, quiet_default=1))
     run = RunOptions(steps=steps, agents=None if agents is None else parse_agents(agents),
                      mode=mode, seed=seed, dispatch=dispatch, faults=faults, pace=pace,
                      checkpoint_every=checkpoint_every)
-    _setup_logging(log_format, verbose, quiet + 1)
     sys.exit(ctl.execute("checkpoints import", as_json,
                          lambda: ctl.checkpoints_import(opts, file, run, key, max_attempts)))
 
@@ -571,8 +584,8 @@ def ctl_checkpoints_verify_cmd(file: Path | None, run_id: int | None,
     generation also its integrity against the database. docs/state.md lists every check."""
     from flyd import ctl
 
-    opts = ctl.CtlOptions(config_file, socket_path, dsn)
-    _setup_logging(log_format, verbose, quiet + 1)
+    opts = ctl.CtlOptions(config_file, socket_path, dsn,
+                          log=_log_flags(log_format, verbose, quiet, quiet_default=1))
     sys.exit(ctl.execute("checkpoints verify", as_json,
                          lambda: ctl.checkpoints_verify(opts, file, run_id, checkpoint_id)))
 

@@ -24,6 +24,9 @@ Decisions where the spec is silent:
 - `flyd config show` lists every `[bus.limits]` key as `bus.limits.<key>`; `bus.policy` is the
   table from the file or the string `"default"` (session.md §7.2's policy).
 - Values read from the environment or given as strings on flags are parsed by the key's type.
+- `[node] log_level`'s default follows the effective `log_format`: `warning` for the console
+  renderer, `info` for JSON lines (`flyd.logs.default_level`), so `flyd config show` prints the
+  level a command would use.
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ from flyd.durations import (
     MAX_KEEPALIVE_S,
     is_duration_s,
 )
+from flyd.logs import LogFlags, LogSettings, default_level
 
 if TYPE_CHECKING:
     from flyd.leases.params import LeaseParams
@@ -519,6 +523,13 @@ class Config:
     def limits(self) -> Limits:
         return Limits.from_config(dict(self.value("bus", "limits") or {}))
 
+    def log_settings(self, flags: LogFlags) -> LogSettings:
+        """The process's logging: `[node] log_format` and `log_level` as resolved here (flag >
+        environment > file > default), `-v` / `-q` shifting the level (`flyd.logs`)."""
+        level = self.setting("node", "log_level")
+        return LogSettings.resolve(self.value("node", "log_format"), level.value,
+                                   level.source != "default", flags)
+
     def show(self) -> dict[str, dict[str, Any]]:
         """`section.key` → `{"value", "source"}` for every key, the DSN password redacted."""
         out: dict[str, dict[str, Any]] = {}
@@ -601,12 +612,14 @@ def _with_defaults(given: dict[str, dict[str, Setting]],
     capacity = default("node", "capacity", max(1, n_cpus // 4))
     every_steps = default("checkpoints", "every_steps", 60)
     ttl = default("leases", "ttl_s", 15.0)
+    log_format = default("node", "log_format", "console" if sys.stderr.isatty() else "json")
     derived: dict[tuple[str, str], Any] = {
         ("node", "name"): explicit_name or host_node_name(),
         ("node", "capacity"): capacity.value,
         ("node", "threads"): max(n_cpus, 4 * capacity.value),
         ("node", "state_dir"): _default_state_dir(env, explicit_name),
-        ("node", "log_format"): "console" if sys.stderr.isatty() else "json",
+        ("node", "log_format"): log_format.value,
+        ("node", "log_level"): default_level(log_format.value),
         ("bus", "socket"): _default_socket(env, explicit_name),
         ("bus", "allowed_uids"): [os.geteuid()],
         ("leases", "heartbeat_interval_s"): ttl.value / 5,

@@ -64,6 +64,7 @@ from flyd.leases import queries
 from flyd.leases.embedded import embedded_dsn_if_running
 from flyd.leases.pgstore import DbSettings, PgStore
 from flyd.leases.store import TERMINAL, SpecMismatch, StoreError
+from flyd.logs import LogFlags
 from flyd.run import RunOptions, RunUsageError, build_spec
 from flyd.runspec import DEFAULT_MAX_AGENTS, RunSpec, RunSpecError
 from workers.domain import DomainError, ErrorCode, format_request_id
@@ -125,6 +126,7 @@ class CtlOptions:
     socket: str | None = None
     dsn: str | None = None
     node: str | None = None
+    log: LogFlags = field(default_factory=LogFlags)
 
 
 @dataclass
@@ -182,9 +184,13 @@ def _stdout(value: dict[str, Any]) -> None:
 
 def _config(opts: CtlOptions) -> Config:
     try:
-        return load_config(opts.config_file, {"database.dsn": opts.dsn, "bus.socket": opts.socket})
+        config = load_config(opts.config_file, {"database.dsn": opts.dsn,
+                                                "bus.socket": opts.socket,
+                                                "node.log_format": opts.log.format})
     except ConfigError as exc:
         raise CtlError("CONFIG", str(exc)) from None
+    config.log_settings(opts.log).apply()
+    return config
 
 
 def resolve_dsn(opts: CtlOptions, config: Config | None = None) -> str:

@@ -52,7 +52,7 @@ import signal
 import sys
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import Any, Final
@@ -69,6 +69,7 @@ from flyd.leases.migrate import MigrationError
 from flyd.leases.pgstore import ClosingConnection
 from flyd.leases.reconnect import ReadConnection
 from flyd.leases.store import TERMINAL, StoreError
+from flyd.logs import LogFlags
 from flyd.node import NodeProcess, NodeSetup, NodeStartError
 from flyd.router_child import RouterStartError, choose_socket
 from flyd.runspec import DEFAULT_MAX_AGENTS, FaultSpecError, RunSpec, RunSpecError
@@ -121,7 +122,7 @@ class RunOptions:
     lease_ttl: float | None = None
     as_json: bool = False
     config_file: Path | None = None
-    router_quiet: int = 1
+    log: LogFlags = field(default_factory=LogFlags)
 
     def with_host_defaults(self, config: Config) -> RunOptions:
         """cli.md §2.3: `[session] mode`, `dispatch`, `pacing` and the `[checkpoints]` cadence
@@ -194,7 +195,8 @@ def node_setup(opts: RunOptions, config: Config, spec: RunSpec) -> NodeSetup:
     threads = max(int(config.value("node", "threads")), spec.thread_need(reservation))
     return NodeSetup(config=config, node_id=new_node_id(name), node_name=name, socket=socket,
                      state_dir=Path(str(config.value("node", "state_dir"))), capacity=1,
-                     threads=threads, router_quiet=opts.router_quiet, socket_origin=origin)
+                     threads=threads, router_quiet=config.log_settings(opts.log).router_quiet,
+                     socket_origin=origin)
 
 
 class Progress:
@@ -289,7 +291,9 @@ async def run_session(opts: RunOptions) -> int:
     try:
         config = load_config(opts.config_file, flags={
             "database.dsn": opts.dsn, "node.state_dir": opts.state_dir,
-            "leases.ttl_s": opts.lease_ttl, "bus.socket": opts.socket})
+            "leases.ttl_s": opts.lease_ttl, "bus.socket": opts.socket,
+            "node.log_format": opts.log.format})
+        config.log_settings(opts.log).apply()
         opts = opts.with_host_defaults(config)
         spec = build_spec(opts, int(config.value("session", "max_agents")))
         if opts.trace is not None:

@@ -31,7 +31,7 @@ from __future__ import annotations
 import asyncio
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
@@ -44,6 +44,7 @@ from flyd.executor import RunReport
 from flyd.identities import new_node_id
 from flyd.leases.migrate import MigrationError
 from flyd.leases.store import StoreError
+from flyd.logs import LogFlags
 from flyd.node import NodeProcess, NodeSetup, NodeStartError
 from flyd.router_child import RouterStartError
 from flyd.sdnotify import Notifier, NotifyError
@@ -67,7 +68,7 @@ class ServeOptions:
     router: bool | None = None
     lease_ttl: float | None = None
     as_json: bool = False
-    router_quiet: int = 1
+    log: LogFlags = field(default_factory=LogFlags)
     sim_clock: Path | None = None
     time_scale: float = 1.0
     clock_rate: float = 1.0
@@ -76,7 +77,7 @@ class ServeOptions:
         return {"database.dsn": self.dsn, "bus.socket": self.socket,
                 "node.state_dir": self.state_dir, "node.name": self.node_name,
                 "node.capacity": self.capacity, "node.router": self.router,
-                "leases.ttl_s": self.lease_ttl}
+                "leases.ttl_s": self.lease_ttl, "node.log_format": self.log.format}
 
 
 def _error(opts: ServeOptions, message: str) -> int:
@@ -91,6 +92,8 @@ async def serve(opts: ServeOptions) -> int:
     """Run the node until it is drained; returns the exit code."""
     try:
         config = load_config(opts.config_file, flags=opts.flags())
+        logging = config.log_settings(opts.log)
+        logging.apply()
         notifier = Notifier.from_environ(unset=True)
     except ConfigError as exc:
         return _error(opts, str(exc))
@@ -103,7 +106,7 @@ async def serve(opts: ServeOptions) -> int:
         state_dir=Path(str(config.value("node", "state_dir"))),
         capacity=int(config.value("node", "capacity")),
         threads=int(config.value("node", "threads")),
-        router=bool(config.value("node", "router")), router_quiet=opts.router_quiet,
+        router=bool(config.value("node", "router")), router_quiet=logging.router_quiet,
         socket_origin=config.origin("bus", "socket"),
         sim_clock=opts.sim_clock, time_scale=opts.time_scale, clock_rate=opts.clock_rate)
     node = NodeProcess(setup)
