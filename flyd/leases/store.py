@@ -25,6 +25,8 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Final, Literal, Protocol
 
+import orjson
+
 RunState = Literal["pending", "running", "succeeded", "failed", "cancelled"]
 TerminalState = Literal["succeeded", "failed", "cancelled"]
 TERMINAL: Final = frozenset({"succeeded", "failed", "cancelled"})
@@ -227,6 +229,37 @@ class Commit:
     checkpoint: Checkpoint | None = None
     finish: Finish | None = None
     keep: int = 3
+
+
+    def size(self) -> tuple[int, int]:
+        """(rows, bytes): the rows it inserts and the bytes it sends (effect payloads as one
+        JSON document, and the envelope), which its deadline accounts for."""
+        rows = len(self.effects) + (1 if self.checkpoint is not None else 0)
+        envelope = len(self.checkpoint.envelope) if self.checkpoint is not None else 0
+        return rows, envelope + (len(payload_document(self.effects)) if self.effects else 0)
+
+
+#: What C (`commit_timeout_s`) and B (`commit_budget_s`) are sized for: a group commit of up to
+#: this many rows and bytes (docs/leases.md, "Large group commits").
+BASE_COMMIT_ROWS: Final = 256
+BASE_COMMIT_BYTES: Final = 1 << 20
+#: The extra time a larger commit is allowed, per row and per MiB beyond the base.
+EXTRA_S_PER_ROW: Final = 0.0002
+EXTRA_S_PER_MIB: Final = 0.25
+
+
+def payload_document(effects: Sequence[Effect]) -> bytes:
+    """The effects' payloads as one JSON array, in order: the group commit sends it as a
+    single `jsonb` parameter, parsed by the server in one pass."""
+    return orjson.dumps([e.payload for e in effects], default=dict)
+
+
+def commit_allowance_s(rows: int, size: int) -> float:
+    """Seconds a group commit of `rows` rows and `size` bytes may take beyond C (and must
+    have beyond B on its lease before it starts); 0 up to the base size."""
+    extra_rows = max(0, rows - BASE_COMMIT_ROWS)
+    extra_bytes = max(0, size - BASE_COMMIT_BYTES)
+    return extra_rows * EXTRA_S_PER_ROW + extra_bytes / (1 << 20) * EXTRA_S_PER_MIB
 
 
 @dataclass(frozen=True, slots=True)

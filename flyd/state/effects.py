@@ -27,11 +27,12 @@ job (whose boundary is not lower) covers every boundary the earlier one would ha
 from __future__ import annotations
 
 import hashlib
-import json
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Final
+
+import orjson
 
 from flyd.leases.store import Effect
 from workers.canonical import canonical
@@ -109,7 +110,7 @@ class PendingEffects:
                 raise DomainError(ErrorCode.INTERNAL, f"no pending effect for boundary {j} "
                                   f"(covering {after + 1}..{through})", Mutation.NONE)
             rows.append(Effect(key=f"boundary-{j}", session_epoch=entry.session_epoch,
-                               boundary=j, payload=json.loads(entry.payload),
+                               boundary=j, payload=orjson.loads(entry.payload),
                                digest=entry.digest))
         return tuple(rows)
 
