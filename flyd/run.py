@@ -27,6 +27,10 @@ Decisions:
   `USAGE` (exit 2).
 - Human summary and progress go to stderr (cli.md §1); with `--json` the summary is the only
   stdout output.
+- `outcome` (summary key) is why the run did not succeed, `{error, …}` (`flyd.outcome`), null
+  for a succeeded run; an `attempts exhausted` run adds the reason this node lost its last
+  lease. It is also printed on stderr in both modes: `flyd run: run N failed: <reason>` and
+  `flyd run: outcome: <JSON>`.
 - Progress: on a TTY a one-line bar on stderr, redrawn at most every 0.1 s; otherwise a
   `run.progress` log line every 5 s (step, steps, steps_per_s, epoch, recoveries).
 - SIGINT: the first requests cancellation of the run (distribution.md §3.8); the node sees the
@@ -44,7 +48,6 @@ import contextlib
 import signal
 import sys
 import time
-from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
@@ -60,6 +63,7 @@ from flyd.leases import queries
 from flyd.leases.migrate import MigrationError
 from flyd.leases.store import TERMINAL, StoreError
 from flyd.node import NodeProcess, NodeSetup, NodeStartError
+from flyd.outcome import describe, failure_of
 from flyd.router_child import RouterStartError, choose_socket
 from flyd.runspec import DEFAULT_MAX_AGENTS, FaultSpecError, RunSpec, RunSpecError
 from workers.canonical import canonical, digest_of
@@ -295,7 +299,7 @@ async def run_session(opts: RunOptions) -> int:
                        time.monotonic() - started)
     if opts.trace is not None and report is not None:
         _write_trace(opts.trace, report.records)
-    _print_summary(opts, summary, (row or {}).get("outcome"))
+    _print_summary(opts, summary)
     if signals.exit_code is not None:
         return signals.exit_code
     return EXIT_OK if summary["state"] == "succeeded" else EXIT_FAILED
@@ -378,6 +382,10 @@ def _summary(spec: RunSpec, run_id: int, row: dict[str, Any] | None, report: Run
         failures = list(report.failures)
         if report.failure is not None and report.failure not in failures:
             failures.append(report.failure)
+    ended = row is not None and row["state"] in TERMINAL
+    reason = failure_of(state if ended else "abandoned",
+                        row.get("outcome") if row is not None and ended else None,
+                        last_loss=report.lost_reason if report is not None else None)
     return {
         "run": run_id,
         "state": state,
@@ -395,6 +403,7 @@ def _summary(spec: RunSpec, run_id: int, row: dict[str, Any] | None, report: Run
         "mode": spec.mode,
         "workers": report.workers if report is not None else [],
         "failures": failures,
+        "outcome": reason,
     }
 
 
@@ -412,26 +421,28 @@ def _write_trace(path: Path, records: list[dict[str, Any]]) -> None:
             fh.write(canonical(record) + b"\n")
 
 
-def _print_summary(opts: RunOptions, summary: dict[str, Any],
-                   outcome: Mapping[str, Any] | None) -> None:
-    """The summary; a run that ended on an outcome `error` (checkpoint too large, launch
-    failed, invalid run spec, ...) with no session failure to name also prints that outcome,
-    so the reason is on the terminal (the JSON summary's keys are cli.md §4.2's)."""
+def _print_summary(opts: RunOptions, summary: dict[str, Any]) -> None:
+    """The summary; a run that did not succeed also prints its reason on stderr (one line
+    naming it, then the outcome as JSON), in both output modes (`flyd.outcome`)."""
     if opts.as_json:
         sys.stdout.write(orjson.dumps(summary).decode() + "\n")
         sys.stdout.flush()
-        return
-    line = (f"flyd run: run {summary['run']} {summary['state']} at boundary "
-            f"{summary['boundary']}/{summary['steps']} ({summary['mode']}), "
-            f"{summary['stepsPerSecond']} steps/s in {summary['wallSeconds']}s; counter "
-            f"{summary['counter']}, behaviour digest {summary['behaviourDigest']}")
-    print(line, file=sys.stderr)
-    for failure in summary["failures"]:
-        who = f" ({failure['participant']})" if failure["participant"] else ""
-        print(f"flyd run: failure: {failure['detail']}{who}: {failure['code']}: "
-              f"{failure['message']}", file=sys.stderr)
-    if summary["state"] != "succeeded" and outcome and "error" in outcome:
-        print(f"flyd run: outcome: {orjson.dumps(dict(outcome)).decode()}", file=sys.stderr)
+    else:
+        line = (f"flyd run: run {summary['run']} {summary['state']} at boundary "
+                f"{summary['boundary']}/{summary['steps']} ({summary['mode']}), "
+                f"{summary['stepsPerSecond']} steps/s in {summary['wallSeconds']}s; counter "
+                f"{summary['counter']}, behaviour digest {summary['behaviourDigest']}")
+        print(line, file=sys.stderr)
+        for failure in summary["failures"]:
+            who = f" ({failure['participant']})" if failure["participant"] else ""
+            print(f"flyd run: failure: {failure['detail']}{who}: {failure['code']}: "
+                  f"{failure['message']}", file=sys.stderr)
+    reason = summary["outcome"]
+    if reason is not None:
+        print(f"flyd run: run {summary['run']} {summary['state']}: {describe(reason)}",
+              file=sys.stderr)
+        print(f"flyd run: outcome: {orjson.dumps(reason).decode()}", file=sys.stderr)
+    sys.stderr.flush()
 
 
 def _error(opts: RunOptions, code: str, message: str) -> int:
