@@ -66,7 +66,6 @@ from flyd.node import NodeProcess, NodeSetup, NodeStartError
 from flyd.outcome import describe, failure_of
 from flyd.router_child import RouterStartError, choose_socket
 from flyd.runspec import DEFAULT_MAX_AGENTS, FaultSpecError, RunSpec, RunSpecError
-from workers.canonical import canonical, digest_of
 
 __all__ = ["RunOptions", "RunUsageError", "build_spec", "run_session"]
 
@@ -289,16 +288,17 @@ async def run_session(opts: RunOptions) -> int:
                 StoreError, psycopg.Error) as exc:
             return _error(opts, "CONFIG", getattr(exc, "message", None) or str(exc))
         run_id, report, row = await _execute(node, spec, int(config.value(
-            "leases", "max_attempts")), signals, setup.config.leases.drain_timeout_s)
-        effects = await _read_effects(node.dsn, run_id)
+            "leases", "max_attempts")), signals, setup.config.leases.drain_timeout_s,
+            opts.trace)
+        ledger = await _fold_ledger(node.dsn, run_id)
         checkpoints = await _count_checkpoints(node.dsn, run_id)
     finally:
         signals.remove()
         await node.close()
-    summary = _summary(spec, run_id, row, report, effects, checkpoints,
+    if report is not None:
+        report.records.close()
+    summary = _summary(spec, run_id, row, report, ledger, checkpoints,
                        time.monotonic() - started)
-    if opts.trace is not None and report is not None:
-        _write_trace(opts.trace, report.records)
     _print_summary(opts, summary)
     if signals.exit_code is not None:
         return signals.exit_code
@@ -306,7 +306,8 @@ async def run_session(opts: RunOptions) -> int:
 
 
 async def _execute(node: NodeProcess, spec: RunSpec, max_attempts: int, signals: _Signals,
-                   drain_s: float) -> tuple[int, RunReport | None, dict[str, Any] | None]:
+                   drain_s: float, trace: Path | None
+                   ) -> tuple[int, RunReport | None, dict[str, Any] | None]:
     """Submit, serve only that run until it is terminal (or abandoned), stop the runtime."""
     assert node.store is not None and node.executor is not None
     submitted = await node.store.submit(None, spec.to_json(), max_attempts)
@@ -316,6 +317,7 @@ async def _execute(node: NodeProcess, spec: RunSpec, max_attempts: int, signals:
     node.executor.on_progress = lambda r: progress.update(r.boundary)
     node.executor.on_recovery = _print_recovery
     node.executor.keep_reports = True
+    node.executor.trace_path = trace
     progress.start()
     runtime = node.make_runtime(only=run_id)
     row: dict[str, Any] | None = None
@@ -353,9 +355,9 @@ async def _await_end(node: NodeProcess, run_id: int, signals: _Signals,
                     await signals.abandon.wait()
 
 
-async def _read_effects(dsn: str, run_id: int) -> list[dict[str, Any]]:
+async def _fold_ledger(dsn: str, run_id: int) -> queries.LedgerFold:
     async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
-        return await queries.effects(conn, run_id)
+        return await queries.fold_ledger(conn, run_id)
 
 
 async def _count_checkpoints(dsn: str, run_id: int) -> int:
@@ -369,12 +371,12 @@ async def _count_checkpoints(dsn: str, run_id: int) -> int:
 
 
 def _summary(spec: RunSpec, run_id: int, row: dict[str, Any] | None, report: RunReport | None,
-             effects: list[dict[str, Any]], checkpoints: int, wall: float) -> dict[str, Any]:
+             ledger: queries.LedgerFold, checkpoints: int, wall: float) -> dict[str, Any]:
     outcome: dict[str, Any] = dict(row.get("outcome") or {}) if row is not None else {}
     state = row["state"] if row is not None and row["state"] in TERMINAL else "cancelled"
-    digest, epochs = queries.behaviour(effects)
-    if not any(e["boundary"] is not None for e in effects) and report is not None:
-        digest = digest_of(report.records)
+    digest, epochs = ledger.digest(), ledger.epochs
+    if not ledger.count and report is not None:
+        digest = report.records.digest()
     advances = report.advances if report is not None else 0
     step_seconds = report.step_seconds if report is not None else 0.0
     failures: list[dict[str, Any]] = []
@@ -413,12 +415,6 @@ def _print_recovery(report: RunReport, info: dict[str, Any]) -> None:
     who = info.get("participant") or "the session"
     print(f"flyd run: recovered run {report.run_id} from {info['code']} of {who}: resumed at "
           f"boundary {info['boundary']} in epoch {info['epoch']}", file=sys.stderr, flush=True)
-
-
-def _write_trace(path: Path, records: list[dict[str, Any]]) -> None:
-    with path.open("wb") as fh:
-        for record in records:
-            fh.write(canonical(record) + b"\n")
 
 
 def _print_summary(opts: RunOptions, summary: dict[str, Any]) -> None:
