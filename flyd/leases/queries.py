@@ -16,6 +16,7 @@ from typing import Any, Final
 import psycopg
 from psycopg.rows import dict_row
 
+from flyd.leases.store import CanonicalPayload
 from workers.canonical import canonical, digest_of
 
 __all__ = ["LedgerFold", "attempts", "behaviour", "effects", "fold_ledger", "list_runs",
@@ -121,7 +122,7 @@ class LedgerFold:
         self.epochs: list[str] = []
 
     def add(self, session_epoch: int, payload: Mapping[str, Any]) -> None:
-        data = canonical(payload)
+        data = payload.data if isinstance(payload, CanonicalPayload) else canonical(payload)
         self._hash.update(b"," + data if self.count else data)
         self.count += 1
         label = f"e{session_epoch}"

@@ -20,7 +20,7 @@ Rules every implementation keeps:
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Final, Literal, Protocol
@@ -182,6 +182,32 @@ class Reaped:
     state: TerminalState
 
 
+class CanonicalPayload(Mapping[str, Any]):
+    """A payload held as its canonical JSON bytes (the session's pending effects): a group
+    commit sends the bytes as they are; it is parsed only when read as a mapping (the
+    in-memory store), so committing thousands of effects builds no objects per effect."""
+
+    __slots__ = ("_value", "data")
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+        self._value: dict[str, Any] | None = None
+
+    def _parsed(self) -> dict[str, Any]:
+        if self._value is None:
+            self._value = orjson.loads(self.data)
+        return self._value
+
+    def __getitem__(self, key: str) -> Any:
+        return self._parsed()[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._parsed())
+
+    def __len__(self) -> int:
+        return len(self._parsed())
+
+
 @dataclass(frozen=True, slots=True)
 class Effect:
     """A ledger row to insert: `boundary-<k>` or `finish` (§6.1)."""
@@ -251,7 +277,9 @@ EXTRA_S_PER_MIB: Final = 0.25
 def payload_document(effects: Sequence[Effect]) -> bytes:
     """The effects' payloads as one JSON array, in order: the group commit sends it as a
     single `jsonb` parameter, parsed by the server in one pass."""
-    return orjson.dumps([e.payload for e in effects], default=dict)
+    return b"[" + b",".join(
+        e.payload.data if isinstance(e.payload, CanonicalPayload)
+        else orjson.dumps(e.payload, default=dict) for e in effects) + b"]"
 
 
 def commit_allowance_s(rows: int, size: int) -> float:

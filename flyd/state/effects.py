@@ -32,9 +32,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
-import orjson
-
-from flyd.leases.store import Effect
+from flyd.leases.store import CanonicalPayload, Effect
 from workers.canonical import canonical
 from workers.domain import DomainError, ErrorCode, Mutation
 
@@ -110,7 +108,7 @@ class PendingEffects:
                 raise DomainError(ErrorCode.INTERNAL, f"no pending effect for boundary {j} "
                                   f"(covering {after + 1}..{through})", Mutation.NONE)
             rows.append(Effect(key=f"boundary-{j}", session_epoch=entry.session_epoch,
-                               boundary=j, payload=orjson.loads(entry.payload),
+                               boundary=j, payload=CanonicalPayload(entry.payload),
                                digest=entry.digest))
         return tuple(rows)
 
