@@ -370,8 +370,8 @@ class GrantSession:
             report.step_seconds += time.monotonic() - started
             started = time.monotonic()
             record = self._last_record(coordinator)
-            report.records.append(record)
             durability.record(step.boundary, coordinator.epoch, record)
+            report.records.append(durability.writer.pending.encoded(step.boundary))
             if self.ex.on_progress is not None:
                 self.ex.on_progress(report)
             if step.terminal or step.paused or step.boundary >= self.spec.steps:

@@ -159,8 +159,9 @@ class RecordStream:
     def __len__(self) -> int:
         return self._settled + len(self._tail)
 
-    def append(self, record: dict[str, Any]) -> None:
-        self._tail.append(canonical(record))
+    def append(self, data: bytes) -> None:
+        """The next record, as its canonical JSON bytes."""
+        self._tail.append(data)
 
     def settle(self, count: int) -> None:
         """The first `count` records are durable: write and fold them."""

@@ -26,6 +26,7 @@ job (whose boundary is not lower) covers every boundary the earlier one would ha
 
 from __future__ import annotations
 
+import builtins
 import hashlib
 import re
 from collections.abc import Mapping
@@ -98,6 +99,15 @@ class PendingEffects:
         self._entries[boundary] = _Pending(number, data, hashlib.sha256(data).digest())
         self._bytes += len(data)
         self._last = boundary
+
+    def encoded(self, boundary: int) -> builtins.bytes:
+        """The canonical bytes of a pending boundary's payload (shared, not copied, by a
+        record stream of the same run)."""
+        entry = self._entries.get(boundary)
+        if entry is None:
+            raise DomainError(ErrorCode.INTERNAL, f"no pending effect for boundary {boundary}",
+                              Mutation.NONE)
+        return entry.payload
 
     def covering(self, after: int, through: int) -> tuple[Effect, ...]:
         """The ledger rows for boundaries in (after, through] (state.md §4.3 step 3)."""
