@@ -23,7 +23,7 @@ import pytest
 from tests.serve_nodes import ROOT, process_dir
 
 sys.path.insert(0, str(ROOT / "scripts"))
-from long_run import long_run  # noqa: E402
+from long_run import long_run
 
 LONG_STEPS = int(os.environ.get("FLYD_LONG_STEPS", "20000"))
 TOLERANCE = 0.10
