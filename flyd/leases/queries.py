@@ -23,7 +23,7 @@ __all__ = ["LedgerFold", "attempts", "behaviour", "effects", "fold_ledger", "lis
            "nodes", "run_row"]
 
 #: Rows fetched per round trip when a run's ledger is folded.
-FOLD_BATCH: Final = 1000
+FOLD_BATCH: Final = 100
 
 Conn = psycopg.AsyncConnection[Any]
 
