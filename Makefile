@@ -61,9 +61,10 @@ fuzz: $(STAMP)
 load: $(STAMP)
 	$(BIN)/python -P bench/load.py
 
-# 300 + 100 consecutive sessions on one node: no growth, no leftovers (scripts/soak.py).
+# 300 + 100 consecutive sessions on one node: no growth, no leftovers; then a 10^5-step
+# `flyd run` at cadence 0 and at cadence 1 in flat memory (scripts/soak.py, scripts/long_run.py).
 soak: $(STAMP)
-	$(BIN)/python scripts/soak.py $(SOAK_ARGS)
+	$(BIN)/python scripts/soak.py --long-steps 100000 $(SOAK_ARGS)
 
 # 100 runs, each with a SIGKILL of a random process: each ends succeeded, once (scripts/chaos.py).
 chaos: $(STAMP)

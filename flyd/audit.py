@@ -8,10 +8,15 @@ Exact forms: `hello:<worker>`, `environment.initialize`, `task.bootstrap`,
 
 Resolved ambiguities: `index_of` of an absent string is None (tests compare positions, so a
 missing entry must not look like position -1 "before" everything).
+
+Bound: `AuditLog(limit=n)` keeps the newest n entries (a node's session runs for as long as
+its run does; positions and counts are then over those entries); without a limit it keeps all
+(tests of one session read the whole log).
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterator
 
 __all__ = ["AuditLog"]
@@ -20,8 +25,8 @@ __all__ = ["AuditLog"]
 class AuditLog:
     """An append-only, ordered list of audit strings."""
 
-    def __init__(self) -> None:
-        self._entries: list[str] = []
+    def __init__(self, limit: int | None = None) -> None:
+        self._entries: deque[str] = deque(maxlen=limit)
 
     def add(self, entry: str) -> None:
         self._entries.append(entry)

@@ -110,7 +110,7 @@ from flyd.state.writer import (
     SaveTicket,
     audit_line,
 )
-from flyd.trace import EpochRebase, TraceLog, TransitionTrace
+from flyd.trace import EpochRebase, TraceLog
 from workers.canonical import canonical, controls_digest, typed_digest
 from workers.clock import RationalNs
 from workers.composition import composition_digest, config_asset
@@ -210,28 +210,51 @@ class Stats:
 
 
 class Metrics:
-    """Latency histograms per method and for `step` (µs), and pacing lag."""
+    """Latency histograms per method and for `step` (µs), and pacing lag.
 
-    def __init__(self) -> None:
-        self._samples: dict[str, list[float]] = collections.defaultdict(list)
+    `Metrics(window=n)` keeps the newest n samples per name (a long run's node): `count` and
+    `max` still cover every sample, the percentiles the window; without a window, all."""
+
+    def __init__(self, window: int | None = None) -> None:
+        self._samples: dict[str, collections.deque[float]] = collections.defaultdict(
+            lambda: collections.deque(maxlen=window))
+        self._count: collections.Counter[str] = collections.Counter()
+        self._max: dict[str, float] = {}
         self.lag_ns = 0
 
     def observe(self, name: str, seconds: float) -> None:
-        self._samples[name].append(seconds * 1e6)
+        value = seconds * 1e6
+        self._samples[name].append(value)
+        self._count[name] += 1
+        self._max[name] = max(self._max.get(name, value), value)
 
     def histogram(self, name: str) -> dict[str, float | int]:
-        values = sorted(self._samples.get(name, []))
+        values = sorted(self._samples.get(name, ()))
         if not values:
             return {"count": 0, "p50": 0.0, "p99": 0.0, "max": 0.0}
 
         def pick(q: float) -> float:
             return values[min(len(values) - 1, int(q * len(values)))]
 
-        return {"count": len(values), "p50": pick(0.5), "p99": pick(0.99), "max": values[-1]}
+        return {"count": self._count[name], "p50": pick(0.5), "p99": pick(0.99),
+                "max": self._max[name]}
 
     def to_json(self) -> dict[str, Any]:
         return {"latencyUs": {name: self.histogram(name) for name in sorted(self._samples)},
                 "lagNs": self.lag_ns}
+
+
+@dataclass(frozen=True)
+class History:
+    """How much per-step history a coordinator keeps (all of it by default: a test reads the
+    whole session). A node's session passes bounds, so its memory does not grow with the run:
+    the newest `entries` audit entries, phase edges and latency samples; the newest
+    `transitions` traced transitions in full; the step and event count of the newest `horizon`
+    transitions (to reach back to the oldest boundary a recovery can restore)."""
+
+    entries: int | None = None
+    transitions: int | None = None
+    horizon: int | None = None
 
 
 @dataclass(frozen=True)
@@ -477,7 +500,8 @@ class Coordinator:
                  task: Task, executor: ActionExecutor, deadlines: Deadlines | None = None,
                  order: DispatchOrder = DispatchOrder.CONCURRENT,
                  injections: Injections | None = None, clock: Clock = SYSTEM_CLOCK,
-                 state: StateContext | None = None, epoch: str = "e1") -> None:
+                 state: StateContext | None = None, epoch: str = "e1",
+                 history: History | None = None) -> None:
         self.spec = spec
         self._client = client
         self._refs: dict[str, WorkerRef] = dict(refs)
@@ -495,7 +519,8 @@ class Coordinator:
         if missing:
             raise DomainError.before(ErrorCode.IDENTITY_MISMATCH,
                                      f"no worker reference for {', '.join(missing)}")
-        self._machine = PhaseMachine()
+        bound = history or History()
+        self._machine = PhaseMachine(log_limit=bound.entries)
         self._serials: dict[str, int] = dict.fromkeys(self._refs, 0)
         self._pause = PauseHandle()
         self._pacing: Pacing | None = None
@@ -503,11 +528,11 @@ class Coordinator:
             self._pacing = Pacing.fixed(spec.pace_s, clock)
         elif spec.pacing == "realtime":
             self._pacing = Pacing(spec.world.step, clock)
-        self.audit = AuditLog()
+        self.audit = AuditLog(limit=bound.entries)
         self.stats = Stats()
-        self.metrics = Metrics()
-        self.trace = TraceLog(phase_source=self._machine.phase_path)
-        self._issued: tuple[int, TransitionTrace | None, int] = (0, None, 0)
+        self.metrics = Metrics(window=bound.entries)
+        self.trace = TraceLog(phase_source=self._machine.phase_path, keep=bound.transitions,
+                              horizon=bound.horizon)
         self.snapshots = Feed()
         self.injection_log: list[InjectionOutcome] = []
         self.episode_request: EpisodeRequest | None = None
@@ -572,19 +597,8 @@ class Coordinator:
         return self._audio.positions()
 
     def issued_events(self) -> int:
-        """The task events of the traced transitions (their `eventIds`), counted on from the
-        last call: a capture at every boundary must not rescan the whole trace. The count is
-        reused only while the trace still holds the transition it ended at (a restore cuts
-        the trace)."""
-        transitions = self.trace.transitions
-        counted, last, total = self._issued
-        if not (0 < counted <= len(transitions) and transitions[counted - 1] is last):
-            counted, total = 0, 0
-        for t in transitions[counted:]:
-            total += len(t.behaviour.get("eventIds", []))
-        if transitions:
-            self._issued = (len(transitions), transitions[-1], total)
-        return total
+        """The task events of the traced transitions (their `eventIds`): a running count."""
+        return self.trace.events()
 
     def participants(self) -> list[str]:
         """The environment, then the agents by id (the order of stages and activations)."""

@@ -65,6 +65,7 @@ from flyd.leases.embedded import embedded_dsn_if_running
 from flyd.leases.pgstore import DbSettings, PgStore
 from flyd.leases.store import TERMINAL, SpecMismatch, StoreError
 from flyd.logs import LogFlags
+from flyd.outcome import describe, failure_of
 from flyd.run import RunOptions, RunUsageError, build_spec
 from flyd.runspec import DEFAULT_MAX_AGENTS, RunSpec, RunSpecError
 from workers.domain import DomainError, ErrorCode, format_request_id
@@ -516,6 +517,8 @@ async def runs_show(opts: CtlOptions, run_id: int) -> Result:
         checkpoints = await _checkpoint_rows(conn, run_id)
         effect_rows = await queries.effects(conn, run_id)
     outcome = row["outcome"] if isinstance(row["outcome"], dict) else {}
+    failure = (failure_of(row["state"], outcome, last_grant=grants[-1] if grants else None)
+               if row["state"] in TERMINAL else None)
     _, epochs = queries.behaviour(effect_rows)
     phase, events = await _live_view(opts, config, row)
     doc = {"run": run_id, "state": row["state"], "leaseEpoch": row["leaseEpoch"],
@@ -526,7 +529,9 @@ async def runs_show(opts: CtlOptions, run_id: int) -> Result:
            "grants": grants, "checkpoints": checkpoints, "effects": len(effect_rows),
            "recoveries": _recoveries(outcome, outcome.get("epochs") or epochs),
            "epochs": outcome.get("epochs") or epochs,
-           "outcome": row["outcome"], "phase": phase, "events": events}
+           "outcome": row["outcome"],
+           "reason": describe(failure) if failure is not None else None, "phase": phase,
+           "events": events}
     lines = [f"run {run_id}: {row['state']}  lease epoch {row['leaseEpoch']}  attempt "
              f"{row['attempt']}/{row['maxAttempts']}  owner {row['ownerNode'] or '-'}  boundary "
              f"{row['boundary'] if row['boundary'] is not None else '-'}  effects "
@@ -536,6 +541,8 @@ async def runs_show(opts: CtlOptions, run_id: int) -> Result:
     lines += table(["LEASE-EPOCH", "NODE", "GRANTED", "ENDED", "REASON"],
                    [[g["leaseEpoch"], g["nodeId"], g["grantedAt"], g["endedAt"], g["endReason"]]
                     for g in grants])
+    if doc["reason"] is not None:
+        lines.append(f"reason: {doc['reason']}")
     if events is not None:
         lines.append(f"events: {len(events)}")
     return Result(doc, lines)

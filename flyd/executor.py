@@ -27,6 +27,8 @@ Decisions:
   execution ends, so a long-lived `flyd serve` node holds nothing of the runs it finished (the
   soak measured a steady RSS growth per run before); `flyd run`, which reads its one run's report
   after the end, sets `keep_reports`.
+- A report's behaviour records are a `RecordStream`: only those beyond the durable head are
+  held; the rest went to `trace_path` (`flyd run --trace`), if set, and into a running digest.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ import contextlib
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Final
 
 import structlog
@@ -54,6 +57,7 @@ from flyd.spawn import group_running
 from flyd.spawner import Spawner
 from flyd.state.store import CheckpointStore
 from flyd.state.writer import EventRing, WriterConfig
+from flyd.trace import RecordStream
 from workers.domain import DomainError
 
 __all__ = ["RunReport", "SessionExecutor", "worker_json"]
@@ -87,7 +91,7 @@ class RunReport:
     step_seconds: float = 0.0
     world_progress: str | None = None
     counter: int | None = None
-    records: list[dict[str, Any]] = field(default_factory=list)
+    records: RecordStream = field(default_factory=RecordStream)
     failures: list[dict[str, Any]] = field(default_factory=list)
     recoveries: list[dict[str, Any]] = field(default_factory=list)
     coordinator: Coordinator | None = None
@@ -131,6 +135,7 @@ class SessionExecutor:
         self._router_up.set()
         self.reports: dict[int, RunReport] = {}
         self.keep_reports = False
+        self.trace_path: Path | None = None
         self._launchers: dict[int, Launcher] = {}
         self._groups: dict[int, list[int]] = {}
         self._clients: dict[int, BusClient] = {}
@@ -159,7 +164,8 @@ class SessionExecutor:
     # ------------------------------------------------------------------ Executor
 
     async def execute(self, scope: Scope) -> None:
-        report = RunReport(scope.run_id, scope.lease_epoch)
+        report = RunReport(scope.run_id, scope.lease_epoch,
+                           records=RecordStream(self.trace_path))
         self.reports[scope.run_id] = report
         try:
             await self._execute(scope, report)

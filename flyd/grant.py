@@ -64,11 +64,12 @@ from typing import TYPE_CHECKING, Any, Final, Literal
 import structlog
 
 from bus.errors import BusError
-from flyd.coordinator import Coordinator, DispatchOrder, Injections
+from flyd.coordinator import Coordinator, DispatchOrder, History, Injections
 from flyd.fence import SessionFailure
 from flyd.identities import SessionNames
 from flyd.launcher import ExecutionMode, Launcher, composition_plans, connect_expected
 from flyd.leases.node import Scope
+from flyd.leases.queries import LedgerFold
 from flyd.runspec import RunSpec
 from flyd.state.cadence import Cadence
 from flyd.state.durability import CheckpointTooLarge, Durability, TooLarge
@@ -77,7 +78,6 @@ from flyd.state.recovery import Exhausted, RecoveryBudget, is_permanent
 from flyd.state.store import CheckpointRecord, CheckpointStore, FinishRun
 from flyd.state.writer import CheckpointWriter, Committed, EventRing, WriterConfig
 from flyd.trace import EpochRebase
-from workers.canonical import digest_of
 from workers.domain import DomainError, ErrorCode
 from workers.shell import load_plugin
 from workers.synthetic.executor import IdentityExecutor
@@ -91,10 +91,14 @@ log = structlog.get_logger("flyd.grant")
 
 FIRST_EPOCH: Final = "e1"
 CLOSE_S: Final = 5.0
+#: The coordinator's per-step history a grant keeps (`History`): audit entries, phase edges and
+#: latency samples, and whole traced transitions; its event tally reaches back to the head.
+HISTORY_ENTRIES: Final = 1024
+HISTORY_TRANSITIONS: Final = 8
 Ending = Literal["succeeded", "cancelled", "drained"]
 
-#: committed ledger rows up to a boundary: `(boundary, raw epoch N, payload)` in boundary order
-LedgerReader = Callable[[int, int], Awaitable[list[tuple[int, int, dict[str, Any]]]]]
+#: the committed ledger rows up to a boundary, folded in boundary order
+LedgerReader = Callable[[int, int], Awaitable[LedgerFold]]
 
 _SPEC_KEYS: Final = {
     "everySteps": "every_steps", "everySeconds": "every_seconds",
@@ -195,7 +199,9 @@ class GrantSession:
             {wid: w.worker_ref() for wid, w in launcher.workers().items()},
             task=task, executor=IdentityExecutor(), deadlines=self.ex.deadlines,
             order=DispatchOrder.from_label(spec.dispatch), injections=self._injections(),
-            epoch=epoch)
+            epoch=epoch, history=History(entries=HISTORY_ENTRIES,
+                                         transitions=HISTORY_TRANSITIONS,
+                                         horizon=self.config.pending_effects_bound() + 2))
         if spec.pacing == "off" and spec.pace_s is None:
             coordinator.disable_pacing()
         self.coordinator = coordinator
@@ -378,13 +384,14 @@ class GrantSession:
             report.step_seconds += time.monotonic() - started
             started = time.monotonic()
             record = self._last_record(coordinator)
-            report.records.append(record)
             durability.record(step.boundary, coordinator.epoch, record)
+            report.records.append(durability.writer.pending.encoded(step.boundary))
             if self.ex.on_progress is not None:
                 self.ex.on_progress(report)
             if step.terminal or step.paused or step.boundary >= self.spec.steps:
                 break  # the final capture replaces a cadence capture due here (§9.1)
             await durability.after_boundary(coordinator, step.boundary)
+            report.records.settle(durability.head_boundary - self._first_local())
             if self.budget.attempt and durability.head_boundary > done_at_start:
                 self.budget.committed()
         return "succeeded"
@@ -542,7 +549,7 @@ class GrantSession:
                           activated=list(restored.activated))
             coordinator.resume()
         self.report.boundary = boundary
-        self.report.records = self.report.records[:max(0, boundary - self._first_local())]
+        self.report.records.rewind(max(0, boundary - self._first_local()))
         durability.restart(boundary, epoch)
         self.budget.resumed()
         self.ex.recovered(self.report, {"participant": failure.participant,
@@ -590,22 +597,20 @@ class GrantSession:
         else:
             await self._drained()
 
-    async def _ledger(self, through: int) -> tuple[list[dict[str, Any]], list[str]]:
-        """Payloads of boundaries 1..through in order (committed, then pending) and the raw
-        epochs that executed them, in order of first boundary."""
+    async def _ledger(self, through: int) -> tuple[str, list[str]]:
+        """The behaviour digest of boundaries 1..through (committed, then pending) and the raw
+        epochs that executed them, in order of first boundary; folded as read, so a long run's
+        ledger is never held in memory."""
         durability = self._durability()
         head_boundary = durability.head_boundary
-        rows = await self.ledger(self.run_id, head_boundary) if head_boundary else []
-        pending = durability.writer.pending.covering(head_boundary, through)
-        payloads = [p for _, _, p in rows] + [dict(e.payload) for e in pending]
-        epochs: list[str] = []
-        for n in [n for _, n, _ in rows] + [e.session_epoch for e in pending]:
-            if f"e{n}" not in epochs:
-                epochs.append(f"e{n}")
+        fold = await self.ledger(self.run_id, head_boundary) if head_boundary else LedgerFold()
+        for effect in durability.writer.pending.covering(head_boundary, through):
+            fold.add(effect.session_epoch, effect.payload)
+        epochs = list(fold.epochs)
         current = self._coordinator().epoch
         if not epochs or epochs[-1] != current:
             epochs.append(current)
-        return payloads, epochs
+        return fold.digest(), epochs
 
     async def _final(self) -> None:
         durability = self._durability()
@@ -613,12 +618,12 @@ class GrantSession:
         while True:
             await self._writer_idle()
             boundary = self.report.boundary
-            payloads, epochs = await self._ledger(boundary)
+            behaviour_digest, epochs = await self._ledger(boundary)
             checkpoint_id = durability.cadence.next_id("final")
             outcome = {"boundary": boundary, "advances": self.report.advances,
                        "recoveries": self.budget.recoveries, "epochs": epochs,
                        "finalCheckpointId": checkpoint_id,
-                       "behaviourDigest": digest_of(payloads)}
+                       "behaviourDigest": behaviour_digest}
             result = await durability.durable(
                 coordinator, "final", checkpoint_id=checkpoint_id,
                 finish=FinishRun("succeeded", outcome, boundary,

@@ -223,10 +223,9 @@ class NodeProcess:
                   or config.source("checkpoints", k) != "default"}
         return WriterConfig.from_section(values, where="[checkpoints]")
 
-    async def read_ledger(self, run_id: int,
-                          through: int) -> list[tuple[int, int, dict[str, Any]]]:
+    async def read_ledger(self, run_id: int, through: int) -> queries.LedgerFold:
         async with await psycopg.AsyncConnection.connect(self.dsn, autocommit=True) as conn:
-            return await queries.ledger_rows(conn, run_id, through)
+            return await queries.fold_ledger(conn, run_id, through)
 
     def info(self) -> NodeInfo:
         return NodeInfo(node_id=self.setup.node_id, node_name=self.setup.node_name,

@@ -70,10 +70,13 @@ Resolved ambiguities:
   follows a transition). Building such a phase is a flyd bug: `DomainError(INTERNAL, …, none)`.
 - The fence state is kept here (`fenced`) because it is a function of the phase history alone;
   the coordinator reads it instead of keeping a second flag that could disagree.
+- `PhaseMachine(log_limit=n)` keeps the newest n edges of the log (a node's long-running
+  session); the guards never read the log, so the bound changes nothing but `phase_log`.
 """
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import Enum, StrEnum
@@ -397,12 +400,12 @@ def _bug(message: str) -> DomainError:
 class PhaseMachine:
     """The session's phase, the history the guards need, and the phase log. Starts at Starting."""
 
-    def __init__(self) -> None:
+    def __init__(self, log_limit: int | None = None) -> None:
         self._phase: Phase = Starting()
         self._capture_origin: Ready | Paused | None = None
         self._stepped = False
         self._fenced = False
-        self._log: list[tuple[Phase, Phase]] = []
+        self._log: collections.deque[tuple[Phase, Phase]] = collections.deque(maxlen=log_limit)
 
     # -- read-only state ---------------------------------------------------------------------
 
@@ -427,7 +430,7 @@ class PhaseMachine:
 
     @property
     def phase_log(self) -> tuple[tuple[Phase, Phase], ...]:
-        """Every edge taken, `(from, to)`, oldest first."""
+        """Every edge taken, `(from, to)`, oldest first (the newest `log_limit` when set)."""
         return tuple(self._log)
 
     def phase_path(self) -> list[str]:

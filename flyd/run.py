@@ -33,6 +33,10 @@ Decisions:
   `SUMMARY_READ_S`, the summary is built from what this node saw (`run.summary_read_failed`).
 - Human summary and progress go to stderr (cli.md §1); with `--json` the summary is the only
   stdout output.
+- `outcome` (summary key) is why the run did not succeed, `{error, …}` (`flyd.outcome`), null
+  for a succeeded run; an `attempts exhausted` run adds the reason this node lost its last
+  lease. It is also printed on stderr in both modes: `flyd run: run N failed: <reason>` and
+  `flyd run: outcome: <JSON>`.
 - Progress: on a TTY a one-line bar on stderr, redrawn at most every 0.1 s; otherwise a
   `run.progress` log line every 5 s (step, steps, steps_per_s, epoch, recoveries).
 - SIGINT: the first requests cancellation of the run (distribution.md §3.8); the node sees the
@@ -51,7 +55,6 @@ import dataclasses
 import signal
 import sys
 import time
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -71,9 +74,9 @@ from flyd.leases.reconnect import ReadConnection
 from flyd.leases.store import TERMINAL, StoreError
 from flyd.logs import LogFlags
 from flyd.node import NodeProcess, NodeSetup, NodeStartError
+from flyd.outcome import describe, failure_of
 from flyd.router_child import RouterStartError, choose_socket
 from flyd.runspec import DEFAULT_MAX_AGENTS, FaultSpecError, RunSpec, RunSpecError
-from workers.canonical import canonical, digest_of
 
 __all__ = ["RunOptions", "RunUsageError", "build_spec", "run_session"]
 
@@ -318,29 +321,31 @@ async def run_session(opts: RunOptions) -> int:
                 StoreError, psycopg.Error) as exc:
             return _error(opts, "CONFIG", getattr(exc, "message", None) or str(exc))
         run_id, report, row = await _execute(node, spec, int(config.value(
-            "leases", "max_attempts")), signals, setup.config.leases.drain_timeout_s)
+            "leases", "max_attempts")), signals, setup.config.leases.drain_timeout_s,
+            opts.trace)
         try:
-            effects = await _read_effects(node.dsn, run_id)
+            ledger = await _fold_ledger(node.dsn, run_id)
             checkpoints = await _count_checkpoints(node.dsn, run_id)
         except (psycopg.Error, TimeoutError, OSError) as exc:
             log.error("run.summary_read_failed", run=run_id,
                       error=f"{type(exc).__name__}: {exc}")
-            effects, checkpoints = [], 0
+            ledger, checkpoints = queries.LedgerFold(), 0
     finally:
         signals.remove()
         await node.close()
-    summary = _summary(spec, run_id, row, report, effects, checkpoints,
+    if report is not None:
+        report.records.close()
+    summary = _summary(spec, run_id, row, report, ledger, checkpoints,
                        time.monotonic() - started)
-    if opts.trace is not None and report is not None:
-        _write_trace(opts.trace, report.records)
-    _print_summary(opts, summary, (row or {}).get("outcome"))
+    _print_summary(opts, summary)
     if signals.exit_code is not None:
         return signals.exit_code
     return EXIT_OK if summary["state"] == "succeeded" else EXIT_FAILED
 
 
 async def _execute(node: NodeProcess, spec: RunSpec, max_attempts: int, signals: _Signals,
-                   drain_s: float) -> tuple[int, RunReport | None, dict[str, Any] | None]:
+                   drain_s: float, trace: Path | None
+                   ) -> tuple[int, RunReport | None, dict[str, Any] | None]:
     """Submit, serve only that run until it is terminal (or abandoned), stop the runtime."""
     assert node.store is not None and node.executor is not None
     submitted = await node.store.submit(None, spec.to_json(), max_attempts)
@@ -350,6 +355,7 @@ async def _execute(node: NodeProcess, spec: RunSpec, max_attempts: int, signals:
     node.executor.on_progress = lambda r: progress.update(r.boundary)
     node.executor.on_recovery = _print_recovery
     node.executor.keep_reports = True
+    node.executor.trace_path = trace
     progress.start()
     runtime = node.make_runtime(only=run_id)
     row: dict[str, Any] | None = None
@@ -401,10 +407,10 @@ async def _await_end(node: NodeProcess, run_id: int, signals: _Signals,
         await reads.close()
 
 
-async def _read_effects(dsn: str, run_id: int) -> list[dict[str, Any]]:
+async def _fold_ledger(dsn: str, run_id: int) -> queries.LedgerFold:
     reads = ReadConnection(dsn, within_s=SUMMARY_READ_S)
     try:
-        return await reads.read(partial(queries.effects, run_id=run_id), "read effects")
+        return await reads.read(partial(queries.fold_ledger, run_id=run_id), "fold the ledger")
     finally:
         await reads.close()
 
@@ -426,12 +432,12 @@ async def _count_checkpoints(dsn: str, run_id: int) -> int:
 
 
 def _summary(spec: RunSpec, run_id: int, row: dict[str, Any] | None, report: RunReport | None,
-             effects: list[dict[str, Any]], checkpoints: int, wall: float) -> dict[str, Any]:
+             ledger: queries.LedgerFold, checkpoints: int, wall: float) -> dict[str, Any]:
     outcome: dict[str, Any] = dict(row.get("outcome") or {}) if row is not None else {}
     state = row["state"] if row is not None and row["state"] in TERMINAL else "cancelled"
-    digest, epochs = queries.behaviour(effects)
-    if not any(e["boundary"] is not None for e in effects) and report is not None:
-        digest = digest_of(report.records)
+    digest, epochs = ledger.digest(), ledger.epochs
+    if not ledger.count and report is not None:
+        digest = report.records.digest()
     advances = report.advances if report is not None else 0
     step_seconds = report.step_seconds if report is not None else 0.0
     failures: list[dict[str, Any]] = []
@@ -439,6 +445,10 @@ def _summary(spec: RunSpec, run_id: int, row: dict[str, Any] | None, report: Run
         failures = list(report.failures)
         if report.failure is not None and report.failure not in failures:
             failures.append(report.failure)
+    ended = row is not None and row["state"] in TERMINAL
+    reason = failure_of(state if ended else "abandoned",
+                        row.get("outcome") if row is not None and ended else None,
+                        last_loss=report.lost_reason if report is not None else None)
     return {
         "run": run_id,
         "state": state,
@@ -456,6 +466,7 @@ def _summary(spec: RunSpec, run_id: int, row: dict[str, Any] | None, report: Run
         "mode": spec.mode,
         "workers": report.workers if report is not None else [],
         "failures": failures,
+        "outcome": reason,
     }
 
 
@@ -467,32 +478,28 @@ def _print_recovery(report: RunReport, info: dict[str, Any]) -> None:
           f"boundary {info['boundary']} in epoch {info['epoch']}", file=sys.stderr, flush=True)
 
 
-def _write_trace(path: Path, records: list[dict[str, Any]]) -> None:
-    with path.open("wb") as fh:
-        for record in records:
-            fh.write(canonical(record) + b"\n")
-
-
-def _print_summary(opts: RunOptions, summary: dict[str, Any],
-                   outcome: Mapping[str, Any] | None) -> None:
-    """The summary; a run that ended on an outcome `error` (checkpoint too large, launch
-    failed, invalid run spec, ...) with no session failure to name also prints that outcome,
-    so the reason is on the terminal (the JSON summary's keys are cli.md §4.2's)."""
+def _print_summary(opts: RunOptions, summary: dict[str, Any]) -> None:
+    """The summary; a run that did not succeed also prints its reason on stderr (one line
+    naming it, then the outcome as JSON), in both output modes (`flyd.outcome`)."""
     if opts.as_json:
         sys.stdout.write(orjson.dumps(summary).decode() + "\n")
         sys.stdout.flush()
-        return
-    line = (f"flyd run: run {summary['run']} {summary['state']} at boundary "
-            f"{summary['boundary']}/{summary['steps']} ({summary['mode']}), "
-            f"{summary['stepsPerSecond']} steps/s in {summary['wallSeconds']}s; counter "
-            f"{summary['counter']}, behaviour digest {summary['behaviourDigest']}")
-    print(line, file=sys.stderr)
-    for failure in summary["failures"]:
-        who = f" ({failure['participant']})" if failure["participant"] else ""
-        print(f"flyd run: failure: {failure['detail']}{who}: {failure['code']}: "
-              f"{failure['message']}", file=sys.stderr)
-    if summary["state"] != "succeeded" and outcome and "error" in outcome:
-        print(f"flyd run: outcome: {orjson.dumps(dict(outcome)).decode()}", file=sys.stderr)
+    else:
+        line = (f"flyd run: run {summary['run']} {summary['state']} at boundary "
+                f"{summary['boundary']}/{summary['steps']} ({summary['mode']}), "
+                f"{summary['stepsPerSecond']} steps/s in {summary['wallSeconds']}s; counter "
+                f"{summary['counter']}, behaviour digest {summary['behaviourDigest']}")
+        print(line, file=sys.stderr)
+        for failure in summary["failures"]:
+            who = f" ({failure['participant']})" if failure["participant"] else ""
+            print(f"flyd run: failure: {failure['detail']}{who}: {failure['code']}: "
+                  f"{failure['message']}", file=sys.stderr)
+    reason = summary["outcome"]
+    if reason is not None:
+        print(f"flyd run: run {summary['run']} {summary['state']}: {describe(reason)}",
+              file=sys.stderr)
+        print(f"flyd run: outcome: {orjson.dumps(reason).decode()}", file=sys.stderr)
+    sys.stderr.flush()
 
 
 def _error(opts: RunOptions, code: str, message: str) -> int:

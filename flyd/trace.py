@@ -19,15 +19,18 @@ coordinator's phase path (strings) at the time it is read.
 
 from __future__ import annotations
 
+import collections
 import copy
+import hashlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol
 
 from workers.canonical import canonical
 from workers.domain import DomainError, ErrorCode, Mutation
 
-__all__ = ["EpochRebase", "Minter", "TraceLog", "TransitionTrace", "compare"]
+__all__ = ["EpochRebase", "Minter", "RecordStream", "TraceLog", "TransitionTrace", "compare"]
 
 
 class Minter(Protocol):
@@ -65,12 +68,24 @@ def validate_behaviour(b: dict[str, Any]) -> None:
 
 @dataclass
 class TraceLog:
-    """Every committed transition of a session, in order."""
+    """Every committed transition of a session, in order.
+
+    Bounded form (a node's session, which lives as long as its run): `keep` full transitions
+    (the newest) and, for the newest `horizon` transitions, their step and event count, so that
+    `events()` and `cut(k)` stay exact for any k within the horizon; a cut further back is
+    `INTERNAL` (the caller sizes the horizon to reach its oldest possible restore point).
+    Without bounds every transition is kept."""
 
     transitions: list[TransitionTrace] = field(default_factory=list)
     phase_source: Callable[[], list[str]] | None = None
     abandoned: list[TransitionTrace] = field(default_factory=list)
     """Transitions a restore cut off (beyond its boundary, state.md §7.2 step 8)."""
+    keep: int | None = None
+    horizon: int | None = None
+    _tally: collections.deque[tuple[int, int]] = field(default_factory=collections.deque)
+    _events: int = 0
+    _forgotten: int | None = None
+    """The newest step whose event count left the tally (None: nothing left it)."""
 
     @property
     def phases(self) -> list[str]:
@@ -80,7 +95,41 @@ class TraceLog:
         validate_behaviour(behaviour)
         entry = TransitionTrace(behaviour, operational)
         self.transitions.append(entry)
+        count = len(behaviour.get("eventIds", []))
+        self._events += count
+        if self.horizon is not None:
+            self._tally.append((int(behaviour["scope"]["step"]), count))
+            while len(self._tally) > self.horizon:
+                self._forgotten = self._tally.popleft()[0]
+        if self.keep is not None and len(self.transitions) >= 2 * self.keep:
+            del self.transitions[:len(self.transitions) - self.keep]
         return entry
+
+    def events(self) -> int:
+        """The task events (`eventIds`) of every transition recorded and not cut."""
+        return self._events
+
+    def cut(self, k: int) -> tuple[int, int] | None:
+        """Keep the transitions that end at or before k; the kept window's others move to
+        `abandoned`. Returns the abandoned boundary range `(k+1, last+1)`, or None."""
+        if self._forgotten is not None and self._forgotten >= k:
+            raise _invalid(f"cannot cut to boundary {k}: the trace's history starts after "
+                           f"step {self._forgotten}")
+        kept = [t for t in self.transitions if int(t.behaviour["scope"]["step"]) < k]
+        cut = [t for t in self.transitions if int(t.behaviour["scope"]["step"]) >= k]
+        if self.horizon is not None:
+            gone = [(step, n) for step, n in self._tally if step >= k]
+            self._tally = collections.deque(x for x in self._tally if x[0] < k)
+            self._events -= sum(n for _, n in gone)
+            last = max((step for step, _ in gone), default=None)
+        else:
+            self._events -= sum(len(t.behaviour.get("eventIds", [])) for t in cut)
+            last = max((int(t.behaviour["scope"]["step"]) for t in cut), default=None)
+        self.transitions[:] = kept
+        self.abandoned.extend(cut)
+        if self.keep is not None:
+            del self.abandoned[:max(0, len(self.abandoned) - self.keep)]
+        return None if last is None else (k + 1, last + 1)
 
     def behaviour(self) -> list[str]:
         """One canonical JSON string per transition."""
@@ -91,6 +140,62 @@ class TraceLog:
 
     def __len__(self) -> int:
         return len(self.transitions)
+
+
+class RecordStream:
+    """One grant's behaviour records (`flyd run --trace`, a failed run's digest) in bounded
+    memory: the records not yet durable stay here (a recovery may drop them, `rewind`); once
+    the head covers them (`settle`) they are written to the trace file, if any, and folded into
+    a running SHA-256 of the canonical JSON list, then forgotten. `digest()` equals
+    `digest_of(all records)`; `close()` writes the rest."""
+
+    def __init__(self, path: Path | None = None) -> None:
+        self._path = path
+        self._opened = False
+        self._tail: list[bytes] = []
+        self._settled = 0
+        self._hash = hashlib.sha256(b"[")
+
+    def __len__(self) -> int:
+        return self._settled + len(self._tail)
+
+    def append(self, data: bytes) -> None:
+        """The next record, as its canonical JSON bytes."""
+        self._tail.append(data)
+
+    def settle(self, count: int) -> None:
+        """The first `count` records are durable: write and fold them."""
+        n = min(count - self._settled, len(self._tail))
+        if n <= 0:
+            return
+        done, self._tail = self._tail[:n], self._tail[n:]
+        for data in done:
+            self._hash.update(b"," + data if self._settled else data)
+            self._settled += 1
+        if self._path is not None:
+            with self._path.open("ab" if self._opened else "wb") as fh:
+                fh.writelines(data + b"\n" for data in done)
+            self._opened = True
+
+    def rewind(self, count: int) -> None:
+        """Keep the first `count` records (a recovery restored boundary `first + count`)."""
+        if count < self._settled:
+            raise _invalid(f"cannot rewind to {count} records: {self._settled} are durable")
+        del self._tail[count - self._settled:]
+
+    def digest(self) -> str:
+        h = self._hash.copy()
+        for i, data in enumerate(self._tail):
+            h.update(b"," + data if self._settled or i else data)
+        h.update(b"]")
+        return h.hexdigest()
+
+    def close(self) -> None:
+        """Write the records not yet written (a run's end, whatever it was)."""
+        self.settle(len(self))
+        if self._path is not None and not self._opened:
+            self._path.write_bytes(b"")
+            self._opened = True
 
 
 class EpochRebase:

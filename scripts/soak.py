@@ -42,6 +42,13 @@ failed criterion; exit 1 when it is not empty). Without `--dsn` a fresh database
 
     python scripts/soak.py                         # 300 + 100 sessions of 50 steps
     python scripts/soak.py --sessions 20 --kill-sessions 5 --dsn postgresql://...
+    python scripts/soak.py --long-steps 100000     # then a 10^5-step run at cadence 0 and 1
+
+Long runs (`--long-steps N`, `make soak` passes 10^5): after the sessions, one thread-mode
+`flyd run` of N steps per cadence of `--long-cadences` (0 and 1) on the soak's database
+(scripts/long_run.py): each must succeed with `boundary-1..N` and `finish` once in its ledger,
+and the node's and router's RSS at 95–100 % of the run within `--rss-tolerance` of their RSS
+at 20 %.
 """
 
 from __future__ import annotations
@@ -71,6 +78,7 @@ if str(ROOT) not in sys.path:
 import orjson  # noqa: E402
 import psutil  # noqa: E402
 import psycopg  # noqa: E402
+from long_run import long_run  # noqa: E402
 from psycopg import sql  # noqa: E402
 from psycopg.conninfo import make_conninfo  # noqa: E402
 
@@ -610,6 +618,28 @@ class Soak:
                 "TMPDIR": entries(node.tmp_dir)}
 
 
+def long_runs(summary: dict[str, Any], dsn: str, work: Path, steps: int,
+              cadences: Sequence[int], tolerance: float, timeout_s: float) -> None:
+    """The long runs (scripts/long_run.py) with the soak's RSS tolerance: each must succeed
+    with every boundary once in its ledger and RSS at the end within the tolerance of 20 %."""
+    results = []
+    for cadence in cadences:
+        progress("soak", f"long run: {steps} steps, cadence {cadence}")
+        home = work / f"long-{cadence}"
+        home.mkdir(parents=True, exist_ok=True)
+        run = long_run(steps, cadence, dsn=dsn, work=home, timeout_s=timeout_s)
+        doc = run.to_json()
+        results.append(doc)
+        growth = run.growth()
+        if run.summary.get("state") != "succeeded" or not run.ledger_ok:
+            summary["violations"].append(f"long run (cadence {cadence}): {doc['state']}, "
+                                         f"ledger {doc['ledgerProblem']}")
+        if not growth or any(abs(g) > tolerance for g in growth.values()):
+            summary["violations"].append(f"long run (cadence {cadence}): RSS growth {growth}")
+    summary["longRuns"] = results
+    summary["ok"] = not summary["violations"]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sessions", type=int, default=300, help="clean sessions (300)")
@@ -627,6 +657,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--work-dir", type=Path, default=None,
                         help="directory for the nodes' files (default: a fresh temporary one, "
                              "removed at the end)")
+    parser.add_argument("--long-steps", type=int, default=0,
+                        help="steps of a long thread-mode `flyd run` per cadence (0 skips it; "
+                             "`make soak` runs 10^5)")
+    parser.add_argument("--long-cadences", default="0,1",
+                        help="checkpoint cadences of the long runs (0,1)")
+    parser.add_argument("--long-timeout-s", type=float, default=6 * 3600.0)
     args = parser.parse_args(argv)
     if args.steps < 12:
         parser.error("--steps must be at least 12 (a kill lands in 1 .. steps - 10)")
@@ -647,6 +683,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             except HarnessError as exc:
                 summary = {"tool": "soak", "ok": False, "kills": soak.kills,
                            "violations": [*soak.violations, f"harness: {exc}"]}
+            if args.long_steps > 0:
+                long_runs(summary, dsn, work, args.long_steps,
+                          [int(c) for c in args.long_cadences.split(",") if c],
+                          args.rss_tolerance, args.long_timeout_s)
     finally:
         if args.work_dir is None:
             shutil.rmtree(work, ignore_errors=True)

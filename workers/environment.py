@@ -41,6 +41,8 @@ from __future__ import annotations
 
 import base64
 import binascii
+import bisect
+import re
 import sys
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
@@ -88,6 +90,52 @@ WORLD_WRAPPER_KEYS: Final = frozenset({
 
 T = TypeVar("T")
 RENDER: Final = "render"
+
+
+
+_BATCH_ID: Final = re.compile(r"(batch-e[1-9][0-9]*-)(0|[1-9][0-9]*)")
+
+
+class BatchSet:
+    """The batch ids applied in the current epoch (§3.5 step 2) in memory that does not grow
+    with the number of steps: ids of the coordinator's form `batch-<epoch>-<k>` are kept as
+    ranges of k per prefix (a session applies k = 0, 1, 2, … so one range), any other id as
+    itself. Membership is exact either way."""
+
+    def __init__(self) -> None:
+        self._ranges: dict[str, list[list[int]]] = {}
+        self._other: set[str] = set()
+
+    def __contains__(self, batch_id: object) -> bool:
+        if not isinstance(batch_id, str):
+            return False
+        m = _BATCH_ID.fullmatch(batch_id)
+        if m is None:
+            return batch_id in self._other
+        ranges, k = self._ranges.get(m.group(1), []), int(m.group(2))
+        i = bisect.bisect_right(ranges, k, key=lambda r: r[0]) - 1
+        return i >= 0 and ranges[i][0] <= k <= ranges[i][1]
+
+    def add(self, batch_id: str) -> None:
+        m = _BATCH_ID.fullmatch(batch_id)
+        if m is None:
+            self._other.add(batch_id)
+            return
+        if batch_id in self:
+            return
+        ranges, k = self._ranges.setdefault(m.group(1), []), int(m.group(2))
+        i = bisect.bisect_right(ranges, k, key=lambda r: r[0])
+        joins_left = i > 0 and ranges[i - 1][1] == k - 1
+        joins_right = i < len(ranges) and ranges[i][0] == k + 1
+        if joins_left and joins_right:
+            ranges[i - 1][1] = ranges[i][1]
+            del ranges[i]
+        elif joins_left:
+            ranges[i - 1][1] = k
+        elif joins_right:
+            ranges[i][0] = k
+        else:
+            ranges.insert(i, [k, k])
 
 
 class ViewPipeline:
@@ -144,7 +192,7 @@ class EnvironmentEndpoint(Endpoint):
         self.bindings: tuple[tuple[str, str], ...] = ()
         self.boundary = 0
         self.world_time = RationalNs.zero()
-        self.batches: set[str] = set()
+        self.batches = BatchSet()
         self.progress = 0
         self.pipelines: dict[str, ViewPipeline] = {}
         self.last_served: dict[str, ViewRef] = {}
@@ -295,7 +343,7 @@ class EnvironmentEndpoint(Endpoint):
         self.bindings = bindings
         self.boundary = 0
         self.world_time = RationalNs.zero()
-        self.batches = set()
+        self.batches = BatchSet()
         self._fresh_media()
         self.progress += 1
         status = self.status
@@ -527,7 +575,7 @@ class WorldParticipant:
         e.bindings = staged.bindings
         e.boundary = k
         e.world_time = staged.world_time
-        e.batches = set()
+        e.batches = BatchSet()
         e.pipelines = {}
         e.last_served = {}
         views: list[ViewRef] = []

@@ -119,6 +119,7 @@ from flyd.leases.store import (
     TerminalState,
     Transient,
     UnknownOutcome,
+    commit_allowance_s,
 )
 from workers.canonical import canonical
 
@@ -806,16 +807,19 @@ class NodeRuntime:
         run, epoch = sc.run_id, sc.lease_epoch
         commit = Commit(run, epoch, self._node_id, effects, checkpoint, finish, keep=sc.keep)
         ckpt = checkpoint.checkpoint_id if checkpoint is not None else None
+        rows, size = commit.size()
+        extra = commit_allowance_s(rows, size)
+        budget, bound = self._p.commit_budget_s + extra, self._p.commit_timeout_s + extra
         self._live(sc)
-        self._core.check(run, epoch, self._clock.now(), self._p.commit_budget_s)
+        self._core.check(run, epoch, self._clock.now(), budget)
         self._core.begin(run, kind)
         while True:
             self._event("write_begin", level="debug", run=run, epoch=epoch, kind=kind,
                         checkpoint=ckpt,
-                        effects=[e.key for e in effects],
+                        effects=[e.key for e in effects], bytes=size, allowance_s=round(extra, 3),
                         state=finish.state if finish is not None else None)
             try:
-                async with asyncio.timeout(self._p.commit_timeout_s):
+                async with asyncio.timeout(bound):
                     done = await self._store.commit(commit)
             except Fenced as exc:
                 self._raise_if_lost(run, epoch, kind, exc)
@@ -852,7 +856,7 @@ class NodeRuntime:
                 decision = await self._resolve(sc, commit, backend)
                 if decision == "retry":
                     try:
-                        self._core.check(run, epoch, self._clock.now(), self._p.commit_budget_s)
+                        self._core.check(run, epoch, self._clock.now(), budget)
                     except LeaseLost:
                         decision = "lost"
                     else:

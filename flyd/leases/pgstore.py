@@ -124,6 +124,8 @@ from flyd.leases.store import (
     TerminalState,
     Transient,
     UnknownOutcome,
+    commit_allowance_s,
+    payload_document,
 )
 from flyd.leases.store import Commit as CommitRequest
 
@@ -455,14 +457,17 @@ VALUES (%(run)s, %(ckpt)s, %(epoch)s, %(node)s, %(session_id)s, %(session_epoch)
         %(episode_id)s, %(boundary)s, %(compat)s, %(env_digest)s, %(byte_length)s, %(envelope)s);
 """  # noqa: E501 (verbatim §3)
 
+# §3.5's effect insert with the payloads as one JSON array (`payload_document`) instead of a
+# `jsonb[]` (module decisions, "Large group commits"): the same rows, in one statement.
 INSERT_EFFECTS: Final = """
 INSERT INTO flyd.effects (run_id, effect_key, lease_epoch, node_id, session_epoch, boundary,
                           checkpoint_id, payload, payload_digest)
-SELECT %(run)s, e.key, %(epoch)s, %(node)s, e.session_epoch, e.boundary, %(ckpt)s, e.payload, e.digest
+SELECT %(run)s, e.key, %(epoch)s, %(node)s, e.session_epoch, e.boundary, %(ckpt)s, p.payload,
+       e.digest
   FROM unnest(%(keys)s::text[], %(session_epochs)s::bigint[], %(boundaries)s::bigint[],
-              %(payloads)s::jsonb[], %(digests)s::bytea[])
-       AS e(key, session_epoch, boundary, payload, digest);
-"""  # noqa: E501 (verbatim §3)
+              %(digests)s::bytea[]) WITH ORDINALITY AS e(key, session_epoch, boundary, digest, i)
+  JOIN jsonb_array_elements(%(payloads)s::jsonb) WITH ORDINALITY AS p(payload, i) USING (i);
+"""
 
 MOVE_HEAD: Final = """
 UPDATE flyd.run_heads SET high_water = %(ckpt)s, boundary = %(boundary)s, lease_epoch = %(epoch)s
@@ -840,25 +845,35 @@ class PgStore:
 
     # -- §3.5 ------------------------------------------------------------------------------
     async def commit(self, commit: CommitRequest) -> Committed:
-        """One pipeline (statement by statement past `PIPELINE_MAX_BYTES` of envelope):
+        """One pipeline (statement by statement past `PIPELINE_MAX_BYTES` of parameters):
         BEGIN, fence, [checkpoint], [effects], [head + rotation], [finish], COMMIT. `sent`
         turns true as COMMIT is queued: from then on a lost session or an
-        overrun bound is an unknown outcome."""
+        overrun bound is an unknown outcome. The bound is C plus the commit's size allowance
+        (`commit_allowance_s`); a commit with an allowance raises its transaction's statement
+        timeout by as much."""
         c = commit
         ckpt = c.checkpoint
         base: dict[str, Any] = {"run": c.run_id, "epoch": c.lease_epoch, "node": c.node_id,
                                 "ckpt": ckpt.checkpoint_id if ckpt is not None else None}
         sent = False
         backend: Backend | None = None
+        document = payload_document(c.effects).decode() if c.effects else ""
+        size = len(document) + (len(ckpt.envelope) if ckpt is not None else 0)
+        allowance = commit_allowance_s(len(c.effects) + (ckpt is not None), size)
+        scale = self._settings.time_scale
 
         async def body() -> str | None:
             nonlocal sent, backend
             async with self._work_conn() as conn:
                 backend = conn.backend
                 finish_cur: psycopg.AsyncCursor[TupleRow] | None = None
-                pipelined = ckpt is None or len(ckpt.envelope) <= PIPELINE_MAX_BYTES
+                pipelined = size <= PIPELINE_MAX_BYTES
                 async with conn.pipeline() if pipelined else nullcontext() as pipe:
                     await conn.execute("BEGIN")
+                    if allowance > 0:
+                        statement_ms = _scaled_ms(self._settings.statement_timeout_ms
+                                                  + allowance * 1000, scale)
+                        await conn.execute(f"SET LOCAL statement_timeout = {statement_ms}")
                     if c.effects or ckpt is not None or c.finish is None:
                         await conn.execute(ASSERT_FENCE, base)
                     if ckpt is not None:
@@ -873,7 +888,7 @@ class PgStore:
                             **base, "keys": [e.key for e in c.effects],
                             "session_epochs": [e.session_epoch for e in c.effects],
                             "boundaries": [e.boundary for e in c.effects],
-                            "payloads": [Jsonb(dict(e.payload)) for e in c.effects],
+                            "payloads": document,
                             "digests": [e.digest for e in c.effects]})
                     if ckpt is not None:
                         await conn.execute(MOVE_HEAD, {**base, "boundary": ckpt.boundary})
@@ -892,7 +907,8 @@ class PgStore:
                 return None if row is None else str(row[0])
 
         try:
-            async with asyncio.timeout(self._call_s):
+            async with asyncio.timeout(self._call_s + _bound_s(allowance, scale)
+                                       if allowance > 0 else self._call_s):
                 finished = await body()
         except psycopg.Error as exc:
             if exc.sqlstate == "23505" and exc.diag.constraint_name == EFFECTS_PKEY:

@@ -8,15 +8,22 @@ as JSON (cli.md §1), timestamps as ISO 8601 strings.
 
 from __future__ import annotations
 
+import hashlib
+from collections.abc import Mapping
 from datetime import datetime
-from typing import Any
+from typing import Any, Final
 
 import psycopg
 from psycopg.rows import dict_row
 
-from workers.canonical import digest_of
+from flyd.leases.store import CanonicalPayload
+from workers.canonical import canonical, digest_of
 
-__all__ = ["attempts", "behaviour", "effects", "ledger_rows", "list_runs", "nodes", "run_row"]
+__all__ = ["LedgerFold", "attempts", "behaviour", "effects", "fold_ledger", "list_runs",
+           "nodes", "run_row"]
+
+#: Rows fetched per round trip when a run's ledger is folded.
+FOLD_BATCH: Final = 100
 
 Conn = psycopg.AsyncConnection[Any]
 
@@ -104,12 +111,41 @@ async def nodes(conn: Conn) -> list[dict[str, Any]]:
           FROM flyd.nodes ORDER BY node_id""", {})]
 
 
-async def ledger_rows(conn: Conn, run_id: int,
-                      through: int) -> list[tuple[int, int, dict[str, Any]]]:
-    """`(boundary, raw session epoch N, payload)` of the committed `boundary-<k>` rows with
-    k ≤ `through`, in boundary order (a run's outcome digests every record)."""
-    cur = await conn.execute(
-        "SELECT boundary, session_epoch, payload FROM flyd.effects WHERE run_id = %(run)s "
-        "AND boundary IS NOT NULL AND boundary <= %(through)s ORDER BY boundary",
-        {"run": run_id, "through": through})
-    return [(int(b), int(n), dict(p)) for b, n, p in await cur.fetchall()]
+class LedgerFold:
+    """A run's behaviour payloads folded in boundary order, without holding them: the running
+    SHA-256 of their canonical JSON list (`digest()` = `digest_of(payloads)`), how many, and
+    the raw session epochs in order of first boundary."""
+
+    def __init__(self) -> None:
+        self._hash = hashlib.sha256(b"[")
+        self.count = 0
+        self.epochs: list[str] = []
+
+    def add(self, session_epoch: int, payload: Mapping[str, Any]) -> None:
+        data = payload.data if isinstance(payload, CanonicalPayload) else canonical(payload)
+        self._hash.update(b"," + data if self.count else data)
+        self.count += 1
+        label = f"e{session_epoch}"
+        if label not in self.epochs:
+            self.epochs.append(label)
+
+    def digest(self) -> str:
+        h = self._hash.copy()
+        h.update(b"]")
+        return h.hexdigest()
+
+
+async def fold_ledger(conn: Conn, run_id: int, through: int | None = None) -> LedgerFold:
+    """The committed `boundary-<k>` rows with k ≤ `through` (all without it) folded in
+    boundary order, read through a server-side cursor `FOLD_BATCH` rows at a time."""
+    fold = LedgerFold()
+    async with conn.transaction(), conn.cursor(name="flyd_ledger_fold") as cur:
+        cur.itersize = FOLD_BATCH
+        await cur.execute(
+            "SELECT session_epoch, payload FROM flyd.effects WHERE run_id = %(run)s "
+            "AND boundary IS NOT NULL AND (%(through)s::bigint IS NULL "
+            "OR boundary <= %(through)s::bigint) ORDER BY boundary",
+            {"run": run_id, "through": through})
+        async for epoch, payload in cur:
+            fold.add(int(epoch), payload)
+    return fold

@@ -20,10 +20,12 @@ Rules every implementation keeps:
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Final, Literal, Protocol
+
+import orjson
 
 RunState = Literal["pending", "running", "succeeded", "failed", "cancelled"]
 TerminalState = Literal["succeeded", "failed", "cancelled"]
@@ -182,6 +184,32 @@ class Reaped:
     state: TerminalState
 
 
+class CanonicalPayload(Mapping[str, Any]):
+    """A payload held as its canonical JSON bytes (the session's pending effects): a group
+    commit sends the bytes as they are; it is parsed only when read as a mapping (the
+    in-memory store), so committing thousands of effects builds no objects per effect."""
+
+    __slots__ = ("_value", "data")
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+        self._value: dict[str, Any] | None = None
+
+    def _parsed(self) -> dict[str, Any]:
+        if self._value is None:
+            self._value = orjson.loads(self.data)
+        return self._value
+
+    def __getitem__(self, key: str) -> Any:
+        return self._parsed()[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._parsed())
+
+    def __len__(self) -> int:
+        return len(self._parsed())
+
+
 @dataclass(frozen=True, slots=True)
 class Effect:
     """A ledger row to insert: `boundary-<k>` or `finish` (§6.1)."""
@@ -229,6 +257,39 @@ class Commit:
     checkpoint: Checkpoint | None = None
     finish: Finish | None = None
     keep: int = 3
+
+
+    def size(self) -> tuple[int, int]:
+        """(rows, bytes): the rows it inserts and the bytes it sends (effect payloads as one
+        JSON document, and the envelope), which its deadline accounts for."""
+        rows = len(self.effects) + (1 if self.checkpoint is not None else 0)
+        envelope = len(self.checkpoint.envelope) if self.checkpoint is not None else 0
+        return rows, envelope + (len(payload_document(self.effects)) if self.effects else 0)
+
+
+#: What C (`commit_timeout_s`) and B (`commit_budget_s`) are sized for: a group commit of up to
+#: this many rows and bytes (docs/leases.md, "Large group commits").
+BASE_COMMIT_ROWS: Final = 256
+BASE_COMMIT_BYTES: Final = 1 << 20
+#: The extra time a larger commit is allowed, per row and per MiB beyond the base.
+EXTRA_S_PER_ROW: Final = 0.0002
+EXTRA_S_PER_MIB: Final = 0.25
+
+
+def payload_document(effects: Sequence[Effect]) -> bytes:
+    """The effects' payloads as one JSON array, in order: the group commit sends it as a
+    single `jsonb` parameter, parsed by the server in one pass."""
+    return b"[" + b",".join(
+        e.payload.data if isinstance(e.payload, CanonicalPayload)
+        else orjson.dumps(e.payload, default=dict) for e in effects) + b"]"
+
+
+def commit_allowance_s(rows: int, size: int) -> float:
+    """Seconds a group commit of `rows` rows and `size` bytes may take beyond C (and must
+    have beyond B on its lease before it starts); 0 up to the base size."""
+    extra_rows = max(0, rows - BASE_COMMIT_ROWS)
+    extra_bytes = max(0, size - BASE_COMMIT_BYTES)
+    return extra_rows * EXTRA_S_PER_ROW + extra_bytes / (1 << 20) * EXTRA_S_PER_MIB
 
 
 @dataclass(frozen=True, slots=True)

@@ -26,14 +26,14 @@ job (whose boundary is not lower) covers every boundary the earlier one would ha
 
 from __future__ import annotations
 
+import builtins
 import hashlib
-import json
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
-from flyd.leases.store import Effect
+from flyd.leases.store import CanonicalPayload, Effect
 from workers.canonical import canonical
 from workers.domain import DomainError, ErrorCode, Mutation
 
@@ -100,6 +100,15 @@ class PendingEffects:
         self._bytes += len(data)
         self._last = boundary
 
+    def encoded(self, boundary: int) -> builtins.bytes:
+        """The canonical bytes of a pending boundary's payload (shared, not copied, by a
+        record stream of the same run)."""
+        entry = self._entries.get(boundary)
+        if entry is None:
+            raise DomainError(ErrorCode.INTERNAL, f"no pending effect for boundary {boundary}",
+                              Mutation.NONE)
+        return entry.payload
+
     def covering(self, after: int, through: int) -> tuple[Effect, ...]:
         """The ledger rows for boundaries in (after, through] (state.md §4.3 step 3)."""
         rows: list[Effect] = []
@@ -109,7 +118,7 @@ class PendingEffects:
                 raise DomainError(ErrorCode.INTERNAL, f"no pending effect for boundary {j} "
                                   f"(covering {after + 1}..{through})", Mutation.NONE)
             rows.append(Effect(key=f"boundary-{j}", session_epoch=entry.session_epoch,
-                               boundary=j, payload=json.loads(entry.payload),
+                               boundary=j, payload=CanonicalPayload(entry.payload),
                                digest=entry.digest))
         return tuple(rows)
 

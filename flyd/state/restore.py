@@ -73,7 +73,6 @@ from flyd.state.envelope import (
     Envelope,
 )
 from flyd.state.store import CheckpointStore
-from flyd.trace import TransitionTrace
 from workers.canonical import canonical, digest_bytes, digest_of, parse_strict, typed_digest
 from workers.clock import RationalNs
 from workers.datatypes import (
@@ -597,7 +596,7 @@ def _install_state(install: _Install, ledgers: _Ledgers, observation: WorldObser
     coordinator.observation = observation
     coordinator._media = media
     coordinator._audio = audio
-    abandoned = _cut_trace(coordinator, k)
+    abandoned = coordinator.trace.cut(k)
     if state.writer is not None:
         state.writer.pending.rewind(k)
     coordinator._durable = (install.env.checkpoint_id, k)
@@ -605,20 +604,6 @@ def _install_state(install: _Install, ledgers: _Ledgers, observation: WorldObser
     coordinator._tainted.clear()
     coordinator._replaced.clear()
     return abandoned
-
-
-def _cut_trace(coordinator: Coordinator, k: int) -> tuple[int, int] | None:
-    """Keep the transitions that end at or before k; the rest move to `trace.abandoned`."""
-    trace = coordinator.trace
-    kept: list[TransitionTrace] = []
-    cut: list[TransitionTrace] = []
-    for record in trace.transitions:
-        (kept if int(record.behaviour["scope"]["step"]) < k else cut).append(record)
-    trace.transitions[:] = kept
-    trace.abandoned.extend(cut)
-    if not cut:
-        return None
-    return k + 1, max(int(r.behaviour["scope"]["step"]) for r in cut) + 1
 
 
 def _notice(install: _Install, old_epoch: str, abandoned: tuple[int, int] | None) -> None:

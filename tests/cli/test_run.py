@@ -89,7 +89,7 @@ def flyd_run(tmp: Path, *args: str, socket: bool = True,
 
 SUMMARY_KEYS = {"run", "state", "steps", "boundary", "epochs", "recoveries", "advances",
                 "checkpoints", "behaviourDigest", "worldProgress", "counter", "wallSeconds",
-                "stepsPerSecond", "mode", "workers", "failures"}
+                "stepsPerSecond", "mode", "workers", "failures", "outcome"}
 
 _CLEAN: dict[int, str] = {}
 

@@ -1,0 +1,53 @@
+"""Long runs in flat memory (issue 17): `flyd run` of `LONG_STEPS` (20 000) thread-mode steps
+with no checkpoint cadence (forced captures of 4096 effects) and with a checkpoint at every
+step, on the embedded PostgreSQL (Unix socket) and on the test server (TCP).
+
+Each run is `scripts/long_run.py` (one `flyd run` subprocess, its RSS and its router's sampled
+every 0.5 s against the boundary its progress lines report): it must end `succeeded`, its ledger
+must hold `boundary-1..N` and `finish` exactly once, and the RSS of the node (in thread mode
+also the workers' process) and of the router at 95–100 % of the run must be within 10 % of
+their RSS at 20 %. Every combination is its own test, so xdist spreads them over its workers.
+`FLYD_LONG_STEPS` shortens the runs for a quick local check; `make test` uses the default.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.serve_nodes import ROOT, process_dir
+
+sys.path.insert(0, str(ROOT / "scripts"))
+from long_run import long_run
+
+LONG_STEPS = int(os.environ.get("FLYD_LONG_STEPS", "20000"))
+TOLERANCE = 0.10
+TIMEOUT_S = 1800
+
+pytestmark = pytest.mark.timeout(TIMEOUT_S + 120)
+
+
+@pytest.fixture
+def work() -> Iterator[Path]:
+    with process_dir("flyd-long-") as path:
+        yield path
+
+
+@pytest.mark.parametrize("cadence", [0, 1], ids=["cadence-0", "cadence-1"])
+@pytest.mark.parametrize("database", ["embedded", "tcp"])
+def test_a_long_run_succeeds_once_per_boundary_in_flat_memory(
+        work: Path, db_dsn: str, cadence: int, database: str) -> None:
+    run = long_run(LONG_STEPS, cadence, dsn=db_dsn if database == "tcp" else None, work=work,
+                   timeout_s=TIMEOUT_S)
+    report = json.dumps(run.to_json())
+    assert run.summary["state"] == "succeeded", report
+    assert run.summary["boundary"] == LONG_STEPS, report
+    assert run.ledger_ok, report
+    growth = run.growth()
+    assert {"node", "router"} <= set(growth), f"no samples at 20 % and at the end: {report}"
+    assert all(abs(g) <= TOLERANCE for g in growth.values()), report

@@ -1,0 +1,124 @@
+"""Every run that does not succeed says why (issue 17 item 5): `flyd run`'s summary and stderr,
+and `flyctl runs show`, name the outcome whatever its shape (`flyd.outcome`)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import orjson
+import psycopg
+import pytest
+
+from flyd.leases.params import LeaseParams
+from flyd.leases.pgstore import DbSettings, PgStore
+from flyd.leases.store import NodeInfo
+from flyd.outcome import describe, failure_of
+from tests.cli.test_flyctl_runs import FLYCTL
+from tests.cli.test_run import ROOT, env_for, flyd_run
+from tests.cli.test_run import tmp as tmp
+
+pytestmark = pytest.mark.timeout(180)
+
+KINDS: list[tuple[str, dict[str, Any], dict[str, Any], list[str]]] = [
+    ("checkpoint too large (bytes)", {"error": "checkpoint too large", "byteLength": 70000000,
+                                      "limit": 67108864}, {},
+     ["checkpoint too large", "70000000 bytes", "max_envelope_bytes 67108864"]),
+    ("checkpoint too large (payloads)", {"error": "checkpoint too large", "byteLength": 900,
+                                         "limit": 67108864, "payloadCount": 1030,
+                                         "payloadLimit": 1024}, {},
+     ["checkpoint too large", "1030 payloads", "holds 1024"]),
+    ("attempts exhausted", {"reaped": "attempts exhausted"},
+     {"last_loss": "unknown_outcome_lost",
+      "last_grant": {"leaseEpoch": 3, "nodeId": "n-1", "endReason": "exhausted"}},
+     ["attempts exhausted", "last lease loss: unknown_outcome_lost",
+      "last grant 3 on n-1 ended exhausted"]),
+    ("invalid run spec", {"error": "invalid run spec", "path": "/checkpoints/everySteps",
+                          "reason": "must be an integer"}, {},
+     ["invalid run spec at /checkpoints/everySteps", "must be an integer"]),
+    ("launch failed", {"error": "launch failed", "failure": {
+        "detail": "launch", "participant": "fly-b", "code": "TIMEOUT", "mutation": "none",
+        "message": "fly-b did not identify within 0.001 s"}}, {},
+     ["launch failed", "fly-b", "TIMEOUT", "did not identify"]),
+    ("recovery attempts exhausted", {"error": "recovery attempts exhausted", "attempts": 3,
+                                     "lastFailure": {"detail": "acknowledge",
+                                                     "participant": "arena",
+                                                     "code": "INVALID_ARGUMENT",
+                                                     "message": "unknown id req-9999"}}, {},
+     ["after 3 attempts", "acknowledge of arena", "INVALID_ARGUMENT", "req-9999"]),
+    ("restore refused", {"code": "INCOMPATIBLE_STATE", "message": "S3: digest",
+                         "checkpointId": "ck-e1-1"}, {},
+     ["restore refused", "INCOMPATIBLE_STATE", "ck-e1-1"]),
+]
+
+
+@pytest.mark.parametrize(("kind", "outcome", "extra", "said"), KINDS,
+                         ids=[k[0] for k in KINDS])
+def test_each_outcome_kind_is_named(kind: str, outcome: dict[str, Any], extra: dict[str, Any],
+                                    said: list[str]) -> None:
+    failure = failure_of("failed", outcome, **extra)
+    assert failure is not None and failure["error"]
+    text = describe(failure)
+    for part in said:
+        assert part in text, (kind, text)
+
+
+def test_a_succeeded_run_has_no_reason_and_an_unended_one_is_abandoned() -> None:
+    assert failure_of("succeeded", {"boundary": 3}) is None
+    assert failure_of("cancelled", {"cancelledBy": "flyctl 1"})["error"] == "cancelled"
+    assert failure_of("abandoned", None)["error"] == "abandoned"
+
+
+def test_flyd_run_names_the_reason_in_its_summary_and_on_stderr(tmp: Path) -> None:
+    code, summary, stderr = flyd_run(tmp, "--steps", "20", "--mode", "in-process", "--fault",
+                                     "arena.acknowledge_extra_id=req-9999", timeout=150)
+    assert code == 1 and summary["state"] == "failed"
+    outcome = summary["outcome"]
+    assert outcome["error"] == "recovery attempts exhausted" and outcome["attempts"] == 3
+    lines = [ln for ln in stderr.splitlines() if ln.startswith("flyd run: ")]
+    assert f"flyd run: run {summary['run']} failed: {describe(outcome)}" in lines, lines
+    assert any(ln.startswith("flyd run: outcome: ") and orjson.loads(
+        ln.removeprefix("flyd run: outcome: ")) == outcome for ln in lines), lines
+    code, ok, _ = flyd_run(tmp, "--steps", "3", "--mode", "in-process")
+    assert code == 0 and ok["state"] == "succeeded" and ok["outcome"] is None
+
+
+async def _reaped_run(dsn: str) -> int:
+    """A run whose only attempt expired: the reaper fails it `{reaped: attempts exhausted}`
+    once the database clock (`flyd.sim_clock`) passes the lease."""
+    store = PgStore(dsn, "n-gone", DbSettings(), LeaseParams())
+    await store.open()
+    try:
+        await store.register_node(NodeInfo("n-gone", "gone", "h", os.getpid(), "0", 1))
+        run = (await store.submit(None, {"steps": "5"}, 1)).run_id
+        granted = await store.claim("n-gone", 1, 5.0, only=run)
+        assert [g.run_id for g in granted] == [run]
+        async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as admin:
+            await admin.execute("INSERT INTO flyd.sim_clock (t) VALUES (%s)",
+                                (datetime.now(UTC) + timedelta(hours=1),))
+        reaped = await store.reap(10)
+        assert [(r.run_id, r.state) for r in reaped] == [(run, "failed")]
+        return run
+    finally:
+        await store.close()
+
+
+def test_runs_show_names_an_exhausted_run_and_its_last_grant(tmp: Path) -> None:
+    dsn = env_for(tmp)["FLYD_DSN"]
+    run = asyncio.run(_reaped_run(dsn))
+    shown = subprocess.run([*FLYCTL, "runs", "show", str(run), "--json", "--dsn", dsn],
+                           cwd=ROOT, env=env_for(tmp), capture_output=True, timeout=60,
+                           check=False)
+    assert shown.returncode == 0, shown.stderr
+    doc = orjson.loads(shown.stdout)
+    assert doc["outcome"] == {"reaped": "attempts exhausted"}
+    assert doc["reason"] == "attempts exhausted (last grant 1 on n-gone ended exhausted)"
+    human = subprocess.run([*FLYCTL, "runs", "show", str(run), "--dsn", dsn], cwd=ROOT,
+                           env=env_for(tmp), capture_output=True, timeout=60, check=False)
+    assert human.returncode == 0, human.stderr
+    assert f"reason: {doc['reason']}" in human.stderr.decode().splitlines()
+
