@@ -459,10 +459,7 @@ class BusClient:
             body = codec.encode(msg, self._max_envelope)
         else:
             params["payload"] = orjson.Fragment(codec.encode(payload))
-            body = codec.encode_trusted(msg)
-        if len(body) > self._max_envelope:
-            raise InvalidEnvelope(f"encoded body is {len(body)} bytes, over the "
-                                  f"{self._max_envelope}-byte limit", "not-dispatched")
+            body = codec.encode_trusted(msg, self._max_envelope)
         if credits:  # they leave with this frame
             del self._credits[:len(credits)]
         return body
@@ -724,10 +721,8 @@ class BusClient:
                 # delivery id (a checked string)
                 body = codec.encode_trusted({"jsonrpc": "2.0", "method": "bus.reply", "params": {
                     "deliveryId": req.delivery_id,
-                    "outcome": orjson.Fragment(codec.encode(outcome)), "consumed": True}})
-                if len(body) > self._max_envelope:
-                    raise InvalidEnvelope(f"encoded body is {len(body)} bytes, over the "
-                                          f"{self._max_envelope}-byte limit", "not-dispatched")
+                    "outcome": orjson.Fragment(codec.encode(outcome)), "consumed": True}},
+                    self._max_envelope)
                 self._write(body)
                 req._answered = True
                 return True
