@@ -30,7 +30,7 @@ import structlog
 
 from flyd.leases.pgstore import ClosingConnection, session_lost
 
-__all__ = ["BACKOFF_MAX_S", "BACKOFF_S", "ReadConnection", "session_lost"]
+__all__ = ["BACKOFF_MAX_S", "BACKOFF_S", "ReadConnection"]
 
 T = TypeVar("T")
 
