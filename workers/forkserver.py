@@ -95,9 +95,12 @@ class Server:
         self.zombies: set[int] = set()  # exited and reported, not yet reaped
 
     def send(self, message: dict[str, Any]) -> None:
+        """One packet to the node (blocking: the server has nothing else to do meanwhile)."""
         self.control.send(orjson.dumps(message))
 
     def serve(self) -> int:
+        """Announce `ready`, then answer the node and report exits until the node's end
+        closes; returns the server's exit code."""
         self.selector.register(self.control, selectors.EVENT_READ, None)
         self.send({"op": "ready", "pid": self.pid})
         while True:
@@ -134,6 +137,8 @@ class Server:
         return True
 
     def fork(self, message: dict[str, Any], fds: list[int]) -> None:
+        """Fork one worker (`child`) and watch its pidfd; a malformed request or a failed
+        fork is answered `forked` with an error, and the server goes on."""
         request = message.get("id")
         role, argv, env = message.get("role"), message.get("argv"), message.get("env")
         if (role not in _ROLES or len(fds) != 2 or not isinstance(argv, list)
@@ -153,6 +158,8 @@ class Server:
         self.send({"op": "forked", "id": request, "pid": pid})
 
     def on_exit(self, pid: int) -> None:
+        """A child's pidfd turned readable: sweep its group and report the exit, keeping the
+        zombie until the node's `reap` (module docstring, exit watch)."""
         info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
         if info is None:  # a spurious wakeup: the child still runs
             return
