@@ -48,8 +48,6 @@ class ReadConnection:
         self.within_s = within_s
         self._conn: ClosingConnection | None = None
         self._lock = asyncio.Lock()
-        #: tries repeated after a lost session (for logs and tests)
-        self.retries = 0
 
     async def close(self) -> None:
         conn, self._conn = self._conn, None
@@ -67,7 +65,6 @@ class ReadConnection:
             except (psycopg.Error, TimeoutError, OSError) as exc:
                 if not session_lost(exc) or loop.time() + delay >= deadline:
                     raise
-                self.retries += 1
                 log.warning("db.read_retry", what=what, error=f"{type(exc).__name__}: {exc}",
                             retry_in_s=delay)
             await asyncio.sleep(delay)
