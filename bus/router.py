@@ -584,6 +584,14 @@ class Router:
         conn.last_id = value
         return value
 
+    def _before_hello(self, conn: _Conn) -> bool:
+        """Check 5 (wire.md §4) for a lean notification, which is never `bus.hello`: before
+        the hello it closes the connection and returns True."""
+        if conn.client_id is not None:
+            return False
+        self._close(conn, "INVALID_ENVELOPE", "the first request must be bus.hello")
+        return True
+
     # lean notifications (wire.md §21) ------------------------------------------------------
     def _lean_call(self, conn: _Conn, p: dict[str, Any]) -> None:
         """§21.2: the callId takes the place of the id (check 4); a refusal is one
@@ -592,8 +600,7 @@ class Router:
                                 "a bus.call notification needs a callId, an integer in 1..2^53-1")
         if call_id is None:
             return
-        if conn.client_id is None:
-            self._close(conn, "INVALID_ENVELOPE", "the first request must be bus.hello")
+        if self._before_hello(conn):
             return
         counters = self.counters
         counters["leanCalls"] += 1
@@ -617,8 +624,7 @@ class Router:
     def _lean_reply(self, conn: _Conn, p: dict[str, Any]) -> None:
         """§21.4: a deliveryId that cannot be answered closes; a refusal of one that can is
         one `bus.replyFailed`; success sends nothing."""
-        if conn.client_id is None:
-            self._close(conn, "INVALID_ENVELOPE", "the first request must be bus.hello")
+        if self._before_hello(conn):
             return
         delivery_id = p.get("deliveryId")
         serial = _serial(delivery_id)
@@ -641,8 +647,7 @@ class Router:
 
     def _lean_consumed(self, conn: _Conn, p: dict[str, Any]) -> None:
         """§21.5: nothing to answer, so anything wrong closes and releases nothing."""
-        if conn.client_id is None:
-            self._close(conn, "INVALID_ENVELOPE", "the first request must be bus.hello")
+        if self._before_hello(conn):
             return
         problem = self._consumed_params(p)
         if problem is not None:
