@@ -50,11 +50,14 @@ class ReadConnection:
         self._lock = asyncio.Lock()
 
     async def close(self) -> None:
+        """Close the connection, if open; a later `read` opens a new one."""
         conn, self._conn = self._conn, None
         if conn is not None:
             await conn.close()
 
     async def read(self, op: Callable[[ClosingConnection], Awaitable[T]], what: str) -> T:
+        """`op`'s result, `op` repeated on a new connection while the session is lost, for at
+        most `within_s` (module rules); `what` names the read in the retry log."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.within_s
         delay = BACKOFF_S
