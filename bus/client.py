@@ -48,6 +48,8 @@ log = structlog.get_logger("bus.client")
 CANCEL_WAIT_S: Final = 0.5
 IDENTITY_CACHE: Final = 1024
 CREDIT_DELAY_S: Final = 0.005  # result credits wait this long for a call to carry them (§21.6)
+# A credit window with less than this left when its timer fires is due now, not re-armed.
+CREDIT_SLACK_S: Final = 0.0005
 # How long `close()` waits for cancelled handler tasks to end.
 HANDLER_REAP_S: Final = 2.0
 # A full listen backlog refuses connect with EAGAIN; the SDK tries again within its timeout,
@@ -508,7 +510,7 @@ class BusClient:
         if not self._credits or self._closed_with is not None:
             return
         left = self._last_credit + CREDIT_DELAY_S - self._loop.time()
-        if left > 0.0005:
+        if left > CREDIT_SLACK_S:
             self._credit_timer = self._loop.call_later(left, self._credits_due)
             return
         self._release_credits()
