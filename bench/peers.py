@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import argparse
 import base64
-import importlib.util
+import runpy
 import shutil
 import statistics
 import subprocess
@@ -34,7 +34,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from types import ModuleType
+from types import SimpleNamespace
 from typing import Any
 
 import orjson
@@ -51,16 +51,10 @@ STOP = b"stop"
 PEER_TIMEOUT_S = 600.0
 
 
-def sibling(name: str) -> ModuleType:
-    """bench/<name>.py by path (the bench runs with -P: `bench/bus.py` would shadow `bus`)."""
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "bench" / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-step_cpu = sibling("step_cpu")
+# bench/step_cpu.py by path (the bench runs with -P: `bench/bus.py` would shadow `bus`); it
+# loads its own siblings (`sibling`), so that loader is written once, there.
+step_cpu = SimpleNamespace(**runpy.run_path(str(ROOT / "bench" / "step_cpu.py"),
+                                            run_name="bench_step_cpu"))
 scaling = step_cpu.scaling
 
 

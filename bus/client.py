@@ -48,6 +48,8 @@ log = structlog.get_logger("bus.client")
 CANCEL_WAIT_S: Final = 0.5
 IDENTITY_CACHE: Final = 1024
 CREDIT_DELAY_S: Final = 0.005  # result credits wait this long for a call to carry them (§21.6)
+# A credit window with less than this left when its timer fires is due now, not re-armed.
+CREDIT_SLACK_S: Final = 0.0005
 # How long `close()` waits for cancelled handler tasks to end.
 HANDLER_REAP_S: Final = 2.0
 # A full listen backlog refuses connect with EAGAIN; the SDK tries again within its timeout,
@@ -459,10 +461,7 @@ class BusClient:
             body = codec.encode(msg, self._max_envelope)
         else:
             params["payload"] = orjson.Fragment(codec.encode(payload))
-            body = codec.encode_trusted(msg)
-        if len(body) > self._max_envelope:
-            raise InvalidEnvelope(f"encoded body is {len(body)} bytes, over the "
-                                  f"{self._max_envelope}-byte limit", "not-dispatched")
+            body = codec.encode_trusted(msg, self._max_envelope)
         if credits:  # they leave with this frame
             del self._credits[:len(credits)]
         return body
@@ -511,7 +510,7 @@ class BusClient:
         if not self._credits or self._closed_with is not None:
             return
         left = self._last_credit + CREDIT_DELAY_S - self._loop.time()
-        if left > 0.0005:
+        if left > CREDIT_SLACK_S:
             self._credit_timer = self._loop.call_later(left, self._credits_due)
             return
         self._release_credits()
@@ -724,10 +723,8 @@ class BusClient:
                 # delivery id (a checked string)
                 body = codec.encode_trusted({"jsonrpc": "2.0", "method": "bus.reply", "params": {
                     "deliveryId": req.delivery_id,
-                    "outcome": orjson.Fragment(codec.encode(outcome)), "consumed": True}})
-                if len(body) > self._max_envelope:
-                    raise InvalidEnvelope(f"encoded body is {len(body)} bytes, over the "
-                                          f"{self._max_envelope}-byte limit", "not-dispatched")
+                    "outcome": orjson.Fragment(codec.encode(outcome)), "consumed": True}},
+                    self._max_envelope)
                 self._write(body)
                 req._answered = True
                 return True

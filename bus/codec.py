@@ -295,12 +295,7 @@ def encode(value: Any, max_bytes: int | None = None) -> bytes:
     not JSON data (dataclasses and datetimes included), or a body over `max_bytes`. Tuples encode
     as arrays; orjson.Fragment contents are copied unchecked.
     """
-    out = _strict_dumps(value, _ENCODE_OPTIONS)
-    if max_bytes is not None and len(out) > max_bytes:
-        raise InvalidEnvelope(
-            f"encoded body is {len(out)} bytes, over the {max_bytes}-byte limit", "not-dispatched"
-        )
-    return out
+    return _within(_strict_dumps(value, _ENCODE_OPTIONS), max_bytes)
 
 
 def canonical(value: Any) -> bytes:
@@ -308,12 +303,23 @@ def canonical(value: Any) -> bytes:
     return _strict_dumps(value, _ENCODE_OPTIONS | orjson.OPT_SORT_KEYS)
 
 
-def encode_trusted(value: Any) -> bytes:
-    """Compact orjson encoding without the strict checks, for values that came out of decode."""
+def encode_trusted(value: Any, max_bytes: int | None = None) -> bytes:
+    """Compact orjson encoding without the strict checks, for values that came out of decode
+    (or hold strictly encoded parts as orjson.Fragment); InvalidEnvelope over `max_bytes`."""
     try:
-        return orjson.dumps(value)
+        out = orjson.dumps(value)
     except orjson.JSONEncodeError as exc:
         raise InvalidEnvelope(f"cannot encode: {exc}", "not-dispatched") from None
+    return _within(out, max_bytes)
+
+
+def _within(out: bytes, max_bytes: int | None) -> bytes:
+    """`out`, or InvalidEnvelope (not dispatched) when it is over `max_bytes`."""
+    if max_bytes is not None and len(out) > max_bytes:
+        raise InvalidEnvelope(
+            f"encoded body is {len(out)} bytes, over the {max_bytes}-byte limit", "not-dispatched"
+        )
+    return out
 
 
 def _strict_dumps(value: Any, option: int) -> bytes:

@@ -538,15 +538,9 @@ class Router:
                 return
             lean(conn, params)
             return
-        rid = msg["id"]
-        if type(rid) is not int or not 1 <= rid <= MAX_ID:
-            self._close(conn, "INVALID_REQUEST", "id must be an integer in 1..2^53-1")
+        rid = self._next_id(conn, msg["id"], "id", "id must be an integer in 1..2^53-1")
+        if rid is None:
             return
-        if rid <= conn.last_id:
-            self._close(conn, "INVALID_REQUEST",
-                        f"id {rid} is not greater than the previous id {conn.last_id}")
-            return
-        conn.last_id = rid
         if conn.client_id is None:
             if method != "bus.hello":
                 self._close(conn, "INVALID_ENVELOPE", "the first request must be bus.hello")
@@ -575,22 +569,38 @@ class Router:
             return
         self._respond(conn, rid, result)
 
+    def _next_id(self, conn: _Conn, value: object, name: str, malformed: str) -> int | None:
+        """Check 4 (wire.md §4): a request's id, or a lean call's callId in its place, is an
+        integer in 1..2^53-1 above every id before it on this connection. Returns it, now the
+        connection's latest; or closes the connection (with `malformed` when it is no such
+        integer) and returns None."""
+        if type(value) is not int or not 1 <= value <= MAX_ID:
+            self._close(conn, "INVALID_REQUEST", malformed)
+            return None
+        if value <= conn.last_id:
+            self._close(conn, "INVALID_REQUEST",
+                        f"{name} {value} is not greater than the previous id {conn.last_id}")
+            return None
+        conn.last_id = value
+        return value
+
+    def _before_hello(self, conn: _Conn) -> bool:
+        """Check 5 (wire.md §4) for a lean notification, which is never `bus.hello`: before
+        the hello it closes the connection and returns True."""
+        if conn.client_id is not None:
+            return False
+        self._close(conn, "INVALID_ENVELOPE", "the first request must be bus.hello")
+        return True
+
     # lean notifications (wire.md §21) ------------------------------------------------------
     def _lean_call(self, conn: _Conn, p: dict[str, Any]) -> None:
         """§21.2: the callId takes the place of the id (check 4); a refusal is one
         `bus.callFailed`, success sends nothing."""
-        call_id = p.get("callId")
-        if type(call_id) is not int or not 1 <= call_id <= MAX_ID:
-            self._close(conn, "INVALID_REQUEST",
-                        "a bus.call notification needs a callId, an integer in 1..2^53-1")
+        call_id = self._next_id(conn, p.get("callId"), "callId",
+                                "a bus.call notification needs a callId, an integer in 1..2^53-1")
+        if call_id is None:
             return
-        if call_id <= conn.last_id:
-            self._close(conn, "INVALID_REQUEST",
-                        f"callId {call_id} is not greater than the previous id {conn.last_id}")
-            return
-        conn.last_id = call_id
-        if conn.client_id is None:
-            self._close(conn, "INVALID_ENVELOPE", "the first request must be bus.hello")
+        if self._before_hello(conn):
             return
         counters = self.counters
         counters["leanCalls"] += 1
@@ -614,8 +624,7 @@ class Router:
     def _lean_reply(self, conn: _Conn, p: dict[str, Any]) -> None:
         """§21.4: a deliveryId that cannot be answered closes; a refusal of one that can is
         one `bus.replyFailed`; success sends nothing."""
-        if conn.client_id is None:
-            self._close(conn, "INVALID_ENVELOPE", "the first request must be bus.hello")
+        if self._before_hello(conn):
             return
         delivery_id = p.get("deliveryId")
         serial = _serial(delivery_id)
@@ -638,8 +647,7 @@ class Router:
 
     def _lean_consumed(self, conn: _Conn, p: dict[str, Any]) -> None:
         """§21.5: nothing to answer, so anything wrong closes and releases nothing."""
-        if conn.client_id is None:
-            self._close(conn, "INVALID_ENVELOPE", "the first request must be bus.hello")
+        if self._before_hello(conn):
             return
         problem = self._consumed_params(p)
         if problem is not None:

@@ -60,11 +60,9 @@ class ForkServerError(Exception):
 class ForkedChild(ChildProcess):
     """A worker forked by the fork server; `exited` is settled by the server's report."""
 
-    def __init__(self, server: ForkServer, pid: int, gate: int, output: int,
-                 fields: Mapping[str, Any]) -> None:
+    def __init__(self, pid: int, gate: int, output: int, fields: Mapping[str, Any]) -> None:
         super().__init__(pid, os.fdopen(gate, "wb", buffering=0),
                          os.fdopen(output, "rb", buffering=0), fields)
-        self.server = server
 
 
 class ForkServer:
@@ -235,7 +233,7 @@ class ForkServer:
             os.close(gate_w)
             os.close(out_r)
             raise
-        child = ForkedChild(self, int(reply["pid"]), gate_w, out_r, fields)
+        child = ForkedChild(int(reply["pid"]), gate_w, out_r, fields)
         self._children[child.pid] = child
         try:
             await child.forward()

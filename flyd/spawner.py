@@ -71,6 +71,7 @@ class Spawner:
 
     @property
     def method(self) -> str:
+        """`fork` or `spawn` (`[session] launcher`), as launch errors name it."""
         return self.settings.method
 
     @contextlib.asynccontextmanager

@@ -61,7 +61,7 @@ from typing import Any, Final, NoReturn
 
 import orjson
 
-from workers.launch import arm_die_with_parent
+from workers.launch import MODULES, arm_die_with_parent
 
 __all__ = ["MAX_MESSAGE", "PRELOAD", "ROOM", "exit_code", "main", "set_cmdline", "warm"]
 
@@ -72,8 +72,6 @@ ROOM: Final = 4096
 #: what the server imports before it forks anything: both roles, their shell, the bus client,
 #: the synthetic plugins (the defaults) and the event loop every worker runs
 PRELOAD: Final = ("uvloop", "workers.agent", "workers.environment", "workers.synthetic")
-_ROLES: Final = {"agent": ("workers.agent", "AgentEndpoint"),
-                 "environment": ("workers.environment", "EnvironmentEndpoint")}
 _CRASHED: Final = 70
 
 
@@ -95,9 +93,12 @@ class Server:
         self.zombies: set[int] = set()  # exited and reported, not yet reaped
 
     def send(self, message: dict[str, Any]) -> None:
+        """One packet to the node (blocking: the server has nothing else to do meanwhile)."""
         self.control.send(orjson.dumps(message))
 
     def serve(self) -> int:
+        """Announce `ready`, then answer the node and report exits until the node's end
+        closes; returns the server's exit code."""
         self.selector.register(self.control, selectors.EVENT_READ, None)
         self.send({"op": "ready", "pid": self.pid})
         while True:
@@ -134,9 +135,11 @@ class Server:
         return True
 
     def fork(self, message: dict[str, Any], fds: list[int]) -> None:
+        """Fork one worker (`child`) and watch its pidfd; a malformed request or a failed
+        fork is answered `forked` with an error, and the server goes on."""
         request = message.get("id")
         role, argv, env = message.get("role"), message.get("argv"), message.get("env")
-        if (role not in _ROLES or len(fds) != 2 or not isinstance(argv, list)
+        if (role not in MODULES or len(fds) != 2 or not isinstance(argv, list)
                 or not isinstance(env, dict)):
             self.send({"op": "forked", "id": request, "error": "malformed fork request"})
             return
@@ -153,6 +156,8 @@ class Server:
         self.send({"op": "forked", "id": request, "pid": pid})
 
     def on_exit(self, pid: int) -> None:
+        """A child's pidfd turned readable: sweep its group and report the exit, keeping the
+        zombie until the node's `reap` (module docstring, exit watch)."""
         info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
         if info is None:  # a spurious wakeup: the child still runs
             return
@@ -215,15 +220,14 @@ def child(server_pid: int, role: str, argv: Sequence[str], env: dict[str, str], 
         os.dup2(output, 2)
         os.closerange(3, os.sysconf("SC_OPEN_MAX"))
         os.environ.update(env)
-        set_cmdline([sys.executable, "-m", _ROLES[role][0], *argv])
+        set_cmdline([sys.executable, "-m", MODULES[role], *argv])  # type: ignore[index]
         sys.stdin = os.fdopen(0, "r", closefd=False)
         sys.stdout = os.fdopen(1, "w", buffering=1, closefd=False)
         sys.stderr = os.fdopen(2, "w", buffering=1, closefd=False)
-        module, name = _ROLES[role]
-        endpoint = getattr(importlib.import_module(module), name)
         from workers.shell import main as worker_main
 
-        code = worker_main(role, list(argv), endpoint_factory=endpoint)  # type: ignore[arg-type]
+        # the role's endpoint, as `python -m workers.<role>` gives it (`workers.shell.endpoint_for`)
+        code = worker_main(role, list(argv))  # type: ignore[arg-type]
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else 1
     except BaseException:  # the child must end here, whatever happened

@@ -30,7 +30,7 @@ import structlog
 
 from flyd.leases.pgstore import ClosingConnection, session_lost
 
-__all__ = ["BACKOFF_MAX_S", "BACKOFF_S", "ReadConnection", "session_lost"]
+__all__ = ["BACKOFF_MAX_S", "BACKOFF_S", "ReadConnection"]
 
 T = TypeVar("T")
 
@@ -48,15 +48,16 @@ class ReadConnection:
         self.within_s = within_s
         self._conn: ClosingConnection | None = None
         self._lock = asyncio.Lock()
-        #: tries repeated after a lost session (for logs and tests)
-        self.retries = 0
 
     async def close(self) -> None:
+        """Close the connection, if open; a later `read` opens a new one."""
         conn, self._conn = self._conn, None
         if conn is not None:
             await conn.close()
 
     async def read(self, op: Callable[[ClosingConnection], Awaitable[T]], what: str) -> T:
+        """`op`'s result, `op` repeated on a new connection while the session is lost, for at
+        most `within_s` (module rules); `what` names the read in the retry log."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.within_s
         delay = BACKOFF_S
@@ -67,7 +68,6 @@ class ReadConnection:
             except (psycopg.Error, TimeoutError, OSError) as exc:
                 if not session_lost(exc) or loop.time() + delay >= deadline:
                     raise
-                self.retries += 1
                 log.warning("db.read_retry", what=what, error=f"{type(exc).__name__}: {exc}",
                             retry_in_s=delay)
             await asyncio.sleep(delay)

@@ -165,7 +165,8 @@ class Grant:
     faults_fired: tuple[str, ...]
     high_water: str | None
     boundary: int
-    #: the run's own grant budget (`runs.max_attempts`), which the node compares with
+    #: the run's own grant budget (`runs.max_attempts`): the node compares `attempt` with it,
+    #: not with its own `[leases] max_attempts`
     max_attempts: int
 
 
