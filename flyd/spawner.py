@@ -41,7 +41,7 @@ from typing import Any, Final
 import structlog
 
 from flyd.config import LauncherSettings
-from flyd.forkserver import ForkServer
+from flyd.forkserver import ForkServer, ForkServerError
 from flyd.spawn import ChildProcess, SpawnedChild, spawn_worker
 from workers.launch import WorkerLaunch
 
@@ -89,7 +89,7 @@ class Spawner:
         by `SERVER_START_S`, not by a launch's boot budget: it happens once per node."""
         async with self._server_lock:
             if self._closed:
-                raise RuntimeError("the spawner is closed")
+                raise ForkServerError("the spawner is closed: the node is stopping")
             if self._server is None or self._server.closed:
                 if self._server is not None:  # lost: reap it before starting the next
                     await self._server.close(1.0)
