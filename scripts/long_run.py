@@ -10,10 +10,12 @@ against `dsn` (TCP) or, without one, the embedded PostgreSQL it starts under `st
 (reached over its Unix socket). Its stderr (JSON logs) is read as it comes: `run.progress`
 lines give the boundary reached. Every `SAMPLE_S` the RSS of the node, its router and its
 worker processes (none in thread mode: the workers are threads of the node) is sampled with
-the boundary. The sample "at 20 %" is the first taken at or past 0.2·N; "at 100 %" the last one
-taken at or past 0.95·N while the run still stepped or committed (progress is logged every 5 s,
-so the last line before the end is the best measure of "the end of the run"). After the run
-the ledger is read: `boundary-1..N` and `finish`, each exactly once.
+the boundary. Memory "at 20 %" is each process's peak RSS over the samples at 0.2·N..0.45·N,
+"at 100 %" its peak over 0.75·N..N (while it still runs). Peaks over windows, not single
+samples: without a cadence the pending effects grow to `max_pending_effects` (4096) between
+forced captures, so one sample measures where in that saw-tooth it fell, not growth with the
+run's length; each window spans more than one saw-tooth at the sizes run here (N ≥ 20 000).
+After the run the ledger is read: `boundary-1..N` and `finish`, each exactly once.
 
     python scripts/long_run.py --steps 20000 --checkpoint-every 0 [--dsn DSN]
 """
@@ -38,7 +40,8 @@ import psycopg
 ROOT: Final = Path(__file__).resolve().parents[1]
 SAMPLE_S: Final = 0.5
 EARLY: Final = 0.2
-LATE: Final = 0.95
+EARLY_END: Final = 0.45
+LATE: Final = 0.75
 
 
 @dataclass
@@ -60,19 +63,30 @@ class LongRun:
     ledger_problem: str | None = None
     wall_s: float = 0.0
 
+    def _peak(self, low: float, high: float, roles: set[str] | None = None) -> Sample | None:
+        """Each role's largest RSS over the samples at low·N..high·N (the boundary is that of
+        the last such sample); None without a sample there."""
+        window = [s for s in self.samples if low * self.steps <= s.boundary <= high * self.steps
+                  and (roles is None or roles <= set(s.rss))]
+        if not window:
+            return None
+        peak: dict[str, int] = {}
+        for sample in window:
+            for role, rss in sample.rss.items():
+                peak[role] = max(rss, peak.get(role, 0))
+        return Sample(window[-1].boundary, peak)
+
     def early(self) -> Sample | None:
-        return next((s for s in self.samples if s.boundary >= EARLY * self.steps), None)
+        return self._peak(EARLY, EARLY_END)
 
     def late(self) -> Sample | None:
-        """The last sample at or past 0.95·N with every process of the early one (the router
-        stops as the run ends)."""
+        """The peak over 0.75·N..N of the samples with every process of the early window (the
+        router stops as the run ends)."""
         early = self.early()
-        roles = set(early.rss) if early is not None else set()
-        return next((s for s in reversed(self.samples)
-                     if s.boundary >= LATE * self.steps and roles <= set(s.rss)), None)
+        return self._peak(LATE, 1.0, set(early.rss) if early is not None else set())
 
     def growth(self) -> dict[str, float]:
-        """Relative RSS change from 20 % to 100 % per process role."""
+        """Relative change of the peak RSS from the 20 % window to the 100 % one, per role."""
         a, b = self.early(), self.late()
         if a is None or b is None:
             return {}

@@ -35,6 +35,14 @@ def pytest_asyncio_loop_factories(
     return {"uvloop": uvloop.new_event_loop}
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Tests marked `long` (minutes each) go first. `make test` hands xdist's workers one test
+    at a time (`--maxschedchunk 1`), so the long ones start at once on their own workers and
+    no short test waits queued behind one; the fault suite's inventory test (test 60), which
+    waits for every test of its package, then never waits for one stuck in such a queue."""
+    items.sort(key=lambda item: item.get_closest_marker("long") is None)
+
+
 LOCAL_DSN = "postgresql://postgres@127.0.0.1:5432/postgres"
 
 

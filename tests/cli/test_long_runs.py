@@ -1,12 +1,17 @@
 """Long runs in flat memory (issue 17): `flyd run` of `LONG_STEPS` (20 000) thread-mode steps
-with no checkpoint cadence (forced captures of 4096 effects) and with a checkpoint at every
-step, on the embedded PostgreSQL (Unix socket) and on the test server (TCP).
+with no checkpoint cadence (forced captures of 4096 effects) on the embedded PostgreSQL (Unix
+socket, where the 4096-effect commit used to hang), and with a checkpoint at every step on the
+test server (TCP). Those two cover both cadences and both connections within the suite's
+budget (a cadence-1 run is the slowest, about 10 minutes of one CPU); `make soak` runs both
+cadences at 10^5 steps, and tests/distribution/test_large_commit.py commits 4096 effects over
+both connections.
 
 Each run is `scripts/long_run.py` (one `flyd run` subprocess, its RSS and its router's sampled
 every 0.5 s against the boundary its progress lines report): it must end `succeeded`, its ledger
 must hold `boundary-1..N` and `finish` exactly once, and the RSS of the node (in thread mode
-also the workers' process) and of the router at 95–100 % of the run must be within 10 % of
-their RSS at 20 %. Every combination is its own test, so xdist spreads them over its workers.
+also the workers' process) and of the router over 75–100 % of the run must be within 10 % of
+their peak over 20–45 % (peaks over windows: scripts/long_run.py says why). Each combination
+is its own test, so xdist spreads them over its workers.
 `FLYD_LONG_STEPS` shortens the runs for a quick local check; `make test` uses the default.
 """
 
@@ -29,7 +34,7 @@ LONG_STEPS = int(os.environ.get("FLYD_LONG_STEPS", "20000"))
 TOLERANCE = 0.10
 TIMEOUT_S = 1800
 
-pytestmark = pytest.mark.timeout(TIMEOUT_S + 120)
+pytestmark = [pytest.mark.timeout(TIMEOUT_S + 120), pytest.mark.long]
 
 
 @pytest.fixture
@@ -38,8 +43,8 @@ def work() -> Iterator[Path]:
         yield path
 
 
-@pytest.mark.parametrize("cadence", [0, 1], ids=["cadence-0", "cadence-1"])
-@pytest.mark.parametrize("database", ["embedded", "tcp"])
+@pytest.mark.parametrize(("database", "cadence"), [("embedded", 0), ("tcp", 1)],
+                         ids=["embedded-cadence-0", "tcp-cadence-1"])
 def test_a_long_run_succeeds_once_per_boundary_in_flat_memory(
         work: Path, db_dsn: str, cadence: int, database: str) -> None:
     run = long_run(LONG_STEPS, cadence, dsn=db_dsn if database == "tcp" else None, work=work,

@@ -120,5 +120,5 @@ def test_runs_show_names_an_exhausted_run_and_its_last_grant(tmp: Path) -> None:
     human = subprocess.run([*FLYCTL, "runs", "show", str(run), "--dsn", dsn], cwd=ROOT,
                            env=env_for(tmp), capture_output=True, timeout=60, check=False)
     assert human.returncode == 0, human.stderr
-    assert f"reason: {doc['reason']}" in human.stderr.decode().splitlines()
+    assert f"reason: {doc['reason']}" in human.stdout.decode().splitlines()  # a result: stdout
 
