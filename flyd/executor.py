@@ -132,6 +132,7 @@ class SessionExecutor:
         self.on_recovery = on_recovery
         self.rings: dict[int, EventRing] = {}
         self._router_up = asyncio.Event()
+        self.router_exits = 0
         self._router_up.set()
         self.reports: dict[int, RunReport] = {}
         self.keep_reports = False
@@ -219,7 +220,10 @@ class SessionExecutor:
     # ------------------------------------------------------------------ router loss (§8.2 step 0)
 
     def router_lost(self) -> None:
-        """The router exited: sessions wait for `router_back` before reconnecting."""
+        """The router exited: sessions wait for `router_back` before reconnecting.
+        `router_exits` counts these, so a recovery attempt can tell that a router death fell
+        within it even after the router is back."""
+        self.router_exits += 1
         self._router_up.clear()
 
     def router_back(self, node: BusClient) -> None:

@@ -40,8 +40,11 @@ Decisions:
   lease cancels this task through the scope, never through recovery.
 - A router death never costs a recovery attempt: an attempt reconnects first (§8.2 step 0)
   when any of the coordinator's, the node's or the launcher's connection is closed, and an
-  attempt that fails while one of them is closed (the router died during it) is given back
-  (`recovery.attempt_interrupted`) and started again once the router is back. Routers killed
+  attempt that fails while one of them is closed, or during which the router exited (the
+  executor's `router_exits`; its workers may report the loss only after the router is back,
+  as an exit with code 3), is given back (`recovery.attempt_interrupted`) and started again
+  once the router is back; so is a successful attempt whose failure was a router death (the
+  router exited since the session last resumed: `recovery.attempt_refunded`). Routers killed
   in a burst therefore never end a run "recovery attempts exhausted"; a router that does not
   come back within `durable_timeout_s` abandons the run locally, as before.
 - A recovery that cannot drain the writer within `durable_timeout_s` abandons the run locally
@@ -146,6 +149,7 @@ class GrantSession:
         self.log = log.bind(run=scope.run_id, lease_epoch=scope.lease_epoch,
                             node=executor.node_id)
         self.fired: set[str] = set(scope.grant.faults_fired)
+        self._router_exits_seen = executor.router_exits  # router deaths answered so far
         self.budget = RecoveryBudget(config.recovery_max_attempts, config.recovery_backoff_s,
                                      config.recovery_backoff_max_s)
         self.max_epoch = 0
@@ -453,8 +457,14 @@ class GrantSession:
                 last = exc if isinstance(exc, SessionFailure) else SessionFailure(
                     exc, self._coordinator().phase.label, "restore", None)
             else:
+                if self.ex.router_exits != self._router_exits_seen:
+                    self.budget.refund()  # the failure recovered from was a router death
+                    self._rlog().info("recovery.attempt_refunded", attempt=attempt,
+                                      reason="a router death")
+                self._router_exits_seen = self.ex.router_exits
                 return False
-            if self._router_lost():
+            if self._router_lost() or self.ex.router_exits != self._router_exits_seen:
+                self._router_exits_seen = self.ex.router_exits
                 self.budget.refund()
                 self._rlog().warning("recovery.attempt_interrupted", attempt=attempt,
                                      code=str(last.code), message=last.message,

@@ -244,13 +244,18 @@ def _by_state(counts: Mapping[str, int]) -> str:
 
 
 def processes_with_marker(scenario_id: str) -> list[psutil.Process]:
-    """Live processes whose environment carries `FLYD_TEST_SCENARIO=<scenario_id>`."""
+    """Live processes of this test run (`RUN_ENV` as ours) whose environment carries
+    `FLYD_TEST_SCENARIO=<scenario_id>`: a test run started inside this one (the nested pytest
+    of `test_progress_is_live_under_xdist`) runs the same scenario ids, and neither may kill
+    or count the other's processes."""
+    run = os.environ.get(RUN_ENV)
     found = []
     for proc in psutil.process_iter(["status"]):
         try:
             if proc.info["status"] == psutil.STATUS_ZOMBIE or proc.pid == os.getpid():
                 continue
-            if proc.environ().get(MARKER) == scenario_id:
+            env = proc.environ()
+            if env.get(MARKER) == scenario_id and env.get(RUN_ENV) == run:
                 found.append(proc)
         except psutil.Error:
             continue
