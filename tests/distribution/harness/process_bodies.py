@@ -658,18 +658,37 @@ def _held_commit(h: Mapping[str, Any]) -> list[Mapping[str, Any]]:
 
 
 def _unread_commits(h: Mapping[str, Any]) -> set[Any]:
-    """The connections of A's link whose COMMIT tag A never read: held by the trigger, or let
-    through only by the final heal at A's kill. A final commit on another connection may still
-    send its COMMIT after the trigger (the up link passes) and land; its reply then reaches the
-    proxy while the down link holds and is delivered to a killed A."""
+    """The connections of A's link whose final commit's COMMIT tag A never read: held by the
+    trigger, or let through only by the final heal at A's kill. A final commit on another
+    connection may still send its COMMIT after the trigger (the up link passes) and land; its
+    reply then reaches the proxy while the down link holds and is delivered to a killed A. Only
+    transactions that ran `finish_run` count: the hold also catches a renewal's or checkpoint's
+    COMMIT on another connection, which is no final commit."""
     kills = _faults(h, "signal", node="a", signal="KILL")
     kill_t = float(kills[0]["true"]) if kills else float("inf")
     links = [r for r in h["raw_taps"] if r["node"] == "a"]
     before = {r.get("conn") for r in links if float(r["t"]) < kill_t}  # the killed A's
-    return {r.get("conn") for r in links
+    return {r.get("conn") for i, r in enumerate(links)
             if r["dir"] == "down" and r["kind"] == "complete" and r.get("conn") in before
             and str(r["detail"].get("tag", "")).startswith("COMMIT")
-            and (r["fate"] == "held" or float(r["t"]) >= kill_t - 1e-6)}
+            and (r["fate"] == "held" or float(r["t"]) >= kill_t - 1e-6)
+            and _ran_finish(links, i)}
+
+
+def _ran_finish(links: list[Mapping[str, Any]], at: int) -> bool:
+    """Whether the transaction whose COMMIT tag is `links[at]` sent `finish_run`: an up query
+    or parse on the tag's connection after that connection's previous transaction ended."""
+    conn = links[at].get("conn")
+    for r in reversed(links[:at]):
+        if r.get("conn") != conn:
+            continue
+        if r["dir"] == "down" and r["kind"] == "complete" and str(
+                r["detail"].get("tag", "")).startswith(("COMMIT", "ROLLBACK")):
+            return False
+        if r["dir"] == "up" and r["kind"] in ("query", "parse") \
+                and "finish_run" in str(r["detail"].get("text", "")):
+            return True
+    return False
 
 
 def _landed(h: Mapping[str, Any], v: Mapping[str, Any]) -> bool:
