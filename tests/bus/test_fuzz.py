@@ -1670,9 +1670,12 @@ class MixedFormsMachine(RouterMachine):
         super().teardown()
 
 
-def run_mixed_forms_machine(frames: int) -> dict[str, Any]:
+def run_mixed_forms_machine(frames: int, tracked: int = 0) -> dict[str, Any]:
     """Run MixedFormsMachine examples against a router process until it read `frames`
-    frames; returns what they did and every problem seen."""
+    frames and their teardowns checked at least `tracked` calls of clean callers (an example
+    whose callers were all tainted or closed checks none, so a frame count alone can end with
+    nothing checked; the examples stop at 10·`frames` either way); returns what they did and
+    every problem seen."""
     router = RouterProcess()
     monitor: Monitor | None = None
     try:
@@ -1682,7 +1685,10 @@ def run_mixed_forms_machine(frames: int) -> dict[str, Any]:
         machine = settings(max_examples=MACHINE_EXAMPLES, stateful_step_count=40,
                            deadline=None, suppress_health_check=list(HealthCheck))
         problems: list[str] = []
-        while monitor.stats()["counters"]["framesIn"] < frames:
+        while True:
+            read = monitor.stats()["counters"]["framesIn"]
+            if read >= 10 * frames or (read >= frames and tally.calls_tracked >= tracked):
+                break
             try:
                 run_state_machine_as_test(lambda: MixedFormsMachine(h), settings=machine)
             except AssertionError as exc:

@@ -544,7 +544,7 @@ def test_lean_and_request_forms_agree() -> None:
     router's gauges settle back to the baseline."""
     from tests.bus.test_fuzz import run_mixed_forms_machine
 
-    summary = run_mixed_forms_machine(frames=20_000)
+    summary = run_mixed_forms_machine(frames=20_000, tracked=101)
     assert summary["leanCalls"] > 0 and summary["requestCalls"] > 0, summary
     assert summary["leanReplies"] > 0 and summary["leanConsumed"] > 0, summary
     assert summary["callsTracked"] > 100, summary
