@@ -53,7 +53,7 @@ from flyd.budget import ThreadBudget  # noqa: E402
 from flyd.config import LauncherSettings  # noqa: E402
 from flyd.identities import SessionNames, SessionTags, new_node_id, node_client_id  # noqa: E402
 from flyd.launcher import ExecutionMode, Launcher  # noqa: E402
-from flyd.runspec import AgentSpec, RunSpec  # noqa: E402
+from flyd.session.runspec import AgentSpec, RunSpec  # noqa: E402
 from flyd.spawn import process_info  # noqa: E402
 from flyd.spawner import Spawner  # noqa: E402
 

@@ -67,7 +67,7 @@ from flyd.leases.store import TERMINAL, SpecMismatch, StoreError
 from flyd.logs import LogFlags
 from flyd.outcome import describe, failure_of
 from flyd.run import RunOptions, RunUsageError, build_spec
-from flyd.runspec import DEFAULT_MAX_AGENTS, RunSpec, RunSpecError
+from flyd.session.runspec import DEFAULT_MAX_AGENTS, RunSpec, RunSpecError
 from workers.domain import DomainError, ErrorCode, format_request_id
 from workers.rpc import check_outcome
 

@@ -67,20 +67,20 @@ from typing import TYPE_CHECKING, Any, Final, Literal
 import structlog
 
 from bus.errors import BusError
-from flyd.coordinator import Coordinator, DispatchOrder, History, Injections
-from flyd.fence import SessionFailure
 from flyd.identities import SessionNames
 from flyd.launcher import ExecutionMode, Launcher, composition_plans, connect_expected
 from flyd.leases.node import Scope
 from flyd.leases.queries import LedgerFold
-from flyd.runspec import RunSpec
+from flyd.session.coordinator import Coordinator, DispatchOrder, History, Injections
+from flyd.session.fence import SessionFailure
+from flyd.session.runspec import RunSpec
+from flyd.session.trace import EpochRebase
 from flyd.state.cadence import Cadence
 from flyd.state.durability import CheckpointTooLarge, Durability, TooLarge
 from flyd.state.effects import epoch_number
 from flyd.state.recovery import Exhausted, RecoveryBudget, is_permanent
 from flyd.state.store import CheckpointRecord, CheckpointStore, FinishRun
 from flyd.state.writer import CheckpointWriter, Committed, EventRing, WriterConfig
-from flyd.trace import EpochRebase
 from workers.domain import DomainError, ErrorCode
 from workers.shell import load_plugin
 from workers.synthetic.executor import IdentityExecutor

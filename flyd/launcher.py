@@ -109,7 +109,7 @@ from flyd.identities import (
     WorkerRef,
     new_client_incarnation,
 )
-from flyd.runspec import RunSpec
+from flyd.session.runspec import RunSpec
 from flyd.spawn import ChildProcess, ProcessInfo, process_info, settled_within
 from flyd.spawner import Spawner
 from workers.domain import DomainError, ErrorCode, Mutation, format_request_id

@@ -48,7 +48,6 @@ from bus.errors import BusError
 from flyd.budget import ThreadBudget
 from flyd.config import Config
 from flyd.control import ControlService
-from flyd.coordinator import Deadlines
 from flyd.executor import SessionExecutor
 from flyd.health import HealthPolicy
 from flyd.identities import node_client_id
@@ -60,6 +59,7 @@ from flyd.leases.node import NodeRuntime
 from flyd.leases.pgstore import DbSettings, PgStore
 from flyd.leases.store import NodeInfo
 from flyd.router_child import RouterChild, RouterStartError, check_socket_path
+from flyd.session.coordinator import Deadlines
 from flyd.spawner import Spawner
 from flyd.state.store import PgCheckpointStore
 from flyd.state.writer import WriterConfig

@@ -44,7 +44,7 @@ import structlog
 from bus.limits import Limits, snake_case
 from bus.policy import Policy
 from flyd.config import ConfigError, default_socket
-from flyd.runspec import DEFAULT_MAX_AGENTS
+from flyd.session.runspec import DEFAULT_MAX_AGENTS
 from flyd.spawn import ChildProcess, SpawnedChild
 
 __all__ = ["RouterChild", "RouterStartError", "SocketPathError", "check_socket_path",

@@ -76,7 +76,7 @@ from flyd.logs import LogFlags
 from flyd.node import NodeProcess, NodeSetup, NodeStartError
 from flyd.outcome import describe, failure_of
 from flyd.router_child import RouterStartError, choose_socket
-from flyd.runspec import DEFAULT_MAX_AGENTS, FaultSpecError, RunSpec, RunSpecError
+from flyd.session.runspec import DEFAULT_MAX_AGENTS, FaultSpecError, RunSpec, RunSpecError
 
 __all__ = ["RunOptions", "RunUsageError", "build_spec", "run_session"]
 

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 import structlog
 
-from flyd.fence import SessionFailure
+from flyd.session.fence import SessionFailure
 from flyd.state.cadence import Cadence, Kind
 from flyd.state.envelope import MAX_PAYLOADS
 from flyd.state.store import FinishRun
@@ -51,7 +51,7 @@ from flyd.state.writer import (
 from workers.domain import DomainError, ErrorCode
 
 if TYPE_CHECKING:
-    from flyd.coordinator import Coordinator
+    from flyd.session.coordinator import Coordinator
 
 __all__ = ["CheckpointTooLarge", "Durability", "TooLarge"]
 

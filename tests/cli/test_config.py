@@ -13,7 +13,7 @@ import pytest
 
 from flyd.config import KEYS, ConfigError, load_config, redact_dsn, validate_node_name
 from flyd.durations import MAX_DURATION_MS, MAX_DURATION_S
-from flyd.runspec import RunSpec, RunSpecError
+from flyd.session.runspec import RunSpec, RunSpecError
 from flyd.state.writer import WriterConfig
 
 

@@ -147,7 +147,7 @@ def test_flyd_run_prints_the_summary(tmp: Path) -> None:
     assert digest_of(records) == summary["behaviourDigest"]
     import psycopg
 
-    from flyd.runspec import RunSpec
+    from flyd.session.runspec import RunSpec
 
     with psycopg.connect(_DSN[tmp]) as conn:
         payloads = [r[0] for r in conn.execute(
@@ -446,7 +446,7 @@ def test_flyd_run_is_isolated_from_the_queue(tmp: Path) -> None:
 
     from flyd.leases.params import LeaseParams
     from flyd.leases.pgstore import DbSettings, PgStore
-    from flyd.runspec import RunSpec
+    from flyd.session.runspec import RunSpec
     from tests.serve_nodes import query, stop, wait_for
 
     dsn = _DSN[tmp]

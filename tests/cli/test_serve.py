@@ -20,7 +20,7 @@ import pytest
 from flyd.leases.params import LeaseParams
 from flyd.leases.pgstore import DbSettings, PgStore
 from flyd.node import TEMP_PREFIX, sweep_dead_node_dirs
-from flyd.runspec import RunSpec
+from flyd.session.runspec import RunSpec
 from tests.serve_nodes import (
     commands_under,
     node_log,

@@ -32,7 +32,6 @@ from bus.client import BusClient, connect
 from bus.policy import Policy
 from bus.router import Router, RouterConfig
 from flyd.budget import ThreadBudget
-from flyd.coordinator import Coordinator, Deadlines, DispatchOrder, Injections, StepReport
 from flyd.health import HealthPolicy
 from flyd.identities import SessionNames, SessionTags, WorkerRef, new_node_id, node_client_id
 from flyd.launcher import (
@@ -45,7 +44,8 @@ from flyd.launcher import (
     start_error,
 )
 from flyd.router_child import router_answers
-from flyd.runspec import AgentSpec, RunSpec, TaskSpec
+from flyd.session.coordinator import Coordinator, Deadlines, DispatchOrder, Injections, StepReport
+from flyd.session.runspec import AgentSpec, RunSpec, TaskSpec
 from workers.domain import DomainError
 from workers.faults import Faults
 from workers.synthetic.executor import IdentityExecutor

@@ -26,7 +26,7 @@ from flyd.budget import ThreadBudget
 from flyd.config import LauncherSettings, load_config
 from flyd.forkserver import MAX_REQUEST
 from flyd.launcher import ExecutionMode, composition_plans
-from flyd.runspec import AgentSpec, RunSpec
+from flyd.session.runspec import AgentSpec, RunSpec
 from flyd.spawner import Spawner
 from tests.session.conftest import children
 from workers.domain import DomainError

@@ -35,7 +35,7 @@ from flyd.identities import (
     worker_grants,
 )
 from flyd.launcher import connect_expected
-from flyd.runspec import RunSpec, RunSpecError
+from flyd.session.runspec import RunSpec, RunSpecError
 from workers.domain import DomainError, ErrorCode, Mutation, is_id, parse_worker_id
 from workers.launch import AgentSettings, WorkerLaunch
 

@@ -36,7 +36,7 @@ from flyd.launcher import (
     start_error,
     worker_launch,
 )
-from flyd.runspec import AgentSpec, FaultSpecError, KillAt, RunSpec
+from flyd.session.runspec import AgentSpec, FaultSpecError, KillAt, RunSpec
 from flyd.spawner import Spawner
 from tests.session.conftest import children
 from workers.domain import DomainError
@@ -607,7 +607,7 @@ from flyd.budget import ThreadBudget
 from flyd.config import LauncherSettings
 from flyd.identities import SessionNames, new_node_id, node_client_id
 from flyd.launcher import ExecutionMode, Launcher
-from flyd.runspec import RunSpec
+from flyd.session.runspec import RunSpec
 from flyd.spawner import Spawner
 
 structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.ERROR))
@@ -739,7 +739,7 @@ async def test_a_worker_that_never_registers_fails_at_the_boot_budget(
 async def test_the_trace_comparator_ignores_operational_fields_and_rebases_epochs() -> None:
     import copy
 
-    from flyd.trace import EpochRebase, TraceLog, compare
+    from flyd.session.trace import EpochRebase, TraceLog, compare
     from tests.session.harness import Fixture, SessionHarness
     from workers.synthetic.task import CounterTask
 

@@ -13,10 +13,16 @@ import pytest
 
 from bus.errors import BusError
 from flyd.budget import ThreadBudget
-from flyd.coordinator import Deadlines, DispatchOrder, Injections, ResolutionEnd, SessionFailure
 from flyd.health import HealthPolicy
 from flyd.launcher import AlreadyGone, ExecutionMode, Stopped, Terminated
-from flyd.phase import Failed, Ready
+from flyd.session.coordinator import (
+    Deadlines,
+    DispatchOrder,
+    Injections,
+    ResolutionEnd,
+    SessionFailure,
+)
+from flyd.session.phase import Failed, Ready
 from tests.session.harness import ALL_MODES, Fixture, SessionHarness, within
 from tests.session.worker_rig import agent_init_params, context_digest, prepare_params
 from workers.domain import DomainError, ErrorCode, Scope

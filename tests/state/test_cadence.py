@@ -21,12 +21,12 @@ import orjson
 import pytest
 
 from flyd.grant import writer_config
-from flyd.runspec import RunSpec
+from flyd.session.runspec import RunSpec
+from flyd.session.trace import EpochRebase
 from flyd.state.cadence import Cadence, CadenceError
 from flyd.state.durability import CheckpointTooLarge, Durability, TooLarge
 from flyd.state.store import FinishRun
 from flyd.state.writer import CheckpointWriter, Committed, WriterConfig, WriterFaults
-from flyd.trace import EpochRebase
 from tests.session.harness import Fixture, SessionHarness
 from tests.state.conftest import RunCtx, effect_rows, run_state
 

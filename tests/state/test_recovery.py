@@ -55,7 +55,7 @@ import pytest
 
 from flyd.leases.params import LeaseParams
 from flyd.leases.pgstore import DbSettings, PgStore
-from flyd.runspec import RunSpec
+from flyd.session.runspec import RunSpec
 from flyd.state.envelope import decode
 from flyd.state.store import PgCheckpointStore
 from tests.distribution.harness.clock import EPOCH, HarnessClock
@@ -118,7 +118,7 @@ import sys
 import orjson
 
 from flyd.cli import flyd_main
-from flyd.coordinator import Coordinator
+from flyd.session.coordinator import Coordinator
 
 WORKER, AT = sys.argv[1], int(sys.argv[2])
 step = Coordinator.step

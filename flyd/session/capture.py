@@ -54,8 +54,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final, Literal
 
-from flyd.fence import Detail, SessionFailure, refuse_if_fenced
-from flyd.phase import Capturing, Paused, Ready
+from flyd.session.fence import Detail, SessionFailure, refuse_if_fenced
+from flyd.session.phase import Capturing, Paused, Ready
 from flyd.state.compat import AgentIdentity, Compatibility
 from flyd.state.envelope import (
     COORDINATOR_ADMISSION,
@@ -73,7 +73,7 @@ from workers.shell import contract_digest
 from workers.state import PAYLOAD_CONTENT_TYPE, PAYLOAD_VERSION
 
 if TYPE_CHECKING:
-    from flyd.coordinator import Coordinator, _Call
+    from flyd.session.coordinator import Coordinator, _Call
 
 __all__ = ["Capture", "CaptureKind", "capture", "validate_reply"]
 
