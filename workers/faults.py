@@ -2,7 +2,7 @@
 
 Why here: faults travel with a launch (`WorkerLaunch`, `workers/launch.py`, which re-exports
 `Faults`) and are executed by the worker shell, so they must live in `workers/`; the run spec and
-the `--fault` grammar (`flyd/session/runspec.py`) build them from this table, so the knob names, roles,
+the `--fault` grammar (`flyd/runspec.py`) build them from this table, so the knob names, roles,
 value kinds and camelCase forms are defined exactly once.
 
 One-shot rule helpers: a step-addressed fault has the id `<workerId>.<knob>` and a step (K for
