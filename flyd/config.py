@@ -601,7 +601,7 @@ def load_config(config_file: Path | None = None, flags: Mapping[str, Any] | None
 def _with_defaults(given: dict[str, dict[str, Setting]],
                    env: Mapping[str, str]) -> dict[str, dict[str, Setting]]:
     """Every key: the given setting, else its (possibly machine-dependent) default."""
-    from flyd.budget import cpus
+    from flyd.launch.budget import cpus
 
     def default(section: str, key: str, value: Any) -> Setting:
         return given[section].get(key) or Setting(value, "default")

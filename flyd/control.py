@@ -58,7 +58,7 @@ from bus.client import Request, Service
 from bus.errors import BusError
 from bus.schema import Validator, compile_schema
 from flyd.config import redact_dsn
-from flyd.launcher import Launcher
+from flyd.launch.launcher import Launcher
 from flyd.leases import queries
 from flyd.leases.core import FINAL
 from workers.canonical import parse_strict

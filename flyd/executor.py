@@ -44,18 +44,18 @@ from typing import Any, Final
 import structlog
 
 from bus.client import BusClient
-from flyd.budget import ThreadBudget
 from flyd.config import ConfigError
 from flyd.grant import GrantSession, LedgerReader, RunAbandoned, writer_config
-from flyd.health import HealthPolicy
-from flyd.identities import SessionNames, SessionTags
-from flyd.launcher import LaunchedWorker, Launcher
+from flyd.launch.budget import ThreadBudget
+from flyd.launch.health import HealthPolicy
+from flyd.launch.identities import SessionNames, SessionTags
+from flyd.launch.launcher import LaunchedWorker, Launcher
+from flyd.launch.spawn import group_running
+from flyd.launch.spawner import Spawner
 from flyd.leases.node import Scope
 from flyd.session.coordinator import Coordinator, Deadlines
 from flyd.session.runspec import DEFAULT_MAX_AGENTS, RunSpec, RunSpecError
 from flyd.session.trace import RecordStream
-from flyd.spawn import group_running
-from flyd.spawner import Spawner
 from flyd.state.store import CheckpointStore
 from flyd.state.writer import EventRing, WriterConfig
 from workers.domain import DomainError

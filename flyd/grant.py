@@ -67,8 +67,8 @@ from typing import TYPE_CHECKING, Any, Final, Literal
 import structlog
 
 from bus.errors import BusError
-from flyd.identities import SessionNames
-from flyd.launcher import ExecutionMode, Launcher, composition_plans, connect_expected
+from flyd.launch.identities import SessionNames
+from flyd.launch.launcher import ExecutionMode, Launcher, composition_plans, connect_expected
 from flyd.leases.node import Scope
 from flyd.leases.queries import LedgerFold
 from flyd.session.coordinator import Coordinator, DispatchOrder, History, Injections

@@ -45,12 +45,13 @@ import structlog
 
 from bus.client import BusClient, connect
 from bus.errors import BusError
-from flyd.budget import ThreadBudget
 from flyd.config import Config
 from flyd.control import ControlService
 from flyd.executor import SessionExecutor
-from flyd.health import HealthPolicy
-from flyd.identities import node_client_id
+from flyd.launch.budget import ThreadBudget
+from flyd.launch.health import HealthPolicy
+from flyd.launch.identities import node_client_id
+from flyd.launch.spawner import Spawner
 from flyd.leases import queries
 from flyd.leases.clock import BootClock, Clock, SimFileClock
 from flyd.leases.embedded import EmbeddedPostgres
@@ -60,7 +61,6 @@ from flyd.leases.pgstore import DbSettings, PgStore
 from flyd.leases.store import NodeInfo
 from flyd.router_child import RouterChild, RouterStartError, check_socket_path
 from flyd.session.coordinator import Deadlines
-from flyd.spawner import Spawner
 from flyd.state.store import PgCheckpointStore
 from flyd.state.writer import WriterConfig
 

@@ -44,8 +44,8 @@ import structlog
 from bus.limits import Limits, snake_case
 from bus.policy import Policy
 from flyd.config import ConfigError, default_socket
+from flyd.launch.spawn import ChildProcess, SpawnedChild
 from flyd.session.runspec import DEFAULT_MAX_AGENTS
-from flyd.spawn import ChildProcess, SpawnedChild
 
 __all__ = ["RouterChild", "RouterStartError", "SocketPathError", "check_socket_path",
            "choose_socket", "required_limits", "router_answers", "router_toml"]

@@ -66,7 +66,7 @@ import structlog
 
 from flyd.config import Config, ConfigError, load_config
 from flyd.executor import RunReport
-from flyd.identities import new_node_id
+from flyd.launch.identities import new_node_id
 from flyd.leases import queries
 from flyd.leases.migrate import MigrationError
 from flyd.leases.pgstore import ClosingConnection

@@ -41,7 +41,7 @@ import structlog
 
 from flyd.config import ConfigError, load_config
 from flyd.executor import RunReport
-from flyd.identities import new_node_id
+from flyd.launch.identities import new_node_id
 from flyd.leases.migrate import MigrationError
 from flyd.leases.store import StoreError
 from flyd.logs import LogFlags

@@ -81,7 +81,7 @@ from typing import Any, Final, NoReturn
 
 from bus.client import BusClient, PendingCall
 from bus.errors import BusError, CallDeadlineExceeded
-from flyd.identities import WorkerRef
+from flyd.launch.identities import WorkerRef
 from flyd.session.audit import AuditLog
 from flyd.session.capture import Capture, CaptureKind
 from flyd.session.capture import capture as capture_boundary

@@ -25,7 +25,7 @@ from bus.errors import NotAuthorized
 from bus.policy import Policy
 from bus.router import Router, RouterConfig
 from flyd.control import METHODS, control_validator
-from flyd.identities import session_client_grants
+from flyd.launch.identities import session_client_grants
 from flyd.leases import pgstore
 from flyd.leases.params import LeaseParams
 from flyd.leases.store import Commit, Effect

@@ -24,8 +24,8 @@ from typing import Any, cast
 
 import pytest
 
-from flyd.identities import WorkerRef
-from flyd.launcher import ExecutionMode, Launcher, connect_expected, start_error
+from flyd.launch.identities import WorkerRef
+from flyd.launch.launcher import ExecutionMode, Launcher, connect_expected, start_error
 from flyd.session.coordinator import SessionFailure
 from flyd.session.runspec import RunSpec
 from tests.session.harness import ALL_MODES, Fixture, SessionHarness

@@ -31,10 +31,10 @@ from typing import Any, TypeVar
 from bus.client import BusClient, connect
 from bus.policy import Policy
 from bus.router import Router, RouterConfig
-from flyd.budget import ThreadBudget
-from flyd.health import HealthPolicy
-from flyd.identities import SessionNames, SessionTags, WorkerRef, new_node_id, node_client_id
-from flyd.launcher import (
+from flyd.launch.budget import ThreadBudget
+from flyd.launch.health import HealthPolicy
+from flyd.launch.identities import SessionNames, SessionTags, WorkerRef, new_node_id, node_client_id
+from flyd.launch.launcher import (
     AlreadyGone,
     ExecutionMode,
     LaunchedWorker,

@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 
 from bus.errors import BusError
-from flyd.identities import WorkerRef
-from flyd.launcher import ExecutionMode
+from flyd.launch.identities import WorkerRef
+from flyd.launch.launcher import ExecutionMode
 from flyd.session.coordinator import (
     LOSS_POLLS,
     Deadlines,

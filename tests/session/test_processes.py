@@ -12,9 +12,9 @@ import psutil
 import pytest
 
 from bus.errors import BusError
-from flyd.budget import ThreadBudget
-from flyd.health import HealthPolicy
-from flyd.launcher import AlreadyGone, ExecutionMode, Stopped, Terminated
+from flyd.launch.budget import ThreadBudget
+from flyd.launch.health import HealthPolicy
+from flyd.launch.launcher import AlreadyGone, ExecutionMode, Stopped, Terminated
 from flyd.session.coordinator import (
     Deadlines,
     DispatchOrder,

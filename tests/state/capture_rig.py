@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from flyd.identities import WorkerRef
+from flyd.launch.identities import WorkerRef
 from flyd.session.runspec import RunSpec
 from tests.session.harness import Fixture, SessionHarness
 from workers.canonical import canonical, digest_bytes, digest_of, parse_strict

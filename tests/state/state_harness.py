@@ -31,7 +31,7 @@ from typing import Any, ClassVar
 import psycopg
 import pytest
 
-from flyd.launcher import LaunchedWorker
+from flyd.launch.launcher import LaunchedWorker
 from flyd.leases import pgstore
 from flyd.session.coordinator import Coordinator
 from flyd.session.fence import SessionFailure

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from flyd.launcher import ExecutionMode
+from flyd.launch.launcher import ExecutionMode
 from flyd.session.coordinator import Coordinator
 from flyd.session.fence import FENCED_MESSAGE, SessionFailure
 from flyd.session.phase import Failed, Paused, Ready

@@ -25,7 +25,7 @@ API (all coroutines run on the node's loop):
 
 Execution modes (§7.1), all over the Unix socket:
 - `PROCESS`: the worker's `main` with `<argv>` in its own session and process group, started by
-  the node's `Spawner` (`flyd.spawner`): forked from the fork server, or
+  the node's `Spawner` (`flyd.launch.spawner`): forked from the fork server, or
   `python -m workers.agent|workers.environment <argv>` spawned on the spawner's thread, never on
   the event loop; stdin = start gate. The expectation is made with the child's pid, then `go\\n`
   is written. A process launch holds one of the spawner's slots (`[session]
@@ -100,18 +100,18 @@ from bus.errors import (
     QuotaExceeded,
     TargetChanged,
 )
-from flyd.budget import ThreadBudget
-from flyd.forkserver import ForkServerError
-from flyd.health import HealthPolicy, format_seconds, no_answer
-from flyd.identities import (
+from flyd.launch.budget import ThreadBudget
+from flyd.launch.forkserver import ForkServerError
+from flyd.launch.health import HealthPolicy, format_seconds, no_answer
+from flyd.launch.identities import (
     SessionNames,
     WorkerIdentity,
     WorkerRef,
     new_client_incarnation,
 )
+from flyd.launch.spawn import ChildProcess, ProcessInfo, process_info, settled_within
+from flyd.launch.spawner import Spawner
 from flyd.session.runspec import RunSpec
-from flyd.spawn import ChildProcess, ProcessInfo, process_info, settled_within
-from flyd.spawner import Spawner
 from workers.domain import DomainError, ErrorCode, Mutation, format_request_id
 from workers.launch import (
     AgentSettings,
@@ -146,7 +146,7 @@ __all__ = [
     "worker_launch",
 ]
 
-log = structlog.get_logger("flyd.launcher")
+log = structlog.get_logger("flyd.launch.launcher")
 
 IDENTIFY_RETRY_S: Final = 0.005
 KILL_WAIT_S: Final = 5.0

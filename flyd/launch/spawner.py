@@ -41,13 +41,13 @@ from typing import Any, Final
 import structlog
 
 from flyd.config import LauncherSettings
-from flyd.forkserver import ForkServer, ForkServerError
-from flyd.spawn import ChildProcess, SpawnedChild, spawn_worker
+from flyd.launch.forkserver import ForkServer, ForkServerError
+from flyd.launch.spawn import ChildProcess, SpawnedChild, spawn_worker
 from workers.launch import WorkerLaunch
 
 __all__ = ["Spawner"]
 
-log = structlog.get_logger("flyd.spawner")
+log = structlog.get_logger("flyd.launch.spawner")
 
 #: how long the fork server may take to start (the interpreter and the worker imports)
 SERVER_START_S: Final = 30.0
