@@ -43,7 +43,7 @@ from psycopg.types.json import Jsonb
 
 from flyd.leases.migrate import migrate
 from flyd.leases.params import LeaseParams
-from flyd.leases.pgstore import DbSettings, PgStore
+from flyd.leases.stores.pg import DbSettings, PgStore
 from flyd.session.runspec import RunSpec
 
 LOCAL = "postgresql://postgres@127.0.0.1:5432/postgres"

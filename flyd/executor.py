@@ -1,6 +1,6 @@
 """`SessionExecutor`: what a node does with one grant (distribution.md §5.7, §6; session.md §7).
 
-Why: the lease runtime (`flyd.leases.node`) knows grants, not sessions. This module checks a
+Why: the lease runtime (`flyd.leases.runtime`) knows grants, not sessions. This module checks a
 claimed run, owns the processes and bus clients of its session, and hands the session itself to
 `flyd.grant.GrantSession` (start or resume, cadence checkpoints, automatic recovery, the final
 transaction). It also answers the runtime's `ProcessGroups` questions, so a lost lease SIGKILLs
@@ -52,11 +52,11 @@ from flyd.launch.identities import SessionNames, SessionTags
 from flyd.launch.launcher import LaunchedWorker, Launcher
 from flyd.launch.spawn import group_running
 from flyd.launch.spawner import Spawner
-from flyd.leases.node import Scope
+from flyd.leases.runtime import Scope
 from flyd.session.coordinator import Coordinator, Deadlines
 from flyd.session.runspec import DEFAULT_MAX_AGENTS, RunSpec, RunSpecError
 from flyd.session.trace import RecordStream
-from flyd.state.store import CheckpointStore
+from flyd.state.checkpoints import CheckpointStore
 from flyd.state.writer import EventRing, WriterConfig
 from workers.domain import DomainError
 

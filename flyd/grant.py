@@ -69,17 +69,17 @@ import structlog
 from bus.errors import BusError
 from flyd.launch.identities import SessionNames
 from flyd.launch.launcher import ExecutionMode, Launcher, composition_plans, connect_expected
-from flyd.leases.node import Scope
 from flyd.leases.queries import LedgerFold
+from flyd.leases.runtime import Scope
 from flyd.session.coordinator import Coordinator, DispatchOrder, History, Injections
 from flyd.session.fence import SessionFailure
 from flyd.session.runspec import RunSpec
 from flyd.session.trace import EpochRebase
 from flyd.state.cadence import Cadence
+from flyd.state.checkpoints import CheckpointRecord, CheckpointStore, FinishRun
 from flyd.state.durability import CheckpointTooLarge, Durability, TooLarge
 from flyd.state.effects import epoch_number
 from flyd.state.recovery import Exhausted, RecoveryBudget, is_permanent
-from flyd.state.store import CheckpointRecord, CheckpointStore, FinishRun
 from flyd.state.writer import CheckpointWriter, Committed, EventRing, WriterConfig
 from workers.domain import DomainError, ErrorCode
 from workers.shell import load_plugin

@@ -56,12 +56,12 @@ from flyd.leases import queries
 from flyd.leases.clock import BootClock, Clock, SimFileClock
 from flyd.leases.embedded import EmbeddedPostgres
 from flyd.leases.migrate import migrate
-from flyd.leases.node import NodeRuntime
-from flyd.leases.pgstore import DbSettings, PgStore
-from flyd.leases.store import NodeInfo
+from flyd.leases.runtime import NodeRuntime
+from flyd.leases.stores.contract import NodeInfo
+from flyd.leases.stores.pg import DbSettings, PgStore
 from flyd.router_child import RouterChild, RouterStartError, check_socket_path
 from flyd.session.coordinator import Deadlines
-from flyd.state.store import PgCheckpointStore
+from flyd.state.checkpoints import PgCheckpointStore
 from flyd.state.writer import WriterConfig
 
 __all__ = ["NodeProcess", "NodeSetup", "NodeStartError", "session_deadlines"]

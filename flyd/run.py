@@ -69,9 +69,9 @@ from flyd.executor import RunReport
 from flyd.launch.identities import new_node_id
 from flyd.leases import queries
 from flyd.leases.migrate import MigrationError
-from flyd.leases.pgstore import ClosingConnection
 from flyd.leases.reconnect import ReadConnection
-from flyd.leases.store import TERMINAL, StoreError
+from flyd.leases.stores.contract import TERMINAL, StoreError
+from flyd.leases.stores.pg import ClosingConnection
 from flyd.logs import LogFlags
 from flyd.node import NodeProcess, NodeSetup, NodeStartError
 from flyd.outcome import describe, failure_of

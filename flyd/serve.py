@@ -43,7 +43,7 @@ from flyd.config import ConfigError, load_config
 from flyd.executor import RunReport
 from flyd.launch.identities import new_node_id
 from flyd.leases.migrate import MigrationError
-from flyd.leases.store import StoreError
+from flyd.leases.stores.contract import StoreError
 from flyd.logs import LogFlags
 from flyd.node import NodeProcess, NodeSetup, NodeStartError
 from flyd.router_child import RouterStartError

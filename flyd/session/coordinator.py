@@ -102,7 +102,7 @@ from flyd.session.restore import RestoreReport, StateContext
 from flyd.session.restore import restore as restore_checkpoint
 from flyd.session.runspec import AgentSpec, RunSpec
 from flyd.session.trace import EpochRebase, TraceLog
-from flyd.state.store import CheckpointRecord, CheckpointStore
+from flyd.state.checkpoints import CheckpointRecord, CheckpointStore
 from flyd.state.writer import (
     CaptureSubmission,
     CheckpointWriter,

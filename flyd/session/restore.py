@@ -63,6 +63,7 @@ import structlog
 
 from flyd.session.fence import Detail, SessionFailure
 from flyd.session.phase import Failed, Paused, Restoring
+from flyd.state.checkpoints import CheckpointStore
 from flyd.state.compat import AgentIdentity, Compatibility
 from flyd.state.effects import EPOCH_ID
 from flyd.state.envelope import (
@@ -72,7 +73,6 @@ from flyd.state.envelope import (
     WORLD_PAYLOAD,
     Envelope,
 )
-from flyd.state.store import CheckpointStore
 from workers.canonical import canonical, digest_bytes, digest_of, parse_strict, typed_digest
 from workers.clock import RationalNs
 from workers.datatypes import (

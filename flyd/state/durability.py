@@ -37,8 +37,8 @@ import structlog
 
 from flyd.session.fence import SessionFailure
 from flyd.state.cadence import Cadence, Kind
+from flyd.state.checkpoints import FinishRun
 from flyd.state.envelope import MAX_PAYLOADS
-from flyd.state.store import FinishRun
 from flyd.state.writer import (
     CaptureSubmission,
     CheckpointWriter,

@@ -445,7 +445,7 @@ def test_flyd_run_is_isolated_from_the_queue(tmp: Path) -> None:
     import asyncio
 
     from flyd.leases.params import LeaseParams
-    from flyd.leases.pgstore import DbSettings, PgStore
+    from flyd.leases.stores.pg import DbSettings, PgStore
     from flyd.session.runspec import RunSpec
     from tests.serve_nodes import query, stop, wait_for
 
@@ -491,7 +491,7 @@ def test_a_pending_exclusive_leftover_is_not_claimed_by_the_next_run(tmp: Path) 
 
     from flyd.leases.embedded import EmbeddedPostgres
     from flyd.leases.params import LeaseParams
-    from flyd.leases.pgstore import DbSettings, PgStore
+    from flyd.leases.stores.pg import DbSettings, PgStore
     from flyd.run import RunOptions, build_spec
 
     state = tmp / "st"

@@ -18,7 +18,7 @@ import orjson
 import pytest
 
 from flyd.leases.params import LeaseParams
-from flyd.leases.pgstore import DbSettings, PgStore
+from flyd.leases.stores.pg import DbSettings, PgStore
 from flyd.node import TEMP_PREFIX, sweep_dead_node_dirs
 from flyd.session.runspec import RunSpec
 from tests.serve_nodes import (

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from flyd.leases.params import LeaseParams
-from flyd.leases.pgstore import DbSettings, PgStore
+from flyd.leases.stores.pg import DbSettings, PgStore
 from flyd.session.runspec import RunSpec
 from tests.distribution.harness.clock import HarnessClock
 from tests.serve_nodes import (

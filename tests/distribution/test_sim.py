@@ -156,9 +156,9 @@ async def test_cancel_scope_before_first_await() -> None:
     from typing import Any
 
     from flyd.leases.clock import ManualClock
-    from flyd.leases.memstore import MemStore
-    from flyd.leases.node import NodeRuntime, Scope
-    from flyd.leases.store import Held, NodeInfo, Released, Renewed, Transient
+    from flyd.leases.runtime import NodeRuntime, Scope
+    from flyd.leases.stores.contract import Held, NodeInfo, Released, Renewed, Transient
+    from flyd.leases.stores.mem import MemStore
 
     params = LeaseParams.short_ttl()
     clock = ManualClock(50.0)

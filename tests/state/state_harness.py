@@ -32,7 +32,7 @@ import psycopg
 import pytest
 
 from flyd.launch.launcher import LaunchedWorker
-from flyd.leases import pgstore
+from flyd.leases.stores import pg as pgstore
 from flyd.session.coordinator import Coordinator
 from flyd.session.fence import SessionFailure
 from flyd.session.phase import Failed

@@ -24,8 +24,8 @@ from flyd.grant import writer_config
 from flyd.session.runspec import RunSpec
 from flyd.session.trace import EpochRebase
 from flyd.state.cadence import Cadence, CadenceError
+from flyd.state.checkpoints import FinishRun
 from flyd.state.durability import CheckpointTooLarge, Durability, TooLarge
-from flyd.state.store import FinishRun
 from flyd.state.writer import CheckpointWriter, Committed, WriterConfig, WriterFaults
 from tests.session.harness import Fixture, SessionHarness
 from tests.state.conftest import RunCtx, effect_rows, run_state

@@ -54,10 +54,10 @@ import psutil
 import pytest
 
 from flyd.leases.params import LeaseParams
-from flyd.leases.pgstore import DbSettings, PgStore
+from flyd.leases.stores.pg import DbSettings, PgStore
 from flyd.session.runspec import RunSpec
+from flyd.state.checkpoints import PgCheckpointStore
 from flyd.state.envelope import decode
-from flyd.state.store import PgCheckpointStore
 from tests.distribution.harness.clock import EPOCH, HarnessClock
 from tests.serve_nodes import node_log, processes_under, query, start_node, stop, wait_for
 from workers.canonical import digest_of

@@ -13,10 +13,9 @@ import psycopg
 import pytest
 from structlog.testing import capture_logs
 
-from flyd.leases import pgstore
-from flyd.leases.store import Commit, Fenced, HeadRegression
-from flyd.state.envelope import EnvelopeError, encode
-from flyd.state.store import (
+from flyd.leases.stores import pg as pgstore
+from flyd.leases.stores.contract import Commit, Fenced, HeadRegression
+from flyd.state.checkpoints import (
     CheckpointRecord,
     CommitFailure,
     CommitFaults,
@@ -26,6 +25,7 @@ from flyd.state.store import (
     PgCheckpointStore,
     verify_file,
 )
+from flyd.state.envelope import EnvelopeError, encode
 from flyd.state.writer import (
     CaptureSubmission,
     CheckpointWriter,

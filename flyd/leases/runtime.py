@@ -99,7 +99,7 @@ from flyd.leases.core import (
 )
 from flyd.leases.params import LeaseParams
 from flyd.leases.resolve import Decision, decide
-from flyd.leases.store import (
+from flyd.leases.stores.contract import (
     Backend,
     Checkpoint,
     Commit,
@@ -253,7 +253,7 @@ class NodeRuntime:
         self._only = only
         self._listen = listen
         self._rng = random.Random(seed)
-        base = log if log is not None else structlog.get_logger("flyd.leases.node")
+        base = log if log is not None else structlog.get_logger("flyd.leases.runtime")
         self._log = base.bind(node=node.node_id)
         self._events = events
         self._core = LeaseCore(params, node.node_id, capacity)
