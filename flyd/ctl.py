@@ -59,12 +59,12 @@ import uvloop
 from bus.client import BusClient, connect
 from bus.errors import BusError, CallDeadlineExceeded, RouterLost
 from flyd.config import Config, ConfigError, load_config, redact_dsn, redact_dsn_text
-from flyd.control import CONTROL_PREFIX, control_service, control_validator
 from flyd.leases import queries
 from flyd.leases.embedded import embedded_dsn_if_running
 from flyd.leases.stores.contract import TERMINAL, SpecMismatch, StoreError
 from flyd.leases.stores.pg import DbSettings, PgStore
 from flyd.logs import LogFlags
+from flyd.node.control import CONTROL_PREFIX, control_service, control_validator
 from flyd.outcome import describe, failure_of
 from flyd.run import RunOptions, RunUsageError, build_spec
 from flyd.session.runspec import DEFAULT_MAX_AGENTS, RunSpec, RunSpecError

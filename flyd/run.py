@@ -6,7 +6,7 @@ effects ledger exactly as a `flyd serve` node's would be.
 
 Sequence: build and validate the run spec from the options (exit 2, `USAGE`, naming the JSON
 path or the fault spec) → resolve the configuration (cli.md §2; `CONFIG` on a bad key) → pick
-the socket (§4.1) → start the node (`flyd.node.NodeProcess`: embedded PostgreSQL under
+the socket (§4.1) → start the node (`flyd.node.process.NodeProcess`: embedded PostgreSQL under
 `<state-dir>/pg` when no DSN is configured, migrations, router child, node connection, store)
 → submit the spec with `exclusiveToSubmitter: true` → run the lease runtime with `only` = that
 run id until the run is terminal in the database → summary (§4.2) from the run row, its effects
@@ -65,7 +65,6 @@ import psycopg
 import structlog
 
 from flyd.config import Config, ConfigError, load_config
-from flyd.executor import RunReport
 from flyd.launch.identities import new_node_id
 from flyd.leases import queries
 from flyd.leases.migrate import MigrationError
@@ -73,9 +72,10 @@ from flyd.leases.reconnect import ReadConnection
 from flyd.leases.stores.contract import TERMINAL, StoreError
 from flyd.leases.stores.pg import ClosingConnection
 from flyd.logs import LogFlags
-from flyd.node import NodeProcess, NodeSetup, NodeStartError
+from flyd.node.executor import RunReport
+from flyd.node.process import NodeProcess, NodeSetup, NodeStartError
+from flyd.node.router_child import RouterStartError, choose_socket
 from flyd.outcome import describe, failure_of
-from flyd.router_child import RouterStartError, choose_socket
 from flyd.session.runspec import DEFAULT_MAX_AGENTS, FaultSpecError, RunSpec, RunSpecError
 
 __all__ = ["RunOptions", "RunUsageError", "build_spec", "run_session"]

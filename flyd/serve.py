@@ -1,7 +1,7 @@
 """`flyd serve`: the node service (cli.md §5; distribution.md §5).
 
 Why: a host joins the shared queue by running this. It resolves the configuration (defaults <
-file < environment < flags), starts the node (`flyd.node.NodeProcess`), registers it, and works
+file < environment < flags), starts the node (`flyd.node.process.NodeProcess`), registers it, and works
 through the queue until a drain (SIGTERM, SIGINT) ends it with exit 0: it claims runs while its
 capacity and thread budget allow, executes them, renews their leases and finishes them. A run
 whose spec carries `exclusiveToSubmitter: true` belongs to the `flyd run` that submitted it and
@@ -10,7 +10,7 @@ is never claimed here.
 Errors before serving (bad configuration, unreachable DSN, a router that does not come up, a
 malformed `$NOTIFY_SOCKET`) exit 2 with code `CONFIG`, as JSON on stdout under `--json`.
 
-Under systemd (cli.md §5.2, §10; `flyd.sdnotify`), while serving:
+Under systemd (cli.md §5.2, §10; `flyd.node.sdnotify`), while serving:
 - `READY=1` (with the first `STATUS=`) once `node.start()` returned, i.e. the router accepts and
   the database is migrated. It is sent from the status task's first step, which runs only after
   `node.serve()` has installed its SIGTERM/SIGINT handlers and suspended, so a stop request that
@@ -40,14 +40,14 @@ import psycopg
 import structlog
 
 from flyd.config import ConfigError, load_config
-from flyd.executor import RunReport
 from flyd.launch.identities import new_node_id
 from flyd.leases.migrate import MigrationError
 from flyd.leases.stores.contract import StoreError
 from flyd.logs import LogFlags
-from flyd.node import NodeProcess, NodeSetup, NodeStartError
-from flyd.router_child import RouterStartError
-from flyd.sdnotify import Notifier, NotifyError
+from flyd.node.executor import RunReport
+from flyd.node.process import NodeProcess, NodeSetup, NodeStartError
+from flyd.node.router_child import RouterStartError
+from flyd.node.sdnotify import Notifier, NotifyError
 
 __all__ = ["ServeOptions", "serve"]
 

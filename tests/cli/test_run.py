@@ -23,7 +23,7 @@ import orjson
 import psutil
 import pytest
 
-from flyd.router_child import router_answers
+from flyd.node.router_child import router_answers
 from tests.cli.test_flyctl_runs import FLYCTL, Site
 from tests.cli.test_flyctl_runs import site as site
 
@@ -372,7 +372,7 @@ def test_router_toml_carries_the_node_pid_and_the_limit_floors() -> None:
     import tomllib
 
     from bus.policy import Policy
-    from flyd.router_child import router_toml
+    from flyd.node.router_child import router_toml
 
     text = router_toml({"socket": "/x.sock", "limits": {"max_clients": 9, "max_services": 99}},
                        4242)

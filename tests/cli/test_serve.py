@@ -19,7 +19,7 @@ import pytest
 
 from flyd.leases.params import LeaseParams
 from flyd.leases.stores.pg import DbSettings, PgStore
-from flyd.node import TEMP_PREFIX, sweep_dead_node_dirs
+from flyd.node.process import TEMP_PREFIX, sweep_dead_node_dirs
 from flyd.session.runspec import RunSpec
 from tests.serve_nodes import (
     commands_under,

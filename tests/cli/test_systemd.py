@@ -35,7 +35,7 @@ from flyd.config import load_config
 from flyd.leases.migrate import shipped_migrations
 from flyd.leases.params import LeaseParams
 from flyd.leases.stores.pg import DbSettings, PgStore
-from flyd.sdnotify import Notifier, NotifyError, encode, notify, watchdog_interval
+from flyd.node.sdnotify import Notifier, NotifyError, encode, notify, watchdog_interval
 from flyd.session.runspec import RunSpec
 from tests.serve_nodes import process_dir, processes_under, query
 

@@ -43,7 +43,7 @@ from flyd.launch.launcher import (
     connect_expected,
     start_error,
 )
-from flyd.router_child import router_answers
+from flyd.node.router_child import router_answers
 from flyd.session.coordinator import Coordinator, Deadlines, DispatchOrder, Injections, StepReport
 from flyd.session.runspec import AgentSpec, RunSpec, TaskSpec
 from workers.domain import DomainError

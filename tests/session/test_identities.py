@@ -17,7 +17,6 @@ from hypothesis import strategies as st
 
 from bus.client import connect
 from bus.errors import Conflict, NotAuthorized, RouterLost
-from flyd.grant import launch_refusal_repeats
 from flyd.launch.identities import (
     SessionNames,
     SessionTags,
@@ -35,6 +34,7 @@ from flyd.launch.identities import (
     worker_grants,
 )
 from flyd.launch.launcher import connect_expected
+from flyd.node.grant import launch_refusal_repeats
 from flyd.session.runspec import RunSpec, RunSpecError
 from workers.domain import DomainError, ErrorCode, Mutation, is_id, parse_worker_id
 from workers.launch import AgentSettings, WorkerLaunch

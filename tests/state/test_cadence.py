@@ -20,7 +20,7 @@ from typing import Any
 import orjson
 import pytest
 
-from flyd.grant import writer_config
+from flyd.node.grant import writer_config
 from flyd.session.runspec import RunSpec
 from flyd.session.trace import EpochRebase
 from flyd.state.cadence import Cadence, CadenceError

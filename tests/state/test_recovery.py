@@ -81,7 +81,7 @@ GATED_RUN = '''\
 import asyncio
 import sys
 
-import flyd.grant
+import flyd.node.grant
 from flyd.cli import flyd_main
 from flyd.state.writer import CheckpointWriter, WriterFaults
 
@@ -106,7 +106,7 @@ class GatedWriter(CheckpointWriter):
         self.faults.gate.set()
 
 
-flyd.grant.CheckpointWriter = GatedWriter
+flyd.node.grant.CheckpointWriter = GatedWriter
 flyd_main(args=["run", *sys.argv[1:]], prog_name="flyd")
 '''
 

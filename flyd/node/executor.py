@@ -2,7 +2,7 @@
 
 Why: the lease runtime (`flyd.leases.runtime`) knows grants, not sessions. This module checks a
 claimed run, owns the processes and bus clients of its session, and hands the session itself to
-`flyd.grant.GrantSession` (start or resume, cadence checkpoints, automatic recovery, the final
+`flyd.node.grant.GrantSession` (start or resume, cadence checkpoints, automatic recovery, the final
 transaction). It also answers the runtime's `ProcessGroups` questions, so a lost lease SIGKILLs
 the run's workers synchronously.
 
@@ -15,7 +15,7 @@ Sequence per grant:
    `flyctl checkpoints import`) is refused at `/startFrom` rather than started from 0.
 2. Fit the composition into the node's thread budget; a run that does not fit is released with
    refund and `backoff = claim_poll` and `run_does_not_fit` is logged with both numbers.
-3. The grant session runs it (`flyd.grant`); afterwards the workers are reaped and the
+3. The grant session runs it (`flyd.node.grant`); afterwards the workers are reaped and the
    session's clients closed, whatever happened.
 
 Decisions:
@@ -45,7 +45,6 @@ import structlog
 
 from bus.client import BusClient
 from flyd.config import ConfigError
-from flyd.grant import GrantSession, LedgerReader, RunAbandoned, writer_config
 from flyd.launch.budget import ThreadBudget
 from flyd.launch.health import HealthPolicy
 from flyd.launch.identities import SessionNames, SessionTags
@@ -53,6 +52,7 @@ from flyd.launch.launcher import LaunchedWorker, Launcher
 from flyd.launch.spawn import group_running
 from flyd.launch.spawner import Spawner
 from flyd.leases.runtime import Scope
+from flyd.node.grant import GrantSession, LedgerReader, RunAbandoned, writer_config
 from flyd.session.coordinator import Coordinator, Deadlines
 from flyd.session.runspec import DEFAULT_MAX_AGENTS, RunSpec, RunSpecError
 from flyd.session.trace import RecordStream
@@ -62,7 +62,7 @@ from workers.domain import DomainError
 
 __all__ = ["RunReport", "SessionExecutor", "worker_json"]
 
-log = structlog.get_logger("flyd.executor")
+log = structlog.get_logger("flyd.node.executor")
 
 REAP_S: Final = 10.0
 WORLD_READ_S: Final = 2.0

@@ -4,7 +4,7 @@ Why: a grant is the node's right to execute a run for a while. Within it the ses
 advance from the head (or from zero), make its work durable in checkpoint-sized steps, survive
 the loss of any worker by restoring every participant from the head into a new epoch, and end
 the run with exactly one fenced transaction. This module is that sequence (state.md §8, §9;
-distribution.md §5.7, §6); the executor (`flyd.executor`) validates the spec and owns the
+distribution.md §5.7, §6); the executor (`flyd.node.executor`) validates the spec and owns the
 processes, the coordinator steps, the durability layer (`flyd.state.durability`) captures and
 commits.
 
@@ -86,11 +86,11 @@ from workers.shell import load_plugin
 from workers.synthetic.executor import IdentityExecutor
 
 if TYPE_CHECKING:
-    from flyd.executor import RunReport, SessionExecutor
+    from flyd.node.executor import RunReport, SessionExecutor
 
 __all__ = ["GrantSession", "RunAbandoned", "launch_refusal_repeats", "writer_config"]
 
-log = structlog.get_logger("flyd.grant")
+log = structlog.get_logger("flyd.node.grant")
 
 FIRST_EPOCH: Final = "e1"
 CLOSE_S: Final = 5.0

@@ -50,7 +50,7 @@ from flyd.session.runspec import DEFAULT_MAX_AGENTS
 __all__ = ["RouterChild", "RouterStartError", "SocketPathError", "check_socket_path",
            "choose_socket", "required_limits", "router_answers", "router_toml"]
 
-log = structlog.get_logger("flyd.router_child")
+log = structlog.get_logger("flyd.node.router_child")
 
 ROUTER_START_S: Final = 15.0
 ROUTER_STOP_S: Final = 5.0

@@ -5,7 +5,7 @@ differ only in what they claim (`only`: `flyd run` claims the one run it submitt
 they stop. This module wires the parts in order and takes them down in reverse, each step
 bounded:
 
-start: the socket path checked (`flyd.router_child.check_socket_path`: nothing that is not
+start: the socket path checked (`flyd.node.router_child.check_socket_path`: nothing that is not
 the node's is ever touched) → embedded PostgreSQL under `<state-dir>/pg` when no DSN is
 configured (§5.9) → migrations → router child on the socket (cli.md §5.1; `--no-router`
 connects to a router managed separately) → node connection `node.<node_id>` → `PgStore` →
@@ -46,8 +46,6 @@ import structlog
 from bus.client import BusClient, connect
 from bus.errors import BusError
 from flyd.config import Config
-from flyd.control import ControlService
-from flyd.executor import SessionExecutor
 from flyd.launch.budget import ThreadBudget
 from flyd.launch.health import HealthPolicy
 from flyd.launch.identities import node_client_id
@@ -59,14 +57,16 @@ from flyd.leases.migrate import migrate
 from flyd.leases.runtime import NodeRuntime
 from flyd.leases.stores.contract import NodeInfo
 from flyd.leases.stores.pg import DbSettings, PgStore
-from flyd.router_child import RouterChild, RouterStartError, check_socket_path
+from flyd.node.control import ControlService
+from flyd.node.executor import SessionExecutor
+from flyd.node.router_child import RouterChild, RouterStartError, check_socket_path
 from flyd.session.coordinator import Deadlines
 from flyd.state.checkpoints import PgCheckpointStore
 from flyd.state.writer import WriterConfig
 
 __all__ = ["NodeProcess", "NodeSetup", "NodeStartError", "session_deadlines"]
 
-log = structlog.get_logger("flyd.node")
+log = structlog.get_logger("flyd.node.process")
 
 TEMP_PREFIX: Final = "flyd-node-"
 

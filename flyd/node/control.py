@@ -67,11 +67,11 @@ from workers.rpc import Outcome, parse_request, unparsable_outcome
 from workers.shell import SCHEMA_ROOT
 
 if TYPE_CHECKING:
-    from flyd.node import NodeProcess
+    from flyd.node.process import NodeProcess
 
 __all__ = ["CONTROL_PREFIX", "METHODS", "ControlService", "control_service", "control_validator"]
 
-log = structlog.get_logger("flyd.control")
+log = structlog.get_logger("flyd.node.control")
 
 CONTROL_PREFIX: Final = "flyd.control."
 CONTROL_SCHEMAS: Final = SCHEMA_ROOT / "control"
