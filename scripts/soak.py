@@ -84,7 +84,7 @@ from psycopg.conninfo import make_conninfo  # noqa: E402
 
 from bus.client import connect  # noqa: E402
 from bus.errors import BusError  # noqa: E402
-from flyd.ctl import ctl_client_id  # noqa: E402
+from flyd.cli.flyctl import ctl_client_id  # noqa: E402
 from flyd.leases.migrate import migrate  # noqa: E402
 from flyd.leases.params import LeaseParams  # noqa: E402
 from flyd.leases.stores.pg import DbSettings, PgStore  # noqa: E402

@@ -290,7 +290,7 @@ def test_a_bad_spec_or_fault_exits_2_with_a_json_error(tmp: Path, args: list[str
 def test_build_spec_names_the_bad_path_or_fault(faults: tuple[str, ...], steps: int,
                                                 agents: tuple[str, ...] | None,
                                                 needle: str) -> None:
-    from flyd.run import RunOptions, RunUsageError, build_spec
+    from flyd.cli.run import RunOptions, RunUsageError, build_spec
 
     with pytest.raises(RunUsageError) as caught:
         build_spec(RunOptions(steps=steps, agents=agents, faults=faults))
@@ -391,7 +391,7 @@ def test_a_bad_config_key_exits_2_with_a_config_error(tmp: Path) -> None:
 
 
 def test_seeds_follow_the_options() -> None:
-    from flyd.run import RunOptions, build_spec
+    from flyd.cli.run import RunOptions, build_spec
     from workers.composition import derive_seed
 
     default = build_spec(RunOptions())
@@ -489,10 +489,10 @@ def test_flyd_run_is_isolated_from_the_queue(tmp: Path) -> None:
 def test_a_pending_exclusive_leftover_is_not_claimed_by_the_next_run(tmp: Path) -> None:
     import asyncio
 
+    from flyd.cli.run import RunOptions, build_spec
     from flyd.leases.embedded import EmbeddedPostgres
     from flyd.leases.params import LeaseParams
     from flyd.leases.stores.pg import DbSettings, PgStore
-    from flyd.run import RunOptions, build_spec
 
     state = tmp / "st"
     leftover = build_spec(RunOptions(steps=5, mode="in-process")).to_json()

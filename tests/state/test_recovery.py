@@ -82,7 +82,7 @@ import asyncio
 import sys
 
 import flyd.node.grant
-from flyd.cli import flyd_main
+from flyd.cli.flyd import flyd_main
 from flyd.state.writer import CheckpointWriter, WriterFaults
 
 HOLD_S = 1.5
@@ -117,7 +117,7 @@ import sys
 
 import orjson
 
-from flyd.cli import flyd_main
+from flyd.cli.flyd import flyd_main
 from flyd.session.coordinator import Coordinator
 
 WORKER, AT = sys.argv[1], int(sys.argv[2])

@@ -475,7 +475,7 @@ async def test_flyctl_checkpoints_json_output(claimed_run: RunCtx, tmp_path: Pat
 
     async def flyctl(*args: str) -> tuple[int, dict[str, Any]]:
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-c", "from flyd.cli import flyctl_main; flyctl_main()", *args,
+            sys.executable, "-c", "from flyd.cli.flyd import flyctl_main; flyctl_main()", *args,
             "--json", "--dsn", str(ctx.dsn), env=env, stdout=subprocess.PIPE,
             stderr=subprocess.PIPE)
         out, err = await proc.communicate()

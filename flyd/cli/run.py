@@ -80,7 +80,7 @@ from flyd.session.runspec import DEFAULT_MAX_AGENTS, FaultSpecError, RunSpec, Ru
 
 __all__ = ["RunOptions", "RunUsageError", "build_spec", "run_session"]
 
-log = structlog.get_logger("flyd.run")
+log = structlog.get_logger("flyd.cli.run")
 
 EXIT_OK: Final = 0
 EXIT_FAILED: Final = 1

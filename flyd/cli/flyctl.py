@@ -3,7 +3,7 @@
 Why: live facts (workers, phases, leases as the node sees them) come from the nodes' control
 services on the bus (cli.md §8); queue facts come from PostgreSQL. Every command is one coroutine
 here returning a `Result` (JSON object, human lines, exit code) or raising `CtlError`; the click
-commands in `flyd.cli` only parse options.
+commands in `flyd.cli.flyd` only parse options.
 
 Rules:
 - Bus: one connection to the socket as `ctl-<pid>-<8 hex>`; nodes are found by `bus.services`
@@ -58,6 +58,7 @@ import uvloop
 
 from bus.client import BusClient, connect
 from bus.errors import BusError, CallDeadlineExceeded, RouterLost
+from flyd.cli.run import RunOptions, RunUsageError, build_spec
 from flyd.config import Config, ConfigError, load_config, redact_dsn, redact_dsn_text
 from flyd.leases import queries
 from flyd.leases.embedded import embedded_dsn_if_running
@@ -66,7 +67,6 @@ from flyd.leases.stores.pg import DbSettings, PgStore
 from flyd.logs import LogFlags
 from flyd.node.control import CONTROL_PREFIX, control_service, control_validator
 from flyd.outcome import describe, failure_of
-from flyd.run import RunOptions, RunUsageError, build_spec
 from flyd.session.runspec import DEFAULT_MAX_AGENTS, RunSpec, RunSpecError
 from workers.domain import DomainError, ErrorCode, format_request_id
 from workers.rpc import check_outcome

@@ -110,7 +110,7 @@ async def _serve_router(config: object) -> int:
 def demo_cmd(calls: int, as_json: bool, config_file: Path | None, log_format: str | None,
              verbose: int, quiet: int) -> None:
     """Bus demo: a router child process, an echo service, calls through it, a summary."""
-    from flyd.demo import run_demo
+    from flyd.cli.demo import run_demo
 
     _setup_logging(log_format, verbose, quiet + 1)
     sys.exit(uvloop.run(run_demo(calls, as_json)))
@@ -166,7 +166,7 @@ def run_cmd(steps: int, agents: str | None, mode: str | None, seed: int | None,
             config_file: Path | None, log_format: str | None, verbose: int,
             quiet: int) -> None:
     """Run one session to completion on this host (through the queue) and print a summary."""
-    from flyd.run import RunOptions, parse_agents, run_session
+    from flyd.cli.run import RunOptions, parse_agents, run_session
 
     log = _log_flags(log_format, verbose, quiet)
     opts = RunOptions(steps=steps, agents=None if agents is None else parse_agents(agents),
@@ -200,7 +200,7 @@ def serve_cmd(dsn: str | None, socket_path: str | None, state_dir: Path | None,
               time_scale: float, clock_rate: float, config_file: Path | None,
               log_format: str | None, verbose: int, quiet: int) -> None:
     """Run the node service: claim, execute and finish runs from the queue until drained."""
-    from flyd.serve import ServeOptions, serve
+    from flyd.cli.serve import ServeOptions, serve
 
     log = _log_flags(log_format, verbose, quiet)
     opts = ServeOptions(config_file=config_file, dsn=dsn, socket=socket_path,
@@ -351,7 +351,7 @@ def ctl_status_cmd(node: str | None, socket_path: str | None, dsn: str | None, a
                    config_file: Path | None, log_format: str | None, verbose: int,
                    quiet: int) -> None:
     """Router, nodes and per run its workers (the database view when no node answers)."""
-    from flyd import ctl
+    from flyd.cli import flyctl as ctl
 
     opts = ctl.CtlOptions(config_file, socket_path, dsn, node,
                           log=_log_flags(log_format, verbose, quiet, quiet_default=1))
@@ -370,7 +370,7 @@ def ctl_kill_cmd(worker: str, run_id: int | None, signal_name: str, node: str | 
                  config_file: Path | None, log_format: str | None, verbose: int,
                  quiet: int) -> None:
     """Stop one worker of a held run (`Control.Kill`); `AlreadyGone` exits 1."""
-    from flyd import ctl
+    from flyd.cli import flyctl as ctl
 
     opts = ctl.CtlOptions(config_file, socket_path, dsn, node,
                           log=_log_flags(log_format, verbose, quiet, quiet_default=1))
@@ -384,7 +384,7 @@ def ctl_drain_cmd(node: str | None, socket_path: str | None, dsn: str | None, as
                   config_file: Path | None, log_format: str | None, verbose: int,
                   quiet: int) -> None:
     """Gracefully shut a node down (`Control.Drain`)."""
-    from flyd import ctl
+    from flyd.cli import flyctl as ctl
 
     opts = ctl.CtlOptions(config_file, socket_path, dsn, node,
                           log=_log_flags(log_format, verbose, quiet, quiet_default=1))
@@ -421,8 +421,8 @@ def ctl_runs_submit_cmd(steps: int, agents: str | None, mode: str | None, seed: 
                         config_file: Path | None, log_format: str | None, verbose: int,
                         quiet: int) -> None:
     """Build, validate and insert a run spec; prints its id."""
-    from flyd import ctl
-    from flyd.run import RunOptions, parse_agents
+    from flyd.cli import flyctl as ctl
+    from flyd.cli.run import RunOptions, parse_agents
 
     opts = ctl.CtlOptions(config_file, socket_path, dsn,
                           log=_log_flags(log_format, verbose, quiet, quiet_default=1))
@@ -441,7 +441,7 @@ def ctl_runs_list_cmd(state: str | None, socket_path: str | None, dsn: str | Non
                       as_json: bool, config_file: Path | None, log_format: str | None,
                       verbose: int, quiet: int) -> None:
     """Runs with state, lease epoch, attempts, owner, lease expiry and boundary."""
-    from flyd import ctl
+    from flyd.cli import flyctl as ctl
 
     opts = ctl.CtlOptions(config_file, socket_path, dsn,
                           log=_log_flags(log_format, verbose, quiet, quiet_default=1))
@@ -455,7 +455,7 @@ def ctl_runs_show_cmd(run_id: int, socket_path: str | None, dsn: str | None, as_
                       config_file: Path | None, log_format: str | None, verbose: int,
                       quiet: int) -> None:
     """One run: grants, checkpoints, effects, outcome; live phase and events from its holder."""
-    from flyd import ctl
+    from flyd.cli import flyctl as ctl
 
     opts = ctl.CtlOptions(config_file, socket_path, dsn,
                           log=_log_flags(log_format, verbose, quiet, quiet_default=1))
@@ -469,7 +469,7 @@ def ctl_runs_cancel_cmd(run_id: int, socket_path: str | None, dsn: str | None, a
                         config_file: Path | None, log_format: str | None, verbose: int,
                         quiet: int) -> None:
     """Request cancellation of a run."""
-    from flyd import ctl
+    from flyd.cli import flyctl as ctl
 
     opts = ctl.CtlOptions(config_file, socket_path, dsn,
                           log=_log_flags(log_format, verbose, quiet, quiet_default=1))
@@ -483,7 +483,7 @@ def ctl_runs_requeue_cmd(run_id: int, socket_path: str | None, dsn: str | None, 
                          config_file: Path | None, log_format: str | None, verbose: int,
                          quiet: int) -> None:
     """Put a failed run back to pending (logged in flyd.interventions)."""
-    from flyd import ctl
+    from flyd.cli import flyctl as ctl
 
     opts = ctl.CtlOptions(config_file, socket_path, dsn,
                           log=_log_flags(log_format, verbose, quiet, quiet_default=1))
@@ -503,7 +503,7 @@ def ctl_checkpoints_list_cmd(run_id: int, socket_path: str | None, dsn: str | No
                              as_json: bool, config_file: Path | None, log_format: str | None,
                              verbose: int, quiet: int) -> None:
     """A run's generations, newest first."""
-    from flyd import ctl
+    from flyd.cli import flyctl as ctl
 
     opts = ctl.CtlOptions(config_file, socket_path, dsn,
                           log=_log_flags(log_format, verbose, quiet, quiet_default=1))
@@ -521,7 +521,7 @@ def ctl_checkpoints_export_cmd(run_id: int, checkpoint_id: str | None, out: Path
                                config_file: Path | None, log_format: str | None, verbose: int,
                                quiet: int) -> None:
     """Write a generation (after its integrity checks) to a file."""
-    from flyd import ctl
+    from flyd.cli import flyctl as ctl
 
     opts = ctl.CtlOptions(config_file, socket_path, dsn,
                           log=_log_flags(log_format, verbose, quiet, quiet_default=1))
@@ -556,8 +556,8 @@ def ctl_checkpoints_import_cmd(file: Path, steps: int, agents: str | None, mode:
                                dsn: str | None, as_json: bool, config_file: Path | None,
                                log_format: str | None, verbose: int, quiet: int) -> None:
     """Submit a new run that starts from the file's checkpoint."""
-    from flyd import ctl
-    from flyd.run import RunOptions, parse_agents
+    from flyd.cli import flyctl as ctl
+    from flyd.cli.run import RunOptions, parse_agents
 
     opts = ctl.CtlOptions(config_file, socket_path, dsn,
                           log=_log_flags(log_format, verbose, quiet, quiet_default=1))
@@ -582,7 +582,7 @@ def ctl_checkpoints_verify_cmd(file: Path | None, run_id: int | None,
 
     A file gets the reader's checks (format, digests, sizes, compatibility); a stored
     generation also its integrity against the database. docs/state.md lists every check."""
-    from flyd import ctl
+    from flyd.cli import flyctl as ctl
 
     opts = ctl.CtlOptions(config_file, socket_path, dsn,
                           log=_log_flags(log_format, verbose, quiet, quiet_default=1))

@@ -1,11 +1,11 @@
 """`flyd serve`: the node service (cli.md §5; distribution.md §5).
 
 Why: a host joins the shared queue by running this. It resolves the configuration (defaults <
-file < environment < flags), starts the node (`flyd.node.process.NodeProcess`), registers it, and works
-through the queue until a drain (SIGTERM, SIGINT) ends it with exit 0: it claims runs while its
-capacity and thread budget allow, executes them, renews their leases and finishes them. A run
-whose spec carries `exclusiveToSubmitter: true` belongs to the `flyd run` that submitted it and
-is never claimed here.
+file < environment < flags), starts the node (`flyd.node.process.NodeProcess`), registers it,
+and works through the queue until a drain (SIGTERM, SIGINT) ends it with exit 0: it claims runs
+while its capacity and thread budget allow, executes them, renews their leases and finishes them.
+A run whose spec carries `exclusiveToSubmitter: true` belongs to the `flyd run` that submitted
+it and is never claimed here.
 
 Errors before serving (bad configuration, unreachable DSN, a router that does not come up, a
 malformed `$NOTIFY_SOCKET`) exit 2 with code `CONFIG`, as JSON on stdout under `--json`.
@@ -51,7 +51,7 @@ from flyd.node.sdnotify import Notifier, NotifyError
 
 __all__ = ["ServeOptions", "serve"]
 
-log = structlog.get_logger("flyd.serve")
+log = structlog.get_logger("flyd.cli.serve")
 
 EXIT_CONFIG = 2
 STATUS_S: Final = 5.0
