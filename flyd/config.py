@@ -53,6 +53,7 @@ from flyd.durations import (
     MAX_KEEPALIVE_S,
     is_duration_s,
 )
+from flyd.errors import ConfigError
 from flyd.logs import LogFlags, LogSettings, default_level
 
 if TYPE_CHECKING:
@@ -65,13 +66,6 @@ NODE_NAME_RE: Final = re.compile(r"[a-z0-9][a-z0-9-]{0,31}")
 REDACTED: Final = "***"
 
 Source = Literal["default", "file", "env", "flag"]
-
-
-class ConfigError(ValueError):
-    """A configuration problem; the message names the key and the file (exit 2, `CONFIG`)."""
-
-    code: str = "CONFIG"
-    mutation: str = "none"
 
 
 def default_socket(node_name: str | None = None) -> str:
@@ -660,13 +654,13 @@ def _check_related(settings: dict[str, dict[str, Setting]],
 def _lease_params(settings: dict[str, dict[str, Setting]],
                   where: Mapping[tuple[str, str], str]) -> LeaseParams:
     """LeaseParams from the effective values; a violated §4.3 clause names what was set."""
-    from flyd.leases.params import LeaseParams, LeaseParamsError
+    from flyd.leases.params import DATABASE_KEYS, LeaseParams, LeaseParamsError
 
-    leases = {k: s.value for k, s in settings["leases"].items()
+    values = {k: s.value for k, s in settings["leases"].items()
               if not (k == "heartbeat_interval_s" and s.source == "default")}
-    database = {k: s.value for k, s in settings["database"].items()}
+    values.update((k, settings["database"][k].value) for k in DATABASE_KEYS)
     try:
-        return LeaseParams.from_sections(leases, database)
+        return LeaseParams.of(values)
     except LeaseParamsError as exc:
         chosen = [(f"[{sec}] {k} = {s.value!r}", where[sec, k])
                   for sec in ("leases", "database") for k, s in settings[sec].items()

@@ -59,7 +59,8 @@ import uvloop
 from bus.client import BusClient, connect
 from bus.errors import BusError, CallDeadlineExceeded, RouterLost
 from flyd.cli.run import RunOptions, RunUsageError, build_spec
-from flyd.config import Config, ConfigError, load_config, redact_dsn, redact_dsn_text
+from flyd.config import Config, load_config, redact_dsn, redact_dsn_text
+from flyd.errors import ConfigError
 from flyd.leases import queries
 from flyd.leases.embedded import embedded_dsn_if_running
 from flyd.leases.stores.contract import TERMINAL, SpecMismatch, StoreError

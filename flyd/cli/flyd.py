@@ -20,7 +20,8 @@ import uvloop
 
 from bus.router import Router, RouterStartError
 from flyd import logs
-from flyd.config import Config, ConfigError, load_config, router_config
+from flyd.config import Config, load_config, router_config
+from flyd.errors import ConfigError
 
 EXIT_FAILED = 1
 EXIT_CONFIG = 2

@@ -64,7 +64,8 @@ import orjson
 import psycopg
 import structlog
 
-from flyd.config import Config, ConfigError, load_config
+from flyd.config import Config, load_config
+from flyd.errors import ConfigError
 from flyd.launch.identities import new_node_id
 from flyd.leases import queries
 from flyd.leases.migrate import MigrationError

@@ -39,7 +39,8 @@ import orjson
 import psycopg
 import structlog
 
-from flyd.config import ConfigError, load_config
+from flyd.config import load_config
+from flyd.errors import ConfigError
 from flyd.launch.identities import new_node_id
 from flyd.leases.migrate import MigrationError
 from flyd.leases.stores.contract import StoreError

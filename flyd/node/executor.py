@@ -44,7 +44,7 @@ from typing import Any, Final
 import structlog
 
 from bus.client import BusClient
-from flyd.config import ConfigError
+from flyd.errors import ConfigError
 from flyd.launch.budget import ThreadBudget
 from flyd.launch.health import HealthPolicy
 from flyd.launch.identities import SessionNames, SessionTags

@@ -43,7 +43,8 @@ import structlog
 
 from bus.limits import Limits, snake_case
 from bus.policy import Policy
-from flyd.config import ConfigError, default_socket
+from flyd.config import default_socket
+from flyd.errors import ConfigError
 from flyd.launch.spawn import ChildProcess, SpawnedChild
 from flyd.session.runspec import DEFAULT_MAX_AGENTS
 

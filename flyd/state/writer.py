@@ -56,8 +56,8 @@ from typing import Any, Final, Literal
 
 import structlog
 
-from flyd.config import ConfigError
 from flyd.durations import DURATION_RULE, is_duration_s
+from flyd.errors import ConfigError
 from flyd.state.checkpoints import (
     CheckpointStore,
     CommitFailure,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from flyd.config import ConfigError
+from flyd.errors import ConfigError
 from flyd.leases.core import (
     BEGIN,
     END,

@@ -15,7 +15,7 @@ import psycopg
 import pytest
 from psycopg.conninfo import conninfo_to_dict
 
-from flyd.config import ConfigError
+from flyd.errors import ConfigError
 from flyd.leases.migrate import (
     MigrationMismatch,
     SchemaTooNew,

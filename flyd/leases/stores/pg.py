@@ -97,7 +97,7 @@ from psycopg.rows import TupleRow
 from psycopg.types.json import Jsonb
 from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
-from flyd.config import ConfigError
+from flyd.errors import ConfigError
 from flyd.leases.params import LeaseParams
 from flyd.leases.stores.contract import (
     Backend,
