@@ -5,7 +5,7 @@ advance from the head (or from zero), make its work durable in checkpoint-sized 
 the loss of any worker by restoring every participant from the head into a new epoch, and end
 the run with exactly one fenced transaction. This module is that sequence (state.md §8, §9;
 distribution.md §5.7, §6); the executor (`flyd.node.executor`) validates the spec and owns the
-processes, the coordinator steps, the durability layer (`flyd.state.durability`) captures and
+processes, the coordinator steps, the durability layer (`flyd.session.durability`) captures and
 commits.
 
 Sequence:
@@ -72,12 +72,12 @@ from flyd.launch.launcher import ExecutionMode, Launcher, composition_plans, con
 from flyd.leases.queries import LedgerFold
 from flyd.leases.runtime import Scope
 from flyd.session.coordinator import Coordinator, DispatchOrder, History, Injections
+from flyd.session.durability import CheckpointTooLarge, Durability, TooLarge
 from flyd.session.fence import SessionFailure
 from flyd.session.runspec import RunSpec
 from flyd.session.trace import EpochRebase
 from flyd.state.cadence import Cadence
 from flyd.state.checkpoints import CheckpointRecord, CheckpointStore, FinishRun
-from flyd.state.durability import CheckpointTooLarge, Durability, TooLarge
 from flyd.state.effects import epoch_number
 from flyd.state.recovery import Exhausted, RecoveryBudget, is_permanent
 from flyd.state.writer import CheckpointWriter, Committed, EventRing, WriterConfig

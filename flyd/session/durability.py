@@ -55,7 +55,7 @@ if TYPE_CHECKING:
 
 __all__ = ["CheckpointTooLarge", "Durability", "TooLarge"]
 
-log = structlog.get_logger("flyd.state.durability")
+log = structlog.get_logger("flyd.session.durability")
 
 SLOT_POLL_S: Final = 0.05
 
