@@ -54,6 +54,7 @@ from flyd.durations import (
     is_duration_s,
 )
 from flyd.errors import ConfigError
+from flyd.launch.spawner import LauncherSettings
 from flyd.logs import LogFlags, LogSettings, default_level
 
 if TYPE_CHECKING:
@@ -329,16 +330,6 @@ KEYS: Final[dict[str, dict[str, Key]]] = {
         "max_envelope_bytes": _int(67108864, 2**20, 2**30 - 1),
     },
 }
-
-
-@dataclass(frozen=True, slots=True)
-class LauncherSettings:
-    """How a node starts process-mode workers (`[session] launcher`, `launch_concurrency`;
-    docs/launcher.md): `fork` from the node's fork server or `spawn` with fork + exec, and how
-    many launches may be in flight at once."""
-
-    method: Literal["fork", "spawn"] = "fork"
-    concurrency: int = 8
 
 
 @dataclass(frozen=True, slots=True)

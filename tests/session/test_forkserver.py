@@ -22,11 +22,11 @@ from typing import TYPE_CHECKING, Any, Literal
 import psutil
 import pytest
 
-from flyd.config import LauncherSettings, load_config
+from flyd.config import load_config
 from flyd.launch.budget import ThreadBudget
 from flyd.launch.forkserver import MAX_REQUEST
 from flyd.launch.launcher import ExecutionMode, composition_plans
-from flyd.launch.spawner import Spawner
+from flyd.launch.spawner import LauncherSettings, Spawner
 from flyd.session.runspec import AgentSpec, RunSpec
 from tests.session.conftest import children
 from workers.domain import DomainError

@@ -22,7 +22,6 @@ import pytest
 
 from bus.client import CallResult, Identity
 from bus.errors import NoService, NotAuthorized, QuotaExceeded, TargetChanged
-from flyd.config import LauncherSettings
 from flyd.launch.budget import ThreadBudget
 from flyd.launch.health import HealthPolicy, format_seconds, no_answer
 from flyd.launch.identities import SessionNames
@@ -36,7 +35,7 @@ from flyd.launch.launcher import (
     start_error,
     worker_launch,
 )
-from flyd.launch.spawner import Spawner
+from flyd.launch.spawner import LauncherSettings, Spawner
 from flyd.session.runspec import AgentSpec, FaultSpecError, KillAt, RunSpec
 from tests.session.conftest import children
 from workers.domain import DomainError
@@ -604,7 +603,7 @@ from bus.client import connect
 from bus.policy import Policy
 from bus.router import Router, RouterConfig
 from flyd.launch.budget import ThreadBudget
-from flyd.config import LauncherSettings
+from flyd.launch.spawner import LauncherSettings
 from flyd.launch.identities import SessionNames, new_node_id, node_client_id
 from flyd.launch.launcher import ExecutionMode, Launcher
 from flyd.session.runspec import RunSpec
