@@ -73,7 +73,7 @@ from flyd.leases.reconnect import ReadConnection
 from flyd.leases.stores.contract import TERMINAL, StoreError
 from flyd.leases.stores.pg import ClosingConnection
 from flyd.logs import LogFlags
-from flyd.node.executor import RunReport
+from flyd.node.grant import RunReport
 from flyd.node.process import NodeProcess, NodeSetup, NodeStartError
 from flyd.node.router_child import RouterStartError, choose_socket
 from flyd.outcome import describe, failure_of

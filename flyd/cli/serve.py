@@ -45,7 +45,7 @@ from flyd.launch.identities import new_node_id
 from flyd.leases.migrate import MigrationError
 from flyd.leases.stores.contract import StoreError
 from flyd.logs import LogFlags
-from flyd.node.executor import RunReport
+from flyd.node.grant import RunReport
 from flyd.node.process import NodeProcess, NodeSetup, NodeStartError
 from flyd.node.router_child import RouterStartError
 from flyd.node.sdnotify import Notifier, NotifyError
@@ -138,7 +138,7 @@ class ServiceNotes:
         self._since = time.monotonic()
 
     def on_step(self, report: RunReport) -> None:
-        """`SessionExecutor.on_progress`: one call per step taken by any session."""
+        """`GrantExecutor.on_progress`: one call per step taken by any session."""
         self.steps += 1
 
     def on_drain(self) -> None:

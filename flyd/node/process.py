@@ -9,7 +9,7 @@ start: the socket path checked (`flyd.node.router_child.check_socket_path`: noth
 the node's is ever touched) → embedded PostgreSQL under `<state-dir>/pg` when no DSN is
 configured (§5.9) → migrations → router child on the socket (cli.md §5.1; `--no-router`
 connects to a router managed separately) → node connection `node.<node_id>` → `PgStore` →
-`SessionExecutor`.
+`GrantExecutor`.
 serve: `NodeRuntime(...).run()` until drained or stopped; SIGTERM/SIGINT drain (a second one
 skips the checkpoints, §5.8).
 close: store, node connection, router (SIGTERM, SIGKILL after 5 s), embedded server.
@@ -51,14 +51,14 @@ from flyd.launch.health import HealthPolicy
 from flyd.launch.identities import node_client_id
 from flyd.launch.spawner import Spawner
 from flyd.leases import queries
-from flyd.leases.clock import BootClock, Clock, SimFileClock
+from flyd.leases.clock import BootClock, LeaseClock, SimFileClock
 from flyd.leases.embedded import EmbeddedPostgres
 from flyd.leases.migrate import migrate
 from flyd.leases.runtime import NodeRuntime
 from flyd.leases.stores.contract import NodeInfo
 from flyd.leases.stores.pg import DbSettings, PgStore
 from flyd.node.control import ControlService
-from flyd.node.executor import SessionExecutor
+from flyd.node.executor import GrantExecutor
 from flyd.node.router_child import RouterChild, RouterStartError, check_socket_path
 from flyd.session.coordinator import Deadlines
 from flyd.state.checkpoints import PgCheckpointStore
@@ -156,7 +156,7 @@ class NodeProcess:
         self.router: RouterChild | None = None
         self.client: BusClient | None = None
         self.store: PgStore | None = None
-        self.executor: SessionExecutor | None = None
+        self.executor: GrantExecutor | None = None
         self.checkpoints: PgCheckpointStore | None = None
         self.runtime: NodeRuntime | None = None
         self.control: ControlService | None = None
@@ -201,7 +201,7 @@ class NodeProcess:
         await self.store.open()
         self.checkpoints = PgCheckpointStore(self.dsn)
         self.spawner = Spawner(setup.config.launcher, socket=setup.socket)
-        self.executor = SessionExecutor(
+        self.executor = GrantExecutor(
             socket=setup.socket, node=self.client, node_id=setup.node_id, budget=self.budget,
             claim_poll_s=self.params.claim_poll_s,
             checkpoints=self.checkpoints, ledger=self.read_ledger,
@@ -234,7 +234,7 @@ class NodeProcess:
 
     # ------------------------------------------------------------------ serve
 
-    def clock(self) -> Clock:
+    def clock(self) -> LeaseClock:
         """The node's clock (R2): CLOCK_BOOTTIME, or the harness clock file under test."""
         if self.setup.sim_clock is not None:
             return SimFileClock(self.setup.sim_clock, rate=self.setup.clock_rate)

@@ -18,7 +18,8 @@ import pytest
 from flyd.leases.clock import ManualClock
 from flyd.leases.core import LeaseLost
 from flyd.leases.params import LeaseParams
-from flyd.leases.runtime import NodeRuntime, Scope
+from flyd.leases.runtime import GrantScope as Scope
+from flyd.leases.runtime import NodeRuntime
 from flyd.leases.stores.contract import (
     Checkpoint,
     Commit,
