@@ -75,7 +75,7 @@ from flyd.leases.stores.pg import ClosingConnection
 from flyd.logs import LogFlags
 from flyd.node.grant import RunReport
 from flyd.node.process import NodeProcess, NodeSetup, NodeStartError
-from flyd.node.router_child import RouterStartError, choose_socket
+from flyd.node.router_child import RouterChildError, choose_socket
 from flyd.outcome import describe, failure_of
 from flyd.session.runspec import DEFAULT_MAX_AGENTS, FaultSpecError, RunSpec, RunSpecError
 
@@ -318,7 +318,7 @@ async def run_session(opts: RunOptions) -> int:
     try:
         try:
             await node.start()
-        except (NodeStartError, RouterStartError, ConfigError, MigrationError,
+        except (NodeStartError, RouterChildError, ConfigError, MigrationError,
                 StoreError, psycopg.Error) as exc:
             return _error(opts, "CONFIG", getattr(exc, "message", None) or str(exc))
         run_id, report, row = await _execute(node, spec, int(config.value(

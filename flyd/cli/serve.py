@@ -47,7 +47,7 @@ from flyd.leases.stores.contract import StoreError
 from flyd.logs import LogFlags
 from flyd.node.grant import RunReport
 from flyd.node.process import NodeProcess, NodeSetup, NodeStartError
-from flyd.node.router_child import RouterStartError
+from flyd.node.router_child import RouterChildError
 from flyd.node.sdnotify import Notifier, NotifyError
 
 __all__ = ["ServeOptions", "serve"]
@@ -114,7 +114,7 @@ async def serve(opts: ServeOptions) -> int:
     try:
         try:
             await node.start()
-        except (NodeStartError, RouterStartError, ConfigError, MigrationError, StoreError,
+        except (NodeStartError, RouterChildError, ConfigError, MigrationError, StoreError,
                 psycopg.Error, OSError) as exc:
             return _error(opts, getattr(exc, "message", None) or str(exc))
         log.info("serve.started", node=setup.node_id, socket=setup.socket,

@@ -59,7 +59,7 @@ from flyd.leases.stores.contract import NodeInfo
 from flyd.leases.stores.pg import DbSettings, PgStore
 from flyd.node.control import ControlService
 from flyd.node.executor import GrantExecutor
-from flyd.node.router_child import RouterChild, RouterStartError, check_socket_path
+from flyd.node.router_child import RouterChild, RouterChildError, check_socket_path
 from flyd.session.coordinator import Deadlines
 from flyd.state.checkpoints import PgCheckpointStore
 from flyd.state.writer import WriterConfig
@@ -296,7 +296,7 @@ class NodeProcess:
             backoff = min(backoff * 2, ROUTER_BACKOFF_MAX_S)
             try:
                 await self._restart_router(router)
-            except (RouterStartError, BusError, OSError) as exc:
+            except (RouterChildError, BusError, OSError) as exc:
                 log.error("router.restart_failed", error=str(exc))
                 continue
             log.info("router.restarted", socket=self.setup.socket, pid=router.pid)
