@@ -60,6 +60,7 @@ from flyd.state.compat import AgentIdentity, Compatibility
 from flyd.state.envelope import (
     COORDINATOR_ADMISSION,
     PRIOR_INSPECTION,
+    SCHEDULER_ID,
     TASK_LEDGER,
     WORLD_PAYLOAD,
     validate_manifest,
@@ -78,7 +79,6 @@ if TYPE_CHECKING:
 __all__ = ["Capture", "CaptureKind", "capture", "validate_reply"]
 
 CaptureKind = Literal["hot", "durable"]
-SCHEDULER_ID: Final = "lockstep-v1"
 ENVELOPE_VERSION: Final = 1
 
 

@@ -103,6 +103,7 @@ from flyd.session.restore import restore as restore_checkpoint
 from flyd.session.runspec import AgentSpec, RunSpec
 from flyd.session.trace import EpochRebase, TraceLog
 from flyd.state.checkpoints import CheckpointRecord, CheckpointStore
+from flyd.state.envelope import SCHEDULER_ID
 from flyd.state.writer import (
     CaptureSubmission,
     CheckpointWriter,
@@ -154,7 +155,6 @@ __all__ = [
 
 RESOLVE_PAUSE: Final = 0.002
 LOSS_POLLS: Final = 500
-SCHEDULER_ID: Final = "lockstep-v1"
 
 
 # --------------------------------------------------------------------------------------------
