@@ -88,7 +88,7 @@ from flyd.cli.flyctl import ctl_client_id  # noqa: E402
 from flyd.leases.migrate import migrate  # noqa: E402
 from flyd.leases.params import LeaseParams  # noqa: E402
 from flyd.leases.stores.pg import DbSettings, PgStore  # noqa: E402
-from flyd.node.control import CONTROL_PREFIX, control_service  # noqa: E402
+from flyd.node.control_protocol import CONTROL_PREFIX, control_service  # noqa: E402
 from flyd.session.runspec import RunSpec  # noqa: E402
 from workers.domain import format_request_id  # noqa: E402
 from workers.rpc import check_outcome  # noqa: E402

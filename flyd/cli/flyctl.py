@@ -66,7 +66,7 @@ from flyd.leases.embedded import embedded_dsn_if_running
 from flyd.leases.stores.contract import TERMINAL, SpecMismatch, StoreError
 from flyd.leases.stores.pg import DbSettings, PgStore
 from flyd.logs import LogFlags
-from flyd.node.control import CONTROL_PREFIX, control_service, control_validator
+from flyd.node.control_protocol import CONTROL_PREFIX, control_service, control_validator
 from flyd.outcome import describe, failure_of
 from flyd.session.runspec import DEFAULT_MAX_AGENTS, RunSpec, RunSpecError
 from workers.domain import DomainError, ErrorCode, format_request_id

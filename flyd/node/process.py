@@ -34,7 +34,7 @@ import signal
 import socket as socketlib
 import tempfile
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
@@ -49,15 +49,17 @@ from flyd.config import Config
 from flyd.launch.budget import ThreadBudget
 from flyd.launch.health import HealthPolicy
 from flyd.launch.identities import node_client_id
+from flyd.launch.launcher import Launcher
 from flyd.launch.spawner import Spawner
 from flyd.leases import queries
 from flyd.leases.clock import BootClock, LeaseClock, SimFileClock
+from flyd.leases.core import LeasePhase
 from flyd.leases.embedded import EmbeddedPostgres
 from flyd.leases.migrate import migrate
 from flyd.leases.runtime import NodeRuntime
 from flyd.leases.stores.contract import NodeInfo
 from flyd.leases.stores.pg import DbSettings, PgStore
-from flyd.node.control import ControlService
+from flyd.node.control import ControlService, RunView
 from flyd.node.executor import GrantExecutor
 from flyd.node.router_child import RouterChild, RouterChildError, check_socket_path
 from flyd.session.coordinator import Deadlines
@@ -141,6 +143,63 @@ def sweep_dead_node_dirs(root: str | None = None) -> list[str]:
     return sorted(swept)
 
 
+class ControlView:
+    """The node as its control service sees it (`NodeView`): read through to the node's parts
+    as they are now, since the runtime and the executor appear only during start."""
+
+    def __init__(self, node: NodeProcess) -> None:
+        self._node = node
+        setup = node.setup
+        self.node_id = setup.node_id
+        self.node_name = setup.node_name
+        self.socket = setup.socket
+        self.capacity = setup.capacity
+        self.health_fail_s = float(setup.config.value("session", "health_fail_s"))
+        self.budget = node.budget
+
+    @property
+    def dsn(self) -> str:
+        return self._node.dsn
+
+    @property
+    def client(self) -> BusClient | None:
+        return self._node.client
+
+    def holds(self) -> list[tuple[int, int, LeasePhase, float]] | None:
+        runtime = self._node.runtime
+        return None if runtime is None else runtime.held()
+
+    def launcher(self, run_id: int) -> Launcher | None:
+        executor = self._node.executor
+        return None if executor is None else executor.launcher(run_id)
+
+    def run_view(self, run_id: int) -> RunView | None:
+        executor = self._node.executor
+        report = None if executor is None else executor.reports.get(run_id)
+        if report is None:
+            return None
+        coordinator = report.coordinator
+        return RunView(epoch=None if coordinator is None else coordinator.epoch,
+                       phase=None if coordinator is None else coordinator.phase.label,
+                       boundary=report.boundary, recoveries=len(report.recoveries))
+
+    def run_events(self, run_id: int) -> Sequence[Mapping[str, Any]] | None:
+        executor = self._node.executor
+        ring = None if executor is None else executor.rings.get(run_id)
+        return None if ring is None else list(ring.ring)
+
+    async def node_row(self) -> dict[str, Any] | None:
+        dsn = self._node.dsn
+        if not dsn:
+            return None
+        async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
+            rows = await queries.nodes(conn)
+        return next((r for r in rows if r["nodeId"] == self.node_id), None)
+
+    def drain(self) -> None:
+        self._node.drain()
+
+
 class NodeProcess:
     """One node's parts, owned for an orderly start and a bounded teardown."""
 
@@ -211,7 +270,7 @@ class NodeProcess:
             health=HealthPolicy.from_config(setup.config.section("session")),
             deadlines=session_deadlines(setup.config),
             spawner=self.spawner)
-        self.control = ControlService(self)
+        self.control = ControlService(ControlView(self))
         await self.control.start()
 
     def writer_defaults(self) -> WriterConfig:

@@ -28,7 +28,7 @@ from flyd.launch.identities import session_client_grants
 from flyd.leases.params import LeaseParams
 from flyd.leases.stores import pg as pgstore
 from flyd.leases.stores.contract import Commit, Effect
-from flyd.node.control import METHODS, control_validator
+from flyd.node.control_protocol import METHODS, control_validator
 from flyd.state.checkpoints import DirectCommitPath, PgCheckpointStore
 from tests.cli.test_flyctl_runs import Site, flyctl, serve, submit, wait_state
 from tests.cli.test_flyctl_runs import site as site
