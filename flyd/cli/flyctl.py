@@ -58,6 +58,7 @@ import uvloop
 
 from bus.client import BusClient, connect
 from bus.errors import BusError, CallDeadlineExceeded, RouterLost
+from flyd.cli.common import CtlOptions
 from flyd.cli.run import RunOptions, RunUsageError, build_spec
 from flyd.config import Config, load_config, redact_dsn, redact_dsn_text
 from flyd.errors import ConfigError
@@ -65,7 +66,6 @@ from flyd.leases import queries
 from flyd.leases.embedded import embedded_dsn_if_running
 from flyd.leases.stores.contract import TERMINAL, SpecMismatch, StoreError
 from flyd.leases.stores.pg import DbSettings, PgStore
-from flyd.logs import LogFlags
 from flyd.node.control_protocol import CONTROL_PREFIX, control_service, control_validator
 from flyd.outcome import describe, failure_of
 from flyd.session.runspec import DEFAULT_MAX_AGENTS, RunSpec, RunSpecError
@@ -78,7 +78,6 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CtlError",
-    "CtlOptions",
     "Result",
     "checkpoints_export",
     "checkpoints_import",
@@ -118,17 +117,6 @@ class CtlError(Exception):
         self.exit_code = exit_code if exit_code is not None else (
             EXIT_CONFIG if code in ("USAGE", "CONFIG") else
             EXIT_TIMEOUT if code == "TIMEOUT" else EXIT_FAILED)
-
-
-@dataclass(frozen=True)
-class CtlOptions:
-    """The options every `flyctl` command takes."""
-
-    config_file: Path | None = None
-    socket: str | None = None
-    dsn: str | None = None
-    node: str | None = None
-    log: LogFlags = field(default_factory=LogFlags)
 
 
 @dataclass
