@@ -28,9 +28,11 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q -n auto --maxschedchunk 1 -m "not serial" $(PYTEST_ARGS)
 	$(BIN)/python -m pytest -q -m serial $(PYTEST_ARGS)
 
+# ruff, mypy, and the layers of docs/layout.md (import-linter's contracts in pyproject.toml).
 lint: $(STAMP)
 	$(BIN)/ruff check bus workers flyd tests bench
 	$(BIN)/mypy
+	$(BIN)/lint-imports
 
 bench: $(STAMP)
 	uptime >&2

@@ -40,10 +40,10 @@ from psycopg.conninfo import make_conninfo
 
 from flyd.leases.migrate import migrate
 from flyd.leases.params import LeaseParams
-from flyd.leases.pgstore import DbSettings, PgStore
+from flyd.leases.stores.pg import DbSettings, PgStore
+from flyd.state.checkpoints import CommitJob, DirectCommitPath, PgCheckpointStore
 from flyd.state.compat import STATE_FORMAT_ID
 from flyd.state.envelope import encode
-from flyd.state.store import CommitJob, DirectCommitPath, PgCheckpointStore
 from workers.canonical import canonical, digest_bytes, digest_of
 from workers.clock import RationalNs
 

@@ -43,8 +43,8 @@ from psycopg.types.json import Jsonb
 
 from flyd.leases.migrate import migrate
 from flyd.leases.params import LeaseParams
-from flyd.leases.pgstore import DbSettings, PgStore
-from flyd.runspec import RunSpec
+from flyd.leases.stores.pg import DbSettings, PgStore
+from flyd.session.runspec import RunSpec
 
 LOCAL = "postgresql://postgres@127.0.0.1:5432/postgres"
 LEVELS = (1, 4, 8)

@@ -46,8 +46,8 @@ from psycopg.conninfo import make_conninfo
 
 from flyd.leases.migrate import migrate
 from flyd.leases.params import LeaseParams
-from flyd.leases.pgstore import DbSettings, PgStore
-from flyd.runspec import RunSpec
+from flyd.leases.stores.pg import DbSettings, PgStore
+from flyd.session.runspec import RunSpec
 
 ROOT = Path(__file__).resolve().parent.parent
 LOCAL = "postgresql://postgres@127.0.0.1:5432/postgres"

@@ -49,13 +49,12 @@ from bus.client import BusClient, connect  # noqa: E402
 from bus.limits import Limits  # noqa: E402
 from bus.policy import Policy  # noqa: E402
 from bus.router import Router, RouterConfig  # noqa: E402
-from flyd.budget import ThreadBudget  # noqa: E402
-from flyd.config import LauncherSettings  # noqa: E402
-from flyd.identities import SessionNames, SessionTags, new_node_id, node_client_id  # noqa: E402
-from flyd.launcher import ExecutionMode, Launcher  # noqa: E402
-from flyd.runspec import AgentSpec, RunSpec  # noqa: E402
-from flyd.spawn import process_info  # noqa: E402
-from flyd.spawner import Spawner  # noqa: E402
+from flyd.launch.budget import ThreadBudget  # noqa: E402
+from flyd.launch.identities import SessionNames, SessionTags, new_node_id, node_client_id  # noqa: E402
+from flyd.launch.launcher import ExecutionMode, Launcher  # noqa: E402
+from flyd.launch.spawn import process_info  # noqa: E402
+from flyd.launch.spawner import LauncherSettings, Spawner  # noqa: E402
+from flyd.session.runspec import AgentSpec, RunSpec  # noqa: E402
 
 TARGET_CPU_MS = 30.0
 TARGET_LAG_MS = 100.0

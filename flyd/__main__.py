@@ -1,5 +1,5 @@
 """`python -m flyd` is the `flyd` command."""
 
-from flyd.cli import flyd_main
+from flyd.cli.flyd import flyd_main
 
 flyd_main()

@@ -53,6 +53,8 @@ from flyd.durations import (
     MAX_KEEPALIVE_S,
     is_duration_s,
 )
+from flyd.errors import ConfigError
+from flyd.launch.spawner import LauncherSettings
 from flyd.logs import LogFlags, LogSettings, default_level
 
 if TYPE_CHECKING:
@@ -65,13 +67,6 @@ NODE_NAME_RE: Final = re.compile(r"[a-z0-9][a-z0-9-]{0,31}")
 REDACTED: Final = "***"
 
 Source = Literal["default", "file", "env", "flag"]
-
-
-class ConfigError(ValueError):
-    """A configuration problem; the message names the key and the file (exit 2, `CONFIG`)."""
-
-    code: str = "CONFIG"
-    mutation: str = "none"
 
 
 def default_socket(node_name: str | None = None) -> str:
@@ -338,16 +333,6 @@ KEYS: Final[dict[str, dict[str, Key]]] = {
 
 
 @dataclass(frozen=True, slots=True)
-class LauncherSettings:
-    """How a node starts process-mode workers (`[session] launcher`, `launch_concurrency`;
-    docs/launcher.md): `fork` from the node's fork server or `spawn` with fork + exec, and how
-    many launches may be in flight at once."""
-
-    method: Literal["fork", "spawn"] = "fork"
-    concurrency: int = 8
-
-
-@dataclass(frozen=True, slots=True)
 class Setting:
     """A configuration value and the level it came from."""
 
@@ -601,7 +586,7 @@ def load_config(config_file: Path | None = None, flags: Mapping[str, Any] | None
 def _with_defaults(given: dict[str, dict[str, Setting]],
                    env: Mapping[str, str]) -> dict[str, dict[str, Setting]]:
     """Every key: the given setting, else its (possibly machine-dependent) default."""
-    from flyd.budget import cpus
+    from flyd.launch.budget import cpus
 
     def default(section: str, key: str, value: Any) -> Setting:
         return given[section].get(key) or Setting(value, "default")
@@ -660,13 +645,13 @@ def _check_related(settings: dict[str, dict[str, Setting]],
 def _lease_params(settings: dict[str, dict[str, Setting]],
                   where: Mapping[tuple[str, str], str]) -> LeaseParams:
     """LeaseParams from the effective values; a violated §4.3 clause names what was set."""
-    from flyd.leases.params import LeaseParams, LeaseParamsError
+    from flyd.leases.params import DATABASE_KEYS, LeaseParams, LeaseParamsError
 
-    leases = {k: s.value for k, s in settings["leases"].items()
+    values = {k: s.value for k, s in settings["leases"].items()
               if not (k == "heartbeat_interval_s" and s.source == "default")}
-    database = {k: s.value for k, s in settings["database"].items()}
+    values.update((k, settings["database"][k].value) for k in DATABASE_KEYS)
     try:
-        return LeaseParams.from_sections(leases, database)
+        return LeaseParams.of(values)
     except LeaseParamsError as exc:
         chosen = [(f"[{sec}] {k} = {s.value!r}", where[sec, k])
                   for sec in ("leases", "database") for k, s in settings[sec].items()

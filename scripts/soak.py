@@ -84,12 +84,12 @@ from psycopg.conninfo import make_conninfo  # noqa: E402
 
 from bus.client import connect  # noqa: E402
 from bus.errors import BusError  # noqa: E402
-from flyd.control import CONTROL_PREFIX, control_service  # noqa: E402
-from flyd.ctl import ctl_client_id  # noqa: E402
+from flyd.cli.flyctl import ctl_client_id  # noqa: E402
 from flyd.leases.migrate import migrate  # noqa: E402
 from flyd.leases.params import LeaseParams  # noqa: E402
-from flyd.leases.pgstore import DbSettings, PgStore  # noqa: E402
-from flyd.runspec import RunSpec  # noqa: E402
+from flyd.leases.stores.pg import DbSettings, PgStore  # noqa: E402
+from flyd.node.control_protocol import CONTROL_PREFIX, control_service  # noqa: E402
+from flyd.session.runspec import RunSpec  # noqa: E402
 from workers.domain import format_request_id  # noqa: E402
 from workers.rpc import check_outcome  # noqa: E402
 

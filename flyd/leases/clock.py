@@ -34,7 +34,7 @@ SIM_LAYOUT: Final = struct.Struct("<Qq")
 SIM_POLL_S: Final = 0.002
 
 
-class Clock(Protocol):
+class LeaseClock(Protocol):
     def now(self) -> float: ...
 
     async def sleep_until(self, deadline: float) -> None: ...

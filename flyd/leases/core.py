@@ -18,7 +18,7 @@ Rules:
   (`CancelScope(safe_until)`); `next_deadline()` is the earliest such instant (watchdog, §5.4).
 - Guard: `check(run, epoch, now, min_remaining)` raises `LeaseLost` when there is no such
   hold, it is final, or `now + min_remaining ≥ safe_until`. It mutates nothing.
-- Phase changes follow `TRANSITIONS` (data, below); any other `begin`/`end` is a
+- LeasePhase changes follow `TRANSITIONS` (data, below); any other `begin`/`end` is a
   `LeaseCoreError` (a runtime bug); `begin` on a lost hold raises `LeaseLost`; `end` on a
   lost hold is a no-op (the scope may unwind after its cancellation).
 - Entering LOST emits exactly one `CancelScope`; `scope_gone` on a LOST hold emits
@@ -54,7 +54,7 @@ from typing import Final, Literal
 from flyd.leases.params import LeaseParams
 
 
-class Phase(StrEnum):
+class LeasePhase(StrEnum):
     STARTING = "STARTING"
     ACTIVE = "ACTIVE"
     COMMITTING = "COMMITTING"
@@ -70,25 +70,25 @@ Reason = Literal[
     "safe_until", "renew_missing", "fenced", "unknown_outcome_lost", "drain_timeout", "node_fatal"
 ]
 
-RENEWABLE: Final = frozenset({Phase.STARTING, Phase.ACTIVE, Phase.COMMITTING})
-FINAL: Final = frozenset({Phase.DONE, Phase.LOST})
+RENEWABLE: Final = frozenset({LeasePhase.STARTING, LeasePhase.ACTIVE, LeasePhase.COMMITTING})
+FINAL: Final = frozenset({LeasePhase.DONE, LeasePhase.LOST})
 
 # (phase, kind) -> phase after `begin`
-BEGIN: Final[dict[tuple[Phase, Kind], Phase]] = {
-    (Phase.ACTIVE, "commit"): Phase.COMMITTING,
-    (Phase.ACTIVE, "finish"): Phase.FINISHING,
-    (Phase.STARTING, "release"): Phase.RELEASING,
-    (Phase.ACTIVE, "release"): Phase.RELEASING,
+BEGIN: Final[dict[tuple[LeasePhase, Kind], LeasePhase]] = {
+    (LeasePhase.ACTIVE, "commit"): LeasePhase.COMMITTING,
+    (LeasePhase.ACTIVE, "finish"): LeasePhase.FINISHING,
+    (LeasePhase.STARTING, "release"): LeasePhase.RELEASING,
+    (LeasePhase.ACTIVE, "release"): LeasePhase.RELEASING,
 }
 # (phase, kind, outcome) -> phase after `end`; "lost" is accepted from every working phase
-END: Final[dict[tuple[Phase, Kind, Outcome], Phase]] = {
-    (Phase.STARTING, "start", "committed"): Phase.ACTIVE,
-    (Phase.COMMITTING, "commit", "committed"): Phase.ACTIVE,
-    (Phase.COMMITTING, "commit", "failed"): Phase.ACTIVE,
-    (Phase.FINISHING, "finish", "committed"): Phase.DONE,
-    (Phase.FINISHING, "finish", "failed"): Phase.ACTIVE,
-    (Phase.RELEASING, "release", "committed"): Phase.DONE,
-    (Phase.RELEASING, "release", "failed"): Phase.RELEASING,
+END: Final[dict[tuple[LeasePhase, Kind, Outcome], LeasePhase]] = {
+    (LeasePhase.STARTING, "start", "committed"): LeasePhase.ACTIVE,
+    (LeasePhase.COMMITTING, "commit", "committed"): LeasePhase.ACTIVE,
+    (LeasePhase.COMMITTING, "commit", "failed"): LeasePhase.ACTIVE,
+    (LeasePhase.FINISHING, "finish", "committed"): LeasePhase.DONE,
+    (LeasePhase.FINISHING, "finish", "failed"): LeasePhase.ACTIVE,
+    (LeasePhase.RELEASING, "release", "committed"): LeasePhase.DONE,
+    (LeasePhase.RELEASING, "release", "failed"): LeasePhase.RELEASING,
 }
 TRANSITIONS: Final = {"begin": BEGIN, "end": END}
 
@@ -150,7 +150,7 @@ class RenewRow:
 class BatchEntry:
     run_id: int
     epoch: int
-    phase: Phase
+    phase: LeasePhase
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,7 +164,7 @@ class Hold:
     run_id: int
     epoch: int
     attempt: int
-    phase: Phase
+    phase: LeasePhase
     safe_until: float
     cancel_requested: bool = False
     lost_reason: Reason | None = None
@@ -240,7 +240,7 @@ class LeaseCore:
     def _lose(self, h: Hold, reason: Reason) -> list[Action]:
         if h.phase in FINAL:
             return []
-        self._put(replace(h, phase=Phase.LOST, lost_reason=reason))
+        self._put(replace(h, phase=LeasePhase.LOST, lost_reason=reason))
         return [CancelScope(h.run_id, h.epoch, reason)]
 
     def _flag_cancel(self, h: Hold, flagged: bool) -> list[Action]:
@@ -265,7 +265,7 @@ class LeaseCore:
                     raise LeaseCoreError(
                         f"grant of {row.run_id} at epoch {row.epoch} below held {h.epoch}")
                 out += self._lose(h, "fenced")
-            h = Hold(row.run_id, row.epoch, row.attempt, Phase.STARTING, t_send + self._g)
+            h = Hold(row.run_id, row.epoch, row.attempt, LeasePhase.STARTING, t_send + self._g)
             self._put(h)
             out.append(StartScope(row.run_id, row.epoch, row.attempt))
             out += self._flag_cancel(h, row.cancel_requested)
@@ -336,7 +336,7 @@ class LeaseCore:
 
     def end(self, run_id: int, kind: Kind, outcome: Outcome = "committed") -> list[Action]:
         h = self._current(run_id)
-        if h.phase is Phase.LOST:
+        if h.phase is LeasePhase.LOST:
             return []
         if outcome == "lost" and h.phase not in FINAL:
             return self._lose(h, "unknown_outcome_lost")
@@ -345,7 +345,7 @@ class LeaseCore:
             raise LeaseCoreError(
                 f"end {kind} {outcome} not allowed in {h.phase} ({run_id}@{h.epoch})")
         self._put(replace(h, phase=nxt))
-        if nxt is Phase.DONE:
+        if nxt is LeasePhase.DONE:
             del self._holds[(h.run_id, h.epoch)]
             return [Forget(h.run_id, h.epoch)]
         return []
@@ -358,7 +358,7 @@ class LeaseCore:
     def scope_gone(self, run_id: int, epoch: int) -> list[Action]:
         """The lost scope's cleanup finished: relinquish once, then forget."""
         h = self._holds.get((run_id, epoch))
-        if h is None or h.phase is not Phase.LOST:
+        if h is None or h.phase is not LeasePhase.LOST:
             return []
         del self._holds[(run_id, epoch)]
         return [Relinquish(run_id, epoch), Forget(run_id, epoch)]

@@ -42,7 +42,7 @@ import psutil
 import psycopg
 from psycopg import errors, sql
 
-from flyd.config import ConfigError
+from flyd.errors import ConfigError
 from flyd.leases.migrate import migrate
 
 ROOT_USER: Final = "pgserver"

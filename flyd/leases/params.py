@@ -27,7 +27,12 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Final
 
-from flyd.config import ConfigError
+from flyd.errors import ConfigError
+
+DATABASE_KEYS: Final = ("statement_timeout_ms", "idle_in_transaction_timeout_ms",
+                        "connect_timeout_s")
+"""The `[database]` keys the §4.3 invariant reads."""
+INTEGRAL: Final = frozenset({"claim_batch", "max_attempts", "connect_timeout_s"})
 
 CLAUSES: Final = {
     "§4.2": "every duration is finite and positive, counts at least 1",
@@ -111,30 +116,32 @@ class LeaseParams:
 
     # -- configuration -----------------------------------------------------------------------
     @classmethod
+    def of(cls, values: Mapping[str, float | int | None]) -> LeaseParams:
+        """From values whose names and types are already checked (the configuration checks
+        `[leases]` and `[database]` against its own key table and hands them down typed):
+        durations as floats, counts as ints. Validated."""
+        return cls(**{k: v if k in INTEGRAL or v is None else float(v)  # type: ignore[arg-type]
+                      for k, v in values.items()}).validate()
+
+    @classmethod
     def from_sections(cls, leases: Mapping[str, object], database: Mapping[str, object],
                       where: str = "defaults") -> LeaseParams:
-        """defaults < TOML `[leases]` (every key checked) < the three `[database]` keys §4.3
-        reads (the other `[database]` keys belong to the store). Validated."""
+        """Untyped `[leases]` and `[database]` mappings that no configuration checked (a tool's,
+        a test's): every `[leases]` key and the three `[database]` keys §4.3 reads (the other
+        `[database]` keys belong to the store) are checked for name and type, then `of`."""
         names = {f.name for f in dataclasses.fields(cls)}
-        db_keys = ("statement_timeout_ms", "idle_in_transaction_timeout_ms", "connect_timeout_s")
-        values: dict[str, object] = {}
-        for key, value in leases.items():
-            if key not in names or key in db_keys:
+        for key in leases:
+            if key not in names or key in DATABASE_KEYS:
                 raise ConfigError(f"{where}: unknown key [leases] {key}")
-            values[key] = value
-        for key in db_keys:
-            if key in database:
-                values[key] = database[key]
+        values = {**leases, **{k: database[k] for k in DATABASE_KEYS if k in database}}
         for key, value in values.items():
-            integral = key in ("claim_batch", "max_attempts", "connect_timeout_s")
+            integral = key in INTEGRAL
             ok = isinstance(value, int) if integral else isinstance(value, int | float)
             if isinstance(value, bool) or not ok:
                 kind = "an integer" if integral else "a number"
-                section = "database" if key in db_keys else "leases"
+                section = "database" if key in DATABASE_KEYS else "leases"
                 raise ConfigError(f"{where}: [{section}] {key} must be {kind}")
-            if not integral:
-                values[key] = float(value)  # type: ignore[arg-type]
-        return cls(**values).validate()  # type: ignore[arg-type]
+        return cls.of(values)  # type: ignore[arg-type]
 
     # -- profiles --------------------------------------------------------------------------
     def with_ttl(self, ttl_s: float) -> LeaseParams:

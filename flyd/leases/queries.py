@@ -16,7 +16,7 @@ from typing import Any, Final
 import psycopg
 from psycopg.rows import dict_row
 
-from flyd.leases.store import CanonicalPayload
+from flyd.leases.stores.contract import CanonicalPayload
 from workers.canonical import canonical, digest_of
 
 __all__ = ["LedgerFold", "attempts", "behaviour", "effects", "fold_ledger", "list_runs",

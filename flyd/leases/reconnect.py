@@ -28,7 +28,7 @@ from typing import Final, TypeVar
 import psycopg
 import structlog
 
-from flyd.leases.pgstore import ClosingConnection, session_lost
+from flyd.leases.stores.pg import ClosingConnection, session_lost
 
 __all__ = ["BACKOFF_MAX_S", "BACKOFF_S", "ReadConnection"]
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from flyd.leases.store import RunRead, TerminalState
+from flyd.leases.stores.contract import RunRead, TerminalState
 
 Decision = Literal["committed", "retry", "lost"]
 

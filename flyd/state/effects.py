@@ -33,7 +33,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
-from flyd.leases.store import CanonicalPayload, Effect
+from flyd.leases.stores.contract import CanonicalPayload, Effect
 from workers.canonical import canonical
 from workers.domain import DomainError, ErrorCode, Mutation
 

@@ -1,6 +1,6 @@
 """Automatic recovery as node policy: attempts, backoff, classification (state.md §8.1–§8.3).
 
-Pure and synchronous: the node's grant session (`flyd.grant`) performs the attempt; this module
+Pure and synchronous: the node's grant session (`flyd.node.grant`) performs the attempt; this module
 decides whether there may be one, how long to wait first, and whether a failure is permanent.
 
 Rules:

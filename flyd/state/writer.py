@@ -56,11 +56,9 @@ from typing import Any, Final, Literal
 
 import structlog
 
-from flyd.config import ConfigError
 from flyd.durations import DURATION_RULE, is_duration_s
-from flyd.state.effects import PendingEffects
-from flyd.state.envelope import MAX_ENVELOPE_BYTES, MAX_PAYLOADS, encode
-from flyd.state.store import (
+from flyd.errors import ConfigError
+from flyd.state.checkpoints import (
     CheckpointStore,
     CommitFailure,
     CommitFaults,
@@ -68,6 +66,8 @@ from flyd.state.store import (
     CommitPath,
     FinishRun,
 )
+from flyd.state.effects import PendingEffects
+from flyd.state.envelope import MAX_ENVELOPE_BYTES, MAX_PAYLOADS, encode
 from workers.canonical import digest_of
 from workers.domain import DomainError, ErrorCode, Mutation
 

@@ -11,9 +11,10 @@ from typing import Any
 import orjson
 import pytest
 
-from flyd.config import KEYS, ConfigError, load_config, redact_dsn, validate_node_name
+from flyd.config import KEYS, load_config, redact_dsn, validate_node_name
 from flyd.durations import MAX_DURATION_MS, MAX_DURATION_S
-from flyd.runspec import RunSpec, RunSpecError
+from flyd.errors import ConfigError
+from flyd.session.runspec import RunSpec, RunSpecError
 from flyd.state.writer import WriterConfig
 
 

@@ -24,12 +24,12 @@ from bus.client import connect
 from bus.errors import NotAuthorized
 from bus.policy import Policy
 from bus.router import Router, RouterConfig
-from flyd.control import METHODS, control_validator
-from flyd.identities import session_client_grants
-from flyd.leases import pgstore
+from flyd.launch.identities import session_client_grants
 from flyd.leases.params import LeaseParams
-from flyd.leases.store import Commit, Effect
-from flyd.state.store import DirectCommitPath, PgCheckpointStore
+from flyd.leases.stores import pg as pgstore
+from flyd.leases.stores.contract import Commit, Effect
+from flyd.node.control_protocol import METHODS, control_validator
+from flyd.state.checkpoints import DirectCommitPath, PgCheckpointStore
 from tests.cli.test_flyctl_runs import Site, flyctl, serve, submit, wait_state
 from tests.cli.test_flyctl_runs import site as site
 from tests.state.conftest import NODE, make_job

@@ -28,7 +28,7 @@ import pytest
 pytestmark = pytest.mark.timeout(120)
 
 ROOT = Path(__file__).resolve().parents[2]
-FLYCTL = [sys.executable, "-c", "from flyd.cli import flyctl_main; flyctl_main()"]
+FLYCTL = [sys.executable, "-c", "from flyd.cli.flyd import flyctl_main; flyctl_main()"]
 
 
 @dataclass

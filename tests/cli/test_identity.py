@@ -23,7 +23,7 @@ Nothing changes: every service keeps its owner and service incarnation, `helloRe
 the refusals, and the run succeeds without a failure or a recovery.
 
 Where the policy is closed by default: the node writes its router child's configuration
-(`flyd.router_child.router_toml`) with session.md §7.2's policy and its own pid, unless the
+(`flyd.node.router_child.router_toml`) with session.md §7.2's policy and its own pid, unless the
 configuration sets `[bus.policy]`; the test reads the `--config` file of the live router child and
 compares it with `Policy.default(<pid of flyd run>)`. Router-level unit cases of the same rules
 (pid binding, requireExpect, expectation grants) are in `tests/bus/test_security.py`.

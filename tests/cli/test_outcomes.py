@@ -15,8 +15,8 @@ import psycopg
 import pytest
 
 from flyd.leases.params import LeaseParams
-from flyd.leases.pgstore import DbSettings, PgStore
-from flyd.leases.store import NodeInfo
+from flyd.leases.stores.contract import NodeInfo
+from flyd.leases.stores.pg import DbSettings, PgStore
 from flyd.outcome import describe, failure_of
 from tests.cli.test_flyctl_runs import FLYCTL
 from tests.cli.test_run import ROOT, env_for, flyd_run

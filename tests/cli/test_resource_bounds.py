@@ -38,7 +38,7 @@ import pytest
 
 from bus.client import BusClient, Request, connect
 from bus.errors import Backpressure, QuotaExceeded
-from flyd.router_child import router_answers
+from flyd.node.router_child import router_answers
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import orjson
 import pytest
 
-from flyd.runspec import RunSpec
+from flyd.session.runspec import RunSpec
 from tests.cli.test_serve import run_state, submit
 from tests.serve_nodes import (
     commands_under,

@@ -23,7 +23,7 @@ import orjson
 import psutil
 import pytest
 
-from flyd.router_child import router_answers
+from flyd.node.router_child import router_answers
 from tests.cli.test_flyctl_runs import FLYCTL, Site
 from tests.cli.test_flyctl_runs import site as site
 
@@ -147,7 +147,7 @@ def test_flyd_run_prints_the_summary(tmp: Path) -> None:
     assert digest_of(records) == summary["behaviourDigest"]
     import psycopg
 
-    from flyd.runspec import RunSpec
+    from flyd.session.runspec import RunSpec
 
     with psycopg.connect(_DSN[tmp]) as conn:
         payloads = [r[0] for r in conn.execute(
@@ -290,7 +290,7 @@ def test_a_bad_spec_or_fault_exits_2_with_a_json_error(tmp: Path, args: list[str
 def test_build_spec_names_the_bad_path_or_fault(faults: tuple[str, ...], steps: int,
                                                 agents: tuple[str, ...] | None,
                                                 needle: str) -> None:
-    from flyd.run import RunOptions, RunUsageError, build_spec
+    from flyd.cli.run import RunOptions, RunUsageError, build_spec
 
     with pytest.raises(RunUsageError) as caught:
         build_spec(RunOptions(steps=steps, agents=agents, faults=faults))
@@ -372,7 +372,7 @@ def test_router_toml_carries_the_node_pid_and_the_limit_floors() -> None:
     import tomllib
 
     from bus.policy import Policy
-    from flyd.router_child import router_toml
+    from flyd.node.router_child import router_toml
 
     text = router_toml({"socket": "/x.sock", "limits": {"max_clients": 9, "max_services": 99}},
                        4242)
@@ -391,7 +391,7 @@ def test_a_bad_config_key_exits_2_with_a_config_error(tmp: Path) -> None:
 
 
 def test_seeds_follow_the_options() -> None:
-    from flyd.run import RunOptions, build_spec
+    from flyd.cli.run import RunOptions, build_spec
     from workers.composition import derive_seed
 
     default = build_spec(RunOptions())
@@ -445,8 +445,8 @@ def test_flyd_run_is_isolated_from_the_queue(tmp: Path) -> None:
     import asyncio
 
     from flyd.leases.params import LeaseParams
-    from flyd.leases.pgstore import DbSettings, PgStore
-    from flyd.runspec import RunSpec
+    from flyd.leases.stores.pg import DbSettings, PgStore
+    from flyd.session.runspec import RunSpec
     from tests.serve_nodes import query, stop, wait_for
 
     dsn = _DSN[tmp]
@@ -489,10 +489,10 @@ def test_flyd_run_is_isolated_from_the_queue(tmp: Path) -> None:
 def test_a_pending_exclusive_leftover_is_not_claimed_by_the_next_run(tmp: Path) -> None:
     import asyncio
 
+    from flyd.cli.run import RunOptions, build_spec
     from flyd.leases.embedded import EmbeddedPostgres
     from flyd.leases.params import LeaseParams
-    from flyd.leases.pgstore import DbSettings, PgStore
-    from flyd.run import RunOptions, build_spec
+    from flyd.leases.stores.pg import DbSettings, PgStore
 
     state = tmp / "st"
     leftover = build_spec(RunOptions(steps=5, mode="in-process")).to_json()

@@ -18,9 +18,9 @@ import orjson
 import pytest
 
 from flyd.leases.params import LeaseParams
-from flyd.leases.pgstore import DbSettings, PgStore
-from flyd.node import TEMP_PREFIX, sweep_dead_node_dirs
-from flyd.runspec import RunSpec
+from flyd.leases.stores.pg import DbSettings, PgStore
+from flyd.node.process import TEMP_PREFIX, sweep_dead_node_dirs
+from flyd.session.runspec import RunSpec
 from tests.serve_nodes import (
     commands_under,
     node_log,
@@ -213,7 +213,7 @@ def test_two_named_nodes_share_a_host(db_dsn: str, tmp: Path) -> None:
         registered = query(db_dsn, "SELECT node_name, state FROM flyd.nodes ORDER BY node_name")
         assert registered == [("a", "active"), ("b", "active")]
         for name, path in sockets.items():
-            out = subprocess.run([sys.executable, "-c", "from flyd.cli import flyctl_main; "
+            out = subprocess.run([sys.executable, "-c", "from flyd.cli.flyd import flyctl_main; "
                                   "flyctl_main()", "status", "--json", "--socket", str(path)],
                                  cwd=ROOT, env=env, capture_output=True, timeout=60,
                                  check=False)

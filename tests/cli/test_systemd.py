@@ -34,9 +34,9 @@ import pytest
 from flyd.config import load_config
 from flyd.leases.migrate import shipped_migrations
 from flyd.leases.params import LeaseParams
-from flyd.leases.pgstore import DbSettings, PgStore
-from flyd.runspec import RunSpec
-from flyd.sdnotify import Notifier, NotifyError, encode, notify, watchdog_interval
+from flyd.leases.stores.pg import DbSettings, PgStore
+from flyd.node.sdnotify import Notifier, NotifyError, encode, notify, watchdog_interval
+from flyd.session.runspec import RunSpec
 from tests.serve_nodes import process_dir, processes_under, query
 
 pytestmark = pytest.mark.timeout(120)

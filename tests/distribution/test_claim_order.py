@@ -10,7 +10,7 @@ from typing import Any
 import psycopg
 from psycopg.types.json import Jsonb
 
-from flyd.leases.pgstore import CLAIM
+from flyd.leases.stores.pg import CLAIM
 from tests.distribution.test_leases_sql import T0, Conn, set_clock
 
 # distribution.md §3.3, verbatim: the reference the rewritten statement must agree with.

@@ -28,12 +28,11 @@ from typing import Any, Protocol
 import psycopg
 import pytest
 
-from flyd.leases import pgstore
 from flyd.leases.clock import ManualClock
-from flyd.leases.memstore import MemStore, OpenCommit
 from flyd.leases.params import LeaseParams
 from flyd.leases.resolve import decide
-from flyd.leases.store import (
+from flyd.leases.stores import pg as pgstore
+from flyd.leases.stores.contract import (
     Backend,
     Checkpoint,
     Commit,
@@ -51,6 +50,7 @@ from flyd.leases.store import (
     TerminalState,
     Transient,
 )
+from flyd.leases.stores.mem import MemStore, OpenCommit
 
 BASE = datetime(2030, 1, 1, tzinfo=UTC)
 A = "node-a-0000000000a1"

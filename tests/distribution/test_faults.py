@@ -43,8 +43,8 @@ import pytest
 from flyd.leases.clock import SimFileClock, SimFileWriter
 from flyd.leases.embedded import EmbeddedPostgres
 from flyd.leases.params import LeaseParams
-from flyd.leases.pgstore import DbSettings, PgStore
-from flyd.runspec import RunSpec
+from flyd.leases.stores.pg import DbSettings, PgStore
+from flyd.session.runspec import RunSpec
 from tests.distribution.harness import scenarios
 from tests.distribution.harness.clock import EPOCH, TICK_S, HarnessClock
 from tests.distribution.harness.proxy import (

@@ -19,8 +19,7 @@ import pytest
 
 from flyd.leases.embedded import EmbeddedPostgres
 from flyd.leases.params import LeaseParams
-from flyd.leases.pgstore import PIPELINE_MAX_BYTES, DbSettings, PgStore
-from flyd.leases.store import (
+from flyd.leases.stores.contract import (
     BASE_COMMIT_BYTES,
     BASE_COMMIT_ROWS,
     CanonicalPayload,
@@ -29,6 +28,7 @@ from flyd.leases.store import (
     NodeInfo,
     commit_allowance_s,
 )
+from flyd.leases.stores.pg import PIPELINE_MAX_BYTES, DbSettings, PgStore
 from workers.canonical import canonical
 
 pytestmark = pytest.mark.timeout(180)

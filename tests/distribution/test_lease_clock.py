@@ -6,7 +6,8 @@ import asyncio
 
 import pytest
 
-from flyd.leases.clock import BootClock, Clock, LoopClock, ManualClock
+from flyd.leases.clock import BootClock, LoopClock, ManualClock
+from flyd.leases.clock import LeaseClock as Clock
 
 
 def test_boot_clock_monotone() -> None:

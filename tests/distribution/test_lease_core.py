@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from flyd.config import ConfigError
+from flyd.errors import ConfigError
 from flyd.leases.core import (
     BEGIN,
     END,
@@ -14,12 +14,12 @@ from flyd.leases.core import (
     LeaseCore,
     LeaseCoreError,
     LeaseLost,
-    Phase,
     Relinquish,
     RenewRow,
     StartScope,
     StopForCancel,
 )
+from flyd.leases.core import LeasePhase as Phase
 from flyd.leases.params import LeaseParams, LeaseParamsError
 
 P = LeaseParams.short_ttl()

@@ -20,12 +20,12 @@ from flyd.leases.core import (
     LeaseCore,
     LeaseCoreError,
     LeaseLost,
-    Phase,
     Relinquish,
     RenewRow,
     StartScope,
     StopForCancel,
 )
+from flyd.leases.core import LeasePhase as Phase
 from flyd.leases.params import LeaseParams
 
 

@@ -15,7 +15,7 @@ import psycopg
 import pytest
 from psycopg.conninfo import conninfo_to_dict
 
-from flyd.config import ConfigError
+from flyd.errors import ConfigError
 from flyd.leases.migrate import (
     MigrationMismatch,
     SchemaTooNew,
@@ -24,8 +24,7 @@ from flyd.leases.migrate import (
     shipped_migrations,
 )
 from flyd.leases.params import LeaseParams
-from flyd.leases.pgstore import DbSettings, PgStore, classify, conninfo
-from flyd.leases.store import (
+from flyd.leases.stores.contract import (
     Checkpoint,
     Commit,
     ConflictingEffect,
@@ -42,6 +41,7 @@ from flyd.leases.store import (
     Transient,
     UnknownOutcome,
 )
+from flyd.leases.stores.pg import DbSettings, PgStore, classify, conninfo
 
 Conn = psycopg.AsyncConnection[Any]
 T0 = datetime(2030, 1, 1, tzinfo=UTC)
@@ -341,7 +341,7 @@ async def test_finish_with_last_effects(db: Conn, db_dsn: str) -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# The §3 statements through PgStore (flyd/leases/pgstore.py)
+# The §3 statements through PgStore (flyd/leases/stores/pg.py)
 
 N1 = "n1-000000000001"
 N2 = "n2-000000000002"

@@ -17,10 +17,10 @@ import pytest
 
 from flyd.leases.clock import ManualClock
 from flyd.leases.core import LeaseLost
-from flyd.leases.memstore import MemStore
-from flyd.leases.node import NodeRuntime, Scope
 from flyd.leases.params import LeaseParams
-from flyd.leases.store import (
+from flyd.leases.runtime import GrantScope as Scope
+from flyd.leases.runtime import NodeRuntime
+from flyd.leases.stores.contract import (
     Checkpoint,
     Commit,
     Committed,
@@ -36,6 +36,7 @@ from flyd.leases.store import (
     Transient,
     UnknownOutcome,
 )
+from flyd.leases.stores.mem import MemStore
 from workers.canonical import canonical
 
 P = LeaseParams.short_ttl()

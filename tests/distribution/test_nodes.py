@@ -22,8 +22,8 @@ from pathlib import Path
 import pytest
 
 from flyd.leases.params import LeaseParams
-from flyd.leases.pgstore import DbSettings, PgStore
-from flyd.runspec import RunSpec
+from flyd.leases.stores.pg import DbSettings, PgStore
+from flyd.session.runspec import RunSpec
 from tests.distribution.harness.clock import HarnessClock
 from tests.serve_nodes import (
     commands_under,

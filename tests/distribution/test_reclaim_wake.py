@@ -8,7 +8,7 @@ from contextlib import aclosing
 from datetime import timedelta
 
 from flyd.leases.params import LeaseParams
-from flyd.leases.pgstore import DbSettings, PgStore
+from flyd.leases.stores.pg import DbSettings, PgStore
 from tests.distribution.test_leases_sql import T0, Conn, new_running_run, set_clock
 
 # a poll period far longer than the test's bound: whatever wakes the listener is the expiry

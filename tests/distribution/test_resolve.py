@@ -9,7 +9,7 @@ from typing import get_args
 import pytest
 
 from flyd.leases.resolve import decide
-from flyd.leases.store import RunRead, RunState, TerminalState
+from flyd.leases.stores.contract import RunRead, RunState, TerminalState
 
 ME = "node-a-000000000001"
 OTHER = "node-b-000000000002"

@@ -16,10 +16,10 @@ from flyd.leases.core import (
     GrantRow,
     LeaseCore,
     LeaseLost,
-    Phase,
     RenewRow,
     StartScope,
 )
+from flyd.leases.core import LeasePhase as Phase
 from flyd.leases.params import LeaseParams, LeaseParamsError
 from tests.distribution.harness.runner import Report
 
@@ -156,9 +156,10 @@ async def test_cancel_scope_before_first_await() -> None:
     from typing import Any
 
     from flyd.leases.clock import ManualClock
-    from flyd.leases.memstore import MemStore
-    from flyd.leases.node import NodeRuntime, Scope
-    from flyd.leases.store import Held, NodeInfo, Released, Renewed, Transient
+    from flyd.leases.runtime import GrantScope as Scope
+    from flyd.leases.runtime import NodeRuntime
+    from flyd.leases.stores.contract import Held, NodeInfo, Released, Renewed, Transient
+    from flyd.leases.stores.mem import MemStore
 
     params = LeaseParams.short_ttl()
     clock = ManualClock(50.0)

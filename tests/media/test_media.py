@@ -24,10 +24,10 @@ from typing import Any, cast
 
 import pytest
 
-from flyd.coordinator import SessionFailure
-from flyd.identities import WorkerRef
-from flyd.launcher import ExecutionMode, Launcher, connect_expected, start_error
-from flyd.runspec import RunSpec
+from flyd.launch.identities import WorkerRef
+from flyd.launch.launcher import ExecutionMode, Launcher, connect_expected, start_error
+from flyd.session.coordinator import SessionFailure
+from flyd.session.runspec import RunSpec
 from tests.session.harness import ALL_MODES, Fixture, SessionHarness
 from tests.session.worker_rig import agent_init_params, control, env_init_params
 from workers.agent import AgentEndpoint

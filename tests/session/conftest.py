@@ -21,10 +21,10 @@ import pytest
 from bus.client import BusClient, connect
 from bus.policy import Policy
 from bus.router import Router, RouterConfig
-from flyd.budget import ThreadBudget
-from flyd.health import HealthPolicy
-from flyd.identities import SessionNames, SessionTags, new_node_id, node_client_id
-from flyd.launcher import Launcher
+from flyd.launch.budget import ThreadBudget
+from flyd.launch.health import HealthPolicy
+from flyd.launch.identities import SessionNames, SessionTags, new_node_id, node_client_id
+from flyd.launch.launcher import Launcher
 
 
 def short_socket_path() -> tuple[str, str]:

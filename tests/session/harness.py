@@ -31,11 +31,10 @@ from typing import Any, TypeVar
 from bus.client import BusClient, connect
 from bus.policy import Policy
 from bus.router import Router, RouterConfig
-from flyd.budget import ThreadBudget
-from flyd.coordinator import Coordinator, Deadlines, DispatchOrder, Injections, StepReport
-from flyd.health import HealthPolicy
-from flyd.identities import SessionNames, SessionTags, WorkerRef, new_node_id, node_client_id
-from flyd.launcher import (
+from flyd.launch.budget import ThreadBudget
+from flyd.launch.health import HealthPolicy
+from flyd.launch.identities import SessionNames, SessionTags, WorkerRef, new_node_id, node_client_id
+from flyd.launch.launcher import (
     AlreadyGone,
     ExecutionMode,
     LaunchedWorker,
@@ -44,8 +43,9 @@ from flyd.launcher import (
     connect_expected,
     start_error,
 )
-from flyd.router_child import router_answers
-from flyd.runspec import AgentSpec, RunSpec, TaskSpec
+from flyd.node.router_child import router_answers
+from flyd.session.coordinator import Coordinator, Deadlines, DispatchOrder, Injections, StepReport
+from flyd.session.runspec import AgentSpec, RunSpec, TaskSpec
 from workers.domain import DomainError
 from workers.faults import Faults
 from workers.synthetic.executor import IdentityExecutor

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from flyd.pacing import Pacing
+from flyd.session.pacing import Pacing
 from workers.clock import AudioBudget, RationalNs, TickAccumulator, divide_floor
 from workers.domain import DomainError, ErrorCode, Mutation
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from flyd.audit import AuditLog
-from flyd.coordinator import Feed, format_duration
-from flyd.trace import TraceLog
+from flyd.session.audit import AuditLog
+from flyd.session.coordinator import Feed, format_duration
+from flyd.session.trace import TraceLog
 from workers.domain import DomainError
 
 

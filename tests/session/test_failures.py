@@ -12,7 +12,9 @@ from typing import Any
 import pytest
 
 from bus.errors import BusError
-from flyd.coordinator import (
+from flyd.launch.identities import WorkerRef
+from flyd.launch.launcher import ExecutionMode
+from flyd.session.coordinator import (
     LOSS_POLLS,
     Deadlines,
     InjectionOutcome,
@@ -20,9 +22,7 @@ from flyd.coordinator import (
     ResolutionEnd,
     SessionFailure,
 )
-from flyd.identities import WorkerRef
-from flyd.launcher import ExecutionMode
-from flyd.phase import Failed
+from flyd.session.phase import Failed
 from tests.session.harness import Fixture, SessionHarness, within
 from tests.session.worker_rig import context_digest, prepare_params
 from workers.domain import DomainError, Scope

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from flyd.runspec import (
+from flyd.session.runspec import (
     FaultSpecError,
     KillFault,
     KnobFault,

@@ -6,7 +6,7 @@ import pickle
 
 import pytest
 
-from flyd.fence import (
+from flyd.session.fence import (
     FENCED_MESSAGE,
     Detail,
     SessionFailure,
@@ -14,7 +14,7 @@ from flyd.fence import (
     fenced_refusal,
     refuse_if_fenced,
 )
-from flyd.phase import (
+from flyd.session.phase import (
     Applying,
     Committing,
     Failed,

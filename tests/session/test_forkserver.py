@@ -22,12 +22,12 @@ from typing import TYPE_CHECKING, Any, Literal
 import psutil
 import pytest
 
-from flyd.budget import ThreadBudget
-from flyd.config import LauncherSettings, load_config
-from flyd.forkserver import MAX_REQUEST
-from flyd.launcher import ExecutionMode, composition_plans
-from flyd.runspec import AgentSpec, RunSpec
-from flyd.spawner import Spawner
+from flyd.config import load_config
+from flyd.launch.budget import ThreadBudget
+from flyd.launch.forkserver import MAX_REQUEST
+from flyd.launch.launcher import ExecutionMode, composition_plans
+from flyd.launch.spawner import LauncherSettings, Spawner
+from flyd.session.runspec import AgentSpec, RunSpec
 from tests.session.conftest import children
 from workers.domain import DomainError
 

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from flyd.coordinator import Publication
+from flyd.session.coordinator import Publication
 from tests.session.harness import Fixture, SessionHarness
 
 pytestmark = pytest.mark.timeout(60)

@@ -9,10 +9,10 @@ from typing import Any
 
 import pytest
 
-from flyd.audit import AuditLog
-from flyd.coordinator import Metrics
-from flyd.phase import PhaseMachine, Preparing, Ready
-from flyd.trace import RecordStream, TraceLog
+from flyd.session.audit import AuditLog
+from flyd.session.coordinator import Metrics
+from flyd.session.phase import PhaseMachine, Preparing, Ready
+from flyd.session.trace import RecordStream, TraceLog
 from workers.canonical import canonical, digest_of
 from workers.domain import DomainError
 from workers.environment import BatchSet

@@ -17,8 +17,7 @@ from hypothesis import strategies as st
 
 from bus.client import connect
 from bus.errors import Conflict, NotAuthorized, RouterLost
-from flyd.grant import launch_refusal_repeats
-from flyd.identities import (
+from flyd.launch.identities import (
     SessionNames,
     SessionTags,
     WorkerIdentity,
@@ -34,8 +33,9 @@ from flyd.identities import (
     worker_client_id,
     worker_grants,
 )
-from flyd.launcher import connect_expected
-from flyd.runspec import RunSpec, RunSpecError
+from flyd.launch.launcher import connect_expected
+from flyd.node.grant import launch_refusal_repeats
+from flyd.session.runspec import RunSpec, RunSpecError
 from workers.domain import DomainError, ErrorCode, Mutation, is_id, parse_worker_id
 from workers.launch import AgentSettings, WorkerLaunch
 

@@ -22,11 +22,10 @@ import pytest
 
 from bus.client import CallResult, Identity
 from bus.errors import NoService, NotAuthorized, QuotaExceeded, TargetChanged
-from flyd.budget import ThreadBudget
-from flyd.config import LauncherSettings
-from flyd.health import HealthPolicy, format_seconds, no_answer
-from flyd.identities import SessionNames
-from flyd.launcher import (
+from flyd.launch.budget import ThreadBudget
+from flyd.launch.health import HealthPolicy, format_seconds, no_answer
+from flyd.launch.identities import SessionNames
+from flyd.launch.launcher import (
     AlreadyGone,
     ExecutionMode,
     Launcher,
@@ -36,8 +35,8 @@ from flyd.launcher import (
     start_error,
     worker_launch,
 )
-from flyd.runspec import AgentSpec, FaultSpecError, KillAt, RunSpec
-from flyd.spawner import Spawner
+from flyd.launch.spawner import LauncherSettings, Spawner
+from flyd.session.runspec import AgentSpec, FaultSpecError, KillAt, RunSpec
 from tests.session.conftest import children
 from workers.domain import DomainError
 from workers.faults import Faults, role_fields
@@ -571,7 +570,7 @@ async def test_close_kills_every_remaining_body(launchers: LauncherFactory) -> N
 
 
 def test_launched_worker_info_fields_are_documented() -> None:
-    from flyd.launcher import LaunchedWorker, WorkerInfo
+    from flyd.launch.launcher import LaunchedWorker, WorkerInfo
 
     assert [f.name for f in fields(LaunchedWorker)] == [
         "identity", "mode", "service_incarnation", "domain_incarnation", "pid", "peak_rss_kib"]
@@ -603,12 +602,12 @@ import structlog, uvloop
 from bus.client import connect
 from bus.policy import Policy
 from bus.router import Router, RouterConfig
-from flyd.budget import ThreadBudget
-from flyd.config import LauncherSettings
-from flyd.identities import SessionNames, new_node_id, node_client_id
-from flyd.launcher import ExecutionMode, Launcher
-from flyd.runspec import RunSpec
-from flyd.spawner import Spawner
+from flyd.launch.budget import ThreadBudget
+from flyd.launch.spawner import LauncherSettings
+from flyd.launch.identities import SessionNames, new_node_id, node_client_id
+from flyd.launch.launcher import ExecutionMode, Launcher
+from flyd.session.runspec import RunSpec
+from flyd.launch.spawner import Spawner
 
 structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.ERROR))
 
@@ -691,9 +690,9 @@ async def test_a_composition_launches_all_or_nothing(mode: ExecutionMode,
 
 async def test_a_thread_that_does_not_stop_is_terminated_and_left_as_a_daemon(
         launchers: LauncherFactory, monkeypatch: pytest.MonkeyPatch) -> None:
-    import flyd.launcher
+    import flyd.launch.launcher
 
-    monkeypatch.setattr(flyd.launcher, "KILL_WAIT_S", 0.3)
+    monkeypatch.setattr(flyd.launch.launcher, "KILL_WAIT_S", 0.3)
     budget = ThreadBudget(4, 1)
     launcher = await launchers(budget=budget, endpoint_factory=null_factory)
     identity, settings, faults = agent_plan(launcher)
@@ -739,7 +738,7 @@ async def test_a_worker_that_never_registers_fails_at_the_boot_budget(
 async def test_the_trace_comparator_ignores_operational_fields_and_rebases_epochs() -> None:
     import copy
 
-    from flyd.trace import EpochRebase, TraceLog, compare
+    from flyd.session.trace import EpochRebase, TraceLog, compare
     from tests.session.harness import Fixture, SessionHarness
     from workers.synthetic.task import CounterTask
 

@@ -13,7 +13,7 @@ import time
 import psutil
 import pytest
 
-from flyd.spawn import group_running
+from flyd.launch.spawn import group_running
 from workers import launch
 
 HELPER = """

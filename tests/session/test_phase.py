@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from flyd.phase import (
+from flyd.session.phase import (
     EDGES,
     TRANSITIONS,
     Applying,

@@ -12,11 +12,17 @@ import psutil
 import pytest
 
 from bus.errors import BusError
-from flyd.budget import ThreadBudget
-from flyd.coordinator import Deadlines, DispatchOrder, Injections, ResolutionEnd, SessionFailure
-from flyd.health import HealthPolicy
-from flyd.launcher import AlreadyGone, ExecutionMode, Stopped, Terminated
-from flyd.phase import Failed, Ready
+from flyd.launch.budget import ThreadBudget
+from flyd.launch.health import HealthPolicy
+from flyd.launch.launcher import AlreadyGone, ExecutionMode, Stopped, Terminated
+from flyd.session.coordinator import (
+    Deadlines,
+    DispatchOrder,
+    Injections,
+    ResolutionEnd,
+    SessionFailure,
+)
+from flyd.session.phase import Failed, Ready
 from tests.session.harness import ALL_MODES, Fixture, SessionHarness, within
 from tests.session.worker_rig import agent_init_params, context_digest, prepare_params
 from workers.domain import DomainError, ErrorCode, Scope

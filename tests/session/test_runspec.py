@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from flyd.runspec import RunSpec, RunSpecError
+from flyd.session.runspec import RunSpec, RunSpecError
 from workers.canonical import canonical
 from workers.faults import Faults
 

@@ -7,10 +7,10 @@ import json
 
 import pytest
 
-from flyd.audit import AuditLog
-from flyd.coordinator import DispatchOrder, SessionFailure
-from flyd.phase import Paused, Phase, Ready
-from flyd.runspec import AgentSpec
+from flyd.session.audit import AuditLog
+from flyd.session.coordinator import DispatchOrder, SessionFailure
+from flyd.session.phase import Paused, Phase, Ready
+from flyd.session.runspec import AgentSpec
 from tests.session.harness import Fixture, SessionHarness, within
 from workers.faults import Faults
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from flyd.budget import ThreadBudget, cpus
+from flyd.launch.budget import ThreadBudget, cpus
 from workers.domain import DomainError
 
 

@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from flyd.identities import WorkerRef
-from flyd.runspec import RunSpec
+from flyd.launch.identities import WorkerRef
+from flyd.session.runspec import RunSpec
 from tests.session.harness import Fixture, SessionHarness
 from workers.canonical import canonical, digest_bytes, digest_of, parse_strict
 from workers.datatypes import MediaBlob

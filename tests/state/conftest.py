@@ -22,20 +22,20 @@ from typing import Any
 import psycopg
 import pytest
 
-from flyd.leases import pgstore
 from flyd.leases.clock import ManualClock
-from flyd.leases.memstore import MemStore
 from flyd.leases.params import LeaseParams
-from flyd.leases.store import Checkpoint, Commit, Effect, LedgerImmutable, Store
-from flyd.state.compat import STATE_FORMAT_ID
-from flyd.state.envelope import encode
-from flyd.state.store import (
+from flyd.leases.stores import pg as pgstore
+from flyd.leases.stores.contract import Checkpoint, Commit, Effect, LedgerImmutable, Store
+from flyd.leases.stores.mem import MemStore
+from flyd.state.checkpoints import (
     CommitJob,
     DirectCommitPath,
     FinishRun,
     MemoryCheckpointStore,
     PgCheckpointStore,
 )
+from flyd.state.compat import STATE_FORMAT_ID
+from flyd.state.envelope import encode
 from workers.canonical import canonical, digest_bytes, digest_of
 from workers.clock import RationalNs
 

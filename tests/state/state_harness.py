@@ -31,14 +31,14 @@ from typing import Any, ClassVar
 import psycopg
 import pytest
 
-from flyd.coordinator import Coordinator
-from flyd.fence import SessionFailure
-from flyd.launcher import LaunchedWorker
-from flyd.leases import pgstore
-from flyd.phase import Failed
+from flyd.launch.launcher import LaunchedWorker
+from flyd.leases.stores import pg as pgstore
+from flyd.session.coordinator import Coordinator
+from flyd.session.fence import SessionFailure
+from flyd.session.phase import Failed
+from flyd.session.restore import StateContext
 from flyd.state.effects import epoch_number
 from flyd.state.envelope import decode, encode
-from flyd.state.restore import StateContext
 from flyd.state.writer import CheckpointWriter, Committed, WriterConfig, WriterFaults
 from tests.session.harness import WAIT, Fixture, SessionHarness, within
 from tests.state.conftest import NODE, RunCtx

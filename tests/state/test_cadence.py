@@ -1,7 +1,7 @@
 """Cadence and the effects group commit (state.md §9; §10 tests 77–83).
 
 A real session (the session harness, in-process workers) is stepped through the durability
-layer (`flyd.state.durability`): each committed transition's behaviour record joins the pending
+layer (`flyd.session.durability`): each committed transition's behaviour record joins the pending
 effects, captures follow the cadence, and the writer commits through the fenced group commit of
 a claimed run (`DirectCommitPath`, on the in-memory lease store or PostgreSQL).
 """
@@ -20,13 +20,13 @@ from typing import Any
 import orjson
 import pytest
 
-from flyd.grant import writer_config
-from flyd.runspec import RunSpec
+from flyd.node.grant import writer_config
+from flyd.session.durability import CheckpointTooLarge, Durability, TooLarge
+from flyd.session.runspec import RunSpec
+from flyd.session.trace import EpochRebase
 from flyd.state.cadence import Cadence, CadenceError
-from flyd.state.durability import CheckpointTooLarge, Durability, TooLarge
-from flyd.state.store import FinishRun
+from flyd.state.checkpoints import FinishRun
 from flyd.state.writer import CheckpointWriter, Committed, WriterConfig, WriterFaults
-from flyd.trace import EpochRebase
 from tests.session.harness import Fixture, SessionHarness
 from tests.state.conftest import RunCtx, effect_rows, run_state
 

@@ -12,8 +12,8 @@ import pytest
 import tests.session.harness as harness_module
 from bus.limits import Limits
 from bus.router import RouterConfig
-from flyd.fence import SessionFailure
-from flyd.phase import Failed, Ready
+from flyd.session.fence import SessionFailure
+from flyd.session.phase import Failed, Ready
 from flyd.state.compat import Compatibility
 from flyd.state.envelope import decode, encode
 from tests.session.harness import Fixture, SessionHarness

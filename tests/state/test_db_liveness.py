@@ -10,7 +10,7 @@ import psycopg
 import pytest
 
 from flyd.leases.params import LeaseParams
-from flyd.leases.store import Commit, Effect, Held, Transient
+from flyd.leases.stores.contract import Commit, Effect, Held, Transient
 from tests.state.conftest import NODE, RunCtx, make_job
 
 TERMINATE = """

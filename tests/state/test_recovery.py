@@ -54,10 +54,10 @@ import psutil
 import pytest
 
 from flyd.leases.params import LeaseParams
-from flyd.leases.pgstore import DbSettings, PgStore
-from flyd.runspec import RunSpec
+from flyd.leases.stores.pg import DbSettings, PgStore
+from flyd.session.runspec import RunSpec
+from flyd.state.checkpoints import PgCheckpointStore
 from flyd.state.envelope import decode
-from flyd.state.store import PgCheckpointStore
 from tests.distribution.harness.clock import EPOCH, HarnessClock
 from tests.serve_nodes import node_log, processes_under, query, start_node, stop, wait_for
 from workers.canonical import digest_of
@@ -81,8 +81,8 @@ GATED_RUN = '''\
 import asyncio
 import sys
 
-import flyd.grant
-from flyd.cli import flyd_main
+import flyd.node.grant
+from flyd.cli.flyd import flyd_main
 from flyd.state.writer import CheckpointWriter, WriterFaults
 
 HOLD_S = 1.5
@@ -106,7 +106,7 @@ class GatedWriter(CheckpointWriter):
         self.faults.gate.set()
 
 
-flyd.grant.CheckpointWriter = GatedWriter
+flyd.node.grant.CheckpointWriter = GatedWriter
 flyd_main(args=["run", *sys.argv[1:]], prog_name="flyd")
 '''
 
@@ -117,8 +117,8 @@ import sys
 
 import orjson
 
-from flyd.cli import flyd_main
-from flyd.coordinator import Coordinator
+from flyd.cli.flyd import flyd_main
+from flyd.session.coordinator import Coordinator
 
 WORKER, AT = sys.argv[1], int(sys.argv[2])
 step = Coordinator.step

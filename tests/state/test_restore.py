@@ -10,10 +10,11 @@ from typing import Any
 
 import pytest
 
-from flyd.coordinator import Coordinator
-from flyd.fence import FENCED_MESSAGE, SessionFailure
-from flyd.launcher import ExecutionMode
-from flyd.phase import Failed, Paused, Ready
+from flyd.launch.launcher import ExecutionMode
+from flyd.session.coordinator import Coordinator
+from flyd.session.fence import FENCED_MESSAGE, SessionFailure
+from flyd.session.phase import Failed, Paused, Ready
+from flyd.session.trace import EpochRebase, compare
 from flyd.state.writer import (
     Committed,
     DeadlineExpired,
@@ -25,7 +26,6 @@ from flyd.state.writer import (
 from flyd.state.writer import (
     Failed as SaveFailed,
 )
-from flyd.trace import EpochRebase, compare
 from tests.session.harness import ALL_MODES, Fixture, SessionHarness, within
 from tests.session.worker_rig import prepare_params
 from tests.state.capture_rig import activate, scope

@@ -13,10 +13,9 @@ import psycopg
 import pytest
 from structlog.testing import capture_logs
 
-from flyd.leases import pgstore
-from flyd.leases.store import Commit, Fenced, HeadRegression
-from flyd.state.envelope import EnvelopeError, encode
-from flyd.state.store import (
+from flyd.leases.stores import pg as pgstore
+from flyd.leases.stores.contract import Commit, Fenced, HeadRegression
+from flyd.state.checkpoints import (
     CheckpointRecord,
     CommitFailure,
     CommitFaults,
@@ -26,6 +25,7 @@ from flyd.state.store import (
     PgCheckpointStore,
     verify_file,
 )
+from flyd.state.envelope import EnvelopeError, encode
 from flyd.state.writer import (
     CaptureSubmission,
     CheckpointWriter,
@@ -475,7 +475,7 @@ async def test_flyctl_checkpoints_json_output(claimed_run: RunCtx, tmp_path: Pat
 
     async def flyctl(*args: str) -> tuple[int, dict[str, Any]]:
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-c", "from flyd.cli import flyctl_main; flyctl_main()", *args,
+            sys.executable, "-c", "from flyd.cli.flyd import flyctl_main; flyctl_main()", *args,
             "--json", "--dsn", str(ctx.dsn), env=env, stdout=subprocess.PIPE,
             stderr=subprocess.PIPE)
         out, err = await proc.communicate()

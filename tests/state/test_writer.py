@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from structlog.testing import capture_logs
 
-from flyd.leases.store import Checkpoint, Effect, Transient
+from flyd.leases.stores.contract import Checkpoint, Effect, Transient
 from flyd.state.envelope import MAX_PAYLOADS
 from flyd.state.writer import (
     CaptureSubmission,

@@ -95,8 +95,8 @@ from psycopg.conninfo import make_conninfo
 
 from flyd.leases.migrate import migrate
 from flyd.leases.params import LeaseParams
-from flyd.leases.pgstore import DbSettings, PgStore
-from flyd.runspec import RunSpec
+from flyd.leases.stores.pg import DbSettings, PgStore
+from flyd.session.runspec import RunSpec
 from tests.distribution import oracle
 from tests.distribution.harness.clock import EPOCH, HarnessClock
 from tests.distribution.harness.proxy import (

@@ -13,9 +13,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Final
 
-from flyd.leases.memstore import MemStore, _Plan
-from flyd.leases.node import NodeRuntime
-from flyd.leases.store import Held, Renewed
+from flyd.leases.runtime import NodeRuntime
+from flyd.leases.stores.contract import Held, Renewed
+from flyd.leases.stores.mem import MemStore, _Plan
 
 from .world import Variant
 

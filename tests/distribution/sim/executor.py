@@ -30,8 +30,8 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from flyd.leases.core import LeaseLost
-from flyd.leases.node import Scope
-from flyd.leases.store import Checkpoint, Effect, StoreError, Transient
+from flyd.leases.runtime import GrantScope as Scope
+from flyd.leases.stores.contract import Checkpoint, Effect, StoreError, Transient
 from workers.canonical import canonical
 
 if TYPE_CHECKING:

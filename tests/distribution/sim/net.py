@@ -36,8 +36,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Final, Literal
 
-from flyd.leases.memstore import MemStore
-from flyd.leases.store import (
+from flyd.leases.stores.contract import (
     Backend,
     Cancelled,
     Commit,
@@ -55,6 +54,7 @@ from flyd.leases.store import (
     Transient,
     UnknownOutcome,
 )
+from flyd.leases.stores.mem import MemStore
 
 from .loop import Gate, SimClock
 

@@ -35,10 +35,10 @@ from typing import Any, Final
 
 import structlog
 
-from flyd.leases.memstore import MemStore
-from flyd.leases.node import NodeRuntime
 from flyd.leases.params import LeaseParams
-from flyd.leases.store import TERMINAL, Cancelled, NodeInfo, Transient
+from flyd.leases.runtime import NodeRuntime
+from flyd.leases.stores.contract import TERMINAL, Cancelled, NodeInfo, Transient
+from flyd.leases.stores.mem import MemStore
 
 from .executor import SimExecutor, SimGroups, reference
 from .loop import Gate, SimClock, VirtualTimeLoop

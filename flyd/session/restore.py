@@ -61,8 +61,9 @@ from typing import TYPE_CHECKING, Any, Final
 
 import structlog
 
-from flyd.fence import Detail, SessionFailure
-from flyd.phase import Failed, Paused, Restoring
+from flyd.session.fence import Detail, SessionFailure
+from flyd.session.phase import Failed, Paused, Restoring
+from flyd.state.checkpoints import CheckpointStore
 from flyd.state.compat import AgentIdentity, Compatibility
 from flyd.state.effects import EPOCH_ID
 from flyd.state.envelope import (
@@ -72,7 +73,6 @@ from flyd.state.envelope import (
     WORLD_PAYLOAD,
     Envelope,
 )
-from flyd.state.store import CheckpointStore
 from workers.canonical import canonical, digest_bytes, digest_of, parse_strict, typed_digest
 from workers.clock import RationalNs
 from workers.datatypes import (
@@ -91,7 +91,7 @@ from workers.state import CHECKPOINT_CAPABILITY, PAYLOAD_CONTENT_TYPE, PAYLOAD_V
 from workers.synthetic.audio import AudioTimelines
 
 if TYPE_CHECKING:
-    from flyd.coordinator import Coordinator, _Call
+    from flyd.session.coordinator import Coordinator, _Call
     from flyd.state.writer import CheckpointWriter
 
 __all__ = [

@@ -1,8 +1,8 @@
-"""`SessionExecutor`: what a node does with one grant (distribution.md §5.7, §6; session.md §7).
+"""`GrantExecutor`: what a node does with one grant (distribution.md §5.7, §6; session.md §7).
 
-Why: the lease runtime (`flyd.leases.node`) knows grants, not sessions. This module checks a
+Why: the lease runtime (`flyd.leases.runtime`) knows grants, not sessions. This module checks a
 claimed run, owns the processes and bus clients of its session, and hands the session itself to
-`flyd.grant.GrantSession` (start or resume, cadence checkpoints, automatic recovery, the final
+`flyd.node.grant.GrantSession` (start or resume, cadence checkpoints, automatic recovery, the final
 transaction). It also answers the runtime's `ProcessGroups` questions, so a lost lease SIGKILLs
 the run's workers synchronously.
 
@@ -15,7 +15,7 @@ Sequence per grant:
    `flyctl checkpoints import`) is refused at `/startFrom` rather than started from 0.
 2. Fit the composition into the node's thread budget; a run that does not fit is released with
    refund and `backoff = claim_poll` and `run_does_not_fit` is logged with both numbers.
-3. The grant session runs it (`flyd.grant`); afterwards the workers are reaped and the
+3. The grant session runs it (`flyd.node.grant`); afterwards the workers are reaped and the
    session's clients closed, whatever happened.
 
 Decisions:
@@ -35,78 +35,40 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
 import structlog
 
 from bus.client import BusClient
-from flyd.budget import ThreadBudget
-from flyd.config import ConfigError
-from flyd.coordinator import Coordinator, Deadlines
-from flyd.grant import GrantSession, LedgerReader, RunAbandoned, writer_config
-from flyd.health import HealthPolicy
-from flyd.identities import SessionNames, SessionTags
-from flyd.launcher import LaunchedWorker, Launcher
-from flyd.leases.node import Scope
-from flyd.runspec import DEFAULT_MAX_AGENTS, RunSpec, RunSpecError
-from flyd.spawn import group_running
-from flyd.spawner import Spawner
-from flyd.state.store import CheckpointStore
+from flyd.errors import ConfigError
+from flyd.launch.budget import ThreadBudget
+from flyd.launch.health import HealthPolicy
+from flyd.launch.identities import SessionNames, SessionTags
+from flyd.launch.launcher import Launcher, connect_expected
+from flyd.launch.spawn import group_running
+from flyd.launch.spawner import Spawner
+from flyd.leases.runtime import GrantScope
+from flyd.node.grant import GrantSession, LedgerReader, RunAbandoned, RunReport, writer_config
+from flyd.session.coordinator import Deadlines
+from flyd.session.runspec import DEFAULT_MAX_AGENTS, RunSpec, RunSpecError
+from flyd.session.trace import RecordStream
+from flyd.state.checkpoints import CheckpointStore
 from flyd.state.writer import EventRing, WriterConfig
-from flyd.trace import RecordStream
 from workers.domain import DomainError
 
-__all__ = ["RunReport", "SessionExecutor", "worker_json"]
+__all__ = ["GrantExecutor"]
 
-log = structlog.get_logger("flyd.executor")
+log = structlog.get_logger("flyd.node.executor")
 
 REAP_S: Final = 10.0
 WORLD_READ_S: Final = 2.0
 
 
-def worker_json(w: LaunchedWorker) -> dict[str, Any]:
-    """cli.md §4.2's `workers` entry (the node's own pid in thread and in-process modes)."""
-    return {"workerId": w.worker_id, "role": w.identity.role,
-            "incarnationId": w.identity.incarnation_id,
-            "pid": w.pid if w.pid is not None else os.getpid(),
-            "threads": w.identity.worker_threads}
-
-
-@dataclass
-class RunReport:
-    """What this node saw of one grant's session (for `flyd run`'s summary and status views)."""
-
-    run_id: int
-    lease_epoch: int
-    state: str | None = None
-    spec: RunSpec | None = None
-    workers: list[dict[str, Any]] = field(default_factory=list)
-    failure: dict[str, Any] | None = None
-    boundary: int = 0
-    advances: int = 0
-    step_seconds: float = 0.0
-    world_progress: str | None = None
-    counter: int | None = None
-    records: RecordStream = field(default_factory=RecordStream)
-    failures: list[dict[str, Any]] = field(default_factory=list)
-    recoveries: list[dict[str, Any]] = field(default_factory=list)
-    coordinator: Coordinator | None = None
-    lost_reason: str | None = None
-    ended: asyncio.Event = field(default_factory=asyncio.Event)
-
-    def fence(self, reason: str) -> None:
-        """The lease is lost (§5.5 step 2): the session dispatches nothing more."""
-        self.lost_reason = reason
-        if self.coordinator is not None:
-            self.coordinator.fence_now(f"lease lost ({reason})")
-
-
-class SessionExecutor:
-    """Executes grants on this node: one session per grant, sharing the node's thread budget."""
+class GrantExecutor:
+    """Executes grants on this node: one session per grant, sharing the node's thread budget.
+    The lease runtime's `GrantHandler`; each grant's session reaches it as its `GrantHost`."""
 
     def __init__(self, *, socket: str, node: BusClient, node_id: str, budget: ThreadBudget,
                  claim_poll_s: float, checkpoints: CheckpointStore, ledger: LedgerReader,
@@ -164,7 +126,7 @@ class SessionExecutor:
 
     # ------------------------------------------------------------------ Executor
 
-    async def execute(self, scope: Scope) -> None:
+    async def execute(self, scope: GrantScope) -> None:
         report = RunReport(scope.run_id, scope.lease_epoch,
                            records=RecordStream(self.trace_path))
         self.reports[scope.run_id] = report
@@ -175,7 +137,7 @@ class SessionExecutor:
             if not self.keep_reports and self.reports.get(scope.run_id) is report:
                 del self.reports[scope.run_id]
 
-    async def _execute(self, scope: Scope, report: RunReport) -> None:
+    async def _execute(self, scope: GrantScope, report: RunReport) -> None:
         bound = log.bind(run=scope.run_id, lease_epoch=scope.lease_epoch, node=self.node_id)
         try:
             spec = RunSpec.validate(scope.grant.spec, max_agents=self.max_agents,
@@ -204,7 +166,7 @@ class SessionExecutor:
             await scope.finish("failed", {"error": "invalid run spec", "path": "/checkpoints",
                                           "reason": str(exc)}, boundaries=0, session_epoch=0)
             return
-        session = GrantSession(executor=self, scope=scope, spec=spec, report=report,
+        session = GrantSession(host=self, scope=scope, spec=spec, report=report,
                                config=config, checkpoints=self.checkpoints, ledger=self.ledger,
                                drain_timeout_s=self.drain_timeout_s)
         self.rings[scope.run_id] = session.ring
@@ -243,18 +205,17 @@ class SessionExecutor:
 
     # ------------------------------------------------------------------ for the grant session
 
-    def next_tag(self) -> str:
-        return self._tags.next()
-
-    async def open_launcher(self, run_id: int, names: SessionNames) -> Launcher:
+    async def open_launcher(self, run_id: int, session_id: str) -> tuple[SessionNames, Launcher]:
+        names = SessionNames(session_id=session_id, tag=self._tags.next(), node_id=self.node_id)
         launcher = await Launcher.open(names=names, socket=self.socket, node=self.node,
                                        budget=self.budget, health=self.health,
                                        max_agents=self.max_agents, spawner=self.spawner)
         self._launchers[run_id] = launcher
-        return launcher
+        return names, launcher
 
-    def adopt_client(self, run_id: int, client: BusClient) -> BusClient | None:
-        """The session's coordinator client; returns the one it replaces (to be closed)."""
+    async def connect_coordinator(self, run_id: int, names: SessionNames) -> BusClient | None:
+        client = await connect_expected(self.node, self.socket, names.coordinator_client_id,
+                                        grants=names.client_grants())
         old = self._clients.get(run_id)
         self._clients[run_id] = client
         return old
@@ -262,9 +223,12 @@ class SessionExecutor:
     def coordinator_client(self, run_id: int) -> BusClient:
         return self._clients[run_id]
 
-    @staticmethod
-    def worker_json(w: LaunchedWorker) -> dict[str, Any]:
-        return worker_json(w)
+    def connections_closed(self, run_id: int) -> bool:
+        return self._clients[run_id].closed or self.node.closed
+
+    def progressed(self, report: RunReport) -> None:
+        if self.on_progress is not None:
+            self.on_progress(report)
 
     def recovered(self, report: RunReport, info: dict[str, Any]) -> None:
         report.recoveries.append(info)

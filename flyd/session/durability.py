@@ -35,10 +35,10 @@ from typing import TYPE_CHECKING, Any, Final
 
 import structlog
 
-from flyd.fence import SessionFailure
+from flyd.session.fence import SessionFailure
 from flyd.state.cadence import Cadence, Kind
+from flyd.state.checkpoints import FinishRun
 from flyd.state.envelope import MAX_PAYLOADS
-from flyd.state.store import FinishRun
 from flyd.state.writer import (
     CaptureSubmission,
     CheckpointWriter,
@@ -51,11 +51,11 @@ from flyd.state.writer import (
 from workers.domain import DomainError, ErrorCode
 
 if TYPE_CHECKING:
-    from flyd.coordinator import Coordinator
+    from flyd.session.coordinator import Coordinator
 
 __all__ = ["CheckpointTooLarge", "Durability", "TooLarge"]
 
-log = structlog.get_logger("flyd.state.durability")
+log = structlog.get_logger("flyd.session.durability")
 
 SLOT_POLL_S: Final = 0.05
 

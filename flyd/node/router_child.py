@@ -28,7 +28,6 @@ import contextlib
 import os
 import re
 import signal
-import socket as socketlib
 import stat
 import sys
 import time
@@ -43,21 +42,23 @@ import structlog
 
 from bus.limits import Limits, snake_case
 from bus.policy import Policy
-from flyd.config import ConfigError, default_socket
-from flyd.runspec import DEFAULT_MAX_AGENTS
-from flyd.spawn import ChildProcess, SpawnedChild
+from bus.sockets import probe_socket
+from flyd.config import default_socket
+from flyd.errors import ConfigError
+from flyd.launch.spawn import ChildProcess, SpawnedChild
+from flyd.session.runspec import DEFAULT_MAX_AGENTS
 
-__all__ = ["RouterChild", "RouterStartError", "SocketPathError", "check_socket_path",
+__all__ = ["RouterChild", "RouterChildError", "SocketPathError", "check_socket_path",
            "choose_socket", "required_limits", "router_answers", "router_toml"]
 
-log = structlog.get_logger("flyd.router_child")
+log = structlog.get_logger("flyd.node.router_child")
 
 ROUTER_START_S: Final = 15.0
 ROUTER_STOP_S: Final = 5.0
 STOP_POLL_S: Final = 0.05
 
 
-class RouterStartError(Exception):
+class RouterChildError(Exception):
     """The router child did not come up (exit 2, `CONFIG`)."""
 
     code = "CONFIG"
@@ -100,16 +101,12 @@ def check_socket_path(path: str, origin: str = "default") -> None:
 
 
 def router_answers(path: str) -> bool:
-    """True when something accepts a connection on `path`."""
-    probe = socketlib.socket(socketlib.AF_UNIX, socketlib.SOCK_STREAM)
+    """True when something accepts a connection on `path`; a path that cannot be probed at all
+    has no router this node could use either."""
     try:
-        probe.settimeout(1.0)
-        probe.connect(path)
+        return probe_socket(path)
     except OSError:
         return False
-    finally:
-        probe.close()
-    return True
 
 
 def choose_socket(forced: str | None) -> tuple[str, bool]:
@@ -231,14 +228,14 @@ class RouterChild:
         deadline = time.monotonic() + ROUTER_START_S
         while True:
             if self.process.exited.done():
-                raise RouterStartError(f"the router on {self.socket} exited with code "
+                raise RouterChildError(f"the router on {self.socket} exited with code "
                                        f"{self.process.exited.result()}")
             if await asyncio.to_thread(router_answers, self.socket):
                 st = os.lstat(self.socket)
                 self._bound = (st.st_dev, st.st_ino)
                 return
             if time.monotonic() > deadline:
-                raise RouterStartError(f"the router did not accept on {self.socket} within "
+                raise RouterChildError(f"the router did not accept on {self.socket} within "
                                        f"{ROUTER_START_S:g}s")
             await asyncio.sleep(0.02)
 

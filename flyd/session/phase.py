@@ -25,7 +25,8 @@ Rules (in the style of h11's `_state.py`):
    `"<from> -> <to>"`.
 7. The fence (§6.3), in its pure part: `fail()` closes it; only the `Restoring(k) → Paused(k)`
    edge lifts it. It is closed exactly while the phase is `Failed` or a `Restoring(k)` entered
-   from `Failed`. What a fenced coordinator refuses, and `SessionFailure`, are in `flyd.fence`.
+   from `Failed`. What a fenced coordinator refuses, and `SessionFailure`, are in
+   `flyd.session.fence`.
 
 The edge table (§6.2), as `EDGES`:
 

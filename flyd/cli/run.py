@@ -6,7 +6,7 @@ effects ledger exactly as a `flyd serve` node's would be.
 
 Sequence: build and validate the run spec from the options (exit 2, `USAGE`, naming the JSON
 path or the fault spec) → resolve the configuration (cli.md §2; `CONFIG` on a bad key) → pick
-the socket (§4.1) → start the node (`flyd.node.NodeProcess`: embedded PostgreSQL under
+the socket (§4.1) → start the node (`flyd.node.process.NodeProcess`: embedded PostgreSQL under
 `<state-dir>/pg` when no DSN is configured, migrations, router child, node connection, store)
 → submit the spec with `exclusiveToSubmitter: true` → run the lease runtime with `only` = that
 run id until the run is terminal in the database → summary (§4.2) from the run row, its effects
@@ -64,23 +64,24 @@ import orjson
 import psycopg
 import structlog
 
-from flyd.config import Config, ConfigError, load_config
-from flyd.executor import RunReport
-from flyd.identities import new_node_id
+from flyd.config import Config, load_config
+from flyd.errors import ConfigError
+from flyd.launch.identities import new_node_id
 from flyd.leases import queries
 from flyd.leases.migrate import MigrationError
-from flyd.leases.pgstore import ClosingConnection
 from flyd.leases.reconnect import ReadConnection
-from flyd.leases.store import TERMINAL, StoreError
+from flyd.leases.stores.contract import TERMINAL, StoreError
+from flyd.leases.stores.pg import ClosingConnection
 from flyd.logs import LogFlags
-from flyd.node import NodeProcess, NodeSetup, NodeStartError
+from flyd.node.grant import RunReport
+from flyd.node.process import NodeProcess, NodeSetup, NodeStartError
+from flyd.node.router_child import RouterChildError, choose_socket
 from flyd.outcome import describe, failure_of
-from flyd.router_child import RouterStartError, choose_socket
-from flyd.runspec import DEFAULT_MAX_AGENTS, FaultSpecError, RunSpec, RunSpecError
+from flyd.session.runspec import DEFAULT_MAX_AGENTS, FaultSpecError, RunSpec, RunSpecError
 
 __all__ = ["RunOptions", "RunUsageError", "build_spec", "run_session"]
 
-log = structlog.get_logger("flyd.run")
+log = structlog.get_logger("flyd.cli.run")
 
 EXIT_OK: Final = 0
 EXIT_FAILED: Final = 1
@@ -317,7 +318,7 @@ async def run_session(opts: RunOptions) -> int:
     try:
         try:
             await node.start()
-        except (NodeStartError, RouterStartError, ConfigError, MigrationError,
+        except (NodeStartError, RouterChildError, ConfigError, MigrationError,
                 StoreError, psycopg.Error) as exc:
             return _error(opts, "CONFIG", getattr(exc, "message", None) or str(exc))
         run_id, report, row = await _execute(node, spec, int(config.value(

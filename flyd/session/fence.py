@@ -2,8 +2,9 @@
 
 Why: once an epoch failed, nothing may step, bootstrap, capture or publish until a coherent group
 restore installs a new epoch; a half-committed transition must never be continued. The
-coordinator (`flyd/coordinator.py`) runs `fail_now` (clearing its caches, auditing, raising);
-what can be decided without I/O lives here, so the coordinator and its tests say it one way:
+coordinator (`flyd/session/coordinator.py`) runs `fail_now` (clearing its caches, auditing,
+raising); what can be decided without I/O lives here, so the coordinator and its tests say it one
+way:
 
 - `SessionFailure(error, phase, detail, participant)`: the exception every failed epoch raises
   and `last_failure` keeps; `str()` = `"<detail> at <phase> (<participant>): <CODE>:
@@ -15,8 +16,8 @@ what can be decided without I/O lives here, so the coordinator and its tests say
 - `check_replacement(machine, worker_id)`: `replace_participant` is allowed only while fenced or at
   a `Ready(0)` that never started a transition, else `INVALID_PHASE`/`none`.
 
-Whether the fence is closed is `PhaseMachine.fenced` (`flyd.phase`): `fail()` closes it and only
-the `Restoring(k) -> Paused(k)` edge lifts it, so it cannot disagree with the phase.
+Whether the fence is closed is `PhaseMachine.fenced` (`flyd.session.phase`): `fail()` closes it
+and only the `Restoring(k) -> Paused(k)` edge lifts it, so it cannot disagree with the phase.
 
 Resolved ambiguities:
 - `phase` is the remembered *label* (`"Committing(1)"`), as §6.3 step 1 says; it must be a
@@ -36,7 +37,7 @@ import re
 from enum import StrEnum
 from typing import Final
 
-from flyd.phase import Phase, PhaseMachine, PhaseName
+from flyd.session.phase import Phase, PhaseMachine, PhaseName
 from workers.dedup import METHOD_CLASSES
 from workers.domain import DomainError, ErrorCode, Mutation, is_id
 

@@ -40,13 +40,13 @@ from typing import Any, Final
 import orjson
 import structlog
 
-from flyd.spawn import ChildProcess
+from flyd.launch.spawn import ChildProcess
 from workers.forkserver import MAX_MESSAGE, ROOM
 from workers.launch import die_with_parent
 
 __all__ = ["MAX_REQUEST", "ForkServer", "ForkServerError", "ForkedChild"]
 
-log = structlog.get_logger("flyd.forkserver")
+log = structlog.get_logger("flyd.launch.forkserver")
 
 _KILLED: Final = -int(signal.SIGKILL)
 #: the largest fork request sent (see the module docstring)

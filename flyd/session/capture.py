@@ -54,12 +54,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final, Literal
 
-from flyd.fence import Detail, SessionFailure, refuse_if_fenced
-from flyd.phase import Capturing, Paused, Ready
+from flyd.session.fence import Detail, SessionFailure, refuse_if_fenced
+from flyd.session.phase import Capturing, Paused, Ready
 from flyd.state.compat import AgentIdentity, Compatibility
 from flyd.state.envelope import (
     COORDINATOR_ADMISSION,
     PRIOR_INSPECTION,
+    SCHEDULER_ID,
     TASK_LEDGER,
     WORLD_PAYLOAD,
     validate_manifest,
@@ -73,12 +74,11 @@ from workers.shell import contract_digest
 from workers.state import PAYLOAD_CONTENT_TYPE, PAYLOAD_VERSION
 
 if TYPE_CHECKING:
-    from flyd.coordinator import Coordinator, _Call
+    from flyd.session.coordinator import Coordinator, _Call
 
 __all__ = ["Capture", "CaptureKind", "capture", "validate_reply"]
 
 CaptureKind = Literal["hot", "durable"]
-SCHEDULER_ID: Final = "lockstep-v1"
 ENVELOPE_VERSION: Final = 1
 
 

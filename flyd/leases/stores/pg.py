@@ -97,9 +97,9 @@ from psycopg.rows import TupleRow
 from psycopg.types.json import Jsonb
 from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
-from flyd.config import ConfigError
+from flyd.errors import ConfigError
 from flyd.leases.params import LeaseParams
-from flyd.leases.store import (
+from flyd.leases.stores.contract import (
     Backend,
     Cancelled,
     Committed,
@@ -127,7 +127,7 @@ from flyd.leases.store import (
     commit_allowance_s,
     payload_document,
 )
-from flyd.leases.store import Commit as CommitRequest
+from flyd.leases.stores.contract import Commit as CommitRequest
 
 __all__ = ["DbSettings", "PgStore", "Role", "classify", "conninfo", "session_lost"]
 

@@ -3,7 +3,7 @@
 Why: live facts (workers, phases, leases as the node sees them) come from the nodes' control
 services on the bus (cli.md §8); queue facts come from PostgreSQL. Every command is one coroutine
 here returning a `Result` (JSON object, human lines, exit code) or raising `CtlError`; the click
-commands in `flyd.cli` only parse options.
+commands in `flyd.cli.flyd` only parse options.
 
 Rules:
 - Bus: one connection to the socket as `ctl-<pid>-<8 hex>`; nodes are found by `bus.services`
@@ -27,7 +27,7 @@ Decisions where the spec is silent:
 - `runs submit` builds the spec exactly as `flyd run` does, without `exclusiveToSubmitter`, so
   any serve node may claim it; `[session] mode`, `dispatch`, `pacing` and the `[checkpoints]`
   cadence of this host's configuration are its defaults (cli.md §2.3), a flag wins.
-- Checkpoint commands use the checkpoint store (`flyd.state.store`, imported by those commands
+- Checkpoint commands use the checkpoint store (`flyd.state.checkpoints`, imported by those commands
   only, so the other commands never depend on the state layer); its database failures
   (`BACKEND_FAILURE`) are `CONFIG` (exit 2), its refusals (a missing generation, a failing S-check
   on export) exit 1 with their domain code. A file over the envelope limit, or unreadable, is
@@ -58,26 +58,26 @@ import uvloop
 
 from bus.client import BusClient, connect
 from bus.errors import BusError, CallDeadlineExceeded, RouterLost
-from flyd.config import Config, ConfigError, load_config, redact_dsn, redact_dsn_text
-from flyd.control import CONTROL_PREFIX, control_service, control_validator
+from flyd.cli.common import CtlOptions
+from flyd.cli.run import RunOptions, RunUsageError, build_spec
+from flyd.config import Config, load_config, redact_dsn, redact_dsn_text
+from flyd.errors import ConfigError
 from flyd.leases import queries
 from flyd.leases.embedded import embedded_dsn_if_running
-from flyd.leases.pgstore import DbSettings, PgStore
-from flyd.leases.store import TERMINAL, SpecMismatch, StoreError
-from flyd.logs import LogFlags
+from flyd.leases.stores.contract import TERMINAL, SpecMismatch, StoreError
+from flyd.leases.stores.pg import DbSettings, PgStore
+from flyd.node.control_protocol import CONTROL_PREFIX, control_service, control_validator
 from flyd.outcome import describe, failure_of
-from flyd.run import RunOptions, RunUsageError, build_spec
-from flyd.runspec import DEFAULT_MAX_AGENTS, RunSpec, RunSpecError
+from flyd.session.runspec import DEFAULT_MAX_AGENTS, RunSpec, RunSpecError
 from workers.domain import DomainError, ErrorCode, format_request_id
 from workers.rpc import check_outcome
 
 if TYPE_CHECKING:
+    from flyd.state.checkpoints import PgCheckpointStore
     from flyd.state.envelope import Envelope
-    from flyd.state.store import PgCheckpointStore
 
 __all__ = [
     "CtlError",
-    "CtlOptions",
     "Result",
     "checkpoints_export",
     "checkpoints_import",
@@ -117,17 +117,6 @@ class CtlError(Exception):
         self.exit_code = exit_code if exit_code is not None else (
             EXIT_CONFIG if code in ("USAGE", "CONFIG") else
             EXIT_TIMEOUT if code == "TIMEOUT" else EXIT_FAILED)
-
-
-@dataclass(frozen=True)
-class CtlOptions:
-    """The options every `flyctl` command takes."""
-
-    config_file: Path | None = None
-    socket: str | None = None
-    dsn: str | None = None
-    node: str | None = None
-    log: LogFlags = field(default_factory=LogFlags)
 
 
 @dataclass
@@ -611,7 +600,7 @@ async def runs_requeue(opts: CtlOptions, run_id: int) -> Result:
 
 @contextlib.asynccontextmanager
 async def _checkpoints(opts: CtlOptions, config: Config) -> AsyncIterator[PgCheckpointStore]:
-    from flyd.state.store import PgCheckpointStore
+    from flyd.state.checkpoints import PgCheckpointStore
 
     dsn = resolve_dsn(opts, config)
     async with _database(dsn):
@@ -671,8 +660,8 @@ async def checkpoints_export(opts: CtlOptions, run_id: int, checkpoint_id: str |
 
 def _read_envelope(path: Path) -> tuple[bytes, Envelope]:
     """R1–R8 on a file: a file too large is `USAGE` (exit 2), a failing check exit 1."""
+    from flyd.state.checkpoints import verify_file
     from flyd.state.envelope import EnvelopeError
-    from flyd.state.store import verify_file
 
     try:
         envelope = verify_file(path)
@@ -717,8 +706,8 @@ async def checkpoints_import(opts: CtlOptions, path: Path, run: RunOptions, key:
 async def checkpoints_verify(opts: CtlOptions, path: Path | None, run_id: int | None,
                              checkpoint_id: str | None) -> Result:
     """R1–R8 on a file, or S1–S5 on a stored generation; a failing check exits 1."""
+    from flyd.state.checkpoints import IntegrityError
     from flyd.state.envelope import EnvelopeError
-    from flyd.state.store import IntegrityError
 
     if (path is None) == (run_id is None):
         raise CtlError("USAGE", "pass either FILE or --run RUN")

@@ -75,13 +75,12 @@ import psycopg
 import structlog
 from psycopg.types.json import Jsonb
 
-from flyd.leases import pgstore as sql
 from flyd.leases.core import LeaseLost
-from flyd.leases.memstore import MemStore
-from flyd.leases.node import finish_effect
 from flyd.leases.reconnect import ReadConnection
 from flyd.leases.resolve import decide
-from flyd.leases.store import (
+from flyd.leases.runtime import finish_effect
+from flyd.leases.stores import pg as sql
+from flyd.leases.stores.contract import (
     Backend,
     Checkpoint,
     Commit,
@@ -99,6 +98,7 @@ from flyd.leases.store import (
     Transient,
     UnknownOutcome,
 )
+from flyd.leases.stores.mem import MemStore
 from flyd.state.effects import epoch_number
 from flyd.state.envelope import MAX_ENVELOPE_BYTES, Envelope, EnvelopeError, decode
 from workers.canonical import digest_of
@@ -120,7 +120,7 @@ __all__ = [
     "write_file",
 ]
 
-log = structlog.get_logger("flyd.state.store")
+log = structlog.get_logger("flyd.state.checkpoints")
 
 IMPORT_NODE: Final = "import"
 DEFAULT_TIMEOUT_S: Final = 5.0

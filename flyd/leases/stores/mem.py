@@ -58,7 +58,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any, Final
 
 from flyd.leases.params import LeaseParams
-from flyd.leases.store import (
+from flyd.leases.stores.contract import (
     TERMINAL,
     Backend,
     Cancelled,

@@ -4,8 +4,8 @@ Why: a grant is the node's right to execute a run for a while. Within it the ses
 advance from the head (or from zero), make its work durable in checkpoint-sized steps, survive
 the loss of any worker by restoring every participant from the head into a new epoch, and end
 the run with exactly one fenced transaction. This module is that sequence (state.md §8, §9;
-distribution.md §5.7, §6); the executor (`flyd.executor`) validates the spec and owns the
-processes, the coordinator steps, the durability layer (`flyd.state.durability`) captures and
+distribution.md §5.7, §6); the executor (`flyd.node.executor`) validates the spec and owns the
+processes, the coordinator steps, the durability layer (`flyd.session.durability`) captures and
 commits.
 
 Sequence:
@@ -60,37 +60,45 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import os
 import time
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any, Final, Literal
+from dataclasses import dataclass, field
+from typing import Any, Final, Literal, Protocol
 
 import structlog
 
+from bus.client import BusClient
 from bus.errors import BusError
-from flyd.coordinator import Coordinator, DispatchOrder, History, Injections
-from flyd.fence import SessionFailure
-from flyd.identities import SessionNames
-from flyd.launcher import ExecutionMode, Launcher, composition_plans, connect_expected
-from flyd.leases.node import Scope
+from flyd.launch.identities import SessionNames
+from flyd.launch.launcher import ExecutionMode, LaunchedWorker, Launcher, composition_plans
 from flyd.leases.queries import LedgerFold
-from flyd.runspec import RunSpec
+from flyd.leases.runtime import GrantScope
+from flyd.session.coordinator import Coordinator, Deadlines, DispatchOrder, History, Injections
+from flyd.session.durability import CheckpointTooLarge, Durability, TooLarge
+from flyd.session.fence import SessionFailure
+from flyd.session.runspec import RunSpec
+from flyd.session.trace import EpochRebase, RecordStream
 from flyd.state.cadence import Cadence
-from flyd.state.durability import CheckpointTooLarge, Durability, TooLarge
+from flyd.state.checkpoints import CheckpointRecord, CheckpointStore, FinishRun
 from flyd.state.effects import epoch_number
 from flyd.state.recovery import Exhausted, RecoveryBudget, is_permanent
-from flyd.state.store import CheckpointRecord, CheckpointStore, FinishRun
 from flyd.state.writer import CheckpointWriter, Committed, EventRing, WriterConfig
-from flyd.trace import EpochRebase
 from workers.domain import DomainError, ErrorCode
 from workers.shell import load_plugin
 from workers.synthetic.executor import IdentityExecutor
 
-if TYPE_CHECKING:
-    from flyd.executor import RunReport, SessionExecutor
+__all__ = [
+    "GrantHost",
+    "GrantSession",
+    "RunAbandoned",
+    "RunReport",
+    "launch_refusal_repeats",
+    "worker_json",
+    "writer_config",
+]
 
-__all__ = ["GrantSession", "RunAbandoned", "launch_refusal_repeats", "writer_config"]
-
-log = structlog.get_logger("flyd.grant")
+log = structlog.get_logger("flyd.node.grant")
 
 FIRST_EPOCH: Final = "e1"
 CLOSE_S: Final = 5.0
@@ -111,6 +119,86 @@ _SPEC_KEYS: Final = {
     "recoveryMaxAttempts": "recovery_max_attempts", "recoveryBackoffS": "recovery_backoff_s",
     "recoveryBackoffMaxS": "recovery_backoff_max_s",
 }
+
+
+def worker_json(w: LaunchedWorker) -> dict[str, Any]:
+    """cli.md §4.2's `workers` entry (the node's own pid in thread and in-process modes)."""
+    return {"workerId": w.worker_id, "role": w.identity.role,
+            "incarnationId": w.identity.incarnation_id,
+            "pid": w.pid if w.pid is not None else os.getpid(),
+            "threads": w.identity.worker_threads}
+
+
+@dataclass
+class RunReport:
+    """What this node saw of one grant's session (for `flyd run`'s summary and status views)."""
+
+    run_id: int
+    lease_epoch: int
+    state: str | None = None
+    spec: RunSpec | None = None
+    workers: list[dict[str, Any]] = field(default_factory=list)
+    failure: dict[str, Any] | None = None
+    boundary: int = 0
+    advances: int = 0
+    step_seconds: float = 0.0
+    world_progress: str | None = None
+    counter: int | None = None
+    records: RecordStream = field(default_factory=RecordStream)
+    failures: list[dict[str, Any]] = field(default_factory=list)
+    recoveries: list[dict[str, Any]] = field(default_factory=list)
+    coordinator: Coordinator | None = None
+    lost_reason: str | None = None
+    ended: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def fence(self, reason: str) -> None:
+        """The lease is lost (§5.5 step 2): the session dispatches nothing more."""
+        self.lost_reason = reason
+        if self.coordinator is not None:
+            self.coordinator.fence_now(f"lease lost ({reason})")
+
+
+class GrantHost(Protocol):
+    """What a grant's session asks of the node that executes it (`GrantExecutor`): the node's
+    identity and limits, its launchers and bus connections, and what it reports upward. The
+    session owns its sequence; the host owns the processes and connections, so it can kill and
+    close them whatever the session is doing."""
+
+    @property
+    def node_id(self) -> str: ...
+
+    @property
+    def max_agents(self) -> int: ...
+
+    @property
+    def deadlines(self) -> Deadlines: ...
+
+    @property
+    def router_exits(self) -> int:
+        """Router deaths so far (a recovery attempt that saw one is given back)."""
+
+    async def open_launcher(self, run_id: int, session_id: str) -> tuple[SessionNames, Launcher]:
+        """A launcher for the run under fresh session names (a new tag)."""
+
+    async def connect_coordinator(self, run_id: int, names: SessionNames) -> BusClient | None:
+        """Connect the run's coordinator client; returns the one it replaces (to be closed)."""
+
+    def coordinator_client(self, run_id: int) -> BusClient: ...
+
+    def connections_closed(self, run_id: int) -> bool:
+        """Whether the run's coordinator client or the node's own connection is closed."""
+
+    async def router_ready(self, timeout_s: float) -> bool:
+        """Wait (bounded) until the node's connection is open again; False when it stayed down."""
+
+    def kill(self, run_id: int) -> None:
+        """SIGKILL the run's workers' process groups, synchronously."""
+
+    def progressed(self, report: RunReport) -> None:
+        """One step was taken."""
+
+    def recovered(self, report: RunReport, info: dict[str, Any]) -> None:
+        """A recovery resumed the session."""
 
 
 class RunAbandoned(Exception):
@@ -134,10 +222,10 @@ def writer_config(node: WriterConfig, spec: RunSpec) -> WriterConfig:
 class GrantSession:
     """One grant's session (module rules)."""
 
-    def __init__(self, *, executor: SessionExecutor, scope: Scope, spec: RunSpec,
+    def __init__(self, *, host: GrantHost, scope: GrantScope, spec: RunSpec,
                  report: RunReport, config: WriterConfig, checkpoints: CheckpointStore,
                  ledger: LedgerReader, drain_timeout_s: float) -> None:
-        self.ex = executor
+        self.host = host
         self.scope = scope
         self.spec = spec
         self.report = report
@@ -147,9 +235,9 @@ class GrantSession:
         self.drain_timeout_s = drain_timeout_s
         self.run_id = scope.run_id
         self.log = log.bind(run=scope.run_id, lease_epoch=scope.lease_epoch,
-                            node=executor.node_id)
+                            node=host.node_id)
         self.fired: set[str] = set(scope.grant.faults_fired)
-        self._router_exits_seen = executor.router_exits  # router deaths answered so far
+        self._router_exits_seen = host.router_exits  # router deaths answered so far
         self.budget = RecoveryBudget(config.recovery_max_attempts, config.recovery_backoff_s,
                                      config.recovery_backoff_max_s)
         self.max_epoch = 0
@@ -197,11 +285,11 @@ class GrantSession:
         assert launcher is not None and self.names is not None
         task = load_plugin(spec.task.impl, "task")(config=dict(spec.task.config),
                                                    terminal=spec.task.terminal,
-                                                   max_agents=self.ex.max_agents, epoch=epoch)
+                                                   max_agents=self.host.max_agents, epoch=epoch)
         coordinator = Coordinator(
-            self.spec, self.ex.coordinator_client(self.run_id),
+            self.spec, self.host.coordinator_client(self.run_id),
             {wid: w.worker_ref() for wid, w in launcher.workers().items()},
-            task=task, executor=IdentityExecutor(), deadlines=self.ex.deadlines,
+            task=task, executor=IdentityExecutor(), deadlines=self.host.deadlines,
             order=DispatchOrder.from_label(spec.dispatch), injections=self._injections(),
             epoch=epoch, history=History(entries=HISTORY_ENTRIES,
                                          transitions=HISTORY_TRANSITIONS,
@@ -286,17 +374,13 @@ class GrantSession:
         await self._end(ending)
 
     async def _launch(self) -> None:
-        self.names = names = SessionNames(session_id=self.spec.session_id,
-                                          tag=self.ex.next_tag(), node_id=self.ex.node_id)
-        self.launcher = await self.ex.open_launcher(self.run_id, names)
+        self.names, self.launcher = await self.host.open_launcher(self.run_id,
+                                                                  self.spec.session_id)
         launched = await self.launcher.launch_composition(
             self.live_spec, ExecutionMode.from_label(self.spec.mode))
-        self.report.workers = [self.ex.worker_json(launched[w]) for w in self.spec.worker_ids()
+        self.report.workers = [worker_json(launched[w]) for w in self.spec.worker_ids()
                                if w in launched]
-        client = await connect_expected(self.ex.node, self.ex.socket,
-                                        names.coordinator_client_id,
-                                        grants=names.client_grants())
-        self.ex.adopt_client(self.run_id, client)
+        await self.host.connect_coordinator(self.run_id, self.names)
 
     async def _launch_failed(self, exc: DomainError | BusError) -> None:
         code, mutation, message = (
@@ -390,8 +474,7 @@ class GrantSession:
             record = self._last_record(coordinator)
             durability.record(step.boundary, coordinator.epoch, record)
             report.records.append(durability.writer.pending.encoded(step.boundary))
-            if self.ex.on_progress is not None:
-                self.ex.on_progress(report)
+            self.host.progressed(report)
             if step.terminal or step.paused or step.boundary >= self.spec.steps:
                 break  # the final capture replaces a cadence capture due here (§9.1)
             await durability.after_boundary(coordinator, step.boundary)
@@ -457,14 +540,14 @@ class GrantSession:
                 last = exc if isinstance(exc, SessionFailure) else SessionFailure(
                     exc, self._coordinator().phase.label, "restore", None)
             else:
-                if self.ex.router_exits != self._router_exits_seen:
+                if self.host.router_exits != self._router_exits_seen:
                     self.budget.refund()  # the failure recovered from was a router death
                     self._rlog().info("recovery.attempt_refunded", attempt=attempt,
                                       reason="a router death")
-                self._router_exits_seen = self.ex.router_exits
+                self._router_exits_seen = self.host.router_exits
                 return False
-            if self._router_lost() or self.ex.router_exits != self._router_exits_seen:
-                self._router_exits_seen = self.ex.router_exits
+            if self._router_lost() or self.host.router_exits != self._router_exits_seen:
+                self._router_exits_seen = self.host.router_exits
                 self.budget.refund()
                 self._rlog().warning("recovery.attempt_interrupted", attempt=attempt,
                                      code=str(last.code), message=last.message,
@@ -485,22 +568,19 @@ class GrantSession:
         """§8.2 step 0, per session: the router was lost; once the node is reconnected, open a
         new launcher and coordinator client (new incarnations; the old expectations died with
         the old connections)."""
-        if not await self.ex.router_ready(self.config.durable_timeout_s):
+        if not await self.host.router_ready(self.config.durable_timeout_s):
             self._rlog().error("recovery.abandoned_run", reason="the router did not come back")
             raise RunAbandoned(f"run {self.run_id}: the router did not come back")
         old = self.launcher
         if old is not None:
-            self.ex.kill(self.run_id)
+            self.host.kill(self.run_id)
             with contextlib.suppress(DomainError, BusError, TimeoutError):
                 async with asyncio.timeout(CLOSE_S):
                     await old.close()
-        self.names = names = SessionNames(session_id=self.spec.session_id,
-                                          tag=self.ex.next_tag(), node_id=self.ex.node_id)
-        self.launcher = await self.ex.open_launcher(self.run_id, names)
-        client = await connect_expected(self.ex.node, self.ex.socket,
-                                        names.coordinator_client_id,
-                                        grants=names.client_grants())
-        previous = self.ex.adopt_client(self.run_id, client)
+        self.names, self.launcher = await self.host.open_launcher(self.run_id,
+                                                                  self.spec.session_id)
+        previous = await self.host.connect_coordinator(self.run_id, self.names)
+        client = self.host.coordinator_client(self.run_id)
         if previous is not None:
             with contextlib.suppress(BusError, TimeoutError):
                 async with asyncio.timeout(CLOSE_S):
@@ -514,7 +594,7 @@ class GrantSession:
         one the launcher was opened with. A router death closes them all, in whatever order
         their readers notice, so any one of them closed means the router is gone."""
         launcher = self.launcher
-        return (self.ex.coordinator_client(self.run_id).closed or self.ex.node.closed
+        return (self.host.connections_closed(self.run_id)
                 or (launcher is not None and launcher.node.closed))
 
     async def _attempt(self, attempt: int, failure: SessionFailure) -> None:
@@ -562,7 +642,7 @@ class GrantSession:
         self.report.records.rewind(max(0, boundary - self._first_local()))
         durability.restart(boundary, epoch)
         self.budget.resumed()
-        self.ex.recovered(self.report, {"participant": failure.participant,
+        self.host.recovered(self.report, {"participant": failure.participant,
                                         "code": str(failure.code), "boundary": boundary,
                                         "epoch": epoch})
         self._rlog().info("recovery.resumed", boundary=boundary, new_epoch=epoch, attempt=attempt)

@@ -6,7 +6,7 @@ on stdin, the child's stdout and stderr forwarded line by line into our log with
 identity attached (cli.md §9), and `killpg(SIGKILL)` of the whole group. `ChildProcess` owns
 that for one child; `SpawnedChild` adds the start through `workers.launch.die_with_parent`
 (`spawn_worker`) and an exit watch that costs no thread (a pidfd registered with the event
-loop). A worker forked by the fork server is `flyd.forkserver.ForkedChild`.
+loop). A worker forked by the fork server is `flyd.launch.forkserver.ForkedChild`.
 
 Decisions:
 - The exit watch is `os.pidfd_open` + `loop.add_reader`: when the pidfd turns readable the child
@@ -44,7 +44,7 @@ from workers.launch import START_GATE, die_with_parent
 __all__ = ["MAX_LINE", "ChildProcess", "ProcessInfo", "SpawnedChild", "group_running",
            "peak_rss_kib", "process_info", "settled_within", "spawn_worker"]
 
-log = structlog.get_logger("flyd.spawn")
+log = structlog.get_logger("flyd.launch.spawn")
 
 MAX_LINE: Final = 16 * 1024
 _LEVELS: Final = ("debug", "info", "warning", "error", "critical")
@@ -170,7 +170,7 @@ class ChildProcess:
 
     `exited` resolves with the exit code once the child is gone. How the child was started and
     how its exit is learnt is the subclass's: `SpawnedChild` (our own child, a pidfd watch) or
-    `flyd.forkserver.ForkedChild` (the fork server's child, whose exit the server reports).
+    `flyd.launch.forkserver.ForkedChild` (the fork server's child, whose exit the server reports).
     """
 
     def __init__(self, pid: int, gate: BinaryIO, output: BinaryIO,

@@ -5,11 +5,11 @@ differ only in what they claim (`only`: `flyd run` claims the one run it submitt
 they stop. This module wires the parts in order and takes them down in reverse, each step
 bounded:
 
-start: the socket path checked (`flyd.router_child.check_socket_path`: nothing that is not
+start: the socket path checked (`flyd.node.router_child.check_socket_path`: nothing that is not
 the node's is ever touched) → embedded PostgreSQL under `<state-dir>/pg` when no DSN is
 configured (§5.9) → migrations → router child on the socket (cli.md §5.1; `--no-router`
 connects to a router managed separately) → node connection `node.<node_id>` → `PgStore` →
-`SessionExecutor`.
+`GrantExecutor`.
 serve: `NodeRuntime(...).run()` until drained or stopped; SIGTERM/SIGINT drain (a second one
 skips the checkpoints, §5.8).
 close: store, node connection, router (SIGTERM, SIGKILL after 5 s), embedded server.
@@ -34,7 +34,7 @@ import signal
 import socket as socketlib
 import tempfile
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
@@ -45,28 +45,30 @@ import structlog
 
 from bus.client import BusClient, connect
 from bus.errors import BusError
-from flyd.budget import ThreadBudget
 from flyd.config import Config
-from flyd.control import ControlService
-from flyd.coordinator import Deadlines
-from flyd.executor import SessionExecutor
-from flyd.health import HealthPolicy
-from flyd.identities import node_client_id
+from flyd.launch.budget import ThreadBudget
+from flyd.launch.health import HealthPolicy
+from flyd.launch.identities import node_client_id
+from flyd.launch.launcher import Launcher
+from flyd.launch.spawner import Spawner
 from flyd.leases import queries
-from flyd.leases.clock import BootClock, Clock, SimFileClock
+from flyd.leases.clock import BootClock, LeaseClock, SimFileClock
+from flyd.leases.core import LeasePhase
 from flyd.leases.embedded import EmbeddedPostgres
 from flyd.leases.migrate import migrate
-from flyd.leases.node import NodeRuntime
-from flyd.leases.pgstore import DbSettings, PgStore
-from flyd.leases.store import NodeInfo
-from flyd.router_child import RouterChild, RouterStartError, check_socket_path
-from flyd.spawner import Spawner
-from flyd.state.store import PgCheckpointStore
+from flyd.leases.runtime import NodeRuntime
+from flyd.leases.stores.contract import NodeInfo
+from flyd.leases.stores.pg import DbSettings, PgStore
+from flyd.node.control import ControlService, RunView
+from flyd.node.executor import GrantExecutor
+from flyd.node.router_child import RouterChild, RouterChildError, check_socket_path
+from flyd.session.coordinator import Deadlines
+from flyd.state.checkpoints import PgCheckpointStore
 from flyd.state.writer import WriterConfig
 
 __all__ = ["NodeProcess", "NodeSetup", "NodeStartError", "session_deadlines"]
 
-log = structlog.get_logger("flyd.node")
+log = structlog.get_logger("flyd.node.process")
 
 TEMP_PREFIX: Final = "flyd-node-"
 
@@ -141,6 +143,63 @@ def sweep_dead_node_dirs(root: str | None = None) -> list[str]:
     return sorted(swept)
 
 
+class ControlView:
+    """The node as its control service sees it (`NodeView`): read through to the node's parts
+    as they are now, since the runtime and the executor appear only during start."""
+
+    def __init__(self, node: NodeProcess) -> None:
+        self._node = node
+        setup = node.setup
+        self.node_id = setup.node_id
+        self.node_name = setup.node_name
+        self.socket = setup.socket
+        self.capacity = setup.capacity
+        self.health_fail_s = float(setup.config.value("session", "health_fail_s"))
+        self.budget = node.budget
+
+    @property
+    def dsn(self) -> str:
+        return self._node.dsn
+
+    @property
+    def client(self) -> BusClient | None:
+        return self._node.client
+
+    def holds(self) -> list[tuple[int, int, LeasePhase, float]] | None:
+        runtime = self._node.runtime
+        return None if runtime is None else runtime.held()
+
+    def launcher(self, run_id: int) -> Launcher | None:
+        executor = self._node.executor
+        return None if executor is None else executor.launcher(run_id)
+
+    def run_view(self, run_id: int) -> RunView | None:
+        executor = self._node.executor
+        report = None if executor is None else executor.reports.get(run_id)
+        if report is None:
+            return None
+        coordinator = report.coordinator
+        return RunView(epoch=None if coordinator is None else coordinator.epoch,
+                       phase=None if coordinator is None else coordinator.phase.label,
+                       boundary=report.boundary, recoveries=len(report.recoveries))
+
+    def run_events(self, run_id: int) -> Sequence[Mapping[str, Any]] | None:
+        executor = self._node.executor
+        ring = None if executor is None else executor.rings.get(run_id)
+        return None if ring is None else list(ring.ring)
+
+    async def node_row(self) -> dict[str, Any] | None:
+        dsn = self._node.dsn
+        if not dsn:
+            return None
+        async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
+            rows = await queries.nodes(conn)
+        return next((r for r in rows if r["nodeId"] == self.node_id), None)
+
+    def drain(self) -> None:
+        self._node.drain()
+
+
 class NodeProcess:
     """One node's parts, owned for an orderly start and a bounded teardown."""
 
@@ -156,7 +215,7 @@ class NodeProcess:
         self.router: RouterChild | None = None
         self.client: BusClient | None = None
         self.store: PgStore | None = None
-        self.executor: SessionExecutor | None = None
+        self.executor: GrantExecutor | None = None
         self.checkpoints: PgCheckpointStore | None = None
         self.runtime: NodeRuntime | None = None
         self.control: ControlService | None = None
@@ -201,7 +260,7 @@ class NodeProcess:
         await self.store.open()
         self.checkpoints = PgCheckpointStore(self.dsn)
         self.spawner = Spawner(setup.config.launcher, socket=setup.socket)
-        self.executor = SessionExecutor(
+        self.executor = GrantExecutor(
             socket=setup.socket, node=self.client, node_id=setup.node_id, budget=self.budget,
             claim_poll_s=self.params.claim_poll_s,
             checkpoints=self.checkpoints, ledger=self.read_ledger,
@@ -211,7 +270,7 @@ class NodeProcess:
             health=HealthPolicy.from_config(setup.config.section("session")),
             deadlines=session_deadlines(setup.config),
             spawner=self.spawner)
-        self.control = ControlService(self)
+        self.control = ControlService(ControlView(self))
         await self.control.start()
 
     def writer_defaults(self) -> WriterConfig:
@@ -234,7 +293,7 @@ class NodeProcess:
 
     # ------------------------------------------------------------------ serve
 
-    def clock(self) -> Clock:
+    def clock(self) -> LeaseClock:
         """The node's clock (R2): CLOCK_BOOTTIME, or the harness clock file under test."""
         if self.setup.sim_clock is not None:
             return SimFileClock(self.setup.sim_clock, rate=self.setup.clock_rate)
@@ -296,7 +355,7 @@ class NodeProcess:
             backoff = min(backoff * 2, ROUTER_BACKOFF_MAX_S)
             try:
                 await self._restart_router(router)
-            except (RouterStartError, BusError, OSError) as exc:
+            except (RouterChildError, BusError, OSError) as exc:
                 log.error("router.restart_failed", error=str(exc))
                 continue
             log.info("router.restarted", socket=self.setup.socket, pid=router.pid)

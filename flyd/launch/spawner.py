@@ -36,21 +36,31 @@ import os
 import sys
 from collections.abc import AsyncIterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Final
+from dataclasses import dataclass
+from typing import Any, Final, Literal
 
 import structlog
 
-from flyd.config import LauncherSettings
-from flyd.forkserver import ForkServer, ForkServerError
-from flyd.spawn import ChildProcess, SpawnedChild, spawn_worker
+from flyd.launch.forkserver import ForkServer, ForkServerError
+from flyd.launch.spawn import ChildProcess, SpawnedChild, spawn_worker
 from workers.launch import WorkerLaunch
 
-__all__ = ["Spawner"]
+__all__ = ["LauncherSettings", "Spawner"]
 
-log = structlog.get_logger("flyd.spawner")
+log = structlog.get_logger("flyd.launch.spawner")
 
 #: how long the fork server may take to start (the interpreter and the worker imports)
 SERVER_START_S: Final = 30.0
+
+
+@dataclass(frozen=True, slots=True)
+class LauncherSettings:
+    """How a node starts process-mode workers (`[session] launcher`, `launch_concurrency`;
+    docs/launcher.md): `fork` from the node's fork server or `spawn` with fork + exec, and how
+    many launches may be in flight at once."""
+
+    method: Literal["fork", "spawn"] = "fork"
+    concurrency: int = 8
 
 
 class Spawner:

@@ -1,16 +1,16 @@
 """`flyd serve`: the node service (cli.md §5; distribution.md §5).
 
 Why: a host joins the shared queue by running this. It resolves the configuration (defaults <
-file < environment < flags), starts the node (`flyd.node.NodeProcess`), registers it, and works
-through the queue until a drain (SIGTERM, SIGINT) ends it with exit 0: it claims runs while its
-capacity and thread budget allow, executes them, renews their leases and finishes them. A run
-whose spec carries `exclusiveToSubmitter: true` belongs to the `flyd run` that submitted it and
-is never claimed here.
+file < environment < flags), starts the node (`flyd.node.process.NodeProcess`), registers it,
+and works through the queue until a drain (SIGTERM, SIGINT) ends it with exit 0: it claims runs
+while its capacity and thread budget allow, executes them, renews their leases and finishes them.
+A run whose spec carries `exclusiveToSubmitter: true` belongs to the `flyd run` that submitted
+it and is never claimed here.
 
 Errors before serving (bad configuration, unreachable DSN, a router that does not come up, a
 malformed `$NOTIFY_SOCKET`) exit 2 with code `CONFIG`, as JSON on stdout under `--json`.
 
-Under systemd (cli.md §5.2, §10; `flyd.sdnotify`), while serving:
+Under systemd (cli.md §5.2, §10; `flyd.node.sdnotify`), while serving:
 - `READY=1` (with the first `STATUS=`) once `node.start()` returned, i.e. the router accepts and
   the database is migrated. It is sent from the status task's first step, which runs only after
   `node.serve()` has installed its SIGTERM/SIGINT handlers and suspended, so a stop request that
@@ -39,19 +39,20 @@ import orjson
 import psycopg
 import structlog
 
-from flyd.config import ConfigError, load_config
-from flyd.executor import RunReport
-from flyd.identities import new_node_id
+from flyd.config import load_config
+from flyd.errors import ConfigError
+from flyd.launch.identities import new_node_id
 from flyd.leases.migrate import MigrationError
-from flyd.leases.store import StoreError
+from flyd.leases.stores.contract import StoreError
 from flyd.logs import LogFlags
-from flyd.node import NodeProcess, NodeSetup, NodeStartError
-from flyd.router_child import RouterStartError
-from flyd.sdnotify import Notifier, NotifyError
+from flyd.node.grant import RunReport
+from flyd.node.process import NodeProcess, NodeSetup, NodeStartError
+from flyd.node.router_child import RouterChildError
+from flyd.node.sdnotify import Notifier, NotifyError
 
 __all__ = ["ServeOptions", "serve"]
 
-log = structlog.get_logger("flyd.serve")
+log = structlog.get_logger("flyd.cli.serve")
 
 EXIT_CONFIG = 2
 STATUS_S: Final = 5.0
@@ -113,7 +114,7 @@ async def serve(opts: ServeOptions) -> int:
     try:
         try:
             await node.start()
-        except (NodeStartError, RouterStartError, ConfigError, MigrationError, StoreError,
+        except (NodeStartError, RouterChildError, ConfigError, MigrationError, StoreError,
                 psycopg.Error, OSError) as exc:
             return _error(opts, getattr(exc, "message", None) or str(exc))
         log.info("serve.started", node=setup.node_id, socket=setup.socket,
@@ -137,7 +138,7 @@ class ServiceNotes:
         self._since = time.monotonic()
 
     def on_step(self, report: RunReport) -> None:
-        """`SessionExecutor.on_progress`: one call per step taken by any session."""
+        """`GrantExecutor.on_progress`: one call per step taken by any session."""
         self.steps += 1
 
     def on_drain(self) -> None:

@@ -4,7 +4,7 @@ Production and the tier-1 simulator run this same class; it is given its store, 
 executor and process-group killer, and keeps every lease decision in the sans-IO `LeaseCore`.
 
 Rules:
-- Every lease-relevant instant is read from the injected `Clock` and every sleep is
+- Every lease-relevant instant is read from the injected `LeaseClock` and every sleep is
   `clock.sleep_until`; every random draw comes from `random.Random(seed)`. Store calls are
   bounded by `asyncio.timeout` (R for renew and registry writes, C for everything else), which is
   loop time: virtual under the tier-1 loop, and never a lease decision (the core decides those).
@@ -79,7 +79,7 @@ from typing import Any, Final, Protocol
 
 import structlog
 
-from flyd.leases.clock import Clock
+from flyd.leases.clock import LeaseClock
 from flyd.leases.core import (
     FINAL,
     Action,
@@ -90,7 +90,7 @@ from flyd.leases.core import (
     LeaseCore,
     LeaseCoreError,
     LeaseLost,
-    Phase,
+    LeasePhase,
     Reason,
     Relinquish,
     RenewRow,
@@ -99,7 +99,7 @@ from flyd.leases.core import (
 )
 from flyd.leases.params import LeaseParams
 from flyd.leases.resolve import Decision, decide
-from flyd.leases.store import (
+from flyd.leases.stores.contract import (
     Backend,
     Checkpoint,
     Commit,
@@ -141,8 +141,8 @@ class ProcessGroups(Protocol):
         """Any of the run's process groups still alive."""
 
 
-class Executor(Protocol):
-    async def execute(self, scope: Scope) -> None:
+class GrantHandler(Protocol):
+    async def execute(self, scope: GrantScope) -> None:
         """Run the session; end with `scope.finish(...)` or `scope.release(...)`."""
 
 
@@ -158,7 +158,7 @@ def finish_effect(state: TerminalState, outcome: Mapping[str, Any], *, boundarie
                   digest=hashlib.sha256(canonical(payload)).digest())
 
 
-class Scope:
+class GrantScope:
     """One grant's local scope, created by the runtime and handed to the executor."""
 
     def __init__(self, runtime: NodeRuntime, grant: Grant, node_id: str) -> None:
@@ -193,18 +193,18 @@ class Scope:
 
     async def commit(self, effects: Sequence[Effect], checkpoint: Checkpoint | None = None) -> None:
         """A fenced group commit (§3.5); raises `LeaseLost` or the store's error."""
-        await self._rt._write(self, tuple(effects), checkpoint, None, "commit")
+        await self._rt.write(self, tuple(effects), checkpoint, None, "commit")
 
     async def finish(self, state: TerminalState, outcome: Mapping[str, Any],
                      effects: Sequence[Effect] = (), *, boundaries: int, session_epoch: int,
                      checkpoint: Checkpoint | None = None) -> None:
         """The final commit: effects + `finish` effect + `finish_run`, one transaction (§6.3)."""
         fin = finish_effect(state, outcome, boundaries=boundaries, session_epoch=session_epoch)
-        await self._rt._write(self, (*effects, fin), checkpoint, Finish(state, outcome), "finish")
+        await self._rt.write(self, (*effects, fin), checkpoint, Finish(state, outcome), "finish")
 
     async def release(self, *, refund: bool, backoff_s: float = 0.0) -> None:
         """Hand the run back (§3.6); sent again on an unknown outcome while the guard allows."""
-        await self._rt._release(self, refund=refund, backoff_s=backoff_s)
+        await self._rt.release(self, refund=refund, backoff_s=backoff_s)
 
     async def retry_later(self) -> bool:
         """Hand the run back charged, `claim_poll` from now, when this grant is not its last
@@ -212,12 +212,12 @@ class Scope:
         caller then ends the run itself."""
         if self.attempt >= self.max_attempts:
             return False
-        await self.release(refund=False, backoff_s=self._rt._p.claim_poll_s)
+        await self.release(refund=False, backoff_s=self._rt.params.claim_poll_s)
         return True
 
     async def mark_faults_fired(self, faults: Sequence[str]) -> tuple[str, ...]:
         """§3.11: the merged set; a grant no longer live is a loss (`LeaseLost`)."""
-        return await self._rt._mark_faults(self, tuple(faults))
+        return await self._rt.mark_faults(self, tuple(faults))
 
 
 @dataclass
@@ -236,7 +236,8 @@ class _Services:
 class NodeRuntime:
     """§5: one node's lease runtime. `run()` returns the exit code (0 after drain or stop)."""
 
-    def __init__(self, *, params: LeaseParams, store: Store, clock: Clock, executor: Executor,
+    def __init__(self, *, params: LeaseParams, store: Store, clock: LeaseClock,
+                 executor: GrantHandler,
                  groups: ProcessGroups, node: NodeInfo, capacity: int = 1,
                  only: int | None = None,
                  listen: Callable[[], AsyncIterator[int]] | None = None,
@@ -253,11 +254,11 @@ class NodeRuntime:
         self._only = only
         self._listen = listen
         self._rng = random.Random(seed)
-        base = log if log is not None else structlog.get_logger("flyd.leases.node")
+        base = log if log is not None else structlog.get_logger("flyd.leases.runtime")
         self._log = base.bind(node=node.node_id)
         self._events = events
         self._core = LeaseCore(params, node.node_id, capacity)
-        self._scopes: dict[tuple[int, int], Scope] = {}
+        self._scopes: dict[tuple[int, int], GrantScope] = {}
         self._grants: dict[tuple[int, int], Grant] = {}
         self._seen: set[tuple[int, int]] = set()
         self._tg: asyncio.TaskGroup | None = None
@@ -282,12 +283,12 @@ class NodeRuntime:
     def node_id(self) -> str:
         return self._node_id
 
-    def held(self) -> list[tuple[int, int, Phase, float]]:
+    def held(self) -> list[tuple[int, int, LeasePhase, float]]:
         """(run, epoch, phase, seconds until safe_until) per hold, for status views."""
         now = self._clock.now()
         return [(h.run_id, h.epoch, h.phase, h.safe_until - now) for h in self._core.holds]
 
-    def scope(self, run_id: int, lease_epoch: int) -> Scope | None:
+    def scope(self, run_id: int, lease_epoch: int) -> GrantScope | None:
         return self._scopes.get((run_id, lease_epoch))
 
     # -- events ------------------------------------------------------------------------------
@@ -478,7 +479,7 @@ class NodeRuntime:
 
     def _start_scope(self, a: StartScope) -> None:
         grant = self._grants.pop((a.run_id, a.epoch))
-        sc = Scope(self, grant, self._node_id)
+        sc = GrantScope(self, grant, self._node_id)
         self._scopes[sc.key] = sc
         self._seen.add(sc.key)
         self._event("claimed", run=a.run_id, epoch=a.epoch, attempt=a.attempt,
@@ -513,7 +514,8 @@ class NodeRuntime:
         if not self._stopping and self._tg is not None:
             self._tg.create_task(self._cleanup(run_id, epoch, reason, sc))
 
-    async def _cleanup(self, run_id: int, epoch: int, reason: Reason, sc: Scope | None) -> None:
+    async def _cleanup(self, run_id: int, epoch: int, reason: Reason,
+                       sc: GrantScope | None) -> None:
         start = self._clock.now()
         stuck = False
         while True:
@@ -544,7 +546,7 @@ class NodeRuntime:
             else:
                 self._perform([a])
 
-    async def _relinquish(self, run_id: int, epoch: int, sc: Scope | None) -> None:
+    async def _relinquish(self, run_id: int, epoch: int, sc: GrantScope | None) -> None:
         """3.6 with `refund = false`, once; skipped at the run's own `attempt >= max_attempts`
         (so the reaper fails it), and without a scope, whose grant told the budget: the lease
         then expires and the store judges the run by its own budget."""
@@ -739,13 +741,13 @@ class NodeRuntime:
                 self._event("prune_failed", level="warning", error=repr(exc))
 
     # -- scopes ------------------------------------------------------------------------------
-    def _live(self, sc: Scope) -> None:
+    def _live(self, sc: GrantScope) -> None:
         """Raise `LeaseLost` unless this scope's hold exists and is not final."""
         h = self._core.hold(sc.run_id, sc.lease_epoch)
         if h is None or h.phase in FINAL:
             raise LeaseLost(f"{sc.run_id}@{sc.lease_epoch} is not held")
 
-    async def _scope_main(self, sc: Scope) -> None:
+    async def _scope_main(self, sc: GrantScope) -> None:
         try:
             for old in [o for o in self._scopes.values()
                         if o.run_id == sc.run_id and o.lease_epoch < sc.lease_epoch]:
@@ -767,7 +769,7 @@ class NodeRuntime:
             if not sc._ended:
                 await self._scope_error(sc, "executor returned without finish or release")
 
-    async def _scope_error(self, sc: Scope, why: str) -> None:
+    async def _scope_error(self, sc: GrantScope, why: str) -> None:
         """Relinquish a scope whose executor failed, after killing its process groups."""
         h = self._core.hold(sc.run_id, sc.lease_epoch)
         if h is None or h.phase in FINAL:
@@ -783,11 +785,11 @@ class NodeRuntime:
         except LeaseLost:
             return
 
-    async def _relinquish_live(self, sc: Scope) -> None:
+    async def _relinquish_live(self, sc: GrantScope) -> None:
         h = self._core.hold(sc.run_id, sc.lease_epoch)
         if h is None or h.phase in FINAL:
             return
-        if h.phase is not Phase.RELEASING:
+        if h.phase is not LeasePhase.RELEASING:
             try:
                 self._core.begin(sc.run_id, "release")
             except LeaseCoreError:
@@ -800,10 +802,17 @@ class NodeRuntime:
             return
         await self._send_release(sc, refund=False, backoff_s=0.0)
 
+    @property
+    def params(self) -> LeaseParams:
+        """The validated lease parameters this runtime keeps (read-only)."""
+        return self._p
+
     # -- writes ------------------------------------------------------------------------------
-    async def _write(self, sc: Scope, effects: tuple[Effect, ...], checkpoint: Checkpoint | None,
-                     finish: Finish | None, kind: Kind, *, failing: bool = False) -> None:
-        """One group commit (§3.5) with the §5.6 error handling."""
+    async def write(self, sc: GrantScope, effects: tuple[Effect, ...],
+                    checkpoint: Checkpoint | None, finish: Finish | None, kind: Kind, *,
+                    failing: bool = False) -> None:
+        """One group commit (§3.5) of a scope's, with the §5.6 error handling
+        (`GrantScope.commit` and `GrantScope.finish` are how a grant's handler asks for it)."""
         run, epoch = sc.run_id, sc.lease_epoch
         commit = Commit(run, epoch, self._node_id, effects, checkpoint, finish, keep=sc.keep)
         ckpt = checkpoint.checkpoint_id if checkpoint is not None else None
@@ -884,7 +893,7 @@ class NodeRuntime:
         if self._lost_on_wake(run, epoch):
             raise LeaseLost(f"{run}@{epoch}: lost while its {kind} was in flight") from cause
 
-    def _committed(self, sc: Scope, effects: tuple[Effect, ...],
+    def _committed(self, sc: GrantScope, effects: tuple[Effect, ...],
                    checkpoint: Checkpoint | None) -> None:
         epochs = [e.session_epoch for e in effects if e.key != "finish"]
         if checkpoint is not None:
@@ -892,7 +901,8 @@ class NodeRuntime:
             epochs.append(checkpoint.session_epoch)
         sc._session_epoch = max([sc._session_epoch, *epochs])
 
-    async def _fail_run(self, sc: Scope, exc: DuplicateEffect | ConflictingEffect | HeadRegression,
+    async def _fail_run(self, sc: GrantScope,
+                        exc: DuplicateEffect | ConflictingEffect | HeadRegression,
                         checkpoint: Checkpoint | None) -> None:
         """§6.4: fail the run through a final commit without checkpoint, effects or retry."""
         if isinstance(exc, HeadRegression):
@@ -905,9 +915,9 @@ class NodeRuntime:
                     error=outcome["error"])
         fin = finish_effect("failed", outcome, boundaries=sc._boundary,
                             session_epoch=sc._session_epoch)
-        await self._write(sc, (fin,), None, Finish("failed", outcome), "finish", failing=True)
+        await self.write(sc, (fin,), None, Finish("failed", outcome), "finish", failing=True)
 
-    async def _resolve(self, sc: Scope, commit: Commit, backend: Backend | None) -> Decision:
+    async def _resolve(self, sc: GrantScope, commit: Commit, backend: Backend | None) -> Decision:
         """§5.6 / §3.10: end the old backend, read, decide; only while `check(C)` passes."""
         run, epoch = sc.run_id, sc.lease_epoch
         if backend is None:
@@ -955,12 +965,13 @@ class NodeRuntime:
         h = self._core.hold(run, epoch)
         return h is None or h.phase in FINAL
 
-    async def _release(self, sc: Scope, *, refund: bool, backoff_s: float) -> None:
+    async def release(self, sc: GrantScope, *, refund: bool, backoff_s: float) -> None:
+        """Hand a scope's run back (§3.6; `GrantScope.release`)."""
         self._live(sc)
         self._core.begin(sc.run_id, "release")
         await self._send_release(sc, refund=refund, backoff_s=backoff_s)
 
-    async def _send_release(self, sc: Scope, *, refund: bool, backoff_s: float) -> None:
+    async def _send_release(self, sc: GrantScope, *, refund: bool, backoff_s: float) -> None:
         """3.6 for a RELEASING hold; an unknown outcome is sent again while the guard allows."""
         run, epoch = sc.run_id, sc.lease_epoch
         while True:
@@ -987,7 +998,8 @@ class NodeRuntime:
             self._perform(self._core.end(run, "release", "committed"))
             return
 
-    async def _mark_faults(self, sc: Scope, faults: tuple[str, ...]) -> tuple[str, ...]:
+    async def mark_faults(self, sc: GrantScope, faults: tuple[str, ...]) -> tuple[str, ...]:
+        """§3.11 for a scope's run (`GrantScope.mark_faults_fired`)."""
         run, epoch = sc.run_id, sc.lease_epoch
         self._live(sc)
         self._core.check(run, epoch, self._clock.now(), self._p.commit_timeout_s)

@@ -25,7 +25,7 @@ API (all coroutines run on the node's loop):
 
 Execution modes (§7.1), all over the Unix socket:
 - `PROCESS`: the worker's `main` with `<argv>` in its own session and process group, started by
-  the node's `Spawner` (`flyd.spawner`): forked from the fork server, or
+  the node's `Spawner` (`flyd.launch.spawner`): forked from the fork server, or
   `python -m workers.agent|workers.environment <argv>` spawned on the spawner's thread, never on
   the event loop; stdin = start gate. The expectation is made with the child's pid, then `go\\n`
   is written. A process launch holds one of the spawner's slots (`[session]
@@ -82,10 +82,10 @@ import contextlib
 import os
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any, Final
+from typing import Any, Final, Protocol
 
 import structlog
 import uvloop
@@ -100,18 +100,18 @@ from bus.errors import (
     QuotaExceeded,
     TargetChanged,
 )
-from flyd.budget import ThreadBudget
-from flyd.forkserver import ForkServerError
-from flyd.health import HealthPolicy, format_seconds, no_answer
-from flyd.identities import (
+from flyd.launch.budget import ThreadBudget
+from flyd.launch.forkserver import ForkServerError
+from flyd.launch.health import HealthPolicy, format_seconds, no_answer
+from flyd.launch.identities import (
     SessionNames,
     WorkerIdentity,
     WorkerRef,
     new_client_incarnation,
 )
-from flyd.runspec import RunSpec
-from flyd.spawn import ChildProcess, ProcessInfo, process_info, settled_within
-from flyd.spawner import Spawner
+from flyd.launch.spawn import ChildProcess, ProcessInfo, process_info, settled_within
+from flyd.launch.spawner import Spawner
+from workers.clock import RationalNs
 from workers.domain import DomainError, ErrorCode, Mutation, format_request_id
 from workers.launch import (
     AgentSettings,
@@ -127,7 +127,9 @@ from workers.shell import EndpointFactory, run_worker
 __all__ = [
     "IDENTIFY_RETRY_S",
     "KILL_WAIT_S",
+    "AgentPlan",
     "AlreadyGone",
+    "Composition",
     "ExecutionMode",
     "HealthPolicy",
     "LaunchedWorker",
@@ -139,6 +141,7 @@ __all__ = [
     "Stopped",
     "Terminated",
     "WorkerInfo",
+    "WorldPlan",
     "composition_plans",
     "connect_expected",
     "expect",
@@ -146,7 +149,7 @@ __all__ = [
     "worker_launch",
 ]
 
-log = structlog.get_logger("flyd.launcher")
+log = structlog.get_logger("flyd.launch.launcher")
 
 IDENTIFY_RETRY_S: Final = 0.005
 KILL_WAIT_S: Final = 5.0
@@ -308,6 +311,58 @@ async def expect(node: BusClient, client_id: str, pid: int, incarnation: str,
 Plan = tuple[WorkerIdentity, Settings, Faults]
 
 
+class WorldPlan(Protocol):
+    """What launching reads of a run's world (the run spec's `WorldSpec` has it): the session
+    layer describes runs, this layer only starts what such a description names."""
+
+    @property
+    def world_id(self) -> str: ...
+    @property
+    def impl(self) -> str: ...
+    @property
+    def config(self) -> Mapping[str, Any]: ...
+    @property
+    def step(self) -> RationalNs: ...
+    @property
+    def observation_delay_steps(self) -> int: ...
+    @property
+    def threads(self) -> int: ...
+    @property
+    def faults(self) -> Faults: ...
+
+
+class AgentPlan(Protocol):
+    """What launching reads of one agent of a run (the run spec's `AgentSpec`)."""
+
+    @property
+    def agent_id(self) -> str: ...
+    @property
+    def port_id(self) -> str: ...
+    @property
+    def model(self) -> str: ...
+    @property
+    def model_config(self) -> Mapping[str, Any]: ...
+    @property
+    def tick(self) -> RationalNs: ...
+    @property
+    def warmup_ticks(self) -> int: ...
+    @property
+    def threads(self) -> int: ...
+    @property
+    def faults(self) -> Faults: ...
+
+
+class Composition(Protocol):
+    """The workers of a run to launch: its mode, world and agents (the run spec, `RunSpec`)."""
+
+    @property
+    def mode(self) -> str: ...
+    @property
+    def world(self) -> WorldPlan: ...
+    @property
+    def agents(self) -> Sequence[AgentPlan]: ...
+
+
 def worker_launch(names: SessionNames, identity: WorkerIdentity, settings: Settings,
                   faults: Faults, mode: ExecutionMode, *, socket: str, supervisor: str,
                   max_agents: int, log_format: LogFormat = "json",
@@ -325,7 +380,7 @@ def worker_launch(names: SessionNames, identity: WorkerIdentity, settings: Setti
         log_format=log_format)
 
 
-def composition_plans(names: SessionNames, spec: RunSpec, *,
+def composition_plans(names: SessionNames, spec: Composition, *,
                       generation: int = 1) -> list[Plan]:
     """`(identity, settings, faults)` of the world, then every agent, of a run spec. The world
     serves the agents' ports in the spec's (sorted) agent order."""
@@ -735,7 +790,7 @@ class Launcher:
                  ms=round((asyncio.get_running_loop().time() - started) * 1000, 1))
         return launched
 
-    async def launch_composition(self, spec: RunSpec,
+    async def launch_composition(self, spec: Composition,
                                  mode: ExecutionMode | None = None) -> dict[str, LaunchedWorker]:
         """Launch the world and every agent of a run spec concurrently; all or none."""
         mode = mode or ExecutionMode.from_label(spec.mode)

@@ -44,38 +44,30 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import os
 import time
-from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any, Final
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Final, Protocol
 
 import psutil
 import psycopg
 import structlog
 
-from bus.client import Request, Service
+from bus.client import BusClient, Request, Service
 from bus.errors import BusError
-from bus.schema import Validator, compile_schema
 from flyd.config import redact_dsn
-from flyd.launcher import Launcher
-from flyd.leases import queries
-from flyd.leases.core import FINAL
-from workers.canonical import parse_strict
+from flyd.launch.budget import ThreadBudget
+from flyd.launch.launcher import Launcher
+from flyd.leases.core import FINAL, LeasePhase
+from flyd.node.control_protocol import control_service, control_validator
 from workers.domain import DomainError, ErrorCode, Mutation
 from workers.rpc import Outcome, parse_request, unparsable_outcome
-from workers.shell import SCHEMA_ROOT
 
-if TYPE_CHECKING:
-    from flyd.node import NodeProcess
+__all__ = ["ControlService", "NodeView", "RunView"]
 
-__all__ = ["CONTROL_PREFIX", "METHODS", "ControlService", "control_service", "control_validator"]
+log = structlog.get_logger("flyd.node.control")
 
-log = structlog.get_logger("flyd.control")
-
-CONTROL_PREFIX: Final = "flyd.control."
-CONTROL_SCHEMAS: Final = SCHEMA_ROOT / "control"
-METHODS: Final = ("Control.Status", "Control.Kill", "Control.Drain", "Control.RunEvents")
 MAX_QUEUED: Final = 16
 MAX_IN_FLIGHT: Final = 4
 DB_READ_S: Final = 2.0
@@ -85,19 +77,67 @@ KILL_REASON: Final = "flyctl-kill"
 MAX_EVENTS: Final = 256
 
 
-def control_service(node_id: str) -> str:
-    """`flyd.control.<node_id>`."""
-    return CONTROL_PREFIX + node_id
+@dataclass(frozen=True)
+class RunView:
+    """What the control service shows of one run the node executes: its coordinator's epoch
+    and phase (None before there is a coordinator), its boundary and its recoveries."""
+
+    epoch: str | None
+    phase: str | None
+    boundary: int
+    recoveries: int
 
 
-@functools.cache
-def control_validator(method: str, kind: str) -> Validator:
-    """The compiled schema `schemas/control/<method>.<kind>.json` (kind params|result)."""
-    schema = parse_strict((CONTROL_SCHEMAS / f"{method}.{kind}.json").read_bytes())
-    if not isinstance(schema, dict):
-        raise DomainError(ErrorCode.INTERNAL, f"{method}.{kind}.json is not a schema object",
-                          Mutation.NONE)
-    return compile_schema(schema)
+class NodeView(Protocol):
+    """What the control service reads and asks of its node. The node hands one in, so the
+    service follows no chain of the node's parts and opens no connection of its own."""
+
+    @property
+    def node_id(self) -> str: ...
+
+    @property
+    def node_name(self) -> str: ...
+
+    @property
+    def socket(self) -> str: ...
+
+    @property
+    def capacity(self) -> int: ...
+
+    @property
+    def health_fail_s(self) -> float:
+        """The bound of one worker's `Worker.Status` (`[session] health_fail_s`)."""
+
+    @property
+    def dsn(self) -> str:
+        """The node's database DSN ("" before it is known)."""
+
+    @property
+    def client(self) -> BusClient | None:
+        """The node connection the service is registered on."""
+
+    @property
+    def budget(self) -> ThreadBudget: ...
+
+    def holds(self) -> Sequence[tuple[int, int, LeasePhase, float]] | None:
+        """`(run, lease epoch, phase, seconds until safe_until)` of every hold; None before
+        the lease runtime exists."""
+
+    def launcher(self, run_id: int) -> Launcher | None:
+        """The launcher of a run the node is executing."""
+
+    def run_view(self, run_id: int) -> RunView | None:
+        """The node's report of a run it is executing, if it has one."""
+
+    def run_events(self, run_id: int) -> Sequence[Mapping[str, Any]] | None:
+        """The run's checkpoint event ring, oldest first (None: no ring yet)."""
+
+    async def node_row(self) -> dict[str, Any] | None:
+        """This node's registry row (None without a database or a row); a database error
+        is raised as it is."""
+
+    def drain(self) -> None:
+        """Start the node's own drain (as SIGTERM does)."""
 
 
 def _ms(seconds: float) -> int:
@@ -107,11 +147,11 @@ def _ms(seconds: float) -> int:
 class ControlService:
     """One node's control service; `start()` registers it, `close()` gives it up."""
 
-    def __init__(self, node: NodeProcess) -> None:
+    def __init__(self, node: NodeView) -> None:
         self.node = node
-        self.node_id = node.setup.node_id
+        self.node_id = node.node_id
         self.name = control_service(self.node_id)
-        self.health_fail_s = float(node.setup.config.value("session", "health_fail_s"))
+        self.health_fail_s = node.health_fail_s
         self.service: Service | None = None
         self.drain_requested = False
         self._handlers: dict[str, Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]] = {
@@ -177,15 +217,13 @@ class ControlService:
 
     def held(self) -> dict[int, tuple[int, float]]:
         """run → (lease epoch, seconds until safe_until) of every non-final hold."""
-        runtime = self.node.runtime
-        if runtime is None:
+        holds = self.node.holds()
+        if holds is None:
             return {}
-        return {run: (epoch, left) for run, epoch, phase, left in runtime.held()
-                if phase not in FINAL}
+        return {run: (epoch, left) for run, epoch, phase, left in holds if phase not in FINAL}
 
     def launcher(self, run_id: int) -> Launcher | None:
-        executor = self.node.executor
-        return None if executor is None else executor.launcher(run_id)
+        return self.node.launcher(run_id)
 
     def _not_held(self, run_id: int) -> DomainError:
         return DomainError.before(ErrorCode.IDENTITY_MISMATCH,
@@ -198,7 +236,7 @@ class ControlService:
         assert client is not None
         async with asyncio.timeout(STATS_S):
             stats = await client.stats()
-        router = {"routerId": stats["routerId"], "socket": self.node.setup.socket,
+        router = {"routerId": stats["routerId"], "socket": self.node.socket,
                   "uptimeMs": stats["uptimeMs"], "connections": stats["connections"],
                   "activeCalls": stats["activeCalls"]}
         held = self.held()
@@ -210,8 +248,8 @@ class ControlService:
                 "runs": runs}
 
     async def _node_status(self, held: dict[int, tuple[int, float]]) -> dict[str, Any]:
-        setup = self.node.setup
-        state = ("starting" if self.node.runtime is None
+        node = self.node
+        state = ("starting" if node.holds() is None
                  else "draining" if self.drain_requested else "active")
         heartbeat: str | None = None
         row = await self._node_row()
@@ -220,9 +258,9 @@ class ControlService:
         budget = self.node.budget
         me = psutil.Process(os.getpid())
         return {
-            "nodeId": self.node_id, "nodeName": setup.node_name, "pid": os.getpid(),
+            "nodeId": self.node_id, "nodeName": node.node_name, "pid": os.getpid(),
             "state": state, "uptimeMs": _ms(time.time() - me.create_time()),
-            "capacity": setup.capacity,
+            "capacity": node.capacity,
             "threads": {"total": budget.total, "used": budget.total - budget.remaining},
             "runs": sorted(held),
             "leases": [{"run": run, "leaseEpoch": epoch, "safeUntilInMs": round(left * 1000)}
@@ -233,22 +271,15 @@ class ControlService:
 
     async def _node_row(self) -> dict[str, Any] | None:
         """This node's registry row, or None when the database does not answer in time."""
-        if not self.node.dsn:
-            return None
         try:
             async with asyncio.timeout(DB_READ_S):
-                async with await psycopg.AsyncConnection.connect(
-                        self.node.dsn, autocommit=True) as conn:
-                    rows = await queries.nodes(conn)
+                return await self.node.node_row()
         except (psycopg.Error, OSError, TimeoutError) as exc:
             log.warning("control.node_row_unavailable", error=str(exc))
             return None
-        return next((r for r in rows if r["nodeId"] == self.node_id), None)
 
     async def _run_status(self, run_id: int, lease_epoch: int) -> dict[str, Any]:
-        executor = self.node.executor
-        report = None if executor is None else executor.reports.get(run_id)
-        coordinator = None if report is None else report.coordinator
+        view = self.node.run_view(run_id)
         launcher = self.launcher(run_id)
         workers: list[dict[str, Any]] = []
         if launcher is not None:
@@ -258,10 +289,10 @@ class ControlService:
             workers = [t.result() for t in tasks]
         return {
             "run": run_id, "leaseEpoch": lease_epoch,
-            "epoch": None if coordinator is None else coordinator.epoch,
-            "phase": None if coordinator is None else coordinator.phase.label,
-            "boundary": 0 if report is None else report.boundary,
-            "recoveries": 0 if report is None else len(report.recoveries),
+            "epoch": None if view is None else view.epoch,
+            "phase": None if view is None else view.phase,
+            "boundary": 0 if view is None else view.boundary,
+            "recoveries": 0 if view is None else view.recoveries,
             "workers": workers,
         }
 
@@ -349,8 +380,7 @@ class ControlService:
     # ------------------------------------------------------------------ Control.Drain
 
     async def drain(self, params: dict[str, Any]) -> dict[str, Any]:
-        runtime = self.node.runtime
-        if runtime is None:
+        if self.node.holds() is None:
             raise DomainError.before(ErrorCode.INVALID_PHASE,
                                      f"node {self.node_id} is still starting")
         if not self.drain_requested:
@@ -365,7 +395,6 @@ class ControlService:
         run: int = params["run"]
         if run not in self.held():
             raise self._not_held(run)
-        executor = self.node.executor
-        ring = None if executor is None else executor.rings.get(run)
-        events = [] if ring is None else [dict(e) for e in ring.ring][-MAX_EVENTS:]
+        ring = self.node.run_events(run)
+        events = [] if ring is None else [dict(e) for e in ring][-MAX_EVENTS:]
         return {"run": run, "events": events}

@@ -81,11 +81,13 @@ from typing import Any, Final, NoReturn
 
 from bus.client import BusClient, PendingCall
 from bus.errors import BusError, CallDeadlineExceeded
-from flyd.audit import AuditLog
-from flyd.fence import Detail, SessionFailure, check_replacement, refuse_if_fenced
-from flyd.identities import WorkerRef
-from flyd.pacing import SYSTEM_CLOCK, Clock, Pacing
-from flyd.phase import (
+from flyd.launch.identities import WorkerRef
+from flyd.session.audit import AuditLog
+from flyd.session.capture import Capture, CaptureKind
+from flyd.session.capture import capture as capture_boundary
+from flyd.session.fence import Detail, SessionFailure, check_replacement, refuse_if_fenced
+from flyd.session.pacing import SYSTEM_CLOCK, Clock, Pacing
+from flyd.session.phase import (
     Applying,
     Committing,
     Failed,
@@ -96,12 +98,12 @@ from flyd.phase import (
     Preparing,
     Ready,
 )
-from flyd.runspec import AgentSpec, RunSpec
-from flyd.state.capture import Capture, CaptureKind
-from flyd.state.capture import capture as capture_boundary
-from flyd.state.restore import RestoreReport, StateContext
-from flyd.state.restore import restore as restore_checkpoint
-from flyd.state.store import CheckpointRecord, CheckpointStore
+from flyd.session.restore import RestoreReport, StateContext
+from flyd.session.restore import restore as restore_checkpoint
+from flyd.session.runspec import AgentSpec, RunSpec
+from flyd.session.trace import EpochRebase, TraceLog
+from flyd.state.checkpoints import CheckpointRecord, CheckpointStore
+from flyd.state.envelope import SCHEDULER_ID
 from flyd.state.writer import (
     CaptureSubmission,
     CheckpointWriter,
@@ -110,7 +112,6 @@ from flyd.state.writer import (
     SaveTicket,
     audit_line,
 )
-from flyd.trace import EpochRebase, TraceLog
 from workers.canonical import canonical, controls_digest, typed_digest
 from workers.clock import RationalNs
 from workers.composition import composition_digest, config_asset
@@ -154,7 +155,6 @@ __all__ = [
 
 RESOLVE_PAUSE: Final = 0.002
 LOSS_POLLS: Final = 500
-SCHEDULER_ID: Final = "lockstep-v1"
 
 
 # --------------------------------------------------------------------------------------------

@@ -20,45 +20,20 @@ import uvloop
 
 from bus.router import Router, RouterStartError
 from flyd import logs
-from flyd.config import Config, ConfigError, load_config, router_config
+from flyd.cli.common import (
+    CtlCall,
+    ctl_options,
+    global_options,
+    log_flags,
+    run_spec_options,
+    setup_logging,
+)
+from flyd.config import Config, load_config, router_config
+from flyd.errors import ConfigError
 
 EXIT_FAILED = 1
 EXIT_CONFIG = 2
 EXIT_FATAL = 70
-
-
-def _setup_logging(log_format: str | None, verbose: int, quiet: int) -> None:
-    """Logging from the flags and `FLYD_LOG_FORMAT` alone: quiet on a terminal (the console
-    renderer starts at warning, `-v` info, `-vv` debug), so a progress bar is not buried; JSON
-    lines (a pipe, the journal) start at info. A command that reads the configuration then
-    applies its `[node] log_format` / `log_level` (`Config.log_settings`)."""
-    fmt = log_format or logs.default_format()
-    logs.configure(fmt, logs.shift_level(logs.default_level(fmt),  # type: ignore[arg-type]
-                                         verbose, quiet))
-
-
-def _log_flags(log_format: str | None, verbose: int, quiet: int,
-               quiet_default: int = 0) -> logs.LogFlags:
-    """A command's logging flags (`--log-format` only when given on the command line: from
-    `FLYD_LOG_FORMAT` it is the environment's), logging set up from them until the command
-    has read its configuration."""
-    ctx = click.get_current_context()
-    from_cli = ctx.get_parameter_source("log_format") == click.core.ParameterSource.COMMANDLINE
-    _setup_logging(log_format, verbose, quiet + quiet_default)
-    return logs.LogFlags(log_format if from_cli else None,  # type: ignore[arg-type]
-                         verbose, quiet, quiet_default)
-
-
-def _global_options(fn: click.decorators.FC) -> click.decorators.FC:
-    fn = click.option("--config", "config_file", type=click.Path(path_type=Path),
-                      envvar="FLYD_CONFIG", help="TOML configuration file.")(fn)
-    fn = click.option("--log-format", type=click.Choice(["json", "console"]),
-                      envvar="FLYD_LOG_FORMAT", help="Log renderer (default: by TTY).")(fn)
-    fn = click.option("-v", "verbose", count=True,
-                      help="More log output (repeatable; a terminal starts at warnings: -v info, "
-                           "-vv debug).")(fn)
-    fn = click.option("-q", "quiet", count=True, help="Less log output (repeatable).")(fn)
-    return fn
 
 
 @click.group()
@@ -70,11 +45,11 @@ def flyd_main() -> None:
 @click.option("--socket", "socket_path", help="Unix socket path to listen on.")
 @click.option("--open", "open_policy", is_flag=True,
               help="Open policy: every client may do anything (development and tests only).")
-@_global_options
+@global_options
 def router_cmd(socket_path: str | None, open_policy: bool, config_file: Path | None,
                log_format: str | None, verbose: int, quiet: int) -> None:
     """Run the bus router in the foreground until SIGTERM/SIGINT."""
-    _setup_logging(log_format, verbose, quiet)
+    setup_logging(log_format, verbose, quiet)
     try:
         config = router_config(config_file, socket_path, open_policy)
     except ConfigError as exc:
@@ -106,13 +81,13 @@ async def _serve_router(config: object) -> int:
 @flyd_main.command("demo")
 @click.option("--calls", default=500, show_default=True, help="Number of calls to make.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON on stdout.")
-@_global_options
+@global_options
 def demo_cmd(calls: int, as_json: bool, config_file: Path | None, log_format: str | None,
              verbose: int, quiet: int) -> None:
     """Bus demo: a router child process, an echo service, calls through it, a summary."""
-    from flyd.demo import run_demo
+    from flyd.cli.demo import run_demo
 
-    _setup_logging(log_format, verbose, quiet + 1)
+    setup_logging(log_format, verbose, quiet + 1)
     sys.exit(uvloop.run(run_demo(calls, as_json)))
 
 
@@ -158,7 +133,7 @@ class _JsonErrors(click.Command):
 @click.option("--state-dir", type=click.Path(path_type=Path), help="Node state directory.")
 @click.option("--lease-ttl", type=float, help="Lease TTL in seconds (default 15).")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON on stdout.")
-@_global_options
+@global_options
 def run_cmd(steps: int, agents: str | None, mode: str | None, seed: int | None,
             dispatch: str | None, faults: tuple[str, ...], trace: Path | None, pace: bool | None,
             checkpoint_every: int | None, socket_path: str | None, dsn: str | None,
@@ -166,9 +141,9 @@ def run_cmd(steps: int, agents: str | None, mode: str | None, seed: int | None,
             config_file: Path | None, log_format: str | None, verbose: int,
             quiet: int) -> None:
     """Run one session to completion on this host (through the queue) and print a summary."""
-    from flyd.run import RunOptions, parse_agents, run_session
+    from flyd.cli.run import RunOptions, parse_agents, run_session
 
-    log = _log_flags(log_format, verbose, quiet)
+    log = log_flags(log_format, verbose, quiet)
     opts = RunOptions(steps=steps, agents=None if agents is None else parse_agents(agents),
                       mode=mode, seed=seed, dispatch=dispatch, faults=faults, trace=trace,
                       pace=pace, checkpoint_every=checkpoint_every, socket=socket_path,
@@ -193,16 +168,16 @@ def run_cmd(steps: int, agents: str | None, mode: str | None, seed: int | None,
 @click.option("--sim-clock", type=click.Path(path_type=Path), hidden=True)
 @click.option("--time-scale", type=float, default=1.0, hidden=True)
 @click.option("--clock-rate", type=float, default=1.0, hidden=True)
-@_global_options
+@global_options
 def serve_cmd(dsn: str | None, socket_path: str | None, state_dir: Path | None,
               node_name: str | None, capacity: int | None, router: bool | None,
               lease_ttl: float | None, as_json: bool, sim_clock: Path | None,
               time_scale: float, clock_rate: float, config_file: Path | None,
               log_format: str | None, verbose: int, quiet: int) -> None:
     """Run the node service: claim, execute and finish runs from the queue until drained."""
-    from flyd.serve import ServeOptions, serve
+    from flyd.cli.serve import ServeOptions, serve
 
-    log = _log_flags(log_format, verbose, quiet)
+    log = log_flags(log_format, verbose, quiet)
     opts = ServeOptions(config_file=config_file, dsn=dsn, socket=socket_path,
                         state_dir=state_dir, node_name=node_name, capacity=capacity,
                         router=router, lease_ttl=lease_ttl, as_json=as_json,
@@ -242,13 +217,13 @@ def db_group() -> None:
 @click.option("--dsn", help="PostgreSQL DSN (default: FLYD_DSN, [database] dsn, else the "
                             "embedded server under the state dir).")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON on stdout.")
-@_global_options
+@global_options
 def db_migrate_cmd(dsn: str | None, as_json: bool, config_file: Path | None,
                    log_format: str | None, verbose: int, quiet: int) -> None:
     """Apply the schema migrations and print the schema version."""
     from flyd.leases.migrate import MigrationError
 
-    log = _log_flags(log_format, verbose, quiet)
+    log = log_flags(log_format, verbose, quiet)
     try:
         config = _load_cli_config(config_file, log, {"database.dsn": dsn})
         version = uvloop.run(_migrate(config))
@@ -295,14 +270,14 @@ def config_group() -> None:
 @click.option("--router/--no-router", default=None, help="As `flyd serve --router`.")
 @click.option("--lease-ttl", type=float, help="As `flyd serve --lease-ttl`.")
 @click.option("--json", "as_json", is_flag=True, help="Print the configuration as JSON.")
-@_global_options
+@global_options
 def config_show_cmd(dsn: str | None, socket_path: str | None, state_dir: str | None,
                     node_name: str | None, capacity: int | None, router: bool | None,
                     lease_ttl: float | None, as_json: bool, config_file: Path | None,
                     log_format: str | None, verbose: int, quiet: int) -> None:
     """Print the effective configuration: every key with its value and source (`serve`'s
     flags are accepted, so the output is what `flyd serve` with them would use)."""
-    log = _log_flags(log_format, verbose, quiet)
+    log = log_flags(log_format, verbose, quiet)
     flags: dict[str, object] = {
         "database.dsn": dsn, "bus.socket": socket_path, "node.state_dir": state_dir,
         "node.name": node_name, "node.capacity": capacity, "node.router": router,
@@ -329,33 +304,13 @@ def flyctl_main() -> None:
     """flyctl: inspect and steer running flyd nodes."""
 
 
-def _ctl_options(fn: click.decorators.FC) -> click.decorators.FC:
-    """`--socket`, `--dsn` and `--json`, which every `flyctl` command takes (cli.md §7)."""
-    fn = click.option("--socket", "socket_path",
-                      help="Router socket (default: FLYD_SOCKET, [bus] socket, else the "
-                           "per-user default in docs/configuration.md).")(fn)
-    fn = click.option("--dsn", help="PostgreSQL DSN (default: FLYD_DSN, [database] dsn, else a "
-                                    "running embedded server under the state dir).")(fn)
-    fn = click.option("--json", "as_json", is_flag=True, help="Print JSON on stdout.")(fn)
-    return _global_options(fn)
-
-
-def _node_option(fn: click.decorators.FC) -> click.decorators.FC:
-    return click.option("--node", help="Node id or a unique prefix of one.")(fn)
-
-
 @flyctl_main.command("status", cls=_JsonErrors)
-@_node_option
-@_ctl_options
-def ctl_status_cmd(node: str | None, socket_path: str | None, dsn: str | None, as_json: bool,
-                   config_file: Path | None, log_format: str | None, verbose: int,
-                   quiet: int) -> None:
+@ctl_options(node=True)
+def ctl_status_cmd(call: CtlCall) -> None:
     """Router, nodes and per run its workers (the database view when no node answers)."""
-    from flyd import ctl
+    from flyd.cli import flyctl
 
-    opts = ctl.CtlOptions(config_file, socket_path, dsn, node,
-                          log=_log_flags(log_format, verbose, quiet, quiet_default=1))
-    sys.exit(ctl.execute("status", as_json, lambda: ctl.status(opts)))
+    sys.exit(flyctl.execute("status", call.as_json, lambda: flyctl.status(call.options)))
 
 
 @flyctl_main.command("kill", cls=_JsonErrors)
@@ -363,32 +318,22 @@ def ctl_status_cmd(node: str | None, socket_path: str | None, dsn: str | None, a
 @click.option("--run", "run_id", type=click.IntRange(min=1), help="The run of the worker.")
 @click.option("--signal", "signal_name", type=click.Choice(["KILL", "TERM"]), default="KILL",
               show_default=True, help="KILL: by force; TERM: Worker.Shutdown, then by force.")
-@_node_option
-@_ctl_options
-def ctl_kill_cmd(worker: str, run_id: int | None, signal_name: str, node: str | None,
-                 socket_path: str | None, dsn: str | None, as_json: bool,
-                 config_file: Path | None, log_format: str | None, verbose: int,
-                 quiet: int) -> None:
+@ctl_options(node=True)
+def ctl_kill_cmd(worker: str, run_id: int | None, signal_name: str, call: CtlCall) -> None:
     """Stop one worker of a held run (`Control.Kill`); `AlreadyGone` exits 1."""
-    from flyd import ctl
+    from flyd.cli import flyctl
 
-    opts = ctl.CtlOptions(config_file, socket_path, dsn, node,
-                          log=_log_flags(log_format, verbose, quiet, quiet_default=1))
-    sys.exit(ctl.execute("kill", as_json, lambda: ctl.kill(opts, worker, run_id, signal_name)))
+    sys.exit(flyctl.execute("kill", call.as_json,
+                            lambda: flyctl.kill(call.options, worker, run_id, signal_name)))
 
 
 @flyctl_main.command("drain", cls=_JsonErrors)
-@_node_option
-@_ctl_options
-def ctl_drain_cmd(node: str | None, socket_path: str | None, dsn: str | None, as_json: bool,
-                  config_file: Path | None, log_format: str | None, verbose: int,
-                  quiet: int) -> None:
+@ctl_options(node=True)
+def ctl_drain_cmd(call: CtlCall) -> None:
     """Gracefully shut a node down (`Control.Drain`)."""
-    from flyd import ctl
+    from flyd.cli import flyctl
 
-    opts = ctl.CtlOptions(config_file, socket_path, dsn, node,
-                          log=_log_flags(log_format, verbose, quiet, quiet_default=1))
-    sys.exit(ctl.execute("drain", as_json, lambda: ctl.drain(opts)))
+    sys.exit(flyctl.execute("drain", call.as_json, lambda: flyctl.drain(call.options)))
 
 
 @flyctl_main.group("runs")
@@ -398,96 +343,68 @@ def ctl_runs_group() -> None:
 
 @ctl_runs_group.command("submit", cls=_JsonErrors)
 @click.option("--steps", type=int, default=600, show_default=True, help="Transitions to run.")
-@click.option("--agents", help="Agent ids, bound to ports p1, p2, ... in order.")
-@click.option("--mode", type=click.Choice(["process", "thread", "in-process", "inprocess"]),
-              help="Execution mode of the workers (default [session] mode).")
-@click.option("--seed", type=int, help="Master seed; agents switch to derived seeds.")
-@click.option("--checkpoint-every", type=int,
-              help="Durable checkpoint cadence in steps (default [checkpoints] every_steps).")
-@click.option("--dispatch", type=click.Choice(["concurrent", "sequential", "reversed"]),
-              help="Dispatch order (default [session] dispatch).")
-@click.option("--pace/--no-pace", default=None,
-              help="Pace transitions at world time (default [session] pacing).")
-@click.option("--fault", "faults", multiple=True, metavar="SPEC",
-              help="Fault injection (repeatable), as for `flyd run`.")
+@run_spec_options
 @click.option("--key", help="Idempotency key: a second submit with it returns the same run.")
 @click.option("--max-attempts", type=int, help="Grant attempts (default [leases] max_attempts).")
-@_ctl_options
+@ctl_options()
 def ctl_runs_submit_cmd(steps: int, agents: str | None, mode: str | None, seed: int | None,
                         checkpoint_every: int | None, dispatch: str | None,
-                        pace: bool | None,
-                        faults: tuple[str, ...], key: str | None, max_attempts: int | None,
-                        socket_path: str | None, dsn: str | None, as_json: bool,
-                        config_file: Path | None, log_format: str | None, verbose: int,
-                        quiet: int) -> None:
+                        pace: bool | None, faults: tuple[str, ...], key: str | None,
+                        max_attempts: int | None, call: CtlCall) -> None:
     """Build, validate and insert a run spec; prints its id."""
-    from flyd import ctl
-    from flyd.run import RunOptions, parse_agents
+    from flyd.cli import flyctl
+    from flyd.cli.run import RunOptions, parse_agents
 
-    opts = ctl.CtlOptions(config_file, socket_path, dsn,
-                          log=_log_flags(log_format, verbose, quiet, quiet_default=1))
     run = RunOptions(steps=steps, agents=None if agents is None else parse_agents(agents),
                      mode=mode, seed=seed, dispatch=dispatch, faults=faults, pace=pace,
                      checkpoint_every=checkpoint_every)
-    sys.exit(ctl.execute("runs submit", as_json,
-                         lambda: ctl.runs_submit(opts, run, key, max_attempts)))
+    sys.exit(flyctl.execute("runs submit", call.as_json,
+                            lambda: flyctl.runs_submit(call.options, run, key, max_attempts)))
 
 
 @ctl_runs_group.command("list", cls=_JsonErrors)
 @click.option("--state", type=click.Choice(["pending", "running", "succeeded", "failed",
                                             "cancelled"]), help="Only runs in this state.")
-@_ctl_options
-def ctl_runs_list_cmd(state: str | None, socket_path: str | None, dsn: str | None,
-                      as_json: bool, config_file: Path | None, log_format: str | None,
-                      verbose: int, quiet: int) -> None:
+@ctl_options()
+def ctl_runs_list_cmd(state: str | None, call: CtlCall) -> None:
     """Runs with state, lease epoch, attempts, owner, lease expiry and boundary."""
-    from flyd import ctl
+    from flyd.cli import flyctl
 
-    opts = ctl.CtlOptions(config_file, socket_path, dsn,
-                          log=_log_flags(log_format, verbose, quiet, quiet_default=1))
-    sys.exit(ctl.execute("runs list", as_json, lambda: ctl.runs_list(opts, state)))
+    sys.exit(flyctl.execute("runs list", call.as_json,
+                            lambda: flyctl.runs_list(call.options, state)))
 
 
 @ctl_runs_group.command("show", cls=_JsonErrors)
 @click.argument("run_id", metavar="RUN", type=click.IntRange(min=1))
-@_ctl_options
-def ctl_runs_show_cmd(run_id: int, socket_path: str | None, dsn: str | None, as_json: bool,
-                      config_file: Path | None, log_format: str | None, verbose: int,
-                      quiet: int) -> None:
+@ctl_options()
+def ctl_runs_show_cmd(run_id: int, call: CtlCall) -> None:
     """One run: grants, checkpoints, effects, outcome; live phase and events from its holder."""
-    from flyd import ctl
+    from flyd.cli import flyctl
 
-    opts = ctl.CtlOptions(config_file, socket_path, dsn,
-                          log=_log_flags(log_format, verbose, quiet, quiet_default=1))
-    sys.exit(ctl.execute("runs show", as_json, lambda: ctl.runs_show(opts, run_id)))
+    sys.exit(flyctl.execute("runs show", call.as_json,
+                            lambda: flyctl.runs_show(call.options, run_id)))
 
 
 @ctl_runs_group.command("cancel", cls=_JsonErrors)
 @click.argument("run_id", metavar="RUN", type=click.IntRange(min=1))
-@_ctl_options
-def ctl_runs_cancel_cmd(run_id: int, socket_path: str | None, dsn: str | None, as_json: bool,
-                        config_file: Path | None, log_format: str | None, verbose: int,
-                        quiet: int) -> None:
+@ctl_options()
+def ctl_runs_cancel_cmd(run_id: int, call: CtlCall) -> None:
     """Request cancellation of a run."""
-    from flyd import ctl
+    from flyd.cli import flyctl
 
-    opts = ctl.CtlOptions(config_file, socket_path, dsn,
-                          log=_log_flags(log_format, verbose, quiet, quiet_default=1))
-    sys.exit(ctl.execute("runs cancel", as_json, lambda: ctl.runs_cancel(opts, run_id)))
+    sys.exit(flyctl.execute("runs cancel", call.as_json,
+                            lambda: flyctl.runs_cancel(call.options, run_id)))
 
 
 @ctl_runs_group.command("requeue", cls=_JsonErrors)
 @click.argument("run_id", metavar="RUN", type=click.IntRange(min=1))
-@_ctl_options
-def ctl_runs_requeue_cmd(run_id: int, socket_path: str | None, dsn: str | None, as_json: bool,
-                         config_file: Path | None, log_format: str | None, verbose: int,
-                         quiet: int) -> None:
+@ctl_options()
+def ctl_runs_requeue_cmd(run_id: int, call: CtlCall) -> None:
     """Put a failed run back to pending (logged in flyd.interventions)."""
-    from flyd import ctl
+    from flyd.cli import flyctl
 
-    opts = ctl.CtlOptions(config_file, socket_path, dsn,
-                          log=_log_flags(log_format, verbose, quiet, quiet_default=1))
-    sys.exit(ctl.execute("runs requeue", as_json, lambda: ctl.runs_requeue(opts, run_id)))
+    sys.exit(flyctl.execute("runs requeue", call.as_json,
+                            lambda: flyctl.runs_requeue(call.options, run_id)))
 
 
 
@@ -498,16 +415,13 @@ def ctl_checkpoints_group() -> None:
 
 @ctl_checkpoints_group.command("list", cls=_JsonErrors)
 @click.argument("run_id", metavar="RUN", type=click.IntRange(min=1))
-@_ctl_options
-def ctl_checkpoints_list_cmd(run_id: int, socket_path: str | None, dsn: str | None,
-                             as_json: bool, config_file: Path | None, log_format: str | None,
-                             verbose: int, quiet: int) -> None:
+@ctl_options()
+def ctl_checkpoints_list_cmd(run_id: int, call: CtlCall) -> None:
     """A run's generations, newest first."""
-    from flyd import ctl
+    from flyd.cli import flyctl
 
-    opts = ctl.CtlOptions(config_file, socket_path, dsn,
-                          log=_log_flags(log_format, verbose, quiet, quiet_default=1))
-    sys.exit(ctl.execute("checkpoints list", as_json, lambda: ctl.checkpoints_list(opts, run_id)))
+    sys.exit(flyctl.execute("checkpoints list", call.as_json,
+                            lambda: flyctl.checkpoints_list(call.options, run_id)))
 
 
 @ctl_checkpoints_group.command("export", cls=_JsonErrors)
@@ -515,57 +429,40 @@ def ctl_checkpoints_list_cmd(run_id: int, socket_path: str | None, dsn: str | No
 @click.option("--id", "checkpoint_id", help="The generation (default: the head).")
 @click.option("-o", "out", required=True, type=click.Path(dir_okay=False, path_type=Path),
               help="The .flysess file to write.")
-@_ctl_options
+@ctl_options()
 def ctl_checkpoints_export_cmd(run_id: int, checkpoint_id: str | None, out: Path,
-                               socket_path: str | None, dsn: str | None, as_json: bool,
-                               config_file: Path | None, log_format: str | None, verbose: int,
-                               quiet: int) -> None:
+                               call: CtlCall) -> None:
     """Write a generation (after its integrity checks) to a file."""
-    from flyd import ctl
+    from flyd.cli import flyctl
 
-    opts = ctl.CtlOptions(config_file, socket_path, dsn,
-                          log=_log_flags(log_format, verbose, quiet, quiet_default=1))
-    sys.exit(ctl.execute("checkpoints export", as_json,
-                         lambda: ctl.checkpoints_export(opts, run_id, checkpoint_id, out)))
+    sys.exit(flyctl.execute(
+        "checkpoints export", call.as_json,
+        lambda: flyctl.checkpoints_export(call.options, run_id, checkpoint_id, out)))
 
 
 @ctl_checkpoints_group.command("import", cls=_JsonErrors)
 @click.argument("file", type=click.Path(exists=True, dir_okay=False, path_type=Path))
 @click.option("--steps", type=int, default=600, show_default=True,
               help="Total boundary target counted from 0 (above the imported boundary).")
-@click.option("--agents", help="Agent ids, bound to ports p1, p2, ... in order.")
-@click.option("--mode", type=click.Choice(["process", "thread", "in-process", "inprocess"]),
-              help="Execution mode of the workers (default [session] mode).")
-@click.option("--seed", type=int, help="Master seed; agents switch to derived seeds.")
-@click.option("--checkpoint-every", type=int,
-              help="Durable checkpoint cadence in steps (default [checkpoints] every_steps).")
-@click.option("--dispatch", type=click.Choice(["concurrent", "sequential", "reversed"]),
-              help="Dispatch order (default [session] dispatch).")
-@click.option("--pace/--no-pace", default=None,
-              help="Pace transitions at world time (default [session] pacing).")
-@click.option("--fault", "faults", multiple=True, metavar="SPEC",
-              help="Fault injection (repeatable), as for `flyd run`.")
+@run_spec_options
 @click.option("--key", help="Idempotency key of the submitted run.")
 @click.option("--max-attempts", type=int, help="Grant attempts (default [leases] max_attempts).")
-@_ctl_options
+@ctl_options()
 def ctl_checkpoints_import_cmd(file: Path, steps: int, agents: str | None, mode: str | None,
                                seed: int | None, checkpoint_every: int | None,
                                dispatch: str | None, pace: bool | None,
                                faults: tuple[str, ...], key: str | None,
-                               max_attempts: int | None, socket_path: str | None,
-                               dsn: str | None, as_json: bool, config_file: Path | None,
-                               log_format: str | None, verbose: int, quiet: int) -> None:
+                               max_attempts: int | None, call: CtlCall) -> None:
     """Submit a new run that starts from the file's checkpoint."""
-    from flyd import ctl
-    from flyd.run import RunOptions, parse_agents
+    from flyd.cli import flyctl
+    from flyd.cli.run import RunOptions, parse_agents
 
-    opts = ctl.CtlOptions(config_file, socket_path, dsn,
-                          log=_log_flags(log_format, verbose, quiet, quiet_default=1))
     run = RunOptions(steps=steps, agents=None if agents is None else parse_agents(agents),
                      mode=mode, seed=seed, dispatch=dispatch, faults=faults, pace=pace,
                      checkpoint_every=checkpoint_every)
-    sys.exit(ctl.execute("checkpoints import", as_json,
-                         lambda: ctl.checkpoints_import(opts, file, run, key, max_attempts)))
+    sys.exit(flyctl.execute(
+        "checkpoints import", call.as_json,
+        lambda: flyctl.checkpoints_import(call.options, file, run, key, max_attempts)))
 
 
 @ctl_checkpoints_group.command("verify", cls=_JsonErrors)
@@ -573,21 +470,18 @@ def ctl_checkpoints_import_cmd(file: Path, steps: int, agents: str | None, mode:
                                                         path_type=Path))
 @click.option("--run", "run_id", type=click.IntRange(min=1), help="Verify a stored generation.")
 @click.option("--id", "checkpoint_id", help="The stored generation (default: the head).")
-@_ctl_options
+@ctl_options()
 def ctl_checkpoints_verify_cmd(file: Path | None, run_id: int | None,
-                               checkpoint_id: str | None, socket_path: str | None,
-                               dsn: str | None, as_json: bool, config_file: Path | None,
-                               log_format: str | None, verbose: int, quiet: int) -> None:
+                               checkpoint_id: str | None, call: CtlCall) -> None:
     """Check a .flysess file, or a stored generation (--run), without restoring it.
 
     A file gets the reader's checks (format, digests, sizes, compatibility); a stored
     generation also its integrity against the database. docs/state.md lists every check."""
-    from flyd import ctl
+    from flyd.cli import flyctl
 
-    opts = ctl.CtlOptions(config_file, socket_path, dsn,
-                          log=_log_flags(log_format, verbose, quiet, quiet_default=1))
-    sys.exit(ctl.execute("checkpoints verify", as_json,
-                         lambda: ctl.checkpoints_verify(opts, file, run_id, checkpoint_id)))
+    sys.exit(flyctl.execute(
+        "checkpoints verify", call.as_json,
+        lambda: flyctl.checkpoints_verify(call.options, file, run_id, checkpoint_id)))
 
 
 def main() -> None:
