@@ -112,7 +112,6 @@ from flyd.state.writer import (
 )
 from flyd.trace import EpochRebase, TraceLog
 from workers.canonical import canonical, controls_digest, typed_digest
-from workers.clock import RationalNs
 from workers.composition import composition_digest, config_asset
 from workers.datatypes import (
     AudioRef,
@@ -134,6 +133,7 @@ from workers.rpc import Answered, CallOutcome, Expired, Outcome, Refused, answer
 from workers.shell import contract_digest, load_plugin, method_validator
 from workers.synthetic.audio import AudioTimelines
 from workers.synthetic.schemas import DECISION
+from workers.ticks import RationalNs
 
 __all__ = [
     "RESOLVE_PAUSE",

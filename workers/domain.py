@@ -35,7 +35,7 @@ points: 511 plus `…`), `from_json()` validates one strictly.
 
 The spec's module map names this module as the home of the whole §1 surface (request and
 outcome codec, canonical JSON, digests, shared types). Each of those concepts lives in its own
-module (`workers.canonical`, `workers.rpc`, `workers.datatypes`, `workers.clock`); they raise
+module (`workers.canonical`, `workers.rpc`, `workers.datatypes`, `workers.ticks`); they raise
 `DomainError`, so they import this one, and this one imports none of them: the dependency runs
 one way, from the §1 modules down to this leaf.
 

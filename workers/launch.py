@@ -74,7 +74,6 @@ from dataclasses import dataclass, field
 from typing import Any, Final, Literal, NoReturn
 
 from workers.canonical import canonical, parse_strict
-from workers.clock import RationalNs
 from workers.domain import (
     U64_MAX,
     DomainError,
@@ -83,6 +82,7 @@ from workers.domain import (
     short,
 )
 from workers.faults import KNOBS, Faults, Role
+from workers.ticks import RationalNs
 
 __all__ = [
     "DEFAULT_MODEL",

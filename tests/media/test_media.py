@@ -31,7 +31,6 @@ from flyd.runspec import RunSpec
 from tests.session.harness import ALL_MODES, Fixture, SessionHarness
 from tests.session.worker_rig import agent_init_params, control, env_init_params
 from workers.agent import AgentEndpoint
-from workers.clock import RationalNs
 from workers.datatypes import (
     AUDIO_CONTENT_TYPE,
     AudioRef,
@@ -50,6 +49,7 @@ from workers.protocols import AgentModel, DecodedView
 from workers.shell import Endpoint, endpoint_for
 from workers.synthetic.arena import CounterArena
 from workers.synthetic.audio import AudioTimeline, AudioTimelines
+from workers.ticks import RationalNs
 
 pytestmark = pytest.mark.timeout(60)
 

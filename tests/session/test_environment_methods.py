@@ -25,7 +25,6 @@ from tests.session.worker_rig import (
     wait_for,
 )
 from workers.canonical import controls_digest
-from workers.clock import RationalNs
 from workers.composition import config_asset
 from workers.datatypes import PortControl
 from workers.domain import DomainError, Scope
@@ -34,6 +33,7 @@ from workers.rpc import Request
 from workers.shell import Call, Endpoint
 from workers.synthetic import CounterArena
 from workers.synthetic.frame import render_frame
+from workers.ticks import RationalNs
 
 __all__ = ["rig"]
 

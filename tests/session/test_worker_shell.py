@@ -773,7 +773,7 @@ def every_fault_launches() -> list[WorkerLaunch]:
 
 
 def shell_module_step() -> Any:
-    from workers.clock import RationalNs
+    from workers.ticks import RationalNs
 
     return RationalNs(1, 3)
 

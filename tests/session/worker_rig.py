@@ -34,7 +34,6 @@ from bus.errors import CallGone, NoService
 from bus.policy import Policy
 from bus.router import Router, RouterConfig
 from workers.canonical import typed_digest
-from workers.clock import RationalNs
 from workers.composition import config_asset
 from workers.datatypes import VIEW_CONTENT_TYPE, ViewRef, encode_media
 from workers.faults import Faults
@@ -43,6 +42,7 @@ from workers.shell import Endpoint, endpoint_for, run_worker
 from workers.synthetic import FakeBrain
 from workers.synthetic.frame import render_frame
 from workers.synthetic.task import context
+from workers.ticks import RationalNs
 
 ROOT = Path(__file__).resolve().parents[2] / "schemas" / "session"
 SESSION = "demo"
