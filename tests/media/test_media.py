@@ -46,7 +46,8 @@ from workers.environment import EnvironmentEndpoint
 from workers.faults import Faults
 from workers.launch import WorkerLaunch
 from workers.protocols import AgentModel, DecodedView
-from workers.shell import Endpoint, endpoint_for
+from workers.roles import endpoint_for
+from workers.shell import Endpoint
 from workers.synthetic.arena import CounterArena
 from workers.synthetic.audio import AudioTimeline, AudioTimelines
 from workers.ticks import RationalNs
