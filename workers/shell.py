@@ -648,7 +648,7 @@ class WorkerShell:
             if call.method == "Worker.Shutdown":
                 result = self._shutdown_check(call)
             else:
-                result = self._read_only_handlers[call.method](self, call)
+                result = self.READ_ONLY_HANDLERS[call.method](self, call)
         except DomainError as exc:
             outcome = self._outcome(call.request, error=exc)
             self.read_only_history.append((call.method, outcome))
@@ -733,7 +733,8 @@ class WorkerShell:
         self._log.info("worker.shutdown", reason=call.params["reason"])
         return {"stopping": True}
 
-    _read_only_handlers: ClassVar[dict[str, Callable[[WorkerShell, Call], dict[str, Any]]]] = {
+    #: the `Worker.*` methods answered at once from the status cell (pipeline step 4), by name
+    READ_ONLY_HANDLERS: ClassVar[dict[str, Callable[[WorkerShell, Call], dict[str, Any]]]] = {
         "Worker.Hello": _hello,
         "Worker.Status": _status,
         "Worker.Acknowledge": _acknowledge,

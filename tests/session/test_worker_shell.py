@@ -873,7 +873,7 @@ async def test_a_read_only_handler_bug_is_internal_and_changes_nothing(
         raise KeyError("oops")
 
     await rig.start(agent_launch(rig.socket))
-    monkeypatch.setitem(WorkerShell._read_only_handlers, "Worker.Status", broken)
+    monkeypatch.setitem(WorkerShell.READ_ONLY_HANDLERS, "Worker.Status", broken)
     error = await rig.error("fly-a", "Worker.Status", {})
     assert error == {"code": "INTERNAL", "message": "Worker.Status failed: KeyError",
                      "mutation": "none"}
