@@ -19,11 +19,11 @@ from workers.agent import AgentEndpoint
 from workers.environment import EnvironmentEndpoint
 from workers.faults import Role
 from workers.launch import WorkerLaunch
-from workers.shell import Endpoint
+from workers.shell import Endpoint, EndpointFactory
 
 __all__ = ["ENDPOINTS", "endpoint_for"]
 
-ENDPOINTS: Final[dict[Role, type[AgentEndpoint] | type[EnvironmentEndpoint]]] = {
+ENDPOINTS: Final[dict[Role, EndpointFactory]] = {
     "agent": AgentEndpoint,
     "environment": EnvironmentEndpoint,
 }
