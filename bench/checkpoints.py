@@ -45,7 +45,7 @@ from flyd.state.checkpoints import CommitJob, DirectCommitPath, PgCheckpointStor
 from flyd.state.compat import STATE_FORMAT_ID
 from flyd.state.envelope import encode
 from workers.canonical import canonical, digest_bytes, digest_of
-from workers.clock import RationalNs
+from workers.ticks import RationalNs
 
 ROOT = Path(__file__).resolve().parent.parent
 LOCAL = "postgresql://postgres@127.0.0.1:5432/postgres"

@@ -2,6 +2,11 @@
 
 Limits are plain data, validated once at router start; an out-of-range value names its key so
 the operator can fix the configuration (the router then exits with code 2).
+
+`result_frame(...)` is the one rule for the size a reply counts against `maxEnvelopeBytes`
+(wire.md §7.4 `bus.reply` check 4): the `bus.result` frame with the longest delivery id. The
+router builds that frame to check and route a reply; a worker builds it with the longest call
+id too, to check a large reply before sending it.
 """
 
 from __future__ import annotations
@@ -10,11 +15,17 @@ import re
 from dataclasses import dataclass, fields
 from typing import Any, Final
 
+import orjson
+
 MAX_CONSUME_BATCH: Final = 64
 MAX_JSON_DEPTH: Final = 128
 REMEMBERED_INCARNATIONS: Final = 1024
 REMEMBERED_CLIENT_IDS: Final = 4096
 FRAMES_PER_TURN: Final = 32
+#: the largest request id, call id and delivery serial (2^53-1, exact in every JSON reader)
+MAX_ID: Final = 2**53 - 1
+#: the longest delivery id: a `bus.result` frame is sized with it, whichever id it gets
+LONGEST_DELIVERY_ID: Final = f"dlv-{MAX_ID}"
 
 
 class LimitError(ValueError):
@@ -117,3 +128,21 @@ HELLO_KEYS: Final = (
 
 def snake_case(name: str) -> str:
     return re.sub(r"(?<!^)(?=[A-Z])", "_", name).lower()
+
+
+def result_frame(call_id: int, service_incarnation: str, responder: Any, outcome: Any) -> bytes:
+    """The `bus.result` frame body of a reply, its delivery id the longest one: its length is
+    the size checked against `maxEnvelopeBytes`, whatever delivery id the caller gets.
+    `responder` is `{clientId, clientIncarnation}` and `outcome` the reply's outcome, each as a
+    JSON value or an `orjson.Fragment` already encoded."""
+    return orjson.dumps({
+        "jsonrpc": "2.0",
+        "method": "bus.result",
+        "params": {
+            "deliveryId": LONGEST_DELIVERY_ID,
+            "callId": call_id,
+            "serviceIncarnation": service_incarnation,
+            "responder": responder,
+            "outcome": outcome,
+        },
+    })

@@ -41,9 +41,9 @@ from flyd.state.envelope import (
     payload_names,
 )
 from workers.canonical import canonical, digest_bytes
-from workers.clock import RationalNs
 from workers.composition import composition_digest
 from workers.synthetic.arena import CounterArena
+from workers.ticks import RationalNs
 
 TARGET: Final = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / \
     "checkpoint-envelope.json"

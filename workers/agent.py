@@ -39,7 +39,6 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Final
 
 from workers.canonical import digest_of, typed_digest
-from workers.clock import RationalNs, TickAccumulator
 from workers.datatypes import (
     VIEW_CONTENT_TYPE,
     AssetRef,
@@ -74,6 +73,7 @@ from workers.state import (
     plugin_blob,
     wrapper_object,
 )
+from workers.ticks import RationalNs, TickAccumulator
 
 __all__ = ["AgentEndpoint", "AgentParticipant", "StagedAgent"]
 

@@ -50,7 +50,6 @@ from typing import Any, Final, Literal, cast
 import orjson
 
 from workers.canonical import canonical, canonical_size, plain
-from workers.clock import RationalNs
 from workers.domain import (
     DomainError,
     ErrorCode,
@@ -65,6 +64,7 @@ from workers.domain import (
     parse_u64,
     short,
 )
+from workers.ticks import RationalNs
 
 __all__ = [
     "AUDIO_CONTENT_TYPE",

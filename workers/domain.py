@@ -35,10 +35,9 @@ points: 511 plus `…`), `from_json()` validates one strictly.
 
 The spec's module map names this module as the home of the whole §1 surface (request and
 outcome codec, canonical JSON, digests, shared types). Each of those concepts lives in its own
-module (`workers.canonical`, `workers.rpc`, `workers.datatypes`, `workers.clock`), and those
-modules raise `DomainError`, so they import this one; to keep `from workers.domain import X`
-working for every §1 name without an import cycle, the other names are re-exported lazily
-(PEP 562 `__getattr__`).
+module (`workers.canonical`, `workers.rpc`, `workers.datatypes`, `workers.ticks`); they raise
+`DomainError`, so they import this one, and this one imports none of them: the dependency runs
+one way, from the §1 modules down to this leaf.
 
 Resolved ambiguities:
 - `RequestId` parsing refuses `req-0` unless `allow_zero=True` (outcomes only, §1.4).
@@ -48,99 +47,42 @@ Resolved ambiguities:
 
 from __future__ import annotations
 
-import importlib
 import math
 import re
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import TYPE_CHECKING, Any, Final, Literal
+from typing import Any, Final, Literal
 
 __all__ = [
     "BEFORE_MUTATION",
-    "BUS_ONLY_KEYS",
     "CODES",
     "I32_MAX",
     "I32_MIN",
     "MAX_MESSAGE_CODE_POINTS",
     "MAX_WORKER_ID",
     "U64_MAX",
-    "Answered",
-    "AssetRef",
-    "AudioBudget",
-    "AudioDescriptor",
-    "AudioRef",
-    "AxisSpec",
-    "AxisValue",
-    "ButtonState",
-    "CallOutcome",
     "CodeRule",
-    "ControllerSchema",
     "DomainError",
-    "EnvironmentDescriptor",
     "ErrorCode",
-    "Expired",
-    "Graph",
-    "Learning",
-    "MediaBlob",
     "Mutation",
-    "Outcome",
-    "PixelAspect",
-    "PortControl",
-    "PortSpec",
-    "RateRole",
-    "RationalNs",
-    "Refused",
-    "Request",
-    "Reward",
-    "SchemaRef",
     "Scope",
-    "SensoryInput",
-    "Stimulus",
-    "Telemetry",
-    "TickAccumulator",
-    "TypedValue",
-    "ViewDescriptor",
-    "ViewRef",
-    "WorldObservation",
-    "answer",
-    "body_digest",
-    "canonical",
-    "check_controls",
-    "check_outcome",
-    "check_port_control",
     "clip_message",
-    "controls_digest",
-    "decode_audio",
-    "decode_media",
-    "decode_view",
-    "digest_bytes",
-    "digest_of",
-    "divide_floor",
-    "encode_media",
     "format_request_id",
     "format_u64",
-    "from_bus_error",
-    "is_canonical",
     "is_id",
-    "map_bus_error",
     "parse_bool",
     "parse_digest",
     "parse_finite",
     "parse_i32",
     "parse_id",
     "parse_int",
-    "parse_request",
     "parse_request_id",
     "parse_scope",
-    "parse_strict",
     "parse_string",
     "parse_u64",
     "parse_worker_id",
-    "readable_request_id",
     "serial",
     "short",
-    "typed_digest",
-    "unparsable_outcome",
 ]
 
 U64_MAX: Final = 2**64 - 1
@@ -477,101 +419,3 @@ class Scope:
 def parse_scope(value: Any, what: str = "scope") -> Scope | None:
     """A `Scope` or JSON null."""
     return None if value is None else Scope.from_json(value, what)
-
-
-# --------------------------------------------------------------------------------------------
-# Lazy re-exports of the rest of §1 (see the module docstring)
-
-_REEXPORTS: Final[dict[str, str]] = {
-    **dict.fromkeys(
-        ("canonical", "parse_strict", "is_canonical", "digest_of", "digest_bytes",
-         "body_digest", "typed_digest", "controls_digest"),
-        "workers.canonical",
-    ),
-    **dict.fromkeys(
-        ("Request", "Outcome", "Answered", "Expired", "Refused", "CallOutcome", "BUS_ONLY_KEYS",
-         "parse_request", "readable_request_id", "unparsable_outcome", "check_outcome",
-         "answer", "map_bus_error", "from_bus_error"),
-        "workers.rpc",
-    ),
-    **dict.fromkeys(
-        ("SchemaRef", "TypedValue", "AssetRef", "MediaBlob", "PixelAspect", "ViewDescriptor",
-         "ViewRef", "AudioDescriptor", "AudioRef", "SensoryInput", "Stimulus", "Reward",
-         "RateRole", "Learning", "Telemetry", "Graph", "AxisSpec", "ControllerSchema",
-         "ButtonState", "AxisValue", "PortControl", "PortSpec", "EnvironmentDescriptor",
-         "WorldObservation", "decode_media", "decode_view", "decode_audio", "encode_media",
-         "check_port_control", "check_controls"),
-        "workers.datatypes",
-    ),
-    **dict.fromkeys(
-        ("RationalNs", "TickAccumulator", "AudioBudget", "divide_floor"), "workers.clock"
-    ),
-}
-
-
-def __getattr__(name: str) -> object:
-    module = _REEXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-if TYPE_CHECKING:  # what the lazy re-exports are, for the type checker
-    from workers.canonical import body_digest as body_digest
-    from workers.canonical import canonical as canonical
-    from workers.canonical import controls_digest as controls_digest
-    from workers.canonical import digest_bytes as digest_bytes
-    from workers.canonical import digest_of as digest_of
-    from workers.canonical import is_canonical as is_canonical
-    from workers.canonical import parse_strict as parse_strict
-    from workers.canonical import typed_digest as typed_digest
-    from workers.clock import AudioBudget as AudioBudget
-    from workers.clock import RationalNs as RationalNs
-    from workers.clock import TickAccumulator as TickAccumulator
-    from workers.clock import divide_floor as divide_floor
-    from workers.datatypes import AssetRef as AssetRef
-    from workers.datatypes import AudioDescriptor as AudioDescriptor
-    from workers.datatypes import AudioRef as AudioRef
-    from workers.datatypes import AxisSpec as AxisSpec
-    from workers.datatypes import AxisValue as AxisValue
-    from workers.datatypes import ButtonState as ButtonState
-    from workers.datatypes import ControllerSchema as ControllerSchema
-    from workers.datatypes import EnvironmentDescriptor as EnvironmentDescriptor
-    from workers.datatypes import Graph as Graph
-    from workers.datatypes import Learning as Learning
-    from workers.datatypes import MediaBlob as MediaBlob
-    from workers.datatypes import PixelAspect as PixelAspect
-    from workers.datatypes import PortControl as PortControl
-    from workers.datatypes import PortSpec as PortSpec
-    from workers.datatypes import RateRole as RateRole
-    from workers.datatypes import Reward as Reward
-    from workers.datatypes import SchemaRef as SchemaRef
-    from workers.datatypes import SensoryInput as SensoryInput
-    from workers.datatypes import Stimulus as Stimulus
-    from workers.datatypes import Telemetry as Telemetry
-    from workers.datatypes import TypedValue as TypedValue
-    from workers.datatypes import ViewDescriptor as ViewDescriptor
-    from workers.datatypes import ViewRef as ViewRef
-    from workers.datatypes import WorldObservation as WorldObservation
-    from workers.datatypes import check_controls as check_controls
-    from workers.datatypes import check_port_control as check_port_control
-    from workers.datatypes import decode_audio as decode_audio
-    from workers.datatypes import decode_media as decode_media
-    from workers.datatypes import decode_view as decode_view
-    from workers.datatypes import encode_media as encode_media
-    from workers.rpc import BUS_ONLY_KEYS as BUS_ONLY_KEYS
-    from workers.rpc import Answered as Answered
-    from workers.rpc import CallOutcome as CallOutcome
-    from workers.rpc import Expired as Expired
-    from workers.rpc import Outcome as Outcome
-    from workers.rpc import Refused as Refused
-    from workers.rpc import Request as Request
-    from workers.rpc import answer as answer
-    from workers.rpc import check_outcome as check_outcome
-    from workers.rpc import from_bus_error as from_bus_error
-    from workers.rpc import map_bus_error as map_bus_error
-    from workers.rpc import parse_request as parse_request
-    from workers.rpc import readable_request_id as readable_request_id
-    from workers.rpc import unparsable_outcome as unparsable_outcome

@@ -50,7 +50,6 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Final, TypeVar
 
 from workers.canonical import controls_digest, digest_bytes, digest_of
-from workers.clock import AudioBudget, RationalNs
 from workers.datatypes import (
     AUDIO_CONTENT_TYPE,
     VIEW_CONTENT_TYPE,
@@ -80,6 +79,7 @@ from workers.state import (
     plugin_blob,
     wrapper_object,
 )
+from workers.ticks import AudioBudget, RationalNs
 
 __all__ = ["EnvironmentEndpoint", "StagedWorld", "ViewPipeline", "WorldParticipant"]
 

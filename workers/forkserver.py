@@ -69,9 +69,10 @@ __all__ = ["MAX_MESSAGE", "PRELOAD", "ROOM", "exit_code", "main", "set_cmdline",
 MAX_MESSAGE: Final = 1 << 20
 #: bytes of command line a forked worker can show (the server's `--room` padding)
 ROOM: Final = 4096
-#: what the server imports before it forks anything: both roles, their shell, the bus client,
-#: the synthetic plugins (the defaults) and the event loop every worker runs
-PRELOAD: Final = ("uvloop", "workers.agent", "workers.environment", "workers.synthetic")
+#: what the server imports before it forks anything: both roles and their map, their shell, the
+#: bus client, the synthetic plugins (the defaults) and the event loop every worker runs
+PRELOAD: Final = ("uvloop", "workers.agent", "workers.environment", "workers.roles",
+                  "workers.synthetic")
 _CRASHED: Final = 70
 
 
@@ -224,10 +225,11 @@ def child(server_pid: int, role: str, argv: Sequence[str], env: dict[str, str], 
         sys.stdin = os.fdopen(0, "r", closefd=False)
         sys.stdout = os.fdopen(1, "w", buffering=1, closefd=False)
         sys.stderr = os.fdopen(2, "w", buffering=1, closefd=False)
+        from workers.roles import endpoint_for
         from workers.shell import main as worker_main
 
-        # the role's endpoint, as `python -m workers.<role>` gives it (`workers.shell.endpoint_for`)
-        code = worker_main(role, list(argv))  # type: ignore[arg-type]
+        # the role's endpoint, as `python -m workers.<role>` gives it
+        code = worker_main(role, list(argv), endpoint_factory=endpoint_for)  # type: ignore[arg-type]
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else 1
     except BaseException:  # the child must end here, whatever happened

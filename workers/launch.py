@@ -74,7 +74,6 @@ from dataclasses import dataclass, field
 from typing import Any, Final, Literal, NoReturn
 
 from workers.canonical import canonical, parse_strict
-from workers.clock import RationalNs
 from workers.domain import (
     U64_MAX,
     DomainError,
@@ -83,6 +82,7 @@ from workers.domain import (
     short,
 )
 from workers.faults import KNOBS, Faults, Role
+from workers.ticks import RationalNs
 
 __all__ = [
     "DEFAULT_MODEL",
@@ -101,6 +101,7 @@ __all__ = [
     "arm_die_with_parent",
     "build_parser",
     "die_with_parent",
+    "libc_prctl",
     "parse_worker_argv",
     "thread_environment",
 ]
@@ -575,7 +576,7 @@ PR_SET_PDEATHSIG: Final = 1
 
 
 @functools.cache
-def _prctl() -> Callable[..., int]:
+def libc_prctl() -> Callable[..., int]:
     """libc `prctl`, resolved before any fork (Linux only). From the process's own symbols
     (`dlopen(NULL)`), not `ctypes.util.find_library`: that runs `ldconfig -p` in a child
     process, and a worker killed while that child ran left it an orphan zombie in the
@@ -589,7 +590,7 @@ def arm_die_with_parent(parent_pid: int | None) -> None:
     already not `parent_pid` (it died before the signal was armed). None does nothing."""
     if parent_pid is None:
         return
-    prctl = _prctl()
+    prctl = libc_prctl()
     if prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) != 0:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
     if os.getppid() != parent_pid:
@@ -605,7 +606,7 @@ def die_with_parent(argv: Sequence[str], **popen_kwargs: Any) -> subprocess.Pope
     """
     if "preexec_fn" in popen_kwargs:
         raise ValueError("die_with_parent installs its own preexec_fn")
-    prctl = _prctl()
+    prctl = libc_prctl()
     parent = os.getpid()
     sigkill = int(signal.SIGKILL)
 

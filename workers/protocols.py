@@ -35,7 +35,6 @@ from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
-from workers.clock import RationalNs
 from workers.datatypes import (
     AssetRef,
     AxisValue,
@@ -49,6 +48,7 @@ from workers.datatypes import (
     TypedValue,
 )
 from workers.domain import DomainError, Scope, format_u64, parse_id, parse_u64
+from workers.ticks import RationalNs
 
 __all__ = [
     "ActionExecutor",

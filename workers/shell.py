@@ -12,9 +12,11 @@ API:
     Call                             one admitted request as an endpoint handler sees it
     Endpoint                         base class of the agent and environment endpoints
     WorkerShell(launch, endpoint)    `await shell.run(stop_event=None) -> exit code`
-    run_worker(launch, *, stop_event=None) -> int      thread / in-process body (§7.1)
-    WorkerThread(launch)             thread mode: own uvloop loop; start/stop/cancel/join
-    main(role, argv, endpoint_factory=None) -> int     `python -m workers.<role>` (§7.5)
+    run_worker(launch, *, stop_event=None, endpoint_factory) -> int
+                                     thread / in-process body (§7.1)
+    WorkerThread(launch, *, endpoint_factory, name=None, on_end=None)
+                                     thread mode: own uvloop loop; start/stop/cancel/join
+    main(role, argv, *, endpoint_factory) -> int       `python -m workers.<role>` (§7.5)
     build_digest(), contract_digest()                 `Worker.Hello` identities (§2.5)
     EXIT_SHUTDOWN 0, EXIT_GATE 1, EXIT_ARGS 2, EXIT_LOST 3, EXIT_REGISTER 4
 
@@ -63,6 +65,8 @@ Resolved ambiguities:
   `run_worker` aborts the connection and re-raises the cancellation.
 - Requests that arrive while `stopping` are refused by the endpoints with `INVALID_PHASE`.
 - The start gate waits at most `GATE_TIMEOUT_S` for its line.
+- The shell is the base layer of the roles: it imports no endpoint. Every body is given its
+  `endpoint_factory`; `workers.roles.endpoint_for` is the one that maps a role to its endpoint.
 - Logging in process mode is configured here (JSON lines or console on stderr), not through
   `flyd.logs`, because `workers` never imports `flyd`.
 """
@@ -124,6 +128,7 @@ __all__ = [
     "MAX_QUEUED",
     "Call",
     "Endpoint",
+    "EndpointFactory",
     "StatusCell",
     "WorkerShell",
     "WorkerState",
@@ -643,7 +648,7 @@ class WorkerShell:
             if call.method == "Worker.Shutdown":
                 result = self._shutdown_check(call)
             else:
-                result = self._read_only_handlers[call.method](self, call)
+                result = self.READ_ONLY_HANDLERS[call.method](self, call)
         except DomainError as exc:
             outcome = self._outcome(call.request, error=exc)
             self.read_only_history.append((call.method, outcome))
@@ -728,7 +733,8 @@ class WorkerShell:
         self._log.info("worker.shutdown", reason=call.params["reason"])
         return {"stopping": True}
 
-    _read_only_handlers: ClassVar[dict[str, Callable[[WorkerShell, Call], dict[str, Any]]]] = {
+    #: the `Worker.*` methods answered at once from the status cell (pipeline step 4), by name
+    READ_ONLY_HANDLERS: ClassVar[dict[str, Callable[[WorkerShell, Call], dict[str, Any]]]] = {
         "Worker.Hello": _hello,
         "Worker.Status": _status,
         "Worker.Acknowledge": _acknowledge,
@@ -739,94 +745,98 @@ class WorkerShell:
 # bodies: in-process, thread, process (§7.1)
 
 EndpointFactory = Callable[[WorkerLaunch], Endpoint]
-
-
-def endpoint_for(launch: WorkerLaunch) -> Endpoint:
-    """The endpoint of a launch's role (imported here: the endpoints import this module)."""
-    if launch.role == "agent":
-        from workers.agent import AgentEndpoint
-
-        return AgentEndpoint(launch)
-    from workers.environment import EnvironmentEndpoint
-
-    return EnvironmentEndpoint(launch)
+"""Builds a launch's endpoint: `workers.roles.endpoint_for`, or a test's or an owner's own."""
 
 
 async def run_worker(launch: WorkerLaunch, *, stop_event: asyncio.Event | None = None,
-                     endpoint_factory: EndpointFactory | None = None) -> int:
+                     endpoint_factory: EndpointFactory) -> int:
     """Build the endpoint (its model/world class is imported and checked now; a refusal is
     raised as `DomainError`), then serve on the running loop until Shutdown (0), a lost or
     aborted connection (3) or a registration conflict (4). The thread and in-process body."""
-    endpoint = (endpoint_factory or endpoint_for)(launch)
+    endpoint = endpoint_factory(launch)
     return await WorkerShell(launch, endpoint).run(stop_event=stop_event)
 
 
 class WorkerThread:
-    """Thread mode (§7.1): the worker on its own uvloop event loop in a dedicated thread.
+    """Thread mode (§7.1): `run_worker` on its own uvloop event loop in a dedicated OS thread.
 
-    `start()`; `stop()` aborts the connection (no reply, no unregister) from any thread;
-    `cancel()` cancels the worker's task; `join(timeout) -> bool` (True when the thread ended).
-    `exit_code` is the body's code, `error` the exception that ended it (a refused launch).
+    `start()` returns at once. `stop()` aborts the connection (no reply, no unregister) and
+    `cancel()` cancels the worker's task; both are thread-safe and hold when called before the
+    loop runs (a cancelled body then never starts). `join(timeout) -> bool` is True when the
+    thread ended. At the end `exit_code` is the body's code, or None when the body raised
+    (`error`, e.g. a refused launch) or was cancelled (`cancelled`). `on_end(thread)` is the
+    thread's last act, so an owner on another loop learns of the end without polling.
     """
 
-    def __init__(self, launch: WorkerLaunch, *,
-                 endpoint_factory: EndpointFactory | None = None) -> None:
+    def __init__(self, launch: WorkerLaunch, *, endpoint_factory: EndpointFactory,
+                 name: str | None = None,
+                 on_end: Callable[[WorkerThread], None] | None = None) -> None:
         self.launch = launch
-        self._factory = endpoint_factory
         self.exit_code: int | None = None
         self.error: BaseException | None = None
+        self.cancelled = False
+        self._factory = endpoint_factory
+        self._on_end = on_end
+        self._lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._task: asyncio.Task[int] | None = None
+        self._task: asyncio.Task[Any] | None = None
         self._stop: asyncio.Event | None = None
-        self._stop_requested = threading.Event()
-        self._ready = threading.Event()
-        self.thread = threading.Thread(target=self._main, name=f"worker-{launch.worker_id}",
-                                       daemon=True)
+        self._stop_requested = False
+        self._cancel_requested = False
+        self.thread = threading.Thread(target=self._main,
+                                       name=name or f"worker-{launch.worker_id}", daemon=True)
 
     def start(self) -> None:
         self.thread.start()
-        self._ready.wait(CONNECT_TIMEOUT_S)
 
     def _main(self) -> None:
         import uvloop
 
-        loop = uvloop.new_event_loop()
-        asyncio.set_event_loop(loop)
-        self._loop = loop
         try:
-            self._stop = asyncio.Event()
-            self._task = loop.create_task(run_worker(
-                self.launch, stop_event=self._stop, endpoint_factory=self._factory))
-            self._ready.set()
-            if self._stop_requested.is_set():
-                self._stop.set()
-            self.exit_code = loop.run_until_complete(self._task)
-        except BaseException as exc:  # recorded for the owner; the thread ends either way
+            with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+                self.exit_code = runner.run(self._amain())
+        except asyncio.CancelledError:
+            self.cancelled = True
+        except BaseException as exc:  # a refused launch (DomainError) or a crash, for the owner
             self.error = exc
         finally:
-            self._ready.set()
-            with contextlib.suppress(Exception):
-                loop.run_until_complete(loop.shutdown_asyncgens())
-            loop.close()
+            if self._on_end is not None:
+                self._on_end(self)
 
-    def _call(self, fn: Callable[[], object]) -> None:
-        loop = self._loop
-        if loop is not None and not loop.is_closed():
-            with contextlib.suppress(RuntimeError):
-                loop.call_soon_threadsafe(fn)
+    async def _amain(self) -> int:
+        with self._lock:
+            if self._cancel_requested:
+                raise asyncio.CancelledError
+            self._loop = asyncio.get_running_loop()
+            self._task = asyncio.current_task()
+            self._stop = asyncio.Event()
+            if self._stop_requested:
+                self._stop.set()
+        return await run_worker(self.launch, stop_event=self._stop,
+                                endpoint_factory=self._factory)
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop | None:
+        """The worker's event loop once it runs (an owner schedules onto it thread-safely)."""
+        return self._loop
 
     def stop(self) -> None:
         """Abort the worker's connection (thread-safe)."""
-        self._stop_requested.set()
-        stop = self._stop
-        if stop is not None:
-            self._call(stop.set)
+        with self._lock:
+            self._stop_requested = True
+            loop, stop = self._loop, self._stop
+        if loop is not None and stop is not None:
+            with contextlib.suppress(RuntimeError):  # the thread's loop already closed
+                loop.call_soon_threadsafe(stop.set)
 
     def cancel(self) -> None:
         """Cancel the worker's task (thread-safe)."""
-        task = self._task
-        if task is not None:
-            self._call(task.cancel)
+        with self._lock:
+            self._cancel_requested = True
+            loop, task = self._loop, self._task
+        if loop is not None and task is not None:
+            with contextlib.suppress(RuntimeError):  # the thread's loop already closed
+                loop.call_soon_threadsafe(task.cancel)
 
     def join(self, timeout: float) -> bool:
         self.thread.join(timeout)
@@ -866,8 +876,8 @@ def read_start_gate(stream: Any = None, timeout: float = GATE_TIMEOUT_S) -> bool
     return line == START_GATE
 
 
-def main(role: Role, argv: Sequence[str] | None = None,
-         endpoint_factory: EndpointFactory | None = None) -> int:
+def main(role: Role, argv: Sequence[str] | None = None, *,
+         endpoint_factory: EndpointFactory) -> int:
     """`python -m workers.agent|environment …` (§7.5): exit 0/1/2/3/4 as documented."""
     args = list(sys.argv[1:] if argv is None else argv)
     if args in (["--help"], ["-h"]):
@@ -884,8 +894,7 @@ def main(role: Role, argv: Sequence[str] | None = None,
         log.error("worker.start_gate_closed", worker_id=launch.worker_id)
         return EXIT_GATE
     try:
-        factory = endpoint_factory or endpoint_for
-        endpoint = factory(launch)
+        endpoint = endpoint_factory(launch)
     except DomainError as exc:
         log.error("worker.refused_launch", worker_id=launch.worker_id, message=exc.message)
         return EXIT_ARGS

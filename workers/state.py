@@ -32,9 +32,10 @@ Resolved ambiguities:
   coordinator's fresh-epoch rule (§7.1) already prevents.
 - A wrapper whose member set is not exactly the documented one is `INCOMPATIBLE_STATE` (checked
   right after `payloadVersion`/`kind`): it is some other producer's state, not a bad request.
-- The reply-size limit (§6.2 step 7) is the router's worst-case `bus.result` frame: the
-  outcome JSON wrapped with the longest delivery and call ids and this worker's responder and
-  service incarnation; the limit is the `maxEnvelopeBytes` the router announced at hello.
+- The reply-size limit (§6.2 step 7) is the router's worst-case `bus.result` frame
+  (`bus.limits.result_frame`, the router's own rule) with the longest call id, this worker's
+  responder and service incarnation; the limit is the `maxEnvelopeBytes` the router announced
+  at hello.
 - Plugin blobs are `{"digest", "data"}`; a digest that does not match `data` is
   `INCOMPATIBLE_STATE`, like a `restore` that refuses.
 """
@@ -48,8 +49,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Final, Generic, Protocol, TypeVar
 
-import orjson
-
+from bus.limits import MAX_ID, result_frame
 from workers.canonical import canonical, digest_bytes, digest_of, is_canonical, parse_strict
 from workers.datatypes import EnvironmentDescriptor, MediaBlob
 from workers.domain import (
@@ -92,8 +92,6 @@ PAYLOAD_VERSION: Final = 1
 STATE_FORMAT_ID: Final = "flysess-1"
 STATE_METHODS: Final = ("State.Capture", "State.StageRestore", "State.ActivateRestore")
 TOKEN_DOMAIN: Final = "flyd/restore-token-v1\n"
-LONGEST_DELIVERY_ID: Final = "dlv-9007199254740991"
-LONGEST_CALL_ID: Final = 9007199254740991
 
 TRANSITIONS: Final[dict[str, frozenset[tuple[WorkerState, WorkerState]]]] = {
     "State.Capture": frozenset({(WorkerState.READY, WorkerState.CAPTURING),
@@ -315,13 +313,9 @@ class StateService(Generic[S]):
         launch = shell.launch
         outcome = Outcome.success(call.request, launch.worker_id, launch.incarnation_id,
                                   result).to_json()
-        frame = orjson.dumps({
-            "jsonrpc": "2.0", "method": "bus.result",
-            "params": {"deliveryId": LONGEST_DELIVERY_ID, "callId": LONGEST_CALL_ID,
-                       "serviceIncarnation": shell.service_incarnation or "",
-                       "responder": {"clientId": launch.client_id,
-                                     "clientIncarnation": launch.incarnation_id},
-                       "outcome": outcome}})
+        frame = result_frame(MAX_ID, shell.service_incarnation or "",
+                             {"clientId": launch.client_id,
+                              "clientIncarnation": launch.incarnation_id}, outcome)
         client = shell.client
         limit = client.limits.get("maxEnvelopeBytes", 0) if client is not None else 0
         return len(frame), limit

@@ -81,14 +81,12 @@ import asyncio
 import contextlib
 import os
 import sys
-import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Final, Protocol
 
 import structlog
-import uvloop
 
 from bus.client import BusClient, CallResult, connect
 from bus.errors import (
@@ -111,7 +109,7 @@ from flyd.launch.identities import (
 )
 from flyd.launch.spawn import ChildProcess, ProcessInfo, process_info, settled_within
 from flyd.launch.spawner import Spawner
-from workers.clock import RationalNs
+from workers.ticks import RationalNs
 from workers.domain import DomainError, ErrorCode, Mutation, format_request_id
 from workers.launch import (
     AgentSettings,
@@ -121,8 +119,9 @@ from workers.launch import (
     WorkerLaunch,
     thread_environment,
 )
+from workers.roles import endpoint_for
 from workers.rpc import Outcome, Refused, answer, from_bus_error
-from workers.shell import EndpointFactory, run_worker
+from workers.shell import EndpointFactory, WorkerThread, run_worker
 
 __all__ = [
     "IDENTIFY_RETRY_S",
@@ -470,65 +469,36 @@ class _ProcessBody(_Body):
 
 
 class _ThreadBody(_Body):
-    """A dedicated OS thread with its own uvloop loop running `run_worker` (§7.1). `abort()`
-    sets the shell's stop event (it aborts the connection) and cancels the worker's task, both
-    through `call_soon_threadsafe`; the thread's last act resolves `ended` on the owner loop."""
+    """A `WorkerThread`: a dedicated OS thread with its own uvloop loop running `run_worker`
+    (§7.1). `abort()` stops and cancels it (thread-safe); its last act resolves `ended` on the
+    owner loop."""
 
     mode = ExecutionMode.THREAD
 
-    def __init__(self, launch: WorkerLaunch, factory: EndpointFactory | None) -> None:
+    def __init__(self, launch: WorkerLaunch, factory: EndpointFactory) -> None:
         super().__init__()
         self._owner = asyncio.get_running_loop()
-        self._launch = launch
-        self._factory = factory
-        self._lock = threading.Lock()
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._task: asyncio.Task[Any] | None = None
-        self._stop: asyncio.Event | None = None
-        self._aborted = False
-        self.thread = threading.Thread(target=self._main, name=f"flyd-{launch.client_id}",
-                                       daemon=True)
+        self.worker = WorkerThread(launch, endpoint_factory=factory,
+                                   name=f"flyd-{launch.client_id}", on_end=self._ended)
+
+    def _ended(self, worker: WorkerThread) -> None:
+        self.error = worker.error
+        code = (CANCELLED_EXIT if worker.cancelled
+                else CRASHED_EXIT if worker.exit_code is None else worker.exit_code)
+        with contextlib.suppress(RuntimeError):  # the owner loop is closed: nobody waits
+            self._owner.call_soon_threadsafe(_settle, self.ended, code)
 
     def start(self) -> None:
-        self.thread.start()
-
-    def _main(self) -> None:
-        code = CRASHED_EXIT
-        try:
-            with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-                code = runner.run(self._amain())
-        except asyncio.CancelledError:
-            code = CANCELLED_EXIT
-        except BaseException as exc:  # a refused launch (DomainError) or a crash
-            self.error = exc
-            code = CRASHED_EXIT
-        finally:
-            with contextlib.suppress(RuntimeError):  # the owner loop is closed: nobody waits
-                self._owner.call_soon_threadsafe(_settle, self.ended, code)
-
-    async def _amain(self) -> int:
-        with self._lock:
-            if self._aborted:
-                return CANCELLED_EXIT
-            self._loop = asyncio.get_running_loop()
-            self._task = asyncio.current_task()
-            self._stop = asyncio.Event()
-        return await run_worker(self._launch, stop_event=self._stop,
-                                endpoint_factory=self._factory)
+        self.worker.start()
 
     def abort(self) -> None:
-        with self._lock:
-            self._aborted = True
-            loop, task, stop = self._loop, self._task, self._stop
-        if loop is not None and task is not None and stop is not None:
-            with contextlib.suppress(RuntimeError):  # the thread's loop already closed
-                loop.call_soon_threadsafe(stop.set)
-                loop.call_soon_threadsafe(task.cancel)
+        self.worker.stop()
+        self.worker.cancel()
 
     async def dispose(self) -> None:
         # `ended` is resolved by the thread's last statement: the join is immediate then.
         if self.ended.done():
-            self.thread.join(timeout=0.1)
+            self.worker.join(timeout=0.1)
 
 
 class _TaskBody(_Body):
@@ -537,7 +507,7 @@ class _TaskBody(_Body):
 
     mode = ExecutionMode.IN_PROCESS
 
-    def __init__(self, launch: WorkerLaunch, factory: EndpointFactory | None) -> None:
+    def __init__(self, launch: WorkerLaunch, factory: EndpointFactory) -> None:
         super().__init__()
         self._stop = asyncio.Event()
         self.task: asyncio.Task[int] = asyncio.get_running_loop().create_task(
@@ -608,7 +578,7 @@ class Launcher:
         self.max_agents = max_agents
         self.log_format: LogFormat = log_format
         self.python = python
-        self._endpoint_factory = endpoint_factory
+        self._endpoint_factory = endpoint_factory or endpoint_for
         self._owns_spawner = spawner is None
         self.spawner = spawner or Spawner(socket=socket, python=python)
         self._holds_reservation = holds_reservation

@@ -113,7 +113,6 @@ from flyd.state.writer import (
     audit_line,
 )
 from workers.canonical import canonical, controls_digest, typed_digest
-from workers.clock import RationalNs
 from workers.composition import composition_digest, config_asset
 from workers.datatypes import (
     AudioRef,
@@ -135,6 +134,7 @@ from workers.rpc import Answered, CallOutcome, Expired, Outcome, Refused, answer
 from workers.shell import contract_digest, load_plugin, method_validator
 from workers.synthetic.audio import AudioTimelines
 from workers.synthetic.schemas import DECISION
+from workers.ticks import RationalNs
 
 __all__ = [
     "RESOLVE_PAUSE",

@@ -74,7 +74,6 @@ from flyd.state.envelope import (
     Envelope,
 )
 from workers.canonical import canonical, digest_bytes, digest_of, parse_strict, typed_digest
-from workers.clock import RationalNs
 from workers.datatypes import (
     EnvironmentDescriptor,
     Graph,
@@ -89,6 +88,7 @@ from workers.rpc import Expired
 from workers.shell import contract_digest
 from workers.state import CHECKPOINT_CAPABILITY, PAYLOAD_CONTENT_TYPE, PAYLOAD_VERSION
 from workers.synthetic.audio import AudioTimelines
+from workers.ticks import RationalNs
 
 if TYPE_CHECKING:
     from flyd.session.coordinator import Coordinator, _Call

@@ -42,7 +42,6 @@ from typing import Any, Final, TypeVar
 
 from flyd.durations import DURATION_RULE, MAX_DURATION_S, is_duration_s
 from workers.canonical import canonical
-from workers.clock import RationalNs
 from workers.composition import derive_seed
 from workers.domain import (
     DomainError,
@@ -57,6 +56,7 @@ from workers.domain import (
 )
 from workers.faults import KNOBS, Faults, Knob, Role, camel_case, role_fields, role_knobs
 from workers.synthetic.task import Terminal
+from workers.ticks import RationalNs
 
 __all__ = [
     "DEFAULT_MAX_AGENTS",

@@ -66,7 +66,6 @@ from typing import Any, Final
 
 from flyd.state.compat import STATE_FORMAT_ID, Compatibility
 from workers.canonical import canonical, digest_bytes, is_canonical, parse_strict, plain
-from workers.clock import RationalNs
 from workers.domain import (
     DomainError,
     ErrorCode,
@@ -79,6 +78,7 @@ from workers.domain import (
     parse_u64,
     short,
 )
+from workers.ticks import RationalNs
 
 __all__ = [
     "ALIGNMENT",

@@ -31,7 +31,6 @@ from flyd.session.runspec import RunSpec
 from tests.session.harness import ALL_MODES, Fixture, SessionHarness
 from tests.session.worker_rig import agent_init_params, control, env_init_params
 from workers.agent import AgentEndpoint
-from workers.clock import RationalNs
 from workers.datatypes import (
     AUDIO_CONTENT_TYPE,
     AudioRef,
@@ -47,9 +46,11 @@ from workers.environment import EnvironmentEndpoint
 from workers.faults import Faults
 from workers.launch import WorkerLaunch
 from workers.protocols import AgentModel, DecodedView
-from workers.shell import Endpoint, endpoint_for
+from workers.roles import endpoint_for
+from workers.shell import Endpoint
 from workers.synthetic.arena import CounterArena
 from workers.synthetic.audio import AudioTimeline, AudioTimelines
+from workers.ticks import RationalNs
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -10,7 +10,6 @@ from typing import Any
 import pytest
 
 from workers.canonical import digest_bytes, typed_digest
-from workers.clock import RationalNs
 from workers.datatypes import (
     AssetRef,
     AudioDescriptor,
@@ -36,6 +35,7 @@ from workers.datatypes import (
     encode_media,
 )
 from workers.domain import DomainError, ErrorCode, Mutation
+from workers.ticks import RationalNs
 
 D = "ab" * 32
 SCHEMA: dict[str, Any] = {"id": "arena.inspection.v1", "version": 1, "digest": D}

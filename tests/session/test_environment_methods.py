@@ -25,15 +25,16 @@ from tests.session.worker_rig import (
     wait_for,
 )
 from workers.canonical import controls_digest
-from workers.clock import RationalNs
 from workers.composition import config_asset
 from workers.datatypes import PortControl
 from workers.domain import DomainError, Scope
 from workers.faults import Faults
+from workers.roles import endpoint_for
 from workers.rpc import Request
 from workers.shell import Call, Endpoint
 from workers.synthetic import CounterArena
 from workers.synthetic.frame import render_frame
+from workers.ticks import RationalNs
 
 __all__ = ["rig"]
 
@@ -466,7 +467,7 @@ async def test_a_world_declaring_other_ports_than_the_launch_is_refused(rig: Rig
     from workers.shell import run_worker
 
     with pytest.raises(DomainError) as info:
-        await run_worker(world_launch(rig, "SubsetPortArena"))
+        await run_worker(world_launch(rig, "SubsetPortArena"), endpoint_factory=endpoint_for)
     assert info.value.code == "INVALID_ARGUMENT" and "ports" in info.value.message
 
 
@@ -474,5 +475,5 @@ async def test_an_unknown_world_class_is_refused_at_launch(rig: Rig) -> None:
     from workers.shell import run_worker
 
     with pytest.raises(DomainError) as info:
-        await run_worker(world_launch(rig, "NoSuchArena"))
+        await run_worker(world_launch(rig, "NoSuchArena"), endpoint_factory=endpoint_for)
     assert "NoSuchArena" in info.value.message

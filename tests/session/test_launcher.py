@@ -507,7 +507,7 @@ async def test_a_thread_whose_loop_does_not_answer_fails_its_health_check(
     identity, settings, faults = agent_plan(launcher)
     await launcher.launch(identity, settings, ExecutionMode.THREAD, faults=faults)
     body = launcher._workers["fly-a"].body
-    loop = body._loop  # type: ignore[attr-defined]
+    loop = body.worker.loop  # type: ignore[attr-defined]
     loop.call_soon_threadsafe(time.sleep, 1.5)  # the worker's loop is stuck in native code
     await asyncio.sleep(0.05)
     started = time.perf_counter()
@@ -698,8 +698,9 @@ async def test_a_thread_that_does_not_stop_is_terminated_and_left_as_a_daemon(
     identity, settings, faults = agent_plan(launcher)
     await launcher.launch(identity, settings, ExecutionMode.THREAD, faults=faults)
     body = launcher._workers["fly-a"].body
-    thread = body.thread  # type: ignore[attr-defined]
-    body._loop.call_soon_threadsafe(time.sleep, 1.5)  # type: ignore[attr-defined]
+    worker = body.worker  # type: ignore[attr-defined]
+    thread = worker.thread
+    worker.loop.call_soon_threadsafe(time.sleep, 1.5)
     await asyncio.sleep(0.05)
     started = time.perf_counter()
     assert isinstance(await launcher.kill("fly-a"), Terminated)

@@ -137,5 +137,5 @@ def test_resolving_prctl_starts_no_process(monkeypatch: pytest.MonkeyPatch) -> N
     monkeypatch.setattr(subprocess, "Popen", refuse)
     monkeypatch.setattr(os, "posix_spawn", refuse)
     monkeypatch.setattr(os, "fork", refuse)
-    launch._prctl.cache_clear()
-    assert callable(launch._prctl())
+    launch.libc_prctl.cache_clear()
+    assert callable(launch.libc_prctl())

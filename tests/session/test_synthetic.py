@@ -13,7 +13,6 @@ from typing import Any
 import pytest
 
 from workers.canonical import typed_digest
-from workers.clock import AudioBudget, RationalNs, TickAccumulator
 from workers.composition import composition_digest, config_asset, derive_seed
 from workers.datatypes import (
     EnvironmentDescriptor,
@@ -39,6 +38,7 @@ from workers.synthetic.brain import initial_state
 from workers.synthetic.frame import FRAME_BYTES, ROW_STRIDE, render_frame
 from workers.synthetic.readout import decide, rotate_right
 from workers.synthetic.task import Terminal, context
+from workers.ticks import AudioBudget, RationalNs, TickAccumulator
 
 STEP_60HZ = RationalNs(50_000_000, 3)
 TICK_1MS = RationalNs(1_000_000, 1)

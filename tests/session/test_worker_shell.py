@@ -39,6 +39,7 @@ from workers import shell as shell_module
 from workers.canonical import digest_bytes, digest_of
 from workers.faults import Faults, Role
 from workers.launch import START_GATE, WorkerLaunch, die_with_parent
+from workers.roles import endpoint_for
 from workers.shell import (
     EXIT_ARGS,
     EXIT_GATE,
@@ -104,7 +105,7 @@ async def test_a_worker_registers_its_service_with_16_queued_and_8_in_flight(rig
 async def test_a_worker_the_router_does_not_expect_exits_3(rig: Rig) -> None:
     launch = agent_launch(rig.socket, "fly-c")  # never expected by the node connection
     async with asyncio.timeout(10):
-        assert await run_worker(launch) == EXIT_LOST
+        assert await run_worker(launch, endpoint_factory=endpoint_for) == EXIT_LOST
 
 
 async def test_a_lost_connection_ends_the_worker_with_exit_3(rig: Rig) -> None:
@@ -143,7 +144,7 @@ async def test_a_registration_conflict_is_retried_until_the_name_is_free() -> No
     try:
         async with await connect(path, client_id="blocker") as blocker:
             held = await blocker.register(launch.service, _never)
-            task = asyncio.create_task(run_worker(launch))
+            task = asyncio.create_task(run_worker(launch, endpoint_factory=endpoint_for))
             await asyncio.sleep(0.1)
             assert not task.done()  # still retrying CONFLICT every 5 ms
             await held.unregister()
@@ -172,7 +173,7 @@ async def test_a_registration_conflict_that_outlasts_the_budget_exits_4(
             await blocker.register(launch.service, _never)
             started = time.monotonic()
             async with asyncio.timeout(10):
-                assert await run_worker(launch) == EXIT_REGISTER
+                assert await run_worker(launch, endpoint_factory=endpoint_for) == EXIT_REGISTER
             assert time.monotonic() - started >= 0.15  # retried for the whole budget
     finally:
         await router.stop()
@@ -579,7 +580,7 @@ async def test_messages_are_clipped_to_512_code_points(rig: Rig) -> None:
 async def test_a_worker_thread_serves_on_its_own_loop_and_stops_on_shutdown(rig: Rig) -> None:
     launch = agent_launch(rig.socket)
     await rig.expect(launch)
-    body = WorkerThread(launch)
+    body = WorkerThread(launch, endpoint_factory=endpoint_for)
     body.start()
     rig.roles["fly-a"] = "agent"
     await rig.wait_registered("fly-a")
@@ -594,7 +595,7 @@ async def test_a_worker_thread_serves_on_its_own_loop_and_stops_on_shutdown(rig:
 async def test_a_worker_thread_stopped_by_its_owner_exits_3(rig: Rig) -> None:
     launch = environment_launch(rig.socket)
     await rig.expect(launch)
-    body = WorkerThread(launch)
+    body = WorkerThread(launch, endpoint_factory=endpoint_for)
     body.start()
     rig.roles["arena"] = "environment"
     await rig.wait_registered("arena")
@@ -773,7 +774,7 @@ def every_fault_launches() -> list[WorkerLaunch]:
 
 
 def shell_module_step() -> Any:
-    from workers.clock import RationalNs
+    from workers.ticks import RationalNs
 
     return RationalNs(1, 3)
 
@@ -872,7 +873,7 @@ async def test_a_read_only_handler_bug_is_internal_and_changes_nothing(
         raise KeyError("oops")
 
     await rig.start(agent_launch(rig.socket))
-    monkeypatch.setitem(WorkerShell._read_only_handlers, "Worker.Status", broken)
+    monkeypatch.setitem(WorkerShell.READ_ONLY_HANDLERS, "Worker.Status", broken)
     error = await rig.error("fly-a", "Worker.Status", {})
     assert error == {"code": "INTERNAL", "message": "Worker.Status failed: KeyError",
                      "mutation": "none"}

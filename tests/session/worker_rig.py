@@ -34,15 +34,16 @@ from bus.errors import CallGone, NoService
 from bus.policy import Policy
 from bus.router import Router, RouterConfig
 from workers.canonical import typed_digest
-from workers.clock import RationalNs
 from workers.composition import config_asset
 from workers.datatypes import VIEW_CONTENT_TYPE, ViewRef, encode_media
 from workers.faults import Faults
 from workers.launch import AgentSettings, EnvironmentSettings, WorkerLaunch
-from workers.shell import Endpoint, endpoint_for, run_worker
+from workers.roles import endpoint_for
+from workers.shell import Endpoint, run_worker
 from workers.synthetic import FakeBrain
 from workers.synthetic.frame import render_frame
 from workers.synthetic.task import context
+from workers.ticks import RationalNs
 
 ROOT = Path(__file__).resolve().parents[2] / "schemas" / "session"
 SESSION = "demo"
@@ -244,7 +245,7 @@ class Rig:
         """Expect, start `run_worker` as a task, wait until the service answers."""
         await self.expect(launch)
         task = asyncio.get_running_loop().create_task(
-            run_worker(launch, stop_event=stop_event, endpoint_factory=factory))
+            run_worker(launch, stop_event=stop_event, endpoint_factory=factory or endpoint_for))
         running = Running(launch, task)
         self.running[launch.worker_id] = running
         self.roles[launch.worker_id] = launch.role

@@ -15,7 +15,6 @@ from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar, Final
 
 from workers.canonical import canonical, digest_bytes, parse_strict
-from workers.clock import RationalNs
 from workers.composition import config_asset
 from workers.datatypes import (
     AssetRef,
@@ -33,6 +32,7 @@ from workers.domain import DomainError, parse_id, parse_int
 from workers.synthetic import frame as _frame
 from workers.synthetic.audio import CHANNELS, SAMPLE_RATE, TriangleSource
 from workers.synthetic.schemas import CONTROLLER, INSPECTION, typed
+from workers.ticks import RationalNs
 
 VIEW_ID: Final = "arena"
 STREAM_ID: Final = "arena"

@@ -7,11 +7,11 @@ intent against the port's `ControllerSchema`.
 
 from __future__ import annotations
 
-from workers.clock import RationalNs
 from workers.datatypes import TypedValue
 from workers.domain import DomainError, Scope
 from workers.protocols import ControllerIntent
 from workers.synthetic.schemas import DECISION, has_schema
+from workers.ticks import RationalNs
 
 
 class IdentityExecutor:

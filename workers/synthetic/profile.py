@@ -12,10 +12,10 @@ from collections.abc import Mapping
 from typing import Any, Final
 
 from workers.canonical import digest_bytes
-from workers.clock import RationalNs
 from workers.datatypes import AssetRef, Graph
 from workers.domain import DomainError, parse_int
 from workers.synthetic.readout import RATE_ROLES
+from workers.ticks import RationalNs
 
 PROFILE_FORMAT: Final = "fly-profile-v1"
 NEURON_COUNT: Final = 1024

@@ -1,5 +1,8 @@
 """Exact time: `RationalNs`, `TickAccumulator`, `AudioBudget` (session.md §5.1-§5.3). Pure.
 
+The spec's module map calls this module `workers/clock.py`; it is named for the ticks it counts,
+so it is not mistaken for the lease clock (`flyd.leases.clock`), which reads the system clock.
+
 A world step of 60 Hz is 50000000/3 ns; a brain tick of 1 ms never divides it. Floats would
 drift, so time is an exact fraction of nanoseconds and every clock is integer arithmetic.
 
