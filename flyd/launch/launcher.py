@@ -109,7 +109,6 @@ from flyd.launch.identities import (
 )
 from flyd.launch.spawn import ChildProcess, ProcessInfo, process_info, settled_within
 from flyd.launch.spawner import Spawner
-from workers.ticks import RationalNs
 from workers.domain import DomainError, ErrorCode, Mutation, format_request_id
 from workers.launch import (
     AgentSettings,
@@ -122,6 +121,7 @@ from workers.launch import (
 from workers.roles import endpoint_for
 from workers.rpc import Outcome, Refused, answer, from_bus_error
 from workers.shell import EndpointFactory, WorkerThread, run_worker
+from workers.ticks import RationalNs
 
 __all__ = [
     "IDENTIFY_RETRY_S",
