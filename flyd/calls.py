@@ -29,7 +29,8 @@ Rules:
    `resolve:<worker>:<method>` and counts in `Stats`.
 6. `blamed` is `call` whose `DomainError` becomes a `Blame` naming the method (or a given
    detail) and the worker; `acknowledge` is `Worker.Acknowledge`, blamed, whose answer may only
-   name ids it was asked about (else `Blame` detail `acknowledge`).
+   name ids it was asked about (else `Blame` detail `acknowledge`). `probe` is one request
+   whose outcome is returned or raised as it is (§6.13 `probe_raw`).
 7. `fail` (§6.3) is the one way an epoch fails: the phase label as it was, `Failed` (the fence
    closes), the owner's uncommitted state dropped (`on_fail`), `fail:<detail>[:<participant>]`
    audited, `last_failure` set, `SessionFailure` raised. `move` takes a phase edge or fails
@@ -44,8 +45,8 @@ API: `Call`, `Blame`, `Deadlines`, `RESOLVE_PAUSE`, `format_duration`,
 `identity_mismatch`, `backend_failure`, `as_domain_error`; `CallEngine(client, refs,
 deadlines, machine, audit=, stats=, metrics=, on_fail=)` with `client`, `replace_client`,
 `refs`, `ref`, `pin`, `replace`, `deadlines`, `phase`, `machine`, `last_failure`, `new_call`,
-`deadline_of`, `send`, `check_reply`, `settle`, `call`, `blamed`, `resolve`, `acknowledge`,
-`move`, `fail`, `refuse_if_fenced`, `guarded`.
+`deadline_of`, `send`, `check_reply`, `settle`, `call`, `blamed`, `acknowledge`, `probe`,
+`resolve`, `move`, `fail`, `refuse_if_fenced`, `guarded`.
 """
 
 from __future__ import annotations
@@ -289,6 +290,23 @@ class CallEngine:
                                               f"{rid}, which it was never asked about"),
                             Detail.ACKNOWLEDGE, worker_id)
         return acknowledged
+
+    async def probe(self, worker_id: str, method: str, scope: Scope | None,
+                    params: dict[str, Any], ref: WorkerRef | None = None) -> dict[str, Any]:
+        """One request with a fresh serial, its outcome's shape checked only (no identity
+        checks): the result, or its `DomainError` raised (an expiry after `probe` is
+        `BACKEND_FAILURE`/`unknown`)."""
+        call = self.new_call(worker_id, method, scope, params, ref)
+        outcome = await self.send(call, self.deadlines.probe)
+        if isinstance(outcome, Expired):
+            raise backend_failure(f"{method}: {worker_id} did not answer within "
+                                  f"{format_duration(self.deadlines.probe)}")
+        if isinstance(outcome, Refused):
+            raise outcome.error
+        if outcome.outcome.error is not None:
+            raise outcome.outcome.error
+        assert outcome.outcome.result is not None
+        return outcome.outcome.result
 
     # ------------------------------------------------------------------ resolution (§6.8)
 

@@ -79,6 +79,7 @@ from enum import Enum
 from typing import Any
 
 from bus.client import BusClient
+from flyd.advance import check_advance, controls_for
 from flyd.audit import AuditLog
 from flyd.bootstrap import (
     acknowledge_lifecycle,
@@ -109,7 +110,7 @@ from flyd.injections import (
     kill_injection,
     lose_advance_result,
 )
-from flyd.media import Media, check_audio, check_views
+from flyd.media import Media
 from flyd.pacing import SYSTEM_CLOCK, Clock, Pacing
 from flyd.phase import (
     Applying,
@@ -131,10 +132,12 @@ from flyd.publication import (
     descriptor_body,
     snapshot_body,
 )
+from flyd.records import transition_records
 from flyd.runspec import RunSpec
-from flyd.slots import AgentSlot
+from flyd.slots import AgentSlot, decision_schema_of
 from flyd.state.capture import Capture, CaptureKind
 from flyd.state.capture import capture as capture_boundary
+from flyd.state.capture import save as save_capture
 from flyd.state.restore import (
     InstallAborted,
     Installed,
@@ -146,7 +149,6 @@ from flyd.state.restore import (
 )
 from flyd.state.store import CheckpointRecord, CheckpointStore
 from flyd.state.writer import (
-    CaptureSubmission,
     CheckpointWriter,
     Committed,
     SaveOutcome,
@@ -159,19 +161,16 @@ from workers.canonical import controls_digest, typed_digest
 from workers.datatypes import (
     EnvironmentDescriptor,
     Graph,
-    PortControl,
     SchemaRef,
     Telemetry,
     TypedValue,
     WorldObservation,
-    check_controls,
 )
 from workers.domain import DomainError, ErrorCode, Mutation, Scope
 from workers.protocols import ActionExecutor, EpisodeRequest, Evaluation, Task
-from workers.rpc import CallOutcome, Expired, Refused
+from workers.rpc import CallOutcome
 from workers.shell import load_plugin
 from workers.synthetic.audio import AudioTimelines
-from workers.synthetic.schemas import DECISION
 
 __all__ = [
     "LOSS_POLLS",
@@ -242,16 +241,6 @@ class PauseHandle:
 
     def clear(self) -> None:
         self._flag.clear()
-
-
-@functools.cache
-def decision_schema_of(model_path: str) -> SchemaRef:
-    """A model class's registered decision schema: a class attribute, so it is looked up once per
-    model path rather than once per Prepare (a failed look-up is not cached)."""
-    model = load_plugin(model_path, "model")
-    schema = getattr(model, "decision_schema", DECISION)
-    assert isinstance(schema, SchemaRef)
-    return schema
 
 
 # --------------------------------------------------------------------------------------------
@@ -656,7 +645,9 @@ class Coordinator:
                             "duplicate-prepare", self.injection_log)
         # B. Apply
         move(Applying(k), Detail.STEP)
-        controls = self._controls(scope, old)
+        assert self._progress is not None
+        controls = controls_for(scope, descriptor, self.agent_ids, self._slots, self.executor,
+                                self._progress, old)
         wire_controls = [c.to_json() for c in controls]
         self._controls_digest = controls_digest(wire_controls)
         batch_id = f"batch-{self.epoch}-{k}"
@@ -673,7 +664,8 @@ class Coordinator:
             raise Blame(exc, "Environment.Advance", self.world_id) from None
         # C. Observe
         move(Observing(k + 1), Detail.STEP)
-        new, media = self._observe(k, step_result, batch_id, controls, old)
+        new, media = check_advance(k, step_result, batch_id, self._controls_digest, descriptor,
+                                   old, self._audio, self.world_id)
         self._pending_media = media
         if self.injections.at_step == k:
             await advance_injections(engine, self.injections, advance, step_result, descriptor,
@@ -713,7 +705,12 @@ class Coordinator:
         self._progress = evaluation.progress
         self.stats.advances += 1
         self._last_event_ids = [e.id for e in evaluation.events]
-        self._record_trace(k, batch_id, controls, new, evaluation, commits, advance, wall)
+        try:
+            self.trace.record(*transition_records(
+                scope, self.agent_ids, self._slots, batch_id, self._controls_digest, new,
+                evaluation, commits, advance.request_id, wall))
+        except DomainError as exc:
+            raise Blame(exc, Detail.PUBLISH, None) from None
         self._append_effect(k)
         self._publish_snapshot(k + 1, observed=True)
         for slot in self._slots.values():
@@ -736,68 +733,6 @@ class Coordinator:
         """The model's registered decision schema (`decision_schema`, default
         `arena.decision.v1`)."""
         return decision_schema_of(self._slots[agent_id].spec.model)
-
-    def _controls(self, scope: Scope, old: WorldObservation) -> list[PortControl]:
-        assert self.descriptor is not None and self._progress is not None
-        descriptor = self.descriptor
-        by_port: dict[str, PortControl] = {}
-        for agent_id in self.agent_ids:
-            slot = self._slots[agent_id]
-            assert slot.decision is not None
-            try:
-                intent = self.executor.apply(scope, slot.decision, old.inspection,
-                                             self._progress, old.world_time)
-            except Exception as exc:
-                raise Blame(as_domain_error(exc), Detail.APPLY, agent_id) from None
-            port = slot.spec.port_id
-            if port in by_port:
-                raise Blame(backend_failure(f"port {port} is taken twice"), Detail.APPLY,
-                            agent_id)
-            by_port[port] = intent.for_port(port)
-        try:
-            extra = sorted(set(by_port) - {p.port_id for p in descriptor.ports})
-            if extra:
-                raise backend_failure(f"controls name undeclared ports {extra}")
-            controls = [by_port[p.port_id] for p in descriptor.ports if p.port_id in by_port]
-            check_controls(controls, descriptor.ports)
-        except DomainError as exc:
-            raise Blame(exc, Detail.APPLY, None) from None
-        return controls
-
-    def _observe(self, k: int, result: dict[str, Any], batch_id: str,
-                 controls: Sequence[PortControl], old: WorldObservation,
-                 ) -> tuple[WorldObservation, Media]:
-        assert self.descriptor is not None
-        descriptor = self.descriptor
-        try:
-            if result.get("batchId") != batch_id:
-                raise backend_failure(f"the world applied batch {result.get('batchId')}, expected "
-                                      f"{batch_id}")
-            if result.get("appliedFromStep") != str(k):
-                raise backend_failure(f"the world applied from step "
-                                      f"{result.get('appliedFromStep')}, expected {k}")
-            if result.get("nextStep") != str(k + 1):
-                raise backend_failure(f"the world reached step {result.get('nextStep')}, expected "
-                                      f"{k + 1}")
-            if result.get("appliedControlsDigest") != self._controls_digest:
-                raise backend_failure("the world applied other controls than were sent")
-            try:
-                new = WorldObservation.from_json(result["observation"])
-            except DomainError as exc:
-                raise backend_failure(f"observation: {exc.message}") from None
-            if new.boundary != k + 1:
-                raise backend_failure(f"the observation is of boundary {new.boundary}, "
-                                      f"expected {k + 1}")
-            if new.world_time != old.world_time + descriptor.step_duration:
-                raise backend_failure(f"world time {new.world_time} is not {old.world_time} "
-                                      "plus one step")
-            if new.inspection.schema != descriptor.inspection_schema:
-                raise backend_failure("the inspection schema differs from the descriptor's")
-            media = check_views(descriptor, new, k + 1, Mutation.UNKNOWN)
-            check_audio(descriptor, new, media, self._audio)
-        except DomainError as exc:
-            raise Blame(exc, Detail.OBSERVATION, self.world_id) from None
-        return new, media
 
     async def _commit(self, k: int, scope: Scope, new: WorldObservation, evaluation: Evaluation,
                       ) -> tuple[dict[str, dict[str, Any]], dict[str, Telemetry]]:
@@ -863,45 +798,7 @@ class Coordinator:
             await duplicate(engine, call, out[agent_id], "duplicate-commit", self.injection_log)
         return out, telemetry
 
-    # ------------------------------------------------------------------ trace and publication
-
-    def _record_trace(self, k: int, batch_id: str, controls: Sequence[PortControl],
-                      new: WorldObservation, evaluation: Evaluation,
-                      commits: Mapping[str, dict[str, Any]], advance: Call, wall: int) -> None:
-        agents = []
-        outcome_ids: list[str] = []
-        for agent_id in self.agent_ids:
-            slot = self._slots[agent_id]
-            prepared = slot.prepared or {}
-            agents.append({
-                "agentId": agent_id, "profileDigest": slot.profile["digest"],
-                "ticksAdvanced": prepared.get("ticksAdvanced"),
-                "brainTicks": prepared.get("brainTicks"),
-                "remainder": prepared.get("remainder"),
-                "decisionDigest": typed_digest(slot.decision) if slot.decision else None,
-                "committedStep": commits[agent_id]["committedStep"]})
-            outcome_ids += [r.event_id for r in evaluation.outcomes[agent_id].rewards]
-        behaviour = {
-            "scope": self._scope(k).to_json(), "agents": agents, "batchId": batch_id,
-            "controlDigest": self._controls_digest,
-            "acknowledgedBoundary": str(new.boundary),
-            "observationBoundaries": [{"viewId": v.view_id, "producedStep": str(v.produced_step)}
-                                      for v in sorted(new.sensory_views,
-                                                      key=lambda v: v.view_id)],
-            "outcomeIds": outcome_ids, "eventIds": [e.id for e in evaluation.events],
-            "publishedBoundary": str(k + 1), "boundaryActions": []}
-        operational = {
-            "wallTimeNs": time.monotonic_ns() - wall,
-            "prepareRequestIds": [{"agentId": a, "requestId": self._slots[a].prepare_request}
-                                  for a in self.agent_ids],
-            "advanceRequestId": advance.request_id,
-            "commitRequestIds": [{"agentId": a, "requestId": self._slots[a].commit_request}
-                                 for a in self.agent_ids],
-            "busCallIds": [], "captures": []}
-        try:
-            self.trace.record(behaviour, operational)
-        except DomainError as exc:
-            raise Blame(exc, Detail.PUBLISH, None) from None
+    # ------------------------------------------------------------------ publication (§6.9)
 
     def _publish_descriptor(self) -> None:
         assert self.descriptor is not None
@@ -944,27 +841,9 @@ class Coordinator:
         return await capture_boundary(self, self._calls, checkpoint_id, kind=kind)
 
     async def save(self, checkpoint_id: str, *, kind: CaptureKind = "durable") -> SaveTicket:
-        """`capture` through the session's writer (state.md §5.7 steps 2 and 7): a slot is
-        reserved before anyone is asked, the capture submitted after; the ticket."""
-        writer = self._writer()
-        phase = self._machine.phase
-        try:
-            reservation = writer.reserve()
-        except DomainError as exc:
-            self.audit.add(f"capture-refused:{checkpoint_id}")
-            raise SessionFailure(exc, phase.label, Detail.CAPTURE) from None
-        try:
-            built = await capture_boundary(self, self._calls, checkpoint_id, kind=kind)
-        except BaseException:
-            reservation.release()
-            raise
-        try:
-            return writer.submit(reservation, CaptureSubmission(
-                checkpoint_id, built.boundary, built.session_epoch, built.episode_id,
-                built.manifest, built.payloads, replaceable=kind == "hot"))
-        except DomainError as exc:
-            self.audit.add(f"capture-refused:{checkpoint_id}")
-            raise SessionFailure(exc, self._machine.phase.label, Detail.CAPTURE) from None
+        """`capture` through the session's writer (state.md §5.7 steps 2 and 7,
+        `flyd.state.capture.save`): the ticket."""
+        return await save_capture(self, self._calls, self._writer(), checkpoint_id, kind=kind)
 
     async def await_durable(self, ticket: SaveTicket, budget: float | None = None
                             ) -> SaveOutcome:
@@ -1116,17 +995,5 @@ class Coordinator:
 
     async def probe_raw(self, worker_id: str, method: str, scope: Scope | None,
                         params: dict[str, Any], ref: WorkerRef | None = None) -> dict[str, Any]:
-        """One request with a fresh serial; the result, or its DomainError raised; session state
-        untouched."""
-        calls = self._calls
-        call = calls.new_call(worker_id, method, scope, params, ref)
-        outcome = await calls.send(call, self.deadlines.probe)
-        if isinstance(outcome, Expired):
-            raise backend_failure(f"{method}: {worker_id} did not answer within "
-                                  f"{format_duration(self.deadlines.probe)}")
-        if isinstance(outcome, Refused):
-            raise outcome.error
-        if outcome.outcome.error is not None:
-            raise outcome.outcome.error
-        assert outcome.outcome.result is not None
-        return outcome.outcome.result
+        """One request with a fresh serial (`CallEngine.probe`); session state untouched."""
+        return await self._calls.probe(worker_id, method, scope, params, ref)

@@ -30,9 +30,11 @@ Refusals that leave the epoch intact are `SessionFailure`s whose `fenced` state 
 (like a paused step's episode refusal): the caller reads `coordinator.fenced`.
 
 Resolved ambiguities:
-- The writer's `reserve()` and `submit()` (§5.2) wrap this function; until a session has a
-  writer, `Coordinator.capture` returns the `Capture` itself (manifest and payloads), which is
-  exactly what `submit` takes.
+- The writer's `reserve()` and `submit()` (§5.2) wrap this function (`save`: a slot reserved
+  before anyone is asked, the capture submitted after; a refusal of either audits
+  `capture-refused:<id>` and raises `SessionFailure` detail `capture` without failing the
+  epoch); without a writer, `Coordinator.capture` returns the `Capture` itself (manifest and
+  payloads), which is exactly what `submit` takes.
 - A participant without `checkpoint-v1` answers `State.Capture` with `UNSUPPORTED`/`none`
   (session.md §3.7), which abandons the capture without failing the epoch (rule 4).
 - `brainTicks` and `remainder` of an `AgentEntry` and an executor slot are the agent's captured
@@ -69,6 +71,7 @@ from flyd.state.envelope import (
     WORLD_PAYLOAD,
     validate_manifest,
 )
+from flyd.state.writer import CaptureSubmission, CheckpointWriter, SaveTicket
 from flyd.trace import TraceLog
 from workers.canonical import canonical, digest_bytes, digest_of, parse_strict
 from workers.composition import composition_digest
@@ -79,7 +82,7 @@ from workers.rpc import Answered, Expired, Refused
 from workers.shell import contract_digest
 from workers.state import PAYLOAD_CONTENT_TYPE, PAYLOAD_VERSION
 
-__all__ = ["Capture", "CaptureKind", "CaptureSource", "capture", "validate_reply"]
+__all__ = ["Capture", "CaptureKind", "CaptureSource", "capture", "save", "validate_reply"]
 
 CaptureKind = Literal["hot", "durable"]
 ENVELOPE_VERSION: Final = 1
@@ -311,6 +314,29 @@ async def capture(coordinator: CaptureSource, calls: CallEngine, checkpoint_id: 
             {"checkpointId": checkpoint_id, "boundary": format_u64(k), "kind": kind})
     calls.move(origin, Detail.CAPTURE)
     return built
+
+
+async def save(coordinator: CaptureSource, calls: CallEngine, writer: CheckpointWriter,
+               checkpoint_id: str, *, kind: CaptureKind = "durable") -> SaveTicket:
+    """`capture` through `writer` (§5.7 steps 2 and 7): the ticket."""
+    phase = calls.phase
+    try:
+        reservation = writer.reserve()
+    except DomainError as exc:
+        coordinator.audit.add(f"capture-refused:{checkpoint_id}")
+        raise SessionFailure(exc, phase.label, Detail.CAPTURE) from None
+    try:
+        built = await capture(coordinator, calls, checkpoint_id, kind=kind)
+    except BaseException:
+        reservation.release()
+        raise
+    try:
+        return writer.submit(reservation, CaptureSubmission(
+            checkpoint_id, built.boundary, built.session_epoch, built.episode_id,
+            built.manifest, built.payloads, replaceable=kind == "hot"))
+    except DomainError as exc:
+        coordinator.audit.add(f"capture-refused:{checkpoint_id}")
+        raise SessionFailure(exc, calls.phase.label, Detail.CAPTURE) from None
 
 
 async def _acknowledge_all(calls: CallEngine, replies: Mapping[str, _Reply]) -> None:
