@@ -55,13 +55,11 @@ Resolved ambiguities (where §6 is silent):
 - `health_failure(worker_id, error)` is how a supervisor's report (§7.4) fails the epoch
   (detail `health`); it returns the `SessionFailure` instead of raising it, since the caller is
   the health loop, not a step.
-- `capture` always returns the `Capture` (callers that own a writer submit it themselves);
-  with a `StateContext` whose writer is set (`state=`), `save` is §5.7 with steps 2 and 7
-  (reserve before anyone is asked, submit after) returning the `SaveTicket`, `checkpoint` is
-  `save` then `await_durable`, and every committed transition appends its behaviour record,
-  rebased onto `e1`, to the writer's `PendingEffects` (state.md §9.2).
-- `restore(id, epoch, *, store=, run_id=, guard=)` takes the store and run from the arguments
-  when given, else from the session's `StateContext` (`flyd.state.restore`).
+- `capture` returns the `Capture`; with a `StateContext` whose writer is set (`state=`), `save`
+  submits it (`flyd.state.capture.save`), `checkpoint` is `save` then `await_durable`, and every
+  committed transition appends its behaviour record, rebased onto `e1`, to the writer's
+  `PendingEffects` (state.md §9.2). `restore` takes the store and run from its arguments when
+  given, else from the `StateContext`.
 - Audio is checked by `AudioTimelines` (state.md §7.5): fresh at bootstrap, restored at an
   install; `audio_positions()` is its positions, as a capture records them.
 """
@@ -550,12 +548,12 @@ class Coordinator:
             raise SessionFailure(error, phase.label, Detail.EPISODE)
         if not isinstance(phase, Ready):
             calls.fail(DomainError(ErrorCode.INVALID_PHASE,
-                                       f"step needs Ready(k); the session is {phase.label}",
-                                       Mutation.NONE), Detail.STEP)
+                                   f"step needs Ready(k); the session is {phase.label}",
+                                   Mutation.NONE), Detail.STEP)
         if self.episode_request is not None:
             calls.fail(DomainError(ErrorCode.INVALID_PHASE,
-                                       "the episode ended; only a reset starts another",
-                                       Mutation.NONE), Detail.EPISODE)
+                                   "the episode ended; only a reset starts another",
+                                   Mutation.NONE), Detail.EPISODE)
         if self._pacing is not None:
             wait = self._pacing.before_transition()
             self.metrics.lag_ns = self._pacing.lag_ns
@@ -705,10 +703,11 @@ class Coordinator:
         self._progress = evaluation.progress
         self.stats.advances += 1
         self._last_event_ids = [e.id for e in evaluation.events]
+        behaviour, operational = transition_records(
+            scope, self.agent_ids, self._slots, batch_id, self._controls_digest, new, evaluation,
+            commits, advance.request_id, wall)
         try:
-            self.trace.record(*transition_records(
-                scope, self.agent_ids, self._slots, batch_id, self._controls_digest, new,
-                evaluation, commits, advance.request_id, wall))
+            self.trace.record(behaviour, operational)
         except DomainError as exc:
             raise Blame(exc, Detail.PUBLISH, None) from None
         self._append_effect(k)
