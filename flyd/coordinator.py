@@ -574,10 +574,10 @@ class Coordinator:
         """Send one call per agent per the dispatch order; kill injections of step `k` run once
         every call was dispatched."""
         outcomes: dict[str, CallOutcome] = {}
-        send, deadline_of = self._calls.send, self._calls.deadline_of
+        engine = self._calls
 
         async def one(call: Call) -> None:
-            outcomes[call.worker_id] = await send(call, deadline_of(call.method))
+            outcomes[call.worker_id] = await engine.send(call, engine.deadline_of(call.method))
 
         # a kill injection waits one loop pass so that every call has left; a step without one
         # saves that pass
@@ -607,11 +607,10 @@ class Coordinator:
         old = self.observation
         scope = self._scope(k)
         engine = self._calls
-        new_call, move = engine.new_call, engine.move
         # A. Prepare
-        move(Preparing(k), Detail.STEP)
+        engine.move(Preparing(k), Detail.STEP)
         interval = descriptor.step_duration.to_json()  # one JSON value shared by every call
-        calls = [new_call(a, "Agent.Prepare", scope, {
+        calls = [engine.new_call(a, "Agent.Prepare", scope, {
             "agentId": a, "profileDigest": self._slots[a].profile["digest"],
             "interval": interval,
             "decisionContextDigest": self._slots[a].context_digest,
@@ -642,7 +641,7 @@ class Coordinator:
                             self._slots[self.injections.duplicate_prepare].prepared,
                             "duplicate-prepare", self.injection_log)
         # B. Apply
-        move(Applying(k), Detail.STEP)
+        engine.move(Applying(k), Detail.STEP)
         assert self._progress is not None
         controls = controls_for(scope, descriptor, self.agent_ids, self._slots, self.executor,
                                 self._progress, old)
@@ -650,7 +649,7 @@ class Coordinator:
         self._controls_digest = controls_digest(wire_controls)
         batch_id = f"batch-{self.epoch}-{k}"
         self.audit.add(f"advance:{k}")
-        advance = new_call(self.world_id, "Environment.Advance", scope, {
+        advance = engine.new_call(self.world_id, "Environment.Advance", scope, {
             "batchId": batch_id, "controls": wire_controls})
         try:
             if k in self.injections.lose_advance_result_at:
@@ -661,7 +660,7 @@ class Coordinator:
         except DomainError as exc:
             raise Blame(exc, "Environment.Advance", self.world_id) from None
         # C. Observe
-        move(Observing(k + 1), Detail.STEP)
+        engine.move(Observing(k + 1), Detail.STEP)
         new, media = check_advance(k, step_result, batch_id, self._controls_digest, descriptor,
                                    old, self._audio, self.world_id)
         self._pending_media = media
@@ -679,10 +678,10 @@ class Coordinator:
             raise Blame(as_domain_error(exc), Detail.TASK_EVALUATE, None) from None
         self.audit.add(f"evaluate:{k}")
         # D. Commit
-        move(Committing(k), Detail.STEP)
+        engine.move(Committing(k), Detail.STEP)
         commits, telemetry = await self._commit(k, scope, new, evaluation)
         # E. Ready(k+1)
-        move(Ready(k + 1), Detail.STEP)
+        engine.move(Ready(k + 1), Detail.STEP)
         for agent_id in self.agent_ids:
             slot = self._slots[agent_id]
             slot.context = evaluation.next_contexts[agent_id]
@@ -722,7 +721,7 @@ class Coordinator:
             self.episode_request = evaluation.episode
         paused = False
         if self._pause.is_set() or self.episode_request is not None:
-            move(Paused(k + 1), Detail.STEP)
+            engine.move(Paused(k + 1), Detail.STEP)
             self._pause.clear()
             self.audit.add(f"pause:{k + 1}")
             paused = True
@@ -737,7 +736,6 @@ class Coordinator:
                       ) -> tuple[dict[str, dict[str, Any]], dict[str, Telemetry]]:
         """Commit every agent: the results and their parsed telemetry, by agent."""
         engine = self._calls
-        new_call, call_one = engine.new_call, engine.call
         calls: list[Call] = []
         # every agent receives the same views: one JSON value shared by every call
         views = [v.to_json() for v in new.sensory_views]
@@ -745,7 +743,7 @@ class Coordinator:
             slot = self._slots[agent_id]
             outcome = evaluation.outcomes[agent_id]
             assert slot.prepare_request is not None
-            calls.append(new_call(agent_id, "Agent.Commit", scope, {
+            calls.append(engine.new_call(agent_id, "Agent.Commit", scope, {
                 "agentId": agent_id, "preparedRequestId": slot.prepare_request,
                 "nextInput": {"boundary": str(k + 1), "views": views, "structured": None},
                 "nextDecisionContext": evaluation.next_contexts[agent_id].to_json(),
@@ -757,7 +755,7 @@ class Coordinator:
         async def one(call: Call) -> None:
             agent_id = call.worker_id
             try:
-                result = await call_one(call)
+                result = await engine.call(call)
                 if result.get("committedStep") != str(k + 1):
                     raise backend_failure(f"Agent.Commit: {agent_id} committed "
                                           f"{result.get('committedStep')}, expected {k + 1}")
