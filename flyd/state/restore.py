@@ -13,8 +13,9 @@ state. `prepare(target, calls, id, epoch, state)` checks the preconditions and r
 `install(plan, state)` runs the install through the session's call engine (`flyd.calls`) and
 returns what it installed (`Installed`: observation, media, audio, progress, agent slots, the
 durable mark, the epoch and the `RestoreReport`), which the coordinator adopts before it
-publishes and moves to `Paused(k)`. Neither function touches the coordinator: they read the
-public side a `RestoreTarget` names and send through the `CallEngine` they are handed.
+publishes and moves to `Paused(k)`. Neither function changes the coordinator's own state: they
+read the public side a `RestoreTarget` names, send through the `CallEngine` they are handed, and
+`install` restores the session's shared task, trace and pending effects to k.
 
 Rules:
 
