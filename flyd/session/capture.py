@@ -30,9 +30,11 @@ Refusals that leave the epoch intact are `SessionFailure`s whose `fenced` state 
 (like a paused step's episode refusal): the caller reads `coordinator.fenced`.
 
 Resolved ambiguities:
-- The writer's `reserve()` and `submit()` (§5.2) wrap this function; until a session has a
-  writer, `Coordinator.capture` returns the `Capture` itself (manifest and payloads), which is
-  exactly what `submit` takes.
+- The writer's `reserve()` and `submit()` (§5.2) wrap this function (`save`: a slot reserved
+  before anyone is asked, the capture submitted after; a refusal of either audits
+  `capture-refused:<id>` and raises `SessionFailure` detail `capture` without failing the
+  epoch); without a writer, `Coordinator.capture` returns the `Capture` itself (manifest and
+  payloads), which is exactly what `submit` takes.
 - A participant without `checkpoint-v1` answers `State.Capture` with `UNSUPPORTED`/`none`
   (session.md §3.7), which abandons the capture without failing the epoch (rule 4).
 - `brainTicks` and `remainder` of an `AgentEntry` and an executor slot are the agent's captured
@@ -52,10 +54,15 @@ import base64
 import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Final, Literal
+from typing import Any, Final, Literal, Protocol
 
-from flyd.session.fence import Detail, SessionFailure, refuse_if_fenced
+from flyd.session.audit import AuditLog
+from flyd.session.calls import Call, CallEngine
+from flyd.session.fence import Detail, SessionFailure
 from flyd.session.phase import Capturing, Paused, Ready
+from flyd.session.runspec import RunSpec
+from flyd.session.slots import AgentSlot
+from flyd.session.trace import TraceLog
 from flyd.state.compat import AgentIdentity, Compatibility
 from flyd.state.envelope import (
     COORDINATOR_ADMISSION,
@@ -65,21 +72,54 @@ from flyd.state.envelope import (
     WORLD_PAYLOAD,
     validate_manifest,
 )
+from flyd.state.writer import CaptureSubmission, CheckpointWriter, SaveTicket
 from workers.canonical import canonical, digest_bytes, digest_of, parse_strict
 from workers.composition import composition_digest
-from workers.datatypes import MediaBlob, decode_media
+from workers.datatypes import EnvironmentDescriptor, MediaBlob, WorldObservation, decode_media
 from workers.domain import DomainError, ErrorCode, Mutation, Scope, format_u64
+from workers.protocols import ActionExecutor, EpisodeRequest, Task
 from workers.rpc import Answered, Expired, Refused
 from workers.shell import contract_digest
 from workers.state import PAYLOAD_CONTENT_TYPE, PAYLOAD_VERSION
 
-if TYPE_CHECKING:
-    from flyd.session.coordinator import Coordinator, _Call
-
-__all__ = ["Capture", "CaptureKind", "capture", "validate_reply"]
+__all__ = ["Capture", "CaptureKind", "CaptureSource", "capture", "save", "validate_reply"]
 
 CaptureKind = Literal["hot", "durable"]
 ENVELOPE_VERSION: Final = 1
+
+
+class CaptureSource(Protocol):
+    """What a capture reads of the session at its committed boundary (the coordinator's public
+    side); nothing of it changes while the session is `Capturing(k)`."""
+
+    @property
+    def spec(self) -> RunSpec: ...
+    @property
+    def epoch(self) -> str: ...
+    @property
+    def world_id(self) -> str: ...
+    @property
+    def agent_ids(self) -> list[str]: ...
+    @property
+    def descriptor(self) -> EnvironmentDescriptor | None: ...
+    @property
+    def observation(self) -> WorldObservation | None: ...
+    @property
+    def task(self) -> Task: ...
+    @property
+    def executor(self) -> ActionExecutor: ...
+    @property
+    def episode_request(self) -> EpisodeRequest | None: ...
+    @property
+    def audit(self) -> AuditLog: ...
+    @property
+    def trace(self) -> TraceLog: ...
+    @property
+    def slots(self) -> Mapping[str, AgentSlot]: ...
+    @property
+    def descriptor_revision(self) -> int: ...
+    def audio_positions(self) -> dict[str, int]: ...
+    def issued_events(self) -> int: ...
 
 
 @dataclass(frozen=True)
@@ -189,21 +229,21 @@ def validate_reply(result: Mapping[str, Any], *, worker_id: str, checkpoint_id: 
 # the coordinator side
 
 
-async def _ask(coordinator: Coordinator, call: _Call) -> dict[str, Any]:
+async def _ask(calls: CallEngine, call: Call) -> dict[str, Any]:
     """One `State.Capture`; a worker refusal with `none` is `_Abandon`, anything else `_Fail`."""
-    outcome = await coordinator._send(call, coordinator._deadline_of(call.method))
+    outcome = await calls.send(call, calls.deadline_of(call.method))
     if isinstance(outcome, Refused):
         raise _Fail(outcome.error, call.worker_id)
     if isinstance(outcome, Expired):
         try:
-            return await coordinator._resolve(call)
+            return await calls.resolve(call)
         except DomainError as exc:
             if exc.mutation == Mutation.NONE:
                 raise _Abandon(exc, call.worker_id) from None
             raise _Fail(exc, call.worker_id) from None
     assert isinstance(outcome, Answered)
     try:
-        return coordinator.check_reply(call, outcome.outcome)
+        return calls.check_reply(call, outcome.outcome)
     except DomainError as exc:
         own = outcome.outcome.error
         if exc is own and own.mutation == Mutation.NONE:
@@ -211,12 +251,11 @@ async def _ask(coordinator: Coordinator, call: _Call) -> dict[str, Any]:
         raise _Fail(exc, call.worker_id) from None
 
 
-async def capture(coordinator: Coordinator, checkpoint_id: str, *,
+async def capture(coordinator: CaptureSource, calls: CallEngine, checkpoint_id: str, *,
                   kind: CaptureKind = "durable") -> Capture:
-    """The rules of the module docstring; see there."""
-    machine = coordinator._machine
-    refuse_if_fenced(machine)
-    origin = machine.phase
+    """The rules of the module docstring; see there. `calls` is the session's call engine."""
+    calls.refuse_if_fenced()
+    origin = calls.phase
     if not isinstance(origin, Ready | Paused):
         raise SessionFailure(DomainError.before(
             ErrorCode.INVALID_PHASE,
@@ -229,29 +268,29 @@ async def capture(coordinator: Coordinator, checkpoint_id: str, *,
     except DomainError as exc:
         raise SessionFailure(exc, origin.label, Detail.CAPTURE) from None
     k = origin.step
-    scope = coordinator._scope(k)
-    coordinator._move(Capturing(k), Detail.CAPTURE)
+    scope = Scope(coordinator.spec.session_id, coordinator.epoch, k)
+    calls.move(Capturing(k), Detail.CAPTURE)
     world_id = coordinator.world_id
-    calls = {wid: coordinator._new_call(wid, "State.Capture", scope,
-                                        {"checkpointId": checkpoint_id})
-             for wid in [world_id, *coordinator.agent_ids]}
+    requests = {wid: calls.new_call(wid, "State.Capture", scope,
+                                    {"checkpointId": checkpoint_id})
+                for wid in [world_id, *coordinator.agent_ids]}
     results: dict[str, dict[str, Any]] = {}
     problems: list[_Abandon | _Fail] = []
 
     async def one(wid: str) -> None:
         try:
-            results[wid] = await _ask(coordinator, calls[wid])
+            results[wid] = await _ask(calls, requests[wid])
         except (_Abandon, _Fail) as exc:
             problems.append(exc)
 
     async with asyncio.TaskGroup() as group:
-        for wid in calls:
+        for wid in requests:
             group.create_task(one(wid))
     failures = [p for p in problems if isinstance(p, _Fail)]
     if failures:
-        coordinator._fail_now(failures[0].error, Detail.CAPTURE, failures[0].worker_id)
+        calls.fail(failures[0].error, Detail.CAPTURE, failures[0].worker_id)
     if problems:
-        _abandon(coordinator, checkpoint_id, k, origin)
+        _abandon(coordinator, calls, checkpoint_id, k, origin)
         first = problems[0]
         raise SessionFailure(first.error, origin.label, Detail.CAPTURE, first.worker_id)
     replies: dict[str, _Reply] = {}
@@ -262,22 +301,45 @@ async def capture(coordinator: Coordinator, checkpoint_id: str, *,
                 compatibility_digest=live.digest() if wid == world_id else None,
                 slot_identity=None if wid == world_id else _slot_identity(coordinator, wid))
         except DomainError as exc:
-            coordinator._fail_now(exc, Detail.CAPTURE, wid)
-        replies[wid] = _Reply(calls[wid].request_id, data, wrapper)
+            calls.fail(exc, Detail.CAPTURE, wid)
+        replies[wid] = _Reply(requests[wid].request_id, data, wrapper)
     try:
         built = _assemble(coordinator, checkpoint_id, k, scope, live, replies, kind)
     except DomainError as exc:
-        coordinator._fail_now(exc, Detail.CAPTURE)
-    await coordinator._guarded(functools.partial(_acknowledge_all, coordinator, replies))
+        calls.fail(exc, Detail.CAPTURE)
+    await calls.guarded(functools.partial(_acknowledge_all, calls, replies))
     coordinator.audit.add(f"captured:{checkpoint_id}@{k}")
     if coordinator.trace.transitions:
         coordinator.trace.transitions[-1].operational.setdefault("captures", []).append(
             {"checkpointId": checkpoint_id, "boundary": format_u64(k), "kind": kind})
-    coordinator._move(origin, Detail.CAPTURE)
+    calls.move(origin, Detail.CAPTURE)
     return built
 
 
-async def _acknowledge_all(coordinator: Coordinator, replies: Mapping[str, _Reply]) -> None:
+async def save(coordinator: CaptureSource, calls: CallEngine, writer: CheckpointWriter,
+               checkpoint_id: str, *, kind: CaptureKind = "durable") -> SaveTicket:
+    """`capture` through `writer` (§5.7 steps 2 and 7): the ticket."""
+    phase = calls.phase
+    try:
+        reservation = writer.reserve()
+    except DomainError as exc:
+        coordinator.audit.add(f"capture-refused:{checkpoint_id}")
+        raise SessionFailure(exc, phase.label, Detail.CAPTURE) from None
+    try:
+        built = await capture(coordinator, calls, checkpoint_id, kind=kind)
+    except BaseException:
+        reservation.release()
+        raise
+    try:
+        return writer.submit(reservation, CaptureSubmission(
+            checkpoint_id, built.boundary, built.session_epoch, built.episode_id,
+            built.manifest, built.payloads, replaceable=kind == "hot"))
+    except DomainError as exc:
+        coordinator.audit.add(f"capture-refused:{checkpoint_id}")
+        raise SessionFailure(exc, calls.phase.label, Detail.CAPTURE) from None
+
+
+async def _acknowledge_all(calls: CallEngine, replies: Mapping[str, _Reply]) -> None:
     """One `Worker.Acknowledge` per participant, all at once: they are independent read-only
     calls, and sent one after another they were most of a capture's time at the boundary.
     The first failure in participant order is raised once every call finished."""
@@ -285,7 +347,7 @@ async def _acknowledge_all(coordinator: Coordinator, replies: Mapping[str, _Repl
 
     async def one(wid: str, request_id: str) -> None:
         try:
-            await coordinator._acknowledge(wid, [request_id], require_all=False)
+            await calls.acknowledge(wid, [request_id])
         except Exception as exc:  # re-raised below, in participant order
             failures[wid] = exc
 
@@ -297,13 +359,14 @@ async def _acknowledge_all(coordinator: Coordinator, replies: Mapping[str, _Repl
             raise failures[wid]
 
 
-def _abandon(coordinator: Coordinator, checkpoint_id: str, k: int, origin: Ready | Paused) -> None:
-    coordinator._move(origin, Detail.CAPTURE)
+def _abandon(coordinator: CaptureSource, calls: CallEngine, checkpoint_id: str, k: int,
+             origin: Ready | Paused) -> None:
+    calls.move(origin, Detail.CAPTURE)
     coordinator.audit.add(f"not-durable:failed:{checkpoint_id}@{k}")
 
 
-def _slot_identity(coordinator: Coordinator, agent_id: str) -> dict[str, Any]:
-    slot = coordinator._slots[agent_id]
+def _slot_identity(coordinator: CaptureSource, agent_id: str) -> dict[str, Any]:
+    slot = coordinator.slots[agent_id]
     assert slot.graph is not None
     return {"agentId": agent_id, "profileDigest": slot.profile["digest"], "seed": slot.seed,
             "datasetDigest": slot.graph.dataset_digest, "indexDigest": slot.graph.index_digest}
@@ -314,7 +377,7 @@ def _head(kind: str, checkpoint_id: str, k: int) -> dict[str, Any]:
             "committedStep": format_u64(k)}
 
 
-def _assemble(coordinator: Coordinator, checkpoint_id: str, k: int, scope: Scope,
+def _assemble(coordinator: CaptureSource, checkpoint_id: str, k: int, scope: Scope,
               live: Compatibility, replies: Mapping[str, _Reply], kind: CaptureKind) -> Capture:
     """The coordinator payloads (§6.3) and the manifest (§2.4), in write order (§2.5)."""
     descriptor = coordinator.descriptor
@@ -331,7 +394,7 @@ def _assemble(coordinator: Coordinator, checkpoint_id: str, k: int, scope: Scope
         accumulator = wrapper.get("accumulator")
         if not isinstance(accumulator, dict):
             raise _bad(f"State.Capture: agent {agent_id}'s payload has no accumulator")
-        slot = coordinator._slots[agent_id]
+        slot = coordinator.slots[agent_id]
         assert slot.graph is not None and slot.telemetry is not None
         assert slot.tick_duration is not None and slot.context is not None
         payloads.append((f"agent-{agent_id}", replies[agent_id].data))
@@ -362,7 +425,7 @@ def _assemble(coordinator: Coordinator, checkpoint_id: str, k: int, scope: Scope
                                                         "outcome": request.outcome.to_json()},
         "task": {"digest": digest_bytes(task_state),
                  "data": base64.b64encode(task_state).decode("ascii")}})))
-    positions = coordinator._audio_position
+    positions = coordinator.audio_positions()
     payloads.append((PRIOR_INSPECTION, canonical({
         **_head(PRIOR_INSPECTION, checkpoint_id, k),
         "worldTime": observation.world_time.to_json(),
@@ -377,8 +440,8 @@ def _assemble(coordinator: Coordinator, checkpoint_id: str, k: int, scope: Scope
     payloads.append((COORDINATOR_ADMISSION, canonical({
         **_head(COORDINATOR_ADMISSION, checkpoint_id, k), "admissions": [],
         "eventWatermarks": watermarks,
-        "descriptorRevision": format_u64(coordinator._descriptor_revision)})))
-    ports = {coordinator._slots[a].spec.port_id: a for a in agent_ids}
+        "descriptorRevision": format_u64(coordinator.descriptor_revision)})))
+    ports = {coordinator.slots[a].spec.port_id: a for a in agent_ids}
     manifest: dict[str, Any] = {
         "envelopeVersion": ENVELOPE_VERSION,
         "checkpointId": checkpoint_id,
@@ -388,7 +451,7 @@ def _assemble(coordinator: Coordinator, checkpoint_id: str, k: int, scope: Scope
         "schedulerId": SCHEDULER_ID,
         "compositionDigest": composition_digest(
             coordinator.spec.session_id, coordinator.epoch, contract_digest(),
-            [(a, coordinator._slots[a].spec.port_id, coordinator._slots[a].profile["digest"])
+            [(a, coordinator.slots[a].spec.port_id, coordinator.slots[a].profile["digest"])
              for a in agent_ids]),
         "portMap": [{"portId": p.port_id, "agentId": ports[p.port_id]}
                     for p in descriptor.ports if p.port_id in ports],
@@ -409,7 +472,7 @@ def _assemble(coordinator: Coordinator, checkpoint_id: str, k: int, scope: Scope
                    manifest, tuple(payloads))
 
 
-def _context(coordinator: Coordinator, agent_id: str) -> dict[str, Any]:
-    context = coordinator._slots[agent_id].context
+def _context(coordinator: CaptureSource, agent_id: str) -> dict[str, Any]:
+    context = coordinator.slots[agent_id].context
     assert context is not None
     return context.to_json()

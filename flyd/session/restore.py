@@ -7,9 +7,19 @@ before anyone activates, the coordinator's own ledgers are checked before the fi
 and anything that goes wrong after the first stage fails the epoch and taints whoever might
 hold the proposed state, until a replacement clears it.
 
-Rules (`restore`):
+Who does what: the coordinator runs a restore in three steps and owns every change to its own
+state. `prepare(target, calls, id, epoch, state)` checks the preconditions and returns the
+`Install` it admits; the coordinator enters `Restoring(k)` and marks the epoch used;
+`install(plan, state)` runs the install through the session's call engine (`flyd.session.calls`) and
+returns what it installed (`Installed`: observation, media, audio, progress, agent slots, the
+durable mark, the epoch and the `RestoreReport`), which the coordinator adopts before it
+publishes and moves to `Paused(k)`. Neither function changes the coordinator's own state: they
+read the public side a `RestoreTarget` names, send through the `CallEngine` they are handed, and
+`install` restores the session's shared task, trace and pending effects to k.
 
-- Preconditions, in order (`_preconditions`); a failure raises `SessionFailure` (detail
+Rules:
+
+- Preconditions, in order (`prepare`); a failure raises `SessionFailure` (detail
   `restore`) and changes nothing, taints nobody, leaves the phase and the fence as they were:
   1. phase `Failed`, or an unstepped `Ready(0)` (cold install) — else `INVALID_PHASE`;
   2. the proposed epoch is `e<N>` and was never used by this session — else `STALE_EPOCH`;
@@ -25,11 +35,12 @@ Rules (`restore`):
 - Install, after `→ Restoring(k)`: import, stage (environment first, then
   agents by id, one at a time), validate the coordinator ledgers (§7.3), activate (same order),
   check the results, acknowledge, install the coordinator state, publish, `→ Paused(k)`.
-- A failure after `Restoring(k)` fails the epoch through the coordinator's fail path (audit
-  `fail:restore[:<participant>]`), keeping the refusing participant's code and naming it (a
-  worker id or `coordinator`). Tainted: every worker that staged or activated, plus any whose
-  stage or activation stayed uncertain (an expired call, or an error whose mutation is not
-  `none`). The imported buffers are dropped; nothing is installed in the coordinator.
+- A failure after `Restoring(k)` is `InstallAborted`, on which the coordinator fails the epoch
+  (audit `fail:restore[:<participant>]`), keeping the refusing participant's code and naming
+  it (a worker id or `coordinator`). Tainted (`InstallAborted.tainted`, `Install.tainted`):
+  every worker that staged or activated, plus any whose stage or activation stayed uncertain
+  (an expired call, or an error whose mutation is not `none`). The imported buffers are
+  dropped; nothing is installed in the coordinator.
 
 Decisions where the spec is silent:
 - A proposed epoch must have the form `e<N>` (flyd sessions always do, state.md §0); another Id
@@ -51,18 +62,23 @@ Decisions where the spec is silent:
 from __future__ import annotations
 
 import base64
-import contextlib
 import copy
 import hashlib
 import itertools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, Final, Protocol
 
 import structlog
 
+from flyd.session.audit import AuditLog
+from flyd.session.calls import Call, CallEngine
 from flyd.session.fence import Detail, SessionFailure
-from flyd.session.phase import Failed, Paused, Restoring
+from flyd.session.media import Media, check_views
+from flyd.session.phase import Failed
+from flyd.session.runspec import RunSpec
+from flyd.session.slots import AgentSlot
+from flyd.session.trace import TraceLog
 from flyd.state.checkpoints import CheckpointStore
 from flyd.state.compat import AgentIdentity, Compatibility
 from flyd.state.effects import EPOCH_ID
@@ -84,6 +100,7 @@ from workers.datatypes import (
     decode_view,
 )
 from workers.domain import DomainError, ErrorCode, Mutation, Scope, is_id, parse_u64
+from workers.protocols import Task
 from workers.rpc import Expired
 from workers.shell import contract_digest
 from workers.state import CHECKPOINT_CAPABILITY, PAYLOAD_CONTENT_TYPE, PAYLOAD_VERSION
@@ -91,16 +108,22 @@ from workers.synthetic.audio import AudioTimelines
 from workers.ticks import RationalNs
 
 if TYPE_CHECKING:
-    from flyd.session.coordinator import Coordinator, _Call
     from flyd.state.writer import CheckpointWriter
 
 __all__ = [
     "COORDINATOR",
     "FRAME_OVERHEAD",
     "ImportedBuffer",
+    "Install",
+    "InstallAborted",
+    "Installed",
+    "InstalledAgent",
     "RestoreReport",
+    "RestoreTarget",
     "StateContext",
-    "restore",
+    "install",
+    "prepare",
+    "recovered",
 ]
 
 log = structlog.get_logger("flyd.restore")
@@ -121,6 +144,32 @@ class StateContext:
     run_id: int
     writer: CheckpointWriter | None = None
     guard: Callable[[], object] | None = None
+
+
+class RestoreTarget(Protocol):
+    """What a restore reads of the session it installs into (the coordinator's public side)."""
+
+    @property
+    def spec(self) -> RunSpec: ...
+    @property
+    def world_id(self) -> str: ...
+    @property
+    def agent_ids(self) -> list[str]: ...
+    @property
+    def descriptor(self) -> EnvironmentDescriptor | None: ...
+    @property
+    def task(self) -> Task: ...
+    @property
+    def audit(self) -> AuditLog: ...
+    @property
+    def trace(self) -> TraceLog: ...
+    @property
+    def slots(self) -> Mapping[str, AgentSlot]: ...
+    def participants(self) -> list[str]: ...
+    def tainted(self) -> list[str]: ...
+    def bindings(self) -> list[tuple[str, str]]: ...
+    def epoch_used(self, epoch: str) -> bool: ...
+    def was_replaced(self, worker_id: str) -> bool: ...
 
 
 @dataclass(frozen=True)
@@ -160,11 +209,23 @@ def _incompatible(message: str) -> DomainError:
     return DomainError.before(ErrorCode.INCOMPATIBLE_STATE, message)
 
 
-@dataclass
-class _Install:
-    """The bookkeeping of one install attempt."""
+class InstallAborted(Exception):
+    """The install failed after `Restoring(k)`: the error, whom it names (a worker id or
+    `coordinator`) and the workers it taints."""
 
-    coordinator: Coordinator
+    def __init__(self, error: DomainError, participant: str, tainted: frozenset[str]) -> None:
+        super().__init__(error, participant, tainted)
+        self.error = error
+        self.participant = participant
+        self.tainted = tainted
+
+
+@dataclass
+class Install:
+    """The bookkeeping of one install attempt (`prepare` makes it, `install` runs it)."""
+
+    target: RestoreTarget
+    calls: CallEngine
     env: Envelope
     k: int
     epoch: str
@@ -174,66 +235,111 @@ class _Install:
     activate_requests: dict[str, str] = field(default_factory=dict)
     results: dict[str, dict[str, Any]] = field(default_factory=dict)
     buffers: dict[str, ImportedBuffer] = field(default_factory=dict)
+    uncertain: set[str] = field(default_factory=set)
 
     @property
     def manifest(self) -> dict[str, Any]:
         return self.env.manifest
+
+    @property
+    def tainted(self) -> frozenset[str]:
+        """Every worker that staged, or whose stage or activation stayed uncertain."""
+        return frozenset(self.staged) | self.uncertain
+
+
+@dataclass(frozen=True)
+class InstalledAgent:
+    """One agent's slot as the checkpoint recorded it."""
+
+    context: TypedValue
+    context_digest: str
+    graph: Graph
+    telemetry: Telemetry
+    tick_duration: RationalNs
+    warmup_ticks: int
+
+
+@dataclass(frozen=True)
+class Installed:
+    """What a successful install leaves the coordinator to adopt (§7.2 steps 8–10): the
+    boundary's observation, decoded views and audio timelines, the task's progress, every
+    agent's slot, the durable mark, the new epoch, and the report. The task, the trace and the
+    writer's pending effects are already restored to k."""
+
+    report: RestoreReport
+    observation: WorldObservation
+    media: Media
+    audio: AudioTimelines
+    progress: TypedValue
+    agents: Mapping[str, InstalledAgent]
+
+    @property
+    def boundary(self) -> int:
+        return self.report.boundary
+
+    @property
+    def epoch(self) -> str:
+        return self.report.epoch
+
+    @property
+    def durable(self) -> tuple[str, int]:
+        return (self.report.checkpoint_id, self.report.boundary)
 
 
 # --------------------------------------------------------------------------------------------
 # preconditions (§7.1)
 
 
-def _refuse(coordinator: Coordinator, error: DomainError,
+def _refuse(calls: CallEngine, error: DomainError,
             participant: str | None = None) -> SessionFailure:
-    return SessionFailure(error, coordinator.phase.label, Detail.RESTORE, participant)
+    return SessionFailure(error, calls.phase.label, Detail.RESTORE, participant)
 
 
-def _check_phase(coordinator: Coordinator) -> None:
-    machine = coordinator._machine
+def _check_phase(calls: CallEngine) -> None:
+    machine = calls.machine
     if isinstance(machine.phase, Failed) or machine.is_unstepped_zero():
         return
-    raise _refuse(coordinator, DomainError.before(
+    raise _refuse(calls, DomainError.before(
         ErrorCode.INVALID_PHASE, "a restore needs a failed epoch or an unstepped Ready(0); the "
         f"session is {machine.phase.label}"))
 
 
-def _check_epoch(coordinator: Coordinator, proposed: str) -> None:
+def _check_epoch(target: RestoreTarget, calls: CallEngine, proposed: str) -> None:
     if not is_id(proposed) or EPOCH_ID.fullmatch(proposed) is None:
-        raise _refuse(coordinator, DomainError.invalid(
+        raise _refuse(calls, DomainError.invalid(
             f"proposed epoch {proposed!r} is not a session epoch e<N>"))
-    if proposed in coordinator._used_epochs:
-        raise _refuse(coordinator, DomainError.before(
+    if target.epoch_used(proposed):
+        raise _refuse(calls, DomainError.before(
             ErrorCode.STALE_EPOCH, f"epoch {proposed} was already used by this session; a "
             "restore needs a new epoch"))
 
 
-def _check_taint(coordinator: Coordinator) -> None:
-    tainted = coordinator.tainted()
+def _check_taint(target: RestoreTarget, calls: CallEngine) -> None:
+    tainted = target.tainted()
     if tainted:
-        raise _refuse(coordinator, DomainError.before(
+        raise _refuse(calls, DomainError.before(
             ErrorCode.INVALID_PHASE, f"participant {tainted[0]} took part in an abandoned "
             "install; replace it first"), tainted[0])
 
 
-def _check_shape(coordinator: Coordinator, manifest: Mapping[str, Any]) -> None:
+def _check_shape(target: RestoreTarget, manifest: Mapping[str, Any]) -> None:
     world_id = manifest["environment"]["workerId"]
-    if world_id != coordinator.world_id:
+    if world_id != target.world_id:
         raise _incompatible(f"checkpoint {manifest['checkpointId']}: environment {world_id} is "
-                            f"not this composition's {coordinator.world_id}")
+                            f"not this composition's {target.world_id}")
     agents = [a["agentId"] for a in manifest["agents"]]
-    if agents != coordinator.agent_ids:
+    if agents != target.agent_ids:
         raise _incompatible(f"checkpoint {manifest['checkpointId']}: agents {agents} are not "
-                            f"this composition's {coordinator.agent_ids}")
+                            f"this composition's {target.agent_ids}")
     recorded = sorted((p["portId"], p["agentId"]) for p in manifest["portMap"])
-    if recorded != sorted(coordinator._bindings()):
+    if recorded != sorted(target.bindings()):
         raise _incompatible(f"checkpoint {manifest['checkpointId']}: portMap {recorded} differs "
-                            f"from the bindings {sorted(coordinator._bindings())}")
+                            f"from the bindings {sorted(target.bindings())}")
     if manifest["helperState"] != []:
         raise _incompatible(f"checkpoint {manifest['checkpointId']}: helperState "
                             f"{manifest['helperState']} is not supported in v1")
     for entry in manifest["agents"]:
-        slot = coordinator._slots[entry["agentId"]]
+        slot = target.slots[entry["agentId"]]
         for name, want in (("profileDigest", slot.profile["digest"]), ("seed", slot.seed)):
             if entry[name] != want:
                 raise _incompatible(f"checkpoint {manifest['checkpointId']}: agent "
@@ -241,9 +347,9 @@ def _check_shape(coordinator: Coordinator, manifest: Mapping[str, Any]) -> None:
                                     f"the configured {want}")
 
 
-def _stage_params(coordinator: Coordinator, manifest: Mapping[str, Any], worker: str,
+def _stage_params(world_id: str, manifest: Mapping[str, Any], worker: str,
                   data: bytes) -> dict[str, Any]:
-    if worker == coordinator.world_id:
+    if worker == world_id:
         compat = digest_of(manifest["compatibility"])
     else:
         entry = next(a for a in manifest["agents"] if a["agentId"] == worker)
@@ -261,11 +367,11 @@ def _payload_of(worker: str, world_id: str) -> str:
     return WORLD_PAYLOAD if worker == world_id else f"agent-{worker}"
 
 
-def _check_frames(coordinator: Coordinator, env: Envelope) -> None:
-    limit = coordinator._client.limits.get("maxEnvelopeBytes", 0)
-    for worker in coordinator.participants():
-        name = _payload_of(worker, coordinator.world_id)
-        size = len(canonical(_stage_params(coordinator, env.manifest, worker,
+def _check_frames(target: RestoreTarget, calls: CallEngine, env: Envelope) -> None:
+    limit = calls.client.limits.get("maxEnvelopeBytes", 0)
+    for worker in target.participants():
+        name = _payload_of(worker, target.world_id)
+        size = len(canonical(_stage_params(target.world_id, env.manifest, worker,
                                            env.payload(name)))) + FRAME_OVERHEAD
         if limit and size > limit:
             raise DomainError.before(
@@ -273,16 +379,16 @@ def _check_frames(coordinator: Coordinator, env: Envelope) -> None:
                 f"StageRestoreParams; one bus frame holds {limit}")
 
 
-async def _hello(coordinator: Coordinator, worker: str) -> None:
-    role = "environment" if worker == coordinator.world_id else "agent"
+async def _hello(target: RestoreTarget, calls: CallEngine, worker: str) -> None:
+    role = "environment" if worker == target.world_id else "agent"
     step_capability = "world-step-v1" if role == "environment" else "agent-step-v1"
-    call = coordinator._new_call(worker, "Worker.Hello", None, {
-        "sessionId": coordinator.spec.session_id, "expectedWorkerId": worker, "role": role,
+    call = calls.new_call(worker, "Worker.Hello", None, {
+        "sessionId": target.spec.session_id, "expectedWorkerId": worker, "role": role,
         "supportedMajors": [1]})
     try:
-        result = await coordinator._call(call)
+        result = await calls.call(call)
     except DomainError as exc:
-        raise _refuse(coordinator, DomainError.before(exc.code, exc.message), worker) from None
+        raise _refuse(calls, DomainError.before(exc.code, exc.message), worker) from None
     problem: DomainError | None = None
     capabilities = result.get("capabilities", [])
     if result.get("workerId") != worker or result.get("role") != role:
@@ -300,39 +406,40 @@ async def _hello(coordinator: Coordinator, worker: str) -> None:
                                              f"Worker.Hello: {worker} lacks {capability}")
                 break
     if problem is not None:
-        raise _refuse(coordinator, problem, worker)
-    coordinator._pin(worker, str(result["incarnationId"]))
-    coordinator.audit.add(f"hello:{worker}")
+        raise _refuse(calls, problem, worker)
+    calls.pin(worker, str(result["incarnationId"]))
+    target.audit.add(f"hello:{worker}")
 
 
-async def _preconditions(coordinator: Coordinator, checkpoint_id: str | None, proposed: str,
-                         state: StateContext) -> Envelope:
-    _check_phase(coordinator)
-    _check_epoch(coordinator, proposed)
-    _check_taint(coordinator)
+async def prepare(target: RestoreTarget, calls: CallEngine, checkpoint_id: str | None,
+                  proposed: str, state: StateContext) -> Install:
+    """The preconditions (§7.1), in order; the install they admit (nothing is changed yet)."""
+    _check_phase(calls)
+    _check_epoch(target, calls, proposed)
+    _check_taint(target, calls)
     if state.guard is not None:
         state.guard()
     try:
         record = await state.store.select(state.run_id, checkpoint_id, for_restore=True)
         env = await state.store.read(record)
-        assert coordinator.descriptor is not None
-        env.compatibility.compare(Compatibility.of(coordinator.descriptor),
+        assert target.descriptor is not None
+        env.compatibility.compare(Compatibility.of(target.descriptor),
                                   checkpoint_id=env.checkpoint_id)
-        _check_shape(coordinator, env.manifest)
-        _check_frames(coordinator, env)
+        _check_shape(target, env.manifest)
+        _check_frames(target, calls, env)
     except DomainError as exc:
-        raise _refuse(coordinator, exc) from None
-    for worker in coordinator.participants():
-        if worker in coordinator._replaced:
-            await _hello(coordinator, worker)
-    return env
+        raise _refuse(calls, exc) from None
+    for worker in target.participants():
+        if target.was_replaced(worker):
+            await _hello(target, calls, worker)
+    return Install(target, calls, env, env.source_scope.step, proposed)
 
 
 # --------------------------------------------------------------------------------------------
 # the install (§7.2)
 
 
-def _import(install: _Install) -> None:
+def _import(install: Install) -> None:
     env = install.env
     listed = {p["name"]: p["digest"] for p in install.manifest["payloads"]}
     for name, data in env.payloads:
@@ -342,59 +449,57 @@ def _import(install: _Install) -> None:
                          COORDINATOR)
         handle = f"imp-{next(_handles)}"
         install.buffers[name] = ImportedBuffer(handle, name, bytes(data), digest)
-    install.coordinator.audit.add(f"imported:{env.checkpoint_id}@{install.k}")
+    install.target.audit.add(f"imported:{env.checkpoint_id}@{install.k}")
 
 
-async def _ask(install: _Install, worker: str, call: _Call,
-               uncertain: set[str]) -> dict[str, Any]:
+async def _ask(install: Install, worker: str, call: Call) -> dict[str, Any]:
     """One stage or activation; a refusal or an uncertain outcome aborts the install."""
-    coordinator = install.coordinator
-    outcome = await coordinator._send(call, coordinator._deadline_of(call.method))
+    calls = install.calls
+    outcome = await calls.send(call, calls.deadline_of(call.method))
     try:
-        return await coordinator._settle(call, outcome)
+        return await calls.settle(call, outcome)
     except DomainError as exc:
         if exc.mutation != Mutation.NONE or isinstance(outcome, Expired):
-            uncertain.add(worker)
+            install.uncertain.add(worker)
         raise _Abort(exc, worker) from None
 
 
-async def _stage(install: _Install, uncertain: set[str]) -> None:
-    coordinator = install.coordinator
-    target = Scope(coordinator.spec.session_id, install.epoch, install.k)
-    for worker in coordinator.participants():
-        name = _payload_of(worker, coordinator.world_id)
-        params = _stage_params(coordinator, install.manifest, worker,
+async def _stage(install: Install) -> None:
+    target = install.target
+    scope = Scope(target.spec.session_id, install.epoch, install.k)
+    for worker in target.participants():
+        name = _payload_of(worker, target.world_id)
+        params = _stage_params(target.world_id, install.manifest, worker,
                                install.buffers[name].data)
-        call = coordinator._new_call(worker, "State.StageRestore", target, params)
-        result = await _ask(install, worker, call, uncertain)
+        call = install.calls.new_call(worker, "State.StageRestore", scope, params)
+        result = await _ask(install, worker, call)
         install.staged[worker] = str(result.get("restoreToken"))
         install.stage_requests[worker] = call.request_id
-        coordinator._tainted.add(worker)
-        coordinator.audit.add(f"staged:{worker}")
+        target.audit.add(f"staged:{worker}")
         if result.get("checkpointId") != install.env.checkpoint_id:
             raise _Abort(DomainError(ErrorCode.IDENTITY_MISMATCH, f"State.StageRestore: {worker} "
                                      f"staged {result.get('checkpointId')}, expected "
                                      f"{install.env.checkpoint_id}", Mutation.UNKNOWN), worker)
 
 
-async def _activate(install: _Install, uncertain: set[str]) -> None:
-    coordinator = install.coordinator
-    target = Scope(coordinator.spec.session_id, install.epoch, install.k)
-    for worker in coordinator.participants():
-        call = coordinator._new_call(worker, "State.ActivateRestore", target,
-                                     {"restoreToken": install.staged[worker]})
-        uncertain.add(worker)  # from here on it may hold the proposed epoch
-        result = await _ask(install, worker, call, uncertain)
+async def _activate(install: Install) -> None:
+    target = install.target
+    scope = Scope(target.spec.session_id, install.epoch, install.k)
+    for worker in target.participants():
+        call = install.calls.new_call(worker, "State.ActivateRestore", scope,
+                                      {"restoreToken": install.staged[worker]})
+        install.uncertain.add(worker)  # from here on it may hold the proposed epoch
+        result = await _ask(install, worker, call)
         install.results[worker] = result
         install.activated.append(worker)
         install.activate_requests[worker] = call.request_id
-        coordinator.audit.add(f"activated:{worker}")
+        target.audit.add(f"activated:{worker}")
 
 
 # -- §7.3 ledgers
 
 
-def _ledger(install: _Install, name: str, kind: str) -> dict[str, Any]:
+def _ledger(install: Install, name: str, kind: str) -> dict[str, Any]:
     data = install.buffers[name].data
     try:
         doc = parse_strict(data)
@@ -422,10 +527,10 @@ class _Ledgers:
     task_state: bytes
 
 
-def _validate_ledgers(install: _Install) -> _Ledgers:
-    coordinator = install.coordinator
+def _validate_ledgers(install: Install) -> _Ledgers:
+    target = install.target
     manifest = install.manifest
-    descriptor = coordinator.descriptor
+    descriptor = target.descriptor
     assert descriptor is not None
 
     def fail(message: str) -> _Abort:
@@ -449,14 +554,14 @@ def _validate_ledgers(install: _Install) -> _Ledgers:
         task_state = base64.b64decode(blob["data"], validate=True)
         if digest_bytes(task_state) != blob["digest"]:
             raise _incompatible("the task state does not hash to its digest")
-        copy.deepcopy(coordinator.task).restore(task_state)
+        copy.deepcopy(target.task).restore(task_state)
         contexts = {c["agentId"]: TypedValue.from_json(c["context"]) for c in task["contexts"]}
     except (DomainError, KeyError, TypeError, ValueError) as exc:
         message = exc.message if isinstance(exc, DomainError) else f"{type(exc).__name__}: {exc}"
         raise fail(f"{TASK_LEDGER}: {message}") from None
-    if sorted(contexts) != coordinator.agent_ids:
+    if sorted(contexts) != target.agent_ids:
         raise fail(f"{TASK_LEDGER}: contexts for {sorted(contexts)}, expected "
-                   f"{coordinator.agent_ids}")
+                   f"{target.agent_ids}")
     for agent_id, context in contexts.items():
         want = executors[agent_id]["slot"].get("decisionContextDigest")
         if typed_digest(context) != want:
@@ -490,13 +595,13 @@ def _validate_ledgers(install: _Install) -> _Ledgers:
 # -- §7.2 step 6
 
 
-def _check_results(install: _Install, ledgers: _Ledgers) -> WorldObservation:
-    coordinator = install.coordinator
-    descriptor = coordinator.descriptor
+def _check_results(install: Install, ledgers: _Ledgers) -> WorldObservation:
+    target = install.target
+    descriptor = target.descriptor
     assert descriptor is not None
     k = install.k
     observation: WorldObservation | None = None
-    for worker in coordinator.participants():
+    for worker in target.participants():
         result = install.results[worker]
 
         def fail(message: str, who: str = worker) -> _Abort:
@@ -508,7 +613,7 @@ def _check_results(install: _Install, ledgers: _Ledgers) -> WorldObservation:
             raise fail(f"activated {result.get('checkpointId')}")
         if result.get("committedStep") != str(k):
             raise fail(f"committed step {result.get('committedStep')}, expected {k}")
-        if worker != coordinator.world_id:
+        if worker != target.world_id:
             if result.get("observation") is not None:
                 raise fail("returned an observation")
             continue
@@ -522,7 +627,7 @@ def _check_results(install: _Install, ledgers: _Ledgers) -> WorldObservation:
 
 
 def _check_observation(observation: WorldObservation, descriptor: EnvironmentDescriptor,
-                       install: _Install, ledgers: _Ledgers,
+                       install: Install, ledgers: _Ledgers,
                        fail: Callable[[str], _Abort]) -> None:
     k = install.k
     if observation.boundary != k:
@@ -551,13 +656,12 @@ def _check_observation(observation: WorldObservation, descriptor: EnvironmentDes
             raise fail(exc.message) from None
 
 
-async def _acknowledge(install: _Install) -> None:
-    coordinator = install.coordinator
-    for worker in coordinator.participants():
+async def _acknowledge(install: Install) -> None:
+    for worker in install.target.participants():
         ids = [install.stage_requests[worker], install.activate_requests[worker]]
         try:
-            await coordinator._acknowledge(worker, ids, require_all=False)
-        except Exception as exc:  # `_Blame` of a bad acknowledgement, or a DomainError
+            await install.calls.acknowledge(worker, ids)
+        except Exception as exc:  # a `Blame` of a bad acknowledgement, or a DomainError
             error = getattr(exc, "error", exc)
             if not isinstance(error, DomainError):
                 raise
@@ -567,102 +671,70 @@ async def _acknowledge(install: _Install) -> None:
 # -- §7.2 steps 8–10
 
 
-def _install_state(install: _Install, ledgers: _Ledgers, observation: WorldObservation,
-                   state: StateContext) -> tuple[int, int] | None:
-    coordinator = install.coordinator
-    descriptor = coordinator.descriptor
+def _installed(install: Install, ledgers: _Ledgers, observation: WorldObservation,
+               state: StateContext) -> Installed:
+    """The coordinator state to install, with the task, the trace and the pending effects
+    restored to k."""
+    target = install.target
+    descriptor = target.descriptor
     assert descriptor is not None
     k = install.k
     audio = AudioTimelines.restored(descriptor, ledgers.inspection["audioPositions"])
-    media = coordinator._check_views(descriptor, observation, k, Mutation.UNKNOWN)
-    coordinator.task.restore(ledgers.task_state)
+    media = check_views(descriptor, observation, k, Mutation.UNKNOWN)
+    target.task.restore(ledgers.task_state)
     task = ledgers.task
     contexts = {c["agentId"]: TypedValue.from_json(c["context"]) for c in task["contexts"]}
-    for agent_id in coordinator.agent_ids:
-        slot = coordinator._slots[agent_id]
+    agents: dict[str, InstalledAgent] = {}
+    for agent_id in target.agent_ids:
         saved = ledgers.executors[agent_id]["slot"]
-        slot.context = contexts[agent_id]
-        slot.context_digest = typed_digest(slot.context)
-        slot.graph = Graph.from_json(saved["graph"])
-        slot.telemetry = Telemetry.from_json(saved["telemetry"])
-        slot.tick_duration = RationalNs.from_json(saved["tickDuration"])
-        slot.warmup_ticks = parse_u64(saved["warmupTicks"])
-        slot.committed_step = k
-        slot.last_decision = None
-        slot.last_controls = None
-    coordinator._progress = TypedValue.from_json(task["progress"])
-    coordinator.episode_request = None
-    coordinator._last_event_ids = []
-    coordinator.observation = observation
-    coordinator._media = media
-    coordinator._audio = audio
-    abandoned = coordinator.trace.cut(k)
+        context = contexts[agent_id]
+        agents[agent_id] = InstalledAgent(
+            context, typed_digest(context), Graph.from_json(saved["graph"]),
+            Telemetry.from_json(saved["telemetry"]), RationalNs.from_json(saved["tickDuration"]),
+            parse_u64(saved["warmupTicks"]))
+    progress = TypedValue.from_json(task["progress"])
+    abandoned = target.trace.cut(k)
     if state.writer is not None:
         state.writer.pending.rewind(k)
-    coordinator._durable = (install.env.checkpoint_id, k)
-    coordinator.epoch = install.epoch
-    coordinator._tainted.clear()
-    coordinator._replaced.clear()
-    return abandoned
+    report = RestoreReport(checkpoint_id=install.env.checkpoint_id, boundary=k,
+                           epoch=install.epoch, staged=tuple(install.staged),
+                           activated=tuple(install.activated),
+                           tokens=tuple(install.staged.items()),
+                           imported=tuple(b.handle for b in install.buffers.values()),
+                           abandoned=abandoned)
+    return Installed(report, observation, media, audio, progress, agents)
 
 
-def _notice(install: _Install, old_epoch: str, abandoned: tuple[int, int] | None) -> None:
-    coordinator = install.coordinator
-    event = {"event": "session.recovered", "oldEpoch": old_epoch, "newEpoch": install.epoch,
-             "checkpointId": install.env.checkpoint_id, "boundary": install.k,
+def recovered(session_id: str, old_epoch: str, report: RestoreReport) -> dict[str, Any]:
+    """The `session.recovered` event of an install (logged here; the caller keeps it)."""
+    abandoned = report.abandoned
+    event = {"event": "session.recovered", "oldEpoch": old_epoch, "newEpoch": report.epoch,
+             "checkpointId": report.checkpoint_id, "boundary": report.boundary,
              "abandonedFrom": None if abandoned is None else abandoned[0],
              "abandonedTo": None if abandoned is None else abandoned[1]}
-    coordinator.events.append(event)
-    log.info("session.recovered", session=coordinator.spec.session_id, old_epoch=old_epoch,
-             new_epoch=install.epoch, checkpoint_id=install.env.checkpoint_id,
-             boundary=install.k, abandoned_from=event["abandonedFrom"],
+    log.info("session.recovered", session=session_id, old_epoch=old_epoch,
+             new_epoch=report.epoch, checkpoint_id=report.checkpoint_id,
+             boundary=report.boundary, abandoned_from=event["abandonedFrom"],
              abandoned_to=event["abandonedTo"])
-    coordinator._publish_descriptor()
-    coordinator.audit.add(f"descriptor-revision:{coordinator._descriptor_revision}")
-    coordinator._publish_snapshot(install.k)
+    return event
 
 
-async def restore(coordinator: Coordinator, checkpoint_id: str | None, proposed_epoch: str,
-                  state: StateContext) -> RestoreReport:
-    """The rules of the module docstring; see there."""
-    env = await _preconditions(coordinator, checkpoint_id, proposed_epoch, state)
-    k = env.source_scope.step
-    install = _Install(coordinator, env, k, proposed_epoch)
-    uncertain: set[str] = set()
-    old_epoch = coordinator.epoch
-    coordinator._move(Restoring(k), Detail.RESTORE)
-    coordinator._used_epochs.add(proposed_epoch)
+async def install(plan: Install, state: StateContext) -> Installed:
+    """§7.2 steps 2–10 of an install `prepare` admitted, once the session is `Restoring(k)`:
+    what to install; a failure raises `InstallAborted` (any other exception propagates, and
+    `plan.tainted` says whom it taints). The imported buffers are dropped either way."""
     try:
-        _import(install)
-        await _stage(install, uncertain)
-        ledgers = _validate_ledgers(install)
-        await _activate(install, uncertain)
-        observation = _check_results(install, ledgers)
-        await _acknowledge(install)
+        _import(plan)
+        await _stage(plan)
+        ledgers = _validate_ledgers(plan)
+        await _activate(plan)
+        observation = _check_results(plan, ledgers)
+        await _acknowledge(plan)
         try:
-            abandoned = _install_state(install, ledgers, observation, state)
+            return _installed(plan, ledgers, observation, state)
         except DomainError as exc:
             raise _Abort(exc, COORDINATOR) from None
     except _Abort as abort:
-        coordinator._tainted.update(uncertain)
-        install.buffers.clear()
-        coordinator._fail_now(abort.error, Detail.RESTORE, abort.participant)
-    except BaseException:  # cancelled or a flyd bug: never leave a half install unfenced
-        coordinator._tainted.update(uncertain)
-        install.buffers.clear()
-        if not isinstance(coordinator.phase, Failed):
-            with contextlib.suppress(SessionFailure):
-                coordinator._fail_now(DomainError(ErrorCode.BACKEND_FAILURE,
-                                                  "the restore was interrupted half-way",
-                                                  Mutation.UNKNOWN), Detail.RESTORE)
-        raise
-    _notice(install, old_epoch, abandoned)
-    coordinator._move(Paused(k), Detail.RESTORE)
-    coordinator.audit.add(f"restored:{env.checkpoint_id}@{k}:{proposed_epoch}")
-    staged = tuple(install.staged)
-    imported = tuple(b.handle for b in install.buffers.values())
-    install.buffers.clear()
-    return RestoreReport(checkpoint_id=env.checkpoint_id, boundary=k, epoch=proposed_epoch,
-                         staged=staged, activated=tuple(install.activated),
-                         tokens=tuple(install.staged.items()), imported=imported,
-                         abandoned=abandoned)
+        raise InstallAborted(abort.error, abort.participant, plan.tainted) from None
+    finally:
+        plan.buffers.clear()

@@ -57,7 +57,7 @@ async def test_capture_checks_run_in_order() -> None:
         await refused(c.probe_raw("arena", "State.Capture", scope("e9", 7), bad),
                       ErrorCode.STALE_EPOCH)
         # 3: not quiescent (prepared), then step < k and step > k (before the params check)
-        prepared = c._slots["fly-b"].context_digest
+        prepared = c.slots["fly-b"].context_digest
         await c.probe_raw("fly-b", "Agent.Prepare", scope("e1", 2),
                           prepare_params("fly-b", prepared))
         await refused(c.probe_raw("fly-b", "State.Capture", scope("e1", 9), bad),

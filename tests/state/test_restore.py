@@ -246,7 +246,7 @@ async def test_old_media_cannot_cross_a_recovery(mode: ExecutionMode,
         c = s.coordinator
         await s.bootstrap()
         await s.run_and_checkpoint(2, "ckpt-1")
-        position = c._audio_position["arena"]
+        position = c.audio_positions()["arena"]
         assert position == 1600
         await s.fail_the_epoch()                       # no media held while fenced
         await s.replace_all_participants()
@@ -258,7 +258,7 @@ async def test_old_media_cannot_cross_a_recovery(mode: ExecutionMode,
         for worker, launched in s.h.workers.items():
             assert refs[worker].service_incarnation == launched.worker_ref().service_incarnation
         assert c.observation is not None and c.observation.audio == ()
-        assert c._audio_position["arena"] == position
+        assert c.audio_positions()["arena"] == position
         c.resume()
         await s.h.run(1)
         [first] = c.observation.audio
@@ -324,7 +324,7 @@ async def test_a_restore_token_activates_only_once(mode: ExecutionMode,
         for worker, method, params in (
                 ("arena", "Environment.Advance", {"batchId": "batch-e1-2", "controls": []}),
                 ("fly-a", "Agent.Prepare",
-                 prepare_params("fly-a", c._slots["fly-a"].context_digest))):
+                 prepare_params("fly-a", c.slots["fly-a"].context_digest))):
             with pytest.raises(DomainError) as info:
                 await c.probe_raw(worker, method, old, params)
             assert info.value.code in (ErrorCode.STALE_EPOCH, ErrorCode.INVALID_ARGUMENT)

@@ -56,7 +56,7 @@ async def test_stage_checks_run_in_order() -> None:
                       ErrorCode.IDENTITY_MISMATCH)
         # 2: a mid-step (prepared) worker cannot stage, whatever else is wrong
         await c.probe_raw("fly-b", "Agent.Prepare", SOURCE,
-                          prepare_params("fly-b", c._slots["fly-b"].context_digest))
+                          prepare_params("fly-b", c.slots["fly-b"].context_digest))
         await refused(stage(h, "fly-b", scope("e1", 2), bad), ErrorCode.INVALID_PHASE,
                       contains="replace it")
         # 4: the adopted epoch (before the params check)
@@ -201,7 +201,7 @@ async def test_staged_state_is_invisible_until_activation() -> None:
         # a staged worker serves nothing of the proposed epoch and no step of the old one
         await refused(capture_raw(h, "arena", 2, epoch="e2"), ErrorCode.STALE_EPOCH)
         await refused(c.probe_raw("fly-a", "Agent.Prepare", SOURCE,
-                                  prepare_params("fly-a", c._slots["fly-a"].context_digest)),
+                                  prepare_params("fly-a", c.slots["fly-a"].context_digest)),
                       ErrorCode.INVALID_PHASE)
 
 

@@ -1,0 +1,66 @@
+"""The decoded media of one boundary, and the checks that produce them (session.md §6.5, §6.6;
+state.md §7.5). Pure, no I/O.
+
+Why a module of its own: bootstrap checks O[0]'s views, every transition checks O[k+1]'s views
+and audio, and a restore checks the restored observation's views, all with one rule. `Media`
+holds what a boundary decoded (views and audio chunks by id); the coordinator keeps the
+committed boundary's and the in-flight transition's.
+
+Rules:
+- `check_views`: every declared view is present, produced at `max(0, boundary - delay)`, and
+  decodes against its declaration; else `BUFFER_INVALID` with the caller's mutation.
+- `check_audio`: every declared stream produced a chunk that decodes (`BUFFER_INVALID`/
+  `unknown`), and the chunks continue their timelines (`AudioTimelines.check`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from workers.datatypes import EnvironmentDescriptor, WorldObservation, decode_audio, decode_view
+from workers.domain import DomainError, ErrorCode, Mutation
+from workers.synthetic.audio import AudioTimelines
+
+__all__ = ["Media", "check_audio", "check_views"]
+
+
+@dataclass
+class Media:
+    views: dict[str, bytes] = field(default_factory=dict)
+    audio: dict[str, bytes] = field(default_factory=dict)
+
+    def count(self) -> int:
+        return len(self.views) + len(self.audio)
+
+
+def check_views(descriptor: EnvironmentDescriptor, observation: WorldObservation,
+                boundary: int, mutation: Mutation) -> Media:
+    media = Media()
+    by_id = {v.view_id: v for v in observation.sensory_views}
+    for view in descriptor.views:
+        ref = by_id.get(view.view_id)
+        if ref is None:
+            raise DomainError(ErrorCode.BUFFER_INVALID,
+                              f"view {view.view_id} is missing at boundary {boundary}",
+                              mutation)
+        want = max(0, boundary - view.observation_delay_steps)
+        if ref.produced_step != want:
+            raise DomainError(ErrorCode.BUFFER_INVALID,
+                              f"view {view.view_id} at boundary {boundary} was produced at "
+                              f"{ref.produced_step}; the descriptor requires {want}",
+                              mutation)
+        media.views[view.view_id] = decode_view(ref, view, mutation)
+    return media
+
+
+def check_audio(descriptor: EnvironmentDescriptor, observation: WorldObservation,
+                media: Media, timelines: AudioTimelines) -> None:
+    by_id = {a.stream_id: a for a in observation.audio}
+    for stream in descriptor.audio:
+        chunk = by_id.get(stream.stream_id)
+        if chunk is None:
+            raise DomainError(ErrorCode.BUFFER_INVALID,
+                              f"audio stream {stream.stream_id} produced no chunk for this "
+                              "transition", Mutation.UNKNOWN)
+        media.audio[stream.stream_id] = decode_audio(chunk, stream, Mutation.UNKNOWN)
+    timelines.check(observation.audio, Mutation.UNKNOWN)

@@ -1,0 +1,202 @@
+"""Local publication (session.md §6.9): the session's feed, and the descriptor and snapshot
+bodies it carries.
+
+Why a module of its own: publication is the one view of a session that observers (the control
+service, a UI, tests) read while it runs. It must never block or slow the transaction, and it
+must describe exactly a committed boundary; keeping the feed and the bodies here, built only
+from immutable values the coordinator hands over, keeps both properties visible in one place.
+
+Rules:
+- The feed (`Feed`) yields `Publication(kind, body)` items: `kind` is `descriptor` or
+  `snapshot`. A subscriber's queue is bounded (`Subscription`); a full queue drops its oldest
+  entry and counts it (`dropped`). A replaying subscriber first gets the descriptor, then the
+  latest snapshot.
+- A snapshot body is built when someone reads it: at once while the feed has subscribers, else
+  on the first read of `latest`. Its builder (`snapshot_body` with the boundary's values) holds
+  only immutable values, so the body is the same either way and an unwatched session builds
+  none per step.
+- `check_publication` (§6.9): the agents' ports are the descriptor's, the observation is of
+  boundary b and every view was produced at `max(0, b - delay)`; else `BUFFER_INVALID`/`none`.
+- `descriptor_body`: the session, revision, composition digest, scheduler, environment
+  descriptor, task schema, agents (port, profile, graph digests, rates, stimuli) and assets.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from flyd.session.slots import AgentSlot
+from flyd.state.envelope import SCHEDULER_ID
+from workers.composition import composition_digest
+from workers.datatypes import (
+    AudioRef,
+    EnvironmentDescriptor,
+    PortControl,
+    Telemetry,
+    TypedValue,
+    ViewRef,
+    WorldObservation,
+)
+from workers.domain import DomainError, ErrorCode, Scope
+from workers.shell import contract_digest
+
+__all__ = [
+    "AgentValues",
+    "Feed",
+    "Publication",
+    "Subscription",
+    "check_publication",
+    "descriptor_body",
+    "snapshot_body",
+]
+
+
+#: One agent at a boundary, as a snapshot shows it: id, telemetry, selected decision, applied
+#: controls.
+AgentValues = tuple[str, Telemetry | None, TypedValue | None, PortControl | None]
+
+
+@dataclass(frozen=True)
+class Publication:
+    kind: str  # "descriptor" | "snapshot"
+    body: dict[str, Any]
+
+
+class Subscription:
+    """A bounded queue of publications; a full queue drops its oldest entry (`dropped`)."""
+
+    def __init__(self, depth: int) -> None:
+        self._queue: collections.deque[Publication] = collections.deque(maxlen=depth)
+        self._event = asyncio.Event()
+        self.dropped = 0
+
+    def push(self, item: Publication) -> None:
+        if self._queue.maxlen is not None and len(self._queue) == self._queue.maxlen:
+            self.dropped += 1
+        self._queue.append(item)
+        self._event.set()
+
+    def pending(self) -> list[Publication]:
+        return list(self._queue)
+
+    def __aiter__(self) -> AsyncIterator[Publication]:
+        return self
+
+    async def __anext__(self) -> Publication:
+        while not self._queue:
+            self._event.clear()
+            await self._event.wait()
+        return self._queue.popleft()
+
+
+class Feed:
+    """The session's local, never-blocking publication feed."""
+
+    def __init__(self) -> None:
+        self.descriptor: dict[str, Any] | None = None
+        self._latest: dict[str, Any] | None = None
+        self._build: Callable[[], dict[str, Any]] | None = None
+        self._subscribers: list[Subscription] = []
+
+    @property
+    def latest(self) -> dict[str, Any] | None:
+        """The latest snapshot body, built on first read."""
+        if self._build is not None:
+            self._latest, self._build = self._build(), None
+        return self._latest
+
+    def subscribe(self, depth: int = 8, replay: bool = True) -> Subscription:
+        sub = Subscription(depth)
+        if replay:
+            if self.descriptor is not None:
+                sub.push(Publication("descriptor", self.descriptor))
+            if self.latest is not None:
+                sub.push(Publication("snapshot", self.latest))
+        self._subscribers.append(sub)
+        return sub
+
+    def _publish(self, item: Publication) -> None:
+        for sub in self._subscribers:
+            sub.push(item)
+
+    def publish_descriptor(self, body: dict[str, Any]) -> None:
+        self.descriptor = body
+        self._publish(Publication("descriptor", body))
+
+    def publish_snapshot(self, body: dict[str, Any]) -> None:
+        self.publish_snapshot_on_read(lambda: body)
+
+    def publish_snapshot_on_read(self, build: Callable[[], dict[str, Any]]) -> None:
+        """Publish the snapshot `build` returns: now when someone subscribes, else when read."""
+        if self._subscribers:
+            self._latest, self._build = build(), None
+            self._publish(Publication("snapshot", self._latest))
+        else:
+            self._latest, self._build = None, build
+
+
+def descriptor_body(session_id: str, epoch: str, revision: int,
+                    descriptor: EnvironmentDescriptor, slots: Sequence[tuple[str, AgentSlot]],
+                    progress: TypedValue | None) -> dict[str, Any]:
+    """The descriptor publication of `revision`; `slots` are the agents by id."""
+    agents = []
+    for agent_id, slot in slots:
+        assert slot.graph is not None
+        graph = slot.graph.to_json()
+        agents.append({"agentId": agent_id, "portId": slot.spec.port_id,
+                       "profileDigest": slot.profile["digest"],
+                       "datasetDigest": graph["datasetDigest"],
+                       "indexDigest": graph["indexDigest"],
+                       "neuronCount": graph["neuronCount"],
+                       "rateRoles": graph["rateRoles"],
+                       "supportedStimuli": graph["supportedStimuli"]})
+    return {
+        "sessionId": session_id, "revision": str(revision),
+        "compositionDigest": composition_digest(
+            session_id, epoch, contract_digest(),
+            [(a, slot.spec.port_id, slot.profile["digest"]) for a, slot in slots]),
+        "schedulerId": SCHEDULER_ID, "environment": descriptor.to_json(),
+        "taskSchema": None if progress is None else progress.schema.to_json(),
+        "agents": agents, "assets": [slot.profile for _, slot in slots]}
+
+
+def check_publication(descriptor: EnvironmentDescriptor, observation: WorldObservation,
+                      ports: Sequence[str], b: int) -> None:
+    """Boundary `b` may be published (module docstring); `ports` are the agents' ports."""
+    if sorted(p.port_id for p in descriptor.ports) != sorted(ports):
+        raise DomainError.before(ErrorCode.BUFFER_INVALID,
+                                 "the agents' ports disagree with the descriptor")
+    if observation.boundary != b:
+        raise DomainError.before(ErrorCode.BUFFER_INVALID,
+                                 f"the media are of boundary {observation.boundary}, not {b}")
+    for view in descriptor.views:
+        ref = next((v for v in observation.sensory_views if v.view_id == view.view_id), None)
+        if ref is None or ref.produced_step != max(0, b - view.observation_delay_steps):
+            raise DomainError.before(ErrorCode.BUFFER_INVALID,
+                                     f"view {view.view_id} is not the one of boundary {b}")
+
+
+def snapshot_body(revision: int, scope: Scope, episode_id: str, sequence: int,
+                  observation: WorldObservation, agents: Sequence[AgentValues],
+                  progress: TypedValue | None, event_ids: Sequence[str]) -> dict[str, Any]:
+    """The snapshot publication of one boundary, from its immutable values."""
+    views: list[ViewRef] = list(observation.sensory_views)
+    audio: list[AudioRef] = list(observation.audio)
+    return {
+        "descriptorRevision": str(revision), "scope": scope.to_json(),
+        "episodeId": episode_id, "sequence": str(sequence),
+        "worldTime": observation.world_time.to_json(),
+        "agents": [{
+            "agentId": agent_id,
+            "telemetry": None if telemetry is None else telemetry.to_json(),
+            "selectedDecision": None if decision is None else decision.to_json(),
+            "appliedControls": None if controls is None else controls.to_json()}
+            for agent_id, telemetry, decision, controls in agents],
+        "progress": None if progress is None else progress.to_json(),
+        "media": {"views": [v.to_json() for v in views],
+                  "audio": [a.to_json() for a in audio]},
+        "eventIds": list(event_ids)}

@@ -1,0 +1,68 @@
+"""The trace records of one transition (session.md §6.12).
+
+Why a module of its own: the behaviour record is what the golden runs compare byte for byte
+(their `behaviourDigest`) and what a durable checkpoint's effects carry; its fields, and the
+operational record beside it, are written down here once, from the transition's values.
+
+- behaviour: the scope of k; per agent (by id) its profile digest, the Prepare's
+  `ticksAdvanced`, `brainTicks` and `remainder`, the decision's digest and the committed step;
+  the batch id, the controls' digest, the acknowledged boundary (k+1), the views' produced steps
+  (by view id), the rewards' event ids (by agent), the task events' ids, the published boundary
+  and no boundary actions.
+- operational: wall time since the transition started, the Prepare, Advance and Commit request
+  ids, no bus call ids, no captures yet (a capture at k+1 adds itself).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from flyd.session.slots import AgentSlot
+from workers.canonical import typed_digest
+from workers.datatypes import WorldObservation
+from workers.domain import Scope
+from workers.protocols import Evaluation
+
+__all__ = ["transition_records"]
+
+
+def transition_records(scope: Scope, agent_ids: Sequence[str], slots: Mapping[str, AgentSlot],
+                       batch_id: str, controls_digest: str, new: WorldObservation,
+                       evaluation: Evaluation, commits: Mapping[str, dict[str, Any]],
+                       advance_request_id: str, wall: int,
+                       ) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The behaviour and operational records of transition `scope.step` → +1; `wall` is
+    `time.monotonic_ns()` at its start."""
+    k = scope.step
+    agents = []
+    outcome_ids: list[str] = []
+    for agent_id in agent_ids:
+        slot = slots[agent_id]
+        prepared = slot.prepared or {}
+        agents.append({
+            "agentId": agent_id, "profileDigest": slot.profile["digest"],
+            "ticksAdvanced": prepared.get("ticksAdvanced"),
+            "brainTicks": prepared.get("brainTicks"),
+            "remainder": prepared.get("remainder"),
+            "decisionDigest": typed_digest(slot.decision) if slot.decision else None,
+            "committedStep": commits[agent_id]["committedStep"]})
+        outcome_ids += [r.event_id for r in evaluation.outcomes[agent_id].rewards]
+    behaviour = {
+        "scope": scope.to_json(), "agents": agents, "batchId": batch_id,
+        "controlDigest": controls_digest,
+        "acknowledgedBoundary": str(new.boundary),
+        "observationBoundaries": [{"viewId": v.view_id, "producedStep": str(v.produced_step)}
+                                  for v in sorted(new.sensory_views, key=lambda v: v.view_id)],
+        "outcomeIds": outcome_ids, "eventIds": [e.id for e in evaluation.events],
+        "publishedBoundary": str(k + 1), "boundaryActions": []}
+    operational = {
+        "wallTimeNs": time.monotonic_ns() - wall,
+        "prepareRequestIds": [{"agentId": a, "requestId": slots[a].prepare_request}
+                              for a in agent_ids],
+        "advanceRequestId": advance_request_id,
+        "commitRequestIds": [{"agentId": a, "requestId": slots[a].commit_request}
+                             for a in agent_ids],
+        "busCallIds": [], "captures": []}
+    return behaviour, operational

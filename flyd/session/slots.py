@@ -1,0 +1,61 @@
+"""`AgentSlot`: what the coordinator holds of one agent (session.md §6.1, §6.6).
+
+Why a value of its own: bootstrap fills it, every transition reads and advances it, capture
+records it and restore replaces it; one shape, imported by each of them, keeps those modules
+from reaching into the coordinator for it. The coordinator owns the slots (one per agent,
+created from the agent's spec and model profile) and is the only one that mutates them;
+capture and restore read them.
+
+Fields: the agent's spec, model profile (`digest` is its profile digest), seed and model
+config; the decision context in force and its digest; the graph and telemetry from
+`Agent.Initialize`/`Agent.Commit`; tick duration and warm-up ticks; the committed step; the
+in-flight transition's prepared result, decision and request ids (cleared at every boundary and
+by a failure); the last committed decision and applied controls (for the snapshot).
+`decision_schema_of(model)` is the schema an agent's decisions must have.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+from flyd.session.runspec import AgentSpec
+from workers.datatypes import Graph, PortControl, SchemaRef, Telemetry, TypedValue
+from workers.shell import load_plugin
+from workers.synthetic.schemas import DECISION
+from workers.ticks import RationalNs
+
+__all__ = ["AgentSlot", "decision_schema_of"]
+
+
+@functools.cache
+def decision_schema_of(model_path: str) -> SchemaRef:
+    """A model class's registered decision schema (`decision_schema`, default
+    `arena.decision.v1`): a class attribute, so it is looked up once per model path rather than
+    once per Prepare (a failed look-up is not cached)."""
+    model = load_plugin(model_path, "model")
+    schema = getattr(model, "decision_schema", DECISION)
+    assert isinstance(schema, SchemaRef)
+    return schema
+
+
+@dataclass
+class AgentSlot:
+    spec: AgentSpec
+    profile: dict[str, Any]
+    seed: int
+    model_config: dict[str, Any]
+    context: TypedValue | None = None
+    context_digest: str = ""
+    graph: Graph | None = None
+    telemetry: Telemetry | None = None
+    tick_duration: RationalNs | None = None
+    warmup_ticks: int = 0
+    committed_step: int = 0
+    decision: TypedValue | None = None
+    prepared: dict[str, Any] | None = None
+    prepare_request: str | None = None
+    commit_request: str | None = None
+    last_decision: TypedValue | None = None
+    last_controls: PortControl | None = None
