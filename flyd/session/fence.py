@@ -2,9 +2,9 @@
 
 Why: once an epoch failed, nothing may step, bootstrap, capture or publish until a coherent group
 restore installs a new epoch; a half-committed transition must never be continued. The
-coordinator (`flyd/session/coordinator.py`) runs `fail_now` (clearing its caches, auditing,
-raising); what can be decided without I/O lives here, so the coordinator and its tests say it one
-way:
+coordinator's call engine (`flyd/session/calls.py`) runs `CallEngine.fail` (clearing its caches,
+auditing, raising); what can be decided without I/O lives here, so the coordinator and its tests say
+it one way:
 
 - `SessionFailure(error, phase, detail, participant)`: the exception every failed epoch raises
   and `last_failure` keeps; `str()` = `"<detail> at <phase> (<participant>): <CODE>:
@@ -123,7 +123,7 @@ class SessionFailure(Exception):
 
     @property
     def audit_entry(self) -> str:
-        """The audit string `fail_now` appends: `fail:<detail>[:<participant>]`."""
+        """The audit string `CallEngine.fail` appends: `fail:<detail>[:<participant>]`."""
         if self.participant is None:
             return f"fail:{self.detail}"
         return f"fail:{self.detail}:{self.participant}"
