@@ -212,7 +212,6 @@ class Router:
         self._ledger: Ledger[_Conn] = Ledger()
         self._dirty: list[_Conn] = []
         self._flush_scheduled = False
-        self._reading = False
         self._allowed_uids = (
             config.allowed_uids if config.allowed_uids is not None else (os.geteuid(),)
         )
@@ -415,19 +414,9 @@ class Router:
             self._close(conn, "INVALID_ENVELOPE", "bus.hello deadline expired")
 
     def _read_frames(self, conn: _Conn) -> None:
-        """Handle at most FRAMES_PER_TURN frames, then write what they caused at once.
-
-        Writing in the same turn (not a `call_soon` later) saves a loop iteration per hop,
-        and every frame the batch queued for one connection still leaves in one write."""
-        self._reading = True
-        try:
-            self._read_batch(conn)
-        finally:
-            self._reading = False
-        if self._dirty:
-            self._flush()
-
-    def _read_batch(self, conn: _Conn) -> None:
+        """Handle at most FRAMES_PER_TURN frames. What they cause is written by the flush
+        that `_mark` scheduled, after every read of this wake-up: replies from several
+        services to one caller (a lockstep phase's fan-in) leave in one write."""
         decoder = conn.decoder
         for _ in range(FRAMES_PER_TURN):
             if conn.closing:
@@ -649,7 +638,7 @@ class Router:
         if not conn.dirty and not conn.closing:
             conn.dirty = True
             self._dirty.append(conn)
-            if not self._flush_scheduled and not self._reading:  # a read flushes at its end
+            if not self._flush_scheduled:
                 self._flush_scheduled = True
                 assert self._loop is not None
                 self._loop.call_soon(self._flush)
