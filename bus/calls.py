@@ -61,6 +61,10 @@ class CallPhase(Enum):
     REPLIED = "Replied"
     GONE = "Gone"
 
+    # Members are singletons: identity hashing keeps the table lookups of every move in C
+    # (Enum's own __hash__ is Python code, called for each dict or set probe).
+    __hash__ = object.__hash__
+
 
 QUEUED: Final = CallPhase.QUEUED
 DISPATCHED: Final = CallPhase.DISPATCHED
