@@ -12,6 +12,10 @@ notifications: they run the same checks and state changes as the requests, answe
 success and report a refusal as one `bus.callFailed` or `bus.replyFailed` (or close, when the
 frame names nothing that could be answered), so a routed call costs four frames.
 
+A call's phases and the books they keep (slots, counts, queued bytes) are `bus/calls.py`'s
+pure edge table; this module decides when a call moves and does the writes and timers that
+follow, and a move off the table is a broken invariant (§11).
+
 Frames are built once: a `bus.request` or `bus.result` is encoded at admission (or reply) with
 the longest possible delivery id, which both proves the worst-case size fits and gives the
 bytes to send; at dispatch only that first id is rewritten.
@@ -38,6 +42,7 @@ import orjson
 import structlog
 
 from bus import codec, limits
+from bus.calls import Call, CallPhase, Delivery, Ledger, Service
 from bus.errors import (
     Backpressure,
     BusError,
@@ -76,12 +81,6 @@ CANCEL_STATES: Final = (
     "call-gone",
 )
 
-# Call phases (wire.md §9.1). Detachment is a flag on a Dispatched call.
-QUEUED: Final = 0
-DISPATCHED: Final = 1
-REPLIED: Final = 2
-
-
 def _serial(delivery_id: object) -> int | None:
     """The serial of a well-formed `dlv-<n>` (wire.md §5), else None."""
     if type(delivery_id) is not str or not delivery_id.startswith("dlv-"):
@@ -104,50 +103,6 @@ class RouterConfig:
     policy: Policy = field(default_factory=Policy.default)
     socket_group: str | None = None
     allowed_uids: tuple[int, ...] | None = None
-
-
-class _Service:
-    __slots__ = ("in_flight", "incarnation", "live", "max_in_flight", "max_queued", "name",
-                 "owner", "queue")
-
-    def __init__(self, name: str, incarnation: str, owner: _Conn, max_queued: int,
-                 max_in_flight: int) -> None:
-        self.name = name
-        self.incarnation = incarnation
-        self.owner = owner
-        self.max_queued = max_queued
-        self.max_in_flight = max_in_flight
-        self.queue: deque[_Call] = deque()
-        self.in_flight = 0
-        self.live = True
-
-
-class _Call:
-    __slots__ = ("call_id", "caller", "delivery", "detached", "frame", "holds_slot", "phase",
-                 "service", "size")
-
-    def __init__(self, caller: _Conn, call_id: int, service: _Service, frame: bytes,
-                 size: int) -> None:
-        self.caller = caller
-        self.call_id = call_id
-        self.service = service
-        self.frame = frame  # the bus.request (Queued) or bus.result (Replied) frame body
-        self.size = size  # encoded payload size while Queued
-        self.phase = QUEUED
-        self.detached = False
-        self.holds_slot = True
-        self.delivery: _Delivery | None = None
-
-
-class _Delivery:
-    __slots__ = ("call", "capability", "consumed", "is_request", "serial")
-
-    def __init__(self, serial: int, call: _Call, is_request: bool) -> None:
-        self.serial = serial
-        self.call = call
-        self.is_request = is_request
-        self.capability = is_request
-        self.consumed = False
 
 
 class _Expectation:
@@ -182,19 +137,19 @@ class _Conn(asyncio.Protocol):
         self.last_id = 0
         self.decoder = FrameDecoder(router.limits.maxEnvelopeBytes)
         self.hello_timer: asyncio.TimerHandle | None = None
-        self.services: dict[str, _Service] = {}
-        self.service_list: list[_Service] = []  # the same, in registration order, for dispatch
+        self.services: dict[str, Service[_Conn]] = {}
+        self.service_list: list[Service[_Conn]] = []  # registration order (dispatch)
         self.rr = 0
-        self.calls: dict[int, _Call] = {}
+        self.calls: dict[int, Call[_Conn]] = {}
         self.active = 0
-        self.deliveries: dict[int, _Delivery] = {}
+        self.deliveries: dict[int, Delivery[_Conn]] = {}
         self.dlv = 0
         self.open_requests = 0
         self.capabilities = 0
         self.expectations: set[str] = set()
         self.control: deque[bytes] = deque()
         self.control_bytes = 0
-        self.results: deque[_Call] = deque()
+        self.results: deque[Call[_Conn]] = deque()
         self.write_paused = False
         self.read_paused = False
         self.dirty = False
@@ -251,15 +206,12 @@ class Router:
         self._live: dict[str, _Conn] = {}
         # clientId -> its remembered incarnations, least recently seen clientId first
         self._incarnations: OrderedDict[str, OrderedDict[str, None]] = OrderedDict()
-        self._services: dict[str, _Service] = {}
+        self._services: dict[str, Service[_Conn]] = {}
         self._svc_next = secrets.randbelow(2**40) + 1
         self._expectations: dict[str, _Expectation] = {}
-        self._calls = 0
-        self._detached = 0
-        self._queued_bytes = 0
+        self._ledger: Ledger[_Conn] = Ledger()
         self._dirty: list[_Conn] = []
         self._flush_scheduled = False
-        self._reading = False
         self._allowed_uids = (
             config.allowed_uids if config.allowed_uids is not None else (os.geteuid(),)
         )
@@ -462,19 +414,9 @@ class Router:
             self._close(conn, "INVALID_ENVELOPE", "bus.hello deadline expired")
 
     def _read_frames(self, conn: _Conn) -> None:
-        """Handle at most FRAMES_PER_TURN frames, then write what they caused at once.
-
-        Writing in the same turn (not a `call_soon` later) saves a loop iteration per hop,
-        and every frame the batch queued for one connection still leaves in one write."""
-        self._reading = True
-        try:
-            self._read_batch(conn)
-        finally:
-            self._reading = False
-        if self._dirty:
-            self._flush()
-
-    def _read_batch(self, conn: _Conn) -> None:
+        """Handle at most FRAMES_PER_TURN frames. What they cause is written by the flush
+        that `_mark` scheduled, after every read of this wake-up: replies from several
+        services to one caller (a lockstep phase's fan-in) leave in one write."""
         decoder = conn.decoder
         for _ in range(FRAMES_PER_TURN):
             if conn.closing:
@@ -696,7 +638,7 @@ class Router:
         if not conn.dirty and not conn.closing:
             conn.dirty = True
             self._dirty.append(conn)
-            if not self._flush_scheduled and not self._reading:  # a read flushes at its end
+            if not self._flush_scheduled:
                 self._flush_scheduled = True
                 assert self._loop is not None
                 self._loop.call_soon(self._flush)
@@ -753,7 +695,7 @@ class Router:
         call = conn.results.popleft()
         conn.dlv += 1
         serial = conn.dlv
-        conn.deliveries[serial] = _Delivery(serial, call, False)
+        conn.deliveries[serial] = Delivery(serial, call, False)
         return call.frame.replace(MAX_DLV, b'"dlv-%d"' % serial, 1)
 
     def _dispatch(self, conn: _Conn, out: list[bytes], budget: int) -> int:
@@ -772,14 +714,12 @@ class Router:
                 continue
             idle = 0
             call = svc.queue.popleft()
-            self._queued_bytes -= call.size
-            call.size = 0
+            self._ledger.move(call, CallPhase.DISPATCHED)
             conn.dlv += 1
             serial = conn.dlv
-            delivery = _Delivery(serial, call, True)
+            delivery = Delivery(serial, call, True)
             conn.deliveries[serial] = delivery
             call.delivery = delivery
-            call.phase = DISPATCHED
             svc.in_flight += 1
             conn.open_requests += 1
             conn.capabilities += 1
@@ -860,23 +800,23 @@ class Router:
         for delivery in conn.deliveries.values():
             if delivery.is_request and delivery.capability:
                 call = delivery.call
-                if not call.detached:
+                if call.phase is CallPhase.DISPATCHED:
                     self._call_failed(call, "NO_SERVICE",
                                       "the service disconnected before replying", "dispatched")
-                self._remove_call(call)
+                self._ledger.move(call, CallPhase.GONE)
         conn.deliveries.clear()
         conn.open_requests = conn.capabilities = 0
         # 5. calls it made
+        ledger = self._ledger
         for call in list(conn.calls.values()):
-            if call.phase == QUEUED:
+            phase = call.phase
+            if phase is CallPhase.QUEUED:
                 call.service.queue.remove(call)
-                self._queued_bytes -= call.size
-                self._remove_call(call)
-            elif call.phase == DISPATCHED:
-                if not call.detached:
-                    self._detach(call)
-            else:
-                self._remove_call(call)
+                ledger.move(call, CallPhase.GONE)
+            elif phase is CallPhase.DISPATCHED:
+                ledger.move(call, CallPhase.DETACHED)
+            elif phase is CallPhase.REPLIED:
+                ledger.move(call, CallPhase.GONE)
         # 6. expectations it created
         for client_id in list(conn.expectations):
             exp = self._expectations.get(client_id)
@@ -884,7 +824,7 @@ class Router:
                 self._drop_expectation(exp)
         conn.expectations.clear()
 
-    def _remove_route(self, svc: _Service, reason: str) -> None:
+    def _remove_route(self, svc: Service[_Conn], reason: str) -> None:
         """wire.md §10.1: free the name, tell attached callers, fail the Queued calls."""
         if not svc.live:
             return
@@ -897,20 +837,19 @@ class Router:
             affected[call.caller.number] = call.caller
         for delivery in svc.owner.deliveries.values():
             call = delivery.call
-            if (delivery.is_request and delivery.capability and not call.detached
-                    and call.service is svc):
+            if (delivery.is_request and delivery.capability
+                    and call.phase is CallPhase.DISPATCHED and call.service is svc):
                 affected[call.caller.number] = call.caller
         notice = {"name": svc.name, "serviceIncarnation": svc.incarnation, "reason": reason}
         for caller in affected.values():
             self._notify_control(caller, "bus.routeRemoved", notice)
         queue, svc.queue = svc.queue, deque()
         for call in queue:
-            self._queued_bytes -= call.size
             self._call_failed(call, "NO_SERVICE", f"service {svc.name} was {reason} "
                               "before the call was dispatched", "not-dispatched")
-            self._remove_call(call)
+            self._ledger.move(call, CallPhase.GONE)
 
-    def _call_failed(self, call: _Call, name: str, message: str, dispatch: Dispatch) -> None:
+    def _call_failed(self, call: Call[_Conn], name: str, message: str, dispatch: Dispatch) -> None:
         self.counters["callsFailed"] += 1
         self._count_error(name)
         self._notify_control(call.caller, "bus.callFailed", {
@@ -919,23 +858,7 @@ class Router:
             "error": error_object(name, message, dispatch),
         })
 
-    def _detach(self, call: _Call) -> None:
-        call.detached = True
-        self._detached += 1
-        if call.holds_slot:
-            call.holds_slot = False
-            call.caller.active -= 1
-
-    def _remove_call(self, call: _Call) -> None:
-        self._calls -= 1
-        if call.detached:
-            self._detached -= 1
-        if call.holds_slot:
-            call.holds_slot = False
-            call.caller.active -= 1
-        call.caller.calls.pop(call.call_id, None)
-
-    def _free_request(self, conn: _Conn, delivery: _Delivery) -> None:
+    def _free_request(self, conn: _Conn, delivery: Delivery[_Conn]) -> None:
         """Consumed and answered: the in-flight slot returns and dispatch may continue."""
         del conn.deliveries[delivery.serial]
         conn.open_requests -= 1
@@ -1047,7 +970,7 @@ class Router:
             raise QuotaExceeded(f"maxServices ({lim.maxServices}) reached")
         incarnation = f"svc-{self._svc_next}"
         self._svc_next += 1
-        svc = _Service(name, incarnation, conn, p["maxQueued"], p["maxInFlight"])
+        svc = Service(name, incarnation, conn, p["maxQueued"], p["maxInFlight"])
         self._services[name] = svc
         conn.services[name] = svc
         conn.service_list.append(svc)
@@ -1093,7 +1016,7 @@ class Router:
             raise Backpressure(f"service {target} queue full ({svc.max_queued})")
         payload = codec.encode_trusted(p["payload"])
         size = len(payload)
-        if self._queued_bytes + size > lim.maxQueuedCallBytes:
+        if self._ledger.queued_bytes + size > lim.maxQueuedCallBytes:
             raise Backpressure("router queued-call bytes budget exhausted")
         frame = orjson.dumps({
             "jsonrpc": "2.0",
@@ -1113,17 +1036,12 @@ class Router:
                 f"the bus.request frame would be {len(frame)} bytes (maxEnvelopeBytes "
                 f"{lim.maxEnvelopeBytes})"
             )
-        call = _Call(conn, rid, svc, frame, size)
-        conn.calls[rid] = call
-        conn.active += 1
-        self._calls += 1
-        self._queued_bytes += size
-        svc.queue.append(call)
+        self._ledger.admit(Call(conn, rid, svc, frame, size))
         self.counters["callsAdmitted"] += 1
         self._mark(svc.owner)
         return {"callId": rid, "serviceIncarnation": svc.incarnation}
 
-    def _request_delivery(self, conn: _Conn, delivery_id: str) -> _Delivery | None:
+    def _request_delivery(self, conn: _Conn, delivery_id: str) -> Delivery[_Conn] | None:
         serial = int(delivery_id[4:])
         if serial > conn.dlv:
             raise InvalidParams(f"{delivery_id} was never issued on this connection")
@@ -1161,11 +1079,11 @@ class Router:
             self.counters["creditsCarried"] += 1
         if d.consumed:
             self._free_request(conn, d)
-        if call.detached:
+        if call.phase is CallPhase.DETACHED:
             self.counters["repliesUnrouted"] += 1
-            self._remove_call(call)
+            self._ledger.move(call, CallPhase.GONE)
             return {"routed": False}
-        call.phase = REPLIED
+        self._ledger.move(call, CallPhase.REPLIED)
         call.frame = frame
         call.caller.results.append(call)
         self._mark(call.caller)
@@ -1181,7 +1099,7 @@ class Router:
         call = d.call
         if d.consumed:
             self._free_request(conn, d)
-        if not call.detached:
+        if call.phase is CallPhase.DISPATCHED:
             svc = call.service
             if svc.live:
                 self._call_failed(call, "CALL_GONE", "released without reply", "dispatched")
@@ -1189,7 +1107,7 @@ class Router:
                 self._call_failed(call, "NO_SERVICE",
                                   f"released without reply after {svc.name} was removed",
                                   "dispatched")
-        self._remove_call(call)
+        self._ledger.move(call, CallPhase.GONE)
         return {"released": True}
 
     def _op_cancel(self, conn: _Conn, p: dict[str, Any], rid: int) -> dict[str, Any]:
@@ -1197,15 +1115,14 @@ class Router:
         if call_id >= rid:
             raise InvalidParams(f"callId {call_id} is not an earlier request of this connection")
         call = conn.calls.get(call_id)
-        if call is None or call.detached:
+        if call is None or call.phase is CallPhase.DETACHED:
             state = "call-gone"
-        elif call.phase == QUEUED:
+        elif call.phase is CallPhase.QUEUED:
             call.service.queue.remove(call)
-            self._queued_bytes -= call.size
-            self._remove_call(call)
+            self._ledger.move(call, CallPhase.GONE)
             state = "cancelled-before-dispatch"
-        elif call.phase == DISPATCHED:
-            self._detach(call)
+        elif call.phase is CallPhase.DISPATCHED:
+            self._ledger.move(call, CallPhase.DETACHED)
             state = "execution-unknown"
         else:
             state = "completed"
@@ -1234,7 +1151,7 @@ class Router:
                     self._free_request(conn, d)
             else:
                 del conn.deliveries[serial]
-                self._remove_call(d.call)
+                self._ledger.move(d.call, CallPhase.GONE)
         return released
 
     def _op_services(self, conn: _Conn, p: dict[str, Any], rid: int) -> dict[str, Any]:
@@ -1333,14 +1250,14 @@ class Router:
             "clients": clients,
             "services": len(self._services),
             "expectations": len(self._expectations),
-            "calls": self._calls,
+            "calls": self._ledger.calls,
             "activeCalls": active,
             "queuedCalls": queued,
             "dispatchedCalls": dispatched,
-            "detachedCalls": self._detached,
-            "repliedCalls": self._calls - queued - dispatched,
+            "detachedCalls": self._ledger.detached,
+            "repliedCalls": self._ledger.calls - queued - dispatched,
             "replyCapabilities": dispatched,
-            "queuedCallBytes": self._queued_bytes,
+            "queuedCallBytes": self._ledger.queued_bytes,
             "counters": {
                 **counters,
                 "cancels": dict(counters["cancels"]),
@@ -1361,7 +1278,8 @@ class Router:
                     "ageMs": int((now - c.created) * 1000),
                     "services": sorted(c.services),
                     "activeCalls": c.active,
-                    "detachedCalls": sum(1 for k in c.calls.values() if k.detached),
+                    "detachedCalls": sum(
+                        1 for k in c.calls.values() if k.phase is CallPhase.DETACHED),
                     "openRequests": c.open_requests,
                     "controlFrames": len(c.control),
                     "controlBytes": c.control_bytes,

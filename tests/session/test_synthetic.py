@@ -606,3 +606,14 @@ def test_the_synthetic_classes_implement_the_protocols() -> None:
     assert isinstance(arena(), World)
     assert isinstance(CounterTask(), Task)
     assert isinstance(IdentityExecutor(), ActionExecutor)
+
+
+def test_audio_frames_computed_in_bulk_equal_frame_bytes_at_every_phase() -> None:
+    """The chunk tables round a whole column of phases per operation (`array("f")`); every
+    frame is the bytes `frame_bytes` computes one value at a time. Increment 275 (counter 1)
+    visits the 9600 phases of one residue modulo 5 in 9600 frames; five starts cover all."""
+    for channels in (1, 2):
+        for start in range(5):
+            got = TriangleSource(start).chunk(1, 48000 // 5, channels)
+            assert got == b"".join(frame_bytes((start + 275 * (i + 1)) % 48000, channels)
+                                   for i in range(48000 // 5))

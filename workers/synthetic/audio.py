@@ -3,11 +3,15 @@
 
 Why the triangle: the pitch follows the counter and the phase persists across chunks, so a
 dropped, repeated or overlapping chunk changes bytes; every operation is rounded to IEEE binary32
-(round to nearest even) through `struct`, so the bytes are the same on every platform. A sample
-frame depends only on the phase and the channel count, so each channel count has one table of
-`SAMPLE_RATE` frames, filled as phases are first reached; `chunk` joins table entries picked by
-strided slices, one per wrap of the phase (the arena renders a chunk every step, on the step's
-critical path).
+(round to nearest even), so the bytes are the same on every platform. A sample depends only
+on the phase and the channel, so each channel count has one column of `SAMPLE_RATE` binary32
+samples per channel, computed in bulk at its first chunk: every rounding `frame_bytes` does
+one value at a time (`struct`, a C cast to float) is done for the whole column at once by
+`array("f")` (the same C cast), so the samples are the same. The phase moves by a fixed
+increment per frame (one of 8, set by the counter), so for each increment the frames are laid
+out once in stepping order (`_Ring`): a chunk is then one or two byte slices instead of a
+Python operation per frame (the arena renders a chunk every step, on the step's critical
+path).
 
 Why the timelines live here: a restore must never restart a stream at 0 silently (state.md
 §7.2 step 8 names `AudioTimelines.restored`); the environment marks the first chunk after an
@@ -30,7 +34,10 @@ coordinator's Phase C); a missing or bad restored position is `INCOMPATIBLE_STAT
 
 from __future__ import annotations
 
+import math
 import struct
+import sys
+from array import array
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
@@ -45,8 +52,7 @@ STEP_HZ: Final = 55
 AMPLITUDE: Final = 0.25
 
 _F32: Final = struct.Struct("<f")
-#: channel count -> the frame of each phase, None until first reached
-_TABLES: Final[dict[int, list[bytes | None]]] = {}
+_BIG_ENDIAN: Final = sys.byteorder == "big"
 
 
 def f32(x: float) -> float:
@@ -64,6 +70,86 @@ def frame_bytes(phase: int, channels: int) -> bytes:
     return b"".join(_F32.pack(f32(scaled / (c + 1))) for c in range(channels))
 
 
+def _rounded(values: list[float]) -> list[float]:
+    """`f32` of every value: array("f") stores each as the C float struct packs."""
+    return array("f", values).tolist()
+
+
+def _table(channels: int) -> bytes:
+    """`frame_bytes` of every phase, joined in phase order: the same operations and roundings,
+    a whole column of phases per operation."""
+    rate = f32(float(SAMPLE_RATE))
+    p = _rounded([x / rate for x in _rounded([float(phase) for phase in range(SAMPLE_RATE)])])
+    u = _rounded([x - 1.0 for x in _rounded([2.0 * x for x in p])])
+    v = _rounded([1.0 - x for x in _rounded([2.0 * abs(x) for x in u])])
+    scaled = _rounded([x * AMPLITUDE for x in v])
+    out = array("f", bytes(4 * channels * SAMPLE_RATE))
+    for c in range(channels):
+        out[c::channels] = array("f", [x / (c + 1) for x in scaled])
+    if _BIG_ENDIAN:
+        out.byteswap()
+    return out.tobytes()
+
+
+class _Ring:
+    """Every frame of one channel count in the order an increment visits the phases.
+
+    With g = gcd(increment, SAMPLE_RATE), orbit o (0 <= o < g) is the phases o, o + increment,
+    o + 2·increment, … modulo SAMPLE_RATE: L = SAMPLE_RATE / g distinct phases, stored at
+    frames o·L .. o·L + L − 1. Phase o + g·m is at step k = m · (increment/g)^-1 mod L of its
+    orbit, and the frames that follow it are the next ones of the orbit, wrapping at its end.
+    """
+
+    __slots__ = ("data", "frame_size", "g", "inverse", "length")
+
+    def __init__(self, increment: int, channels: int, table: bytes) -> None:
+        g = math.gcd(increment, SAMPLE_RATE)
+        length = SAMPLE_RATE // g
+        size = 4 * channels
+        self.g = g
+        self.length = length
+        self.frame_size = size
+        self.inverse = pow(increment // g, -1, length)
+        self.data = b"".join(
+            table[phase * size:phase * size + size]
+            for phase in [(o + increment * k) % SAMPLE_RATE for o in range(g)
+                          for k in range(length)])
+
+    def take(self, first: int, frames: int) -> bytes:
+        """`frames` frames from phase `first` on."""
+        g, length, size = self.g, self.length, self.frame_size
+        orbit = first % g
+        base = orbit * length * size
+        end = base + length * size
+        at = base + (first - orbit) // g * self.inverse % length * size
+        need = frames * size
+        if at + need <= end:
+            return self.data[at:at + need]
+        parts: list[bytes] = []
+        while need > 0:
+            n = min(need, end - at)
+            parts.append(self.data[at:at + n])
+            need -= n
+            at = base
+        return b"".join(parts)
+
+
+#: channel count -> `_table(channels)`
+_TABLES: Final[dict[int, bytes]] = {}
+#: (increment, channel count) -> its ring
+_RINGS: Final[dict[tuple[int, int], _Ring]] = {}
+
+
+def _ring(increment: int, channels: int) -> _Ring:
+    found = _RINGS.get((increment, channels))
+    if found is None:
+        table = _TABLES.get(channels)
+        if table is None:
+            table = _TABLES.setdefault(channels, _table(channels))
+        found = _RINGS.setdefault((increment, channels), _Ring(increment, channels, table))
+    return found
+
+
 class TriangleSource:
     """The stream's only state is `phase` (0..47999); it starts at 0 and persists."""
 
@@ -77,27 +163,12 @@ class TriangleSource:
         """`frames` interleaved little-endian f32 sample frames at the current counter."""
         increment = BASE_HZ + (counter % 8) * STEP_HZ
         start = self.phase
-        table = _TABLES.get(channels)
-        if table is None:
-            table = _TABLES.setdefault(channels, [None] * SAMPLE_RATE)
-        # the phases start + increment·i (i = 1..frames) modulo SAMPLE_RATE, taken as strided
-        # slices between wraps: a few C-level slices instead of one lookup per frame
-        picked: list[bytes | None] = []
-        phase = start + increment
-        remaining = frames
-        while remaining > 0:
-            phase %= SAMPLE_RATE
-            n = min(remaining, (SAMPLE_RATE - 1 - phase) // increment + 1)
-            picked += table[phase:phase + increment * n:increment]
-            phase += increment * n
-            remaining -= n
-        if not all(picked):  # a frame is never empty: only an unreached phase is falsy
-            for i, frame in enumerate(picked):
-                if frame is None:
-                    phase = (start + increment * (i + 1)) % SAMPLE_RATE
-                    picked[i] = table[phase] = frame_bytes(phase, channels)
-        self.phase = (start + increment * max(frames, 0)) % SAMPLE_RATE
-        return b"".join(picked)  # type: ignore[arg-type]  # no None is left
+        count = max(frames, 0)
+        self.phase = (start + increment * count) % SAMPLE_RATE
+        if count == 0:
+            return b""
+        # the frames at phases start + increment·i, i = 1..frames (modulo SAMPLE_RATE)
+        return _ring(increment, channels).take((start + increment) % SAMPLE_RATE, count)
 
 
 def _incompatible(message: str) -> DomainError:
