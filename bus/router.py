@@ -12,7 +12,7 @@ notifications: they run the same checks and state changes as the requests, answe
 success and report a refusal as one `bus.callFailed` or `bus.replyFailed` (or close, when the
 frame names nothing that could be answered), so a routed call costs four frames.
 
-A call's phases and the books they keep (slots, counts, queued bytes) are `bus/calls.py`'s
+A call's phases and the books they keep (slots, counts, queued bytes) are `bus/call_phases.py`'s
 pure edge table; this module decides when a call moves and does the writes and timers that
 follow, and a move off the table is a broken invariant (§11).
 
@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import errno
 import grp
 import os
 import secrets
@@ -42,7 +41,7 @@ import orjson
 import structlog
 
 from bus import codec, limits
-from bus.calls import Call, CallPhase, Delivery, Ledger, Service
+from bus.call_phases import Call, CallPhase, Delivery, Ledger, Service
 from bus.errors import (
     Backpressure,
     BusError,
@@ -59,16 +58,22 @@ from bus.errors import (
     error_object,
 )
 from bus.framing import PREFIX, FrameDecoder
-from bus.limits import FRAMES_PER_TURN, REMEMBERED_INCARNATIONS, Limits
+from bus.limits import (
+    FRAMES_PER_TURN,
+    LONGEST_DELIVERY_ID,
+    MAX_ID,
+    REMEMBERED_INCARNATIONS,
+    Limits,
+)
 from bus.policy import Grants, Policy, any_matches, covered_by_delegate, substitute
 from bus.schema import Validator, contract_digest, validator
+from bus.sockets import probe_socket
 
 log = structlog.get_logger("bus.router")
 
 SUN_PATH_MAX: Final = 107
 SOMAXCONN_PATH: Final = "/proc/sys/net/core/somaxconn"
-MAX_ID: Final = 2**53 - 1
-MAX_DLV: Final = b'"dlv-9007199254740991"'
+MAX_DLV: Final = orjson.dumps(LONGEST_DELIVERY_ID)
 CLOSE_GRACE_S: Final = 4.0
 WRITE_BATCH_BYTES: Final = 65536
 GRANT_CACHE: Final = 1024  # call-grant answers remembered per connection
@@ -300,23 +305,15 @@ class Router:
             return
         if not stat.S_ISSOCK(st.st_mode):
             raise RouterStartError(f"{path} exists and is not a socket; not touching it")
-        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            probe.settimeout(1.0)
-            probe.connect(path)
-        except ConnectionRefusedError:
-            os.unlink(path)
-            log.info("router.stale_socket_removed", socket=path)
-            return
+            live = probe_socket(path)
         except OSError as exc:
-            if exc.errno in (errno.ECONNREFUSED, errno.ENOENT):
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(path)
-                return
             raise RouterStartError(f"cannot probe existing socket {path}: {exc}") from exc
-        finally:
-            probe.close()
-        raise RouterStartError(f"a live router already listens on {path}")
+        if live:
+            raise RouterStartError(f"a live router already listens on {path}")
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        log.info("router.stale_socket_removed", socket=path)
 
     async def stop(self) -> None:
         """Orderly stop (wire.md §11): ROUTER_LOST to everyone, unlink the socket."""
@@ -1022,7 +1019,7 @@ class Router:
             "jsonrpc": "2.0",
             "method": "bus.request",
             "params": {
-                "deliveryId": "dlv-9007199254740991",
+                "deliveryId": LONGEST_DELIVERY_ID,
                 "callId": rid,
                 "caller": conn.identity,
                 "target": target,
@@ -1056,17 +1053,8 @@ class Router:
             raise CallGone(f"{p['deliveryId']} holds no reply capability")
         call = d.call
         outcome = codec.encode_trusted(p["outcome"])
-        frame = orjson.dumps({
-            "jsonrpc": "2.0",
-            "method": "bus.result",
-            "params": {
-                "deliveryId": "dlv-9007199254740991",
-                "callId": call.call_id,
-                "serviceIncarnation": call.service.incarnation,
-                "responder": conn.identity,
-                "outcome": orjson.Fragment(outcome),
-            },
-        })
+        frame = limits.result_frame(call.call_id, call.service.incarnation, conn.identity,
+                                    orjson.Fragment(outcome))
         if len(frame) > self.limits.maxEnvelopeBytes:
             raise InvalidEnvelope(
                 f"the bus.result frame would be {len(frame)} bytes (maxEnvelopeBytes "

@@ -975,6 +975,8 @@ CLIENT_POOL = 12  # clientIds fz-a..fz-d, fz-0..fz-7: collisions give CONFLICT
 SERVICE_NAMES = ["fz.a", "fz.b", "fz.c"]
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+# ops that minor 1 accepts as notifications (wire.md §21): without an id they are lean, not poison
+LEAN_OPS: frozenset[str] = frozenset({"bus.call", "bus.reply", "bus.consumed"})
 # expected `bus.closing` names of the poison a clean, helloed connection sends (wire.md §4)
 POISON_CLOSES: dict[tuple[str, str], str] = {
     **{("prefix", w): "INVALID_ENVELOPE" for w in ("zero", "huge", "over", "be")},
@@ -1560,6 +1562,8 @@ class RouterMachine(RuleBasedStateMachine):
             _mutate(body, msg, (kind, which)) if kind in ("prefix", "dupkey", "shape")
             else [_frame(body)])
         expected = POISON_CLOSES[poison]
+        if op in LEAN_OPS and poison in (("id", "missing"), ("shape", "notification")):
+            expected = ""  # a lean notification (wire.md §21): its params decide the outcome
         if poison == ("prefix", "be") and body is not None:
             (n,) = struct.unpack("<I", struct.pack(">I", len(body)))
             if n <= LIMITS.maxEnvelopeBytes:

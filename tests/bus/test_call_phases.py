@@ -1,4 +1,4 @@
-"""The call phase table of bus/calls.py (wire.md §9.1), exhaustively and without a router."""
+"""The call phase table of bus/call_phases.py (wire.md §9.1), exhaustively and without a router."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from bus.calls import EDGES, HOLDS_SLOT, Call, CallPhase, CallPhaseError, Ledger, Service
+from bus.call_phases import EDGES, HOLDS_SLOT, Call, CallPhase, CallPhaseError, Ledger, Service
 
 
 class _Caller:
