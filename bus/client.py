@@ -80,10 +80,10 @@ def new_incarnation() -> str:
     return "inc-" + os.urandom(16).hex()
 
 
-class _Validators:
+class Validators:
     """Compiled schemas for everything the router may send (loaded once per process)."""
 
-    _cache: _Validators | None = None
+    _cache: Validators | None = None
 
     def __init__(self) -> None:
         self.response = validator("response.json")
@@ -94,7 +94,7 @@ class _Validators:
         self.error = validator("error.json")
 
     @classmethod
-    def get(cls) -> _Validators:
+    def get(cls) -> Validators:
         if cls._cache is None:
             cls._cache = cls()
         return cls._cache
@@ -301,7 +301,7 @@ class BusClient:
         self._loop = asyncio.get_running_loop()
         self._transport: asyncio.Transport | None = None
         self._decoder = FrameDecoder(16777216)
-        self._v = _Validators.get()
+        self._v = Validators.get()
         self._next_id = 0
         self._pending: deque[tuple[int, str, asyncio.Future[dict[str, Any]]]] = deque()
         self._calls: dict[int, _CallState] = {}

@@ -1219,6 +1219,20 @@ class Router:
             del self._expectations[exp.client_id]
         exp.creator.expectations.discard(exp.client_id)
 
+    # introspection ----------------------------------------------------------------------
+    def remembered_incarnations(self) -> dict[str, tuple[str, ...]]:
+        """Each remembered clientId's remembered incarnations, least recently seen first
+        (wire.md §6.2, §14.1): what the bounds keep, for operators' tools and their tests."""
+        return {client: tuple(seen) for client, seen in self._incarnations.items()}
+
+    def transport_of(self, client_id: str) -> asyncio.Transport | None:
+        """The transport of `client_id`'s live connection, or None: a harness pauses or drops
+        a connection from the router's side with it."""
+        for conn in self._conns.values():
+            if conn.client_id == client_id and not conn.closing:
+                return conn.transport
+        return None
+
     # stats ------------------------------------------------------------------------------
     def stats(self, detail: bool = False) -> dict[str, Any]:
         """wire.md §16; O(connections + services)."""

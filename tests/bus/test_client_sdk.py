@@ -38,12 +38,13 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 
 
-def _router_conn(r: Router, client_id: str) -> Any:
-    """The router's live connection object of `client_id` (to drop it from the router side)."""
-    for conn in r._conns.values():
-        if conn.client_id == client_id and not conn.closing:
-            return conn
-    raise AssertionError(f"{client_id} has no live connection")
+def _router_conn(r: Router, client_id: str) -> asyncio.Transport:
+    """The router's transport of `client_id`'s live connection (to drop it from the router
+    side)."""
+    transport = r.transport_of(client_id)
+    if transport is None:
+        raise AssertionError(f"{client_id} has no live connection")
+    return transport
 
 
 async def _raises_router_lost(aw: Awaitable[Any]) -> RouterLost:
@@ -153,8 +154,8 @@ async def test_connection_loss_fails_everything_pending(router, sdk, settle) -> 
     await settle(r, lambda s: s["queuedCalls"] == 2 and s["dispatchedCalls"] == 1)
 
     # Commands and calls whose response never comes: the router stops reading this connection.
-    conn = _router_conn(r, "cl-caller")
-    conn.transport.pause_reading()
+    transport = _router_conn(r, "cl-caller")
+    transport.pause_reading()
     command = asyncio.create_task(caller.stats())
     unadmitted_call = asyncio.create_task(caller.call("cl.svc", "Late", {}, timeout=None))
     unadmitted_start = asyncio.create_task(caller.start_call("cl.svc", "Late", {}))
@@ -164,7 +165,7 @@ async def test_connection_loss_fails_everything_pending(router, sdk, settle) -> 
         await asyncio.sleep(0)  # let the new tasks write their requests
     assert not any(t.done() for t in waiting)
 
-    conn.transport.abort()  # the router drops the connection
+    transport.abort()  # the router drops the connection
 
     for task in waiting:
         await _raises_router_lost(task)
@@ -184,7 +185,7 @@ async def test_connection_loss_fails_everything_pending(router, sdk, settle) -> 
     assert not handler_cancelled.is_set()
 
     # the service's connection drops too: its handler task is cancelled, its commands fail
-    _router_conn(r, "cl-svc").transport.abort()
+    _router_conn(r, "cl-svc").abort()
     async with asyncio.timeout(5):
         await handler_cancelled.wait()
     assert isinstance(await service.wait_closed(), RouterLost)

@@ -60,7 +60,7 @@ from hypothesis.stateful import (
 )
 
 from bus import codec
-from bus.client import _Validators
+from bus.client import Validators
 from bus.errors import BusError
 from bus.limits import REMEMBERED_INCARNATIONS, Limits, snake_case
 from bus.policy import Policy
@@ -374,7 +374,7 @@ def cases(draw: st.DrawFn) -> list[list[Script]]:
 # --- the player -------------------------------------------------------------------------------
 
 
-def router_frame(v: _Validators, body: bytes,
+def router_frame(v: Validators, body: bytes,
                  final: str | None) -> tuple[dict[str, Any], None] | tuple[None, str]:
     """One router frame decoded and checked (wire.md §2–§4, §8, §15): strict JSON, a JSON-RPC
     object, a valid response or a known notification with valid params, and nothing after the
@@ -442,7 +442,7 @@ class Conn:
 
     async def _read_all(self) -> None:
         """Read until EOF, checking every router frame (wire.md §2–§4, §8, §15)."""
-        v = _Validators.get()
+        v = Validators.get()
         final: str | None = None
         while True:
             try:
@@ -872,7 +872,7 @@ async def _check_alive(r: Router) -> dict[str, Any]:
     """A fresh connection still gets a hello and a schema-valid `bus.stats`."""
     reader, writer = await asyncio.open_unix_connection(r.socket_path)
     try:
-        v = _Validators.get()
+        v = Validators.get()
         replies = []
         for rid, method, params in (
             (1, "bus.hello", {"clientId": "fz-check", "clientIncarnation":
@@ -1174,7 +1174,7 @@ class Sock:
 
     def _check(self, body: bytes) -> None:
         """wire.md §2–§4, §8, §15 for one router frame."""
-        v = _Validators.get()
+        v = Validators.get()
         msg, problem = router_frame(v, body, self.final)
         if msg is None:
             self.fail(problem)
@@ -1203,7 +1203,7 @@ class Sock:
             if name != "CALL_GONE":  # a reply to a delivery another op already answered
                 self.fail(f"a lean reply of a clean connection was refused: {params}")
 
-    def _check_response(self, v: _Validators, msg: dict[str, Any], body: bytes) -> None:
+    def _check_response(self, v: Validators, msg: dict[str, Any], body: bytes) -> None:
         rid = msg["id"]
         if rid <= self.last_response:
             self.fail(f"response {rid} after response {self.last_response}")

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from bus.client import _Validators
+from bus.client import Validators
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -50,7 +50,7 @@ async def test_stats_fields_exact(router, raw, settle) -> None:
     assert "result" in reg
     await raw(r)  # an un-helloed connection: null identity fields in the detail
     await settle(r, lambda s: s["pendingConnections"] == 1)
-    check = _Validators.get().results["bus.stats"]
+    check = Validators.get().results["bus.stats"]
 
     for params in (None, {}, {"detail": False}):
         resp = await svc.call("bus.stats", params)
