@@ -61,7 +61,7 @@ from typing import Any, Final, NoReturn
 
 import orjson
 
-from workers.launch import MODULES, arm_die_with_parent
+from workers.launch import CRASHED_EXIT, MODULES, arm_die_with_parent
 
 __all__ = ["MAX_MESSAGE", "PRELOAD", "ROOM", "exit_code", "main", "set_cmdline", "warm"]
 
@@ -73,7 +73,6 @@ ROOM: Final = 4096
 #: bus client, the synthetic plugins (the defaults) and the event loop every worker runs
 PRELOAD: Final = ("uvloop", "workers.agent", "workers.environment", "workers.roles",
                   "workers.synthetic")
-_CRASHED: Final = 70
 
 
 def exit_code(info: os.waitid_result) -> int:
@@ -212,7 +211,7 @@ def set_cmdline(argv: Sequence[str]) -> None:
 def child(server_pid: int, role: str, argv: Sequence[str], env: dict[str, str], gate: int,
           output: int) -> NoReturn:
     """The forked worker: detach, arm, rewire its standard streams, run the role's `main`."""
-    code = _CRASHED
+    code = CRASHED_EXIT
     try:
         os.setsid()
         arm_die_with_parent(server_pid)

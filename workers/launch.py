@@ -85,6 +85,7 @@ from workers.faults import KNOBS, Faults, Role
 from workers.ticks import RationalNs
 
 __all__ = [
+    "CRASHED_EXIT",
     "DEFAULT_MODEL",
     "DEFAULT_STEP",
     "DEFAULT_TICK",
@@ -113,6 +114,9 @@ DEFAULT_WORLD: Final = "workers.synthetic:CounterArena"
 DEFAULT_TICK: Final = RationalNs(1_000_000, 1)
 DEFAULT_STEP: Final = RationalNs(50_000_000, 3)
 START_GATE: Final = b"go\n"
+#: the exit code of a worker that raised outside its shell's own exit codes (EX_SOFTWARE): the
+#: fork server's child and the launcher's thread body report it alike
+CRASHED_EXIT: Final = 70
 THREAD_VARIABLES: Final = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS",
                            "NUMEXPR_NUM_THREADS")
 MAX_THREADS: Final = 256

@@ -111,6 +111,7 @@ from flyd.launch.spawn import ChildProcess, ProcessInfo, process_info, settled_w
 from flyd.launch.spawner import Spawner
 from workers.domain import DomainError, ErrorCode, Mutation, format_request_id
 from workers.launch import (
+    CRASHED_EXIT,
     AgentSettings,
     EnvironmentSettings,
     Faults,
@@ -157,7 +158,6 @@ EXIT_GRACE_S: Final = 0.25
 #: exit code recorded for a thread or task body that was cancelled (stopped by force)
 CANCELLED_EXIT: Final = -9
 #: exit code recorded for a thread or task body that raised
-CRASHED_EXIT: Final = 70
 
 Settings = AgentSettings | EnvironmentSettings
 Report = Callable[[str, DomainError], None]
