@@ -614,7 +614,12 @@ class WorkerShell:
         error: DomainError | None = None
         result: dict[str, Any] | None = None
         try:
-            async with asyncio.timeout(LOCK_WAIT_S):
+            if self._lock.locked():
+                async with asyncio.timeout(LOCK_WAIT_S):
+                    await self._lock.acquire()
+            else:
+                # a free lock is taken without suspending: there is no wait to bound, and the
+                # timer (get_running_loop, current_task, call_at, cancel) would be pure cost
                 await self._lock.acquire()
             try:
                 result = await handler(call)
