@@ -148,8 +148,10 @@ def _has_bus_key(value: Any) -> bool:
     """Whether a bus-only key occurs anywhere inside `value` (no paths built: the common case
     is a clean request, and `_bus_key_path` words the refusal)."""
     if isinstance(value, dict):
-        for key, item in value.items():
-            if key in BUS_ONLY_KEYS or (isinstance(item, dict | list) and _has_bus_key(item)):
+        if not BUS_ONLY_KEYS.isdisjoint(value):  # one C-level pass over the keys
+            return True
+        for item in value.values():
+            if isinstance(item, dict | list) and _has_bus_key(item):
                 return True
     elif isinstance(value, list):
         for item in value:
