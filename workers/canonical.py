@@ -66,6 +66,7 @@ __all__ = [
     "is_canonical",
     "parse_strict",
     "plain",
+    "typed_canonical",
     "typed_digest",
 ]
 
@@ -236,6 +237,19 @@ def canonical(value: Any) -> bytes:
     except Exception:
         # a refusal, or a value outside the fast path: the reference writer decides
         return _canonical_slow(value)
+
+
+def typed_canonical(schema: bytes, value: Any) -> bytes:
+    """`canonical({"schema": s, "value": value})` given `schema` = `canonical(s)`, so that a
+    schema reference used by many values is written once: the two members in key order, the
+    value written (or refused) at depth 2 exactly as the whole object's writer would."""
+    try:
+        data = orjson.dumps(_fast_tree(value, 2), option=_FAST_OPTIONS)
+    except Exception:
+        out: list[str] = []
+        _write(value, out, 2)
+        data = "".join(out).encode("utf-8")
+    return b'{"schema":' + schema + b',"value":' + data + b"}"
 
 
 def plain(value: Any) -> Any:
