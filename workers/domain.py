@@ -263,8 +263,20 @@ class DomainError(Exception):
 # Scalars (§1.2)
 
 
+# Ids that matched `_ID`: a process checks the same few (worker, schema, view, port ids) in
+# every message, and a set lookup is a fraction of a match. Bounded: past it, ids are matched.
+_VALID_IDS: set[str] = set()
+_VALID_IDS_MAX: Final = 4096
+
+
 def is_id(value: Any) -> bool:
-    return isinstance(value, str) and _ID.fullmatch(value) is not None
+    if type(value) is str and value in _VALID_IDS:
+        return True
+    if isinstance(value, str) and _ID.fullmatch(value) is not None:
+        if len(_VALID_IDS) < _VALID_IDS_MAX:
+            _VALID_IDS.add(value)
+        return True
+    return False
 
 
 def parse_id(value: Any, what: str = "id") -> str:
