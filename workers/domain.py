@@ -320,6 +320,8 @@ def parse_u64(value: Any, what: str = "value") -> int:
 
 
 def format_u64(number: int, what: str = "value") -> str:
+    if type(number) is int and 0 <= number <= U64_MAX:
+        return str(number)  # the common case, without the isinstance tests below
     if isinstance(number, bool) or not isinstance(number, int) or not 0 <= number <= U64_MAX:
         raise DomainError.invalid(f"{what} must be an integer in 0..2^64-1; got {short(number)}")
     return str(number)
@@ -340,6 +342,8 @@ def parse_i32(value: Any, what: str = "value") -> int:
 
 def parse_finite(value: Any, what: str) -> float:
     """A finite JSON number (int or float, never a bool), returned as a float."""
+    if type(value) is float and math.isfinite(value):
+        return value  # the common case, without the isinstance tests below
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise DomainError.invalid(f"{what} must be a number; got {short(value)}")
     if isinstance(value, float) and not math.isfinite(value):
