@@ -27,7 +27,8 @@ nothing after the value. "Canonical bytes" are bytes `b` with `canonical(parse_s
 Digests are lowercase hex SHA-256: `digest_of(v)` of canonical bytes, `digest_bytes(b)` of raw
 bytes, `body_digest(method, scope, params)` of `{"method", "scope", "params"}`,
 `typed_digest(tv)` of `{"schema", "value"}`, `controls_digest(cs)` of the control list in
-descriptor port order.
+descriptor port order. `typed_canonical(schema_bytes, value)` writes `{"schema", "value"}` with
+the schema reference's bytes given (a `TypedValue` remembers them per reference).
 
 Speed: `canonical` first rewrites the value into a tree orjson writes byte-for-byte in this form
 (`_fast_tree`: `to_json` applied, every float replaced by an `orjson.Fragment` of its
