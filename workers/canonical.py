@@ -27,7 +27,8 @@ nothing after the value. "Canonical bytes" are bytes `b` with `canonical(parse_s
 Digests are lowercase hex SHA-256: `digest_of(v)` of canonical bytes, `digest_bytes(b)` of raw
 bytes, `body_digest(method, scope, params)` of `{"method", "scope", "params"}`,
 `typed_digest(tv)` of `{"schema", "value"}`, `controls_digest(cs)` of the control list in
-descriptor port order.
+descriptor port order. `typed_canonical(schema_bytes, value)` writes `{"schema", "value"}` with
+the schema reference's bytes given (a `TypedValue` remembers them per reference).
 
 Speed: `canonical` first rewrites the value into a tree orjson writes byte-for-byte in this form
 (`_fast_tree`: `to_json` applied, every float replaced by an `orjson.Fragment` of its
@@ -66,6 +67,7 @@ __all__ = [
     "is_canonical",
     "parse_strict",
     "plain",
+    "typed_canonical",
     "typed_digest",
 ]
 
@@ -236,6 +238,19 @@ def canonical(value: Any) -> bytes:
     except Exception:
         # a refusal, or a value outside the fast path: the reference writer decides
         return _canonical_slow(value)
+
+
+def typed_canonical(schema: bytes, value: Any) -> bytes:
+    """`canonical({"schema": s, "value": value})` given `schema` = `canonical(s)`, so that a
+    schema reference used by many values is written once: the two members in key order, the
+    value written (or refused) at depth 2 exactly as the whole object's writer would."""
+    try:
+        data = orjson.dumps(_fast_tree(value, 2), option=_FAST_OPTIONS)
+    except Exception:
+        out: list[str] = []
+        _write(value, out, 2)
+        data = "".join(out).encode("utf-8")
+    return b'{"schema":' + schema + b',"value":' + data + b"}"
 
 
 def plain(value: Any) -> Any:

@@ -49,7 +49,7 @@ from typing import Any, Final, Literal, cast
 
 import orjson
 
-from workers.canonical import canonical, canonical_size, plain
+from workers.canonical import canonical, canonical_size, plain, typed_canonical
 from workers.domain import (
     DomainError,
     ErrorCode,
@@ -124,6 +124,8 @@ Determinism = Literal["fixed-build", "none"]
 
 
 def _object(value: Any, keys: Sequence[str], what: str) -> dict[str, Any]:
+    if type(value) is dict and len(value) == len(keys) and all(map(value.__contains__, keys)):
+        return value  # exactly the keys (the common case, tested without building sets)
     if not isinstance(value, dict):
         raise DomainError.invalid(f"{what} must be an object; got {short(value)}")
     missing = [key for key in keys if key not in value]
@@ -195,6 +197,27 @@ class SchemaRef:
         return {"id": self.id, "version": self.version, "digest": self.digest}
 
 
+# The canonical bytes of the schema references TypedValues were built with: a process uses a
+# handful, each in several values a step. Bounded, in case a peer sends ever new ones.
+_SCHEMA_BYTES: dict[SchemaRef, bytes] = {}
+_SCHEMA_BYTES_MAX: Final = 256
+
+
+def _schema_bytes(schema: SchemaRef) -> bytes:
+    """`canonical(schema)`, remembered for a well-typed reference (a reference equal to one
+    seen before has the same fields, so the same bytes; a `bool` version, equal to 1 but
+    written `true`, is never remembered)."""
+    if type(schema) is not SchemaRef or type(schema.version) is not int \
+            or type(schema.id) is not str or type(schema.digest) is not str:
+        return canonical(schema)
+    data = _SCHEMA_BYTES.get(schema)
+    if data is None:
+        data = canonical(schema)
+        if len(_SCHEMA_BYTES) < _SCHEMA_BYTES_MAX:
+            _SCHEMA_BYTES[schema] = data
+    return data
+
+
 @dataclass(frozen=True, slots=True)
 class TypedValue:
     """A JSON value tagged with its schema; at most 32 KiB of canonical JSON.
@@ -211,8 +234,8 @@ class TypedValue:
     def __post_init__(self) -> None:
         try:
             # = canonical(self) without `plain`'s round trip: canonical(plain(v)) is
-            # canonical(v) whenever plain(v) succeeds
-            data = canonical({"schema": self.schema, "value": self.value})
+            # canonical(v) whenever plain(v) succeeds; the schema's bytes are remembered
+            data = typed_canonical(_schema_bytes(self.schema), self.value)
         except Exception:
             canonical_size(self)  # raises the refusal exactly as canonical_size words it
             raise

@@ -263,8 +263,20 @@ class DomainError(Exception):
 # Scalars (§1.2)
 
 
+# Ids that matched `_ID`: a process checks the same few (worker, schema, view, port ids) in
+# every message, and a set lookup is a fraction of a match. Bounded: past it, ids are matched.
+_VALID_IDS: set[str] = set()
+_VALID_IDS_MAX: Final = 4096
+
+
 def is_id(value: Any) -> bool:
-    return isinstance(value, str) and _ID.fullmatch(value) is not None
+    if type(value) is str and value in _VALID_IDS:
+        return True
+    if isinstance(value, str) and _ID.fullmatch(value) is not None:
+        if len(_VALID_IDS) < _VALID_IDS_MAX:
+            _VALID_IDS.add(value)
+        return True
+    return False
 
 
 def parse_id(value: Any, what: str = "id") -> str:
@@ -308,6 +320,8 @@ def parse_u64(value: Any, what: str = "value") -> int:
 
 
 def format_u64(number: int, what: str = "value") -> str:
+    if type(number) is int and 0 <= number <= U64_MAX:
+        return str(number)  # the common case, without the isinstance tests below
     if isinstance(number, bool) or not isinstance(number, int) or not 0 <= number <= U64_MAX:
         raise DomainError.invalid(f"{what} must be an integer in 0..2^64-1; got {short(number)}")
     return str(number)
@@ -328,6 +342,8 @@ def parse_i32(value: Any, what: str = "value") -> int:
 
 def parse_finite(value: Any, what: str) -> float:
     """A finite JSON number (int or float, never a bool), returned as a float."""
+    if type(value) is float and math.isfinite(value):
+        return value  # the common case, without the isinstance tests below
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise DomainError.invalid(f"{what} must be a number; got {short(value)}")
     if isinstance(value, float) and not math.isfinite(value):

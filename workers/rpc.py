@@ -144,17 +144,25 @@ class Request:
         }
 
 
+_SCALARS: Final[frozenset[type]] = frozenset({str, int, float, bool, type(None)})
+
+
 def _has_bus_key(value: Any) -> bool:
     """Whether a bus-only key occurs anywhere inside `value` (no paths built: the common case
-    is a clean request, and `_bus_key_path` words the refusal)."""
+    is a clean request, and `_bus_key_path` words the refusal). Exact scalars, most of a
+    request, are passed over by type alone."""
     if isinstance(value, dict):
-        for key, item in value.items():
-            if key in BUS_ONLY_KEYS or (isinstance(item, dict | list) and _has_bus_key(item)):
-                return True
+        if not BUS_ONLY_KEYS.isdisjoint(value):  # one C-level pass over the keys
+            return True
+        items: Any = value.values()
     elif isinstance(value, list):
-        for item in value:
-            if isinstance(item, dict | list) and _has_bus_key(item):
-                return True
+        items = value
+    else:
+        return False
+    for item in items:
+        if type(item) not in _SCALARS and isinstance(item, (dict, list)) \
+                and _has_bus_key(item):
+            return True
     return False
 
 

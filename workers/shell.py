@@ -456,10 +456,6 @@ class WorkerShell:
     def incarnation_id(self) -> str:
         return self.launch.incarnation_id
 
-    def methods(self) -> tuple[str, ...]:
-        """The endpoint's method table (§3.7)."""
-        return (*WORKER_METHODS, *self.endpoint.handlers)
-
     # running ----------------------------------------------------------------------------------
 
     async def run(self, *, stop_event: asyncio.Event | None = None) -> int:
@@ -578,7 +574,9 @@ class WorkerShell:
             return unparsable_outcome(req.payload, exc, self.worker_id,
                                       self.incarnation_id).to_json()
         op = class_of(method)
-        if op is None or method not in self.methods():
+        # the endpoint's method table (§3.7): the Worker.* methods and the endpoint's handlers
+        if op is None or (method not in self.endpoint.handlers
+                          and method not in WORKER_METHODS):
             return self._outcome(request, error=DomainError.before(
                 ErrorCode.UNSUPPORTED,
                 f"{short(method)} is not served by this {self.endpoint.role} endpoint"))
@@ -614,7 +612,12 @@ class WorkerShell:
         error: DomainError | None = None
         result: dict[str, Any] | None = None
         try:
-            async with asyncio.timeout(LOCK_WAIT_S):
+            if self._lock.locked():
+                async with asyncio.timeout(LOCK_WAIT_S):
+                    await self._lock.acquire()
+            else:
+                # a free lock is taken without suspending: there is no wait to bound, and the
+                # timer (get_running_loop, current_task, call_at, cancel) would be pure cost
                 await self._lock.acquire()
             try:
                 result = await handler(call)

@@ -138,7 +138,7 @@ class CounterTask:
         self.total_reward = 0.0
         event = TaskEvent(event_id(self.epoch, 0, "bootstrap", 0), "arena.bootstrap", 0, None,
                           typed(EVENT, {"counter": counter}))
-        return Bootstrap(contexts={a: context(0, boot=True) for a in self._agents()},
+        return Bootstrap(contexts=dict.fromkeys(self._agents(), context(0, boot=True)),
                          progress=self.progress(), events=(event,))
 
     def evaluate_transition(self, scope: Scope, old: TypedValue, new: TypedValue,
@@ -180,9 +180,10 @@ class CounterTask:
             episode = EpisodeRequest(EPISODE_REASON, typed(EPISODE, {
                 "counter": new_counter, "transitions": self.transitions}))
         agents = self._agents()
+        shared = context(k1, boot=False)  # every agent's, the same immutable value
         return Evaluation(
             outcomes={a: AgentOutcome(tuple(rewards[a]), tuple(stimulations[a])) for a in agents},
-            next_contexts={a: context(k1, boot=False) for a in agents},
+            next_contexts=dict.fromkeys(agents, shared),
             progress=self.progress(), events=tuple(events), episode=episode)
 
     def progress(self) -> TypedValue:
