@@ -219,14 +219,16 @@ def main() -> int:
     parser.add_argument("--checkpoint-every", type=int, default=0)
     parser.add_argument("--dsn", default=None, help="a migrated database (else embedded)")
     parser.add_argument("--timeout-s", type=float, default=7200.0)
-    parser.add_argument("--rss-tolerance", type=float, default=0.10)
+    parser.add_argument("--rss-tolerance", type=float, default=0.20,
+                        help="largest allowed growth of a peak RSS "
+                             "(tests/cli/test_long_runs.py says why 20 %%)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="flyd-long-", dir="/tmp") as tmp:
         run = long_run(args.steps, args.checkpoint_every, dsn=args.dsn, work=Path(tmp),
                        timeout_s=args.timeout_s)
     doc = run.to_json()
     ok = (run.summary.get("state") == "succeeded" and run.ledger_ok and bool(run.growth())
-          and all(abs(g) <= args.rss_tolerance for g in run.growth().values()))
+          and all(g <= args.rss_tolerance for g in run.growth().values()))
     doc["ok"] = ok
     print(json.dumps(doc))
     return 0 if ok else 1

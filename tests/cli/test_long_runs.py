@@ -9,9 +9,14 @@ both connections.
 Each run is `scripts/long_run.py` (one `flyd run` subprocess, its RSS and its router's sampled
 every 0.5 s against the boundary its progress lines report): it must end `succeeded`, its ledger
 must hold `boundary-1..N` and `finish` exactly once, and the RSS of the node (in thread mode
-also the workers' process) and of the router over 75–100 % of the run must be within 10 % of
-their peak over 20–45 % (peaks over windows: scripts/long_run.py says why). Each combination
-is its own test, so xdist spreads them over its workers.
+also the workers' process) and of the router over 75–100 % of the run must not exceed their
+peak over 20–45 % by more than 20 % (peaks over windows: scripts/long_run.py says why). Why
+20 % and one-sided: in thread mode the node's peak swings between about 104 and 118 MB from one
+window to another of the same run (glibc's per-thread arenas; measured +12 % and −11 % between
+the windows of two 20 000-step runs, +0.2 % over a 40 000-step one), and a shrinking RSS is no
+leak. The defect this guards against kept 16 KB per step, over +100 % between the windows;
+`make soak`'s 10^5-step runs bound slower growth. Each combination is its own test, so xdist
+spreads them over its workers.
 `FLYD_LONG_STEPS` shortens the runs for a quick local check; `make test` uses the default.
 """
 
@@ -31,7 +36,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 from long_run import long_run
 
 LONG_STEPS = int(os.environ.get("FLYD_LONG_STEPS", "20000"))
-TOLERANCE = 0.10
+TOLERANCE = 0.20
 TIMEOUT_S = 1800
 
 pytestmark = [pytest.mark.timeout(TIMEOUT_S + 120), pytest.mark.long]
@@ -55,4 +60,4 @@ def test_a_long_run_succeeds_once_per_boundary_in_flat_memory(
     assert run.ledger_ok, report
     growth = run.growth()
     assert {"node", "router"} <= set(growth), f"no samples at 20 % and at the end: {report}"
-    assert all(abs(g) <= TOLERANCE for g in growth.values()), report
+    assert all(g <= TOLERANCE for g in growth.values()), report
