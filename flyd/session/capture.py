@@ -56,13 +56,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Final, Literal, Protocol
 
-from flyd.session.audit import AuditLog
 from flyd.session.calls import Call, CallEngine
 from flyd.session.fence import Detail, SessionFailure
 from flyd.session.phase import Capturing, Paused, Ready
-from flyd.session.runspec import RunSpec
-from flyd.session.slots import AgentSlot
-from flyd.session.trace import TraceLog
+from flyd.session.view import SessionView
 from flyd.state.compat import AgentIdentity, Compatibility
 from flyd.state.envelope import (
     COORDINATOR_ADMISSION,
@@ -75,9 +72,9 @@ from flyd.state.envelope import (
 from flyd.state.writer import CaptureSubmission, CheckpointWriter, SaveTicket
 from workers.canonical import canonical, digest_bytes, digest_of, parse_strict
 from workers.composition import composition_digest
-from workers.datatypes import EnvironmentDescriptor, MediaBlob, WorldObservation, decode_media
+from workers.datatypes import MediaBlob, WorldObservation, decode_media
 from workers.domain import DomainError, ErrorCode, Mutation, Scope, format_u64
-from workers.protocols import ActionExecutor, EpisodeRequest, Task
+from workers.protocols import ActionExecutor, EpisodeRequest
 from workers.rpc import Answered, Expired, Refused
 from workers.shell import contract_digest
 from workers.state import PAYLOAD_CONTENT_TYPE, PAYLOAD_VERSION
@@ -88,34 +85,18 @@ CaptureKind = Literal["hot", "durable"]
 ENVELOPE_VERSION: Final = 1
 
 
-class CaptureSource(Protocol):
+class CaptureSource(SessionView, Protocol):
     """What a capture reads of the session at its committed boundary (the coordinator's public
     side); nothing of it changes while the session is `Capturing(k)`."""
 
     @property
-    def spec(self) -> RunSpec: ...
-    @property
     def epoch(self) -> str: ...
     @property
-    def world_id(self) -> str: ...
-    @property
-    def agent_ids(self) -> list[str]: ...
-    @property
-    def descriptor(self) -> EnvironmentDescriptor | None: ...
-    @property
     def observation(self) -> WorldObservation | None: ...
-    @property
-    def task(self) -> Task: ...
     @property
     def executor(self) -> ActionExecutor: ...
     @property
     def episode_request(self) -> EpisodeRequest | None: ...
-    @property
-    def audit(self) -> AuditLog: ...
-    @property
-    def trace(self) -> TraceLog: ...
-    @property
-    def slots(self) -> Mapping[str, AgentSlot]: ...
     @property
     def descriptor_revision(self) -> int: ...
     def audio_positions(self) -> dict[str, int]: ...

@@ -71,14 +71,11 @@ from typing import TYPE_CHECKING, Any, Final, Protocol
 
 import structlog
 
-from flyd.session.audit import AuditLog
 from flyd.session.calls import Call, CallEngine
 from flyd.session.fence import Detail, SessionFailure
 from flyd.session.media import Media, check_views
 from flyd.session.phase import Failed
-from flyd.session.runspec import RunSpec
-from flyd.session.slots import AgentSlot
-from flyd.session.trace import TraceLog
+from flyd.session.view import SessionView
 from flyd.state.checkpoints import CheckpointStore
 from flyd.state.compat import AgentIdentity, Compatibility
 from flyd.state.effects import EPOCH_ID
@@ -100,7 +97,6 @@ from workers.datatypes import (
     decode_view,
 )
 from workers.domain import DomainError, ErrorCode, Mutation, Scope, is_id, parse_u64
-from workers.protocols import Task
 from workers.rpc import Expired
 from workers.shell import contract_digest
 from workers.state import CHECKPOINT_CAPABILITY, PAYLOAD_CONTENT_TYPE, PAYLOAD_VERSION
@@ -146,25 +142,9 @@ class StateContext:
     guard: Callable[[], object] | None = None
 
 
-class RestoreTarget(Protocol):
+class RestoreTarget(SessionView, Protocol):
     """What a restore reads of the session it installs into (the coordinator's public side)."""
 
-    @property
-    def spec(self) -> RunSpec: ...
-    @property
-    def world_id(self) -> str: ...
-    @property
-    def agent_ids(self) -> list[str]: ...
-    @property
-    def descriptor(self) -> EnvironmentDescriptor | None: ...
-    @property
-    def task(self) -> Task: ...
-    @property
-    def audit(self) -> AuditLog: ...
-    @property
-    def trace(self) -> TraceLog: ...
-    @property
-    def slots(self) -> Mapping[str, AgentSlot]: ...
     def participants(self) -> list[str]: ...
     def tainted(self) -> list[str]: ...
     def bindings(self) -> list[tuple[str, str]]: ...
