@@ -44,7 +44,8 @@ Decisions:
   executor's `router_exits`; its workers may report the loss only after the router is back,
   as an exit with code 3), is given back (`recovery.attempt_interrupted`) and started again
   once the router is back; so is a successful attempt whose failure was a router death (the
-  router exited since the session last resumed: `recovery.attempt_refunded`). Routers killed
+  router exited since the session last resumed, or the attempt before it was interrupted by
+  one: `recovery.attempt_refunded`). Routers killed
   in a burst therefore never end a run "recovery attempts exhausted"; a router that does not
   come back within `durable_timeout_s` abandons the run locally, as before.
 - A recovery that cannot drain the writer within `durable_timeout_s` abandons the run locally
@@ -513,6 +514,7 @@ class GrantSession:
     async def _recover(self, failure: SessionFailure) -> bool:
         """Recover until the session steps again (False) or the run ended here (True)."""
         last = failure
+        router_death = False  # `last` is a router death an interrupted attempt ran into
         while True:
             attempt = self.budget.start()
             if isinstance(attempt, Exhausted):
@@ -540,7 +542,7 @@ class GrantSession:
                 last = exc if isinstance(exc, SessionFailure) else SessionFailure(
                     exc, self._coordinator().phase.label, "restore", None)
             else:
-                if self.host.router_exits != self._router_exits_seen:
+                if router_death or self.host.router_exits != self._router_exits_seen:
                     self.budget.refund()  # the failure recovered from was a router death
                     self._rlog().info("recovery.attempt_refunded", attempt=attempt,
                                       reason="a router death")
@@ -549,10 +551,12 @@ class GrantSession:
             if self._router_lost() or self.host.router_exits != self._router_exits_seen:
                 self._router_exits_seen = self.host.router_exits
                 self.budget.refund()
+                router_death = True
                 self._rlog().warning("recovery.attempt_interrupted", attempt=attempt,
                                      code=str(last.code), message=last.message,
                                      participant=last.participant)
                 continue
+            router_death = False
             backoff = self.budget.failed()
             self._rlog().warning("recovery.attempt_failed", attempt=attempt, code=str(last.code),
                              message=last.message, participant=last.participant,
