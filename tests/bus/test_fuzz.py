@@ -1674,6 +1674,16 @@ class MixedFormsMachine(RouterMachine):
         super().teardown()
 
 
+def machine_settings() -> settings:
+    """Settings for one batch of state-machine examples. The callers run batch after batch
+    until enough was checked, so every batch must draw new examples: hypothesis's "ci"
+    profile (loaded when a CI variable is set) derandomizes, and would replay the first batch
+    forever."""
+    return settings(max_examples=MACHINE_EXAMPLES, stateful_step_count=40, deadline=None,
+                    derandomize=False, database=None,
+                    suppress_health_check=list(HealthCheck))
+
+
 def run_mixed_forms_machine(frames: int, tracked: int = 0) -> dict[str, Any]:
     """Run MixedFormsMachine examples against a router process until it read `frames`
     frames and their teardowns checked at least `tracked` calls of clean callers (an example
@@ -1686,8 +1696,7 @@ def run_mixed_forms_machine(frames: int, tracked: int = 0) -> dict[str, Any]:
         tally = Tally(router.path)
         monitor = Monitor(tally)
         h = Harness(router, tally, monitor, monitor.stats())
-        machine = settings(max_examples=MACHINE_EXAMPLES, stateful_step_count=40,
-                           deadline=None, suppress_health_check=list(HealthCheck))
+        machine = machine_settings()
         problems: list[str] = []
         while True:
             read = monitor.stats()["counters"]["framesIn"]
@@ -1754,8 +1763,7 @@ def _fill_remembered_incarnations(tally: Tally) -> int:
 
 def _run_machine(h: Harness, frames_in: int) -> int:
     """Run machine examples until the router has read `frames_in` frames in total."""
-    machine = settings(max_examples=MACHINE_EXAMPLES, stateful_step_count=40, deadline=None,
-                       suppress_health_check=list(HealthCheck))
+    machine = machine_settings()
     while True:
         seen: int = h.monitor.stats()["counters"]["framesIn"]
         if seen >= frames_in:
