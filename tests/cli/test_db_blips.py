@@ -70,6 +70,7 @@ def test_flyd_run_survives_repeated_bursts_of_backend_terminations(tmp: Path) ->
     end-of-run poll all outlive their connections."""
     dsn = _DSN[tmp]
     reference = clean_digest(tmp, STEPS)
+    before = latest_run(dsn)  # the reference run: the bursts wait for the new run's own row
     argv = [sys.executable, "-m", "flyd", "run", "--json", "--steps", str(STEPS), "--pace",
             "--mode", "thread", "--socket", str(tmp / "bus.sock")]
     proc = subprocess.Popen(argv, cwd=ROOT, env=env_for(tmp), stdout=subprocess.PIPE,
@@ -82,7 +83,9 @@ def test_flyd_run_survives_repeated_bursts_of_backend_terminations(tmp: Path) ->
         while run is None or boundary_effects(dsn, run) < 60:
             assert proc.poll() is None and time.monotonic() < deadline, "never checkpointed"
             time.sleep(0.1)
-            run = latest_run(dsn) if run is None else run
+            if run is None:
+                newest = latest_run(dsn)
+                run = newest if newest != before else None
         while proc.poll() is None and bursts < 3:
             worker = threading.Thread(target=blips.burst)
             worker.start()
