@@ -13,6 +13,14 @@ run id until the run is terminal in the database → summary (§4.2) from the ru
 and what this node saw → stop everything.
 
 Decisions:
+- `--spec FILE` (also `flyctl runs submit`): the file is normalised first, so its errors name
+  its own JSON paths; then the options given on the command line (click's parameter source,
+  `RunOptions.given`) replace its values, and a host default (`with_host_defaults`) fills only
+  a key the file leaves out. `--agents` keeps the file's fields of an id it repeats; `--seed`
+  switches every agent to derived seeds, as without a file; `startFrom` is refused (imports go
+  through `flyctl checkpoints import`). `--model`/`--world` and their `--*-config` set every
+  agent's and the world's, replacing (not merging) the configs; a refusal of what they set
+  names the option (docs/cli.md, "A run spec from a file").
 - `wallSeconds` is the whole command; `stepsPerSecond` is `advances` over the stepping time of
   the grant that finished the run (from `Ready(0)` to its last committed boundary).
 - `behaviourDigest` and `epochs` come from the ledger (the `effects` payloads, cli.md §4.2). A
