@@ -242,3 +242,20 @@ def test_runs_submit_stores_the_normalised_spec_and_a_node_runs_it(site: Site) -
     row = wait_state(site, run_id, {"succeeded", "failed"})
     assert row["state"] == "succeeded", row
     assert set(marks(site)) == {"ant-1", "ant-2"}
+
+
+def test_agents_and_seed_given_rebuild_the_files_agents(tmp_path: Path) -> None:
+    from flyd.cli.run import RunOptions, build_spec
+
+    spec = tmp_path / "spec.json"
+    spec.write_bytes(orjson.dumps({"agents": [
+        {"agentId": "ant-1", "portId": "p1", "seed": 3},
+        {"agentId": "ant-2", "portId": "p2", "seed": 4, "modelConfig": {"graphVariant": 1}}]}))
+    kept = build_spec(RunOptions(spec_file=spec, agents=("ant-2", "new")))  # not given
+    assert [(a.agent_id, a.seed) for a in kept.agents] == [("ant-1", 3), ("ant-2", 4)]
+    rebuilt = build_spec(RunOptions(spec_file=spec, agents=("ant-2", "new"),
+                                    given=frozenset({"agents"})))
+    assert [(a.agent_id, a.port_id, a.seed, dict(a.model_config)) for a in rebuilt.agents] == \
+        [("ant-2", "p1", 4, {"graphVariant": 1}), ("new", "p2", None, {})]
+    seeded = build_spec(RunOptions(spec_file=spec, seed=5, given=frozenset({"seed"})))
+    assert seeded.seed == 5 and [a.seed for a in seeded.agents] == [None, None]
