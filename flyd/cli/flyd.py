@@ -23,10 +23,13 @@ from flyd import logs
 from flyd.cli.common import (
     CtlCall,
     ctl_options,
+    given_options,
     global_options,
     log_flags,
+    plugin_path_option,
     run_spec_options,
     setup_logging,
+    spec_file_options,
 )
 from flyd.config import Config, load_config, router_config
 from flyd.errors import ConfigError
@@ -34,6 +37,8 @@ from flyd.errors import ConfigError
 EXIT_FAILED = 1
 EXIT_CONFIG = 2
 EXIT_FATAL = 70
+#: the options of `flyd run` and `flyctl runs submit` that override a `--spec` file when given
+SPEC_OPTIONS = ("steps", "agents", "mode", "seed", "dispatch", "pace", "checkpoint_every")
 
 
 @click.group()
@@ -133,13 +138,16 @@ class _JsonErrors(click.Command):
 @click.option("--state-dir", type=click.Path(path_type=Path), help="Node state directory.")
 @click.option("--lease-ttl", type=float, help="Lease TTL in seconds (default 15).")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON on stdout.")
+@spec_file_options
+@plugin_path_option
 @global_options
 def run_cmd(steps: int, agents: str | None, mode: str | None, seed: int | None,
             dispatch: str | None, faults: tuple[str, ...], trace: Path | None, pace: bool | None,
             checkpoint_every: int | None, socket_path: str | None, dsn: str | None,
             state_dir: Path | None, lease_ttl: float | None, as_json: bool,
-            config_file: Path | None, log_format: str | None, verbose: int,
-            quiet: int) -> None:
+            spec_file: Path | None, model: str | None, model_config: str | None,
+            world: str | None, world_config: str | None, plugin_paths: tuple[Path, ...],
+            config_file: Path | None, log_format: str | None, verbose: int, quiet: int) -> None:
     """Run one session to completion on this host (through the queue) and print a summary."""
     from flyd.cli.run import RunOptions, parse_agents, run_session
 
@@ -148,7 +156,9 @@ def run_cmd(steps: int, agents: str | None, mode: str | None, seed: int | None,
                       mode=mode, seed=seed, dispatch=dispatch, faults=faults, trace=trace,
                       pace=pace, checkpoint_every=checkpoint_every, socket=socket_path,
                       dsn=dsn, state_dir=state_dir, lease_ttl=lease_ttl, as_json=as_json,
-                      config_file=config_file, log=log)
+                      config_file=config_file, log=log, spec_file=spec_file, model=model,
+                      model_config=model_config, world=world, world_config=world_config,
+                      plugin_paths=plugin_paths, given=given_options(*SPEC_OPTIONS))
     sys.exit(uvloop.run(run_session(opts)))
 
 
@@ -168,11 +178,13 @@ def run_cmd(steps: int, agents: str | None, mode: str | None, seed: int | None,
 @click.option("--sim-clock", type=click.Path(path_type=Path), hidden=True)
 @click.option("--time-scale", type=float, default=1.0, hidden=True)
 @click.option("--clock-rate", type=float, default=1.0, hidden=True)
+@plugin_path_option
 @global_options
 def serve_cmd(dsn: str | None, socket_path: str | None, state_dir: Path | None,
               node_name: str | None, capacity: int | None, router: bool | None,
               lease_ttl: float | None, as_json: bool, sim_clock: Path | None,
-              time_scale: float, clock_rate: float, config_file: Path | None,
+              time_scale: float, clock_rate: float, plugin_paths: tuple[Path, ...],
+              config_file: Path | None,
               log_format: str | None, verbose: int, quiet: int) -> None:
     """Run the node service: claim, execute and finish runs from the queue until drained."""
     from flyd.cli.serve import ServeOptions, serve
@@ -182,7 +194,8 @@ def serve_cmd(dsn: str | None, socket_path: str | None, state_dir: Path | None,
                         state_dir=state_dir, node_name=node_name, capacity=capacity,
                         router=router, lease_ttl=lease_ttl, as_json=as_json,
                         log=log, sim_clock=sim_clock,
-                        time_scale=time_scale, clock_rate=clock_rate)
+                        time_scale=time_scale, clock_rate=clock_rate,
+                        plugin_paths=plugin_paths)
     sys.exit(uvloop.run(serve(opts)))
 
 
@@ -346,18 +359,23 @@ def ctl_runs_group() -> None:
 @run_spec_options
 @click.option("--key", help="Idempotency key: a second submit with it returns the same run.")
 @click.option("--max-attempts", type=int, help="Grant attempts (default [leases] max_attempts).")
+@spec_file_options
 @ctl_options()
 def ctl_runs_submit_cmd(steps: int, agents: str | None, mode: str | None, seed: int | None,
                         checkpoint_every: int | None, dispatch: str | None,
                         pace: bool | None, faults: tuple[str, ...], key: str | None,
-                        max_attempts: int | None, call: CtlCall) -> None:
+                        max_attempts: int | None, spec_file: Path | None, model: str | None,
+                        model_config: str | None, world: str | None,
+                        world_config: str | None, call: CtlCall) -> None:
     """Build, validate and insert a run spec; prints its id."""
     from flyd.cli import flyctl
     from flyd.cli.run import RunOptions, parse_agents
 
     run = RunOptions(steps=steps, agents=None if agents is None else parse_agents(agents),
                      mode=mode, seed=seed, dispatch=dispatch, faults=faults, pace=pace,
-                     checkpoint_every=checkpoint_every)
+                     checkpoint_every=checkpoint_every, spec_file=spec_file, model=model,
+                     model_config=model_config, world=world, world_config=world_config,
+                     given=given_options(*SPEC_OPTIONS))
     sys.exit(flyctl.execute("runs submit", call.as_json,
                             lambda: flyctl.runs_submit(call.options, run, key, max_attempts)))
 
