@@ -23,10 +23,13 @@ __all__ = [
     "CtlCall",
     "CtlOptions",
     "ctl_options",
+    "given_options",
     "global_options",
     "log_flags",
+    "plugin_path_option",
     "run_spec_options",
     "setup_logging",
+    "spec_file_options",
 ]
 
 
@@ -134,3 +137,40 @@ def run_spec_options(fn: click.decorators.FC) -> click.decorators.FC:
     ]):
         fn = option(fn)
     return fn
+
+
+def spec_file_options(fn: click.decorators.FC) -> click.decorators.FC:
+    """`--spec FILE` and the composition shortcuts of `flyd run` and `flyctl runs submit`
+    (README, "Your own run spec")."""
+    for option in reversed([
+        click.option("--spec", "spec_file", type=click.Path(dir_okay=False, path_type=Path),
+                     help="Run spec JSON file (session.md §4.10; a partial document is "
+                          "completed with the defaults). Options given on the command line "
+                          "override it."),
+        click.option("--model", metavar="IMPORT:PATH",
+                     help="Every agent's model class, e.g. mypkg.brain:Brain."),
+        click.option("--model-config", metavar="JSON",
+                     help="Every agent's modelConfig (a JSON object; replaces the spec's)."),
+        click.option("--world", metavar="IMPORT:PATH",
+                     help="The world class, e.g. mypkg.world:PointWorld."),
+        click.option("--world-config", metavar="JSON",
+                     help="The world's config (a JSON object; replaces the spec's)."),
+    ]):
+        fn = option(fn)
+    return fn
+
+
+def plugin_path_option(fn: click.decorators.FC) -> click.decorators.FC:
+    """`--plugin-path DIR` (repeatable): import roots added to `[plugins] paths`."""
+    return click.option("--plugin-path", "plugin_paths", multiple=True,
+                        type=click.Path(file_okay=False, path_type=Path),
+                        help="Extra import root for model, world and task packages "
+                             "(repeatable; added to [plugins] paths).")(fn)
+
+
+def given_options(*names: str) -> frozenset[str]:
+    """Which of the current command's parameters were given on the command line, not left to
+    their defaults (a `--spec` file keeps what the user did not override)."""
+    ctx = click.get_current_context()
+    given = (click.core.ParameterSource.COMMANDLINE, click.core.ParameterSource.ENVIRONMENT)
+    return frozenset(name for name in names if ctx.get_parameter_source(name) in given)

@@ -434,9 +434,10 @@ async def drain(opts: CtlOptions) -> Result:
 
 
 def _submitted_spec(config: Config, run: RunOptions) -> RunSpec:
-    """The spec `flyd run` would build from these options, claimable by any node."""
+    """The spec `flyd run` would build from these options, claimable by any node; import
+    paths are checked by the node that claims it (its environment and `[plugins] paths`)."""
     try:
-        doc = build_spec(run.with_host_defaults(config)).to_json()
+        doc = build_spec(run.with_host_defaults(config), check_imports=False).to_json()
         doc.pop("exclusiveToSubmitter", None)
         return RunSpec.validate(doc, max_agents=DEFAULT_MAX_AGENTS)
     except RunUsageError as exc:

@@ -23,10 +23,12 @@ from flyd import logs
 from flyd.cli.common import (
     CtlCall,
     ctl_options,
+    given_options,
     global_options,
     log_flags,
     run_spec_options,
     setup_logging,
+    spec_file_options,
 )
 from flyd.config import Config, load_config, router_config
 from flyd.errors import ConfigError
@@ -34,6 +36,8 @@ from flyd.errors import ConfigError
 EXIT_FAILED = 1
 EXIT_CONFIG = 2
 EXIT_FATAL = 70
+#: the options of `flyd run` and `flyctl runs submit` that override a `--spec` file when given
+SPEC_OPTIONS = ("steps", "agents", "mode", "seed", "dispatch", "pace", "checkpoint_every")
 
 
 @click.group()
@@ -133,13 +137,15 @@ class _JsonErrors(click.Command):
 @click.option("--state-dir", type=click.Path(path_type=Path), help="Node state directory.")
 @click.option("--lease-ttl", type=float, help="Lease TTL in seconds (default 15).")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON on stdout.")
+@spec_file_options
 @global_options
 def run_cmd(steps: int, agents: str | None, mode: str | None, seed: int | None,
             dispatch: str | None, faults: tuple[str, ...], trace: Path | None, pace: bool | None,
             checkpoint_every: int | None, socket_path: str | None, dsn: str | None,
             state_dir: Path | None, lease_ttl: float | None, as_json: bool,
-            config_file: Path | None, log_format: str | None, verbose: int,
-            quiet: int) -> None:
+            spec_file: Path | None, model: str | None, model_config: str | None,
+            world: str | None, world_config: str | None, config_file: Path | None,
+            log_format: str | None, verbose: int, quiet: int) -> None:
     """Run one session to completion on this host (through the queue) and print a summary."""
     from flyd.cli.run import RunOptions, parse_agents, run_session
 
@@ -148,7 +154,9 @@ def run_cmd(steps: int, agents: str | None, mode: str | None, seed: int | None,
                       mode=mode, seed=seed, dispatch=dispatch, faults=faults, trace=trace,
                       pace=pace, checkpoint_every=checkpoint_every, socket=socket_path,
                       dsn=dsn, state_dir=state_dir, lease_ttl=lease_ttl, as_json=as_json,
-                      config_file=config_file, log=log)
+                      config_file=config_file, log=log, spec_file=spec_file, model=model,
+                      model_config=model_config, world=world, world_config=world_config,
+                      given=given_options(*SPEC_OPTIONS))
     sys.exit(uvloop.run(run_session(opts)))
 
 
@@ -346,18 +354,23 @@ def ctl_runs_group() -> None:
 @run_spec_options
 @click.option("--key", help="Idempotency key: a second submit with it returns the same run.")
 @click.option("--max-attempts", type=int, help="Grant attempts (default [leases] max_attempts).")
+@spec_file_options
 @ctl_options()
 def ctl_runs_submit_cmd(steps: int, agents: str | None, mode: str | None, seed: int | None,
                         checkpoint_every: int | None, dispatch: str | None,
                         pace: bool | None, faults: tuple[str, ...], key: str | None,
-                        max_attempts: int | None, call: CtlCall) -> None:
+                        max_attempts: int | None, spec_file: Path | None, model: str | None,
+                        model_config: str | None, world: str | None,
+                        world_config: str | None, call: CtlCall) -> None:
     """Build, validate and insert a run spec; prints its id."""
     from flyd.cli import flyctl
     from flyd.cli.run import RunOptions, parse_agents
 
     run = RunOptions(steps=steps, agents=None if agents is None else parse_agents(agents),
                      mode=mode, seed=seed, dispatch=dispatch, faults=faults, pace=pace,
-                     checkpoint_every=checkpoint_every)
+                     checkpoint_every=checkpoint_every, spec_file=spec_file, model=model,
+                     model_config=model_config, world=world, world_config=world_config,
+                     given=given_options(*SPEC_OPTIONS))
     sys.exit(flyctl.execute("runs submit", call.as_json,
                             lambda: flyctl.runs_submit(call.options, run, key, max_attempts)))
 

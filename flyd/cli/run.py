@@ -77,9 +77,16 @@ from flyd.node.grant import RunReport
 from flyd.node.process import NodeProcess, NodeSetup, NodeStartError
 from flyd.node.router_child import RouterChildError, choose_socket
 from flyd.outcome import describe, failure_of
-from flyd.session.runspec import DEFAULT_MAX_AGENTS, FaultSpecError, RunSpec, RunSpecError
+from flyd.session.runspec import (
+    DEFAULT_MAX_AGENTS,
+    MAX_AGENTS_LIMIT,
+    FaultSpecError,
+    RunSpec,
+    RunSpecError,
+    is_import_path,
+)
 
-__all__ = ["RunOptions", "RunUsageError", "build_spec", "run_session"]
+__all__ = ["RunOptions", "RunUsageError", "build_spec", "read_spec_file", "run_session"]
 
 log = structlog.get_logger("flyd.cli.run")
 
@@ -127,6 +134,15 @@ class RunOptions:
     as_json: bool = False
     config_file: Path | None = None
     log: LogFlags = field(default_factory=LogFlags)
+    spec_file: Path | None = None
+    model: str | None = None
+    model_config: str | None = None
+    world: str | None = None
+    world_config: str | None = None
+    plugin_paths: tuple[Path, ...] = ()
+    #: the spec options given on the command line (field names): with `spec_file`, only these
+    #: override the file
+    given: frozenset[str] = frozenset()
 
     def with_host_defaults(self, config: Config) -> RunOptions:
         """cli.md §2.3: `[session] mode`, `dispatch`, `pacing` and the `[checkpoints]` cadence
@@ -148,15 +164,43 @@ class RunOptions:
 # spec and configuration
 
 
-def build_spec(opts: RunOptions, max_agents: int = DEFAULT_MAX_AGENTS) -> RunSpec:
-    """The validated run spec of the options (cli.md §4 seeds) for a host whose `[session]
-    max_agents` is `max_agents`; `RunUsageError` otherwise."""
-    doc: dict[str, Any] = {
-        "steps": str(opts.steps) if opts.steps >= 0 else opts.steps,
-        "exclusiveToSubmitter": True,
-    }
+def build_spec(opts: RunOptions, max_agents: int = DEFAULT_MAX_AGENTS, *,
+               check_imports: bool = True) -> RunSpec:
+    """The validated run spec of the options (cli.md §4 seeds), or of `--spec FILE` with the
+    options given on the command line laid over it, for a host whose `[session] max_agents` is
+    `max_agents`; `RunUsageError` otherwise. `check_imports` is the node's rule (every import
+    path's module can be found here); a submitter that is no node leaves it to the node."""
+    if opts.spec_file is None:
+        doc = _options_doc(opts)
+    else:
+        doc = _file_doc(opts, check_imports)
+    doc = _with_shortcuts(doc, opts)
+    try:
+        spec = RunSpec.validate(doc, max_agents=max_agents, check_imports=check_imports)
+    except RunSpecError as exc:
+        raise RunUsageError("USAGE", _shortcut_error(opts, exc)) from None
+    if opts.faults:
+        try:
+            spec = spec.with_faults(list(opts.faults))
+        except FaultSpecError as exc:
+            raise RunUsageError("USAGE", exc.message) from None
+    return spec
+
+
+def _u64_field(value: int) -> int | str:
+    """A spec's U64 text, a negative number kept as a number so that validation refuses it."""
+    return str(value) if value >= 0 else value
+
+
+def _mode_field(mode: str) -> str:
+    return "in-process" if mode == "inprocess" else mode
+
+
+def _options_doc(opts: RunOptions) -> dict[str, Any]:
+    """The spec document of the options alone."""
+    doc: dict[str, Any] = {"steps": _u64_field(opts.steps), "exclusiveToSubmitter": True}
     if opts.mode is not None:
-        doc["mode"] = "in-process" if opts.mode == "inprocess" else opts.mode
+        doc["mode"] = _mode_field(opts.mode)
     if opts.dispatch is not None:
         doc["dispatch"] = opts.dispatch
     if opts.pace is not None:
@@ -165,21 +209,122 @@ def build_spec(opts: RunOptions, max_agents: int = DEFAULT_MAX_AGENTS) -> RunSpe
     if any(v is not None for v in cadence.values()):
         doc["checkpoints"] = {k: v for k, v in cadence.items() if v is not None}
     if opts.seed is not None:
-        doc["seed"] = str(opts.seed) if opts.seed >= 0 else opts.seed
+        doc["seed"] = _u64_field(opts.seed)
     if opts.agents is not None or opts.seed is not None:
         ids = opts.agents if opts.agents is not None else ("fly-a", "fly-b")
         doc["agents"] = [{"agentId": a, "portId": f"p{i + 1}", "seed": None}
                          for i, a in enumerate(ids)]
+    return doc
+
+
+def read_spec_file(path: Path) -> dict[str, Any]:
+    """The JSON object of a `--spec` file; `RunUsageError` naming the file otherwise."""
     try:
-        spec = RunSpec.validate(doc, max_agents=max_agents, check_imports=True)
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise RunUsageError("USAGE", f"--spec {path}: cannot read: {exc.strerror}") from None
+    try:
+        doc = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise RunUsageError("USAGE", f"--spec {path}: not valid JSON: {exc}") from None
+    if not isinstance(doc, dict):
+        raise RunUsageError("USAGE", f"--spec {path}: a run spec is a JSON object; got "
+                                     f"{type(doc).__name__}")
+    return doc
+
+
+def _file_doc(opts: RunOptions, check_imports: bool) -> dict[str, Any]:
+    """The `--spec` file normalised (its own errors name its JSON paths), then the options
+    given on the command line laid over it; a key the file leaves out takes the host's
+    default (`with_host_defaults`) as a spec built from options alone would (README, "Your
+    own run spec")."""
+    assert opts.spec_file is not None
+    raw = read_spec_file(opts.spec_file)
+    if raw.get("startFrom") is not None:
+        raise RunUsageError("USAGE", f"--spec {opts.spec_file}: run spec /startFrom: a run "
+                                     "starts from a checkpoint only through `flyctl "
+                                     "checkpoints import`")
+    try:
+        doc = RunSpec.validate(raw, max_agents=MAX_AGENTS_LIMIT,
+                               check_imports=check_imports).to_json()
+    except RunSpecError as exc:
+        raise RunUsageError("USAGE", f"--spec {opts.spec_file}: {exc.message}") from None
+    given = opts.given
+    doc["exclusiveToSubmitter"] = True
+    if "steps" in given:
+        doc["steps"] = _u64_field(opts.steps)
+    if opts.mode is not None and ("mode" in given or "mode" not in raw):
+        doc["mode"] = _mode_field(opts.mode)
+    if opts.dispatch is not None and ("dispatch" in given or "dispatch" not in raw):
+        doc["dispatch"] = opts.dispatch
+    if opts.pace is not None and ("pace" in given or "pacing" not in raw):
+        doc["pacing"] = "realtime" if opts.pace else "off"
+    file_cadence = raw.get("checkpoints") or {}
+    for key, value, name in (("everySteps", opts.checkpoint_every, "checkpoint_every"),
+                             ("everySeconds", opts.checkpoint_seconds, "")):
+        if value is not None and (name in given or file_cadence.get(key) is None):
+            doc["checkpoints"][key] = value
+    if "agents" in given and opts.agents is not None:
+        by_id = {a["agentId"]: a for a in doc["agents"]}
+        doc["agents"] = [{**by_id.get(agent_id, {"seed": None}), "agentId": agent_id,
+                          "portId": f"p{i + 1}"} for i, agent_id in enumerate(opts.agents)]
+    if "seed" in given and opts.seed is not None:
+        doc["seed"] = _u64_field(opts.seed)
+        for agent in doc["agents"]:
+            agent["seed"] = None
+    return doc
+
+
+def _config_option(option: str, text: str | None) -> dict[str, Any] | None:
+    """`--model-config` / `--world-config`: a JSON object, or a usage error naming the option."""
+    if text is None:
+        return None
+    try:
+        value = orjson.loads(text)
+    except orjson.JSONDecodeError as exc:
+        raise RunUsageError("USAGE", f"{option}: not valid JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise RunUsageError("USAGE", f"{option}: must be a JSON object; got "
+                                     f"{type(value).__name__}")
+    return value
+
+
+def _with_shortcuts(doc: dict[str, Any], opts: RunOptions) -> dict[str, Any]:
+    """`--model` / `--model-config` set every agent's, `--world` / `--world-config` the
+    world's (a config replaces the spec's whole object, it is not merged into it)."""
+    model_config = _config_option("--model-config", opts.model_config)
+    world_config = _config_option("--world-config", opts.world_config)
+    for option, value in (("--model", opts.model), ("--world", opts.world)):
+        if value is not None and not is_import_path(value):
+            raise RunUsageError("USAGE", f"{option}: must be an import path "
+                                         f"package.module:Class; got {value!r}")
+    if (opts.model, model_config, opts.world, world_config) == (None, None, None, None):
+        return doc
+    try:
+        doc = RunSpec.validate(doc, max_agents=MAX_AGENTS_LIMIT).to_json()
     except RunSpecError as exc:
         raise RunUsageError("USAGE", exc.message) from None
-    if opts.faults:
-        try:
-            spec = spec.with_faults(list(opts.faults))
-        except FaultSpecError as exc:
-            raise RunUsageError("USAGE", exc.message) from None
-    return spec
+    for agent in doc["agents"]:
+        if opts.model is not None:
+            agent["model"] = opts.model
+        if model_config is not None:
+            agent["modelConfig"] = model_config
+    if opts.world is not None:
+        doc["world"]["impl"] = opts.world
+    if world_config is not None:
+        doc["world"]["config"] = world_config
+    return doc
+
+
+def _shortcut_error(opts: RunOptions, exc: RunSpecError) -> str:
+    """A refusal of a field a shortcut set names the option, else the spec's JSON path."""
+    parts = exc.path.split("/")
+    if opts.model is not None and len(parts) == 4 and parts[1] == "agents" \
+            and parts[3] == "model":
+        return f"--model {opts.model}: {exc.reason}"
+    if opts.world is not None and exc.path == "/world/impl":
+        return f"--world {opts.world}: {exc.reason}"
+    return exc.message
 
 
 def node_setup(opts: RunOptions, config: Config, spec: RunSpec) -> NodeSetup:
@@ -504,11 +649,12 @@ def _print_summary(opts: RunOptions, summary: dict[str, Any]) -> None:
 
 
 def _error(opts: RunOptions, code: str, message: str) -> int:
+    """The error line on stderr, and with `--json` the error object on stdout too (as
+    `flyctl` reports them)."""
+    print(f"flyd run: {message}", file=sys.stderr)
     if opts.as_json:
         sys.stdout.write(orjson.dumps({"error": {"code": code, "message": message}}).decode()
                          + "\n")
-    else:
-        print(f"flyd run: {message}", file=sys.stderr)
     return EXIT_USAGE
 
 

@@ -81,6 +81,7 @@ __all__ = [
     "StartFrom",
     "TaskSpec",
     "WorldSpec",
+    "is_import_path",
     "parse_fault",
     "parse_faults",
 ]
@@ -211,8 +212,13 @@ def _worker_id(value: Any, path: str, what: str) -> str:
     return _at(path, parse_worker_id, value, what)
 
 
+def is_import_path(value: object) -> bool:
+    """Whether `value` is an import path `package.module:Class` (as a spec's `model`, `impl`)."""
+    return isinstance(value, str) and _IMPORT_PATH.fullmatch(value) is not None
+
+
 def _import_path(value: Any, path: str) -> str:
-    if not isinstance(value, str) or _IMPORT_PATH.fullmatch(value) is None:
+    if not isinstance(value, str) or not is_import_path(value):
         raise RunSpecError(path, f"must be an import path package.module:Class; got {value!r}")
     return value
 
