@@ -24,6 +24,12 @@ Decisions where the spec is silent:
 - `flyd config show` lists every `[bus.limits]` key as `bus.limits.<key>`; `bus.policy` is the
   table from the file or the string `"default"` (session.md §7.2's policy).
 - Values read from the environment or given as strings on flags are parsed by the key's type.
+- `[plugins] paths` (import roots of plugin packages): a relative entry is resolved against the
+  directory of the config file that names it (not the working directory of whoever starts the
+  node, which differs between a shell and systemd); `--plugin-path DIR` is resolved against the
+  working directory and adds to the file's list instead of replacing it (source `flag` then).
+  Every entry must be an existing directory. The node puts them first on its own `sys.path`
+  and on its workers' `PYTHONPATH` (`flyd.launch.spawner`).
 - `[node] log_level`'s default follows the effective `log_format`: `warning` for the console
   renderer, `info` for JSON lines (`flyd.logs.default_level`), so `flyd config show` prints the
   level a command would use.
@@ -60,7 +66,8 @@ from flyd.logs import LogFlags, LogSettings, default_level
 if TYPE_CHECKING:
     from flyd.leases.params import LeaseParams
 
-KNOWN_SECTIONS: Final = ("node", "bus", "database", "leases", "session", "checkpoints")
+KNOWN_SECTIONS: Final = ("node", "bus", "database", "leases", "session", "checkpoints",
+                         "plugins")
 BUS_KEYS: Final = ("socket", "socket_group", "allowed_uids", "limits", "policy")
 SYSTEM_CONFIG: Final = Path("/etc/flyd/flyd.toml")
 NODE_NAME_RE: Final = re.compile(r"[a-z0-9][a-z0-9-]{0,31}")
@@ -195,7 +202,8 @@ def _check_group(where: str, group: str) -> None:
 
 # -- the key table (cli.md §2.3) -------------------------------------------------------------
 
-Kind = Literal["str", "int", "number", "bool", "path", "choice", "uids", "table", "dsn"]
+Kind = Literal["str", "int", "number", "bool", "path", "choice", "uids", "table", "dsn",
+               "dirs"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -329,6 +337,9 @@ KEYS: Final[dict[str, dict[str, Key]]] = {
         "max_pending_effect_bytes": _int(16777216, 2**20),
         "max_envelope_bytes": _int(67108864, 2**20, 2**30 - 1),
     },
+    "plugins": {
+        "paths": Key("dirs", (), rule="a list of directories", flag="--plugin-path"),
+    },
 }
 
 
@@ -361,13 +372,15 @@ def _typed(kind: Kind, value: Any, key: Key) -> tuple[bool, Any]:
         ok = isinstance(value, list) and all(
             isinstance(u, int) and not isinstance(u, bool) and u >= 0 for u in value)
         return ok, value
+    if kind == "dirs":
+        return isinstance(value, list) and all(isinstance(d, str) and d for d in value), value
     return isinstance(value, Mapping), value
 
 
 _KIND_TEXT: Final[dict[Kind, str]] = {
     "int": "an integer", "number": "a number", "bool": "a boolean", "str": "a string",
     "path": "a path", "dsn": "a libpq conninfo or URI", "uids": "a list of uids",
-    "table": "a table", "choice": "one of",
+    "table": "a table", "choice": "one of", "dirs": "a list of directories",
 }
 
 
@@ -399,6 +412,20 @@ def _check(section: str, name: str, value: Any, where: str) -> Any:
         raise ConfigError(f"{where}: [{section}] {name} = {value!r} is out of range "
                           f"({key.rule})")
     return value
+
+
+def _directories(paths: list[str], base: Path, where: str, section: str, name: str) -> list[str]:
+    """Import roots as absolute paths: a relative one is resolved against `base` (the config
+    file's directory, or the working directory for a flag); each must be a directory."""
+    out: list[str] = []
+    for text in paths:
+        path = Path(text).expanduser()
+        path = (path if path.is_absolute() else base / path).resolve()
+        if not path.is_dir():
+            raise ConfigError(f"{where}: [{section}] {name}: {text!r} is not a directory"
+                              + (f" ({path})" if str(path) != text else ""))
+        out.append(str(path))
+    return out
 
 
 def _check_dsn(dsn: str, where: str) -> None:
@@ -502,7 +529,8 @@ class Config:
     def launcher(self) -> LauncherSettings:
         """`[session] launcher` and `launch_concurrency`, typed."""
         return LauncherSettings(method=self.value("session", "launcher"),
-                                concurrency=int(self.value("session", "launch_concurrency")))
+                                concurrency=int(self.value("session", "launch_concurrency")),
+                                plugin_paths=tuple(self.value("plugins", "paths")))
 
     @property
     def limits(self) -> Limits:
@@ -554,7 +582,10 @@ def load_config(config_file: Path | None = None, flags: Mapping[str, Any] | None
                 if key not in KEYS[section]:
                     raise ConfigError(f"{path}: unknown key [{section}] {key}")
                 where[section, key] = str(path)
-                given[section][key] = Setting(_check(section, key, value, str(path)), "file")
+                value = _check(section, key, value, str(path))
+                if KEYS[section][key].kind == "dirs":
+                    value = _directories(value, path.parent, str(path), section, key)
+                given[section][key] = Setting(value, "file")
     for section, keys in KEYS.items():
         for key, spec in keys.items():
             if spec.env is not None and env.get(spec.env) not in (None, ""):
@@ -575,6 +606,14 @@ def load_config(config_file: Path | None = None, flags: Mapping[str, Any] | None
             value = str(value)
         if isinstance(value, str) and spec.kind in ("int", "number", "bool"):
             value = _parse_text(spec.kind, value)
+        if spec.kind == "dirs":  # a flag adds to the file's list
+            if not value:
+                continue
+            value = [*(given[section][key].value if key in given[section] else []),
+                     *_directories([str(v) for v in value], Path.cwd(), here, section, key)]
+            where[section, key] = here
+            given[section][key] = Setting(value, "flag")
+            continue
         where[section, key] = here
         given[section][key] = Setting(_check(section, key, value, here), "flag")
     settings = _with_defaults(given, env)

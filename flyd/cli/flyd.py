@@ -26,6 +26,7 @@ from flyd.cli.common import (
     given_options,
     global_options,
     log_flags,
+    plugin_path_option,
     run_spec_options,
     setup_logging,
     spec_file_options,
@@ -138,14 +139,15 @@ class _JsonErrors(click.Command):
 @click.option("--lease-ttl", type=float, help="Lease TTL in seconds (default 15).")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON on stdout.")
 @spec_file_options
+@plugin_path_option
 @global_options
 def run_cmd(steps: int, agents: str | None, mode: str | None, seed: int | None,
             dispatch: str | None, faults: tuple[str, ...], trace: Path | None, pace: bool | None,
             checkpoint_every: int | None, socket_path: str | None, dsn: str | None,
             state_dir: Path | None, lease_ttl: float | None, as_json: bool,
             spec_file: Path | None, model: str | None, model_config: str | None,
-            world: str | None, world_config: str | None, config_file: Path | None,
-            log_format: str | None, verbose: int, quiet: int) -> None:
+            world: str | None, world_config: str | None, plugin_paths: tuple[Path, ...],
+            config_file: Path | None, log_format: str | None, verbose: int, quiet: int) -> None:
     """Run one session to completion on this host (through the queue) and print a summary."""
     from flyd.cli.run import RunOptions, parse_agents, run_session
 
@@ -156,7 +158,7 @@ def run_cmd(steps: int, agents: str | None, mode: str | None, seed: int | None,
                       dsn=dsn, state_dir=state_dir, lease_ttl=lease_ttl, as_json=as_json,
                       config_file=config_file, log=log, spec_file=spec_file, model=model,
                       model_config=model_config, world=world, world_config=world_config,
-                      given=given_options(*SPEC_OPTIONS))
+                      plugin_paths=plugin_paths, given=given_options(*SPEC_OPTIONS))
     sys.exit(uvloop.run(run_session(opts)))
 
 
@@ -176,11 +178,13 @@ def run_cmd(steps: int, agents: str | None, mode: str | None, seed: int | None,
 @click.option("--sim-clock", type=click.Path(path_type=Path), hidden=True)
 @click.option("--time-scale", type=float, default=1.0, hidden=True)
 @click.option("--clock-rate", type=float, default=1.0, hidden=True)
+@plugin_path_option
 @global_options
 def serve_cmd(dsn: str | None, socket_path: str | None, state_dir: Path | None,
               node_name: str | None, capacity: int | None, router: bool | None,
               lease_ttl: float | None, as_json: bool, sim_clock: Path | None,
-              time_scale: float, clock_rate: float, config_file: Path | None,
+              time_scale: float, clock_rate: float, plugin_paths: tuple[Path, ...],
+              config_file: Path | None,
               log_format: str | None, verbose: int, quiet: int) -> None:
     """Run the node service: claim, execute and finish runs from the queue until drained."""
     from flyd.cli.serve import ServeOptions, serve
@@ -190,7 +194,8 @@ def serve_cmd(dsn: str | None, socket_path: str | None, state_dir: Path | None,
                         state_dir=state_dir, node_name=node_name, capacity=capacity,
                         router=router, lease_ttl=lease_ttl, as_json=as_json,
                         log=log, sim_clock=sim_clock,
-                        time_scale=time_scale, clock_rate=clock_rate)
+                        time_scale=time_scale, clock_rate=clock_rate,
+                        plugin_paths=plugin_paths)
     sys.exit(uvloop.run(serve(opts)))
 
 

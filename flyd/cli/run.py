@@ -67,6 +67,7 @@ import structlog
 from flyd.config import Config, load_config
 from flyd.errors import ConfigError
 from flyd.launch.identities import new_node_id
+from flyd.launch.spawner import add_import_roots
 from flyd.leases import queries
 from flyd.leases.migrate import MigrationError
 from flyd.leases.reconnect import ReadConnection
@@ -441,8 +442,9 @@ async def run_session(opts: RunOptions) -> int:
         config = load_config(opts.config_file, flags={
             "database.dsn": opts.dsn, "node.state_dir": opts.state_dir,
             "leases.ttl_s": opts.lease_ttl, "bus.socket": opts.socket,
-            "node.log_format": opts.log.format})
+            "node.log_format": opts.log.format, "plugins.paths": opts.plugin_paths or None})
         config.log_settings(opts.log).apply()
+        add_import_roots(config.launcher.plugin_paths)
         opts = opts.with_host_defaults(config)
         spec = build_spec(opts, int(config.value("session", "max_agents")))
         if opts.trace is not None:

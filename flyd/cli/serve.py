@@ -73,12 +73,14 @@ class ServeOptions:
     sim_clock: Path | None = None
     time_scale: float = 1.0
     clock_rate: float = 1.0
+    plugin_paths: tuple[Path, ...] = ()
 
     def flags(self) -> dict[str, Any]:
         return {"database.dsn": self.dsn, "bus.socket": self.socket,
                 "node.state_dir": self.state_dir, "node.name": self.node_name,
                 "node.capacity": self.capacity, "node.router": self.router,
-                "leases.ttl_s": self.lease_ttl, "node.log_format": self.log.format}
+                "leases.ttl_s": self.lease_ttl, "node.log_format": self.log.format,
+                "plugins.paths": self.plugin_paths or None}
 
 
 def _error(opts: ServeOptions, message: str) -> int:

@@ -83,9 +83,11 @@ class ForkServer:
 
     @classmethod
     async def start(cls, *, python: str, socket_path: str, executor: Executor,
-                    timeout: float) -> ForkServer:  # noqa: ASYNC109
+                    timeout: float,  # noqa: ASYNC109
+                    env: Mapping[str, str] | None = None) -> ForkServer:
         """Spawn `python -m workers.forkserver` on `executor`'s thread (which must live as long
-        as the node: the server's death signal follows it) and wait for its `ready`."""
+        as the node: the server's death signal follows it) and wait for its `ready`. `env` is
+        its whole environment (None: the node's), which every worker it forks inherits."""
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         argv = [python, "-m", "workers.forkserver", "--control-fd", str(theirs.fileno()),
                 "--parent-pid", str(os.getpid()), "--socket", socket_path, "--room", " " * ROOM]
@@ -93,7 +95,7 @@ class ForkServer:
         try:
             popen = await loop.run_in_executor(executor, functools.partial(
                 die_with_parent, argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                pass_fds=(theirs.fileno(),), start_new_session=True, close_fds=True))
+                pass_fds=(theirs.fileno(),), start_new_session=True, close_fds=True, env=env))
         except BaseException:
             ours.close()
             raise

@@ -26,15 +26,21 @@ Decisions:
 - The environment of a forked worker is the server's (the node's at the server's start) plus
   the launch's thread variables and `PYTHONUNBUFFERED`; a spawned one gets the node's current
   environment plus the same.
+- Plugin import roots (`[plugins] paths`, `--plugin-path`) reach every place a plugin is
+  imported: the node's own `sys.path` (`add_import_roots`: the spec's import check and
+  thread-mode workers) and, first on `PYTHONPATH`, the fork server's environment (its children
+  inherit the `sys.path` it started with; an environment set after the fork would come too
+  late for the interpreter) and every spawned worker's.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib
 import os
 import sys
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Final, Literal
@@ -45,7 +51,7 @@ from flyd.launch.forkserver import ForkServer, ForkServerError
 from flyd.launch.spawn import ChildProcess, SpawnedChild, spawn_worker
 from workers.launch import WorkerLaunch
 
-__all__ = ["LauncherSettings", "Spawner"]
+__all__ = ["LauncherSettings", "Spawner", "add_import_roots", "python_path"]
 
 log = structlog.get_logger("flyd.launch.spawner")
 
@@ -61,6 +67,26 @@ class LauncherSettings:
 
     method: Literal["fork", "spawn"] = "fork"
     concurrency: int = 8
+    #: absolute directories searched for plugin packages before the installed ones
+    plugin_paths: tuple[str, ...] = ()
+
+
+def add_import_roots(paths: Sequence[str]) -> None:
+    """Put the plugin import roots first on this process's `sys.path` (once each)."""
+    for path in reversed(paths):
+        if path not in sys.path:
+            sys.path.insert(0, path)
+    if paths:
+        importlib.invalidate_caches()
+
+
+def python_path(paths: Sequence[str], env: Mapping[str, str]) -> dict[str, str]:
+    """The variables a child needs to import from `paths` first: `PYTHONPATH` with them ahead
+    of `env`'s own; nothing when there are none."""
+    if not paths:
+        return {}
+    inherited = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    return {"PYTHONPATH": os.pathsep.join([*paths, *inherited])}
 
 
 class Spawner:
@@ -103,9 +129,10 @@ class Spawner:
             if self._server is None or self._server.closed:
                 if self._server is not None:  # lost: reap it before starting the next
                     await self._server.close(1.0)
+                env = python_path(self.settings.plugin_paths, os.environ)
                 self._server = await ForkServer.start(
                     python=self.python, socket_path=self.socket, executor=self._thread,
-                    timeout=SERVER_START_S)
+                    timeout=SERVER_START_S, env={**os.environ, **env} if env else None)
             return self._server
 
     async def parent_pid(self) -> int:
@@ -121,6 +148,7 @@ class Spawner:
             server = await self.fork_server()
             return await server.fork(launch.role, launch.to_argv(), env, fields, timeout)
         full = dict(os.environ)
+        full.update(python_path(self.settings.plugin_paths, os.environ))
         full.update(env)
         popen = await asyncio.get_running_loop().run_in_executor(
             self._thread, spawn_worker, launch.command(self.python), full)

@@ -50,7 +50,7 @@ from flyd.launch.budget import ThreadBudget
 from flyd.launch.health import HealthPolicy
 from flyd.launch.identities import node_client_id
 from flyd.launch.launcher import Launcher
-from flyd.launch.spawner import Spawner
+from flyd.launch.spawner import Spawner, add_import_roots
 from flyd.leases import queries
 from flyd.leases.clock import BootClock, LeaseClock, SimFileClock
 from flyd.leases.core import LeasePhase
@@ -259,6 +259,7 @@ class NodeProcess:
                              capacity=setup.capacity)
         await self.store.open()
         self.checkpoints = PgCheckpointStore(self.dsn)
+        add_import_roots(setup.config.launcher.plugin_paths)
         self.spawner = Spawner(setup.config.launcher, socket=setup.socket)
         self.executor = GrantExecutor(
             socket=setup.socket, node=self.client, node_id=setup.node_id, budget=self.budget,
