@@ -2,9 +2,8 @@
 in process and in thread mode, each with a worker killed and recovered from a checkpoint, gives
 the behaviour digest of an undisturbed run.
 
-`flyd run` is started at the repository root (as `tests.cli.test_run` does), which puts the
-root, and so the `examples` package, on the import path of the node and of every worker it
-spawns.
+The repository root, which holds the `examples` package, is named by `--plugin-path`, so the
+node and every worker it starts import the package from there.
 """
 
 from __future__ import annotations
@@ -19,13 +18,15 @@ from tests.cli.test_run import tmp as tmp
 pytestmark = pytest.mark.timeout(180)
 
 SPEC = str(Path("examples") / "reaching" / "run.json")
+PLUGINS = ("--plugin-path", str(ROOT))
 STEPS = "40"
 _CLEAN: dict[str, str] = {}
 
 
 def clean_digest(tmp: Path) -> str:
     if "digest" not in _CLEAN:
-        code, summary, _ = flyd_run(tmp, "--spec", SPEC, "--steps", STEPS, "--mode", "thread")
+        code, summary, _ = flyd_run(tmp, "--spec", SPEC, *PLUGINS, "--steps", STEPS,
+                                    "--mode", "thread")
         assert code == 0 and summary["state"] == "succeeded", summary
         assert summary["recoveries"] == 0 and summary["epochs"] == ["e1"]
         assert summary["counter"] > 0, "the goal seekers reached no goal"
@@ -42,8 +43,8 @@ def test_the_spec_file_is_in_the_repository() -> None:
 def test_the_example_recovers_a_killed_worker_with_the_clean_digest(tmp: Path, mode: str,
                                                                      kill: str) -> None:
     clean = clean_digest(tmp)
-    code, summary, _ = flyd_run(tmp, "--spec", SPEC, "--steps", STEPS, "--mode", mode,
-                                "--fault", kill)
+    code, summary, _ = flyd_run(tmp, "--spec", SPEC, *PLUGINS, "--steps", STEPS, "--mode",
+                                mode, "--fault", kill)
     assert code == 0, summary
     assert summary["state"] == "succeeded" and summary["mode"] == mode
     assert summary["recoveries"] == 1 and summary["epochs"] == ["e1", "e2"], summary
