@@ -30,7 +30,7 @@ test: $(STAMP)
 
 # ruff, mypy, and the layers of docs/layout.md (import-linter's contracts in pyproject.toml).
 lint: $(STAMP)
-	$(BIN)/ruff check bus workers flyd tests bench
+	$(BIN)/ruff check bus workers flyd tests bench examples
 	$(BIN)/mypy
 	$(BIN)/lint-imports
 

@@ -24,8 +24,11 @@ Resolved ambiguities:
   (`applied`, §3.3).
 - Learning is switched off explicitly before the warm-up (a plugin may start with it on).
 - A reward sum is formed left to right in binary64 starting at 0.0 (§3.3).
+- The model class is checked when the worker starts (`workers.protocols.check_plugin`): a
+  missing method or version fails the start with a message naming the class and attribute.
 - `State.*` (state.md §6, `workers.state`) is served, and `checkpoint-v1` advertised, only when
-  the model class declares `model_version` and `plasticity_version` (its identity needs them).
+  the model class declares `model_version` and `plasticity_version` (its identity needs them);
+  both explicitly `None` opt out of checkpointing.
   A staged restore builds a fresh model with the checkpoint's seed and restores the saved brain
   into it; the seed is compared only once this incarnation knows its own (after Initialize or an
   activation).
@@ -60,7 +63,7 @@ from workers.domain import (
 )
 from workers.faults import Role
 from workers.launch import WorkerLaunch
-from workers.protocols import AgentModel, DecodedView
+from workers.protocols import MODEL_ATTRIBUTES, AgentModel, DecodedView, check_plugin
 from workers.shell import Call, Endpoint, WorkerState, check_params, load_plugin, main
 from workers.state import (
     StateService,
@@ -101,6 +104,7 @@ class AgentEndpoint(Endpoint):
         settings = launch.agent
         self.settings = settings
         self.model_class: type[AgentModel] = load_plugin(settings.model, "model")
+        check_plugin(self.model_class, "model", settings.model, MODEL_ATTRIBUTES)
         self.profile: AssetRef = self.model_class.profile(
             launch.worker_id, settings.tick, settings.warmup_ticks, settings.model_config)
         self.graph: Graph = self.model_class.graph(launch.worker_id, settings.model_config)

@@ -20,6 +20,8 @@ position and the world's audio state advance: the next chunk shows the gap);
 `overlapping_audio_at_boundary` moves the chunk's `firstSample` one back (saturating at 0).
 
 Resolved ambiguities:
+- The world class is checked first (`workers.protocols.check_plugin`: a missing method fails the
+  start naming the class and attribute).
 - The world is built when the endpoint is (at launch), from the launch's world settings; its
   descriptor must be valid (§1.8), declare exactly the launch's ports in launch order and the
   launch's step, else the launch is refused (`INVALID_ARGUMENT`).
@@ -65,7 +67,7 @@ from workers.datatypes import (
 from workers.domain import DomainError, ErrorCode, Mutation, Scope, format_u64
 from workers.faults import Role
 from workers.launch import WorkerLaunch
-from workers.protocols import World
+from workers.protocols import WORLD_ATTRIBUTES, World, check_plugin
 from workers.shell import Call, Endpoint, WorkerState, check_params, load_plugin, main
 from workers.state import (
     StateService,
@@ -172,6 +174,7 @@ class EnvironmentEndpoint(Endpoint):
         settings = launch.environment
         self.settings = settings
         self.world_class: type[World] = load_plugin(settings.world, "world")
+        check_plugin(self.world_class, "world", settings.world, WORLD_ATTRIBUTES)
         self.world: World = self.world_class(
             world_id=launch.worker_id, ports=settings.ports, step=settings.step,
             observation_delay_steps=settings.observation_delay_steps, threads=launch.threads,

@@ -20,6 +20,26 @@ Resolved ambiguities:
 - A world's `engineFrame` is not part of `World`; a world may offer `engine_frame(boundary)`
   (the counter arena does), otherwise the shell reports null.
 - Model and world `config` objects are the run spec's `modelConfig` / `config` (JSON objects).
+- A task is built as `Task(config=task.config, terminal=task.terminal, max_agents=[session]
+  max_agents, epoch=the session epoch)`. `terminal` is a string in the task's own grammar: the
+  run spec checks it is a short string (and, for the synthetic `CounterTask`, its grammar
+  `never | counter:N | after:N`); any other task refuses a terminal it cannot parse in its
+  constructor with `DomainError.invalid`. Every task should accept `never`.
+- An executor is built as `ActionExecutor(config=executor.config)` and names the one schema its
+  decisions must have (`decision_schema`); the coordinator checks every prepared decision
+  against it (`IDENTITY_MISMATCH` otherwise), so the decision format is the executor's.
+- Structured input: a world whose class lists `STRUCTURED_OBSERVATION` in its `capabilities`
+  has its inspection of boundary b handed to every agent as the `structured` part of the
+  sensory input of b (`Agent.Initialize.initialInput`, `Agent.Commit.nextInput`); the model's
+  `encode(views, structured)` receives it. Without the capability `structured` is null, as
+  before. The inspection is not delayed like views (`observationDelaySteps`).
+- Required attributes (`MODEL_ATTRIBUTES`, `WORLD_ATTRIBUTES`, `TASK_ATTRIBUTES`,
+  `EXECUTOR_ATTRIBUTES`) are checked when a worker starts (model, world) or the coordinator is
+  built (task, executor): `check_plugin` raises `PluginContractError` naming the class and the
+  first missing attribute. A model's `model_version` and `plasticity_version` must be present:
+  checkpoints record them as the model's identity, and a node captures every run at least at
+  its end. A class that sets both to `None` explicitly opts out of checkpointing (its worker
+  lacks `checkpoint-v1`; tests use this), which no node-run model should do.
 - A model or world class may declare `inline_calls: ClassVar[bool] = True` when every call is
   short pure-Python work (the synthetic classes do): the shell then runs its calls on the
   worker's event loop instead of handing each one to the model thread and back, which costs
@@ -33,7 +53,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
-from typing import Any, ClassVar, Protocol, runtime_checkable
+from typing import Any, ClassVar, Final, Protocol, runtime_checkable
 
 from workers.datatypes import (
     AssetRef,
@@ -43,6 +63,7 @@ from workers.datatypes import (
     Graph,
     PortControl,
     Reward,
+    SchemaRef,
     Stimulus,
     Telemetry,
     TypedValue,
@@ -51,6 +72,11 @@ from workers.domain import DomainError, Scope, format_u64, parse_id, parse_u64
 from workers.ticks import RationalNs
 
 __all__ = [
+    "EXECUTOR_ATTRIBUTES",
+    "MODEL_ATTRIBUTES",
+    "STRUCTURED_OBSERVATION",
+    "TASK_ATTRIBUTES",
+    "WORLD_ATTRIBUTES",
     "ActionExecutor",
     "AgentModel",
     "AgentOutcome",
@@ -60,10 +86,15 @@ __all__ = [
     "DecodedView",
     "EpisodeRequest",
     "Evaluation",
+    "PluginContractError",
     "Task",
     "TaskEvent",
     "World",
+    "check_plugin",
 ]
+
+STRUCTURED_OBSERVATION: Final = "structured-observation-v1"
+"""A world capability: its inspection is every agent's structured sensory input."""
 
 Binding = tuple[str, str]
 """`(portId, agentId)`."""
@@ -171,6 +202,12 @@ class AgentModel(Protocol):
     capabilities: ClassVar[tuple[str, ...]]
     """Extras beyond `agent-step-v1`."""
 
+    model_version: ClassVar[str]
+    """The model's state format; checkpoints record it (a restore refuses another)."""
+
+    plasticity_version: ClassVar[str]
+    """The model's learning rule; checkpoints record it (a restore refuses another)."""
+
     @classmethod
     def profile(cls, agent_id: str, tick: RationalNs, warmup_ticks: int,
                 config: Mapping[str, Any]) -> AssetRef: ...
@@ -252,6 +289,12 @@ class World(Protocol):
 class Task(Protocol):
     """Coordinator-local rules of the episode; never a bus service."""
 
+    def __init__(self, *, config: Mapping[str, Any], terminal: str, max_agents: int,
+                 epoch: str) -> None:
+        """`terminal` in the task's own grammar (`DomainError.invalid` when unparsable);
+        `max_agents` bounds `minted_ids`; `epoch` mints the bootstrap event ids."""
+        ...
+
     def bootstrap(self, inspection: TypedValue, bindings: Sequence[Binding]) -> Bootstrap: ...
 
     def evaluate_transition(self, scope: Scope, old: TypedValue, new: TypedValue,
@@ -274,5 +317,70 @@ class Task(Protocol):
 class ActionExecutor(Protocol):
     """Turns an agent's decision into the controller intent for its port."""
 
+    decision_schema: ClassVar[SchemaRef]
+    """The schema every decision must have; the coordinator refuses any other."""
+
+    def __init__(self, *, config: Mapping[str, Any]) -> None: ...
+
     def apply(self, scope: Scope, decision: TypedValue, game_state: TypedValue,
               progress: TypedValue, clock: RationalNs) -> ControllerIntent: ...
+
+
+#: what each kind of plugin class must have, with why (the message of a missing one)
+MODEL_ATTRIBUTES: Final[dict[str, str]] = {
+    "model_version": "a str class attribute naming the model's state format (checkpoints "
+                     "record it as the model's identity)",
+    "plasticity_version": "a str class attribute naming the model's learning rule (checkpoints "
+                          "record it as the model's identity)",
+    **{name: "a classmethod of AgentModel" for name in
+       ("profile", "graph", "check_context", "encode")},
+    **{name: "a method of AgentModel" for name in
+       ("install_input", "advance", "stimulate", "decide", "reinforce", "set_learning",
+        "telemetry", "mutations", "capture", "restore")},
+}
+WORLD_ATTRIBUTES: Final[dict[str, str]] = {
+    name: "a method of World" for name in
+    ("config_asset", "descriptor", "reset", "apply", "inspection", "render", "audio", "capture",
+     "restore")}
+TASK_ATTRIBUTES: Final[dict[str, str]] = {
+    name: "a method of Task" for name in
+    ("bootstrap", "evaluate_transition", "progress", "evaluations", "minted_ids", "capture",
+     "restore")}
+EXECUTOR_ATTRIBUTES: Final[dict[str, str]] = {
+    "decision_schema": "a SchemaRef class attribute: the schema of the decisions it applies",
+    "apply": "a method of ActionExecutor",
+}
+_VERSIONS: Final = ("model_version", "plasticity_version")
+_MISSING: Final = object()
+
+
+class PluginContractError(DomainError):
+    """A plugin class lacks what its protocol requires: `INVALID_ARGUMENT`/`none` naming the
+    import path, the attribute and what it must be."""
+
+    def __init__(self, kind: str, path: str, attribute: str, reason: str) -> None:
+        super().__init__("INVALID_ARGUMENT",
+                         f"{kind} {path}: the class lacks {attribute} ({reason})", "none")
+        self.kind = kind
+        self.path = path
+        self.attribute = attribute
+
+
+def check_plugin(cls: type[Any], kind: str, path: str, required: Mapping[str, str]) -> None:
+    """Raise `PluginContractError` for the first attribute of `required` that `cls` lacks
+    (a method must be callable; a model's versions must be str, or both `None` to opt out of
+    checkpointing; an executor's `decision_schema` a `SchemaRef`)."""
+    for attribute, reason in required.items():
+        value = getattr(cls, attribute, _MISSING)
+        if value is _MISSING:
+            raise PluginContractError(kind, path, attribute, reason)
+        if attribute in _VERSIONS:
+            versions = [getattr(cls, name, None) for name in _VERSIONS]
+            if versions != [None, None] and not isinstance(value, str):
+                raise PluginContractError(kind, path, attribute, reason)
+        elif attribute == "decision_schema":
+            if not isinstance(value, SchemaRef):
+                raise PluginContractError(kind, path, attribute, reason)
+        elif not callable(value):
+            raise PluginContractError(kind, path, attribute, reason)
+

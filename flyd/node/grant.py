@@ -86,8 +86,14 @@ from flyd.state.effects import epoch_number
 from flyd.state.recovery import Exhausted, RecoveryBudget, is_permanent
 from flyd.state.writer import CheckpointWriter, Committed, EventRing, WriterConfig
 from workers.domain import DomainError, ErrorCode
+from workers.protocols import (
+    EXECUTOR_ATTRIBUTES,
+    TASK_ATTRIBUTES,
+    ActionExecutor,
+    Task,
+    check_plugin,
+)
 from workers.shell import load_plugin
-from workers.synthetic.executor import IdentityExecutor
 
 __all__ = [
     "GrantHost",
@@ -284,13 +290,17 @@ class GrantSession:
         """A coordinator for the live workers in `epoch` (not bootstrapped)."""
         spec, launcher = self.live_spec, self.launcher
         assert launcher is not None and self.names is not None
-        task = load_plugin(spec.task.impl, "task")(config=dict(spec.task.config),
-                                                   terminal=spec.task.terminal,
-                                                   max_agents=self.host.max_agents, epoch=epoch)
+        task_class = load_plugin(spec.task.impl, "task")
+        check_plugin(task_class, "task", spec.task.impl, TASK_ATTRIBUTES)
+        executor_class = load_plugin(spec.executor.impl, "executor")
+        check_plugin(executor_class, "executor", spec.executor.impl, EXECUTOR_ATTRIBUTES)
+        task: Task = task_class(config=dict(spec.task.config), terminal=spec.task.terminal,
+                                max_agents=self.host.max_agents, epoch=epoch)
+        executor: ActionExecutor = executor_class(config=dict(spec.executor.config))
         coordinator = Coordinator(
             self.spec, self.host.coordinator_client(self.run_id),
             {wid: w.worker_ref() for wid, w in launcher.workers().items()},
-            task=task, executor=IdentityExecutor(), deadlines=self.host.deadlines,
+            task=task, executor=executor, deadlines=self.host.deadlines,
             order=DispatchOrder.from_label(spec.dispatch), injections=self._injections(),
             epoch=epoch, history=History(entries=HISTORY_ENTRIES,
                                          transitions=HISTORY_TRANSITIONS,

@@ -69,7 +69,8 @@ class WorldStart:
 
 
 async def hello(calls: CallEngine, session_id: str, worker_id: str, role: str,
-                capability: str) -> None:
+                capability: str) -> list[str]:
+    """The worker's capabilities, once its answer passed the checks of step 1."""
     call = calls.new_call(worker_id, "Worker.Hello", None, {
         "sessionId": session_id, "expectedWorkerId": worker_id, "role": role,
         "supportedMajors": [1]})
@@ -89,6 +90,7 @@ async def hello(calls: CallEngine, session_id: str, worker_id: str, role: str,
     if problem is not None:
         raise Blame(problem, "Worker.Hello", worker_id)
     calls.pin(worker_id, result["incarnationId"])
+    return [str(c) for c in result.get("capabilities", [])]
 
 
 async def initialize_environment(calls: CallEngine, spec: RunSpec, scope: Scope,
@@ -142,14 +144,16 @@ def bootstrap_task(task: Task, observation: WorldObservation,
 
 
 async def initialize_agent(calls: CallEngine, scope: Scope, agent_id: str, slot: AgentSlot,
-                           observation: WorldObservation) -> str:
-    """`Agent.Initialize` of one agent, its slot filled; the request id owed an acknowledgement."""
+                           observation: WorldObservation, structured: bool = False) -> str:
+    """`Agent.Initialize` of one agent, its slot filled; the request id owed an acknowledgement.
+    `structured`: O[0]'s inspection is the agent's structured input (the world offers it)."""
     assert slot.context is not None
     call = calls.new_call(agent_id, "Agent.Initialize", scope, {
         "agentId": agent_id, "profile": slot.profile, "seed": slot.seed,
         "initialInput": {"boundary": "0",
                          "views": [v.to_json() for v in observation.sensory_views],
-                         "structured": None},
+                         "structured": (observation.inspection.to_json() if structured
+                                        else None)},
         "initialDecisionContext": slot.context.to_json(),
         "workerThreads": slot.spec.threads})
     result = await calls.blamed(call)

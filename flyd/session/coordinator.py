@@ -44,7 +44,12 @@ Resolved ambiguities (where §6 is silent):
   `Ready(0)` or while no boundary is committed).
 - `probe_raw` checks only the outcome's shape; identity checks are `worker_status`'s.
 - Snapshot `sequence` counts snapshots of the session from 0 (boundary 0's snapshot is 0).
-- The executor's `clock` argument is the world time of boundary k.
+- The executor's `clock` argument is the world time of boundary k; every prepared decision
+  must have the executor's `decision_schema` (else `IDENTITY_MISMATCH`, blamed on the agent).
+- Structured input: when the world's `Worker.Hello` lists `structured-observation-v1`
+  (`workers.protocols.STRUCTURED_OBSERVATION`), the inspection of boundary b is every agent's
+  `structured` input of b (Initialize and Commit); otherwise it is null. The coordinator learns
+  it at bootstrap, which every restore of a node's coordinator follows.
 - An exception that is not a `DomainError` inside the transaction (a plugin bug) is an
   `INTERNAL`/`unknown` failure of the phase's detail; anything unexpected that escapes a phase
   (a flyd bug) still fences the epoch, with detail `step`; so does a `step()`/`bootstrap()`
@@ -145,7 +150,7 @@ from flyd.session.restore import (
     recovered,
 )
 from flyd.session.runspec import RunSpec
-from flyd.session.slots import AgentSlot, decision_schema_of
+from flyd.session.slots import AgentSlot
 from flyd.session.stats import Metrics, ResolutionEnd, Stats
 from flyd.session.trace import EpochRebase, TraceLog
 from flyd.state.checkpoints import CheckpointRecord, CheckpointStore
@@ -160,13 +165,18 @@ from workers.canonical import controls_digest, typed_digest
 from workers.datatypes import (
     EnvironmentDescriptor,
     Graph,
-    SchemaRef,
     Telemetry,
     TypedValue,
     WorldObservation,
 )
 from workers.domain import DomainError, ErrorCode, Mutation, Scope
-from workers.protocols import ActionExecutor, EpisodeRequest, Evaluation, Task
+from workers.protocols import (
+    STRUCTURED_OBSERVATION,
+    ActionExecutor,
+    EpisodeRequest,
+    Evaluation,
+    Task,
+)
 from workers.rpc import CallOutcome
 from workers.shell import load_plugin
 from workers.synthetic.audio import AudioTimelines
@@ -305,6 +315,8 @@ class Coordinator:
         self._last_event_ids: list[str] = []
         self._controls_digest = ""
         self._slots: dict[str, AgentSlot] = {}
+        #: the world offers its inspection as structured input (learnt at bootstrap)
+        self.structured_input = False
         for agent in spec.agents:
             model = load_plugin(agent.model, "model")
             profile = model.profile(agent.agent_id, agent.tick, agent.warmup_ticks,
@@ -479,7 +491,8 @@ class Coordinator:
     async def _bootstrap(self) -> None:
         calls, audit, wid = self._calls, self.audit, self.world_id
         session_id = self.spec.session_id
-        await hello(calls, session_id, wid, "environment", "world-step-v1")
+        capabilities = await hello(calls, session_id, wid, "environment", "world-step-v1")
+        self.structured_input = STRUCTURED_OBSERVATION in capabilities
         audit.add(f"hello:{wid}")
         for agent_id in self.agent_ids:
             await hello(calls, session_id, agent_id, "agent", "agent-step-v1")
@@ -504,7 +517,8 @@ class Coordinator:
         # 4. agents
         for agent_id in self.agent_ids:
             request_id = await initialize_agent(calls, self._scope(0), agent_id,
-                                                self._slots[agent_id], observation)
+                                                self._slots[agent_id], observation,
+                                                self.structured_input)
             self._owed.setdefault(agent_id, []).append(request_id)
             audit.add(f"agent.initialize:{agent_id}")
         self._replaced.clear()
@@ -626,9 +640,11 @@ class Coordinator:
                     raise identity_mismatch(f"Agent.Prepare: the decision names "
                                             f"{result.get('agentId')}, expected {agent_id}")
                 decision = TypedValue.from_json(result["decision"])
-                if decision.schema != self._decision_schema(agent_id):
+                want = self.executor.decision_schema
+                if decision.schema != want:
                     raise identity_mismatch(f"Agent.Prepare: {agent_id} decided in schema "
-                                            f"{decision.schema.id}, not the registered one")
+                                            f"{decision.schema.id} v{decision.schema.version}, "
+                                            f"not the executor's {want.id} v{want.version}")
             except DomainError as exc:
                 raise Blame(exc, "Agent.Prepare", agent_id) from None
             slot = self._slots[agent_id]
@@ -728,11 +744,6 @@ class Coordinator:
             paused = True
         return StepReport(k + 1, paused, self.episode_request is not None)
 
-    def _decision_schema(self, agent_id: str) -> SchemaRef:
-        """The model's registered decision schema (`decision_schema`, default
-        `arena.decision.v1`)."""
-        return decision_schema_of(self._slots[agent_id].spec.model)
-
     async def _commit(self, k: int, scope: Scope, new: WorldObservation, evaluation: Evaluation,
                       ) -> tuple[dict[str, dict[str, Any]], dict[str, Telemetry]]:
         """Commit every agent: the results and their parsed telemetry, by agent."""
@@ -740,13 +751,15 @@ class Coordinator:
         calls: list[Call] = []
         # every agent receives the same views: one JSON value shared by every call
         views = [v.to_json() for v in new.sensory_views]
+        structured = new.inspection.to_json() if self.structured_input else None
         for agent_id in self._agents_in_order():
             slot = self._slots[agent_id]
             outcome = evaluation.outcomes[agent_id]
             assert slot.prepare_request is not None
             calls.append(engine.new_call(agent_id, "Agent.Commit", scope, {
                 "agentId": agent_id, "preparedRequestId": slot.prepare_request,
-                "nextInput": {"boundary": str(k + 1), "views": views, "structured": None},
+                "nextInput": {"boundary": str(k + 1), "views": views,
+                              "structured": structured},
                 "nextDecisionContext": evaluation.next_contexts[agent_id].to_json(),
                 "rewards": [r.to_json() for r in outcome.rewards],
                 "taskStimulations": [s.to_json() for s in outcome.stimulations]}))

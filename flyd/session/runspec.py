@@ -26,7 +26,14 @@ Resolved ambiguities:
   then worker.
 - "Ports declared by the world" (§7.2) cannot be checked from the document: the counter arena
   declares exactly the agents' ports; a plugin world's descriptor is checked at bootstrap.
-- The terminal grammar is `workers.synthetic.task.Terminal` (`counter:N` signed, `after:N` U64).
+- `terminal` is in the task's own grammar (`workers.protocols`): the spec checks it is a string
+  of 1..200 printable ASCII characters, and for the synthetic task
+  (`workers.synthetic:CounterTask`) its grammar `workers.synthetic.task.Terminal` (`never`,
+  `counter:N` signed, `after:N` U64); another task refuses a terminal it cannot parse when it is
+  built.
+- `executor` (`{impl, config}`, default `workers.synthetic:IdentityExecutor` and `{}`) names the
+  `ActionExecutor` that turns decisions into controls; its `decision_schema` is the format every
+  agent's decisions must have. The key is part of the normalised form like every other.
 - `--fault` specs merged into a spec (`RunSpec.with_faults`) refuse a knob the spec already sets,
   and a value the spec's rules refuse (e.g. a step beyond `steps`) names the fault spec.
 """
@@ -61,6 +68,7 @@ from workers.ticks import RationalNs
 __all__ = [
     "DEFAULT_MAX_AGENTS",
     "AgentSpec",
+    "ExecutorSpec",
     "FaultSpec",
     "FaultSpecError",
     "InjectionSpec",
@@ -90,18 +98,21 @@ PACINGS: Final = ("off", "realtime")
 DEFAULT_MODEL: Final = "workers.synthetic:FakeBrain"
 DEFAULT_WORLD: Final = "workers.synthetic:CounterArena"
 DEFAULT_TASK: Final = "workers.synthetic:CounterTask"
+DEFAULT_EXECUTOR: Final = "workers.synthetic:IdentityExecutor"
 DEFAULT_TICK: Final = RationalNs(1_000_000, 1)
 DEFAULT_STEP: Final = RationalNs(50_000_000, 3)
 DEFAULT_AGENTS: Final = (("fly-a", "p1", 7), ("fly-b", "p2", 11))
 
 TOP_KEYS: Final = ("specVersion", "sessionId", "episodeId", "steps", "seed", "mode", "dispatch",
                    "pacing", "paceS", "exclusiveToSubmitter", "agents", "world", "task",
-                   "checkpoints", "injections", "startFrom")
+                   "executor", "checkpoints", "injections", "startFrom")
 AGENT_KEYS: Final = ("agentId", "portId", "model", "modelConfig", "seed", "tick", "warmupTicks",
                      "threads", "faults")
 WORLD_KEYS: Final = ("worldId", "impl", "config", "step", "observationDelaySteps", "threads",
                      "faults")
 TASK_KEYS: Final = ("impl", "config", "terminal")
+EXECUTOR_KEYS: Final = ("impl", "config")
+_TERMINAL: Final = re.compile(r"[!-~]{1,200}")
 INJECTION_KEYS: Final = ("kill", "loseAdvanceResultAt")
 KILL_KEYS: Final = ("worker", "step")
 START_KEYS: Final = ("checkpointId", "envelopeDigest")
@@ -283,6 +294,17 @@ class TaskSpec:
         return {"impl": self.impl, "config": dict(self.config), "terminal": self.terminal}
 
 
+@dataclass(frozen=True)
+class ExecutorSpec:
+    """`executor`: the coordinator-local action executor."""
+
+    impl: str = DEFAULT_EXECUTOR
+    config: Mapping[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"impl": self.impl, "config": dict(self.config)}
+
+
 @dataclass(frozen=True, order=True)
 class KillAt:
     """`kill:W@K`: kill worker W once every Prepare of step K was dispatched."""
@@ -418,11 +440,22 @@ def _world(value: Any, path: str, bounds: _Bounds) -> WorldSpec:
 
 def _task(value: Any, path: str) -> TaskSpec:
     obj = _object(value, path, TASK_KEYS)
+    impl = _import_path(obj.get("impl", DEFAULT_TASK), _ptr(path, "impl"))
     terminal = obj.get("terminal", "never")
-    _at(_ptr(path, "terminal"), Terminal.parse, terminal)
-    return TaskSpec(impl=_import_path(obj.get("impl", DEFAULT_TASK), _ptr(path, "impl")),
-                    config=_config(obj.get("config", {}), _ptr(path, "config")),
+    where = _ptr(path, "terminal")
+    if impl == DEFAULT_TASK:
+        _at(where, Terminal.parse, terminal)
+    elif not isinstance(terminal, str) or _TERMINAL.fullmatch(terminal) is None:
+        raise RunSpecError(where, f"terminal must be 1..200 printable ASCII characters; got "
+                                  f"{terminal!r}")
+    return TaskSpec(impl=impl, config=_config(obj.get("config", {}), _ptr(path, "config")),
                     terminal=terminal)
+
+
+def _executor(value: Any, path: str) -> ExecutorSpec:
+    obj = _object(value, path, EXECUTOR_KEYS)
+    return ExecutorSpec(impl=_import_path(obj.get("impl", DEFAULT_EXECUTOR), _ptr(path, "impl")),
+                        config=_config(obj.get("config", {}), _ptr(path, "config")))
 
 
 def _checkpoints(value: Any, path: str) -> dict[str, Any]:
@@ -529,6 +562,7 @@ class RunSpec:
     agents: tuple[AgentSpec, ...] = field(default_factory=lambda: _default_agents())
     world: WorldSpec = WorldSpec()
     task: TaskSpec = TaskSpec()
+    executor: ExecutorSpec = ExecutorSpec()
     checkpoints: Mapping[str, Any] = field(
         default_factory=lambda: dict.fromkeys(CHECKPOINT_KEYS))
     injections: InjectionSpec = InjectionSpec()
@@ -606,6 +640,7 @@ class RunSpec:
             agents=tuple(sorted(agents, key=lambda a: a.agent_id)),
             world=world,
             task=task,
+            executor=_executor(obj.get("executor", {}), "/executor"),
             checkpoints=_checkpoints(obj.get("checkpoints", {}), "/checkpoints"),
             injections=_injections(obj.get("injections", {}), "/injections", workers, bounds),
             start_from=start_from,
@@ -624,6 +659,9 @@ class RunSpec:
             raise RunSpecError("/world/impl", f"module of {self.world.impl} cannot be found")
         if not _module_exists(self.task.impl):
             raise RunSpecError("/task/impl", f"module of {self.task.impl} cannot be found")
+        if not _module_exists(self.executor.impl):
+            raise RunSpecError("/executor/impl",
+                               f"module of {self.executor.impl} cannot be found")
 
     @classmethod
     def normalise(cls, doc: Any, *, max_agents: int = MAX_AGENTS_LIMIT) -> dict[str, Any]:
@@ -646,6 +684,7 @@ class RunSpec:
             "agents": [a.to_json() for a in sorted(self.agents, key=lambda a: a.agent_id)],
             "world": self.world.to_json(),
             "task": self.task.to_json(),
+            "executor": self.executor.to_json(),
             "checkpoints": {key: checkpoints.get(key) for key in CHECKPOINT_KEYS},
             "injections": self.injections.to_json(),
             "startFrom": None if self.start_from is None else self.start_from.to_json(),

@@ -11,33 +11,18 @@ config; the decision context in force and its digest; the graph and telemetry fr
 `Agent.Initialize`/`Agent.Commit`; tick duration and warm-up ticks; the committed step; the
 in-flight transition's prepared result, decision and request ids (cleared at every boundary and
 by a failure); the last committed decision and applied controls (for the snapshot).
-`decision_schema_of(model)` is the schema an agent's decisions must have.
 """
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import Any
 
 from flyd.session.runspec import AgentSpec
-from workers.datatypes import Graph, PortControl, SchemaRef, Telemetry, TypedValue
-from workers.shell import load_plugin
-from workers.synthetic.schemas import DECISION
+from workers.datatypes import Graph, PortControl, Telemetry, TypedValue
 from workers.ticks import RationalNs
 
-__all__ = ["AgentSlot", "decision_schema_of"]
-
-
-@functools.cache
-def decision_schema_of(model_path: str) -> SchemaRef:
-    """A model class's registered decision schema (`decision_schema`, default
-    `arena.decision.v1`): a class attribute, so it is looked up once per model path rather than
-    once per Prepare (a failed look-up is not cached)."""
-    model = load_plugin(model_path, "model")
-    schema = getattr(model, "decision_schema", DECISION)
-    assert isinstance(schema, SchemaRef)
-    return schema
+__all__ = ["AgentSlot"]
 
 
 @dataclass

@@ -7,11 +7,13 @@ participants in any execution mode, and a coordinator, wired as a node wires the
 
 `Fixture` = the synthetic run spec (`RunSpec()`, the `SessionSpec.synthetic()` of §4.7) plus
 `mode` (default in-process), `order`, `faults` per worker, `thread_budget`, `health`,
-`deadlines`, `injections`, `pacing`, `terminal`, `agents` (to change the composition) and
-`router` (`"test"`: in the test process; `"process"`: a child `python -m flyd router` with the
-default closed policy, stopped by SIGTERM). `harness.router.shutdown()` stops either. Every helper
-works in every mode: `status_of` and `progress_of` ask `Worker.Status` over the bus through the
-launcher; `kill(id)` is `launcher.kill` and is bound as the coordinator's `kill` injection.
+`deadlines`, `injections`, `pacing`, `terminal`, `agents` (to change the composition),
+`composition` (a run spec whose agents, world, task and executor replace the synthetic ones: a
+plugin composition) and `router` (`"test"`: in the test process; `"process"`: a child
+`python -m flyd router` with the default closed policy, stopped by SIGTERM).
+`harness.router.shutdown()` stops either. Every helper works in every mode: `status_of` and
+`progress_of` ask `Worker.Status` over the bus through the launcher; `kill(id)` is
+`launcher.kill` and is bound as the coordinator's `kill` injection.
 `WAIT` (20 s) bounds every awaited operation of the helpers.
 """
 
@@ -48,6 +50,7 @@ from flyd.session.coordinator import Coordinator, Deadlines, DispatchOrder, Inje
 from flyd.session.runspec import AgentSpec, RunSpec, TaskSpec
 from workers.domain import DomainError
 from workers.faults import Faults
+from workers.shell import load_plugin
 from workers.synthetic.executor import IdentityExecutor
 from workers.synthetic.task import CounterTask
 
@@ -71,8 +74,12 @@ class Fixture:
     agents: tuple[AgentSpec, ...] | None = None
     epoch: str = "e1"
     router: str = "test"
+    composition: RunSpec | None = None
 
     def spec(self) -> RunSpec:
+        if self.composition is not None:
+            return replace(self.composition, mode=self.mode.label(), dispatch=self.order.value,
+                           pacing=self.pacing)
         base = RunSpec()
         agents = self.agents if self.agents is not None else base.agents
         agents = tuple(replace(a, faults=self.faults.get(a.agent_id, a.faults)) for a in agents)
@@ -195,13 +202,23 @@ class SessionHarness:
         assert self.coordinator_client is not None
         fixture = self.fixture
         epoch = epoch or fixture.epoch
-        self.task = CounterTask(terminal=self.spec.task.terminal, epoch=epoch)
+        spec = self.spec
+        executor: Any
+        if fixture.composition is None:
+            self.task = CounterTask(terminal=spec.task.terminal, epoch=epoch)
+            executor = IdentityExecutor()
+        else:
+            self.task = load_plugin(spec.task.impl, "task")(
+                config=dict(spec.task.config), terminal=spec.task.terminal, max_agents=4,
+                epoch=epoch)
+            executor = load_plugin(spec.executor.impl, "executor")(
+                config=dict(spec.executor.config))
         injections = fixture.injections or Injections()
         if injections.kill is None:
             injections = replace(injections, kill=self.kill)
         coordinator = Coordinator(
             self.spec, self.coordinator_client, self.refs(), task=self.task,
-            executor=IdentityExecutor(), deadlines=fixture.deadlines, order=fixture.order,
+            executor=executor, deadlines=fixture.deadlines, order=fixture.order,
             injections=injections, epoch=epoch)
         if fixture.pacing == "off":
             coordinator.disable_pacing()

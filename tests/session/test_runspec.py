@@ -48,7 +48,8 @@ def test_the_empty_spec_normalises_to_the_synthetic_defaults() -> None:
     assert doc == RunSpec().to_json()
     assert set(doc) == {"specVersion", "sessionId", "episodeId", "steps", "seed", "mode",
                         "dispatch", "pacing", "paceS", "exclusiveToSubmitter", "agents",
-                        "world", "task", "checkpoints", "injections", "startFrom"}
+                        "world", "task", "executor", "checkpoints", "injections",
+                        "startFrom"}
     assert (doc["specVersion"], doc["sessionId"], doc["episodeId"], doc["steps"],
             doc["seed"]) == (1, "demo", "ep1", "600", "7")
     assert (doc["mode"], doc["dispatch"], doc["pacing"], doc["paceS"],
@@ -75,6 +76,7 @@ def test_the_empty_spec_normalises_to_the_synthetic_defaults() -> None:
         "acknowledgeExtraId", "failCapture", "failStageRestore", "failActivateRestore"}
     assert doc["task"] == {"impl": "workers.synthetic:CounterTask", "config": {},
                            "terminal": "never"}
+    assert doc["executor"] == {"impl": "workers.synthetic:IdentityExecutor", "config": {}}
     assert doc["injections"] == {"kill": [], "loseAdvanceResultAt": []}
     assert len(doc["checkpoints"]) == 15 and set(doc["checkpoints"].values()) == {None}
     canonical(doc)  # storable as canonical JSON
