@@ -147,3 +147,27 @@ def test_a_missing_module_is_named_and_not_retried(db_dsn: str, tmp: Path) -> No
     assert log_events(tmp, "n", "launcher.launched") == []
     human = runs_show(db_dsn, seen["run"], json=False).stdout
     assert "no_such_module" in human
+
+
+@pytest.mark.parametrize(("key", "impl", "detail", "participant", "summary"), [
+    ("world", "OfflineArena", "launch", None,
+     "ConnectionError: engine at 127.0.0.1:9 refused the connection"),
+    ("task", "BadTask", "bootstrap", None, "KeyError: 'terminal'"),
+], ids=["world", "task"])
+def test_a_world_or_task_raising_in_its_constructor_fails_the_run_at_once(
+        db_dsn: str, tmp: Path, key: str, impl: str, detail: str, participant: str | None,
+        summary: str) -> None:
+    spec = spec_with("workers.synthetic:FakeBrain", "process")
+    spec[key]["impl"] = f"{FAULTY}:{impl}"
+    state, attempt, seen = run_to_end(db_dsn, tmp, spec)
+    outcome = seen["outcome"]
+    assert (state, attempt) == ("failed", 1), outcome
+    assert outcome["error"] == "plugin failed"
+    assert (outcome["failure"]["detail"], outcome["failure"]["participant"]) == \
+        (detail, participant)
+    plugin = outcome["plugin"]
+    assert (plugin["plugin"], plugin["stage"], plugin["repeats"]) == \
+        (f"{FAULTY}:{impl}", "construct", True)
+    assert summary in outcome["failure"]["message"] and summary in describe(outcome)
+    assert "faulty.py" in plugin["frames"][-1] and "in __init__" in plugin["frames"][-1]
+    assert_not_retried(tmp)
