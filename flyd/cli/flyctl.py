@@ -538,7 +538,7 @@ async def runs_show(opts: CtlOptions, run_id: int) -> Result:
         assert failure is not None
         frames = traceback_of(failure)
         if frames:
-            lines.append(f"traceback (last {len(frames)} frames, innermost last):")
+            lines.append("traceback (innermost last):")
             lines += [f"  {frame}" for frame in frames]
     if events is not None:
         lines.append(f"events: {len(events)}")

@@ -502,8 +502,7 @@ def _print_summary(opts: RunOptions, summary: dict[str, Any]) -> None:
               file=sys.stderr)
         frames = traceback_of(reason)
         if frames:
-            print(f"flyd run: traceback (last {len(frames)} frames, innermost last):",
-                  file=sys.stderr)
+            print("flyd run: traceback (innermost last):", file=sys.stderr)
             for frame in frames:
                 print(f"flyd run:   {frame}", file=sys.stderr)
         print(f"flyd run: outcome: {orjson.dumps(reason).decode()}", file=sys.stderr)

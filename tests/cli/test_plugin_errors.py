@@ -110,7 +110,7 @@ def test_a_model_raising_in_its_constructor_fails_the_run_at_once_with_its_messa
     assert doc["outcome"]["plugin"] == plugin
     human = runs_show(db_dsn, seen["run"], json=False).stdout
     assert f"reason: {reason}" in human
-    assert f"traceback (last {len(frames)} frames, innermost last):" in human
+    assert "traceback (innermost last):" in human
     assert all(f"  {frame}" in human for frame in frames)
 
 
