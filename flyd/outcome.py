@@ -16,6 +16,12 @@ Rules:
   only knows that the attempts ran out, the node knows why the last one did.
 - `describe(failure)` is the one-line reason: the error and the fields that explain it (sizes
   and limits, the spec path, the worker and its error code, the last failure or lease loss).
+  A `plugin failed` outcome names the plugin's import path, the stage, the worker, what failed
+  and the exception with its message: `plugin failed: pkg.mod:Model (construct) of ant-1 at
+  Agent.Initialize: ValueError: bad gain 42`.
+- `traceback_of(failure)` is the plugin fault's last frames (innermost last), from the outcome's
+  `plugin`, or from the `plugin` of its `failure` or `lastFailure` (a launch failure, exhausted
+  attempts); `flyd run` prints them on stderr and `flyctl runs show` under the reason.
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["describe", "failure_of"]
+__all__ = ["describe", "failure_of", "plugin_of", "traceback_of"]
 
 
 def failure_of(state: str, outcome: Mapping[str, Any] | None, *, last_loss: str | None = None,
@@ -52,9 +58,37 @@ def failure_of(state: str, outcome: Mapping[str, Any] | None, *, last_loss: str 
     return doc
 
 
+def plugin_of(failure: Mapping[str, Any]) -> Mapping[str, Any] | None:
+    """The plugin fault that explains a failure, wherever its shape keeps it."""
+    for doc in (failure, failure.get("failure"), failure.get("lastFailure")):
+        if isinstance(doc, Mapping) and isinstance(doc.get("plugin"), Mapping):
+            plugin: Mapping[str, Any] = doc["plugin"]
+            return plugin
+    return None
+
+
+def traceback_of(failure: Mapping[str, Any]) -> list[str]:
+    """The plugin fault's last traceback frames, innermost last (none without a fault)."""
+    plugin = plugin_of(failure)
+    frames = plugin.get("frames") if plugin is not None else None
+    return [str(f) for f in frames] if isinstance(frames, list) else []
+
+
+def _exception(plugin: Mapping[str, Any]) -> str:
+    message = plugin.get("message")
+    return f"{plugin.get('exception')}: {message}" if message else str(plugin.get("exception"))
+
+
 def describe(failure: Mapping[str, Any]) -> str:
     """One line naming the reason and what explains it."""
     error = str(failure.get("error"))
+    if error == "plugin failed":
+        f = failure.get("failure") or {}
+        plugin = failure.get("plugin") or {}
+        who = f" of {f['participant']}" if f.get("participant") else ""
+        name = str(plugin.get("plugin") or "a plugin")
+        return (f"plugin failed: {name} ({plugin.get('stage')}){who} at {f.get('detail')}: "
+                f"{_exception(plugin)}")
     if error == "checkpoint too large":
         if failure.get("payloadCount") is not None:
             return (f"checkpoint too large: {failure['payloadCount']} payloads, an envelope "

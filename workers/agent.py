@@ -57,6 +57,8 @@ from workers.domain import (
     DomainError,
     ErrorCode,
     Mutation,
+    PluginFault,
+    PluginStage,
     Scope,
     format_u64,
     parse_i32,
@@ -185,8 +187,9 @@ class AgentEndpoint(Endpoint):
             raise DomainError(ErrorCode.BACKEND_FAILURE, f"{what}: {exc.code}: {exc.message}",
                               Mutation.UNKNOWN) from None
         except Exception as exc:
-            raise DomainError(ErrorCode.BACKEND_FAILURE, f"{what} failed: {type(exc).__name__}",
-                              Mutation.UNKNOWN) from None
+            fault = PluginFault.of(exc, self.settings.model, PluginStage.CALL)
+            raise DomainError(ErrorCode.BACKEND_FAILURE, f"{what} failed: {fault.summary()}",
+                              Mutation.UNKNOWN, fault) from None
 
     # Agent.Initialize (§3.1) -------------------------------------------------------------------
 
@@ -233,9 +236,17 @@ class AgentEndpoint(Endpoint):
         warmup = settings.warmup_ticks
 
         def build() -> tuple[AgentModel, TickAccumulator, Telemetry, int]:
-            model = self.model_class(agent_id=self.launch.worker_id, seed=seed,
-                                     threads=self.launch.threads, executor=self.shell.executor,
-                                     config=settings.model_config)
+            try:
+                model = self.model_class(agent_id=self.launch.worker_id, seed=seed,
+                                         threads=self.launch.threads,
+                                         executor=self.shell.executor,
+                                         config=settings.model_config)
+            except Exception as exc:
+                # the same spec builds the same model: this fails on every attempt
+                fault = PluginFault.of(exc, settings.model, PluginStage.CONSTRUCT)
+                raise DomainError(ErrorCode.BACKEND_FAILURE,
+                                  f"{method}: building the model failed: {fault.summary()}",
+                                  Mutation.NONE, fault) from None
             model.install_input(encoded)
             model.set_learning(False)
             model.advance(warmup)
@@ -251,9 +262,10 @@ class AgentEndpoint(Endpoint):
         except DomainError:
             raise
         except Exception as exc:
+            fault = PluginFault.of(exc, settings.model, PluginStage.CALL)
             raise DomainError(ErrorCode.BACKEND_FAILURE,
-                              f"{method}: building the model failed: {type(exc).__name__}",
-                              Mutation.NONE) from None
+                              f"{method}: building the model failed: {fault.summary()}",
+                              Mutation.NONE, fault) from None
         self.shell.cache.adopt_epoch(scope.epoch)
         self.model, self.accumulator = model, accumulator
         self.epoch = scope.epoch

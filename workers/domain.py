@@ -29,9 +29,19 @@ Error codes (§1.6), as data in `CODES`: number, mutation rule. Rules:
 - `RESULT_EXPIRED` is always `unknown` (a replay is gone; whether it ran is not knowable).
 - `BACKEND_FAILURE` and `INTERNAL` carry an explicit mutation.
 
-`DomainError(code, message, mutation)` is an exception *and* a value: equal when code, message
-and mutation are equal; `to_json()` is the wire `error` object (message clipped to 512 code
-points: 511 plus `…`), `from_json()` validates one strictly.
+`DomainError(code, message, mutation, data=None)` is an exception *and* a value: equal when
+code, message, mutation and data are equal; `to_json()` is the wire `error` object (message
+clipped to 512 code points: 511 plus `…`), `from_json()` validates one strictly.
+
+Error data: a failure raised by a plugin (a user's model, world or task) carries a
+`PluginFault` as its `data`, the wire `error`'s optional fourth key, so the exception's type,
+its message and the last frames of its traceback travel as a value from the worker to the
+coordinator, the node and the run's outcome, never parsed back out of a message. Bounds: the
+last `FAULT_FRAMES` (5) frames (the import system's own frames left out), each one line of at
+most `FAULT_LINE` (240) code points, the exception's message clipped like an error message
+(512). `repeats` marks a failure that the same
+spec fails the same way on every attempt (an import, a missing attribute, a constructor's
+exception); `flyd.state.recovery.is_permanent` reads it, so such a run is not retried.
 
 The spec's module map names this module as the home of the whole §1 surface (request and
 outcome codec, canonical JSON, digests, shared types). Each of those concepts lives in its own
@@ -49,6 +59,7 @@ from __future__ import annotations
 
 import math
 import re
+import traceback
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, Final, Literal
@@ -56,6 +67,8 @@ from typing import Any, Final, Literal
 __all__ = [
     "BEFORE_MUTATION",
     "CODES",
+    "FAULT_FRAMES",
+    "FAULT_LINE",
     "I32_MAX",
     "I32_MIN",
     "MAX_MESSAGE_CODE_POINTS",
@@ -65,6 +78,8 @@ __all__ = [
     "DomainError",
     "ErrorCode",
     "Mutation",
+    "PluginFault",
+    "PluginStage",
     "Scope",
     "clip_message",
     "format_request_id",
@@ -90,6 +105,8 @@ I32_MIN: Final = -(2**31)
 I32_MAX: Final = 2**31 - 1
 MAX_MESSAGE_CODE_POINTS: Final = 512
 MAX_WORKER_ID: Final = 48
+FAULT_FRAMES: Final = 5
+FAULT_LINE: Final = 240
 
 _ID: Final = re.compile(r"[a-z0-9][a-z0-9._-]{0,63}")
 _U64: Final = re.compile(r"0|[1-9][0-9]{0,19}")
@@ -175,15 +192,102 @@ def short(value: Any, limit: int = 40) -> str:
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
+def _line(text: str) -> str:
+    """One line of at most `FAULT_LINE` code points."""
+    text = " ".join(text.split())
+    return text if len(text) <= FAULT_LINE else text[: FAULT_LINE - 1] + "…"
+
+
+class PluginStage(StrEnum):
+    """Where a plugin failed: importing its module, finding its class, constructing it, or in
+    a later call. The first three fail the same way on every attempt."""
+
+    IMPORT = "import"
+    ATTRIBUTE = "attribute"
+    CONSTRUCT = "construct"
+    CALL = "call"
+
+
+#: the import system's own frames, which say nothing about the plugin
+_IMPORT_MACHINERY: Final = "<frozen importlib."
+_PLUGIN_FAULT_KEYS: Final = frozenset(
+    {"plugin", "stage", "exception", "message", "frames", "repeats"})
+
+
+@dataclass(frozen=True, slots=True)
+class PluginFault:
+    """A plugin's exception as data: the plugin's import path (empty when the caller cannot
+    tell which plugin ran), the stage, the exception's type and message, the last frames of its
+    traceback (innermost last), and whether the failure repeats on every attempt."""
+
+    plugin: str
+    stage: PluginStage
+    exception: str
+    message: str
+    frames: tuple[str, ...]
+    repeats: bool
+
+    @classmethod
+    def of(cls, exc: BaseException, plugin: str, stage: PluginStage,
+           repeats: bool | None = None) -> PluginFault:
+        """The fault of `exc`; `repeats` defaults to "the stage is not a call"."""
+        kind = type(exc)
+        name = kind.__qualname__ if kind.__module__ == "builtins" else \
+            f"{kind.__module__}.{kind.__qualname__}"
+        stack = [f for f in traceback.extract_tb(exc.__traceback__)
+                 if not f.filename.startswith(_IMPORT_MACHINERY)]
+        frames = tuple(
+            _line(f"{f.filename}:{f.lineno} in {f.name}" + (f": {f.line}" if f.line else ""))
+            for f in stack[-FAULT_FRAMES:])
+        return cls(plugin, stage, _line(name), clip_message(str(exc)), frames,
+                   stage != PluginStage.CALL if repeats is None else repeats)
+
+    def summary(self) -> str:
+        """`ValueError: bad gain 42` (the type alone for an exception without a message)."""
+        return f"{self.exception}: {self.message}" if self.message else self.exception
+
+    def to_json(self) -> dict[str, Any]:
+        return {"plugin": self.plugin, "stage": self.stage.value, "exception": self.exception,
+                "message": self.message, "frames": list(self.frames), "repeats": self.repeats}
+
+    @classmethod
+    def from_json(cls, value: Any, what: str = "error.data") -> PluginFault:
+        """Strict parse, within the bounds `of` keeps; refuses with `INVALID_ARGUMENT`."""
+        if not isinstance(value, dict) or set(value) != _PLUGIN_FAULT_KEYS:
+            raise DomainError.invalid(f"{what} must be an object with exactly "
+                                      f"{', '.join(sorted(_PLUGIN_FAULT_KEYS))}")
+        stage = value["stage"]
+        if stage not in {s.value for s in PluginStage}:
+            raise DomainError.invalid(f"{what}.stage {short(stage)} is not a plugin stage")
+        frames = value["frames"]
+        if not isinstance(frames, list) or len(frames) > FAULT_FRAMES or any(
+                not isinstance(f, str) or len(f) > FAULT_LINE for f in frames):
+            raise DomainError.invalid(f"{what}.frames must be at most {FAULT_FRAMES} strings "
+                                      f"of at most {FAULT_LINE} code points")
+        message = parse_string(value["message"], f"{what}.message")
+        if len(message) > MAX_MESSAGE_CODE_POINTS:
+            raise DomainError.invalid(f"{what}.message is longer than "
+                                      f"{MAX_MESSAGE_CODE_POINTS} code points")
+        exception = parse_string(value["exception"], f"{what}.exception")
+        if len(exception) > FAULT_LINE:
+            raise DomainError.invalid(f"{what}.exception is longer than {FAULT_LINE} code points")
+        return cls(parse_string(value["plugin"], f"{what}.plugin"), PluginStage(stage),
+                   exception, message, tuple(frames),
+                   parse_bool(value["repeats"], f"{what}.repeats"))
+
+
 class DomainError(Exception):
-    """A domain refusal or failure: a code, a message and a mutation certainty."""
+    """A domain refusal or failure: a code, a message and a mutation certainty, and a plugin's
+    fault as `data` when a plugin raised it (module docstring)."""
 
-    __slots__ = ("code", "message", "mutation")
+    __slots__ = ("code", "data", "message", "mutation")
 
-    def __init__(self, code: ErrorCode | str, message: str, mutation: Mutation | str) -> None:
+    def __init__(self, code: ErrorCode | str, message: str, mutation: Mutation | str,
+                 data: PluginFault | None = None) -> None:
         self.code = ErrorCode(code)
         self.message = str(message)
         self.mutation = Mutation(mutation)
+        self.data = data
         super().__init__(self.code, self.message, self.mutation)
 
     @classmethod
@@ -201,12 +305,15 @@ class DomainError(Exception):
         """Shorthand for the most common refusal, `INVALID_ARGUMENT`/`none`."""
         return cls(ErrorCode.INVALID_ARGUMENT, message, Mutation.NONE)
 
-    def to_json(self) -> dict[str, str]:
-        return {
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
             "code": self.code.value,
             "message": clip_message(self.message),
             "mutation": self.mutation.value,
         }
+        if self.data is not None:
+            out["data"] = self.data.to_json()
+        return out
 
     @classmethod
     def from_json(cls, value: Any) -> DomainError:
@@ -214,8 +321,9 @@ class DomainError(Exception):
         if not isinstance(value, dict):
             raise cls.invalid(f"error must be an object; got {short(value)}")
         keys = set(value)
-        if keys != {"code", "message", "mutation"}:
-            raise cls.invalid(f"error keys must be code, message, mutation; got {sorted(keys)}")
+        if keys - {"data"} != {"code", "message", "mutation"}:
+            raise cls.invalid(f"error keys must be code, message, mutation (and data); got "
+                              f"{sorted(keys)}")
         code, message, mutation = value["code"], value["message"], value["mutation"]
         if not isinstance(code, str) or code not in ErrorCode.__members__:
             raise cls.invalid(f"error code {short(code)} is not a domain code")
@@ -233,22 +341,24 @@ class DomainError(Exception):
             raise cls.invalid(f"{code} is a before-mutation code but says mutation {mutation}")
         if rule == "unknown" and mutation != Mutation.UNKNOWN:
             raise cls.invalid(f"{code} always carries mutation unknown, not {mutation}")
-        return cls(code, message, mutation)
+        data = PluginFault.from_json(value["data"]) if "data" in value else None
+        return cls(code, message, mutation, data)
 
     def with_message(self, message: str) -> DomainError:
-        return DomainError(self.code, message, self.mutation)
+        return DomainError(self.code, message, self.mutation, self.data)
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, DomainError):
             return NotImplemented
-        return (self.code, self.message, self.mutation) == (
+        return (self.code, self.message, self.mutation, self.data) == (
             other.code,
             other.message,
             other.mutation,
+            other.data,
         )
 
     def __hash__(self) -> int:
-        return hash((self.code, self.message, self.mutation))
+        return hash((self.code, self.message, self.mutation, self.data))
 
     def __str__(self) -> str:
         return f"{self.code}: {self.message}"

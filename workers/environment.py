@@ -64,7 +64,15 @@ from workers.datatypes import (
     check_controls,
     encode_media,
 )
-from workers.domain import DomainError, ErrorCode, Mutation, Scope, format_u64
+from workers.domain import (
+    DomainError,
+    ErrorCode,
+    Mutation,
+    PluginFault,
+    PluginStage,
+    Scope,
+    format_u64,
+)
 from workers.faults import Role
 from workers.launch import WorkerLaunch
 from workers.protocols import WORLD_ATTRIBUTES, World, check_plugin
@@ -226,8 +234,9 @@ class EnvironmentEndpoint(Endpoint):
             raise DomainError(ErrorCode.BACKEND_FAILURE, f"{what}: {exc.code}: {exc.message}",
                               mutation) from None
         except Exception as exc:
-            raise DomainError(ErrorCode.BACKEND_FAILURE, f"{what} failed: {type(exc).__name__}",
-                              mutation) from None
+            fault = PluginFault.of(exc, self.settings.world, PluginStage.CALL)
+            raise DomainError(ErrorCode.BACKEND_FAILURE, f"{what} failed: {fault.summary()}",
+                              mutation, fault) from None
 
     def _fresh_media(self) -> None:
         self.pipelines = {v.view_id: ViewPipeline(v.observation_delay_steps)

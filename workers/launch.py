@@ -23,6 +23,9 @@ Stable API (the launcher, `flyd/launcher.py`, builds on exactly this):
     die_with_parent(argv, **popen_kwargs) -> Popen   spawn armed with PR_SET_PDEATHSIG (§7.5)
     arm_die_with_parent(parent_pid) -> None          the child's re-arm at the top of main()
     START_GATE = b"go\\n"                             the line the launcher writes to stdin
+    REFUSED_LAUNCH = "worker.refused_launch"          the log event of a worker that cannot
+                                                      start; its `error` field is the refusal's
+                                                      wire `error` object, data included
 
 Construction validates everything (`DomainError` `INVALID_ARGUMENT`/`none`), so a launch that
 exists is one the worker accepts, and `from_argv(to_argv(x)) == x` for every launch.
@@ -90,6 +93,7 @@ __all__ = [
     "DEFAULT_STEP",
     "DEFAULT_TICK",
     "DEFAULT_WORLD",
+    "REFUSED_LAUNCH",
     "START_GATE",
     "THREAD_VARIABLES",
     "AgentSettings",
@@ -114,6 +118,10 @@ DEFAULT_WORLD: Final = "workers.synthetic:CounterArena"
 DEFAULT_TICK: Final = RationalNs(1_000_000, 1)
 DEFAULT_STEP: Final = RationalNs(50_000_000, 3)
 START_GATE: Final = b"go\n"
+#: the structured log line a process worker writes before it exits for a refused start (its
+#: model or world failed to import or to build): the launcher reads its `error` field (the wire
+#: `error` object) to name the reason instead of only the exit code
+REFUSED_LAUNCH: Final = "worker.refused_launch"
 #: the exit code of a worker that raised outside its shell's own exit codes (EX_SOFTWARE): the
 #: fork server's child and the launcher's thread body report it alike
 CRASHED_EXIT: Final = 70
@@ -270,6 +278,12 @@ class WorkerLaunch:
     @property
     def module(self) -> str:
         return MODULES[self.role]
+
+    @property
+    def plugin(self) -> str:
+        """The import path of the launch's model or world."""
+        settings = self.settings
+        return settings.model if isinstance(settings, AgentSettings) else settings.world
 
     @property
     def agent(self) -> AgentSettings:

@@ -68,7 +68,17 @@ from workers.datatypes import (
     Telemetry,
     TypedValue,
 )
-from workers.domain import DomainError, Scope, format_u64, parse_id, parse_u64
+from workers.domain import (
+    DomainError,
+    ErrorCode,
+    Mutation,
+    PluginFault,
+    PluginStage,
+    Scope,
+    format_u64,
+    parse_id,
+    parse_u64,
+)
 from workers.ticks import RationalNs
 
 __all__ = [
@@ -359,8 +369,11 @@ class PluginContractError(DomainError):
     import path, the attribute and what it must be."""
 
     def __init__(self, kind: str, path: str, attribute: str, reason: str) -> None:
-        super().__init__("INVALID_ARGUMENT",
-                         f"{kind} {path}: the class lacks {attribute} ({reason})", "none")
+        message = f"{kind} {path}: the class lacks {attribute} ({reason})"
+        # the class is the same on every attempt: the fault repeats
+        super().__init__(ErrorCode.INVALID_ARGUMENT, message, Mutation.NONE,
+                         PluginFault(path, PluginStage.ATTRIBUTE, "PluginContractError",
+                                     message, (), True))
         self.kind = kind
         self.path = path
         self.attribute = attribute

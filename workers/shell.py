@@ -14,6 +14,9 @@ API:
     WorkerShell(launch, endpoint)    `await shell.run(stop_event=None) -> exit code`
     run_worker(launch, *, stop_event=None, endpoint_factory) -> int
                                      thread / in-process body (§7.1)
+    start_endpoint(launch, endpoint_factory) -> Endpoint
+                                     the endpoint, a plugin's start-up exception as a
+                                     `DomainError` with its `PluginFault`
     WorkerThread(launch, *, endpoint_factory, name=None, on_end=None)
                                      thread mode: own uvloop loop; start/stop/cancel/join
     main(role, argv, *, endpoint_factory) -> int       `python -m workers.<role>` (§7.5)
@@ -65,6 +68,10 @@ Resolved ambiguities:
   `run_worker` aborts the connection and re-raises the cancellation.
 - Requests that arrive while `stopping` are refused by the endpoints with `INVALID_PHASE`.
 - The start gate waits at most `GATE_TIMEOUT_S` for its line.
+- A process worker whose endpoint cannot be built (its model or world does not import, lacks
+  the class, or raises while it is built) logs `REFUSED_LAUNCH` with the refusal's wire `error`
+  object (its `PluginFault` as `data`) and exits 2, so the launcher names the reason rather
+  than the exit code alone.
 - The shell is the base layer of the roles: it imports no endpoint. Every body is given its
   `endpoint_factory`; `workers.roles.endpoint_for` is the one that maps a role to its endpoint.
 - Logging in process mode is configured here (JSON lines or console on stderr), not through
@@ -101,6 +108,8 @@ from workers.domain import (
     DomainError,
     ErrorCode,
     Mutation,
+    PluginFault,
+    PluginStage,
     Scope,
     format_u64,
     parse_id,
@@ -109,6 +118,7 @@ from workers.domain import (
 )
 from workers.faults import Role
 from workers.launch import (
+    REFUSED_LAUNCH,
     START_GATE,
     LaunchArgsError,
     WorkerLaunch,
@@ -140,6 +150,7 @@ __all__ = [
     "main",
     "method_validator",
     "run_worker",
+    "start_endpoint",
 ]
 
 log = structlog.get_logger("workers.shell")
@@ -209,20 +220,42 @@ def method_validator(method: str, kind: str) -> Validator:
 
 
 def load_plugin(path: str, what: str) -> type[Any]:
-    """The class named by an import path `package.module:Class` (`INVALID_ARGUMENT` else)."""
+    """The class named by an import path `package.module:Class`; else `INVALID_ARGUMENT`/`none`
+    with the `PluginFault` as data: an import that raises (anything, not only `ImportError`),
+    a missing attribute or a non-class fail the same way on every attempt."""
     module_name, _, attribute = path.partition(":")
     try:
         obj: Any = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise DomainError.invalid(f"{what} {path}: cannot import {module_name}: {exc}") from None
+    except Exception as exc:
+        fault = PluginFault.of(exc, path, PluginStage.IMPORT)
+        raise DomainError(ErrorCode.INVALID_ARGUMENT,
+                          f"{what} {path}: cannot import {module_name}: {fault.summary()}",
+                          Mutation.NONE, fault) from None
     for part in attribute.split("."):
         try:
             obj = getattr(obj, part)
-        except AttributeError:
-            raise DomainError.invalid(f"{what} {path}: {module_name} has no {attribute}") from None
+        except AttributeError as exc:
+            raise DomainError(ErrorCode.INVALID_ARGUMENT,
+                              f"{what} {path}: {module_name} has no {attribute}", Mutation.NONE,
+                              PluginFault.of(exc, path, PluginStage.ATTRIBUTE)) from None
     if not isinstance(obj, type):
-        raise DomainError.invalid(f"{what} {path} is not a class")
+        message = f"{what} {path} is not a class"
+        raise DomainError(ErrorCode.INVALID_ARGUMENT, message, Mutation.NONE, PluginFault(
+            path, PluginStage.ATTRIBUTE, "TypeError", message, (), True))
     return obj
+
+
+def construct_plugin(cls: type[T], path: str, what: str, **kwargs: Any) -> T:
+    """`cls(**kwargs)`; an exception from the constructor is `BACKEND_FAILURE`/`none` carrying
+    its `PluginFault` (stage `construct`): the same spec builds the same object, so it fails the
+    same way on every attempt."""
+    try:
+        return cls(**kwargs)
+    except Exception as exc:
+        fault = PluginFault.of(exc, path, PluginStage.CONSTRUCT)
+        raise DomainError(ErrorCode.BACKEND_FAILURE,
+                          f"{what} {path}: building the {what} failed: {fault.summary()}",
+                          Mutation.NONE, fault) from None
 
 
 def check_params(method: str, params: Mapping[str, Any]) -> None:
@@ -756,8 +789,24 @@ async def run_worker(launch: WorkerLaunch, *, stop_event: asyncio.Event | None =
     """Build the endpoint (its model/world class is imported and checked now; a refusal is
     raised as `DomainError`), then serve on the running loop until Shutdown (0), a lost or
     aborted connection (3) or a registration conflict (4). The thread and in-process body."""
-    endpoint = endpoint_factory(launch)
+    endpoint = start_endpoint(launch, endpoint_factory)
     return await WorkerShell(launch, endpoint).run(stop_event=stop_event)
+
+
+def start_endpoint(launch: WorkerLaunch, endpoint_factory: EndpointFactory) -> Endpoint:
+    """The launch's endpoint. Building it imports the model or world and runs its start-up
+    code (a world's constructor, a model's `profile`/`graph`); an exception from there is
+    `BACKEND_FAILURE`/`none` carrying its `PluginFault` (stage `construct`: a worker built from
+    the same launch fails the same way again), so the launcher can name it."""
+    try:
+        return endpoint_factory(launch)
+    except DomainError:
+        raise
+    except Exception as exc:
+        fault = PluginFault.of(exc, launch.plugin, PluginStage.CONSTRUCT)
+        raise DomainError(ErrorCode.BACKEND_FAILURE,
+                          f"{launch.worker_id}: starting {launch.plugin} failed: "
+                          f"{fault.summary()}", Mutation.NONE, fault) from None
 
 
 class WorkerThread:
@@ -897,9 +946,10 @@ def main(role: Role, argv: Sequence[str] | None = None, *,
         log.error("worker.start_gate_closed", worker_id=launch.worker_id)
         return EXIT_GATE
     try:
-        endpoint = endpoint_factory(launch)
+        endpoint = start_endpoint(launch, endpoint_factory)
     except DomainError as exc:
-        log.error("worker.refused_launch", worker_id=launch.worker_id, message=exc.message)
+        log.error(REFUSED_LAUNCH, worker_id=launch.worker_id, message=exc.message,
+                  error=exc.to_json())
         return EXIT_ARGS
     import uvloop
 

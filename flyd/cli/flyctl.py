@@ -40,6 +40,9 @@ Decisions where the spec is silent:
 - `runs show` asks the holder (when the run is `running` and its owner's control service answers
   on this socket) for the run's phase (`Control.Status`) and event ring (`Control.RunEvents`);
   otherwise both are null.
+- `runs show` of a run a plugin failed: `reason` names the plugin, the stage and the exception
+  with its message (`flyd.outcome.describe`); the human lines add the plugin's last traceback
+  frames, which the JSON has in `outcome`.
 """
 
 from __future__ import annotations
@@ -67,7 +70,7 @@ from flyd.leases.embedded import embedded_dsn_if_running
 from flyd.leases.stores.contract import TERMINAL, SpecMismatch, StoreError
 from flyd.leases.stores.pg import DbSettings, PgStore
 from flyd.node.control_protocol import CONTROL_PREFIX, control_service, control_validator
-from flyd.outcome import describe, failure_of
+from flyd.outcome import describe, failure_of, traceback_of
 from flyd.session.runspec import DEFAULT_MAX_AGENTS, RunSpec, RunSpecError
 from workers.domain import DomainError, ErrorCode, format_request_id
 from workers.rpc import check_outcome
@@ -533,6 +536,11 @@ async def runs_show(opts: CtlOptions, run_id: int) -> Result:
                     for g in grants])
     if doc["reason"] is not None:
         lines.append(f"reason: {doc['reason']}")
+        assert failure is not None
+        frames = traceback_of(failure)
+        if frames:
+            lines.append("traceback (innermost last):")
+            lines += [f"  {frame}" for frame in frames]
     if events is not None:
         lines.append(f"events: {len(events)}")
     return Result(doc, lines)

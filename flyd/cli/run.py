@@ -43,7 +43,8 @@ Decisions:
   stdout output.
 - `outcome` (summary key) is why the run did not succeed, `{error, …}` (`flyd.outcome`), null
   for a succeeded run; an `attempts exhausted` run adds the reason this node lost its last
-  lease. It is also printed on stderr in both modes: `flyd run: run N failed: <reason>` and
+  lease. It is also printed on stderr in both modes: `flyd run: run N failed: <reason>`, the
+  plugin's last traceback frames when a plugin failed (`flyd.outcome.traceback_of`), and
   `flyd run: outcome: <JSON>`.
 - Progress: on a TTY a one-line bar on stderr, redrawn at most every 0.1 s; otherwise a
   `run.progress` log line every 5 s (step, steps, steps_per_s, epoch, recoveries).
@@ -85,7 +86,7 @@ from flyd.logs import LogFlags
 from flyd.node.grant import RunReport
 from flyd.node.process import NodeProcess, NodeSetup, NodeStartError
 from flyd.node.router_child import RouterChildError, choose_socket
-from flyd.outcome import describe, failure_of
+from flyd.outcome import describe, failure_of, traceback_of
 from flyd.session.runspec import (
     DEFAULT_MAX_AGENTS,
     MAX_AGENTS_LIMIT,
@@ -654,6 +655,11 @@ def _print_summary(opts: RunOptions, summary: dict[str, Any]) -> None:
     if reason is not None:
         print(f"flyd run: run {summary['run']} {summary['state']}: {describe(reason)}",
               file=sys.stderr)
+        frames = traceback_of(reason)
+        if frames:
+            print("flyd run: traceback (innermost last):", file=sys.stderr)
+            for frame in frames:
+                print(f"flyd run:   {frame}", file=sys.stderr)
         print(f"flyd run: outcome: {orjson.dumps(reason).decode()}", file=sys.stderr)
     sys.stderr.flush()
 

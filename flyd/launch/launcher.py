@@ -63,6 +63,11 @@ Resolved ambiguities:
   without the launcher stopping it. A health check that fails while the body ends within
   `EXIT_GRACE_S` (its service vanished a moment before the exit was seen) leaves the report to
   the exit watcher, which names the exit code.
+- A body that ends before it answered names its reason: the refusal it reported (a thread or
+  task body's raised `DomainError`, a process's `REFUSED_LAUNCH` line), keeping the refusal's
+  code and plugin fault (`INVALID_ARGUMENT` for a model or world that cannot be imported, so
+  the node does not retry it); else a process's last output lines (`flyd.launch.spawn`); else
+  the exit code alone. A process's output is awaited up to `OUTPUT_DRAIN_S` (0.5 s) first.
 - Exit codes: a child's own code, or −signal (−9 after SIGKILL); a thread or task body reports
   the shell's code, `CANCELLED_EXIT` (−9) when it was cancelled and `CRASHED_EXIT` (70) when it
   raised (a refused launch, e.g. an unknown model: the message carries the exception).
@@ -153,6 +158,8 @@ log = structlog.get_logger("flyd.launch.launcher")
 
 IDENTIFY_RETRY_S: Final = 0.005
 KILL_WAIT_S: Final = 5.0
+#: how long a process that ended before it answered is given to finish writing its output
+OUTPUT_DRAIN_S: Final = 0.5
 #: after a failed health check, how long to wait for the body's end before reporting the check
 EXIT_GRACE_S: Final = 0.25
 #: exit code recorded for a thread or task body that was cancelled (stopped by force)
@@ -433,6 +440,14 @@ class _Body:
             text += f" ({self.error})"
         return text
 
+    async def refusal(self) -> DomainError | None:
+        """Why the body refused to start, when it said so (a thread or task body raised it)."""
+        return self.error if isinstance(self.error, DomainError) else None
+
+    def last_lines(self) -> list[str]:
+        """The body's last output lines (a process's; the others share the node's log)."""
+        return []
+
     def abort(self) -> None:
         """Stop by force, synchronously (SIGKILL of the group / abort and cancel)."""
         raise NotImplementedError
@@ -460,6 +475,21 @@ class _ProcessBody(_Body):
     @property
     def pid(self) -> int:
         return self.child.pid
+
+    async def refusal(self) -> DomainError | None:
+        """The child's `REFUSED_LAUNCH` error, read once its output ended (or `OUTPUT_DRAIN_S`
+        passed: the exit can be seen before the last lines); an unreadable one is ignored."""
+        await self.child.drained(OUTPUT_DRAIN_S)
+        raw = self.child.refusal
+        if raw is None:
+            return None
+        try:
+            return DomainError.from_json(raw)
+        except DomainError:
+            return None
+
+    def last_lines(self) -> list[str]:
+        return self.child.last_lines()
 
     def abort(self) -> None:
         self.child.kill()
@@ -808,10 +838,7 @@ class Launcher:
         last = "nothing"
         while True:
             if body.ended.done():
-                raise DomainError(
-                    ErrorCode.BACKEND_FAILURE,
-                    f"Worker.Hello: {wid} {body.describe_end()} before it answered",
-                    Mutation.NONE)
+                raise await self._ended_early(wid, body)
             remaining = deadline - loop.time()
             if remaining <= 0:
                 raise self._boot_expired(identity, last)
@@ -838,6 +865,24 @@ class Launcher:
                 continue
             self._check_hello(identity, request_id, result)
             return result.service_incarnation
+
+    @staticmethod
+    async def _ended_early(wid: str, body: _Body) -> DomainError:
+        """A body that ended before it answered `Worker.Hello`, with its reason: its refusal
+        (code, message and plugin fault kept: a model that cannot be imported or built says
+        so), else its last output lines, else its exit code alone."""
+        where = f"Worker.Hello: {wid} exited with code {body.exit_code} before it answered"
+        refusal = await body.refusal()
+        if refusal is not None:
+            return DomainError(refusal.code, f"{where}: {refusal.message}", Mutation.NONE,
+                               refusal.data)
+        lines = body.last_lines()
+        if lines:
+            return DomainError(ErrorCode.BACKEND_FAILURE,
+                               f"{where}; its last output: {' | '.join(lines)}", Mutation.NONE)
+        return DomainError(ErrorCode.BACKEND_FAILURE,
+                           f"Worker.Hello: {wid} {body.describe_end()} before it answered",
+                           Mutation.NONE)
 
     def _boot_expired(self, identity: WorkerIdentity, last: str) -> DomainError:
         return DomainError(

@@ -18,6 +18,11 @@ Decisions:
   `data_received` (no reader task). A JSON object line (the worker's structlog output) is
   re-logged at its own level with its own event and fields plus `worker`, `incarnation`, `pid`;
   any other line is logged as `worker.output` with `line`. Lines are cut at 16 KiB.
+- Why a child ended is kept for the launcher (`refusal`, `last_lines`): the `error` object of
+  its `REFUSED_LAUNCH` line (a worker that could not build its model or world says why, as the
+  wire `error` with its plugin fault) and its last `TAIL_LINES` (5) output lines, each cut to
+  `TAIL_LINE` (240) characters (a crash that wrote only a traceback). `drained(timeout)` waits
+  (bounded) for the end of the output, since the exit can be seen before the last lines.
 - `kill()` is synchronous (distribution.md §5.5 step 3 runs it before any await); `wait()` is the
   bounded asynchronous part.
 - `info()` reads psutil and `VmHWM` (peak RSS) from `/proc/<pid>/status`; a gone process gives
@@ -31,6 +36,7 @@ import contextlib
 import os
 import signal
 import subprocess
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, BinaryIO, Final
@@ -39,14 +45,17 @@ import orjson
 import psutil
 import structlog
 
-from workers.launch import START_GATE, die_with_parent
+from workers.launch import REFUSED_LAUNCH, START_GATE, die_with_parent
 
-__all__ = ["MAX_LINE", "ChildProcess", "ProcessInfo", "SpawnedChild", "group_running",
-           "peak_rss_kib", "process_info", "settled_within", "spawn_worker"]
+__all__ = ["MAX_LINE", "TAIL_LINE", "TAIL_LINES", "ChildProcess", "ProcessInfo",
+           "SpawnedChild", "group_running", "peak_rss_kib", "process_info", "settled_within",
+           "spawn_worker"]
 
 log = structlog.get_logger("flyd.launch.spawn")
 
 MAX_LINE: Final = 16 * 1024
+TAIL_LINES: Final = 5
+TAIL_LINE: Final = 240
 _LEVELS: Final = ("debug", "info", "warning", "error", "critical")
 _SKIP: Final = frozenset({"level", "event", "ts", "timestamp"})
 _DEAD: Final = frozenset({psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD})
@@ -184,6 +193,8 @@ class ChildProcess:
         self.exited: asyncio.Future[int] = self._loop.create_future()
         self._transport: asyncio.ReadTransport | None = None
         self._lines: _Lines | None = None
+        self.refusal: dict[str, Any] | None = None
+        self._tail: deque[str] = deque(maxlen=TAIL_LINES)
 
     def settle(self, code: int) -> None:
         """Record the exit code (once); the exit watch (ours or the fork server's) calls it."""
@@ -198,7 +209,22 @@ class ChildProcess:
         self._transport = transport
         self._lines = protocol
 
+    def last_lines(self) -> list[str]:
+        """The child's last output lines (at most `TAIL_LINES`, each cut to `TAIL_LINE`)."""
+        return list(self._tail)
+
+    async def drained(self, timeout: float) -> bool:  # noqa: ASYNC109 - a bound
+        """Wait up to `timeout` seconds for the end of the child's output; True when it ended."""
+        if self._lines is None:
+            return True
+        return await settled_within(self._lines.closed, timeout)
+
+    def _keep(self, text: str) -> None:
+        if text:
+            self._tail.append(text if len(text) <= TAIL_LINE else text[:TAIL_LINE - 1] + "…")
+
     def _log_line(self, line: bytes) -> None:
+        text = line.decode("utf-8", "replace").rstrip("\r")
         record: Any = None
         if line.startswith(b"{"):
             with contextlib.suppress(orjson.JSONDecodeError):
@@ -211,8 +237,12 @@ class ChildProcess:
             ours = {k: v for k, v in self._fields.items()
                     if not (k == "incarnation" and "incarnation_id" in record)}
             getattr(log, meth)(event if isinstance(event, str) else "worker.log", **ours, **extra)
+            message = record.get("message")
+            self._keep(f"{event}: {message}" if isinstance(message, str) else str(event))
+            if event == REFUSED_LAUNCH and isinstance(record.get("error"), dict):
+                self.refusal = record["error"]
         else:
-            text = line.decode("utf-8", "replace").rstrip("\r")
+            self._keep(text)
             if text:
                 log.info("worker.output", **self._fields, line=text)
 

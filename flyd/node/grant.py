@@ -28,6 +28,13 @@ Sequence:
    run's last attempt it ends the run `failed` with `{error: "launch failed", failure}`. A
    launch refused for its arguments (`INVALID_ARGUMENT`, `launch_refusal_repeats`) would be
    refused again on every node and attempt, so it ends the run that way at once.
+   A plugin failure that repeats (`flyd.state.recovery.repeats`: a model, world or task that
+   cannot be imported, lacks its class or raises in its constructor), at launch, bootstrap or
+   in a recovery attempt, ends the run `failed` at once, no recovery attempt spent, with
+   `{error: "plugin failed", failure: {detail, participant, code, mutation, message}, plugin:
+   {plugin, stage, exception, message, frames, repeats}}` (`workers.domain.PluginFault`) and
+   logs `run.plugin_failed`. Every `failure` value of a report or an outcome carries the
+   `plugin` key when its error had a plugin fault.
 4. End (§9.3): the target → a final durable capture carrying the remaining effects, `finish`
    and `finish_run(succeeded)` in one transaction; a cancel request → the pending effects,
    `finish` and `finish_run(cancelled)` without a checkpoint; exhausted or refused recovery, or a
@@ -83,7 +90,7 @@ from flyd.session.trace import EpochRebase, RecordStream
 from flyd.state.cadence import Cadence
 from flyd.state.checkpoints import CheckpointRecord, CheckpointStore, FinishRun
 from flyd.state.effects import epoch_number
-from flyd.state.recovery import Exhausted, RecoveryBudget, is_permanent
+from flyd.state.recovery import Exhausted, RecoveryBudget, is_permanent, repeats
 from flyd.state.writer import CheckpointWriter, Committed, EventRing, WriterConfig
 from workers.domain import DomainError, ErrorCode
 from workers.protocols import (
@@ -93,13 +100,14 @@ from workers.protocols import (
     Task,
     check_plugin,
 )
-from workers.shell import load_plugin
+from workers.shell import construct_plugin, load_plugin
 
 __all__ = [
     "GrantHost",
     "GrantSession",
     "RunAbandoned",
     "RunReport",
+    "error_json",
     "launch_refusal_repeats",
     "worker_json",
     "writer_config",
@@ -215,8 +223,11 @@ class RunAbandoned(Exception):
 
 def launch_refusal_repeats(exc: DomainError | BusError) -> bool:
     """Whether a launch failure would recur on any node and attempt: the launch values built
-    from the spec were refused (`INVALID_ARGUMENT`), not a process, the bus or the budget."""
-    return isinstance(exc, DomainError) and exc.code == ErrorCode.INVALID_ARGUMENT
+    from the spec were refused (`INVALID_ARGUMENT`, which includes a model or world that cannot
+    be imported) or a plugin failed in a way that repeats, not a process, the bus or the
+    budget."""
+    return isinstance(exc, DomainError) and (exc.code == ErrorCode.INVALID_ARGUMENT
+                                             or repeats(exc))
 
 
 def writer_config(node: WriterConfig, spec: RunSpec) -> WriterConfig:
@@ -294,9 +305,13 @@ class GrantSession:
         check_plugin(task_class, "task", spec.task.impl, TASK_ATTRIBUTES)
         executor_class = load_plugin(spec.executor.impl, "executor")
         check_plugin(executor_class, "executor", spec.executor.impl, EXECUTOR_ATTRIBUTES)
-        task: Task = task_class(config=dict(spec.task.config), terminal=spec.task.terminal,
-                                max_agents=self.host.max_agents, epoch=epoch)
-        executor: ActionExecutor = executor_class(config=dict(spec.executor.config))
+        task: Task = construct_plugin(task_class, spec.task.impl, "task",
+                                      config=dict(spec.task.config),
+                                      terminal=spec.task.terminal,
+                                      max_agents=self.host.max_agents, epoch=epoch)
+        executor: ActionExecutor = construct_plugin(executor_class, spec.executor.impl,
+                                                    "executor",
+                                                    config=dict(spec.executor.config))
         coordinator = Coordinator(
             self.spec, self.host.coordinator_client(self.run_id),
             {wid: w.worker_ref() for wid, w in launcher.workers().items()},
@@ -360,12 +375,14 @@ class GrantSession:
             await self._begin(head)
         except SessionFailure as exc:
             if is_permanent(exc.error):
-                await self._refused(exc.error, head.checkpoint_id if head else None)
+                await self._permanent(exc.error, head.checkpoint_id if head else None,
+                                      exc.detail, exc.participant)
                 return
             failure = exc
         except DomainError as exc:
             if is_permanent(exc):
-                await self._refused(exc, head.checkpoint_id if head else None)
+                await self._permanent(exc, head.checkpoint_id if head else None, "bootstrap",
+                                      None)
                 return
             raise
         while True:
@@ -394,11 +411,12 @@ class GrantSession:
         await self.host.connect_coordinator(self.run_id, self.names)
 
     async def _launch_failed(self, exc: DomainError | BusError) -> None:
-        code, mutation, message = (
-            (str(exc.code), str(exc.mutation), exc.message) if isinstance(exc, DomainError)
-            else (exc.name, "none", exc.message))
-        self.report.failure = {"detail": "launch", "participant": None, "code": code,
-                               "mutation": mutation, "message": message}
+        if isinstance(exc, DomainError):
+            self.report.failure = error_json(exc, "launch", None)
+        else:
+            self.report.failure = {"detail": "launch", "participant": None, "code": exc.name,
+                                   "mutation": "none", "message": exc.message}
+        code, message = self.report.failure["code"], self.report.failure["message"]
         self.report.failures.append(self.report.failure)
         await self._durability().writer.shutdown()
         if not launch_refusal_repeats(exc) and await self.scope.retry_later():
@@ -406,6 +424,9 @@ class GrantSession:
             self.report.state = "released"
             return
         self.log.error("run.launch_failed", code=code, message=message, retry=False)
+        if isinstance(exc, DomainError) and repeats(exc):
+            await self._plugin_failed(self.report.failure)
+            return
         await self._failed({"error": "launch failed", "failure": self.report.failure})
 
     async def _begin(self, head: CheckpointRecord | None) -> None:
@@ -547,7 +568,11 @@ class GrantSession:
                 error = exc.error if isinstance(exc, SessionFailure) else exc
                 if is_permanent(error):
                     head = self._durability().head
-                    await self._refused(error, head[0] if head is not None else None)
+                    detail, participant = ((exc.detail, exc.participant)
+                                           if isinstance(exc, SessionFailure)
+                                           else ("restore", None))
+                    await self._permanent(error, head[0] if head is not None else None,
+                                          detail, participant)
                     return True
                 last = exc if isinstance(exc, SessionFailure) else SessionFailure(
                     exc, self._coordinator().phase.label, "restore", None)
@@ -776,6 +801,29 @@ class GrantSession:
         await self.scope.finish("failed", outcome, boundaries=durability.head_boundary,
                                 session_epoch=epoch_number(epoch))
 
+    async def _permanent(self, error: DomainError, checkpoint_id: str | None, detail: str,
+                         participant: str | None) -> None:
+        """A failure no attempt can repair: a repeating plugin failure, else a refused
+        restore."""
+        if repeats(error):
+            failure = error_json(error, detail, participant)
+            self.report.failure = failure
+            self.report.failures.append(failure)
+            await self._plugin_failed(failure)
+        else:
+            await self._refused(error, checkpoint_id)
+
+    async def _plugin_failed(self, failure: dict[str, Any]) -> None:
+        plugin = failure["plugin"]
+        self._rlog().error("run.plugin_failed", detail=failure["detail"],
+                           participant=failure["participant"], code=failure["code"],
+                           message=failure["message"], plugin=plugin["plugin"],
+                           stage=plugin["stage"], exception=plugin["exception"],
+                           exception_message=plugin["message"], frames=plugin["frames"])
+        await self._failed({"error": "plugin failed",
+                            "failure": {k: v for k, v in failure.items() if k != "plugin"},
+                            "plugin": plugin})
+
     async def _refused(self, exc: DomainError, checkpoint_id: str | None) -> None:
         self._rlog().error("recovery.refused", code=str(exc.code), message=exc.message,
                        checkpoint_id=checkpoint_id)
@@ -783,10 +831,18 @@ class GrantSession:
                             "checkpointId": checkpoint_id})
 
 
+def error_json(error: DomainError, detail: str, participant: str | None) -> dict[str, Any]:
+    """A failure as reports and outcomes show it; `plugin` is the error's plugin fault."""
+    doc: dict[str, Any] = {"detail": detail, "participant": participant,
+                           "code": str(error.code), "mutation": str(error.mutation),
+                           "message": error.message}
+    if error.data is not None:
+        doc["plugin"] = error.data.to_json()
+    return doc
+
+
 def _failure_json(failure: SessionFailure) -> dict[str, Any]:
-    return {"detail": failure.detail, "participant": failure.participant,
-            "code": str(failure.code), "mutation": str(failure.mutation),
-            "message": failure.message}
+    return error_json(failure.error, failure.detail, failure.participant)
 
 
 def _failure_fields(failure: SessionFailure) -> dict[str, Any]:

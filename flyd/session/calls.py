@@ -67,7 +67,15 @@ from flyd.session.fence import Detail, SessionFailure, refuse_if_fenced
 from flyd.session.phase import Failed, Phase, PhaseMachine
 from flyd.session.stats import Metrics, ResolutionEnd, Stats
 from workers.canonical import canonical
-from workers.domain import DomainError, ErrorCode, Mutation, Scope, format_request_id
+from workers.domain import (
+    DomainError,
+    ErrorCode,
+    Mutation,
+    PluginFault,
+    PluginStage,
+    Scope,
+    format_request_id,
+)
 from workers.rpc import CallOutcome, Expired, Outcome, Refused, answer, from_bus_error
 from workers.shell import method_validator
 
@@ -119,10 +127,14 @@ def backend_failure(message: str) -> DomainError:
 
 
 def as_domain_error(exc: Exception) -> DomainError:
-    """A plugin's or flyd's exception as the `DomainError` it fails the epoch with."""
+    """A plugin's or flyd's exception as the `DomainError` it fails the epoch with; its type,
+    message and last frames travel as a `PluginFault` (stage `call`, retried; the plugin is
+    not named: the caller may be flyd's own code)."""
     if isinstance(exc, DomainError):
         return exc
-    return DomainError(ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}", Mutation.UNKNOWN)
+    fault = PluginFault.of(exc, "", PluginStage.CALL)
+    return DomainError(ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}", Mutation.UNKNOWN,
+                       fault)
 
 
 class Blame(Exception):

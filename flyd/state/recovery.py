@@ -14,7 +14,16 @@ Rules:
   to `recovery_backoff_max_s`.
 - Permanent (§8.2 step 9): `INCOMPATIBLE_STATE` from the restore's preconditions 5–7, a stage or
   the ledger validation → `recovery.refused`, the run ends `failed` with `{code, message,
-  checkpointId}`, no further attempt. Everything else is retried.
+  checkpointId}`, no further attempt.
+- Also permanent: a plugin failure that repeats (`repeats`: the error's `PluginFault` says so,
+  for a model, world or task that cannot be imported, lacks its class, or raises in its
+  constructor). The next attempt would build the same plugin from the same spec and fail the
+  same way, so the run ends `failed` at once (`flyd.node.grant`: `{error: "plugin failed", …}`)
+  without spending a recovery attempt. The mark is a flag in the error's data rather than a
+  new error code: the §1.6 codes say what kind of failure it is (`INVALID_ARGUMENT` for an
+  import, `BACKEND_FAILURE` for a constructor), the flag whether trying again can help.
+  A plugin's exception in a later call (`stage: call`) is retried: a restore from the head may
+  not reach the same inputs. Everything else is retried.
 """
 
 from __future__ import annotations
@@ -23,7 +32,7 @@ from dataclasses import dataclass, field
 
 from workers.domain import DomainError, ErrorCode
 
-__all__ = ["Exhausted", "RecoveryBudget", "is_permanent"]
+__all__ = ["Exhausted", "RecoveryBudget", "is_permanent", "repeats"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +80,12 @@ class RecoveryBudget:
         self._next_backoff = self.backoff_s
 
 
+def repeats(error: DomainError) -> bool:
+    """A plugin failure that the same spec fails the same way on every attempt."""
+    return error.data is not None and error.data.repeats
+
+
 def is_permanent(error: DomainError) -> bool:
-    """§8.2 step 9: an incompatible head can never be installed; retrying cannot help."""
-    return error.code == ErrorCode.INCOMPATIBLE_STATE
+    """§8.2 step 9: an incompatible head can never be installed; a plugin failure that repeats
+    recurs on every attempt. Retrying cannot help either."""
+    return error.code == ErrorCode.INCOMPATIBLE_STATE or repeats(error)

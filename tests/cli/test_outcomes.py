@@ -17,7 +17,7 @@ import pytest
 from flyd.leases.params import LeaseParams
 from flyd.leases.stores.contract import NodeInfo
 from flyd.leases.stores.pg import DbSettings, PgStore
-from flyd.outcome import describe, failure_of
+from flyd.outcome import describe, failure_of, traceback_of
 from tests.cli.test_flyctl_runs import FLYCTL
 from tests.cli.test_run import ROOT, env_for, flyd_run
 from tests.cli.test_run import tmp as tmp
@@ -53,7 +53,28 @@ KINDS: list[tuple[str, dict[str, Any], dict[str, Any], list[str]]] = [
     ("restore refused", {"code": "INCOMPATIBLE_STATE", "message": "S3: digest",
                          "checkpointId": "ck-e1-1"}, {},
      ["restore refused", "INCOMPATIBLE_STATE", "ck-e1-1"]),
+    ("plugin failed", {"error": "plugin failed", "failure": {
+        "detail": "Agent.Initialize", "participant": "ant-1", "code": "BACKEND_FAILURE",
+        "mutation": "none", "message": "Agent.Initialize: building the model failed: "
+                                       "ValueError: bad gain 42"},
+        "plugin": {"plugin": "ants.brain:Model", "stage": "construct",
+                   "exception": "ValueError", "message": "bad gain 42",
+                   "frames": ["ants/brain.py:9 in __init__: raise ValueError(...)"],
+                   "repeats": True}}, {},
+     ["plugin failed", "ants.brain:Model (construct) of ant-1 at Agent.Initialize",
+      "ValueError: bad gain 42"]),
 ]
+
+
+def test_a_plugin_fault_traceback_is_found_in_every_outcome_shape() -> None:
+    plugin = {"plugin": "ants.brain:Model", "stage": "call", "exception": "KeyError",
+              "message": "'x'", "frames": ["a.py:1 in f", "b.py:2 in g"], "repeats": False}
+    exhausted = {"error": "recovery attempts exhausted", "attempts": 3,
+                 "lastFailure": {"detail": "Agent.Prepare", "participant": "ant-1",
+                                 "code": "BACKEND_FAILURE", "message": "m", "plugin": plugin}}
+    launch = {"error": "launch failed", "failure": {"detail": "launch", "plugin": plugin}}
+    assert traceback_of(exhausted) == traceback_of(launch) == ["a.py:1 in f", "b.py:2 in g"]
+    assert traceback_of({"error": "launch failed", "failure": {"detail": "launch"}}) == []
 
 
 @pytest.mark.parametrize(("kind", "outcome", "extra", "said"), KINDS,

@@ -24,9 +24,13 @@ from workers.canonical import (
 from workers.domain import (
     BEFORE_MUTATION,
     CODES,
+    FAULT_FRAMES,
+    FAULT_LINE,
     DomainError,
     ErrorCode,
     Mutation,
+    PluginFault,
+    PluginStage,
     Scope,
     parse_digest,
     parse_i32,
@@ -341,3 +345,36 @@ def test_bus_errors_map_to_domain_errors() -> None:
         "unknown",
     )
     assert Refused(closed).error is closed
+
+
+def _raise_deep(depth: int) -> None:
+    if depth:
+        _raise_deep(depth - 1)
+    raise ValueError("bad gain 42 " + "x" * 600)
+
+
+def test_a_plugin_fault_is_bounded_data_on_the_wire() -> None:
+    with pytest.raises(ValueError) as caught:
+        _raise_deep(8)
+    fault = PluginFault.of(caught.value, "pkg.mod:Model", PluginStage.CONSTRUCT)
+    assert fault.exception == "ValueError" and fault.repeats
+    assert fault.message.startswith("bad gain 42") and len(fault.message) == 512
+    assert len(fault.frames) == FAULT_FRAMES
+    assert all(len(f) <= FAULT_LINE and "\n" not in f for f in fault.frames)
+    assert "in _raise_deep" in fault.frames[-1] and "raise ValueError" in fault.frames[-1]
+    assert not PluginFault.of(caught.value, "pkg.mod:Model", PluginStage.CALL).repeats
+    error = DomainError(ErrorCode.BACKEND_FAILURE, "Agent.Initialize: building the model "
+                        "failed: ValueError", Mutation.NONE, fault)
+    wire = json.loads(json.dumps(error.to_json()))
+    assert set(wire) == {"code", "message", "mutation", "data"}
+    assert DomainError.from_json(wire) == error
+    assert DomainError.from_json(wire).data == fault
+    assert "data" not in DomainError.invalid("x").to_json()
+    for broken in ({**wire["data"], "frames": ["f"] * (FAULT_FRAMES + 1)},
+                   {**wire["data"], "stage": "later"},
+                   {**wire["data"], "repeats": "yes"},
+                   {k: v for k, v in wire["data"].items() if k != "plugin"}):
+        with pytest.raises(DomainError) as refused:
+            DomainError.from_json({**wire, "data": broken})
+        assert refused.value.code == ErrorCode.INVALID_ARGUMENT
+        assert "error.data" in refused.value.message

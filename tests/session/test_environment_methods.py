@@ -431,8 +431,15 @@ async def test_a_render_failure_after_the_step_applied_is_backend_failure_applie
     await advance(rig, 0)
     payload = {"requestId": "req-9", "scope": scope(1), "params": adv(1)}
     first = (await rig.raw("arena", "Environment.Advance", payload)).outcome
+    data = first["error"].pop("data")
     assert first["error"] == {"code": "BACKEND_FAILURE", "mutation": "applied",
-                              "message": "render failed: RuntimeError"}
+                              "message": "render failed: RuntimeError: GPU lost"}
+    # the world's exception as data: a call's failure is retried (`repeats` false)
+    assert (data["plugin"], data["stage"], data["exception"], data["message"],
+            data["repeats"]) == (f"{__name__}:FlakyArena", "call", "RuntimeError", "GPU lost",
+                                 False)
+    assert "in render" in data["frames"][-1]
+    first["error"]["data"] = data
     assert (await rig.raw("arena", "Environment.Advance", payload)).outcome == first
     status = await rig.status("arena")
     assert status["state"] == "failed" and status["lastBatchId"] == "batch-e1-1"
@@ -451,8 +458,9 @@ async def test_a_world_failure_while_applying_is_backend_failure_unknown(rig: Ri
     await rig.start(world_launch(rig, "BrokenApplyArena"))
     await rig.init_env()
     error = await rig.error("arena", "Environment.Advance", adv(), scope(0))
+    assert error.pop("data")["message"] == "physics diverged"
     assert error == {"code": "BACKEND_FAILURE", "mutation": "unknown",
-                     "message": "Environment.Advance failed: RuntimeError"}
+                     "message": "Environment.Advance failed: RuntimeError: physics diverged"}
     assert (await rig.status("arena"))["state"] == "failed"
 
 

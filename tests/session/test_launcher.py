@@ -431,7 +431,8 @@ async def test_a_body_that_ends_before_hello_fails_the_launch_at_once(
     with pytest.raises(DomainError) as err:
         await launcher.launch(identity, settings, mode, faults=faults)
     assert time.perf_counter() - started < 5
-    assert (err.value.code, err.value.mutation) == ("BACKEND_FAILURE", "none")
+    # the body's own refusal, its code kept: a launch refused for its arguments is not retried
+    assert (err.value.code, err.value.mutation) == ("INVALID_ARGUMENT", "none")
     assert "before it answered" in err.value.message
     assert "this model cannot be built" in err.value.message
     assert launcher.workers() == {}
@@ -447,9 +448,27 @@ async def test_a_process_that_exits_before_hello_fails_the_launch(
     settings = type(settings)(port_id="p1", model="no_such_module:Model")
     with pytest.raises(DomainError) as err:
         await launcher.launch(identity, settings, ExecutionMode.PROCESS, faults=faults)
-    assert err.value.code == "BACKEND_FAILURE"
+    # the worker's refusal line names the reason; its code and plugin fault are kept
+    assert err.value.code == "INVALID_ARGUMENT"
     assert "exited with code 2" in err.value.message
+    assert "cannot import no_such_module" in err.value.message
+    assert err.value.data is not None and err.value.data.stage == "import"
     assert budget.remaining == 3
+    assert children() == []
+
+
+async def test_a_process_that_dies_silently_before_hello_is_named_by_its_last_output(
+        launchers: LauncherFactory) -> None:
+    launcher = await launchers(budget=ThreadBudget(4, 1))
+    identity, settings, faults = agent_plan(launcher)
+    settings = type(settings)(port_id="p1",
+                              model="tests.fixtures.plugins.dies_on_import:Model")
+    with pytest.raises(DomainError) as err:
+        await launcher.launch(identity, settings, ExecutionMode.PROCESS, faults=faults)
+    assert (err.value.code, err.value.mutation) == ("BACKEND_FAILURE", "none")
+    assert "exited with code 7 before it answered; its last output:" in err.value.message
+    assert "the licence server is unreachable" in err.value.message
+    assert err.value.data is None
     assert children() == []
 
 
@@ -680,8 +699,14 @@ async def test_a_composition_launches_all_or_nothing(mode: ExecutionMode,
                            AgentSpec("fly-b", "p2", model="no_such_module:Model")))
     with pytest.raises(DomainError) as err:
         await launcher.launch_composition(spec, mode)
-    assert err.value.code == "BACKEND_FAILURE"
+    # every mode names why fly-b ended: the import its worker refused, as a plugin fault
+    assert err.value.code == "INVALID_ARGUMENT"
     assert "fly-b" in err.value.message and "before it answered" in err.value.message
+    assert "cannot import no_such_module" in err.value.message
+    assert err.value.data is not None
+    assert (err.value.data.plugin, err.value.data.stage, err.value.data.exception) == \
+        ("no_such_module:Model", "import", "ModuleNotFoundError")
+    assert err.value.data.repeats
     assert launcher.workers() == {}
     assert budget.holders() == {f"coordinator-{launcher.names.tag}": 1}
     assert children() == []

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import os
 import shutil
 import subprocess
@@ -37,8 +38,9 @@ from tests.session.worker_rig import (
 )
 from workers import shell as shell_module
 from workers.canonical import digest_bytes, digest_of
+from workers.domain import DomainError
 from workers.faults import Faults, Role
-from workers.launch import START_GATE, WorkerLaunch, die_with_parent
+from workers.launch import REFUSED_LAUNCH, START_GATE, WorkerLaunch, die_with_parent
 from workers.roles import endpoint_for
 from workers.shell import (
     EXIT_ARGS,
@@ -672,6 +674,15 @@ async def test_a_launch_the_endpoint_refuses_exits_2_after_the_gate(rig: Rig) ->
     proc.stdin.write(START_GATE)
     proc.stdin.close()
     assert await wait_exit(proc) == EXIT_ARGS
+    # its last word is the refusal as the wire error, plugin fault included, for the launcher
+    assert proc.stderr is not None
+    records = [json.loads(line) for line in proc.stderr.read().splitlines()
+               if line.startswith(b"{")]
+    refusal = [r for r in records if r.get("event") == REFUSED_LAUNCH]
+    assert len(refusal) == 1
+    error = DomainError.from_json(refusal[0]["error"])
+    assert error.code == "INVALID_ARGUMENT" and "has no NoSuchModel" in error.message
+    assert error.data is not None and error.data.stage == "attribute" and error.data.repeats
 
 
 async def test_a_worker_whose_parent_is_already_gone_exits_1(rig: Rig) -> None:
