@@ -8,8 +8,7 @@ as its working directory, which `python -m` puts on the import path of the node 
 worker process it starts (the fork server's children inherit it).
 
 `flyd run` prints the same reason (`flyd.outcome.describe`) and traceback
-(`flyd.outcome.traceback_of`) on stderr as `flyctl runs show` does, from the same outcome; it
-takes no custom model yet, so the runs here go through a node and the database.
+(`flyd.outcome.traceback_of`) on stderr as `flyctl runs show` does, from the same outcome; tests/cli/test_plugin_errors_run.py runs it with `--model` and `--plugin-path`.
 """
 
 from __future__ import annotations
@@ -171,3 +170,4 @@ def test_a_world_or_task_raising_in_its_constructor_fails_the_run_at_once(
     assert summary in outcome["failure"]["message"] and summary in describe(outcome)
     assert "faulty.py" in plugin["frames"][-1] and "in __init__" in plugin["frames"][-1]
     assert_not_retried(tmp)
+
