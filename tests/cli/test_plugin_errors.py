@@ -8,7 +8,8 @@ as its working directory, which `python -m` puts on the import path of the node 
 worker process it starts (the fork server's children inherit it).
 
 `flyd run` prints the same reason (`flyd.outcome.describe`) and traceback
-(`flyd.outcome.traceback_of`) on stderr as `flyctl runs show` does, from the same outcome; tests/cli/test_plugin_errors_run.py runs it with `--model` and `--plugin-path`.
+(`flyd.outcome.traceback_of`) on stderr as `flyctl runs show` does, from the same outcome;
+tests/cli/test_plugin_errors_run.py runs it with `--model` and `--plugin-path`.
 """
 
 from __future__ import annotations
