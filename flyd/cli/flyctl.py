@@ -69,6 +69,7 @@ from flyd.leases.stores.pg import DbSettings, PgStore
 from flyd.node.control_protocol import CONTROL_PREFIX, control_service, control_validator
 from flyd.outcome import describe, failure_of
 from flyd.session.runspec import DEFAULT_MAX_AGENTS, RunSpec, RunSpecError
+from workers.canonical import canonical
 from workers.domain import DomainError, ErrorCode, format_request_id
 from workers.rpc import check_outcome
 
@@ -89,6 +90,7 @@ __all__ = [
     "kill",
     "resolve_dsn",
     "runs_cancel",
+    "runs_export",
     "runs_list",
     "runs_requeue",
     "runs_show",
@@ -128,6 +130,9 @@ class Result:
     human: list[str] = field(default_factory=list)
     exit_code: int = 0
     notes: list[str] = field(default_factory=list)
+    stdout_taken: bool = False
+    """The command wrote its own output on stdout (`runs export -o -`): the result goes to
+    stderr instead, so the stream stays what the command wrote."""
 
 
 def ctl_client_id() -> str:
@@ -151,11 +156,12 @@ def execute(command: str, as_json: bool, work: Callable[[], Awaitable[Result]]) 
         return EXIT_INTERRUPTED
     for line in result.notes:
         print(line, file=sys.stderr)
+    stream = sys.stderr if result.stdout_taken else sys.stdout
     if as_json:
-        _stdout(result.data)
+        stream.write(orjson.dumps(result.data).decode() + "\n")
     else:
-        sys.stdout.write("".join(f"{line}\n" for line in result.human))
-        sys.stdout.flush()
+        stream.write("".join(f"{line}\n" for line in result.human))
+    stream.flush()
     return result.exit_code
 
 
@@ -505,11 +511,13 @@ async def runs_show(opts: CtlOptions, run_id: int) -> Result:
         grants = await queries.attempts(conn, run_id)
         checkpoints = await _checkpoint_rows(conn, run_id)
         effect_rows = await queries.effects(conn, run_id)
+        last = await queries.last_result(conn, run_id)
     outcome = row["outcome"] if isinstance(row["outcome"], dict) else {}
     failure = (failure_of(row["state"], outcome, last_grant=grants[-1] if grants else None)
                if row["state"] in TERMINAL else None)
     _, epochs = queries.behaviour(effect_rows)
     phase, events = await _live_view(opts, config, row)
+    progress = _progress(row, last)
     doc = {"run": run_id, "state": row["state"], "leaseEpoch": row["leaseEpoch"],
            "attempt": row["attempt"], "maxAttempts": row["maxAttempts"],
            "ownerNode": row["ownerNode"], "leaseExpiresAt": row["leaseExpiresAt"],
@@ -520,7 +528,7 @@ async def runs_show(opts: CtlOptions, run_id: int) -> Result:
            "epochs": outcome.get("epochs") or epochs,
            "outcome": row["outcome"],
            "reason": describe(failure) if failure is not None else None, "phase": phase,
-           "events": events}
+           "events": events, "spec": row["spec"], "progress": progress}
     lines = [f"run {run_id}: {row['state']}  lease epoch {row['leaseEpoch']}  attempt "
              f"{row['attempt']}/{row['maxAttempts']}  owner {row['ownerNode'] or '-'}  boundary "
              f"{row['boundary'] if row['boundary'] is not None else '-'}  effects "
@@ -534,7 +542,96 @@ async def runs_show(opts: CtlOptions, run_id: int) -> Result:
         lines.append(f"reason: {doc['reason']}")
     if events is not None:
         lines.append(f"events: {len(events)}")
+    lines += _spec_lines(row["spec"], progress)
     return Result(doc, lines)
+
+
+def _progress(row: dict[str, Any], last: tuple[int, dict[str, Any] | None] | None
+              ) -> dict[str, Any]:
+    """How far the run got: the highest committed boundary (the imported head before the
+    first), the spec's boundary target, and the task's progress at that boundary (null before
+    the ledger kept results, or before the first boundary)."""
+    spec = row["spec"] if isinstance(row["spec"], dict) else {}
+    steps = spec.get("steps")
+    head = row["boundary"] if isinstance(row["boundary"], int) else 0
+    reached = max(head, last[0]) if last is not None else head
+    task = last[1].get("progress") if last is not None and isinstance(last[1], dict) else None
+    return {"boundary": reached, "steps": int(steps) if isinstance(steps, str) else steps,
+            "task": task}
+
+
+def _spec_lines(spec: Any, progress: dict[str, Any]) -> list[str]:
+    """The human view of the spec: its composition in one line each, and the progress."""
+    lines = [f"progress: boundary {progress['boundary']}/{progress['steps'] or '-'}"
+             + (f"  task {canonical(progress['task']).decode()}" if progress["task"] else "")]
+    if not isinstance(spec, dict):
+        return lines
+    lines.append(f"spec: session {spec.get('sessionId')}  episode {spec.get('episodeId')}  "
+                 f"steps {spec.get('steps')}  seed {spec.get('seed')}  mode {spec.get('mode')}"
+                 f"  dispatch {spec.get('dispatch')}  pacing {spec.get('pacing')}"
+                 + (f"  starts from {spec['startFrom']['checkpointId']}"
+                    if isinstance(spec.get("startFrom"), dict) else ""))
+    for agent in spec.get("agents") or []:
+        lines.append(f"  agent {agent.get('agentId')}  port {agent.get('portId')}  model "
+                     f"{agent.get('model')}  config {canonical(agent.get('modelConfig')).decode()}")
+    world = spec.get("world")
+    if isinstance(world, dict):
+        lines.append(f"  world {world.get('worldId')}  impl {world.get('impl')}  config "
+                     f"{canonical(world.get('config')).decode()}  step "
+                     f"{_rational(world.get('step'))}")
+    task = spec.get("task")
+    if isinstance(task, dict):
+        lines.append(f"  task {task.get('impl')}  terminal {task.get('terminal')}  config "
+                     f"{canonical(task.get('config')).decode()}")
+    return lines
+
+
+def _rational(value: Any) -> str:
+    if isinstance(value, dict):
+        return f"{value.get('numerator')}/{value.get('denominator')} ns"
+    return str(value)
+
+
+async def runs_export(opts: CtlOptions, run_id: int, out: Path | None) -> Result:
+    """One canonical JSON line per committed boundary, in boundary order (module decisions);
+    to `out` (written to a temporary file, then renamed) or to stdout for None."""
+    config = _config(opts)
+    written = 0
+    missing = 0
+    async with _database(resolve_dsn(opts, config)) as conn:
+        await _known_run(conn, run_id)
+        target: Path | None = None
+        try:
+            if out is None:
+                sink = sys.stdout.buffer
+            else:
+                target = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+                sink = target.open("wb")
+            try:
+                async for _, result in queries.results(conn, run_id):
+                    if result is None:
+                        missing += 1
+                        continue
+                    sink.write(canonical(result) + b"\n")
+                    written += 1
+                sink.flush()
+            finally:
+                if target is not None:
+                    sink.close()
+            if target is not None and out is not None:
+                os.replace(target, out)
+                target = None
+        except OSError as exc:
+            raise CtlError("USAGE", f"-o {out}: cannot write: {exc.strerror}") from None
+        finally:
+            if target is not None:
+                target.unlink(missing_ok=True)
+    notes = [f"flyctl runs export: {missing} boundaries of run {run_id} were committed before "
+             "the ledger kept results; they have no line"] if missing else []
+    where = "-" if out is None else str(out)
+    return Result({"run": run_id, "lines": written, "file": where},
+                  [f"flyctl runs export: {written} boundaries of run {run_id} -> {where}"],
+                  notes=notes, stdout_taken=out is None)
 
 
 def _recoveries(outcome: dict[str, Any], epochs: Sequence[str]) -> int:

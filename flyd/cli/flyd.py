@@ -385,6 +385,21 @@ def ctl_runs_show_cmd(run_id: int, call: CtlCall) -> None:
                             lambda: flyctl.runs_show(call.options, run_id)))
 
 
+@ctl_runs_group.command("export", cls=_JsonErrors)
+@click.argument("run_id", metavar="RUN", type=click.IntRange(min=1))
+@click.option("-o", "out", default="-", show_default=True,
+              type=click.Path(dir_okay=False, allow_dash=True, path_type=Path),
+              help="The .jsonl file to write; - for stdout.")
+@ctl_options()
+def ctl_runs_export_cmd(run_id: int, out: Path, call: CtlCall) -> None:
+    """One JSON line per committed boundary: world time, rewards, events, progress."""
+    from flyd.cli import flyctl
+
+    target = None if str(out) == "-" else out
+    sys.exit(flyctl.execute("runs export", call.as_json,
+                            lambda: flyctl.runs_export(call.options, run_id, target)))
+
+
 @ctl_runs_group.command("cancel", cls=_JsonErrors)
 @click.argument("run_id", metavar="RUN", type=click.IntRange(min=1))
 @ctl_options()
