@@ -45,6 +45,7 @@ Decisions where the spec is silent:
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -68,7 +69,7 @@ from flyd.leases.stores.contract import TERMINAL, SpecMismatch, StoreError
 from flyd.leases.stores.pg import DbSettings, PgStore
 from flyd.node.control_protocol import CONTROL_PREFIX, control_service, control_validator
 from flyd.outcome import describe, failure_of
-from flyd.session.runspec import DEFAULT_MAX_AGENTS, RunSpec, RunSpecError
+from flyd.session.runspec import DEFAULT_MAX_AGENTS, FaultSpecError, RunSpec, RunSpecError
 from workers.canonical import canonical
 from workers.domain import DomainError, ErrorCode, format_request_id
 from workers.rpc import check_outcome
@@ -772,9 +773,11 @@ def _read_envelope(path: Path) -> tuple[bytes, Envelope]:
 
 
 async def checkpoints_import(opts: CtlOptions, path: Path, run: RunOptions, key: str | None,
-                             max_attempts: int | None) -> Result:
-    """Submit a new run starting from the file's checkpoint; `--steps` (counted from 0) must
-    exceed its boundary."""
+                             max_attempts: int | None, *, spec_file: Path | None = None,
+                             steps_given: bool = True) -> Result:
+    """Submit a new run starting from the file's checkpoint, with the composition that wrote
+    it (module decisions); `--steps` (counted from 0) must exceed its boundary."""
+    from flyd.session.imported import Mismatch, Unchecked, mismatch, rebuild
     from flyd.state.envelope import EnvelopeError
 
     config = _config(opts)
@@ -783,10 +786,24 @@ async def checkpoints_import(opts: CtlOptions, path: Path, run: RunOptions, key:
     except EnvelopeError as exc:
         raise CtlError(str(exc.code), exc.message) from None
     boundary = int(envelope.manifest["sourceScope"]["step"])
-    if run.steps <= boundary:
-        raise CtlError("USAGE", f"--steps {run.steps} must exceed the imported boundary "
+    if spec_file is not None:
+        base, origin = _spec_document(spec_file), f"--spec {spec_file}"
+    else:
+        async with _database(resolve_dsn(opts, config)) as conn:
+            source = await _source_spec(conn, hashlib.sha256(data).digest())
+        base = rebuild(envelope.manifest, source)
+        origin = "the checkpoint's composition" + (" (from the run that wrote it)"
+                                                    if source is not None else "")
+    spec = _import_spec(config, base, run, steps_given, origin)
+    if spec.steps <= boundary:
+        raise CtlError("USAGE", f"--steps {spec.steps} must exceed the imported boundary "
                                 f"{boundary}")
-    spec = _submitted_spec(config, run)
+    found = mismatch(spec, envelope.manifest)
+    if isinstance(found, Mismatch):
+        raise CtlError("USAGE", f"{origin} cannot start from {path.name}: {found}")
+    notes = [] if not isinstance(found, Unchecked) else [
+        f"flyctl checkpoints import: {found.module} ({found.path}) cannot be imported here; "
+        "its identity is checked by the node at restore"]
     attempts = _max_attempts(config, max_attempts)
     async with _checkpoints(opts, config) as store:
         try:
@@ -797,7 +814,72 @@ async def checkpoints_import(opts: CtlOptions, path: Path, run: RunOptions, key:
     doc = {"run": record.run_id, "checkpointId": record.checkpoint_id,
            "boundary": record.boundary, "envelopeDigest": record.envelope_digest}
     return Result(doc, [f"flyctl checkpoints import: run {record.run_id} starts from "
-                        f"{record.checkpoint_id} at boundary {record.boundary}"])
+                        f"{record.checkpoint_id} at boundary {record.boundary}"], notes=notes)
+
+
+def _spec_document(path: Path) -> dict[str, Any]:
+    """A run spec file: a JSON object (`USAGE` for an unreadable file or another document)."""
+    try:
+        doc = orjson.loads(path.read_bytes())
+    except OSError as exc:
+        raise CtlError("USAGE", f"--spec {path}: {exc.strerror}") from None
+    except orjson.JSONDecodeError as exc:
+        raise CtlError("USAGE", f"--spec {path}: not JSON: {exc}") from None
+    if not isinstance(doc, dict):
+        raise CtlError("USAGE", f"--spec {path}: a run spec is a JSON object")
+    return doc
+
+
+async def _source_spec(conn: psycopg.AsyncConnection[Any],
+                       envelope_digest: bytes) -> dict[str, Any] | None:
+    """The spec of a run holding this very file (the run that wrote it before an import of
+    it), or None."""
+    cur = await conn.execute(
+        "SELECT r.spec FROM flyd.checkpoints c JOIN flyd.runs r USING (run_id) "
+        "WHERE c.envelope_digest = %(digest)s ORDER BY c.lease_epoch = 0, c.run_id LIMIT 1",
+        {"digest": envelope_digest})
+    row = await cur.fetchone()
+    return row[0] if row is not None and isinstance(row[0], dict) else None
+
+
+def _import_spec(config: Config, base: dict[str, Any], run: RunOptions, steps_given: bool,
+                 origin: str) -> RunSpec:
+    """`base` under the options: a flag given wins, then the base's own value, then this
+    host's default (cli.md §2.3); never exclusive to a submitter, `startFrom` is the store's."""
+    doc = {k: v for k, v in base.items() if k not in ("startFrom", "exclusiveToSubmitter")}
+    if steps_given or "steps" not in doc:
+        doc["steps"] = str(run.steps) if run.steps >= 0 else run.steps
+    host = run.with_host_defaults(config)
+    for key, given, default in (("mode", run.mode, host.mode),
+                                ("dispatch", run.dispatch, host.dispatch)):
+        if given is not None or key not in doc:
+            value = given if given is not None else default
+            doc[key] = "in-process" if value == "inprocess" else value
+    if run.pace is not None or "pacing" not in doc:
+        doc["pacing"] = "realtime" if (run.pace if run.pace is not None else host.pace) \
+            else "off"
+    cadence = dict(doc.get("checkpoints") or {})
+    knobs: list[tuple[str, float | None, float | None]] = [
+        ("everySteps", run.checkpoint_every, host.checkpoint_every),
+        ("everySeconds", run.checkpoint_seconds, host.checkpoint_seconds)]
+    for name, wanted, fallback in knobs:
+        if wanted is not None or cadence.get(name) is None:
+            cadence[name] = wanted if wanted is not None else fallback
+    doc["checkpoints"] = cadence
+    if run.seed is not None:
+        doc["seed"] = str(run.seed) if run.seed >= 0 else run.seed
+        doc["agents"] = [{**a, "seed": None} for a in doc.get("agents") or []
+                         if isinstance(a, dict)]
+    if run.agents is not None:
+        doc["agents"] = [{"agentId": a, "portId": f"p{i + 1}", "seed": None}
+                         for i, a in enumerate(run.agents)]
+    try:
+        spec = RunSpec.validate(doc, max_agents=int(config.value("session", "max_agents")))
+        return spec.with_faults(list(run.faults)) if run.faults else spec
+    except FaultSpecError as exc:
+        raise CtlError("USAGE", exc.message) from None
+    except RunSpecError as exc:
+        raise CtlError("USAGE", f"{origin}: {exc.message}") from None
 
 
 async def checkpoints_verify(opts: CtlOptions, path: Path | None, run_id: int | None,

@@ -159,11 +159,12 @@ async def test_concurrent_migrators_serialize(empty_db_dsn: str) -> None:
     conns = [await connect(empty_db_dsn) for _ in range(4)]
     try:
         results = await asyncio.gather(*(apply(c) for c in conns), return_exceptions=True)
-        assert results == [4, 4, 4, 4]
+        newest = shipped_migrations()[-1].version
+        assert results == [newest] * 4
         cur = await conns[0].execute("SELECT count(*), count(DISTINCT applied_at) "
                                      "FROM flyd.schema_migrations")
-        # one migrator applied all four files in one transaction; the others no-op'd
-        assert await cur.fetchone() == (4, 1)
+        # one migrator applied every file in one transaction; the others no-op'd
+        assert await cur.fetchone() == (len(shipped_migrations()), 1)
     finally:
         for c in conns:
             await c.close()
