@@ -37,6 +37,16 @@ Decisions where the spec is silent:
   effects, a lower bound (a recovery that failed before its first commit leaves no trace).
   `checkpoints` lists the generations kept in the database (rotation keeps
   `[checkpoints] keep_generations`), not every checkpoint taken; the human line says "kept".
+- `runs show` also shows the stored `spec` and `progress` (`{boundary, steps, task}`: the
+  highest committed boundary, else the imported head; the spec's target; the task's progress
+  from that boundary's result). `runs export` prints the `flyd.effects.result` of every
+  committed boundary, one canonical JSON line each, to `-o FILE` (temporary name, then renamed)
+  or stdout (`-o -`, no `-o`: the summary then goes to stderr); rows from before the results
+  column are skipped and counted on stderr. Details: docs/cli.md, "Results and imports".
+- `checkpoints import` rebuilds the spec of the file's composition (`flyd.session.imported`:
+  from the manifest and the spec of a run holding the same file), or reads `--spec FILE`;
+  flags given win, then the spec's values, then the host's defaults; a spec that cannot install
+  the checkpoint is `USAGE` (exit 2) naming the field, before anything is submitted.
 - `runs show` asks the holder (when the run is `running` and its owner's control service answers
   on this socket) for the run's phase (`Control.Status`) and event ring (`Control.RunEvents`);
   otherwise both are null.
