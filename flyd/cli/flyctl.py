@@ -37,6 +37,16 @@ Decisions where the spec is silent:
   effects, a lower bound (a recovery that failed before its first commit leaves no trace).
   `checkpoints` lists the generations kept in the database (rotation keeps
   `[checkpoints] keep_generations`), not every checkpoint taken; the human line says "kept".
+- `runs show` also shows the stored `spec` and `progress` (`{boundary, steps, task}`: the
+  highest committed boundary, else the imported head; the spec's target; the task's progress
+  from that boundary's result). `runs export` prints the `flyd.effects.result` of every
+  committed boundary, one canonical JSON line each, to `-o FILE` (temporary name, then renamed)
+  or stdout (`-o -`, no `-o`: the summary then goes to stderr); rows from before the results
+  column are skipped and counted on stderr. Details: docs/cli.md, "Results and imports".
+- `checkpoints import` rebuilds the spec of the file's composition (`flyd.session.imported`:
+  from the manifest and the spec of a run holding the same file), or reads `--spec FILE`;
+  flags given win, then the spec's values, then the host's defaults; a spec that cannot install
+  the checkpoint is `USAGE` (exit 2) naming the field, before anything is submitted.
 - `runs show` asks the holder (when the run is `running` and its owner's control service answers
   on this socket) for the run's phase (`Control.Status`) and event ring (`Control.RunEvents`);
   otherwise both are null.
@@ -48,6 +58,7 @@ Decisions where the spec is silent:
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -71,7 +82,8 @@ from flyd.leases.stores.contract import TERMINAL, SpecMismatch, StoreError
 from flyd.leases.stores.pg import DbSettings, PgStore
 from flyd.node.control_protocol import CONTROL_PREFIX, control_service, control_validator
 from flyd.outcome import describe, failure_of, traceback_of
-from flyd.session.runspec import DEFAULT_MAX_AGENTS, RunSpec, RunSpecError
+from flyd.session.runspec import DEFAULT_MAX_AGENTS, FaultSpecError, RunSpec, RunSpecError
+from workers.canonical import canonical
 from workers.domain import DomainError, ErrorCode, format_request_id
 from workers.rpc import check_outcome
 
@@ -92,6 +104,7 @@ __all__ = [
     "kill",
     "resolve_dsn",
     "runs_cancel",
+    "runs_export",
     "runs_list",
     "runs_requeue",
     "runs_show",
@@ -131,6 +144,9 @@ class Result:
     human: list[str] = field(default_factory=list)
     exit_code: int = 0
     notes: list[str] = field(default_factory=list)
+    stdout_taken: bool = False
+    """The command wrote its own output on stdout (`runs export -o -`): the result goes to
+    stderr instead, so the stream stays what the command wrote."""
 
 
 def ctl_client_id() -> str:
@@ -154,11 +170,12 @@ def execute(command: str, as_json: bool, work: Callable[[], Awaitable[Result]]) 
         return EXIT_INTERRUPTED
     for line in result.notes:
         print(line, file=sys.stderr)
+    stream = sys.stderr if result.stdout_taken else sys.stdout
     if as_json:
-        _stdout(result.data)
+        stream.write(orjson.dumps(result.data).decode() + "\n")
     else:
-        sys.stdout.write("".join(f"{line}\n" for line in result.human))
-        sys.stdout.flush()
+        stream.write("".join(f"{line}\n" for line in result.human))
+    stream.flush()
     return result.exit_code
 
 
@@ -509,11 +526,13 @@ async def runs_show(opts: CtlOptions, run_id: int) -> Result:
         grants = await queries.attempts(conn, run_id)
         checkpoints = await _checkpoint_rows(conn, run_id)
         effect_rows = await queries.effects(conn, run_id)
+        last = await queries.last_result(conn, run_id)
     outcome = row["outcome"] if isinstance(row["outcome"], dict) else {}
     failure = (failure_of(row["state"], outcome, last_grant=grants[-1] if grants else None)
                if row["state"] in TERMINAL else None)
     _, epochs = queries.behaviour(effect_rows)
     phase, events = await _live_view(opts, config, row)
+    progress = _progress(row, last)
     doc = {"run": run_id, "state": row["state"], "leaseEpoch": row["leaseEpoch"],
            "attempt": row["attempt"], "maxAttempts": row["maxAttempts"],
            "ownerNode": row["ownerNode"], "leaseExpiresAt": row["leaseExpiresAt"],
@@ -524,7 +543,7 @@ async def runs_show(opts: CtlOptions, run_id: int) -> Result:
            "epochs": outcome.get("epochs") or epochs,
            "outcome": row["outcome"],
            "reason": describe(failure) if failure is not None else None, "phase": phase,
-           "events": events}
+           "events": events, "spec": row["spec"], "progress": progress}
     lines = [f"run {run_id}: {row['state']}  lease epoch {row['leaseEpoch']}  attempt "
              f"{row['attempt']}/{row['maxAttempts']}  owner {row['ownerNode'] or '-'}  boundary "
              f"{row['boundary'] if row['boundary'] is not None else '-'}  effects "
@@ -543,7 +562,96 @@ async def runs_show(opts: CtlOptions, run_id: int) -> Result:
             lines += [f"  {frame}" for frame in frames]
     if events is not None:
         lines.append(f"events: {len(events)}")
+    lines += _spec_lines(row["spec"], progress)
     return Result(doc, lines)
+
+
+def _progress(row: dict[str, Any], last: tuple[int, dict[str, Any] | None] | None
+              ) -> dict[str, Any]:
+    """How far the run got: the highest committed boundary (the imported head before the
+    first), the spec's boundary target, and the task's progress at that boundary (null before
+    the ledger kept results, or before the first boundary)."""
+    spec = row["spec"] if isinstance(row["spec"], dict) else {}
+    steps = spec.get("steps")
+    head = row["boundary"] if isinstance(row["boundary"], int) else 0
+    reached = max(head, last[0]) if last is not None else head
+    task = last[1].get("progress") if last is not None and isinstance(last[1], dict) else None
+    return {"boundary": reached, "steps": int(steps) if isinstance(steps, str) else steps,
+            "task": task}
+
+
+def _spec_lines(spec: Any, progress: dict[str, Any]) -> list[str]:
+    """The human view of the spec: its composition in one line each, and the progress."""
+    lines = [f"progress: boundary {progress['boundary']}/{progress['steps'] or '-'}"
+             + (f"  task {canonical(progress['task']).decode()}" if progress["task"] else "")]
+    if not isinstance(spec, dict):
+        return lines
+    lines.append(f"spec: session {spec.get('sessionId')}  episode {spec.get('episodeId')}  "
+                 f"steps {spec.get('steps')}  seed {spec.get('seed')}  mode {spec.get('mode')}"
+                 f"  dispatch {spec.get('dispatch')}  pacing {spec.get('pacing')}"
+                 + (f"  starts from {spec['startFrom']['checkpointId']}"
+                    if isinstance(spec.get("startFrom"), dict) else ""))
+    for agent in spec.get("agents") or []:
+        lines.append(f"  agent {agent.get('agentId')}  port {agent.get('portId')}  model "
+                     f"{agent.get('model')}  config {canonical(agent.get('modelConfig')).decode()}")
+    world = spec.get("world")
+    if isinstance(world, dict):
+        lines.append(f"  world {world.get('worldId')}  impl {world.get('impl')}  config "
+                     f"{canonical(world.get('config')).decode()}  step "
+                     f"{_rational(world.get('step'))}")
+    task = spec.get("task")
+    if isinstance(task, dict):
+        lines.append(f"  task {task.get('impl')}  terminal {task.get('terminal')}  config "
+                     f"{canonical(task.get('config')).decode()}")
+    return lines
+
+
+def _rational(value: Any) -> str:
+    if isinstance(value, dict):
+        return f"{value.get('numerator')}/{value.get('denominator')} ns"
+    return str(value)
+
+
+async def runs_export(opts: CtlOptions, run_id: int, out: Path | None) -> Result:
+    """One canonical JSON line per committed boundary, in boundary order (module decisions);
+    to `out` (written to a temporary file, then renamed) or to stdout for None."""
+    config = _config(opts)
+    written = 0
+    missing = 0
+    async with _database(resolve_dsn(opts, config)) as conn:
+        await _known_run(conn, run_id)
+        target: Path | None = None
+        try:
+            if out is None:
+                sink = sys.stdout.buffer
+            else:
+                target = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+                sink = target.open("wb")
+            try:
+                async for _, result in queries.results(conn, run_id):
+                    if result is None:
+                        missing += 1
+                        continue
+                    sink.write(canonical(result) + b"\n")
+                    written += 1
+                sink.flush()
+            finally:
+                if target is not None:
+                    sink.close()
+            if target is not None and out is not None:
+                os.replace(target, out)
+                target = None
+        except OSError as exc:
+            raise CtlError("USAGE", f"-o {out}: cannot write: {exc.strerror}") from None
+        finally:
+            if target is not None:
+                target.unlink(missing_ok=True)
+    notes = [f"flyctl runs export: {missing} boundaries of run {run_id} were committed before "
+             "the ledger kept results; they have no line"] if missing else []
+    where = "-" if out is None else str(out)
+    return Result({"run": run_id, "lines": written, "file": where},
+                  [f"flyctl runs export: {written} boundaries of run {run_id} -> {where}"],
+                  notes=notes, stdout_taken=out is None)
 
 
 def _recoveries(outcome: dict[str, Any], epochs: Sequence[str]) -> int:
@@ -684,9 +792,11 @@ def _read_envelope(path: Path) -> tuple[bytes, Envelope]:
 
 
 async def checkpoints_import(opts: CtlOptions, path: Path, run: RunOptions, key: str | None,
-                             max_attempts: int | None) -> Result:
-    """Submit a new run starting from the file's checkpoint; `--steps` (counted from 0) must
-    exceed its boundary."""
+                             max_attempts: int | None, *, spec_file: Path | None = None,
+                             steps_given: bool = True) -> Result:
+    """Submit a new run starting from the file's checkpoint, with the composition that wrote
+    it (module decisions); `--steps` (counted from 0) must exceed its boundary."""
+    from flyd.session.imported import Mismatch, Unchecked, mismatch, rebuild
     from flyd.state.envelope import EnvelopeError
 
     config = _config(opts)
@@ -695,10 +805,24 @@ async def checkpoints_import(opts: CtlOptions, path: Path, run: RunOptions, key:
     except EnvelopeError as exc:
         raise CtlError(str(exc.code), exc.message) from None
     boundary = int(envelope.manifest["sourceScope"]["step"])
-    if run.steps <= boundary:
-        raise CtlError("USAGE", f"--steps {run.steps} must exceed the imported boundary "
+    if spec_file is not None:
+        base, origin = _spec_document(spec_file), f"--spec {spec_file}"
+    else:
+        async with _database(resolve_dsn(opts, config)) as conn:
+            source = await _source_spec(conn, hashlib.sha256(data).digest())
+        base = rebuild(envelope.manifest, source)
+        origin = "the checkpoint's composition" + (" (from the run that wrote it)"
+                                                    if source is not None else "")
+    spec = _import_spec(config, base, run, steps_given, origin)
+    if spec.steps <= boundary:
+        raise CtlError("USAGE", f"--steps {spec.steps} must exceed the imported boundary "
                                 f"{boundary}")
-    spec = _submitted_spec(config, run)
+    found = mismatch(spec, envelope.manifest)
+    if isinstance(found, Mismatch):
+        raise CtlError("USAGE", f"{origin} cannot start from {path.name}: {found}")
+    notes = [] if not isinstance(found, Unchecked) else [
+        f"flyctl checkpoints import: {found.module} ({found.path}) cannot be imported here; "
+        "its identity is checked by the node at restore"]
     attempts = _max_attempts(config, max_attempts)
     async with _checkpoints(opts, config) as store:
         try:
@@ -709,7 +833,72 @@ async def checkpoints_import(opts: CtlOptions, path: Path, run: RunOptions, key:
     doc = {"run": record.run_id, "checkpointId": record.checkpoint_id,
            "boundary": record.boundary, "envelopeDigest": record.envelope_digest}
     return Result(doc, [f"flyctl checkpoints import: run {record.run_id} starts from "
-                        f"{record.checkpoint_id} at boundary {record.boundary}"])
+                        f"{record.checkpoint_id} at boundary {record.boundary}"], notes=notes)
+
+
+def _spec_document(path: Path) -> dict[str, Any]:
+    """A run spec file: a JSON object (`USAGE` for an unreadable file or another document)."""
+    try:
+        doc = orjson.loads(path.read_bytes())
+    except OSError as exc:
+        raise CtlError("USAGE", f"--spec {path}: {exc.strerror}") from None
+    except orjson.JSONDecodeError as exc:
+        raise CtlError("USAGE", f"--spec {path}: not JSON: {exc}") from None
+    if not isinstance(doc, dict):
+        raise CtlError("USAGE", f"--spec {path}: a run spec is a JSON object")
+    return doc
+
+
+async def _source_spec(conn: psycopg.AsyncConnection[Any],
+                       envelope_digest: bytes) -> dict[str, Any] | None:
+    """The spec of a run holding this very file (the run that wrote it before an import of
+    it), or None."""
+    cur = await conn.execute(
+        "SELECT r.spec FROM flyd.checkpoints c JOIN flyd.runs r USING (run_id) "
+        "WHERE c.envelope_digest = %(digest)s ORDER BY c.lease_epoch = 0, c.run_id LIMIT 1",
+        {"digest": envelope_digest})
+    row = await cur.fetchone()
+    return row[0] if row is not None and isinstance(row[0], dict) else None
+
+
+def _import_spec(config: Config, base: dict[str, Any], run: RunOptions, steps_given: bool,
+                 origin: str) -> RunSpec:
+    """`base` under the options: a flag given wins, then the base's own value, then this
+    host's default (cli.md §2.3); never exclusive to a submitter, `startFrom` is the store's."""
+    doc = {k: v for k, v in base.items() if k not in ("startFrom", "exclusiveToSubmitter")}
+    if steps_given or "steps" not in doc:
+        doc["steps"] = str(run.steps) if run.steps >= 0 else run.steps
+    host = run.with_host_defaults(config)
+    for key, given, default in (("mode", run.mode, host.mode),
+                                ("dispatch", run.dispatch, host.dispatch)):
+        if given is not None or key not in doc:
+            value = given if given is not None else default
+            doc[key] = "in-process" if value == "inprocess" else value
+    if run.pace is not None or "pacing" not in doc:
+        doc["pacing"] = "realtime" if (run.pace if run.pace is not None else host.pace) \
+            else "off"
+    cadence = dict(doc.get("checkpoints") or {})
+    knobs: list[tuple[str, float | None, float | None]] = [
+        ("everySteps", run.checkpoint_every, host.checkpoint_every),
+        ("everySeconds", run.checkpoint_seconds, host.checkpoint_seconds)]
+    for name, wanted, fallback in knobs:
+        if wanted is not None or cadence.get(name) is None:
+            cadence[name] = wanted if wanted is not None else fallback
+    doc["checkpoints"] = cadence
+    if run.seed is not None:
+        doc["seed"] = str(run.seed) if run.seed >= 0 else run.seed
+        doc["agents"] = [{**a, "seed": None} for a in doc.get("agents") or []
+                         if isinstance(a, dict)]
+    if run.agents is not None:
+        doc["agents"] = [{"agentId": a, "portId": f"p{i + 1}", "seed": None}
+                         for i, a in enumerate(run.agents)]
+    try:
+        spec = RunSpec.validate(doc, max_agents=int(config.value("session", "max_agents")))
+        return spec.with_faults(list(run.faults)) if run.faults else spec
+    except FaultSpecError as exc:
+        raise CtlError("USAGE", exc.message) from None
+    except RunSpecError as exc:
+        raise CtlError("USAGE", f"{origin}: {exc.message}") from None
 
 
 async def checkpoints_verify(opts: CtlOptions, path: Path | None, run_id: int | None,

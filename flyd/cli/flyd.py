@@ -403,6 +403,21 @@ def ctl_runs_show_cmd(run_id: int, call: CtlCall) -> None:
                             lambda: flyctl.runs_show(call.options, run_id)))
 
 
+@ctl_runs_group.command("export", cls=_JsonErrors)
+@click.argument("run_id", metavar="RUN", type=click.IntRange(min=1))
+@click.option("-o", "out", default="-", show_default=True,
+              type=click.Path(dir_okay=False, allow_dash=True, path_type=Path),
+              help="The .jsonl file to write; - for stdout.")
+@ctl_options()
+def ctl_runs_export_cmd(run_id: int, out: Path, call: CtlCall) -> None:
+    """One JSON line per committed boundary: world time, rewards, events, progress."""
+    from flyd.cli import flyctl
+
+    target = None if str(out) == "-" else out
+    sys.exit(flyctl.execute("runs export", call.as_json,
+                            lambda: flyctl.runs_export(call.options, run_id, target)))
+
+
 @ctl_runs_group.command("cancel", cls=_JsonErrors)
 @click.argument("run_id", metavar="RUN", type=click.IntRange(min=1))
 @ctl_options()
@@ -460,27 +475,35 @@ def ctl_checkpoints_export_cmd(run_id: int, checkpoint_id: str | None, out: Path
 
 @ctl_checkpoints_group.command("import", cls=_JsonErrors)
 @click.argument("file", type=click.Path(exists=True, dir_okay=False, path_type=Path))
-@click.option("--steps", type=int, default=600, show_default=True,
-              help="Total boundary target counted from 0 (above the imported boundary).")
+@click.option("--steps", type=int, help="Total boundary target counted from 0 (above the "
+              "imported boundary; default: the --spec file's, else 600).")
+@click.option("--spec", "spec_file", type=click.Path(dir_okay=False, path_type=Path),
+              help="The run spec to start with (default: the checkpoint's composition); "
+                   "refused when it cannot install the checkpoint.")
 @run_spec_options
 @click.option("--key", help="Idempotency key of the submitted run.")
 @click.option("--max-attempts", type=int, help="Grant attempts (default [leases] max_attempts).")
 @ctl_options()
-def ctl_checkpoints_import_cmd(file: Path, steps: int, agents: str | None, mode: str | None,
+def ctl_checkpoints_import_cmd(file: Path, steps: int | None, spec_file: Path | None,
+                               agents: str | None, mode: str | None,
                                seed: int | None, checkpoint_every: int | None,
                                dispatch: str | None, pace: bool | None,
                                faults: tuple[str, ...], key: str | None,
                                max_attempts: int | None, call: CtlCall) -> None:
-    """Submit a new run that starts from the file's checkpoint."""
+    """Submit a new run that starts from the file's checkpoint, with the composition that
+    wrote it (or --spec FILE, checked against the checkpoint)."""
     from flyd.cli import flyctl
     from flyd.cli.run import RunOptions, parse_agents
 
-    run = RunOptions(steps=steps, agents=None if agents is None else parse_agents(agents),
+    run = RunOptions(steps=600 if steps is None else steps,
+                     agents=None if agents is None else parse_agents(agents),
                      mode=mode, seed=seed, dispatch=dispatch, faults=faults, pace=pace,
                      checkpoint_every=checkpoint_every)
     sys.exit(flyctl.execute(
         "checkpoints import", call.as_json,
-        lambda: flyctl.checkpoints_import(call.options, file, run, key, max_attempts)))
+        lambda: flyctl.checkpoints_import(call.options, file, run, key, max_attempts,
+                                          spec_file=spec_file,
+                                          steps_given=steps is not None)))
 
 
 @ctl_checkpoints_group.command("verify", cls=_JsonErrors)

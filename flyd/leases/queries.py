@@ -9,7 +9,7 @@ as JSON (cli.md §1), timestamps as ISO 8601 strings.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
 from datetime import datetime
 from typing import Any, Final
 
@@ -19,11 +19,13 @@ from psycopg.rows import dict_row
 from flyd.leases.stores.contract import CanonicalPayload
 from workers.canonical import canonical, digest_of
 
-__all__ = ["LedgerFold", "attempts", "behaviour", "effects", "fold_ledger", "list_runs",
-           "nodes", "run_row"]
+__all__ = ["LedgerFold", "attempts", "behaviour", "effects", "fold_ledger", "last_result",
+           "list_runs", "nodes", "results", "run_row"]
 
 #: Rows fetched per round trip when a run's ledger is folded.
 FOLD_BATCH: Final = 100
+#: Rows fetched per round trip when a run's results are exported.
+RESULT_BATCH: Final = 500
 
 Conn = psycopg.AsyncConnection[Any]
 
@@ -149,3 +151,26 @@ async def fold_ledger(conn: Conn, run_id: int, through: int | None = None) -> Le
         async for epoch, payload in cur:
             fold.add(int(epoch), payload)
     return fold
+
+
+async def results(conn: Conn, run_id: int) -> AsyncIterator[tuple[int, dict[str, Any] | None]]:
+    """`(boundary, result)` of the committed `boundary-<k>` rows in boundary order (`result`
+    None on rows written before the ledger kept results), read through a server-side cursor
+    `RESULT_BATCH` rows at a time."""
+    async with conn.transaction(), conn.cursor(name="flyd_results") as cur:
+        cur.itersize = RESULT_BATCH
+        await cur.execute(
+            "SELECT boundary, result FROM flyd.effects WHERE run_id = %(run)s "
+            "AND boundary IS NOT NULL ORDER BY boundary", {"run": run_id})
+        async for boundary, result in cur:
+            yield int(boundary), result
+
+
+async def last_result(conn: Conn, run_id: int) -> tuple[int, dict[str, Any] | None] | None:
+    """The highest committed boundary and its result (None before results were kept); None
+    when no boundary is committed."""
+    cur = await conn.execute(
+        "SELECT boundary, result FROM flyd.effects WHERE run_id = %(run)s "
+        "AND boundary IS NOT NULL ORDER BY boundary DESC LIMIT 1", {"run": run_id})
+    row = await cur.fetchone()
+    return None if row is None else (int(row[0]), row[1])

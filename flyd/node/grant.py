@@ -86,7 +86,7 @@ from flyd.session.coordinator import Coordinator, Deadlines, DispatchOrder, Hist
 from flyd.session.durability import CheckpointTooLarge, Durability, TooLarge
 from flyd.session.fence import SessionFailure
 from flyd.session.runspec import RunSpec
-from flyd.session.trace import EpochRebase, RecordStream
+from flyd.session.trace import RecordStream
 from flyd.state.cadence import Cadence
 from flyd.state.checkpoints import CheckpointRecord, CheckpointStore, FinishRun
 from flyd.state.effects import epoch_number
@@ -503,8 +503,8 @@ class GrantSession:
             report.advances += 1
             report.step_seconds += time.monotonic() - started
             started = time.monotonic()
-            record = self._last_record(coordinator)
-            durability.record(step.boundary, coordinator.epoch, record)
+            record, result = coordinator.effect_records()
+            durability.record(step.boundary, coordinator.epoch, record, result)
             report.records.append(durability.writer.pending.encoded(step.boundary))
             self.host.progressed(report)
             if step.terminal or step.paused or step.boundary >= self.spec.steps:
@@ -532,13 +532,6 @@ class GrantSession:
         coordinator.injections = dataclasses.replace(
             coordinator.injections, kill_at=kills, lose_advance_result_at=lost)
         self.log.info("faults.fired", faults=sorted(due))
-
-    @staticmethod
-    def _last_record(coordinator: Coordinator) -> dict[str, Any]:
-        record = coordinator.trace.transitions[-1].behaviour
-        if coordinator.epoch == FIRST_EPOCH:
-            return dict(record)
-        return EpochRebase(coordinator.epoch, FIRST_EPOCH, coordinator.task).apply(record)
 
     # ------------------------------------------------------------------ recovery (§8.2)
 

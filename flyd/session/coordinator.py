@@ -80,7 +80,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from enum import Enum
-from typing import Any
+from typing import Any, Final
 
 from bus.client import BusClient
 from flyd.launch.identities import WorkerRef
@@ -139,7 +139,7 @@ from flyd.session.publication import (
     descriptor_body,
     snapshot_body,
 )
-from flyd.session.records import transition_records
+from flyd.session.records import result_record, transition_records
 from flyd.session.restore import (
     InstallAborted,
     Installed,
@@ -182,6 +182,7 @@ from workers.shell import load_plugin
 from workers.synthetic.audio import AudioTimelines
 
 __all__ = [
+    "FIRST_EPOCH",
     "LOSS_POLLS",
     "RESOLVE_PAUSE",
     "Coordinator",
@@ -201,6 +202,8 @@ __all__ = [
     "format_duration",
 ]
 
+#: The epoch every ledger row is rebased onto (state.md §9.2).
+FIRST_EPOCH: Final = "e1"
 
 # --------------------------------------------------------------------------------------------
 # small value types
@@ -310,6 +313,7 @@ class Coordinator:
         self.events: list[dict[str, Any]] = []
         self._owed: dict[str, list[str]] = {}
         self._progress: TypedValue | None = None
+        self._last_transition: tuple[int, WorldObservation, Evaluation] | None = None
         self._descriptor_revision = 0
         self._snapshot_sequence = 0
         self._last_event_ids: list[str] = []
@@ -726,7 +730,8 @@ class Coordinator:
             self.trace.record(behaviour, operational)
         except DomainError as exc:
             raise Blame(exc, Detail.PUBLISH, None) from None
-        self._append_effect(k)
+        self._last_transition = (k, new, evaluation)
+        self._append_effect()
         self._publish_snapshot(k + 1, observed=True)
         for slot in self._slots.values():
             slot.prepared = None
@@ -894,14 +899,29 @@ class Coordinator:
         if self._durable is None or boundary >= self._durable[1]:
             self._durable = (checkpoint_id, boundary)
 
-    def _append_effect(self, k: int) -> None:
-        """§9.2: transition k → k+1's behaviour record, rebased onto `e1`, pending under k+1."""
+    def effect_records(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The last transition's behaviour record and result, rebased onto `e1` (state.md
+        §9.2): what its ledger row holds (`flyd.session.records`)."""
+        if self._last_transition is None:
+            raise DomainError(ErrorCode.INTERNAL, "no transition has committed in this epoch",
+                              Mutation.NONE)
+        k, new, evaluation = self._last_transition
+        record = self.trace.transitions[-1].behaviour
+        if self.epoch == FIRST_EPOCH:
+            return dict(record), result_record(k, self.agent_ids, new, evaluation, {})
+        rebase = EpochRebase(self.epoch, FIRST_EPOCH, self.task)
+        ids = rebase.id_map(k)
+        return (rebase.apply(record, ids),
+                result_record(k, self.agent_ids, new, evaluation, ids))
+
+    def _append_effect(self) -> None:
+        """§9.2: the last transition k → k+1's records, pending under k+1."""
         writer = None if self.state is None else self.state.writer
         if writer is None:
             return
-        record = self.trace.transitions[-1].behaviour
-        writer.pending.append(k + 1, self.epoch,
-                              EpochRebase(self.epoch, "e1", self.task).apply(record))
+        assert self._last_transition is not None
+        record, result = self.effect_records()
+        writer.pending.append(self._last_transition[0] + 1, self.epoch, record, result)
 
     # ------------------------------------------------------------------ restore (state.md §7)
 
@@ -965,6 +985,7 @@ class Coordinator:
             slot.last_decision = None
             slot.last_controls = None
         self._progress = installed.progress
+        self._last_transition = None
         self.episode_request = None
         self._last_event_ids = []
         self.observation = installed.observation

@@ -111,8 +111,9 @@ class Durability:
     def head_boundary(self) -> int:
         return self.writer.head[1] if self.writer.head is not None else 0
 
-    def record(self, boundary: int, session_epoch: str, payload: dict[str, Any]) -> None:
-        self.writer.pending.append(boundary, session_epoch, payload)
+    def record(self, boundary: int, session_epoch: str, payload: dict[str, Any],
+               result: dict[str, Any] | None = None) -> None:
+        self.writer.pending.append(boundary, session_epoch, payload, result)
 
     def restart(self, boundary: int, session_epoch: str) -> None:
         """Bootstrap or restore at `boundary` in `session_epoch`: pending effects beyond the head

@@ -11,6 +11,11 @@ operational record beside it, are written down here once, from the transition's 
   and no boundary actions.
 - operational: wall time since the transition started, the Prepare, Advance and Commit request
   ids, no bus call ids, no captures yet (a capture at k+1 adds itself).
+- result (`result_record`): what the boundary produced, for people and their tools (the line
+  `flyctl runs export` prints): the boundary k+1 as a number, the world time at it, per agent
+  (by id, every bound agent present) its rewards `{eventId, ruleId, value}`, the task events
+  and the task's progress. Event ids are rebased onto `e1` like the behaviour record's, so a
+  recovered run produces the same lines as an undisturbed one. Never compared or digested.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from workers.datatypes import WorldObservation
 from workers.domain import Scope
 from workers.protocols import Evaluation
 
-__all__ = ["transition_records"]
+__all__ = ["result_record", "transition_records"]
 
 
 def transition_records(scope: Scope, agent_ids: Sequence[str], slots: Mapping[str, AgentSlot],
@@ -66,3 +71,19 @@ def transition_records(scope: Scope, agent_ids: Sequence[str], slots: Mapping[st
                              for a in agent_ids],
         "busCallIds": [], "captures": []}
     return behaviour, operational
+
+
+def result_record(k: int, agent_ids: Sequence[str], new: WorldObservation,
+                  evaluation: Evaluation, ids: Mapping[str, str]) -> dict[str, Any]:
+    """The result of transition k → k+1; `ids` renames the event ids minted in this epoch to
+    their `e1` spelling (`EpochRebase.id_map`, empty in `e1`)."""
+    rewards = {a: [{"eventId": ids.get(r.event_id, r.event_id), "ruleId": r.rule_id,
+                    "value": r.value} for r in evaluation.outcomes[a].rewards]
+               for a in agent_ids}
+    events = []
+    for event in evaluation.events:
+        doc = event.to_json()
+        doc["id"] = ids.get(event.id, event.id)
+        events.append(doc)
+    return {"boundary": k + 1, "worldTime": new.world_time.to_json(), "rewards": rewards,
+            "events": events, "progress": evaluation.progress.to_json()}

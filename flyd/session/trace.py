@@ -22,7 +22,7 @@ from __future__ import annotations
 import collections
 import copy
 import hashlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -206,7 +206,17 @@ class EpochRebase:
         self.to_epoch = to_epoch
         self.task = task
 
-    def apply(self, behaviour: dict[str, Any]) -> dict[str, Any]:
+    def id_map(self, step: int) -> dict[str, str]:
+        """The event ids transition `step` → +1 may mint in `from_epoch`, each to its
+        `to_epoch` spelling; empty when the epochs are the same (every id stays)."""
+        if self.from_epoch == self.to_epoch:
+            return {}
+        return dict(zip(self.task.minted_ids(self.from_epoch, step + 1),
+                        self.task.minted_ids(self.to_epoch, step + 1), strict=True))
+
+    def apply(self, behaviour: dict[str, Any],
+              ids: Mapping[str, str] | None = None) -> dict[str, Any]:
+        """The record rebased; `ids` is `id_map` of its step when the caller has it."""
         out = copy.deepcopy(behaviour)
         scope = out["scope"]
         if scope["epoch"] != self.from_epoch:
@@ -217,8 +227,7 @@ class EpochRebase:
         batch = out.get("batchId")
         if isinstance(batch, str) and batch.startswith(prefix):
             out["batchId"] = f"batch-{self.to_epoch}-{batch[len(prefix):]}"
-        mapping = dict(zip(self.task.minted_ids(self.from_epoch, step + 1),
-                           self.task.minted_ids(self.to_epoch, step + 1), strict=True))
+        mapping = self.id_map(step) if ids is None else ids
         for key in ("outcomeIds", "eventIds"):
             out[key] = [mapping.get(i, i) for i in out[key]]
         return out

@@ -8,6 +8,10 @@ Rules:
   epoch is `INTERNAL` (a caller bug).
 - The payload is stored as its canonical bytes and SHA-256, so the ledger row's digest is
   computed once and the byte bound counts exactly what the ledger will hold.
+- `append` takes the boundary's result too (`flyd.effects.result`, what `flyctl runs export`
+  prints: world time, rewards, events, progress, ids rebased onto `e1`), kept as canonical
+  bytes beside the payload and counted in the byte bound; it is no part of the digest, so a
+  behaviour digest does not depend on it.
 - `covering(after, through)` is the tuple of `flyd.effects` rows for boundaries in
   (after, through], `boundary-<j>` in order; a boundary missing from the buffer is `INTERNAL`
   (state.md §4.3 step 3), checked before anything is sent.
@@ -54,6 +58,11 @@ class _Pending:
     session_epoch: int
     payload: bytes
     digest: bytes
+    result: bytes | None
+
+
+def _size(entry: _Pending) -> int:
+    return len(entry.payload) + (0 if entry.result is None else len(entry.result))
 
 
 class PendingEffects:
@@ -74,7 +83,7 @@ class PendingEffects:
 
     @property
     def bytes(self) -> int:
-        """Canonical payload bytes held."""
+        """Canonical payload and result bytes held."""
         return self._bytes
 
     def boundaries(self) -> list[int]:
@@ -84,8 +93,10 @@ class PendingEffects:
         return (len(self._entries) >= self.max_pending_effects
                 or self._bytes >= self.max_pending_effect_bytes)
 
-    def append(self, boundary: int, session_epoch: str, payload: Mapping[str, Any]) -> None:
-        """Record boundary k+1's rebased behaviour record and the raw epoch that executed it."""
+    def append(self, boundary: int, session_epoch: str, payload: Mapping[str, Any],
+               result: Mapping[str, Any] | None = None) -> None:
+        """Record boundary k+1's rebased behaviour record, its result and the raw epoch that
+        executed it."""
         number = epoch_number(session_epoch)
         if self._last is not None:
             expected = self._last + 1
@@ -96,8 +107,9 @@ class PendingEffects:
             raise DomainError(ErrorCode.INTERNAL, f"boundary {boundary} has no effect",
                               Mutation.NONE)
         data = canonical(payload)
-        self._entries[boundary] = _Pending(number, data, hashlib.sha256(data).digest())
-        self._bytes += len(data)
+        produced = None if result is None else canonical(result)
+        self._entries[boundary] = _Pending(number, data, hashlib.sha256(data).digest(), produced)
+        self._bytes += _size(self._entries[boundary])
         self._last = boundary
 
     def encoded(self, boundary: int) -> builtins.bytes:
@@ -119,17 +131,19 @@ class PendingEffects:
                                   f"(covering {after + 1}..{through})", Mutation.NONE)
             rows.append(Effect(key=f"boundary-{j}", session_epoch=entry.session_epoch,
                                boundary=j, payload=CanonicalPayload(entry.payload),
-                               digest=entry.digest))
+                               digest=entry.digest,
+                               result=None if entry.result is None
+                               else CanonicalPayload(entry.result)))
         return tuple(rows)
 
     def prune(self, through: int) -> None:
         """Drop what a durable commit covered (boundaries ≤ through)."""
         for j in [b for b in self._entries if b <= through]:
-            self._bytes -= len(self._entries.pop(j).payload)
+            self._bytes -= _size(self._entries.pop(j))
 
     def rewind(self, head: int) -> None:
         """Drop boundaries beyond the head (a recovery re-executes them)."""
         for j in [b for b in self._entries if b > head]:
-            self._bytes -= len(self._entries.pop(j).payload)
+            self._bytes -= _size(self._entries.pop(j))
         if self._last is not None and self._last > head:
             self._last = head

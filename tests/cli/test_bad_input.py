@@ -131,11 +131,12 @@ def test_a_malformed_fault_spec_exits_2_naming_it(site: Site, faults: list[str],
 def test_a_malformed_fault_spec_on_submit_and_import_changes_nothing(site: Site) -> None:
     envelope = site.path / "good.flysess"
     envelope.write_bytes(base64.b64decode(json.loads(FIXTURE.read_text())["envelope"]))
-    for command in (["runs", "submit", "--steps", "10"],
-                    ["checkpoints", "import", str(envelope), "--steps", "10"]):
-        message = _refused(site, [*FLYCTL, *command, "--fault", "fly-b.prepare_delay_ms=x",
+    # the import keeps the file's composition: its one agent is fly-a
+    for command, agent in ((["runs", "submit", "--steps", "10"], "fly-b"),
+                           (["checkpoints", "import", str(envelope), "--steps", "10"], "fly-a")):
+        message = _refused(site, [*FLYCTL, *command, "--fault", f"{agent}.prepare_delay_ms=x",
                                   "--json"], "USAGE", "integer milliseconds")
-        assert message.startswith("fault spec 'fly-b.prepare_delay_ms=x': "), message
+        assert message.startswith(f"fault spec '{agent}.prepare_delay_ms=x': "), message
     _untouched(site, "good.flysess")
 
 

@@ -10,6 +10,7 @@ node finishes it; `runs show` of the finished run lists both grants, its recover
 from __future__ import annotations
 
 import asyncio
+import base64
 import hashlib
 import os
 import socket as socketlib
@@ -30,11 +31,13 @@ from flyd.leases.stores import pg as pgstore
 from flyd.leases.stores.contract import Commit, Effect
 from flyd.node.control_protocol import METHODS, control_validator
 from flyd.state.checkpoints import DirectCommitPath, PgCheckpointStore
-from tests.cli.test_flyctl_runs import Site, flyctl, serve, submit, wait_state
+from tests.cli.test_flyctl_runs import ROOT, Site, flyctl, serve, submit, wait_state
 from tests.cli.test_flyctl_runs import site as site
 from tests.state.conftest import NODE, make_job
 
 pytestmark = pytest.mark.timeout(120)
+
+FIXTURE = ROOT / "tests" / "fixtures" / "checkpoint-envelope.json"
 
 
 def _call_payload(serial: int, params: dict[str, Any]) -> dict[str, Any]:
@@ -345,12 +348,20 @@ def test_checkpoint_commands_print_json(site: Site) -> None:
     assert refused.code == 1 and refused.json["error"]["code"] == "INCOMPATIBLE_STATE"
     assert not (site.path / "none.flysess").exists()
 
-    low = flyctl(site, "checkpoints", "import", str(out), "--steps", "5", socket=False)
+    # this generation's manifest names no agents: no composition can install it
+    empty = flyctl(site, "checkpoints", "import", str(out), "--steps", "20", socket=False)
+    assert empty.code == 2 and empty.json["error"]["code"] == "USAGE"
+    assert "/agents" in empty.json["error"]["message"]
+    # a real one-agent checkpoint of the synthetic composition imports
+    real = site.path / "real.flysess"
+    data = base64.b64decode(orjson.loads(FIXTURE.read_bytes())["envelope"])
+    real.write_bytes(data)
+    low = flyctl(site, "checkpoints", "import", str(real), "--steps", "2", socket=False)
     assert low.code == 2 and low.json["error"]["code"] == "USAGE"
-    imported = flyctl(site, "checkpoints", "import", str(out), "--steps", "20", "--mode",
+    imported = flyctl(site, "checkpoints", "import", str(real), "--steps", "20", "--mode",
                       "thread", socket=False)
-    assert imported.code == 0
-    assert imported.json["checkpointId"] == "ck-5" and imported.json["boundary"] == 5
+    assert imported.code == 0, imported
+    assert imported.json["checkpointId"] == "ckpt-1" and imported.json["boundary"] == 2
     assert imported.json["envelopeDigest"] == hashlib.sha256(data).hexdigest()
     assert imported.json["run"] != run
     row = flyctl(site, "runs", "show", str(imported.json["run"]), socket=False).json

@@ -4,6 +4,7 @@ and on the memory store (`run_ctx`); the others on PostgreSQL (`claimed_run`).""
 from __future__ import annotations
 
 import asyncio
+import base64
 import hashlib
 from dataclasses import replace
 from pathlib import Path
@@ -44,6 +45,8 @@ from tests.state.conftest import (
     run_state,
 )
 from workers.domain import DomainError, ErrorCode, Mutation
+
+FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "checkpoint-envelope.json"
 
 
 async def stored_ids(ctx: RunCtx) -> list[str]:
@@ -497,8 +500,15 @@ async def test_flyctl_checkpoints_json_output(claimed_run: RunCtx, tmp_path: Pat
     code, stored = await flyctl("checkpoints", "verify", "--run", str(ctx.run_id), "--id",
                                 "ck-3")
     assert code == 0 and stored["ok"] is True
-    code, imported = await flyctl("checkpoints", "import", str(out), "--steps", "12")
-    assert code == 0 and imported["boundary"] == 6 and imported["checkpointId"] == "ck-6"
+    # the synthetic generation names no agents: no composition can install it, and the
+    # import says so before it submits anything (an import keeps the file's composition)
+    code, refused = await flyctl("checkpoints", "import", str(out), "--steps", "12")
+    assert code == 2 and refused["error"]["code"] == "USAGE"
+    assert "/agents" in refused["error"]["message"]
+    real = tmp_path / "real.flysess"
+    real.write_bytes(base64.b64decode(orjson.loads(FIXTURE.read_bytes())["envelope"]))
+    code, imported = await flyctl("checkpoints", "import", str(real), "--steps", "12")
+    assert code == 0 and imported["boundary"] == 2 and imported["checkpointId"] == "ckpt-1"
     assert imported["run"] != ctx.run_id
 
 

@@ -213,13 +213,16 @@ class CanonicalPayload(Mapping[str, Any]):
 
 @dataclass(frozen=True, slots=True)
 class Effect:
-    """A ledger row to insert: `boundary-<k>` or `finish` (§6.1)."""
+    """A ledger row to insert: `boundary-<k>` or `finish` (§6.1). `result` is what the
+    boundary produced (`flyd.effects.result`, the line `flyctl runs export` prints), outside
+    the digest; None for `finish` and for writers that keep none."""
 
     key: str
     session_epoch: int
     boundary: int | None
     payload: Mapping[str, Any]
     digest: bytes
+    result: Mapping[str, Any] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -261,11 +264,14 @@ class Commit:
 
 
     def size(self) -> tuple[int, int]:
-        """(rows, bytes): the rows it inserts and the bytes it sends (effect payloads as one
-        JSON document, and the envelope), which its deadline accounts for."""
+        """(rows, bytes): the rows it inserts and the bytes it sends (effect payloads and
+        results as two JSON documents, and the envelope), which its deadline accounts for."""
         rows = len(self.effects) + (1 if self.checkpoint is not None else 0)
         envelope = len(self.checkpoint.envelope) if self.checkpoint is not None else 0
-        return rows, envelope + (len(payload_document(self.effects)) if self.effects else 0)
+        if not self.effects:
+            return rows, envelope
+        return rows, (envelope + len(payload_document(self.effects))
+                      + len(result_document(self.effects)))
 
 
 #: What C (`commit_timeout_s`) and B (`commit_budget_s`) are sized for: a group commit of up to
@@ -283,6 +289,15 @@ def payload_document(effects: Sequence[Effect]) -> bytes:
     return b"[" + b",".join(
         e.payload.data if isinstance(e.payload, CanonicalPayload)
         else orjson.dumps(e.payload, default=dict) for e in effects) + b"]"
+
+
+def result_document(effects: Sequence[Effect]) -> bytes:
+    """The effects' results as one JSON array, in order, `null` where there is none: sent
+    beside `payload_document` in the same insert."""
+    return b"[" + b",".join(
+        b"null" if e.result is None
+        else e.result.data if isinstance(e.result, CanonicalPayload)
+        else orjson.dumps(e.result, default=dict) for e in effects) + b"]"
 
 
 def commit_allowance_s(rows: int, size: int) -> float:

@@ -183,6 +183,7 @@ class EffectRow:
     payload_digest: bytes
     recorded_at: float
     delivered: bool = False
+    result: Any = None
 
 
 @dataclass(slots=True)
@@ -642,7 +643,8 @@ class MemStore:
             run_id=c.run_id, effect_key=e.key, lease_epoch=c.lease_epoch, node_id=c.node_id,
             session_epoch=e.session_epoch, boundary=e.boundary,
             checkpoint_id=c.checkpoint.checkpoint_id if c.checkpoint is not None else None,
-            payload=_json(dict(e.payload)), payload_digest=bytes(e.digest), recorded_at=now))
+            payload=_json(dict(e.payload)), payload_digest=bytes(e.digest), recorded_at=now,
+            result=None if e.result is None else _json(dict(e.result))))
 
     def _move_head(self, plan: _Plan, others: list[_Plan], checkpoint_id: str,
                    boundary: int) -> None:

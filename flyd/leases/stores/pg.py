@@ -126,6 +126,7 @@ from flyd.leases.stores.contract import (
     UnknownOutcome,
     commit_allowance_s,
     payload_document,
+    result_document,
 )
 from flyd.leases.stores.contract import Commit as CommitRequest
 
@@ -460,15 +461,18 @@ VALUES (%(run)s, %(ckpt)s, %(epoch)s, %(node)s, %(session_id)s, %(session_epoch)
 # §3.5's effect insert with the payloads as one JSON array (`payload_document`) instead of a
 # `jsonb[]` (module decisions, "Large group commits"): the same rows, in one statement. The
 # four arrays go in binary format (`%(…)b`): the text format quotes every element through a
-# regular expression, several times the cost of the binary dump.
+# regular expression, several times the cost of the binary dump. The results ride along as a
+# second JSON array (`result_document`, JSON null → SQL NULL), so the export's lines are written
+# by the very statement that writes their ledger rows.
 INSERT_EFFECTS: Final = """
 INSERT INTO flyd.effects (run_id, effect_key, lease_epoch, node_id, session_epoch, boundary,
-                          checkpoint_id, payload, payload_digest)
+                          checkpoint_id, payload, payload_digest, result)
 SELECT %(run)s, e.key, %(epoch)s, %(node)s, e.session_epoch, e.boundary, %(ckpt)s, p.payload,
-       e.digest
+       e.digest, NULLIF(r.result, 'null'::jsonb)
   FROM unnest(%(keys)b::text[], %(session_epochs)b::bigint[], %(boundaries)b::bigint[],
               %(digests)b::bytea[]) WITH ORDINALITY AS e(key, session_epoch, boundary, digest, i)
-  JOIN jsonb_array_elements(%(payloads)s::jsonb) WITH ORDINALITY AS p(payload, i) USING (i);
+  JOIN jsonb_array_elements(%(payloads)s::jsonb) WITH ORDINALITY AS p(payload, i) USING (i)
+  JOIN jsonb_array_elements(%(results)s::jsonb) WITH ORDINALITY AS r(result, i) USING (i);
 """
 
 MOVE_HEAD: Final = """
@@ -860,7 +864,9 @@ class PgStore:
         sent = False
         backend: Backend | None = None
         document = payload_document(c.effects).decode() if c.effects else ""
-        size = len(document) + (len(ckpt.envelope) if ckpt is not None else 0)
+        results = result_document(c.effects).decode() if c.effects else ""
+        size = (len(document) + len(results)
+                + (len(ckpt.envelope) if ckpt is not None else 0))
         allowance = commit_allowance_s(len(c.effects) + (ckpt is not None), size)
         scale = self._settings.time_scale
 
@@ -890,7 +896,7 @@ class PgStore:
                             **base, "keys": [e.key for e in c.effects],
                             "session_epochs": [e.session_epoch for e in c.effects],
                             "boundaries": [e.boundary for e in c.effects],
-                            "payloads": document,
+                            "payloads": document, "results": results,
                             "digests": [e.digest for e in c.effects]})
                     if ckpt is not None:
                         await conn.execute(MOVE_HEAD, {**base, "boundary": ckpt.boundary})
