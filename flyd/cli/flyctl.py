@@ -73,7 +73,7 @@ import uvloop
 from bus.client import BusClient, connect
 from bus.errors import BusError, CallDeadlineExceeded, RouterLost
 from flyd.cli.common import CtlOptions
-from flyd.cli.run import RunOptions, RunUsageError, build_spec
+from flyd.cli.run import RunOptions, RunUsageError, build_spec, read_spec_file
 from flyd.config import Config, load_config, redact_dsn, redact_dsn_text
 from flyd.errors import ConfigError
 from flyd.leases import queries
@@ -806,7 +806,11 @@ async def checkpoints_import(opts: CtlOptions, path: Path, run: RunOptions, key:
         raise CtlError(str(exc.code), exc.message) from None
     boundary = int(envelope.manifest["sourceScope"]["step"])
     if spec_file is not None:
-        base, origin = _spec_document(spec_file), f"--spec {spec_file}"
+        try:
+            base = read_spec_file(spec_file)
+        except RunUsageError as exc:
+            raise CtlError(exc.code, exc.message) from None
+        origin = f"--spec {spec_file}"
     else:
         async with _database(resolve_dsn(opts, config)) as conn:
             source = await _source_spec(conn, hashlib.sha256(data).digest())
@@ -834,19 +838,6 @@ async def checkpoints_import(opts: CtlOptions, path: Path, run: RunOptions, key:
            "boundary": record.boundary, "envelopeDigest": record.envelope_digest}
     return Result(doc, [f"flyctl checkpoints import: run {record.run_id} starts from "
                         f"{record.checkpoint_id} at boundary {record.boundary}"], notes=notes)
-
-
-def _spec_document(path: Path) -> dict[str, Any]:
-    """A run spec file: a JSON object (`USAGE` for an unreadable file or another document)."""
-    try:
-        doc = orjson.loads(path.read_bytes())
-    except OSError as exc:
-        raise CtlError("USAGE", f"--spec {path}: {exc.strerror}") from None
-    except orjson.JSONDecodeError as exc:
-        raise CtlError("USAGE", f"--spec {path}: not JSON: {exc}") from None
-    if not isinstance(doc, dict):
-        raise CtlError("USAGE", f"--spec {path}: a run spec is a JSON object")
-    return doc
 
 
 async def _source_spec(conn: psycopg.AsyncConnection[Any],
