@@ -150,3 +150,13 @@ def test_the_plot_keeps_a_bounded_number_of_points() -> None:
         assert line.xs == sorted(line.xs)
     assert plot.totals == {"a": 100_000.0, "b": 50_000.0}
     assert plot.rewards["a"].ys[-1] == plot.rewards["a"].xs[-1]  # cumulative at its boundary
+
+
+def test_a_world_without_views_gives_no_gif(tmp: Path) -> None:
+    gif = tmp / "none.gif"
+    code, summary, stderr = flyd_run(tmp, "--spec", reaching.SPEC, *reaching.PLUGINS,
+                                     "--steps", "6", "--mode", "thread", "--world-config",
+                                     '{"layoutSeed": 3}', "--record", str(gif))
+    assert code == 0 and summary["state"] == "succeeded", summary
+    assert not gif.exists()
+    assert f"--record {gif}: no frame to record (the world declares no views" in stderr
