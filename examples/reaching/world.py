@@ -7,10 +7,14 @@ functions of the config's `layoutSeed`, the port and the goal's index (SHA-256, 
 random state), so every run of a spec is the same run, and a restored world continues exactly.
 
 The world offers its inspection as the agents' structured input (`STRUCTURED_OBSERVATION`): the
-agents see positions and goals without pixels. It declares no views and no audio.
+agents see positions and goals without pixels. With `view` > 0 it also declares one view,
+`top-down`: the plane seen from above, `view` pixels square, each point a filled square and its
+goal a hollow one in the port's colour (what `flyd run --record` shows; the goal seekers do not
+look at it). It declares no audio.
 
 Config: `size` (default 5), `speed` (distance per step at full throttle, default 0.4),
-`goalRadius` (default 0.5), `layoutSeed` (an integer, default 1).
+`goalRadius` (default 0.5), `layoutSeed` (an integer, default 1), `view` (pixels per side of
+the top-down view, an integer; default 0, no view).
 """
 
 from __future__ import annotations
@@ -27,9 +31,11 @@ from workers.datatypes import (
     AxisSpec,
     ControllerSchema,
     EnvironmentDescriptor,
+    PixelAspect,
     PortControl,
     PortSpec,
     TypedValue,
+    ViewDescriptor,
 )
 from workers.domain import DomainError, parse_id, parse_int
 from workers.protocols import STRUCTURED_OBSERVATION
@@ -39,7 +45,13 @@ CAPTURE_FORMAT: Final = "point-world-v1"
 CONTROLS: Final = ControllerSchema(CONTROLLER, (), (AxisSpec("dx", "bipolar", 0.0),
                                                     AxisSpec("dy", "bipolar", 0.0)))
 DEFAULTS: Final = {"size": (5.0, 0.5, 1000.0), "speed": (0.4, 0.0, 100.0),
-                   "goalRadius": (0.5, 0.01, 100.0), "layoutSeed": (1.0, 0.0, 2.0**31)}
+                   "goalRadius": (0.5, 0.01, 100.0), "layoutSeed": (1.0, 0.0, 2.0**31),
+                   "view": (0.0, 0.0, 512.0)}
+VIEW_ID: Final = "top-down"
+BACKGROUND: Final = (24, 26, 32, 255)
+#: the ports' colours, in port order (repeating)
+COLOURS: Final = ((230, 159, 0), (86, 180, 233), (0, 158, 115), (240, 228, 66),
+                  (0, 114, 178), (213, 94, 0), (204, 121, 167), (255, 255, 255))
 
 
 class PointWorld:
@@ -59,8 +71,11 @@ class PointWorld:
         self.step = step
         self.config = dict(config)
         values = settings(self.config, "point world", DEFAULTS)
-        if not values["layoutSeed"].is_integer():
-            raise DomainError.invalid("point world config layoutSeed must be an integer")
+        for key in ("layoutSeed", "view"):
+            if not values[key].is_integer():
+                raise DomainError.invalid(f"point world config {key} must be an integer")
+        self.view = int(values["view"])
+        self.delay = observation_delay_steps
         self.size = values["size"]
         self.speed = values["speed"]
         self.radius = values["goalRadius"]
@@ -98,7 +113,8 @@ class PointWorld:
             step_duration=self.step,
             ports=tuple(PortSpec(p, CONTROLS) for p in self.ports),
             inspection_schema=INSPECTION,
-            views=(),
+            views=(ViewDescriptor(VIEW_ID, self.view, self.view, 4 * self.view,
+                                  PixelAspect(1, 1), self.delay),) if self.view else (),
             audio=(),
             recovery="exact-checkpoint",
             determinism="fixed-build",
@@ -127,7 +143,34 @@ class PointWorld:
              "reached": self.reached[port]} for port in self.ports]})
 
     def render(self, view_id: str, boundary: int) -> bytes:
-        raise DomainError.invalid(f"the point world has no view {view_id}")
+        if view_id != VIEW_ID or not self.view:
+            raise DomainError.invalid(f"the point world has no view {view_id}")
+        side = self.view
+        pixels = bytearray(bytes(BACKGROUND) * side * side)
+        half = max(1, side // 40)
+        for index, port in enumerate(self.ports):
+            colour = bytes((*COLOURS[index % len(COLOURS)], 255))
+            gx, gy = self._pixel(self.goal(port))
+            self._square(pixels, gx, gy, half + 2, colour, hollow=True)
+            px, py = self._pixel(self.positions[port])
+            self._square(pixels, px, py, half + 1, colour, hollow=False)
+        return bytes(pixels)
+
+    def _pixel(self, spot: tuple[float, float]) -> tuple[int, int]:
+        """A point of the plane as a pixel of the view (y up, rows top down)."""
+        scale = (self.view - 1) / (2.0 * self.size)
+        return (round((spot[0] + self.size) * scale), round((self.size - spot[1]) * scale))
+
+    def _square(self, pixels: bytearray, cx: int, cy: int, half: int, colour: bytes,
+                hollow: bool) -> None:
+        side = self.view
+        for y in range(max(0, cy - half), min(side, cy + half + 1)):
+            edge_row = y in (cy - half, cy + half)
+            for x in range(max(0, cx - half), min(side, cx + half + 1)):
+                if hollow and not edge_row and x not in (cx - half, cx + half):
+                    continue
+                at = 4 * (y * side + x)
+                pixels[at:at + 4] = colour
 
     def audio(self, stream_id: str, frames: int) -> bytes:
         raise DomainError.invalid(f"the point world has no audio stream {stream_id}")

@@ -126,6 +126,13 @@ class _JsonErrors(click.Command):
                    "lose-advance-result@STEP.")
 @click.option("--trace", type=click.Path(dir_okay=False, path_type=Path),
               help="Write the behaviour trace as JSON lines.")
+@click.option("--record", type=click.Path(dir_okay=False, path_type=Path), metavar="FILE.gif",
+              help="Write the world's view as an animated GIF (extra flyd[pictures]).")
+@click.option("--record-every", type=click.IntRange(min=1), default=1, show_default=True,
+              metavar="K", help="With --record: one frame every K boundaries.")
+@click.option("--plot", type=click.Path(dir_okay=False, path_type=Path), metavar="FILE.png",
+              help="Draw each agent's cumulative reward and the task's progress over "
+                   "boundaries as a PNG (extra flyd[pictures]).")
 @click.option("--pace/--no-pace", default=None,
               help="Pace transitions at world time, 60 Hz (default [session] pacing).")
 @click.option("--checkpoint-every", type=int,
@@ -142,7 +149,8 @@ class _JsonErrors(click.Command):
 @plugin_path_option
 @global_options
 def run_cmd(steps: int, agents: str | None, mode: str | None, seed: int | None,
-            dispatch: str | None, faults: tuple[str, ...], trace: Path | None, pace: bool | None,
+            dispatch: str | None, faults: tuple[str, ...], trace: Path | None,
+            record: Path | None, record_every: int, plot: Path | None, pace: bool | None,
             checkpoint_every: int | None, socket_path: str | None, dsn: str | None,
             state_dir: Path | None, lease_ttl: float | None, as_json: bool,
             spec_file: Path | None, model: str | None, model_config: str | None,
@@ -154,6 +162,7 @@ def run_cmd(steps: int, agents: str | None, mode: str | None, seed: int | None,
     log = log_flags(log_format, verbose, quiet)
     opts = RunOptions(steps=steps, agents=None if agents is None else parse_agents(agents),
                       mode=mode, seed=seed, dispatch=dispatch, faults=faults, trace=trace,
+                      record=record, record_every=record_every, plot=plot,
                       pace=pace, checkpoint_every=checkpoint_every, socket=socket_path,
                       dsn=dsn, state_dir=state_dir, lease_ttl=lease_ttl, as_json=as_json,
                       config_file=config_file, log=log, spec_file=spec_file, model=model,

@@ -33,6 +33,10 @@ Decisions:
 - `--trace PATH` writes the behaviour records (canonical JSON, one line each), also for a
   failed run; the file is created (truncated) before anything starts, so an unwritable path is
   `USAGE` (exit 2).
+- `--record FILE.gif` (`--record-every K`) and `--plot FILE.png` draw pictures of the committed
+  boundaries (`flyd.cli.pictures`): the same `USAGE` rule for their paths, and a missing
+  `flyd[pictures]` extra is `USAGE` naming it. What they wrote (or why not) is printed on
+  stderr at the end, in both output modes.
 - The end-of-run poll and the summary's reads use a connection of their own that reconnects
   (`flyd.leases.reconnect`): a PostgreSQL blip that ends it is retried, never a crash that
   would leave the run `running`. A poll that still fails after `POLL_READ_S` is logged
@@ -67,12 +71,13 @@ import time
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Any, Final
+from typing import IO, Any, Final
 
 import orjson
 import psycopg
 import structlog
 
+from flyd.cli.pictures import Pictures, frame_delay_ms, missing_extra
 from flyd.config import Config, load_config
 from flyd.errors import ConfigError
 from flyd.launch.identities import new_node_id
@@ -134,6 +139,9 @@ class RunOptions:
     dispatch: str | None = None
     faults: tuple[str, ...] = ()
     trace: Path | None = None
+    record: Path | None = None
+    record_every: int = 1
+    plot: Path | None = None
     pace: bool | None = None
     checkpoint_every: int | None = None
     checkpoint_seconds: float | None = None
@@ -463,10 +471,53 @@ async def run_session(opts: RunOptions) -> int:
                 raise RunUsageError("USAGE", f"--trace {opts.trace}: cannot write: "
                                              f"{exc.strerror}") from None
         setup = node_setup(opts, config, spec)
+        pictures = _open_pictures(opts, spec)
     except ConfigError as exc:
         return _error(opts, "CONFIG", str(exc))
     except RunUsageError as exc:
         return _error(opts, exc.code, exc.message)
+    try:
+        return await _run_node(opts, spec, config, setup, pictures)
+    finally:
+        if pictures is not None:
+            for note in pictures.finish():
+                print(f"flyd run: {note}", file=sys.stderr, flush=True)
+
+
+def _open_pictures(opts: RunOptions, spec: RunSpec) -> Pictures | None:
+    """`--record` and `--plot`: their extra is installed and their files can be written, or
+    `RunUsageError` before anything starts (`flyd.cli.pictures`)."""
+    if opts.record is None and opts.plot is None:
+        return None
+    if opts.record_every < 1:
+        raise RunUsageError("USAGE", f"--record-every: must be at least 1; got "
+                                     f"{opts.record_every}")
+    for option, path in (("--record", opts.record), ("--plot", opts.plot)):
+        if path is None:
+            continue
+        missing = missing_extra(option)
+        if missing is not None:
+            raise RunUsageError("USAGE", missing)
+    if opts.plot is not None:
+        _writable("--plot", opts.plot).close()
+    record: tuple[Path, IO[bytes], int, int] | None = None
+    if opts.record is not None:
+        step_ns = spec.world.step.numerator / spec.world.step.denominator
+        record = (opts.record, _writable("--record", opts.record), opts.record_every,
+                  frame_delay_ms(step_ns, opts.record_every))
+    return Pictures(record, opts.plot)
+
+
+def _writable(option: str, path: Path) -> IO[bytes]:
+    """The file created (truncated) for writing, or `RunUsageError` naming the option."""
+    try:
+        return path.open("wb")
+    except OSError as exc:
+        raise RunUsageError("USAGE", f"{option} {path}: cannot write: {exc.strerror}") from None
+
+
+async def _run_node(opts: RunOptions, spec: RunSpec, config: Config, setup: NodeSetup,
+                    pictures: Pictures | None) -> int:
     signals = _Signals()
     signals.install()
     node = NodeProcess(setup)
@@ -479,7 +530,7 @@ async def run_session(opts: RunOptions) -> int:
             return _error(opts, "CONFIG", getattr(exc, "message", None) or str(exc))
         run_id, report, row = await _execute(node, spec, int(config.value(
             "leases", "max_attempts")), signals, setup.config.leases.drain_timeout_s,
-            opts.trace)
+            opts.trace, pictures)
         try:
             ledger = await _fold_ledger(node.dsn, run_id)
             checkpoints = await _count_checkpoints(node.dsn, run_id)
@@ -501,7 +552,7 @@ async def run_session(opts: RunOptions) -> int:
 
 
 async def _execute(node: NodeProcess, spec: RunSpec, max_attempts: int, signals: _Signals,
-                   drain_s: float, trace: Path | None
+                   drain_s: float, trace: Path | None, pictures: Pictures | None,
                    ) -> tuple[int, RunReport | None, dict[str, Any] | None]:
     """Submit, serve only that run until it is terminal (or abandoned), stop the runtime."""
     assert node.store is not None and node.executor is not None
@@ -513,6 +564,8 @@ async def _execute(node: NodeProcess, spec: RunSpec, max_attempts: int, signals:
     node.executor.on_recovery = _print_recovery
     node.executor.keep_reports = True
     node.executor.trace_path = trace
+    if pictures is not None:
+        node.executor.on_boundary = lambda _report, sample: pictures.observe(sample)
     progress.start()
     runtime = node.make_runtime(only=run_id)
     row: dict[str, Any] | None = None

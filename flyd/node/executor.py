@@ -27,6 +27,8 @@ Decisions:
   execution ends, so a long-lived `flyd serve` node holds nothing of the runs it finished (the
   soak measured a steady RSS growth per run before); `flyd run`, which reads its one run's report
   after the end, sets `keep_reports`.
+- `on_boundary` (`flyd run --record`, `--plot`) gets a `BoundarySample` of each committed
+  transition, built from the coordinator only while it is set (`flyd.session.sample`).
 - A report's behaviour records are a `RecordStream`: only those beyond the durable head are
   held; the rest went to `trace_path` (`flyd run --trace`), if set, and into a running digest.
 """
@@ -53,6 +55,7 @@ from flyd.leases.runtime import GrantScope
 from flyd.node.grant import GrantSession, LedgerReader, RunAbandoned, RunReport, writer_config
 from flyd.session.coordinator import Deadlines
 from flyd.session.runspec import DEFAULT_MAX_AGENTS, RunSpec, RunSpecError
+from flyd.session.sample import BoundarySample, boundary_sample
 from flyd.session.trace import RecordStream
 from flyd.state.checkpoints import CheckpointStore
 from flyd.state.writer import EventRing, WriterConfig
@@ -92,6 +95,9 @@ class GrantExecutor:
         self.deadlines = deadlines or Deadlines()
         self.on_progress = on_progress
         self.on_recovery = on_recovery
+        #: called after each committed transition with what an observer sees of it
+        #: (`flyd run --record`, `--plot`); no sample is built while it is None
+        self.on_boundary: Callable[[RunReport, BoundarySample], None] | None = None
         self.rings: dict[int, EventRing] = {}
         self._router_up = asyncio.Event()
         self.router_exits = 0
@@ -227,6 +233,10 @@ class GrantExecutor:
         return self._clients[run_id].closed or self.node.closed
 
     def progressed(self, report: RunReport) -> None:
+        if self.on_boundary is not None and report.coordinator is not None:
+            sample = boundary_sample(report.coordinator)
+            if sample is not None:
+                self.on_boundary(report, sample)
         if self.on_progress is not None:
             self.on_progress(report)
 

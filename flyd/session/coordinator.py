@@ -167,6 +167,7 @@ from workers.datatypes import (
     Graph,
     Telemetry,
     TypedValue,
+    ViewDescriptor,
     WorldObservation,
 )
 from workers.domain import DomainError, ErrorCode, Mutation, Scope
@@ -303,6 +304,9 @@ class Coordinator:
         self.episode_request: EpisodeRequest | None = None
         self.descriptor: EnvironmentDescriptor | None = None
         self.observation: WorldObservation | None = None
+        #: the task's verdict on the last committed transition (None before the first one and
+        #: after a restore); kept by reference for observers of the run (`flyd.session.sample`)
+        self.last_evaluation: Evaluation | None = None
         self._media = Media()
         self._pending_media = Media()
         self._audio = AudioTimelines([])
@@ -366,6 +370,16 @@ class Coordinator:
 
     def evaluations(self) -> int:
         return self.task.evaluations()
+
+    def committed_view(self) -> tuple[ViewDescriptor, bytes] | None:
+        """The committed boundary's first declared view and its RGBA8 bytes (the view a world
+        meant for people declares first: `flyd run --record`); None without views or before
+        the bootstrap."""
+        if self.descriptor is None or not self.descriptor.views:
+            return None
+        view = self.descriptor.views[0]
+        pixels = self._media.views.get(view.view_id)
+        return None if pixels is None else (view, pixels)
 
     def live_view_handles(self) -> int:
         return self._media.count() + self._pending_media.count()
@@ -717,6 +731,7 @@ class Coordinator:
             if bound is not None:
                 bound.last_controls = control
         self.observation = new
+        self.last_evaluation = evaluation
         self._media = self._pending_media
         self._pending_media = Media()
         self._audio.advance(new.audio)
@@ -989,6 +1004,7 @@ class Coordinator:
         self.episode_request = None
         self._last_event_ids = []
         self.observation = installed.observation
+        self.last_evaluation = None
         self._media = installed.media
         self._audio = installed.audio
         self._durable = installed.durable
