@@ -1,9 +1,9 @@
 """The fly-arena example end to end (docs/examples.md): `flyd run --spec
 examples/fly_arena/run.json --plugin-path <repository root>`, the README's command, succeeds and
-gives the same behaviour digest in every mode; a fly killed mid-run is replaced and the run
-restored from its last checkpoint with the digest of an undisturbed run; and the 32-fly swarm
-(`examples/fly_arena/swarm.json` on a node configured by `swarm.toml`) runs in process mode,
-which needs the router's per-client call limit sized for 32 agents and the world.
+gives the same behaviour digest in every mode; a fly (or the world) killed mid-run is replaced
+and the run restored from its last checkpoint with the digest of an undisturbed run; and the
+32-fly swarm (`examples/fly_arena/swarm.json` on a node configured by `swarm.toml`) runs in
+process mode, which needs the router's per-client call limit sized for 32 agents and the world.
 """
 
 from __future__ import annotations
@@ -49,14 +49,17 @@ def test_the_example_runs_from_its_spec_with_the_same_digest_in_every_mode(tmp: 
     assert summary["behaviourDigest"] == clean
 
 
-def test_a_killed_fly_is_recovered_with_the_clean_digest(tmp: Path) -> None:
+@pytest.mark.parametrize("mode, kill", [("process", "kill:fly-2@35"),
+                                        ("thread", "kill:arena@40")])
+def test_a_killed_fly_is_recovered_with_the_clean_digest(tmp: Path, mode: str,
+                                                         kill: str) -> None:
     clean = clean_digest(tmp)
     code, summary, _ = flyd_run(tmp, "--spec", SPEC, *PLUGINS, "--steps", STEPS,
-                                "--fault", "kill:fly-2@35")
+                                "--mode", mode, "--fault", kill)
     assert code == 0, summary
-    assert summary["state"] == "succeeded" and summary["mode"] == "process"
+    assert summary["state"] == "succeeded" and summary["mode"] == mode
     assert summary["recoveries"] == 1 and summary["epochs"] == ["e1", "e2"], summary
-    assert [f["participant"] for f in summary["failures"]] == ["fly-2"]
+    assert [f["participant"] for f in summary["failures"]] == [kill[5:].partition("@")[0]]
     assert summary["checkpoints"] >= 2  # restored from the one at 25, and the final one
     assert summary["behaviourDigest"] == clean
 
