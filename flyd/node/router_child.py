@@ -175,11 +175,15 @@ def _policy_table(policy: Policy) -> dict[str, Any]:
 def required_limits(capacity: int = 1, max_agents: int = DEFAULT_MAX_AGENTS) -> dict[str, int]:
     """cli.md §5.1: the `[bus.limits]` floors a node needs (snake_case keys). Expectations
     follow the clients' floor: every client of a session (workers, launcher, coordinator) is
-    expected before it connects, and all of a composition's launches are in flight at once."""
+    expected before it connects, and all of a composition's launches are in flight at once.
+    A coordinator holds up to two calls per participant (every agent and the world) at once: a
+    capture's answers, not yet consumed, while it sends every participant its
+    `Worker.Acknowledge`; hence `2·(max_agents + 1)`, above cli.md's `2·max_agents`, which
+    refused a 32-agent session's first checkpoint with `BACKPRESSURE`."""
     return {"max_clients": capacity * (max_agents + 3) + 8,
             "max_services": capacity * (max_agents + 1) + 1,
             "max_expectations": capacity * (max_agents + 3) + 8,
-            "max_active_calls_per_client": 2 * max_agents}
+            "max_active_calls_per_client": 2 * (max_agents + 1)}
 
 
 def router_toml(bus: Mapping[str, Any], node_pid: int, capacity: int = 1,
