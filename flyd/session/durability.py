@@ -102,6 +102,7 @@ class Durability:
         self.clock = clock
         self.audit = audit or (lambda line: None)
         self.committed = 0
+        self.refusal = "a participant"  # who refused the last capture, and why
 
     @property
     def head(self) -> tuple[str, int] | None:
@@ -174,7 +175,7 @@ class Durability:
         if ticket is None:
             raise DomainError.before(
                 ErrorCode.INVALID_PHASE,
-                f"durable capture {checkpoint_id} was refused by a participant")
+                f"durable capture {checkpoint_id} was refused by {self.refusal}")
         outcome = await self.writer.wait(ticket, budget)
         if isinstance(outcome, Committed):
             self.committed += 1
@@ -195,10 +196,16 @@ class Durability:
         try:
             capture = await coordinator.capture(checkpoint_id,
                                                 kind="hot" if replaceable else "durable")
-        except SessionFailure:
+        except SessionFailure as exc:
             reservation.release()
             if coordinator.fenced:
                 raise
+            # the participant's reason (an unpicklable world names itself) reaches the log and
+            # a durable capture's error, instead of vanishing
+            self.refusal = f"{exc.participant or 'a participant'}: {exc.error.message}"
+            log.warning("checkpoint.capture_refused", checkpoint_id=checkpoint_id,
+                        participant=exc.participant, code=str(exc.error.code),
+                        reason=exc.error.message)
             return None
         except BaseException:
             reservation.release()

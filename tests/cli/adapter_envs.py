@@ -1,0 +1,161 @@
+"""Small deterministic environments and policies for the adapters' tests (no network, no ROMs).
+
+- `LineEnv`: a PettingZoo `ParallelEnv`. Two walkers on the integer line `0..size` each walk
+  toward their own target (starts in the first quarter, targets in the last; `Discrete(3)`:
+  left, stay, right; observation `Box` `[position, target]`). Each step rewards
+  `-|position − target| / size`, plus 1 on arrival, which terminates the walker; all are
+  truncated after `maxSteps`. Starts and targets come from the env's seeded `np_random`.
+  `render_mode="rgb_array"` draws a strip with one coloured cell per walker and target.
+- `UnpicklableLineEnv`: the same, holding a lock, so it cannot be pickled.
+- `SlideEnv`: a Gymnasium `Env` of one agent on `[-1, 1]` with a `Box(-1, 1, (1,))` action
+  (the velocity), terminated within 0.05 of its target.
+- `walk` (a function) and `StubbornPolicy` (a callable object with state) for `LineEnv`;
+  `slide` for `SlideEnv`.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import gymnasium
+import numpy as np
+from gymnasium import spaces
+from pettingzoo import ParallelEnv
+
+CELL = 4
+
+
+class LineEnv(ParallelEnv):  # type: ignore[misc]
+    metadata = {"name": "line_v0", "render_modes": ["rgb_array"]}
+
+    def __init__(self, size: int = 16, maxSteps: int = 30,
+                 render_mode: str | None = None) -> None:
+        self.size = size
+        self.max_steps = maxSteps
+        self.render_mode = render_mode
+        self.possible_agents = ["walker_0", "walker_1"]
+        self.agents: list[str] = []
+        self.positions: dict[str, int] = {}
+        self.targets: dict[str, int] = {}
+        self.steps = 0
+        self.np_random = np.random.default_rng(0)
+
+    def observation_space(self, agent: str) -> spaces.Box:
+        return spaces.Box(0.0, float(self.size), (2,), np.float32)
+
+    def action_space(self, agent: str) -> spaces.Discrete:
+        return spaces.Discrete(3)
+
+    def observe(self, agent: str) -> np.ndarray:
+        return np.array([self.positions[agent], self.targets[agent]], dtype=np.float32)
+
+    def reset(self, seed: int | None = None, options: Any = None
+              ) -> tuple[dict[str, Any], dict[str, Any]]:
+        if seed is not None:
+            self.np_random = np.random.default_rng(seed)
+        self.agents = list(self.possible_agents)
+        self.steps = 0
+        for agent in self.agents:
+            self.positions[agent] = int(self.np_random.integers(0, self.size // 4 + 1))
+            self.targets[agent] = int(self.np_random.integers(3 * self.size // 4, self.size + 1))
+        return {a: self.observe(a) for a in self.agents}, {a: {} for a in self.agents}
+
+    def step(self, actions: dict[str, Any]) -> tuple[dict[str, Any], ...]:
+        self.steps += 1
+        observations, rewards, terminations, truncations = {}, {}, {}, {}
+        for agent in self.agents:
+            move = int(actions[agent]) - 1
+            self.positions[agent] = min(self.size, max(0, self.positions[agent] + move))
+            gap = abs(self.positions[agent] - self.targets[agent])
+            arrived = gap == 0
+            rewards[agent] = -gap / self.size + (1.0 if arrived else 0.0)
+            terminations[agent] = arrived
+            truncations[agent] = self.steps >= self.max_steps
+            observations[agent] = self.observe(agent)
+        self.agents = [a for a in self.agents if not (terminations[a] or truncations[a])]
+        return observations, rewards, terminations, truncations, {a: {} for a in observations}
+
+    def render(self) -> np.ndarray:
+        strip = np.zeros((CELL * 2, CELL * (self.size + 1), 3), dtype=np.uint8)
+        strip[:, :, 2] = 40
+        for row, agent in enumerate(self.possible_agents):
+            rows = slice(row * CELL, (row + 1) * CELL)
+            target = self.targets.get(agent, 0)
+            strip[rows, target * CELL:(target + 1) * CELL, 1] = 200
+            position = self.positions.get(agent, 0)
+            strip[rows, position * CELL:(position + 1) * CELL, 0] = 255
+        return strip
+
+
+class UnpicklableLineEnv(LineEnv):
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.lock = threading.Lock()
+
+
+def walk(observation: np.ndarray, agent_id: str, rng: np.random.Generator) -> int:
+    """Toward the target, with a random step one time in four."""
+    assert observation.dtype == np.float32 and observation.shape == (2,)
+    assert agent_id in ("walker_0", "walker_1")
+    if rng.random() < 0.25:
+        return int(rng.integers(0, 3))
+    position, target = observation
+    return 1 if position == target else (2 if target > position else 0)
+
+
+class StubbornPolicy:
+    """Walks toward the target but stays put every third call: its count is its state."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(self, observation: np.ndarray, agent_id: str,
+                 rng: np.random.Generator) -> int:
+        self.calls += 1
+        if self.calls % 3 == 0:
+            return 1
+        return walk(observation, agent_id, rng)
+
+
+stubborn = StubbornPolicy()
+
+
+class SlideEnv(gymnasium.Env):  # type: ignore[type-arg]
+    metadata = {"render_modes": ["rgb_array"]}
+
+    def __init__(self, maxSteps: int = 40, render_mode: str | None = None) -> None:
+        self.max_steps = maxSteps
+        self.render_mode = render_mode
+        self.observation_space = spaces.Box(-1.0, 1.0, (2,), np.float64)
+        self.action_space = spaces.Box(-1.0, 1.0, (1,), np.float32)
+        self.x = self.target = 0.0
+        self.steps = 0
+
+    def reset(self, *, seed: int | None = None, options: Any = None
+              ) -> tuple[np.ndarray, dict[str, Any]]:
+        super().reset(seed=seed)
+        self.x = float(self.np_random.uniform(-1, 1))
+        self.target = float(self.np_random.uniform(-1, 1))
+        self.steps = 0
+        return np.array([self.x, self.target]), {}
+
+    def step(self, action: Any) -> tuple[np.ndarray, float, bool, bool, dict[str, Any]]:
+        self.steps += 1
+        noise = float(self.np_random.normal(0.0, 0.01))
+        self.x = min(1.0, max(-1.0, self.x + 0.1 * float(np.asarray(action)[0]) + noise))
+        gap = abs(self.x - self.target)
+        return (np.array([self.x, self.target]), -gap, gap < 0.05,
+                self.steps >= self.max_steps, {})
+
+    def render(self) -> np.ndarray:
+        frame = np.zeros((4, 41, 3), dtype=np.uint8)
+        frame[:, round((self.target + 1) * 20), 1] = 255
+        frame[:, round((self.x + 1) * 20), 0] = 255
+        return frame
+
+
+def slide(observation: np.ndarray, agent_id: str, rng: np.random.Generator) -> np.ndarray:
+    assert agent_id == "agent" and observation.shape == (2,)
+    x, target = observation
+    return np.array([np.clip((target - x) * 5, -1, 1)], dtype=np.float32)

@@ -1,0 +1,234 @@
+"""The adapters' parts (docs/adapters.md): the space mappings, the world's checkpoint (a
+pickled env that continues exactly, an unpicklable env whose capture names it, also through a
+session), a stateful policy's checkpoint, the rules the world refuses at start, the task's
+rewards and endings, and that nothing outside `workers/adapters` imports the optional packages.
+"""
+
+from __future__ import annotations
+
+import re
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from gymnasium import spaces
+
+from flyd.launch.launcher import ExecutionMode
+from flyd.session.fence import SessionFailure
+from flyd.session.runspec import RunSpec
+from tests.session.harness import Fixture, SessionHarness, within
+from workers.adapters.gymnasium import EnvWorld
+from workers.adapters.pettingzoo import EnvTask, ParallelEnvWorld, PolicyModel
+from workers.adapters.spaces import (
+    CONTEXT,
+    controller,
+    describe,
+    from_json,
+    to_action,
+    to_intent,
+    to_json,
+    typed,
+)
+from workers.datatypes import ButtonState, PortControl, PortSpec, check_port_control
+from workers.domain import DomainError, Scope
+from workers.protocols import ControllerIntent
+from workers.ticks import RationalNs
+
+ROOT = Path(__file__).resolve().parents[2]
+ENVS = "tests.cli.adapter_envs"
+PORTS = ("p1", "p2")
+BINDINGS = (("p1", "walker-a"), ("p2", "walker-b"))
+
+
+def line_world(env: str = "LineEnv", **config: Any) -> ParallelEnvWorld:
+    return ParallelEnvWorld(world_id="line", ports=PORTS, step=RationalNs.millis(10),
+                            observation_delay_steps=0, threads=1,
+                            config={"env": f"{ENVS}:{env}", "seed": 3, **config})
+
+
+def policies() -> dict[str, PolicyModel]:
+    pool = ThreadPoolExecutor(1)
+    return {agent: PolicyModel(agent_id=agent, seed=7, threads=1, executor=pool,
+                               config={"policy": f"{ENVS}:{policy}"})
+            for agent, policy in (("walker-a", "walk"), ("walker-b", "stubborn"))}
+
+
+def run(world: ParallelEnvWorld, models: dict[str, PolicyModel], steps: int,
+        start: int = 0) -> list[Any]:
+    """`steps` transitions of the world driven by the models; every inspection after one."""
+    seen = []
+    for k in range(start, start + steps):
+        inspection = world.inspection(k)
+        controls = []
+        for port, agent in BINDINGS:
+            models[agent].install_input(PolicyModel.encode([], inspection))
+            decision = models[agent].decide(typed(CONTEXT, {"step": k}))
+            controls.append(ControllerIntent.from_json(decision.value).for_port(port))
+        world.apply(controls)
+        seen.append(world.inspection(k + 1).value)
+    return seen
+
+
+# --------------------------------------------------------------------------------------------
+# spaces
+
+
+def test_a_discrete_action_is_one_button_and_a_box_action_is_axes() -> None:
+    discrete = describe(spaces.Discrete(3, start=-1), bounds=True)
+    schema = controller(discrete)
+    assert schema.buttons == ("a0", "a1", "a2") and schema.axes == ()
+    intent = to_intent(discrete, 1)
+    assert [b["down"] for b in intent["buttons"]] == [False, False, True]
+    control = ControllerIntent.from_json(intent).for_port("p1")
+    check_port_control(control, PortSpec("p1", schema))
+    assert to_action(discrete, control) == 1
+    released = tuple(ButtonState(b.id, False) for b in control.buttons)
+    assert to_action(discrete, PortControl("p1", released, ())) == -1  # none pressed: start
+
+    box = describe(spaces.Box(np.array([-2, 0], np.float32), np.array([2, 10], np.float32)),
+                   bounds=True)
+    schema = controller(box)
+    assert [a.id for a in schema.axes] == ["x0", "x1"] and schema.buttons == ()
+    intent = to_intent(box, np.array([1.0, 2.5], dtype=np.float32))
+    assert [a["value"] for a in intent["axes"]] == [0.5, -0.5]
+    action = to_action(box, ControllerIntent.from_json(intent).for_port("p1"))
+    assert action.dtype == np.float32 and action.tolist() == [1.0, 2.5]
+
+
+@pytest.mark.parametrize("space, reason", [
+    (spaces.Box(-np.inf, np.inf, (2,)), "finite bounds"),
+    (spaces.Box(0, 5, (2,), dtype=np.int64), "floating dtype"),
+    (spaces.MultiDiscrete([3, 3]), "not supported"),
+    (spaces.Discrete(40), "at most 32 buttons"),
+])
+def test_unmappable_action_spaces_are_unsupported(space: Any, reason: str) -> None:
+    with pytest.raises(DomainError, match=reason) as info:
+        controller(describe(space, bounds=True))
+    assert info.value.code == "UNSUPPORTED"
+
+
+def test_observations_round_trip_through_json() -> None:
+    space = spaces.Dict({"pos": spaces.Box(0, 1, (2, 2), np.float32),
+                         "mode": spaces.Discrete(4),
+                         "bits": spaces.Tuple((spaces.MultiBinary(3),))})
+    space.seed(1)
+    value = space.sample()
+    desc = describe(space)
+    back = from_json(desc, to_json(desc, value))
+    assert back["pos"].dtype == np.float32 and np.array_equal(back["pos"], value["pos"])
+    assert back["mode"] == value["mode"]
+    assert np.array_equal(back["bits"][0], value["bits"][0])
+
+
+# --------------------------------------------------------------------------------------------
+# the world and the policy model
+
+
+def test_a_restored_world_and_policy_continue_exactly() -> None:
+    world, models = line_world(), policies()
+    world.reset("ep1", BINDINGS)
+    run(world, models, 4)
+    saved = world.capture()
+    states = {agent: model.capture() for agent, model in models.items()}
+    expected = run(world, models, 6, start=4)
+
+    twin, twins = line_world(), policies()
+    twin.reset("ep1", BINDINGS)
+    twin.restore(saved)
+    for agent, model in twins.items():
+        model.restore(states[agent])
+    assert twins["walker-b"].policy.calls == 4  # the stateful policy's count came back
+    assert run(twin, twins, 6, start=4) == expected
+
+
+def test_an_unpicklable_env_fails_its_capture_naming_the_env() -> None:
+    world = line_world("UnpicklableLineEnv")
+    world.reset("ep1", BINDINGS)
+    with pytest.raises(DomainError) as info:
+        world.capture()
+    assert info.value.code == "UNSUPPORTED" and info.value.mutation == "none"
+    assert f"env {ENVS}:UnpicklableLineEnv cannot be pickled" in info.value.message
+
+
+async def test_a_session_capture_of_an_unpicklable_env_fails_naming_it() -> None:
+    doc = {"sessionId": "demo", "steps": "10",
+           "agents": [{"agentId": a, "portId": p, "model": "workers.adapters.pettingzoo:"
+                       "PolicyModel", "modelConfig": {"policy": f"{ENVS}:walk"}}
+                      for p, a in BINDINGS],
+           "world": {"worldId": "line", "impl": "workers.adapters.pettingzoo:ParallelEnvWorld",
+                     "config": {"env": f"{ENVS}:UnpicklableLineEnv"}},
+           "task": {"impl": "workers.adapters.pettingzoo:EnvTask", "config": {},
+                    "terminal": "never"}}
+    fixture = Fixture(mode=ExecutionMode.IN_PROCESS, composition=RunSpec.validate(doc))
+    async with SessionHarness.start(fixture) as h:
+        await within(h.coordinator.bootstrap())
+        await within(h.coordinator.step())
+        with pytest.raises(SessionFailure) as info:
+            await within(h.coordinator.capture("ck-1"))
+    assert info.value.participant == "line"
+    assert f"env {ENVS}:UnpicklableLineEnv cannot be pickled" in info.value.error.message
+
+
+def test_the_world_binds_exactly_one_port_per_env_agent() -> None:
+    with pytest.raises(DomainError, match=r"has 2 agents \['walker_0', 'walker_1'\]; the run "
+                                          r"binds 1 ports"):
+        ParallelEnvWorld(world_id="line", ports=("p1",), step=RationalNs.millis(10),
+                         observation_delay_steps=0, threads=1,
+                         config={"env": f"{ENVS}:LineEnv"})
+    with pytest.raises(DomainError, match="unknown keys"):
+        line_world(rendering=True)
+
+
+def test_the_render_is_the_view_and_a_gymnasium_env_has_one_agent() -> None:
+    world = line_world(render=True, kwargs={"size": 8})
+    world.reset("ep1", BINDINGS)
+    (view,) = world.descriptor().views
+    frame = world.render("frame", 0)
+    assert (view.width, view.height) == (36, 8) and len(frame) == view.byte_length
+    assert len(set(frame[0::4])) > 1  # not a constant picture
+
+    gym = EnvWorld(world_id="track", ports=("p1",), step=RationalNs.millis(10),
+                   observation_delay_steps=0, threads=1,
+                   config={"env": f"{ENVS}:SlideEnv", "seed": 2})
+    gym.reset("ep1", (("p1", "slider"),))
+    (entry,) = gym.inspection(0).value["agents"]
+    assert entry["envAgent"] == "agent" and entry["actionSpace"]["kind"] == "box"
+    assert [a.id for a in gym.descriptor().ports[0].controls.axes] == ["x0"]
+
+
+# --------------------------------------------------------------------------------------------
+# the task
+
+
+def test_the_task_rewards_live_agents_and_ends_the_episode_when_the_env_is_done() -> None:
+    world, models = line_world(kwargs={"size": 4}), policies()
+    world.reset("ep1", BINDINGS)
+    task = EnvTask(config={}, terminal="done", max_agents=4, epoch="e1")
+    old = world.inspection(0)
+    task.bootstrap(old, BINDINGS)
+    for k in range(30):
+        run(world, models, 1, start=k)
+        new = world.inspection(k + 1)
+        evaluation = task.evaluate_transition(Scope("demo", "e1", k), old, new, [])
+        for entry in new.value["agents"]:
+            rewards = evaluation.outcomes[entry["agentId"]].rewards
+            acted = any(a["portId"] == entry["portId"] and a["active"]
+                        for a in old.value["agents"])
+            assert [r.value for r in rewards] == ([entry["reward"]] if acted else [])
+        old = new
+        if evaluation.episode is not None:
+            break
+    assert evaluation.episode is not None and evaluation.episode.reason == "env-done"
+    assert task.progress().value["done"] is True
+    with pytest.raises(DomainError, match="not never, done or after:N"):
+        EnvTask(config={}, terminal="counter:3", max_agents=4, epoch="e1")
+
+
+def test_only_the_adapters_import_the_optional_packages() -> None:
+    pattern = re.compile(r"^\s*(from|import)\s+(numpy|gymnasium|pettingzoo)\b", re.MULTILINE)
+    offenders = [str(path.relative_to(ROOT)) for package in ("bus", "workers", "flyd")
+                 for path in (ROOT / package).rglob("*.py")
+                 if "adapters" not in path.parts and pattern.search(path.read_text())]
+    assert offenders == []
