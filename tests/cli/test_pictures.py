@@ -19,6 +19,7 @@ from PIL import Image, ImageSequence
 
 from flyd.cli.pictures import MAX_POINTS, GifRecorder, RewardPlot
 from flyd.session.sample import BoundarySample, Frame
+from tests.cli import test_fly_arena as fly_arena
 from tests.cli import test_plugins_example as reaching
 from tests.cli.test_run import ROOT, clean_digest, env_for, flyd_run
 from tests.cli.test_run import tmp as tmp
@@ -160,3 +161,21 @@ def test_a_world_without_views_gives_no_gif(tmp: Path) -> None:
     assert code == 0 and summary["state"] == "succeeded", summary
     assert not gif.exists()
     assert f"--record {gif}: no frame to record (the world declares no views" in stderr
+
+
+def test_the_fly_arena_example_short_run_records_and_plots(tmp: Path) -> None:
+    """The README's pictures come from this example: its top-down view (the first declared,
+    64×64) as a GIF and the flies' rewards as a plot, the run unchanged by the recording."""
+    gif, png = tmp / "flies.gif", tmp / "flies.png"
+    code, summary, stderr = flyd_run(tmp, "--spec", fly_arena.SPEC, *fly_arena.PLUGINS,
+                                     "--steps", fly_arena.STEPS, "--record", str(gif),
+                                     "--record-every", "3", "--plot", str(png))
+    assert code == 0 and summary["state"] == "succeeded", summary
+    assert summary["behaviourDigest"] == fly_arena.clean_digest(tmp)
+    frames = gif_frames(gif)
+    assert len(frames) == int(fly_arena.STEPS) // 3
+    assert {f.size for f in frames} == {(64, 64)}
+    assert all(varies(f) for f in frames)
+    assert frames[0].tobytes() != frames[-1].tobytes(), "the flies never moved"
+    check_png(png)
+    assert f"--plot {png}: {fly_arena.STEPS} boundaries" in stderr
