@@ -40,7 +40,7 @@ from bus.errors import (
     from_wire,
 )
 from bus.framing import PREFIX, FrameDecoder
-from bus.limits import HELLO_KEYS, MAX_CONSUME_BATCH
+from bus.limits import MAX_CONSUME_BATCH, hello_keys
 from bus.schema import NOTIFICATIONS, OPS, Validator, contract_digest, validator
 
 log = structlog.get_logger("bus.client")
@@ -894,7 +894,7 @@ class BusClient:
             raise VersionMismatch(f"router speaks {result['major']}.{result['minor']}, not 1.x")
         if result["contractDigest"] != contract_digest():
             raise VersionMismatch("the router's contractDigest differs from this SDK's schemas")
-        if set(result["limits"]) != set(HELLO_KEYS):
+        if set(result["limits"]) != hello_keys(result["minor"]):
             raise VersionMismatch("the router's limits keys differ from this SDK's")
         self.router_id = result["routerId"]
         self.connection_id = result["connectionId"]

@@ -27,6 +27,7 @@ ERROR_CODES: Final[dict[str, int]] = {
     "QUOTA_EXCEEDED": -32007,
     "ROUTER_LOST": -32008,
     "CONFLICT": -32009,
+    "NO_TOPIC": -32010,
 }
 ERROR_NAMES: Final[dict[int, str]] = {code: name for name, code in ERROR_CODES.items()}
 
@@ -137,6 +138,12 @@ class Conflict(BusError):
     name = "CONFLICT"
 
 
+class NoTopic(BusError):
+    """A publish or subscribe names no declared topic (docs/topics.md §9)."""
+
+    name = "NO_TOPIC"
+
+
 ERROR_CLASSES: Final[dict[str, type[BusError]]] = {
     cls.name: cls
     for cls in (
@@ -154,6 +161,7 @@ ERROR_CLASSES: Final[dict[str, type[BusError]]] = {
         QuotaExceeded,
         RouterLost,
         Conflict,
+        NoTopic,
     )
 }
 

@@ -52,6 +52,13 @@ class Limits:
     maxExpectations: int = 256
     helloTimeoutMs: int = 5000
     writeHighWaterBytes: int = 262144
+    # topics (docs/topics.md §8)
+    maxTopics: int = 256
+    maxSubscribersPerTopic: int = 64
+    maxSubscriptionsPerClient: int = 64
+    maxBoundedDepth: int = 64
+    maxSubscriptionWindow: int = 16
+    maxQueuedTopicBytes: int = 67108864
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -66,6 +73,8 @@ class Limits:
             raise LimitError("maxQueuedCallBytes", "must be >= maxEnvelopeBytes")
         if self.maxControlBytes < self.maxEnvelopeBytes:
             raise LimitError("maxControlBytes", "must be >= maxEnvelopeBytes")
+        if self.maxQueuedTopicBytes < self.maxEnvelopeBytes:
+            raise LimitError("maxQueuedTopicBytes", "must be >= maxEnvelopeBytes")
         if self.maxConsumeBatch != MAX_CONSUME_BATCH:
             raise LimitError("maxConsumeBatch", f"is fixed at {MAX_CONSUME_BATCH}")
 
@@ -107,9 +116,15 @@ _RANGES: Final[dict[str, tuple[int, int]]] = {
     "maxControlBytes": (65536, 2**53 - 1),
     "maxExpectations": (0, 65535),
     "writeHighWaterBytes": (65536, 16777216),
+    "maxTopics": (1, 65535),
+    "maxSubscribersPerTopic": (1, 65535),
+    "maxSubscriptionsPerClient": (0, 65535),
+    "maxBoundedDepth": (1, 65535),
+    "maxSubscriptionWindow": (1, 256),
+    "maxQueuedTopicBytes": (65536, 2**53 - 1),
 }
 
-HELLO_KEYS: Final = (
+HELLO_KEYS_MINOR_1: Final = (
     "maxEnvelopeBytes",
     "maxClients",
     "maxServices",
@@ -124,6 +139,21 @@ HELLO_KEYS: Final = (
     "maxExpectations",
     "helloTimeoutMs",
 )
+#: the hello keys this router sends (minor 2): minor 1's and the topic limits
+HELLO_KEYS: Final = (
+    *HELLO_KEYS_MINOR_1,
+    "maxTopics",
+    "maxSubscribersPerTopic",
+    "maxSubscriptionsPerClient",
+    "maxBoundedDepth",
+    "maxSubscriptionWindow",
+    "maxQueuedTopicBytes",
+)
+
+
+def hello_keys(minor: int) -> frozenset[str]:
+    """The limits keys a router of `minor` announces (docs/topics.md §1 rule 3)."""
+    return frozenset(HELLO_KEYS if minor >= 2 else HELLO_KEYS_MINOR_1)
 
 
 def snake_case(name: str) -> str:
@@ -144,5 +174,25 @@ def result_frame(call_id: int, service_incarnation: str, responder: Any, outcome
             "serviceIncarnation": service_incarnation,
             "responder": responder,
             "outcome": outcome,
+        },
+    })
+
+
+def message_frame(delivery_id: str, topic: str, incarnation: str, sequence: int, skipped: int,
+                  publisher: Any, payload: Any) -> bytes:
+    """The `bus.message` frame body (docs/topics.md §3.8). With the longest delivery id and
+    `skipped` = 2^53-1 its length is the size a publish counts against `maxEnvelopeBytes`
+    (§3.4 check 10), whatever delivery it becomes."""
+    return orjson.dumps({
+        "jsonrpc": "2.0",
+        "method": "bus.message",
+        "params": {
+            "deliveryId": delivery_id,
+            "topic": topic,
+            "topicIncarnation": incarnation,
+            "sequence": sequence,
+            "skipped": skipped,
+            "publisher": publisher,
+            "payload": payload,
         },
     })

@@ -1,8 +1,9 @@
 """Grants and policy (wire.md §12, the flyd default of session.md §7.2).
 
 Policy is fixed router configuration: an entry per clientId (exact, or a `prefix*` pattern),
-each with register/call/expect/delegate grant patterns. Routing never uses patterns; they only
-gate what a client may register, call and pre-bind.
+each with register/call/expect/delegate grant patterns, and publish/subscribe/manage for topics
+(docs/topics.md §7). Routing never uses patterns; they only gate what a client may register,
+call, pre-bind, publish, subscribe to and declare.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Final, Literal
 
 PolicyMode = Literal["closed", "open"]
-GRANT_KINDS: Final = ("register", "call", "expect", "delegate")
+GRANT_KINDS: Final = ("register", "call", "expect", "delegate", "publish", "subscribe", "manage")
 CLIENT_ID_TOKEN: Final = "{clientId}"
 
 _PATTERN_RE: Final = re.compile(r"^(?:[a-z0-9._-]|\{clientId\})*\*?$")
@@ -59,6 +60,9 @@ class Grants:
     call: tuple[str, ...] = ()
     expect: tuple[str, ...] = ()
     delegate: tuple[str, ...] = ()
+    publish: tuple[str, ...] = ()
+    subscribe: tuple[str, ...] = ()
+    manage: tuple[str, ...] = ()
 
     def to_wire(self) -> dict[str, list[str]]:
         return {
@@ -66,6 +70,9 @@ class Grants:
             "call": list(self.call),
             "expect": list(self.expect),
             "delegate": list(self.delegate),
+            "publish": list(self.publish),
+            "subscribe": list(self.subscribe),
+            "manage": list(self.manage),
         }
 
 
@@ -76,6 +83,9 @@ class PolicyEntry:
     call: tuple[str, ...] = ()
     expect: tuple[str, ...] = ()
     delegate: tuple[str, ...] = ()
+    publish: tuple[str, ...] = ()
+    subscribe: tuple[str, ...] = ()
+    manage: tuple[str, ...] = ()
     require_expect: bool = False
     pid: int | None = None
 
@@ -87,11 +97,15 @@ class PolicyEntry:
             # wire.md §7.10: {clientId} in a delegate pattern is the *expected* client's id,
             # substituted at bus.expect (covered_by_delegate), never the launcher's own.
             delegate=self.delegate,
+            publish=tuple(substitute(p, client_id) for p in self.publish),
+            subscribe=tuple(substitute(p, client_id) for p in self.subscribe),
+            manage=tuple(substitute(p, client_id) for p in self.manage),
         )
 
 
 OPEN_ENTRY: Final = PolicyEntry(
-    id="*", register=("*",), call=("*",), expect=("*",), delegate=("*",)
+    id="*", register=("*",), call=("*",), expect=("*",), delegate=("*",), publish=("*",),
+    subscribe=("*",), manage=("*",)
 )
 
 
@@ -128,11 +142,13 @@ class Policy:
                     register=("flyd.control.*",),
                     call=("*",),
                     expect=("s*",),
-                    delegate=("s*",),
+                    delegate=("s*", "flyd.run.*"),
+                    manage=("flyd.run.*",),
+                    publish=("flyd.run.*",),
                     pid=node_pid,
                 ),
                 PolicyEntry(id="s*", require_expect=True),
-                PolicyEntry(id="ctl-*", call=("flyd.control.*",)),
+                PolicyEntry(id="ctl-*", call=("flyd.control.*",), subscribe=("flyd.run.*",)),
             ),
         )
 
@@ -164,7 +180,7 @@ def _entry(index: int, raw: Any) -> PolicyEntry:
     where = f"[[bus.policy.client]] #{index + 1}"
     if not isinstance(raw, Mapping):
         raise PolicyError(f"{where}: must be a table")
-    allowed = {"id", "register", "call", "expect", "delegate", "requireExpect", "pid"}
+    allowed = {"id", *GRANT_KINDS, "requireExpect", "pid"}
     unknown = set(raw) - allowed
     if unknown:
         raise PolicyError(f"{where}: unknown key {sorted(unknown)[0]!r}")

@@ -58,16 +58,19 @@ from bus.errors import (
     error_object,
 )
 from bus.framing import PREFIX, FrameDecoder
+from bus.lanes import Lane, LaneTurn
 from bus.limits import (
     FRAMES_PER_TURN,
     LONGEST_DELIVERY_ID,
     MAX_ID,
     REMEMBERED_INCARNATIONS,
     Limits,
+    message_frame,
 )
 from bus.policy import Grants, Policy, any_matches, covered_by_delegate, substitute
 from bus.schema import Validator, contract_digest, validator
 from bus.sockets import probe_socket
+from bus.topics import Message, Removal, Subscription, TopicLimits, TopicTable
 
 log = structlog.get_logger("bus.router")
 
@@ -162,6 +165,11 @@ class _Conn(asyncio.Protocol):
         self.torn_down = False
         self.frames_in = 0
         self.frames_out = 0
+        # topics (docs/topics.md §4): the lane turn, control frames the writer took while the
+        # connection had subscriptions, and its written, unconsumed message deliveries
+        self.lane = LaneTurn()
+        self.control_taken = 0
+        self.messages: dict[int, tuple[Subscription[_Conn], Message]] = {}
 
     # asyncio.Protocol -------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -227,7 +235,13 @@ class Router:
             "repliesUnrouted": 0, "cancels": dict.fromkeys(CANCEL_STATES, 0), "errors": {},
             "closes": {}, "framesIn": 0, "framesOut": 0, "bytesIn": 0, "bytesOut": 0,
             "leanCalls": 0, "leanReplies": 0, "leanConsumed": 0, "creditsCarried": 0,
+            "published": 0, "publishRefused": 0, "leanPublishes": 0, "messagesDelivered": 0,
         }
+        lim = self.limits
+        self._topics: TopicTable[_Conn] = TopicTable(
+            TopicLimits(lim.maxTopics, lim.maxSubscribersPerTopic, lim.maxSubscriptionsPerClient,
+                        lim.maxBoundedDepth, lim.maxSubscriptionWindow, lim.maxQueuedTopicBytes),
+            secrets.randbelow(2**40) + 1, _conn_label)
         v = validator
         self._ops: dict[str, tuple[Validator, Callable[[_Conn, dict[str, Any], int], Any]]] = {
             "bus.register": (v("ops/bus.register.params.json"), self._op_register),
@@ -240,16 +254,24 @@ class Router:
             "bus.services": (v("ops/bus.services.params.json"), self._op_services),
             "bus.stats": (v("ops/bus.stats.params.json"), self._op_stats),
             "bus.expect": (v("ops/bus.expect.params.json"), self._op_expect),
+            "bus.declare": (v("ops/bus.declare.params.json"), self._op_declare),
+            "bus.undeclare": (v("ops/bus.undeclare.params.json"), self._op_undeclare),
+            "bus.publish": (v("ops/bus.publish.params.json"), self._op_publish),
+            "bus.subscribe": (v("ops/bus.subscribe.params.json"), self._op_subscribe),
+            "bus.unsubscribe": (v("ops/bus.unsubscribe.params.json"), self._op_unsubscribe),
+            "bus.topics": (v("ops/bus.topics.params.json"), self._op_topics),
         }
         self._hello_params = v("ops/bus.hello.params.json")
         self._call_params = self._ops["bus.call"][0]
         self._reply_params = self._ops["bus.reply"][0]
         self._consumed_params = self._ops["bus.consumed"][0]
+        self._publish_params = self._ops["bus.publish"][0]
         # the lean notification forms (wire.md §21): the same params schemas as the requests
         self._lean: dict[str, Callable[[_Conn, dict[str, Any]], None]] = {
             "bus.call": self._lean_call,
             "bus.reply": self._lean_reply,
             "bus.consumed": self._lean_consumed,
+            "bus.publish": self._lean_publish,
         }
 
     # lifecycle --------------------------------------------------------------------------
@@ -472,8 +494,8 @@ class Router:
         if not has_id:
             lean = self._lean.get(method)
             if lean is None:
-                self._close(conn, "INVALID_REQUEST", "only bus.call, bus.reply and bus.consumed "
-                            "may be sent as notifications")
+                self._close(conn, "INVALID_REQUEST", "only bus.call, bus.reply, bus.consumed "
+                            "and bus.publish may be sent as notifications")
                 return
             lean(conn, params)
             return
@@ -658,6 +680,9 @@ class Router:
         transport = conn.transport
         if conn.closing or transport is None:
             return
+        if conn in self._topics.readers:
+            self._pump_lanes(conn, transport)
+            return
         control = conn.control
         counters = self.counters
         while not conn.write_paused:
@@ -820,6 +845,13 @@ class Router:
             if exp is not None and exp.creator is conn:
                 self._drop_expectation(exp)
         conn.expectations.clear()
+        # 7 + 8. its subscriptions and written messages; the topics it owns (docs/topics.md §11)
+        deliveries = list(conn.messages.values())
+        conn.messages.clear()
+        if deliveries or conn in self._topics.readers or conn in self._topics.owned:
+            wake, _ = self._topics.forget_connection(conn, deliveries)
+            for other in wake:
+                self._mark(other)
 
     def _remove_route(self, svc: Service[_Conn], reason: str) -> None:
         """wire.md §10.1: free the name, tell attached callers, fail the Queued calls."""
@@ -917,9 +949,14 @@ class Router:
                 grants = Grants(
                     register=tuple(substitute(g, client_id)
                                    for g in exp.grants.get("register", ())),
-                    call=tuple(substitute(g, client_id) for g in exp.grants.get("call", ())))
+                    call=tuple(substitute(g, client_id) for g in exp.grants.get("call", ())),
+                    publish=tuple(substitute(g, client_id) for g in exp.grants.get("publish", ())),
+                    subscribe=tuple(substitute(g, client_id)
+                                    for g in exp.grants.get("subscribe", ())))
             else:
-                grants = Grants(register=grants.register, call=grants.call)
+                grants = Grants(register=grants.register, call=grants.call,
+                                publish=grants.publish, subscribe=grants.subscribe,
+                                manage=grants.manage)
             self._drop_expectation(exp)
         if seen is None:
             seen = self._incarnations[client_id] = OrderedDict()
@@ -944,10 +981,11 @@ class Router:
             "routerId": self.router_id,
             "connectionId": conn.connection_id,
             "major": 1,
-            "minor": 1,
+            "minor": 2,
             "contractDigest": self._digest,
             "grants": grants.to_wire(),
             "limits": self.limits.hello(),
+            "store": None,
         }
 
     # ops --------------------------------------------------------------------------------
@@ -1130,7 +1168,11 @@ class Router:
         released = 0
         for serial in serials:
             d = conn.deliveries.get(serial)
-            if d is None or d.consumed:
+            if d is None:
+                if conn.messages:
+                    released += self._release_message(conn, serial)
+                continue
+            if d.consumed:
                 continue
             released += 1
             if d.is_request:
@@ -1176,7 +1218,7 @@ class Router:
             raise Conflict(f"incarnation {incarnation} of {client_id} was already used")
         grants = p.get("grants")
         if grants is not None:
-            for kind in ("register", "call"):
+            for kind in ("register", "call", "publish", "subscribe"):
                 for pattern in grants.get(kind, ()):  # a missing list grants nothing
                     if not covered_by_delegate(pattern, conn.grants.delegate, client_id):
                         raise NotAuthorized(
@@ -1219,6 +1261,195 @@ class Router:
             del self._expectations[exp.client_id]
         exp.creator.expectations.discard(exp.client_id)
 
+    # topics (docs/topics.md §3, §4) ----------------------------------------------------------
+    def _lean_publish(self, conn: _Conn, p: dict[str, Any]) -> None:
+        """§3.4 notification form: success sends nothing; a refusal is one
+        `bus.publishFailed`; a frame naming no topic cannot be answered and closes."""
+        if self._before_hello(conn):
+            return
+        name = p.get("topic")
+        if type(name) is not str:
+            self._close(conn, "INVALID_REQUEST", "a bus.publish notification needs a string topic")
+            return
+        self.counters["leanPublishes"] += 1
+        problem = self._publish_params(p)
+        try:
+            if problem is not None:
+                raise InvalidParams(f"bus.publish: {problem}")
+            self._op_publish(conn, p, 0)
+        except BusError as exc:
+            self._count_error(exc.name)
+            topic = self._topics.topics.get(name)
+            self._notify_control(conn, "bus.publishFailed", {
+                "topic": name,
+                "topicIncarnation": None if topic is None else topic.incarnation,
+                "error": error_object(exc.name, exc.message, "not-dispatched"),
+            })
+
+    def _op_declare(self, conn: _Conn, p: dict[str, Any], rid: int) -> dict[str, Any]:
+        name: str = p["topic"]
+        if not any_matches(conn.grants.manage, name):
+            raise NotAuthorized(f"no manage grant for {name}")
+        topic = self._topics.declare(conn, name, p.get("retain", False), p.get("maxBounded", 0))
+        log.info("bus.declare", connection_id=conn.connection_id, topic=name,
+                 topic_incarnation=topic.incarnation)
+        return {"topic": name, "topicIncarnation": topic.incarnation}
+
+    def _op_undeclare(self, conn: _Conn, p: dict[str, Any], rid: int) -> dict[str, Any]:
+        removed, wake, _ = self._topics.undeclare(conn, p["topic"], p["topicIncarnation"])
+        for other in wake:
+            self._mark(other)
+        return {"removed": removed}
+
+    def _op_publish(self, conn: _Conn, p: dict[str, Any], rid: int) -> dict[str, Any]:
+        """§3.4; every refusal after the params counts in `publishRefused`."""
+        try:
+            return self._publish(conn, p)
+        except BusError:
+            self.counters["publishRefused"] += 1
+            raise
+
+    def _publish(self, conn: _Conn, p: dict[str, Any]) -> dict[str, Any]:
+        name: str = p["topic"]
+        if not any_matches(conn.grants.publish, name):
+            raise NotAuthorized(f"no publish grant for {name}")
+        payload = codec.encode_trusted(p["payload"])
+        table = self._topics
+        topic = table.check_publish(name, p["expectedIncarnation"], len(payload))
+        size = len(message_frame(LONGEST_DELIVERY_ID, name, topic.incarnation,
+                                 topic.sequence + 1, MAX_ID, conn.identity,
+                                 orjson.Fragment(payload)))
+        if size > self.limits.maxEnvelopeBytes:
+            raise InvalidEnvelope(f"the bus.message frame would be {size} bytes "
+                                  f"(maxEnvelopeBytes {self.limits.maxEnvelopeBytes})")
+        outcome = table.accept_publish(topic, conn.identity, payload)
+        self.counters["published"] += 1
+        for other in outcome.wake:
+            self._mark(other)
+        return {"topic": name, "topicIncarnation": topic.incarnation,
+                "sequence": outcome.message.sequence, "latest": outcome.latest,
+                "bounded": outcome.bounded}
+
+    def _op_subscribe(self, conn: _Conn, p: dict[str, Any], rid: int) -> dict[str, Any]:
+        name: str = p["topic"]
+        mode = p["mode"]
+        if (mode == "bounded") != ("depth" in p):
+            raise InvalidParams("bus.subscribe: depth is required with bounded and refused "
+                                "with latest")
+        if not any_matches(conn.grants.subscribe, name):
+            raise NotAuthorized(f"no subscribe grant for {name}")
+        # its messages wait until the writer took the response enqueued right after (§4.2 r4)
+        gate = conn.control_taken + len(conn.control) + 1
+        sub, retained = self._topics.subscribe(conn, name, mode, p.get("depth", 1),
+                                               p.get("window", 1), p.get("retained", True), gate)
+        topic = sub.topic
+        self._mark(conn)
+        return {"topic": name, "topicIncarnation": topic.incarnation,
+                "sequence": topic.sequence, "retained": retained}
+
+    def _op_unsubscribe(self, conn: _Conn, p: dict[str, Any], rid: int) -> dict[str, Any]:
+        removed, _ = self._topics.unsubscribe(conn, p["topic"])
+        return {"removed": removed}
+
+    def _op_topics(self, conn: _Conn, p: dict[str, Any], rid: int) -> dict[str, Any]:
+        prefix: str = p.get("prefix", "")
+        topics = self._topics.topics
+        out = []
+        for name in sorted(topics):
+            if not name.startswith(prefix):
+                continue
+            topic = topics[name]
+            owner = topic.owner
+            out.append({
+                "topic": name,
+                "topicIncarnation": topic.incarnation,
+                "owner": {"clientId": owner.client_id,
+                          "clientIncarnation": owner.client_incarnation},
+                "retain": topic.retain,
+                "maxBounded": topic.max_bounded,
+                "sequence": topic.sequence,
+                "latest": len(topic.subscriptions) - topic.bounded,
+                "bounded": topic.bounded,
+            })
+        return {"topics": out}
+
+    def _release_message(self, conn: _Conn, serial: int) -> int:
+        """A message delivery's credit returns (§4.3); 1 if it was live, else 0."""
+        entry = conn.messages.pop(serial, None)
+        if entry is None:
+            return 0
+        ready, _ = self._topics.consume(*entry)
+        if ready:
+            self._mark(conn)
+        return 1
+
+    def _dispatchable(self, conn: _Conn) -> bool:
+        """The RPC lane could dispatch a request now (what `_dispatch` would find)."""
+        if conn.open_requests >= self.limits.maxOpenRequestsPerClient:
+            return False
+        return any(svc.queue and svc.in_flight < svc.max_in_flight
+                   for svc in conn.service_list)
+
+    def _pump_lanes(self, conn: _Conn, transport: asyncio.Transport) -> None:
+        """`_pump` for a connection with subscriptions: one frame at a time, the topic lane
+        taking its turn by `LaneTurn` (§4.2) between the control and RPC lanes."""
+        control = conn.control
+        counters = self.counters
+        table = self._topics
+        turn = conn.lane
+        while not conn.write_paused:
+            out: list[bytes] = []
+            budget = WRITE_BATCH_BYTES
+            while budget > 0:
+                sub = table.next_ready(conn, conn.control_taken)
+                other = bool(control or conn.results) or self._dispatchable(conn)
+                lane = turn.pick(sub is not None, other)
+                if lane is None:
+                    break
+                if lane is Lane.TOPIC:
+                    assert sub is not None
+                    body = self._topic_frame(conn, sub)
+                elif control:
+                    body = control.popleft()
+                    conn.control_bytes -= len(body)
+                    conn.control_taken += 1
+                elif conn.results:
+                    body = self._take_result(conn)
+                else:
+                    before = len(out)
+                    self._dispatch(conn, out, 1)
+                    if len(out) == before:
+                        break
+                    budget -= len(out[-1]) + 4
+                    continue
+                out.append(PREFIX.pack(len(body)))
+                out.append(body)
+                budget -= len(body) + 4
+            if not out:
+                return
+            data = b"".join(out)
+            frames = len(out) // 2
+            conn.frames_out += frames
+            counters["framesOut"] += frames
+            counters["bytesOut"] += len(data)
+            transport.write(data)
+            if budget > 0:
+                return
+
+    def _topic_frame(self, conn: _Conn, sub: Subscription[_Conn]) -> bytes:
+        item = self._topics.take(sub)
+        if isinstance(item, Removal):
+            return orjson.dumps({"jsonrpc": "2.0", "method": "bus.topicRemoved", "params": {
+                "topic": item.topic, "topicIncarnation": item.incarnation,
+                "reason": item.reason}})
+        msg, skipped = item
+        conn.dlv += 1
+        serial = conn.dlv
+        conn.messages[serial] = (sub, msg)
+        self.counters["messagesDelivered"] += 1
+        return message_frame(f"dlv-{serial}", msg.topic, msg.incarnation, msg.sequence, skipped,
+                             msg.publisher, orjson.Fragment(msg.payload))
+
     # introspection ----------------------------------------------------------------------
     def remembered_incarnations(self) -> dict[str, tuple[str, ...]]:
         """Each remembered clientId's remembered incarnations, least recently seen first
@@ -1243,6 +1474,7 @@ class Router:
         dispatched = sum(c.capabilities for c in conns)
         active = sum(c.active for c in conns)
         counters = self.counters
+        topics = self._topics
         now = time.monotonic()
         result: dict[str, Any] = {
             "routerId": self.router_id,
@@ -1260,8 +1492,15 @@ class Router:
             "repliedCalls": self._ledger.calls - queued - dispatched,
             "replyCapabilities": dispatched,
             "queuedCallBytes": self._ledger.queued_bytes,
+            "topics": len(topics.topics),
+            "subscriptions": topics.subscriptions,
+            "queuedMessages": topics.queued_messages,
+            "queuedTopicBytes": topics.queued_bytes,
+            "messageDeliveries": topics.deliveries,
             "counters": {
                 **counters,
+                "messagesReplaced": topics.replaced,
+                "messagesDropped": topics.dropped,
                 "cancels": dict(counters["cancels"]),
                 "errors": dict(counters["errors"]),
                 "closes": dict(counters["closes"]),
@@ -1287,11 +1526,18 @@ class Router:
                     "controlBytes": c.control_bytes,
                     "framesIn": c.frames_in,
                     "framesOut": c.frames_out,
+                    "subscriptions": len(r.subs) if (r := topics.readers.get(c)) else 0,
+                    "messageDeliveries": len(c.messages),
                 }
                 for c in sorted(conns, key=lambda c: c.number)
                 if not c.closing
             ]
         return result
+
+
+def _conn_label(conn: _Conn) -> str:
+    """A subscriber as a BACKPRESSURE message names it (docs/topics.md §3.4 check 8)."""
+    return conn.client_id or conn.connection_id
 
 
 def listen_backlog(max_clients: int) -> int:

@@ -52,6 +52,12 @@ OPS: Final = (
     "bus.services",
     "bus.stats",
     "bus.expect",
+    "bus.declare",
+    "bus.undeclare",
+    "bus.publish",
+    "bus.subscribe",
+    "bus.unsubscribe",
+    "bus.topics",
 )
 NOTIFICATIONS: Final = (
     "bus.request",
@@ -60,6 +66,9 @@ NOTIFICATIONS: Final = (
     "bus.replyFailed",
     "bus.routeRemoved",
     "bus.closing",
+    "bus.message",
+    "bus.topicRemoved",
+    "bus.publishFailed",
 )
 
 DRAFT_2020_12: Final = "https://json-schema.org/draft/2020-12/schema"

@@ -60,4 +60,5 @@ SPEC_ERROR_CODES = {
     "QUOTA_EXCEEDED": -32007,
     "ROUTER_LOST": -32008,
     "CONFLICT": -32009,
+    "NO_TOPIC": -32010,  # docs/topics.md §9
 }

@@ -28,7 +28,7 @@ from bus.errors import (
     RouterLost,
     VersionMismatch,
 )
-from bus.limits import Limits
+from bus.limits import HELLO_KEYS_MINOR_1, Limits
 from bus.router import Router
 from bus.schema import contract_digest
 
@@ -255,7 +255,7 @@ def _hello_result(rid: int, digest: str | None = None) -> dict[str, Any]:
         "minor": 0,
         "contractDigest": digest if digest is not None else contract_digest(),
         "grants": {"register": ["*"], "call": ["*"], "expect": [], "delegate": []},
-        "limits": Limits().hello(),
+        "limits": {k: v for k, v in Limits().hello().items() if k in HELLO_KEYS_MINOR_1},
     }}
 
 

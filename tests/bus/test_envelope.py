@@ -326,7 +326,7 @@ def _check_error_object(err: Any) -> tuple[str, str]:
 
 async def test_error_object_shape(router, raw) -> None:
     policy = Policy(mode="closed", entries=(
-        PolicyEntry(id="e-*", register=("svc.*",), call=("svc.*",)),
+        PolicyEntry(id="e-*", register=("svc.*",), call=("svc.*",), publish=("svc.*",)),
     ))
     r = await router(policy=policy, maxEnvelopeBytes=65536)
     seen: dict[str, str] = {}
@@ -343,6 +343,8 @@ async def test_error_object_shape(router, raw) -> None:
     c = await _helloed(raw, r, "e-caller")
 
     check(await c.call("bus.nope", {}), "METHOD_NOT_FOUND")
+    check(await c.call("bus.publish", {"topic": "svc.t", "expectedIncarnation": None,
+                                       "payload": {}}), "NO_TOPIC")  # docs/topics.md §9
     check(await c.call("bus.register", {"name": "svc.b"}), "INVALID_PARAMS")
     check(await c.call("bus.register", {"name": "other.b", "maxQueued": 1, "maxInFlight": 1}),
           "NOT_AUTHORIZED")

@@ -33,6 +33,13 @@ SPEC_HELLO_LIMITS = {
     "maxConsumeBatch": 64,
     "maxExpectations": 256,
     "helloTimeoutMs": 5000,
+    # docs/topics.md §8 (minor 2)
+    "maxTopics": 256,
+    "maxSubscribersPerTopic": 64,
+    "maxSubscriptionsPerClient": 64,
+    "maxBoundedDepth": 64,
+    "maxSubscriptionWindow": 16,
+    "maxQueuedTopicBytes": 67108864,
 }
 
 
@@ -67,9 +74,9 @@ async def test_hello_result_shape(router, raw, sdk) -> None:
     assert resp["id"] == 1
     result = resp["result"]
     assert set(result) == {"routerId", "connectionId", "major", "minor", "contractDigest",
-                           "grants", "limits"}
+                           "grants", "limits", "store"}
     assert result["major"] == 1 and type(result["major"]) is int
-    assert result["minor"] == 1 and type(result["minor"]) is int  # §21: minor 1
+    assert result["minor"] == 2 and type(result["minor"]) is int  # docs/topics.md §1: minor 2
     assert re.fullmatch(r"router-[0-9a-f]{16}", result["routerId"])
     assert result["routerId"] == r.router_id
     assert re.fullmatch(r"conn-\d+", result["connectionId"])
@@ -78,7 +85,8 @@ async def test_hello_result_shape(router, raw, sdk) -> None:
     assert all(type(v) is int for v in result["limits"].values())
     # open policy: every grant kind is ["*"]
     assert result["grants"] == {"register": ["*"], "call": ["*"], "expect": ["*"],
-                                "delegate": ["*"]}
+                                "delegate": ["*"], "publish": ["*"], "subscribe": ["*"],
+                                "manage": ["*"]}
     assert re.fullmatch(r"[0-9a-f]{64}", result["contractDigest"])
     assert result["contractDigest"] == contract_digest()
 
@@ -89,11 +97,12 @@ async def test_hello_result_shape(router, raw, sdk) -> None:
     )))
     w = await raw(closed)
     got = (await w.hello("w-7"))["result"]["grants"]
-    assert got == {"register": ["worker.w-7"], "call": [], "expect": [], "delegate": []}
+    assert got == {"register": ["worker.w-7"], "call": [], "expect": [], "delegate": [],
+                   "publish": [], "subscribe": [], "manage": []}
     n = await raw(closed)
     got = (await n.hello("node-a"))["result"]["grants"]
     assert got == {"register": ["node.node-a"], "call": ["*"], "expect": ["w-*"],
-                   "delegate": []}
+                   "delegate": [], "publish": [], "subscribe": [], "manage": []}
 
     # the SDK accepts it (it refuses a digest other than its own) and sees the same values
     client = await sdk(r, "shape-2")

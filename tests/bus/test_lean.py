@@ -24,7 +24,7 @@ import pytest
 
 from bus.client import connect
 from bus.errors import ERROR_CODES, CallGone, NoService
-from bus.limits import Limits
+from bus.limits import HELLO_KEYS_MINOR_1, Limits
 from bus.policy import Policy, PolicyEntry
 from bus.schema import contract_digest
 from tests.bus.bus_raw import call_params, caller, serve
@@ -99,7 +99,8 @@ class MinorZeroRouter:
                         "major": 1, "minor": 0, "contractDigest": contract_digest(),
                         "grants": {"register": [], "call": ["*"], "expect": [],
                                    "delegate": []},
-                        "limits": Limits().hello()}
+                        "limits": {k: v for k, v in Limits().hello().items()
+                                   if k in HELLO_KEYS_MINOR_1}}
                 elif method == "bus.call":
                     result = {"callId": rid, "serviceIncarnation": "svc-1"}
                 elif method == "bus.consumed":
@@ -138,7 +139,8 @@ async def test_hello_announces_minor_1(router: Any, raw: Any) -> None:
     r = await router()
     c = await raw(r)
     result = (await c.hello("m1"))["result"]
-    assert result["major"] == 1 and result["minor"] == 1
+    # minor 2 (docs/topics.md §1) keeps every rule of minor 1
+    assert result["major"] == 1 and result["minor"] == 2
 
     async with MinorZeroRouter() as stub:
         async with connect(stub.path, client_id="m0-caller") as bus:

@@ -259,7 +259,7 @@ async def test_require_expect(router: Any, raw: Any, sdk: Any, child: Any,
     w1 = await raw(r)
     result = await ok_hello(w1, "w-1")
     assert result["grants"] == {"register": ["worker.w-1"], "call": [], "expect": [],
-                                "delegate": []}
+                                "delegate": [], "publish": [], "subscribe": [], "manage": []}
     resp = await w1.call("bus.register", {"name": "worker.w-1", "maxQueued": 1,
                                           "maxInFlight": 1})
     assert "result" in resp
@@ -351,7 +351,7 @@ async def test_expect_grants_replace_policy_grants(router: Any, raw: Any) -> Non
     agent = await raw(r)
     result = await ok_hello(agent, "s1.fly-a.g1")
     assert result["grants"] == {"register": ["s1.agent.fly-a"], "call": [], "expect": [],
-                                "delegate": []}
+                                "delegate": [], "publish": [], "subscribe": [], "manage": []}
     resp = await agent.call("bus.register", {"name": "s1.agent.fly-a", "maxQueued": 1,
                                              "maxInFlight": 1})
     assert "result" in resp
@@ -386,7 +386,7 @@ async def test_expect_grants_replace_policy_grants(router: Any, raw: Any) -> Non
     result = await ok_hello(w2, "w-2")
     # a missing list grants nothing; an expected client gets no expect/delegate grants
     assert result["grants"] == {"register": ["agent.w-2"], "call": [], "expect": [],
-                                "delegate": []}
+                                "delegate": [], "publish": [], "subscribe": [], "manage": []}
     resp = await w2.call("bus.register", {"name": "agent.w-2", "maxQueued": 1,
                                           "maxInFlight": 1})
     assert "result" in resp

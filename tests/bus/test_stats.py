@@ -15,18 +15,21 @@ STATS_KEYS = {
     "routerId", "uptimeMs", "connections", "pendingConnections", "clients", "services",
     "expectations", "calls", "activeCalls", "queuedCalls", "dispatchedCalls", "detachedCalls",
     "repliedCalls", "replyCapabilities", "queuedCallBytes", "counters", "connectionsDetail",
+    "topics", "subscriptions", "queuedMessages", "queuedTopicBytes", "messageDeliveries",  # topics
 }
 COUNTER_KEYS = {
     "accepted", "refusedAtAccept", "helloOk", "helloRefused", "closed", "callsAdmitted",
     "callsRefused", "callsFailed", "repliesRouted", "repliesUnrouted", "cancels", "errors",
     "closes", "framesIn", "framesOut", "bytesIn", "bytesOut",
     "leanCalls", "leanReplies", "leanConsumed", "creditsCarried",  # §21.7
+    "published", "publishRefused", "leanPublishes", "messagesDelivered", "messagesReplaced",
+    "messagesDropped",  # docs/topics.md §10
 }
 CANCEL_KEYS = {"cancelled-before-dispatch", "execution-unknown", "completed", "call-gone"}
 DETAIL_KEYS = {
     "connectionId", "clientId", "clientIncarnation", "pid", "uid", "gid", "ageMs", "services",
     "activeCalls", "detachedCalls", "openRequests", "controlFrames", "controlBytes", "framesIn",
-    "framesOut",
+    "framesOut", "subscriptions", "messageDeliveries",
 }
 
 
