@@ -35,6 +35,7 @@ from bus.errors import (
     CallDeadlineExceeded,
     CallGone,
     InvalidEnvelope,
+    MethodNotFound,
     RouterLost,
     VersionMismatch,
     from_wire,
@@ -259,6 +260,136 @@ _CERTAINTY: Final = {
 }
 
 
+PublishFailedHook = Callable[[str, BusError], None]
+
+
+@dataclass(frozen=True, slots=True)
+class PublishResult:
+    """An accepted publish (docs/topics.md §3.4, request form)."""
+
+    topic: str
+    topic_incarnation: str
+    sequence: int
+    latest: int
+    bounded: int
+
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    """One `bus.message` of a subscription (docs/topics.md §3.8)."""
+
+    topic: str
+    topic_incarnation: str
+    sequence: int
+    skipped: int
+    publisher: Identity
+    payload: dict[str, Any]
+    delivery_id: str
+
+
+class Topic:
+    """A topic this client declared; `async with` undeclares it on exit."""
+
+    def __init__(self, client: BusClient, name: str, incarnation: str) -> None:
+        self.client = client
+        self.name = name
+        self.incarnation = incarnation
+
+    async def undeclare(self) -> bool:
+        result = await self.client._command("bus.undeclare", {
+            "topic": self.name, "topicIncarnation": self.incarnation})
+        return bool(result["removed"])
+
+    async def __aenter__(self) -> Topic:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if not self.client.closed:
+            await self.undeclare()
+
+
+class Subscription:
+    """One subscription: an async iterator of `Message`s and a context manager (exit
+    unsubscribes). A message's delivery is consumed when the next one is asked for or the
+    subscription is left, so at most `window` unconsumed messages are ever held. Iteration
+    ends after `bus.topicRemoved` (`removed_reason`); a lost connection raises RouterLost."""
+
+    def __init__(self, client: BusClient, result: dict[str, Any]) -> None:
+        self.client = client
+        self.topic: str = result["topic"]
+        self.topic_incarnation: str = result["topicIncarnation"]
+        self.sequence: int = result["sequence"]
+        self.retained: bool = result["retained"]
+        self.removed_reason: str | None = None
+        self._inbox: deque[Message] = deque()
+        self._current: Message | None = None
+        self._waiter: asyncio.Future[None] | None = None
+        self._failure: BusError | None = None
+        self._active = True
+
+    def _wake(self) -> None:
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    def _deliver(self, msg: Message) -> None:
+        self._inbox.append(msg)
+        self._wake()
+
+    def _removed(self, reason: str) -> None:
+        self.removed_reason = reason
+        self._wake()
+
+    def _fail(self, error: BusError) -> None:
+        self._failure = error
+        self._wake()
+
+    def _release_current(self) -> None:
+        if self._current is not None:
+            if self.client._closed_with is None:
+                self.client._queue_consumed(self._current.delivery_id)
+            self._current = None
+
+    def __aiter__(self) -> Subscription:
+        return self
+
+    async def __anext__(self) -> Message:
+        self._release_current()
+        while not self._inbox:
+            if self._failure is not None:
+                raise RouterLost(self._failure.message)
+            if self.removed_reason is not None or not self._active:
+                raise StopAsyncIteration
+            self._waiter = self.client._loop.create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        self._current = self._inbox.popleft()
+        return self._current
+
+    async def unsubscribe(self) -> bool:
+        """Leave: the held and buffered deliveries are consumed; returns `removed`."""
+        self._active = False
+        self._release_current()
+        while self._inbox:
+            self.client._queue_consumed(self._inbox.popleft().delivery_id)
+        self._wake()
+        if self.removed_reason is not None or self.client.closed:
+            self.client._subscriptions.pop(self.topic_incarnation, None)
+            return False
+        result = await self.client._command("bus.unsubscribe", {"topic": self.topic})
+        self.client._subscriptions.pop(self.topic_incarnation, None)
+        return bool(result["removed"])
+
+    async def __aenter__(self) -> Subscription:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self.client.closed:
+            return
+        await self.unsubscribe()
+
+
 class _Protocol(asyncio.Protocol):
     def __init__(self, client: BusClient) -> None:
         self.client = client
@@ -288,7 +419,8 @@ class BusClient:
     """One connection to the router (created by `connect`)."""
 
     def __init__(self, path: str, client_id: str, client_incarnation: str,
-                 on_route_removed: RouteRemovedHook | None) -> None:
+                 on_route_removed: RouteRemovedHook | None,
+                 on_publish_failed: PublishFailedHook | None = None) -> None:
         self.path = path
         self.client_id = client_id
         self.client_incarnation = client_incarnation
@@ -309,6 +441,10 @@ class BusClient:
         self._registering: dict[int, Handler] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._lean = False  # the router announced minor >= 1 (wire.md §21.1)
+        self._minor = 0
+        self._on_publish_failed = on_publish_failed
+        self._subscriptions: dict[str, Subscription] = {}  # by topic incarnation
+        self._subscribing: dict[int, Subscription | None] = {}  # subscribe request id -> bound
         self._identities: dict[tuple[str, str], Identity] = {}
         self._consume: list[str] = []  # credits that leave at the next flush
         self._credits: list[str] = []  # result credits waiting for a call to carry them
@@ -377,6 +513,9 @@ class BusClient:
             _settle(state.done, RouterLost(failure.message))
         self._calls.clear()
         self._services.clear()
+        for sub in self._subscriptions.values():
+            sub._fail(RouterLost(failure.message))
+        self._subscriptions.clear()
         if self._drained is not None:
             _settle(self._drained, RouterLost(failure.message))
         if self._credit_timer is not None:
@@ -598,6 +737,11 @@ class BusClient:
             if handler is not None:
                 self._services[result["name"]] = Service(
                     self, result["name"], result["serviceIncarnation"], handler)
+        elif method == "bus.subscribe":
+            # Bind now: its first message may follow in the same read (docs/topics.md §4.2).
+            sub = Subscription(self, result)
+            self._subscriptions[sub.topic_incarnation] = sub
+            self._subscribing[msg["id"]] = sub
         elif method == "bus.call":
             state = self._calls.get(msg["id"])
             if state is not None:
@@ -637,6 +781,12 @@ class BusClient:
                 _deliver(state, err)
         elif method == "bus.replyFailed":
             self._reply_failed(params)
+        elif method == "bus.message":
+            self._on_message(params)
+        elif method == "bus.topicRemoved":
+            self._on_topic_removed(params)
+        elif method == "bus.publishFailed":
+            self._publish_failed(params)
         elif method == "bus.routeRemoved":
             hook = self._on_route_removed
             if hook is not None:
@@ -885,6 +1035,83 @@ class BusClient:
             "ttlMs": max(1, int(ttl * 1000)), "grants": grants})
         return float(result["expiresInMs"]) / 1000.0
 
+    # topics (docs/topics.md §12) ------------------------------------------------------------
+    def _need_minor(self, minor: int, method: str) -> None:
+        """An op of a later minor against an older router fails locally, nothing sent."""
+        if self._minor < minor:
+            raise MethodNotFound(f"{method} needs bus minor {minor}; the router speaks "
+                                 f"minor {self._minor}")
+
+    async def declare(self, topic: str, *, retain: bool = False, max_bounded: int = 0) -> Topic:
+        self._need_minor(2, "bus.declare")
+        result = await self._command("bus.declare", {"topic": topic, "retain": retain,
+                                                     "maxBounded": max_bounded})
+        return Topic(self, result["topic"], result["topicIncarnation"])
+
+    async def publish(self, topic: str, payload: dict[str, Any], *,
+                      expected_incarnation: str | None = None) -> PublishResult:
+        """The request form: the result says which sequence the message got."""
+        self._need_minor(2, "bus.publish")
+        result = await self._command("bus.publish", {
+            "topic": topic, "expectedIncarnation": expected_incarnation, "payload": payload})
+        return PublishResult(result["topic"], result["topicIncarnation"], result["sequence"],
+                             result["latest"], result["bounded"])
+
+    def publish_nowait(self, topic: str, payload: dict[str, Any], *,
+                       expected_incarnation: str | None = None) -> None:
+        """The notification form: one frame, no answer on success; a refusal reaches the
+        `on_publish_failed` hook. Never waits for the transport to drain."""
+        self._check_open()
+        self._need_minor(2, "bus.publish")
+        self._notify("bus.publish", {"topic": topic, "expectedIncarnation": expected_incarnation,
+                                     "payload": payload})
+
+    async def subscribe(self, topic: str, *, mode: str = "latest", window: int = 1,
+                        depth: int | None = None, retained: bool = True) -> Subscription:
+        self._need_minor(2, "bus.subscribe")
+        params: dict[str, Any] = {"topic": topic, "mode": mode, "window": window,
+                                  "retained": retained}
+        if depth is not None:
+            params["depth"] = depth
+        ids: list[int] = []
+        try:
+            await self._command("bus.subscribe", params, on_id=ids.append)
+        finally:
+            sub = self._subscribing.pop(ids[0], None) if ids else None
+        assert sub is not None, "a subscribe result binds its subscription"
+        return sub
+
+    async def topics(self, prefix: str = "") -> list[dict[str, Any]]:
+        self._need_minor(2, "bus.topics")
+        result = await self._command("bus.topics", {"prefix": prefix})
+        topics: list[dict[str, Any]] = result["topics"]
+        return topics
+
+    def _on_message(self, params: dict[str, Any]) -> None:
+        sub = self._subscriptions.get(params["topicIncarnation"])
+        if sub is None or not sub._active:  # left already: nobody will read it
+            self._queue_consumed(params["deliveryId"])
+            return
+        sub._deliver(Message(params["topic"], params["topicIncarnation"], params["sequence"],
+                             params["skipped"], self._identity(params["publisher"]),
+                             params["payload"], params["deliveryId"]))
+
+    def _on_topic_removed(self, params: dict[str, Any]) -> None:
+        sub = self._subscriptions.pop(params["topicIncarnation"], None)
+        if sub is not None:
+            sub._removed(params["reason"])
+
+    def _publish_failed(self, params: dict[str, Any]) -> None:
+        hook = self._on_publish_failed
+        if hook is None:
+            log.warning("bus.client.publish_failed", topic=params["topic"],
+                        error=params["error"]["data"]["name"])
+            return
+        try:
+            hook(params["topic"], from_wire(params["error"]))
+        except Exception:
+            log.exception("bus.client.publish_failed_hook_failed")
+
     # hello -------------------------------------------------------------------------------
     async def _hello(self, supported_majors: tuple[int, ...]) -> None:
         result = await self._command("bus.hello", {
@@ -903,6 +1130,7 @@ class BusClient:
         self._max_envelope = self.limits["maxEnvelopeBytes"]
         self._decoder = _rebound(self._decoder, self._max_envelope)
         self._lean = result["minor"] >= 1
+        self._minor = result["minor"]
 
 
 def _rebound(decoder: FrameDecoder, max_bytes: int) -> FrameDecoder:
@@ -932,15 +1160,18 @@ class _Connect:
 
     def __init__(self, path: str, client_id: str, client_incarnation: str | None,
                  supported_majors: tuple[int, ...], timeout: float | None,
-                 on_route_removed: RouteRemovedHook | None) -> None:
+                 on_route_removed: RouteRemovedHook | None,
+                 on_publish_failed: PublishFailedHook | None = None) -> None:
         self._args = (path, client_id, client_incarnation, supported_majors, timeout,
                       on_route_removed)
+        self._on_publish_failed = on_publish_failed
         self._client: BusClient | None = None
 
     async def _open(self) -> BusClient:
         path, client_id, incarnation, majors, timeout, hook = self._args
         loop = asyncio.get_running_loop()
-        client = BusClient(path, client_id, incarnation or new_incarnation(), hook)
+        client = BusClient(path, client_id, incarnation or new_incarnation(), hook,
+                           self._on_publish_failed)
         try:
             async with asyncio.timeout(timeout):
                 transport = await _open_transport(loop, client, path)
@@ -971,7 +1202,8 @@ class _Connect:
 
 def connect(path: str, *, client_id: str, client_incarnation: str | None = None,
             supported_majors: tuple[int, ...] = (1,), timeout: float | None = 5.0,
-            on_route_removed: RouteRemovedHook | None = None) -> _Connect:
+            on_route_removed: RouteRemovedHook | None = None,
+            on_publish_failed: PublishFailedHook | None = None) -> _Connect:
     """Open a connection and complete `bus.hello` (wire.md §17)."""
     return _Connect(path, client_id, client_incarnation, tuple(supported_majors), timeout,
-                    on_route_removed)
+                    on_route_removed, on_publish_failed)

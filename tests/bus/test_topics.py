@@ -608,3 +608,35 @@ async def test_topic_stats_follow_a_scenario(router: Any, raw: Any) -> None:
     rows = {row["clientId"]: row for row in stats["connectionsDetail"]}
     assert (rows["latest"]["subscriptions"], rows["latest"]["messageDeliveries"]) == (1, 1)
     assert (rows["bounded"]["subscriptions"], rows["bounded"]["messageDeliveries"]) == (0, 1)
+
+
+async def test_sdk_topics(router: Any, sdk: Any, settle: Any) -> None:
+    """docs/topics.md §12: Topic, publish (both forms), Subscription, the publish-failed hook."""
+    r = await router()
+    failures: list[tuple[str, str]] = []
+    owner = await sdk(r, "sdk-owner",
+                      on_publish_failed=lambda topic, err: failures.append((topic, err.name)))
+    reader = await sdk(r, "sdk-reader")
+    topic = await owner.declare("t.sdk", retain=True)
+    first = await owner.publish("t.sdk", {"n": 0}, expected_incarnation=topic.incarnation)
+    assert (first.sequence, first.latest, first.bounded) == (1, 0, 0)
+    async with await reader.subscribe("t.sdk", window=2) as sub:
+        assert (sub.sequence, sub.retained) == (1, True)
+        seen = []
+        async with topic:
+            for n in range(1, 4):
+                owner.publish_nowait("t.sdk", {"n": n})
+            owner.publish_nowait("t.missing", {"n": -1})
+            async for msg in sub:
+                seen.append((msg.sequence, msg.payload["n"]))
+                assert msg.publisher.client_id == "sdk-owner"
+                if msg.payload["n"] == 3:
+                    break
+        async for msg in sub:  # the topic was undeclared: iteration ends after draining
+            seen.append((msg.sequence, msg.payload["n"]))
+        assert sub.removed_reason == "undeclared"
+    assert seen[0] == (1, 0) and seen[-1] == (4, 3)
+    assert [s for s, _ in seen] == sorted({s for s, _ in seen})
+    assert failures == [("t.missing", "NO_TOPIC")]
+    await settle(r, lambda st: st["subscriptions"] == 0 and st["messageDeliveries"] == 0
+                 and st["topics"] == 0)
