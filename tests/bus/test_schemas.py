@@ -761,3 +761,32 @@ def test_schema_files_are_ascii() -> None:
     """The digest is over canonical JSON; ASCII-only files make escaped and raw UTF-8 agree."""
     for path in sorted(SCHEMA_ROOT.rglob("*.json")):
         assert path.read_bytes().isascii(), f"{path.name} holds non-ASCII bytes"
+
+
+TOPIC_EXAMPLES = Path(__file__).parent / "fixtures" / "topic_examples.json"
+TOPICS_DOC = Path(__file__).resolve().parents[2] / "docs" / "topics.md"
+
+
+def test_topic_and_store_examples_validate() -> None:
+    """docs/topics.md §17 test 172, the topic part: the examples of §3 (those without the
+    attachments of §6) validate, and each is a line of the page, verbatim."""
+    examples = json.loads(TOPIC_EXAMPLES.read_text(encoding="utf-8"))
+    doc_lines = {json.dumps(json.loads(line), separators=(",", ":"))
+                 for line in TOPICS_DOC.read_text(encoding="utf-8").splitlines()
+                 if line.startswith('{"jsonrpc"')}
+    kinds = set()
+    for example in examples:
+        assert json.dumps(example["message"], separators=(",", ":")) in doc_lines
+        if "method" in example["message"] and "id" not in example["message"]:
+            # a notification form of an op (§3.4) uses the op's params schema
+            pairs = [(example["kind"], example["message"]["params"])]
+        else:
+            pairs = targets(example)
+        for name, instance in pairs:
+            assert [e.message for e in reference(name).iter_errors(instance)] == [], name
+            assert validator(name)(instance) is None, (example["section"], name)
+        kinds.add(example["kind"])
+    assert {f"ops/{op}.{part}.json" for op in ("bus.declare", "bus.publish", "bus.subscribe")
+            for part in ("params", "result")} <= kinds
+    assert ERROR_CODES["NO_TOPIC"] == -32010
+    assert len(set(ERROR_CODES.values())) == len(ERROR_CODES)
