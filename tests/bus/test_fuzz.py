@@ -91,7 +91,9 @@ LIMITS = Limits().replace(
 MAX_ID = 2**53 - 1
 GAUGES = ("connections", "pendingConnections", "clients", "services", "expectations", "calls",
           "activeCalls", "queuedCalls", "dispatchedCalls", "detachedCalls", "repliedCalls",
-          "replyCapabilities", "queuedCallBytes")
+          "replyCapabilities", "queuedCallBytes",
+          # docs/topics.md §10: topics and their messages settle with their connections (#171)
+          "topics", "subscriptions", "queuedMessages", "queuedTopicBytes", "messageDeliveries")
 
 # --- strategies -------------------------------------------------------------------------------
 
@@ -141,6 +143,15 @@ GOOD: dict[str, st.SearchStrategy[Any]] = {
     "ttlMs": st.sampled_from([100, 30000]),
     "grants": grants,
     "supportedMajors": st.just([1]),
+    # topics (docs/topics.md §3)
+    "topic": st.sampled_from(["fz.t", "fz.t", "fz.u"]),
+    "retain": st.booleans(),
+    "maxBounded": st.integers(0, 2),
+    "topicIncarnation": st.sampled_from(["$top", "$top", "top-1"]),
+    "mode": st.sampled_from(["latest", "latest", "bounded"]),
+    "depth": st.integers(1, 3),
+    "window": st.integers(1, 3),
+    "retained": st.booleans(),
 }
 # Anything goes: types, ranges, patterns and sizes the schemas must refuse.
 WILD: dict[str, st.SearchStrategy[Any]] = {
@@ -170,6 +181,14 @@ WILD: dict[str, st.SearchStrategy[Any]] = {
     "grants": json_any,
     "supportedMajors": st.sampled_from([[2], [1, 1], [], [0], [1, 2], list(range(1, 18))])
     | json_any,
+    "topic": st.sampled_from(NAMES) | json_any,
+    "retain": json_any,
+    "maxBounded": small_int | json_any,
+    "topicIncarnation": st.sampled_from(["top-0", "top-01", "svc-1", ""]) | json_any,
+    "mode": st.sampled_from(["", "Latest", "all"]) | json_any,
+    "depth": small_int | json_any,
+    "window": small_int | json_any,
+    "retained": json_any,
 }
 OP_KEYS: dict[str, list[str]] = {
     "bus.hello": ["clientId", "clientIncarnation", "supportedMajors"],
@@ -183,6 +202,12 @@ OP_KEYS: dict[str, list[str]] = {
     "bus.services": ["prefix"],
     "bus.stats": ["detail"],
     "bus.expect": ["clientId", "pid", "clientIncarnation", "ttlMs", "grants"],
+    "bus.declare": ["topic", "retain", "maxBounded"],
+    "bus.undeclare": ["topic", "topicIncarnation"],
+    "bus.publish": ["topic", "expectedIncarnation", "payload"],
+    "bus.subscribe": ["topic", "mode", "depth", "window", "retained"],
+    "bus.unsubscribe": ["topic"],
+    "bus.topics": ["prefix"],
     "bus.nope": [],
     "": [],
 }
@@ -194,7 +219,9 @@ ROLE_OPS = {
     + ["bus.expect", "bus.stats", "bus.services", "bus.register"],
     "mixed": ["bus.register", "bus.call", "bus.call", "bus.reply", "bus.reply",
               "bus.consumed", "bus.consumed", "bus.cancel", "bus.release", "bus.unregister",
-              "bus.expect", "bus.stats", "bus.services"],
+              "bus.expect", "bus.stats", "bus.services",
+              "bus.declare", "bus.publish", "bus.publish", "bus.subscribe", "bus.unsubscribe",
+              "bus.undeclare", "bus.topics"],
 }
 
 
@@ -414,6 +441,7 @@ class Conn:
     sent: dict[int, str] = field(default_factory=dict)
     dlv: list[str] = field(default_factory=list)
     svc: list[str] = field(default_factory=list)
+    top: list[str] = field(default_factory=list)
     sent_calls: list[int] = field(default_factory=list)
     task: asyncio.Task[None] | None = None
     auto: str | None = None
@@ -483,6 +511,8 @@ class Conn:
                         self.fail(f"bad {method} result ({problem}): {body[:300]!r}")
                     if method == "bus.register":
                         self.svc.append(msg["result"]["serviceIncarnation"])
+                    if method == "bus.declare":
+                        self.top.append(msg["result"]["topicIncarnation"])
                 if "error" in msg:
                     if self.sent.get(rid) == "bus.hello" and not self.tainted:
                         final = "refused hello"
@@ -491,7 +521,7 @@ class Conn:
                         self.fail(f"an error response with dispatch {data['dispatch']}")
                 continue
             method, params = msg["method"], msg["params"]
-            if method in ("bus.request", "bus.result"):
+            if method in ("bus.request", "bus.result", "bus.message"):
                 self.dlv.append(params["deliveryId"])
                 if self.auto is not None:
                     self.auto_answer(method, params)
@@ -561,6 +591,8 @@ def _resolve(value: Any, conn: Conn | Sock, counter: list[int]) -> Any:
             return conn.dlv[-1 - (i - 1) % len(conn.dlv)] if conn.dlv else "dlv-1"
         if value == "$svc":
             return conn.svc[-1] if conn.svc else "svc-1"
+        if value == "$top":
+            return conn.top[-1] if conn.top else "top-1"
         if value == "$call":
             calls = conn.sent_calls
             return calls[-1 - (i - 1) % len(calls)] if calls else 1
@@ -975,8 +1007,9 @@ CLIENT_POOL = 12  # clientIds fz-a..fz-d, fz-0..fz-7: collisions give CONFLICT
 SERVICE_NAMES = ["fz.a", "fz.b", "fz.c"]
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-# ops that minor 1 accepts as notifications (wire.md §21): without an id they are lean, not poison
-LEAN_OPS: frozenset[str] = frozenset({"bus.call", "bus.reply", "bus.consumed"})
+# ops accepted as notifications (wire.md §21, and bus.publish since minor 2, docs/topics.md
+# §3.4): without an id they are lean, not poison
+LEAN_OPS: frozenset[str] = frozenset({"bus.call", "bus.reply", "bus.consumed", "bus.publish"})
 # expected `bus.closing` names of the poison a clean, helloed connection sends (wire.md §4)
 POISON_CLOSES: dict[tuple[str, str], str] = {
     **{("prefix", w): "INVALID_ENVELOPE" for w in ("zero", "huge", "over", "be")},
@@ -1032,6 +1065,7 @@ class Sock:
         self.responded: set[int] = set()
         self.dlv: list[str] = []
         self.svc: list[str] = []
+        self.top: list[str] = []
         self.sent_calls: list[int] = []
         self.held: list[str] = []  # request deliveries a "hold" service answers later
         self.out = bytearray()
@@ -1190,6 +1224,9 @@ class Sock:
             closings[self.closing] = closings.get(self.closing, 0) + 1
             if params["error"]["data"]["dispatch"] != "unknown":
                 self.fail(f"bus.closing with dispatch {params['error']['data']}")
+        elif method == "bus.message":
+            self.dlv.append(params["deliveryId"])
+            del self.dlv[:-16]
         elif method in ("bus.request", "bus.result"):
             self.dlv.append(params["deliveryId"])
             del self.dlv[:-16]
@@ -1217,6 +1254,8 @@ class Sock:
                 self.fail(f"bad {method} result ({problem}): {body[:300]!r}")
             if method == "bus.register":
                 self.svc.append(msg["result"]["serviceIncarnation"])
+            if method == "bus.declare":
+                self.top.append(msg["result"]["topicIncarnation"])
             if method == "bus.hello":
                 self.helloed = True
         if method == "bus.call" and "error" in msg:
