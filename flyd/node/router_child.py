@@ -41,7 +41,7 @@ import psutil
 import structlog
 
 from bus.limits import Limits, snake_case
-from bus.policy import Policy
+from bus.policy import GRANT_KINDS, Policy
 from bus.sockets import probe_socket
 from flyd.config import default_socket
 from flyd.errors import ConfigError
@@ -160,7 +160,7 @@ def _policy_table(policy: Policy) -> dict[str, Any]:
     clients: list[dict[str, Any]] = []
     for entry in policy.entries:
         item: dict[str, Any] = {"id": entry.id}
-        for kind in ("register", "call", "expect", "delegate"):
+        for kind in GRANT_KINDS:
             patterns = list(getattr(entry, kind))
             if patterns:
                 item[kind] = patterns
