@@ -174,8 +174,10 @@ def test_a_rogue_same_uid_process_is_refused_everything(site: Site) -> None:
 
     rogue = _rogue(site)
     assert rogue["uid"] == os.getuid() and rogue["pid"] not in (run.pid, *pids.values())
+    # a ctl-* client: the control services, and following runs (docs/topics.md §7)
     assert rogue["grants"] == {"register": [], "call": ["flyd.control.*"], "expect": [],
-                               "delegate": []}
+                               "delegate": [], "publish": [], "subscribe": ["flyd.run.*"],
+                               "manage": []}
     workers = [s for s in rogue["before"] if not s["name"].startswith("flyd.control.")]
     assert {s["name"].split(".", 1)[1] for s in workers} == {
         "agent.fly-a", "agent.fly-b", "env.arena"}

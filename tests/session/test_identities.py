@@ -180,7 +180,8 @@ async def test_the_node_connection_admits_exactly_the_session_clients(node: Node
     launcher = await connect_expected(node.client, node.socket, names.launcher_client_id,
                                       grants=names.client_grants())
     assert launcher.grants == {"register": [], "call": [f"{tag}.agent.*", f"{tag}.env.*"],
-                               "expect": [], "delegate": []}
+                               "expect": [], "delegate": [], "publish": [], "subscribe": [],
+                               "manage": []}
     # a worker: register its own service, nothing else
     fly = names.agent("fly-a", "p1", threads=1)
     await node.client.expect(fly.client_id, os.getpid(), client_incarnation=fly.incarnation_id,
