@@ -418,8 +418,7 @@ class TopicTable(Generic[C]):
         reader = self.readers.get(conn)
         if reader is not None:
             for sub in list(reader.subs):
-                if not sub.closing:
-                    self.dropped += len(sub.queue)
+                self.dropped += len(sub.queue)  # closing or not: never delivered
                 self._drop(sub, released)
         wake: dict[int, C] = {}
         for topic in list(self.owned.get(conn, {}).values()):
