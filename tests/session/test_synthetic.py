@@ -1,17 +1,26 @@
 """The synthetic composition (session.md §4.2–§4.8): every vector, byte for byte.
 
 Tests 29–31 of session.md §8, plus the pure pieces' behaviour (task rules, executor, checkpoint
-round trips) and a pure replay of the golden run (§4.8) from the synthetic classes alone.
+round trips) and a pure replay of the golden run (§4.8) from the synthetic classes alone; and
+test 192 of docs/topics.md §17 (the arena's frame size is world configuration).
 """
 
 from __future__ import annotations
 
 import hashlib
 import struct
+from dataclasses import replace
 from typing import Any
 
+import orjson
 import pytest
 
+from flyd.session.runspec import RunSpec, WorldSpec
+from flyd.state.compat import Compatibility
+from tests.cli.test_flyctl_runs import Site, flyctl
+from tests.cli.test_flyctl_runs import site as site
+from tests.cli.test_spec_option import flyd_run
+from tests.session.harness import Fixture, SessionHarness
 from workers.canonical import typed_digest
 from workers.composition import composition_digest, config_asset, derive_seed
 from workers.datatypes import (
@@ -32,7 +41,12 @@ from workers.synthetic import (
     synthetic_schema,
 )
 from workers.synthetic import schemas as S
-from workers.synthetic.arena import BACKEND_DIGEST, CONTENT_DIGEST, configuration_digest
+from workers.synthetic.arena import (
+    BACKEND_DIGEST,
+    CONTENT_DIGEST,
+    configuration_digest,
+    frame_size,
+)
 from workers.synthetic.audio import TriangleSource, frame_bytes
 from workers.synthetic.brain import initial_state
 from workers.synthetic.frame import FRAME_BYTES, ROW_STRIDE, render_frame
@@ -617,3 +631,69 @@ def test_audio_frames_computed_in_bulk_equal_frame_bytes_at_every_phase() -> Non
             got = TriangleSource(start).chunk(1, 48000 // 5, channels)
             assert got == b"".join(frame_bytes((start + 275 * (i + 1)) % 48000, channels)
                                    for i in range(48000 // 5))
+
+
+# --------------------------------------------------------------------------------------------
+# 192
+
+
+def sized_arena(config: dict[str, Any]) -> CounterArena:
+    return CounterArena(world_id="arena", ports=("p1", "p2"), step=STEP_60HZ,
+                        observation_delay_steps=0, threads=1, config=config)
+
+
+@pytest.mark.timeout(150)
+async def test_world_config_sets_the_frame_size(site: Site) -> None:
+    # the default is the spec's 32×24 with its vectors (the golden run: tests/session/
+    # test_golden.py); an explicit default size is the same frame and configuration digest
+    default = sized_arena({}).descriptor()
+    assert (default.views[0].width, default.views[0].height, default.views[0].row_stride) == \
+        (32, 24, 128)
+    assert default.configuration_digest == \
+        "19d4b0beffd13556d2f0da539a373c52f22a55708ef6da188a7d1eb8d8040027"
+    assert sized_arena({"width": 32, "height": 24}).descriptor() == default
+
+    big = sized_arena({"width": 256, "height": 256})
+    big.reset("ep1", [("p1", "fly-a"), ("p2", "fly-b")])
+    view = EnvironmentDescriptor.from_json(big.descriptor().to_json()).views[0]
+    assert (view.width, view.height, view.row_stride, view.byte_length) == \
+        (256, 256, 1024, 256 * 256 * 4)
+    big.counter = 5
+    assert big.render("arena", 7) == render_frame(5, 7, 256, 256)
+    # a size is configuration: a checkpoint of one size is not installed into another
+    assert big.descriptor().configuration_digest == \
+        configuration_digest(STEP_60HZ, 2, 0, 256, 256) != default.configuration_digest
+    assert frame_size({"height": 1}) == (32, 1)
+
+    for bad, field in [({"width": 0}, "width"), ({"height": 4097}, "height"),
+                       ({"width": "64"}, "width"), ({"height": True}, "height"),
+                       ({"width": 2.0}, "width"), ({"depth": 3}, "depth")]:
+        with pytest.raises(DomainError) as err:
+            sized_arena(bad)
+        assert err.value.code == "INVALID_ARGUMENT" and field in err.value.message, bad
+
+    # a session of 256×256 views: the world serves them and the coordinator decodes them
+    spec = replace(RunSpec(), world=WorldSpec(config={"width": 256, "height": 256}))
+    async with SessionHarness.start(Fixture(composition=spec)) as h:
+        await h.bootstrap()
+        await h.run(2)
+        committed = h.coordinator.committed_view()
+        assert committed is not None
+        descriptor, pixels = committed
+        assert (descriptor.width, descriptor.height, descriptor.row_stride) == (256, 256, 1024)
+        assert len(pixels) == 256 * 256 * 4
+
+    # `flyd run --world-config` reaches the world: the run's checkpoint carries the
+    # compatibility of a 64×48 arena, and a size out of range fails naming the key
+    code, summary, err = flyd_run(site, "--world-config", '{"width":64,"height":48}',
+                                  "--steps", "4", "--mode", "thread")
+    assert code == 0 and summary["state"] == "succeeded", err
+    listed = flyctl(site, "checkpoints", "list", str(summary["run"]), socket=False)
+    assert listed.code == 0, listed
+    want = Compatibility.of(sized_arena({"width": 64, "height": 48}).descriptor()).digest()
+    assert {c["compatibilityDigest"] for c in listed.json["checkpoints"]} == {want}
+    assert want != Compatibility.of(default).digest()
+    code, summary, err = flyd_run(site, "--world-config", '{"width":0}', "--steps", "4",
+                                  "--mode", "thread")
+    assert code != 0 and summary["state"] == "failed"
+    assert "world config width must lie in 1..4096; got 0" in orjson.dumps(summary).decode()

@@ -6,7 +6,13 @@ phase persists — so that lost, repeated or reordered steps are visible.
 
 The world keeps only `counter` and the audio phase: the worker shell owns the boundary, the batch
 set, the view pipeline and the audio sample budget (§3.5) and passes the boundary in. Its config
-object takes no keys (`{}`); its config asset is `"<worldId>-config"` over that object.
+object takes two optional keys, `width` and `height` of the `arena` view (1..4096 each, default
+32×24), so that the media path can be measured and tested with large frames; its config asset is
+`"<worldId>-config"` over that object as given.
+
+Decision: the configuration digest is the spec's text (§4.6) for the default size and gains
+`width=<w>\nheight=<h>\n` for any other, so the golden vectors stand and a checkpoint of one
+frame size is refused (`patchDigest`) by a world of another instead of failing on its media.
 """
 
 from __future__ import annotations
@@ -44,12 +50,32 @@ CONTROLS: Final = ControllerSchema(CONTROLLER, ("inc", "dec"),
                                    (AxisSpec("bias", "bipolar", 0.0),))
 _BUTTON_DELTA: Final = {"inc": 1, "dec": -1}
 _SAFE_INT: Final = 2**53 - 1
+CONFIG_KEYS: Final = ("width", "height")
+#: the largest view side an `EnvironmentDescriptor` allows (session.md §1.8)
+MAX_SIDE: Final = 4096
 
 
-def configuration_digest(step: RationalNs, ports: int, delay: int) -> str:
+def configuration_digest(step: RationalNs, ports: int, delay: int,
+                         width: int = _frame.WIDTH, height: int = _frame.HEIGHT) -> str:
     text = (f"counter-arena-config-v1\nstep={step.numerator}/{step.denominator}\n"
             f"ports={ports}\ndelay={delay}\n")
+    if (width, height) != (_frame.WIDTH, _frame.HEIGHT):
+        text += f"width={width}\nheight={height}\n"
     return digest_bytes(text.encode("utf-8"))
+
+
+def frame_size(config: Mapping[str, Any]) -> tuple[int, int]:
+    """`(width, height)` of the `arena` view from the world config; `INVALID_ARGUMENT` naming
+    the key for an unknown key or a size outside 1..4096."""
+    if not isinstance(config, Mapping):
+        raise DomainError.invalid("the counter arena's config must be an object")
+    unknown = sorted(set(config) - set(CONFIG_KEYS))
+    if unknown:
+        raise DomainError.invalid(f"world config: unknown keys {unknown} (the counter arena "
+                                  f"takes {list(CONFIG_KEYS)})")
+    width = parse_int(config.get("width", _frame.WIDTH), "world config width", 1, MAX_SIDE)
+    height = parse_int(config.get("height", _frame.HEIGHT), "world config height", 1, MAX_SIDE)
+    return width, height
 
 
 def control_delta(control: PortControl) -> int:
@@ -76,8 +102,7 @@ class CounterArena:
             raise DomainError.invalid("the step duration must be > 0")
         parse_int(observation_delay_steps, "observation_delay_steps", 0, MAX_OBSERVATION_DELAY)
         parse_int(threads, "threads", 1, 2**31 - 1)
-        if not isinstance(config, Mapping) or config:
-            raise DomainError.invalid("the counter arena takes no config keys")
+        self.width, self.height = frame_size(config)
         self.world_id = world_id
         self.ports = tuple(ports)
         self.step = step
@@ -96,12 +121,14 @@ class CounterArena:
         return EnvironmentDescriptor(
             backend_digest=BACKEND_DIGEST,
             content_digest=CONTENT_DIGEST,
-            configuration_digest=configuration_digest(self.step, len(self.ports), self.delay),
+            configuration_digest=configuration_digest(self.step, len(self.ports), self.delay,
+                                                      self.width, self.height),
             step_duration=self.step,
             ports=tuple(PortSpec(p, CONTROLS) for p in self.ports),
             inspection_schema=INSPECTION,
-            views=(ViewDescriptor(VIEW_ID, _frame.WIDTH, _frame.HEIGHT, _frame.ROW_STRIDE,
-                                  PixelAspect(1, 1), self.delay),),
+            views=(ViewDescriptor(VIEW_ID, self.width, self.height,
+                                  self.width * _frame.BYTES_PER_PIXEL, PixelAspect(1, 1),
+                                  self.delay),),
             audio=(AudioDescriptor(STREAM_ID, SAMPLE_RATE, CHANNELS),),
             recovery="exact-checkpoint",
             determinism="fixed-build",
@@ -128,7 +155,7 @@ class CounterArena:
     def render(self, view_id: str, boundary: int) -> bytes:
         if view_id != VIEW_ID:
             raise DomainError.invalid(f"the arena has no view {view_id}")
-        return _frame.render_frame(self.counter, boundary)
+        return _frame.render_frame(self.counter, boundary, self.width, self.height)
 
     def audio(self, stream_id: str, frames: int) -> bytes:
         if stream_id != STREAM_ID:
