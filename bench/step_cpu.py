@@ -36,6 +36,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -66,8 +67,9 @@ def children_cpu() -> float:
 
 
 def run_cpu(tmp: Path, dsn: str, agents: int, cadence: int, steps: int,
-            ) -> tuple[float, int, dict[str, Any]]:
-    """One `flyd run`: (CPU seconds of its whole tree, advances, summary)."""
+            extra: Sequence[str] = ()) -> tuple[float, int, dict[str, Any]]:
+    """One `flyd run` (`extra`: more of its options): (CPU seconds of its whole tree, advances,
+    summary)."""
     ids = ",".join(f"a{i}" for i in range(1, agents + 1))
     env = {k: v for k, v in os.environ.items() if not k.startswith("FLYD_")}
     before = children_cpu()
@@ -75,7 +77,7 @@ def run_cpu(tmp: Path, dsn: str, agents: int, cadence: int, steps: int,
         [sys.executable, "-m", "flyd", "run", "--json", "-q", "--log-format", "json", "--steps",
          str(steps), "--checkpoint-every", str(cadence), "--no-pace", "--mode", "process",
          "--agents", ids, "--config", str(tmp / "flyd.toml"), "--dsn", dsn, "--socket",
-         str(tmp / "run.sock"), "--state-dir", str(tmp / "state")],
+         str(tmp / "run.sock"), "--state-dir", str(tmp / "state"), *extra],
         cwd=ROOT, env=env, capture_output=True, check=False)
     cpu = children_cpu() - before
     try:
