@@ -1,14 +1,19 @@
 """The fast paths of workers/ against the reference implementations they replaced.
 
 `canonical` writes through orjson, `TypedValue` measures itself without `plain`'s round trip,
-`decode_audio` checks finiteness with one sum, the synthetic triangle memoises its frames and
-`render_frame` fills rows by slices. The oracles below are the replaced code, verbatim (the
-canonical writer as it stood before orjson: `json.dumps` per string, a per-character surrogate
-scan); every fast path must give the same bytes, or the same refusal with the same words.
+`decode_audio` checks finiteness with one sum, `decode_media` re-encodes only the last base64
+group, the synthetic triangle memoises its frames and `render_frame` fills a cached template.
+The oracles below are the replaced code, verbatim (the canonical writer as it stood before
+orjson: `json.dumps` per string, a per-character surrogate scan); every fast path must give the
+same bytes, or the same refusal with the same words.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
+import hashlib
+import itertools
 import json
 import math
 import random
@@ -27,9 +32,11 @@ from workers.datatypes import (
     MAX_TYPED_VALUE_BYTES,
     AudioDescriptor,
     AudioRef,
+    MediaBlob,
     SchemaRef,
     TypedValue,
     decode_audio,
+    decode_media,
     encode_media,
 )
 from workers.domain import DomainError, short
@@ -454,3 +461,54 @@ def test_frames_are_the_reference_bytes() -> None:
     for counter in range(-3, 300):
         for boundary in (0, 7, 31, 32, 39, 10**9):
             assert render_frame(counter, boundary) == reference_frame(counter, boundary)
+
+
+# --------------------------------------------------------------------------------------------
+# decode_media: the whole-text re-encoding it replaced, verbatim
+
+
+def reference_decode_media(blob: MediaBlob, content_type: str, name: str) -> bytes:
+    if blob.content_type != content_type:
+        raise DomainError("BUFFER_INVALID", f"{name} has content type "
+                          f"{short(blob.content_type)}; expected {content_type}", "none")
+    try:
+        data = base64.b64decode(blob.data, validate=True)
+    except (binascii.Error, ValueError):
+        raise DomainError("BUFFER_INVALID", f"{name} is not valid base64", "none") from None
+    if base64.b64encode(data).decode("ascii") != blob.data:
+        raise DomainError("BUFFER_INVALID", f"{name} is not canonical padded base64", "none")
+    if len(data) != blob.byte_length:
+        raise DomainError("BUFFER_INVALID", f"{name} decodes to {len(data)} bytes; byteLength "
+                          f"says {blob.byte_length}", "none")
+    if hashlib.sha256(data).hexdigest() != blob.digest:
+        raise DomainError("BUFFER_INVALID", f"{name} does not match its digest", "none")
+    return data
+
+
+def _texts() -> Iterator[str]:
+    """Every text of up to 5 characters over an alphabet with each kind of trouble (a bit the
+    last group must not set, padding, a line break, non-ASCII), and longer random ones."""
+    alphabet = "AQB/=+gw\n\u00e9"
+    for length in range(6):
+        for chars in itertools.product(alphabet, repeat=length):
+            yield "".join(chars)
+    rng = random.Random(192)
+    for _ in range(20000):
+        yield "".join(rng.choice(alphabet) for _ in range(rng.randrange(6, 14)))
+    for size in range(1, 40):
+        text = base64.b64encode(rng.randbytes(size)).decode("ascii")
+        yield text
+        yield text[:-1] + "B"
+        yield text.rstrip("=")
+
+
+def test_decode_media_refuses_exactly_as_the_whole_re_encoding() -> None:
+    for text in _texts():
+        try:
+            expected = base64.b64decode(text, validate=True)
+        except (binascii.Error, ValueError):
+            expected = b""
+        blob = MediaBlob("image/x-rgba8", len(expected), hashlib.sha256(expected).hexdigest(),
+                         text)
+        assert outcome(lambda b: decode_media(b, "image/x-rgba8", "view v"), blob) == \
+            outcome(lambda b: reference_decode_media(b, "image/x-rgba8", "view v"), blob), text
