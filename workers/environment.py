@@ -31,7 +31,10 @@ Resolved ambiguities:
   `taskConfig` asset is parsed but not compared (the task is coordinator-local).
 - A world failure while resetting or applying is `BACKEND_FAILURE`/`unknown`; a render failure
   after the step was applied is `BACKEND_FAILURE`/`applied` (§3.5 step 6), also at Initialize
-  (the episode was reset). A rendered frame or audio chunk of the wrong size is a render failure.
+  (the episode was reset). A rendered frame or audio chunk of the wrong size is a render failure,
+  and so is an observation whose reply would exceed the router's `maxEnvelopeBytes` (checked
+  with the router's own frame rule, `Endpoint.reply_frame`): sent anyway, the router would
+  refuse it and the coordinator learn only that the call went without a reply.
 - `State.*` (state.md §6, `workers.state`): a staged restore builds a fresh world from the
   launch's settings, resets it to the checkpoint's episode and bindings and restores the saved
   world into it (the staging copy); activation swaps it in with the recorded frames and audio
@@ -301,6 +304,19 @@ class EnvironmentEndpoint(Endpoint):
             audio=tuple(chunks),
         )
 
+    def _fitting(self, call: Call, boundary: int, result: dict[str, Any]) -> dict[str, Any]:
+        """`result`, or `BACKEND_FAILURE`/`applied` naming the limit when its reply cannot be one
+        bus frame: the router would refuse the reply and the coordinator hear only that the call
+        went without one."""
+        size, limit = self.reply_frame(call, result)
+        if limit and size > limit:
+            raise DomainError(ErrorCode.BACKEND_FAILURE,
+                              f"{call.method}: the observation of boundary {boundary} makes a "
+                              f"reply of {size} bytes, over maxEnvelopeBytes {limit} (media "
+                              "travel inline: raise [bus.limits] max_envelope_bytes or render "
+                              "smaller views)", Mutation.APPLIED)
+        return result
+
     def _scope_step(self) -> None:
         status = self.status
         assert status.current_scope is not None
@@ -365,7 +381,8 @@ class EnvironmentEndpoint(Endpoint):
         status.raise_progress(self.progress)
         observation = await self._world(
             RENDER, lambda: self._observe(0, self.world_time, audio=False), Mutation.APPLIED)
-        return {"descriptor": self.descriptor.to_json(), "observation": observation.to_json()}
+        return self._fitting(call, 0, {"descriptor": self.descriptor.to_json(),
+                                       "observation": observation.to_json()})
 
     # Environment.Advance (§3.5) ----------------------------------------------------------------
 
@@ -405,15 +422,16 @@ class EnvironmentEndpoint(Endpoint):
         world_time = self.world_time
         observation = await self._world(
             RENDER, lambda: self._observe(k + 1, world_time, audio=True), Mutation.APPLIED)
-        # 7
-        status.state = WorkerState.READY
-        return {
+        result = self._fitting(call, k + 1, {
             "batchId": batch_id,
             "appliedFromStep": format_u64(k),
             "nextStep": format_u64(k + 1),
             "appliedControlsDigest": controls_digest([c.to_json() for c in controls]),
             "observation": observation.to_json(),
-        }
+        })
+        # 7
+        status.state = WorkerState.READY
+        return result
 
 
 # --------------------------------------------------------------------------------------------

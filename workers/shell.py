@@ -101,6 +101,7 @@ import structlog
 import schemas as _schemas_package
 from bus import client as bus_client
 from bus.errors import BusError
+from bus.limits import MAX_ID, result_frame
 from bus.schema import Validator, compile_schema
 from workers.canonical import digest_bytes, digest_of, parse_strict
 from workers.dedup import Execute, OpClass, Refuse, Replay, ResultCache, Ticket, class_of
@@ -383,6 +384,21 @@ class Endpoint:
         else:
             caps.discard("checkpoint-v1")
         return sorted(caps)
+
+    def reply_frame(self, call: Call, result: dict[str, Any]) -> tuple[int, int]:
+        """(worst-case `bus.result` frame bytes of this reply, the `maxEnvelopeBytes` the router
+        announced at hello, 0 before it): the router's own rule (`bus.limits.result_frame`)
+        with the longest call id and this worker's responder and service incarnation."""
+        shell = self.shell
+        launch = shell.launch
+        outcome = Outcome.success(call.request, launch.worker_id, launch.incarnation_id,
+                                  result).to_json()
+        frame = result_frame(MAX_ID, shell.service_incarnation or "",
+                             {"clientId": launch.client_id,
+                              "clientIncarnation": launch.incarnation_id}, outcome)
+        client = shell.client
+        limit = client.limits.get("maxEnvelopeBytes", 0) if client is not None else 0
+        return len(frame), limit
 
     # the common checks of §3 -----------------------------------------------------------------
 

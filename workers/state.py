@@ -35,7 +35,7 @@ Resolved ambiguities:
 - The reply-size limit (§6.2 step 7) is the router's worst-case `bus.result` frame
   (`bus.limits.result_frame`, the router's own rule) with the longest call id, this worker's
   responder and service incarnation; the limit is the `maxEnvelopeBytes` the router announced
-  at hello.
+  at hello (`Endpoint.reply_frame`, which the environment's observations use too).
 - Plugin blobs are `{"digest", "data"}`; a digest that does not match `data` is
   `INCOMPATIBLE_STATE`, like a `restore` that refuses.
 """
@@ -49,7 +49,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Final, Generic, Protocol, TypeVar
 
-from bus.limits import MAX_ID, result_frame
 from workers.canonical import canonical, digest_bytes, digest_of, is_canonical, parse_strict
 from workers.datatypes import EnvironmentDescriptor, MediaBlob
 from workers.domain import (
@@ -61,7 +60,6 @@ from workers.domain import (
     parse_digest,
     parse_u64,
 )
-from workers.rpc import Outcome
 from workers.shell import Call, Endpoint, StatusCell, WorkerState, check_params
 
 __all__ = [
@@ -299,26 +297,13 @@ class StateService(Generic[S]):
                   "compatibilityDigest": participant.compatibility_digest(),
                   "agentIdentity": participant.identity(), "payload": payload.to_json()}
         # 7: one bus frame
-        size, limit = self._reply_frame(call, result)
+        size, limit = self.endpoint.reply_frame(call, result)
         if size > limit:
             raise DomainError.before(
                 ErrorCode.UNSUPPORTED,
                 f"checkpoint payload of {len(data)} bytes does not fit one bus frame (limit "
                 f"{limit})")
         return result
-
-    def _reply_frame(self, call: Call, result: dict[str, Any]) -> tuple[int, int]:
-        """(worst-case `bus.result` frame bytes of this reply, `maxEnvelopeBytes`)."""
-        shell = self.endpoint.shell
-        launch = shell.launch
-        outcome = Outcome.success(call.request, launch.worker_id, launch.incarnation_id,
-                                  result).to_json()
-        frame = result_frame(MAX_ID, shell.service_incarnation or "",
-                             {"clientId": launch.client_id,
-                              "clientIncarnation": launch.incarnation_id}, outcome)
-        client = shell.client
-        limit = client.limits.get("maxEnvelopeBytes", 0) if client is not None else 0
-        return len(frame), limit
 
     # State.StageRestore (§6.4) -----------------------------------------------------------------
 

@@ -255,6 +255,21 @@ async def test_a_frame_of_the_wrong_length_fails_the_step() -> None:
             assert recorder_of(h).produced(agent) == [0]
 
 
+async def test_a_frame_over_the_envelope_fails_naming_the_limit() -> None:
+    """A 512×512 view is 1 MiB of RGBA8, 1.4 MB as inline base64: the world answers with a
+    failure naming the router's limit and the key that raises it, never a reply the router
+    would refuse (the coordinator would hear only that the call went without one)."""
+    spec = replace(RunSpec(), world=replace(RunSpec().world,
+                                            config={"width": 512, "height": 512}))
+    async with SessionHarness.start(Fixture(composition=spec)) as h:
+        with pytest.raises(SessionFailure) as caught:
+            await h.bootstrap()
+    failure = caught.value
+    assert (failure.code, failure.mutation) == ("BACKEND_FAILURE", "applied")
+    assert "over maxEnvelopeBytes 1048576" in failure.error.message
+    assert "[bus.limits] max_envelope_bytes" in failure.error.message
+
+
 async def test_overlapping_audio_fails_the_step() -> None:
     fixture = MediaFixture(faults={"arena": Faults(overlapping_audio_at_boundary=2)})
     async with MediaHarness.start(fixture) as h:
