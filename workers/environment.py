@@ -35,6 +35,9 @@ Resolved ambiguities:
   and so is an observation whose reply would exceed the router's `maxEnvelopeBytes` (checked
   with the router's own frame rule, `Endpoint.reply_frame`): sent anyway, the router would
   refuse it and the coordinator learn only that the call went without a reply.
+- `Environment.Initialize` also refuses (`UNSUPPORTED`, before the reset) a world whose smallest
+  capture — one frame of each view, base64 inside a payload that travels base64 — exceeds
+  `maxEnvelopeBytes`: every run ends with a durable capture, so that world could never finish.
 - `State.*` (state.md §6, `workers.state`): a staged restore builds a fresh world from the
   launch's settings, resets it to the checkpoint's episode and bindings and restores the saved
   world into it (the staging copy); activation swaps it in with the recorded frames and audio
@@ -149,6 +152,11 @@ class BatchSet:
             ranges[i][0] = k
         else:
             ranges.insert(i, [k, k])
+
+
+def _base64_length(n: int) -> int:
+    """Characters of `n` bytes in padded base64."""
+    return 4 * ((n + 2) // 3)
 
 
 class ViewPipeline:
@@ -304,6 +312,24 @@ class EnvironmentEndpoint(Endpoint):
             audio=tuple(chunks),
         )
 
+    def _check_capturable(self, method: str) -> None:
+        """`UNSUPPORTED` before anything changes when even the smallest capture of this world
+        cannot be one bus frame: its payload holds a frame of every view as base64 and travels
+        as base64 itself. Every run ends with a durable capture, so such a world could step
+        but never finish; refused here, the run fails at once naming the limit."""
+        limit = self.envelope_limit()
+        if not limit or "State.Capture" not in self.handlers \
+                or self.descriptor.recovery != "exact-checkpoint":
+            return
+        least = _base64_length(sum(_base64_length(v.byte_length)
+                                   for v in self.descriptor.views))
+        if least > limit:
+            raise DomainError.before(
+                ErrorCode.UNSUPPORTED,
+                f"{method}: a checkpoint of this world carries its views base64 twice, at least "
+                f"{least} bytes, over maxEnvelopeBytes {limit} (raise [bus.limits] "
+                "max_envelope_bytes or render smaller views)")
+
     def _fitting(self, call: Call, boundary: int, result: dict[str, Any]) -> dict[str, Any]:
         """`result`, or `BACKEND_FAILURE`/`applied` naming the limit when its reply cannot be one
         bus frame: the router would refuse the reply and the coordinator hear only that the call
@@ -363,6 +389,7 @@ class EnvironmentEndpoint(Endpoint):
                                      f"({backend.digest[:12]}); this world's is "
                                      f"{self.config_asset.id} ({self.config_asset.digest[:12]})")
         episode: str = p["episodeId"]
+        self._check_capturable(method)
         # 4: apply
         await self._world(method, lambda: self.world.reset(episode, bindings), Mutation.UNKNOWN)
         self.shell.cache.adopt_epoch(scope.epoch)

@@ -396,9 +396,13 @@ class Endpoint:
         frame = result_frame(MAX_ID, shell.service_incarnation or "",
                              {"clientId": launch.client_id,
                               "clientIncarnation": launch.incarnation_id}, outcome)
-        client = shell.client
-        limit = client.limits.get("maxEnvelopeBytes", 0) if client is not None else 0
-        return len(frame), limit
+        return len(frame), self.envelope_limit()
+
+    def envelope_limit(self) -> int:
+        """The `maxEnvelopeBytes` the router announced at hello; 0 before it."""
+        client = self.shell.client
+        limit: int = client.limits.get("maxEnvelopeBytes", 0) if client is not None else 0
+        return limit
 
     # the common checks of §3 -----------------------------------------------------------------
 

@@ -255,19 +255,41 @@ async def test_a_frame_of_the_wrong_length_fails_the_step() -> None:
             assert recorder_of(h).produced(agent) == [0]
 
 
+class UncapturedArena(CounterArena):
+    """The counter arena declaring `recovery: "none"`: nothing captures it, so only its
+    observations bound its frame size."""
+
+    def descriptor(self) -> EnvironmentDescriptor:
+        return replace(super().descriptor(), recovery="none")
+
+
 async def test_a_frame_over_the_envelope_fails_naming_the_limit() -> None:
     """A 512×512 view is 1 MiB of RGBA8, 1.4 MB as inline base64: the world answers with a
     failure naming the router's limit and the key that raises it, never a reply the router
     would refuse (the coordinator would hear only that the call went without one)."""
-    spec = replace(RunSpec(), world=replace(RunSpec().world,
-                                            config={"width": 512, "height": 512}))
-    async with SessionHarness.start(Fixture(composition=spec)) as h:
+    world = replace(RunSpec().world, impl="tests.media.test_media:UncapturedArena",
+                    config={"width": 512, "height": 512})
+    async with SessionHarness.start(Fixture(composition=replace(RunSpec(), world=world))) as h:
         with pytest.raises(SessionFailure) as caught:
             await h.bootstrap()
     failure = caught.value
     assert (failure.code, failure.mutation) == ("BACKEND_FAILURE", "applied")
     assert "over maxEnvelopeBytes 1048576" in failure.error.message
     assert "[bus.limits] max_envelope_bytes" in failure.error.message
+
+
+async def test_a_world_that_could_never_be_captured_fails_at_initialize() -> None:
+    """A 400×400 view steps (its Advance reply is 853 KB) but a capture carries it base64
+    twice (1.14 MB): refused before the reset, naming the limit, instead of failing the run's
+    final checkpoint after every step."""
+    spec = replace(RunSpec(), world=replace(RunSpec().world,
+                                            config={"width": 400, "height": 400}))
+    async with SessionHarness.start(Fixture(composition=spec)) as h:
+        with pytest.raises(SessionFailure) as caught:
+            await h.bootstrap()
+    failure = caught.value
+    assert (failure.code, failure.mutation) == ("UNSUPPORTED", "none")
+    assert "at least 1137784 bytes, over maxEnvelopeBytes 1048576" in failure.error.message
 
 
 async def test_overlapping_audio_fails_the_step() -> None:
