@@ -1,0 +1,102 @@
+"""Attachments on topic messages (docs/topics.md §5.2 rule 3, §6; §17 tests 165-166).
+
+A message roots its attachments while the retained value, a slot, a queue or an unconsumed
+delivery references it; raw connections show exactly which deliveries are outstanding.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from typing import Any
+
+import pytest
+
+from tests.bus.bus_raw import caller
+from tests.bus.conftest import store_dir, store_files
+
+pytestmark = pytest.mark.timeout(10)
+
+
+def sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def write_file(r: Any, artifact_id: str, data: bytes) -> None:
+    with open(os.path.join(store_dir(r), artifact_id), "r+b") as f:
+        f.write(data)
+
+
+async def sealed(c: Any, r: Any, data: bytes) -> str:
+    artifact_id: str = (await c.call("bus.allocate", {"length": len(data)}))["result"][
+        "artifactId"]
+    write_file(r, artifact_id, data)
+    resp = await c.call("bus.seal", {"artifactId": artifact_id, "digest": sha(data)})
+    assert "result" in resp, resp
+    return artifact_id
+
+
+async def publish(c: Any, topic: str, attachments: list[str] | None = None) -> None:
+    params: dict[str, Any] = {"topic": topic, "expectedIncarnation": None, "payload": {}}
+    if attachments:
+        params["attachments"] = attachments
+        params["transfer"] = True
+    resp = await c.call("bus.publish", params)
+    assert "result" in resp, resp
+
+
+async def consume(c: Any, delivery_id: str) -> None:
+    resp = await c.call("bus.consumed", {"deliveryIds": [delivery_id]})
+    assert resp["result"] == {"released": 1}
+
+
+async def test_message_attachments_are_rooted_while_referenced(router: Any, raw: Any) -> None:
+    r = await router()
+    p = await caller(raw, r, "pub")
+    s = await caller(raw, r, "sub")
+    assert "result" in await p.call("bus.declare", {"topic": "t.art", "retain": True})
+    assert "result" in await s.call("bus.subscribe", {"topic": "t.art", "mode": "latest",
+                                                      "window": 1})
+    first = await sealed(p, r, b"first")
+    await publish(p, "t.art", [first])
+    msg1 = await s.recv_notification("bus.message")
+    assert msg1["attachments"] == [{"artifactId": first, "length": 5, "digest": sha(b"first")}]
+    assert store_files(r) == [first]  # the retained value and the delivery
+    await publish(p, "t.art")  # replaces the retained value; the slot takes it
+    assert store_files(r) == [first]  # the unconsumed delivery still roots it
+    await consume(s, msg1["deliveryId"])
+    assert store_files(r) == []
+    msg2 = await s.recv_notification("bus.message")
+    assert "attachments" not in msg2
+    # a subscriber that retained an attachment keeps it until it drops it
+    kept = await sealed(p, r, b"kept")
+    await publish(p, "t.art", [kept])
+    await consume(s, msg2["deliveryId"])
+    msg3 = await s.recv_notification("bus.message")
+    assert [a["artifactId"] for a in msg3["attachments"]] == [kept]
+    assert "result" in await s.call("bus.retain", {"artifactIds": [kept]})
+    await publish(p, "t.art")
+    await consume(s, msg3["deliveryId"])
+    await s.recv_notification("bus.message")
+    assert store_files(r) == [kept]
+    assert (await s.call("bus.drop", {"artifactIds": [kept]}))["result"] == {"dropped": 1}
+    assert store_files(r) == []
+
+
+async def test_a_stopped_latest_subscriber_pins_at_most_two_messages(router: Any, raw: Any,
+                                                                     settle: Any) -> None:
+    r = await router()
+    p = await caller(raw, r, "pub")
+    s = await caller(raw, r, "sub")
+    assert "result" in await p.call("bus.declare", {"topic": "t.stop"})
+    assert "result" in await s.call("bus.subscribe", {"topic": "t.stop", "mode": "latest",
+                                                      "window": 1})
+    frame = os.urandom(65536)
+    for _ in range(100):
+        art = await sealed(p, r, frame)
+        await publish(p, "t.stop", [art])
+        assert r.stats()["store"]["artifacts"] <= 2
+    assert r.stats()["store"]["artifacts"] == 2
+    await s.close()
+    await settle(r, lambda st: st["store"]["artifacts"] == 0)
+    assert store_files(r) == []
