@@ -1653,7 +1653,12 @@ class Router:
             store.failed = True
             raise StoreFailure(f"seal of {art.artifact_id} failed: {exc.strerror}") from exc
         if art.length <= SEAL_INLINE_BYTES:
-            return self._apply_seal(conn, art, seal, store.hash(seal), p["digest"])
+            try:
+                actual = store.hash(seal)
+            except OSError as exc:
+                self._seal_failed(store, seal)
+                raise StoreFailure(f"hashing {art.artifact_id} failed: {exc.strerror}") from exc
+            return self._apply_seal(conn, art, seal, actual, p["digest"])
         assert self._loop is not None
         conn.sealing = True
         store.hashing += 1
@@ -1670,12 +1675,15 @@ class Router:
             store.hashing -= 1
         conn.sealing = False
         if fut.cancelled() or fut.exception() is not None or store is None or conn.torn_down:
-            with contextlib.suppress(OSError):
-                os.close(seal.fd)
-            if store is not None and not conn.torn_down:
-                store.failed = True
-                self._respond_error(conn, rid, "STORE_FAILURE", "hashing the artifact failed",
-                                    "not-dispatched")
+            if store is None or conn.torn_down:  # the allocation went with its connection
+                with contextlib.suppress(OSError):
+                    os.close(seal.fd)
+                return
+            self._seal_failed(store, seal)
+            self._respond_error(conn, rid, "STORE_FAILURE",
+                                f"hashing {art.artifact_id} failed", "not-dispatched")
+            assert self._loop is not None
+            self._loop.call_soon(self._read_frames, conn)
             return
         try:
             result = self._apply_seal(conn, art, seal, fut.result(), digest)
@@ -1686,16 +1694,26 @@ class Router:
         assert self._loop is not None
         self._loop.call_soon(self._read_frames, conn)
 
+    def _seal_failed(self, store: Store, seal: SealFile) -> None:
+        """A store syscall failed unexpectedly: the store is failed (§5.1 rule 8)."""
+        store.failed = True
+        with contextlib.suppress(OSError):
+            store.finish_seal(seal, False)
+
     def _apply_seal(self, conn: _Conn, art: Artifact[_Conn], seal: SealFile, actual: str,
                     digest: str) -> dict[str, Any]:
         """§5.5 check 8 and the accept."""
         store = self._store
         assert store is not None
-        if actual != digest:
-            store.finish_seal(seal, False)
+        accepted = actual == digest
+        try:
+            store.finish_seal(seal, accepted)
+        except OSError as exc:
+            store.failed = True
+            raise StoreFailure(f"sealing {art.artifact_id} failed: {exc.strerror}") from exc
+        if not accepted:
             self.counters["sealsRefused"] += 1
             raise ArtifactMismatch(f"{art.artifact_id}: the digest differs from the bytes")
-        store.finish_seal(seal, True)
         self._art.seal(art, digest)
         return art.wire()
 
