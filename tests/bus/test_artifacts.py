@@ -25,7 +25,7 @@ import orjson
 import pytest
 
 from bus import store as bus_store
-from bus.client import Reply, Request
+from bus.client import Reply, Request, Validators
 from bus.errors import ArtifactGone, ArtifactMismatch, AttachmentsNotKept, RouterLost
 from bus.router import RouterStartError
 from tests.bus.bus_raw import answer, call_params, caller, serve
@@ -272,6 +272,8 @@ async def test_attachments_checked_at_call_admission(router: Any, raw: Any) -> N
             **call_params("svc.a"), "callId": call_id, "attachments": ids}})
         failed = await c.recv_notification("bus.callFailed")
         assert failed["callId"] == call_id and failed["error"]["data"]["name"] == name
+        assert Validators.get().response(resp) is None  # the store's codes are in the schemas
+        assert Validators.get().notifications["bus.callFailed"](failed) is None
         after = r.stats()
         assert (after["activeCalls"], after["calls"]) == (before["activeCalls"], before["calls"])
     assert "result" in await c.call("bus.call", {**call_params("svc.a"), "attachments": [mine]})
@@ -357,6 +359,11 @@ async def test_reply_attachments_rooted_until_the_result_is_consumed(router: Any
     resp = await s.call("bus.reply", {"deliveryId": req["deliveryId"], "outcome": {},
                                       "attachments": [theirs]})
     assert name_of(resp) == "OWNER_INVALID"
+    await s.send_obj({"jsonrpc": "2.0", "method": "bus.reply", "params": {
+        "deliveryId": req["deliveryId"], "outcome": {}, "attachments": [theirs]}})
+    failed = await s.recv_notification("bus.replyFailed")
+    assert failed["error"]["data"]["name"] == "OWNER_INVALID"
+    assert Validators.get().notifications["bus.replyFailed"](failed) is None
     assert await answer(s, req) is True
 
 
