@@ -140,9 +140,8 @@ class Allocation:
             self._map.close()  # BufferError while a view is exported
             self._map = None
         elif digest is None:
-            digest = hashlib.sha256(
-                map_for_write(self.client._store_fd(), self.artifact_id, self.length)
-            ).hexdigest()
+            with map_for_write(self.client._store_fd(), self.artifact_id, self.length) as m:
+                digest = hashlib.sha256(m).hexdigest()
         result = await self.client._command("bus.seal", {"artifactId": self.artifact_id,
                                                          "digest": digest})
         return self.client._attachment(result)
@@ -1269,7 +1268,9 @@ class BusClient:
     def _store_fd(self) -> int:
         self._check_open()
         if self._store_dir < 0:
-            raise StoreFailure("the router offers no store to this client")
+            raise StoreFailure("the router offers no store to this client" if self.store is None
+                               else f"the store directory {self.store['path']} could not be "
+                               "opened")
         return self._store_dir
 
     async def allocate(self, length: int) -> Allocation:
@@ -1318,7 +1319,12 @@ class BusClient:
         self._minor = result["minor"]
         self.store = result.get("store")
         if self.store is not None:
-            self._store_dir = open_store_dir(self.store["path"])
+            try:
+                self._store_dir = open_store_dir(self.store["path"])
+            except StoreFailure as exc:
+                # calls and topics work without it; store calls will say why they cannot
+                log.warning("bus.client.store_unavailable", client_id=self.client_id,
+                            error=exc.message)
 
 
 def _rebound(decoder: FrameDecoder, max_bytes: int) -> FrameDecoder:

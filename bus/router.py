@@ -19,6 +19,13 @@ follow, and a move off the table is a broken invariant (§11).
 Frames are built once: a `bus.request` or `bus.result` is encoded at admission (or reply) with
 the longest possible delivery id, which both proves the worst-case size fits and gives the
 bytes to send; at dispatch only that first id is rewritten.
+
+The artifact store (docs/topics.md §5, §6): `bus/artifacts.py` keeps the books (holds, frame
+roots, sight, quotas) and says what each step collected; `bus/store.py` does the file calls.
+Attachments are checked at admission like any other member and root their artifacts under the
+call (keyed with REQUEST or RESULT) or the message that carries them, so the hot path of a
+frame without attachments is the minor-1 one. A seal above SEAL_INLINE_BYTES hashes on the
+store's thread while only its own connection stops reading.
 """
 
 from __future__ import annotations

@@ -1049,6 +1049,8 @@ async def fuzz_router(case: list[list[Script]]) -> None:
         target(float(sum(1 for v in counters["cancels"].values() if v)
                      + (counters["repliesRouted"] > 0) + (counters["repliesUnrouted"] > 0)
                      + (counters["callsFailed"] > 0)), label="call outcomes")
+        target(float(counters["artifactsSealed"] + counters["sealsRefused"]),
+               label="seals")  # docs/topics.md §5.5 (#171)
     finally:
         await r.stop()
         shutil.rmtree(d, ignore_errors=True)
@@ -1429,8 +1431,30 @@ class Sock:
         elif r < 0.9 and self.dlv:
             self.request("bus.consumed", {"deliveryIds": sorted(set(
                 rnd.choices(self.dlv[-6:], k=rnd.randint(1, 3))))})
+        elif r < 0.95:
+            self.store_op(rnd)
         else:
             self.request(rnd.choice(["bus.stats", "bus.services"]), {})
+
+    def store_op(self, rnd: random.Random) -> None:
+        """A valid store step (docs/topics.md §5, §6): allocate, seal a recent allocation with
+        the digest of its (still zero) bytes, retain or drop what it saw, or attach it."""
+        mine = list(self.lengths)[-4:]
+        r = rnd.random()
+        if not mine or r < 0.3:
+            self.request("bus.allocate", {"length": rnd.choice([1, 16, 4096])})
+        elif r < 0.6:
+            artifact_id = rnd.choice(mine)
+            self.request("bus.seal", {"artifactId": artifact_id, "digest": hashlib.sha256(
+                bytes(self.lengths[artifact_id])).hexdigest()})
+        elif r < 0.75 and self.art:
+            self.request(rnd.choice(["bus.retain", "bus.drop"]),
+                         {"artifactIds": sorted(set(rnd.choices(self.art[-4:], k=2)))})
+        else:
+            self.request("bus.call", {
+                "target": rnd.choice(SERVICE_NAMES), "expectedIncarnation": None,
+                "method": "M", "payload": {}, "attachments": [rnd.choice(mine)],
+                "transfer": rnd.random() < 0.5})
 
     def wait(self, until: Callable[[], bool], timeout: float = IO_TIMEOUT_S) -> bool:
         """Pump until `until()` or EOF; False on timeout."""
@@ -1944,6 +1968,9 @@ def test_router_state_machine_frames_and_resources() -> None:
                    "calls": {k: stats["counters"][k] for k in (
                        "callsAdmitted", "callsRefused", "callsFailed", "repliesRouted",
                        "repliesUnrouted", "cancels")},
+                   "store": {k: stats["counters"][k] for k in (
+                       "artifactsAllocated", "artifactsSealed", "artifactsCollected",
+                       "sealsRefused")},
                    "seconds": round(time.monotonic() - t0, 1)}
         print(orjson.dumps(summary).decode())
         assert frames >= FRAME_TARGET, summary
@@ -1955,6 +1982,9 @@ def test_router_state_machine_frames_and_resources() -> None:
             assert tally.closings.get(name, 0) > 0, summary
         assert counters["repliesRouted"] > 0 and counters["callsFailed"] > 0, counters
         assert counters["cancels"]["execution-unknown"] > 0, counters
+        # docs/topics.md #171: the store was exercised and everything allocated was collected
+        assert counters["artifactsSealed"] > 0 and counters["sealsRefused"] > 0, counters
+        assert counters["artifactsCollected"] == counters["artifactsAllocated"], counters
         fresh = Sock(tally, "check", None)
         fresh.wait_response(fresh.request("bus.hello", {
             "clientId": "fz-check", "clientIncarnation": f"inc-{os.urandom(4).hex()}",
