@@ -756,12 +756,14 @@ async def test_router_restart_sweeps_the_old_store(router: Any, sdk: Any) -> Non
         assert store_dir(fresh) != old
         assert not _exists(old)
         assert _exists(store_dir(live))
+        await fresh.stop()
     finally:
         if child.poll() is None:
             child.kill()
             child.wait(5)
         child.communicate()
         await live.stop()
+        shutil.rmtree(root, ignore_errors=True)
 
 
 # 162 ---------------------------------------------------------------------------------------
