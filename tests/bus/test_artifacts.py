@@ -822,3 +822,20 @@ async def test_reader_mapping_survives_collection(router: Any, sdk: Any) -> None
     assert bytes(view) == data
     with pytest.raises(ArtifactGone):
         c.open_artifact(art)
+
+
+async def test_sdk_seal_refuses_while_a_view_is_exported(router: Any, sdk: Any) -> None:
+    """docs/topics.md §12: the unmap before the seal cannot happen while a view is exported,
+    so the SDK refuses locally and sends nothing; released, the seal goes through."""
+    r = await router()
+    c = await sdk(r, "c")
+    alloc = await c.allocate(32)
+    view = alloc.view()
+    view[:] = b"v" * 32
+    frames = detail(r, "c")["framesIn"]
+    with pytest.raises(BufferError):
+        await alloc.seal()
+    assert detail(r, "c")["framesIn"] == frames
+    view.release()
+    art = await alloc.seal(sha(b"v" * 32))
+    assert bytes(c.open_artifact(art)) == b"v" * 32

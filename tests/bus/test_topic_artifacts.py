@@ -100,3 +100,35 @@ async def test_a_stopped_latest_subscriber_pins_at_most_two_messages(router: Any
     await s.close()
     await settle(r, lambda st: st["store"]["artifacts"] == 0)
     assert store_files(r) == []
+
+
+async def test_sdk_message_attachments(router: Any, sdk: Any, settle: Any) -> None:
+    """docs/topics.md §12: a subscriber reads a message's attachments while the message is
+    unconsumed, and `msg.retain()` keeps them past its consumption until it drops them."""
+    r = await router()
+    pub = await sdk(r, "sdk-pub")
+    reader = await sdk(r, "sdk-reader")
+    topic = await pub.declare("t.media")
+    async with await reader.subscribe("t.media", window=1) as sub:
+        for n in range(2):
+            alloc = await pub.allocate(1024)
+            alloc.view()[:] = bytes([n]) * 1024
+            art = await alloc.seal()
+            await pub.publish("t.media", {"n": n}, attachments=(art.artifact_id,),
+                              transfer=True)
+        seen = []
+        async for msg in sub:
+            (att,) = msg.attachments
+            assert bytes(reader.open_artifact(att)) == bytes([msg.payload["n"]]) * 1024
+            seen.append(att)
+            if msg.payload["n"] == 0:
+                assert [a.artifact_id for a in await msg.retain()] == [att.artifact_id]
+            else:
+                break
+    await topic.undeclare()
+    kept, last = seen
+    await settle(r, lambda st: st["store"]["artifacts"] == 1)
+    assert store_files(r) == [kept.artifact_id] and last.artifact_id != kept.artifact_id
+    async with kept:  # drops the hold
+        pass
+    await settle(r, lambda st: st["store"]["artifacts"] == 0)
