@@ -558,6 +558,11 @@ class Config:
     def limits(self) -> Limits:
         return Limits.from_config(dict(self.value("bus", "limits") or {}))
 
+    @property
+    def store(self) -> StoreSettings:
+        """`[bus.store]`, typed (docs/topics.md §5.1)."""
+        return store_settings(self.value("bus", "store"), self.origin("bus", "store"))
+
     def log_settings(self, flags: LogFlags) -> LogSettings:
         """The process's logging: `[node] log_format` and `log_level` as resolved here (flag >
         environment > file > default), `-v` / `-q` shifting the level (`flyd.logs`)."""
@@ -577,6 +582,14 @@ class Config:
                         name = snake_case(f.name)
                         out[f"bus.limits.{name}"] = {
                             "value": getattr(limits, f.name),
+                            "source": s.source if name in given else "default"}
+                    continue
+                if (section, key) == ("bus", "store"):
+                    given = s.value or {}
+                    store = self.store
+                    for name in STORE_KEYS:
+                        out[f"bus.store.{name}"] = {
+                            "value": getattr(store, name),
                             "source": s.source if name in given else "default"}
                     continue
                 value = s.value

@@ -12,6 +12,7 @@ import errno
 import hashlib
 import mmap
 import os
+import re
 import shutil
 import signal
 import stat
@@ -19,6 +20,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+from pathlib import Path
 from typing import Any
 
 import orjson
@@ -28,6 +30,9 @@ from bus import store as bus_store
 from bus.client import Reply, Request, Validators
 from bus.errors import ArtifactGone, ArtifactMismatch, AttachmentsNotKept, RouterLost
 from bus.router import RouterStartError
+from bus.store import StoreSettings
+from flyd.config import load_config, router_config
+from flyd.errors import ConfigError
 from tests.bus.bus_raw import answer, call_params, caller, serve
 from tests.bus.conftest import SHM, short_socket_dir, store_dir, store_files
 
@@ -839,3 +844,25 @@ async def test_sdk_seal_refuses_while_a_view_is_exported(router: Any, sdk: Any) 
     view.release()
     art = await alloc.seal(sha(b"v" * 32))
     assert bytes(c.open_artifact(art)) == b"v" * 32
+
+
+def test_store_settings_are_read_once_by_the_config_layer(tmp_path: Path) -> None:
+    """`[bus.store]` (docs/topics.md §5.1) becomes typed settings in the router's config;
+    a bad key or value names itself; `flyd config show` lists both keys with their source."""
+    good = tmp_path / "good.toml"
+    good.write_text('[bus.store]\nenabled = false\nroot = "/dev/shm/elsewhere"\n')
+    cfg = router_config(good, str(tmp_path / "bus.sock"))
+    assert cfg.store == StoreSettings(enabled=False, root="/dev/shm/elsewhere")
+    assert router_config(None, str(tmp_path / "bus.sock")).store == StoreSettings()
+    shown = load_config(good).show()
+    assert shown["bus.store.enabled"] == {"value": False, "source": "file"}
+    assert shown["bus.store.root"] == {"value": "/dev/shm/elsewhere", "source": "file"}
+    for text, message in (('[bus.store]\nbogus = 1\n', "[bus.store] bogus"),
+                          ('[bus.store]\nroot = "shm"\n', "[bus.store] root"),
+                          ('[bus.store]\nenabled = "yes"\n', "[bus.store] enabled")):
+        bad = tmp_path / "bad.toml"
+        bad.write_text(text)
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            router_config(bad, str(tmp_path / "bus.sock"))
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            load_config(bad)
