@@ -866,3 +866,22 @@ def test_store_settings_are_read_once_by_the_config_layer(tmp_path: Path) -> Non
             router_config(bad, str(tmp_path / "bus.sock"))
         with pytest.raises(ConfigError, match=re.escape(message)):
             load_config(bad)
+
+
+async def test_a_removed_store_directory_fails_the_store(router: Any, raw: Any) -> None:
+    """docs/topics.md §5.1 rule 8: with its directory gone the store is failed for the rest of
+    the router's life (STORE_FAILURE, `store.failed`), while calls keep working."""
+    r = await router()
+    s, _ = await serve(raw, r, "svc", "svc.a")
+    c = await caller(raw, r, "c")
+    kept = await sealed(c, r, b"kept")
+    shutil.rmtree(store_dir(r))
+    assert error_of(await c.call("bus.allocate", {"length": 1})) == ("STORE_FAILURE", -32015)
+    assert r.stats()["store"]["failed"] is True
+    assert name_of(await c.call("bus.allocate", {"length": 1})) == "STORE_FAILURE"
+    resp = await c.call("bus.call", {**call_params("svc.a"), "attachments": [kept]})
+    assert name_of(resp) == "ARTIFACT_GONE"
+    assert "result" in await c.call("bus.call", call_params("svc.a"))
+    req = await s.recv_notification("bus.request")
+    assert await answer(s, req) is True
+    await c.recv_notification("bus.result")
