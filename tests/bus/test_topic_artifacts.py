@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from bus.client import Validators
 from tests.bus.bus_raw import caller
 from tests.bus.conftest import store_dir, store_files
 
@@ -132,3 +133,45 @@ async def test_sdk_message_attachments(router: Any, sdk: Any, settle: Any) -> No
     async with kept:  # drops the hold
         pass
     await settle(r, lambda st: st["store"]["artifacts"] == 0)
+
+
+async def test_publish_attachment_checks(router: Any, raw: Any) -> None:
+    """docs/topics.md §3.4 checks 5-7: after NO_TOPIC and TARGET_CHANGED, before BACKPRESSURE;
+    the notification form reports them in `bus.publishFailed`."""
+    r = await router()
+    p = await caller(raw, r, "pub")
+    other = await caller(raw, r, "other")
+    s = await caller(raw, r, "sub")
+    incarnation = (await p.call("bus.declare", {"topic": "t.chk", "maxBounded": 1}))[
+        "result"]["topicIncarnation"]
+    assert "result" in await s.call("bus.subscribe", {"topic": "t.chk", "mode": "bounded",
+                                                      "depth": 1, "window": 1})
+    mine = await sealed(p, r, b"mine")
+    theirs = await sealed(other, r, b"theirs")
+    unsealed = (await p.call("bus.allocate", {"length": 4}))["result"]["artifactId"]
+    gone = f"art-{int(mine[4:]) - 1}"
+
+    async def refused(params: dict[str, Any]) -> str:
+        resp = await p.call("bus.publish", {"topic": "t.chk", "expectedIncarnation": None,
+                                            "payload": {}, **params})
+        assert "error" in resp, resp
+        assert Validators.get().response(resp) is None
+        name: str = resp["error"]["data"]["name"]
+        return name
+
+    assert await refused({"topic": "t.none", "attachments": [gone]}) == "NO_TOPIC"
+    assert await refused({"expectedIncarnation": "top-1" if incarnation != "top-1" else "top-2",
+                          "attachments": [gone]}) == "TARGET_CHANGED"
+    assert await refused({"attachments": [gone]}) == "ARTIFACT_GONE"
+    assert await refused({"attachments": [unsealed]}) == "ARTIFACT_UNSEALED"
+    assert await refused({"attachments": [theirs]}) == "OWNER_INVALID"
+    await publish(p, "t.chk")  # written to the subscriber
+    await publish(p, "t.chk")  # queued: the bounded subscriber is full now
+    assert await refused({}) == "BACKPRESSURE"
+    assert await refused({"attachments": [gone]}) == "ARTIFACT_GONE"
+    await p.send_obj({"jsonrpc": "2.0", "method": "bus.publish", "params": {
+        "topic": "t.chk", "expectedIncarnation": None, "payload": {}, "attachments": [theirs]}})
+    failed = await p.recv_notification("bus.publishFailed")
+    assert failed["error"]["data"]["name"] == "OWNER_INVALID"
+    assert Validators.get().notifications["bus.publishFailed"](failed) is None
+    assert r.stats()["topics"] == 1 and mine in store_files(r)
