@@ -207,7 +207,8 @@ class Store:
     def remove(self) -> None:
         """§5.1 rule 7: unlink every file, remove the directory, let the lock go."""
         if self._executor is not None:
-            self._executor.shutdown(wait=True, cancel_futures=True)
+            # never wait on the loop: a hash still running reads its own open fd to the end
+            self._executor.shutdown(wait=False, cancel_futures=True)
             self._executor = None
         if self.dir_fd < 0:
             return
