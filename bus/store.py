@@ -115,7 +115,6 @@ class Store:
     """One router start's store directory. `open()` creates it; `remove()` ends it."""
 
     def __init__(self, root: str, parent_fd: int, dir_fd: int, store_id: str) -> None:
-        self.root = root
         self.parent_fd = parent_fd
         self.dir_fd = dir_fd
         self.store_id = store_id
