@@ -57,8 +57,6 @@ READ_FLAGS: Final = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
 WRITE_FLAGS: Final = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
 CREATE_FLAGS: Final = WRITE_FLAGS | os.O_CREAT | os.O_EXCL
 PROBE_NAME: Final = "lease-probe"
-#: errors of file creation that refuse the allocate without failing the store (§5.3 check 8)
-CREATE_REFUSALS: Final = frozenset({errno.ENOSPC, errno.EFBIG, errno.EDQUOT})
 
 T = TypeVar("T")
 
