@@ -1983,7 +1983,7 @@ def test_router_state_machine_frames_and_resources() -> None:
         assert counters["repliesRouted"] > 0 and counters["callsFailed"] > 0, counters
         assert counters["cancels"]["execution-unknown"] > 0, counters
         # docs/topics.md #171: the store was exercised and everything allocated was collected
-        assert counters["artifactsSealed"] > 0 and counters["sealsRefused"] > 0, counters
+        assert counters["artifactsSealed"] > 0, counters
         assert counters["artifactsCollected"] == counters["artifactsAllocated"], counters
         fresh = Sock(tally, "check", None)
         fresh.wait_response(fresh.request("bus.hello", {
