@@ -24,7 +24,7 @@ import mmap
 import os
 import types
 from collections import deque
-from collections.abc import Awaitable, Callable, Generator
+from collections.abc import Awaitable, Callable, Generator, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Final, cast
 
@@ -95,6 +95,13 @@ class Attachment:
 
 #: what `Allocation.seal()` returns: the sealed artifact, held by its allocator
 Artifact = Attachment
+#: an attachment as the SDK's calls take it: an artifact id or an `Attachment`
+AttachmentRef = str | Attachment
+
+
+def artifact_ids(attachments: Iterable[AttachmentRef]) -> list[str]:
+    """The wire form of attachments given as ids or `Attachment`s (docs/topics.md §12)."""
+    return [a if isinstance(a, str) else a.artifact_id for a in attachments]
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,7 +119,7 @@ class Reply:
     handler's holds on them to the result."""
 
     outcome: dict[str, Any]
-    attachments: tuple[str, ...] = ()
+    attachments: tuple[AttachmentRef, ...] = ()
     transfer: bool = False
 
 
@@ -199,12 +206,13 @@ class Request:
     def answered(self) -> bool:
         return self._answered
 
-    async def reply(self, outcome: dict[str, Any], *, attachments: tuple[str, ...] = (),
+    async def reply(self, outcome: dict[str, Any], *,
+                    attachments: tuple[AttachmentRef, ...] = (),
                     transfer: bool = False) -> bool:
         """Send the reply; True when routed to an attached caller."""
         params: dict[str, Any] = {"deliveryId": self.delivery_id, "outcome": outcome}
         if attachments:
-            params["attachments"] = list(attachments)
+            params["attachments"] = artifact_ids(attachments)
             params["transfer"] = transfer
         result = await self._client._command("bus.reply", params)
         self._answered = True
@@ -684,7 +692,7 @@ class BusClient:
         if lean:
             params["callId"] = rid
         if attachments:
-            params["attachments"] = list(attachments)
+            params["attachments"] = artifact_ids(attachments)
             params["transfer"] = transfer
         credits = self._credits[:MAX_CONSUME_BATCH] if self._lean else None
         if credits:
@@ -997,7 +1005,7 @@ class BusClient:
         outcome = reply.outcome
         extra: dict[str, Any] = {}
         if reply.attachments:
-            extra = {"attachments": list(reply.attachments), "transfer": reply.transfer}
+            extra = {"attachments": artifact_ids(reply.attachments), "transfer": reply.transfer}
         try:
             if self._lean:
                 # only the handler's outcome needs the strict encoder; the router issued the
@@ -1103,8 +1111,9 @@ class BusClient:
 
     async def call(self, target: str, method: str, payload: dict[str, Any], *,
                    timeout: float | None,  # noqa: ASYNC109 - the SDK contract (wire.md §17)
-                   expected_incarnation: str | None = None, attachments: tuple[str, ...] = (),
-                   transfer: bool = False, keep_attachments: bool = True) -> CallResult:
+                   expected_incarnation: str | None = None,
+                   attachments: tuple[AttachmentRef, ...] = (), transfer: bool = False,
+                   keep_attachments: bool = True) -> CallResult:
         """One call with a required deadline (seconds, or None for none). A result's
         attachments are retained before its credit leaves unless `keep_attachments` is
         False (docs/topics.md §12); the caller drops them."""
@@ -1113,7 +1122,7 @@ class BusClient:
         if self._drained is not None and not self._drained.done():
             await self._drained
         state = self._admit(target, method, payload, expected_incarnation, lean=self._lean,
-                            attachments=tuple(attachments), transfer=transfer,
+                            attachments=tuple(artifact_ids(attachments)), transfer=transfer,
                             keep=keep_attachments)
         # One plain loop timer, not asyncio.timeout: that one also cancels and uncancels the
         # task and, on Python 3.11, calls getpid() through get_running_loop() on every call.
@@ -1190,14 +1199,15 @@ class BusClient:
         return Topic(self, result["topic"], result["topicIncarnation"])
 
     async def publish(self, topic: str, payload: dict[str, Any], *,
-                      expected_incarnation: str | None = None, attachments: tuple[str, ...] = (),
+                      expected_incarnation: str | None = None,
+                      attachments: tuple[AttachmentRef, ...] = (),
                       transfer: bool = False) -> PublishResult:
         """The request form: the result says which sequence the message got."""
         self._need_minor(2, "bus.publish")
         params: dict[str, Any] = {"topic": topic, "expectedIncarnation": expected_incarnation,
                                   "payload": payload}
         if attachments:
-            params["attachments"] = list(attachments)
+            params["attachments"] = artifact_ids(attachments)
             params["transfer"] = transfer
         result = await self._command("bus.publish", params)
         return PublishResult(result["topic"], result["topicIncarnation"], result["sequence"],
@@ -1205,7 +1215,8 @@ class BusClient:
 
     def publish_nowait(self, topic: str, payload: dict[str, Any], *,
                        expected_incarnation: str | None = None,
-                       attachments: tuple[str, ...] = (), transfer: bool = False) -> None:
+                       attachments: tuple[AttachmentRef, ...] = (),
+                       transfer: bool = False) -> None:
         """The notification form: one frame, no answer on success; a refusal reaches the
         `on_publish_failed` hook. Never waits for the transport to drain."""
         self._check_open()
@@ -1213,7 +1224,7 @@ class BusClient:
         params: dict[str, Any] = {"topic": topic, "expectedIncarnation": expected_incarnation,
                                   "payload": payload}
         if attachments:
-            params["attachments"] = list(attachments)
+            params["attachments"] = artifact_ids(attachments)
             params["transfer"] = transfer
         self._notify("bus.publish", params)
 

@@ -115,7 +115,7 @@ async def test_sdk_message_attachments(router: Any, sdk: Any, settle: Any) -> No
             alloc = await pub.allocate(1024)
             alloc.view()[:] = bytes([n]) * 1024
             art = await alloc.seal()
-            await pub.publish("t.media", {"n": n}, attachments=(art.artifact_id,),
+            await pub.publish("t.media", {"n": n}, attachments=(art,),
                               transfer=True)
         seen = []
         async for msg in sub:
