@@ -19,11 +19,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
+import mmap
 import os
 import types
 from collections import deque
-from collections.abc import Awaitable, Callable, Generator
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, Generator, Iterable
+from dataclasses import dataclass, field
 from typing import Any, Final, cast
 
 import orjson
@@ -31,18 +33,22 @@ import structlog
 
 from bus import codec
 from bus.errors import (
+    AttachmentsNotKept,
     BusError,
     CallDeadlineExceeded,
     CallGone,
     InvalidEnvelope,
     MethodNotFound,
+    QuotaExceeded,
     RouterLost,
+    StoreFailure,
     VersionMismatch,
     from_wire,
 )
 from bus.framing import PREFIX, FrameDecoder
 from bus.limits import MAX_CONSUME_BATCH, hello_keys
 from bus.schema import NOTIFICATIONS, OPS, Validator, contract_digest, validator
+from bus.store import map_for_read, map_for_write, open_store_dir
 
 log = structlog.get_logger("bus.client")
 
@@ -59,7 +65,7 @@ CONNECT_RETRY_FIRST_S: Final = 0.005
 CONNECT_RETRY_MAX_S: Final = 0.1
 MAX_ID: Final = 2**53 - 1
 
-Handler = Callable[["Request"], Awaitable[dict[str, Any] | None]]
+Handler = Callable[["Request"], Awaitable["dict[str, Any] | Reply | None"]]
 RouteRemovedHook = Callable[[str, str, str], None]
 
 
@@ -70,11 +76,82 @@ class Identity:
 
 
 @dataclass(frozen=True, slots=True)
+class Attachment:
+    """A sealed artifact as a delivery carries it (docs/topics.md §6.1). As an async context
+    manager it drops this client's hold on exit (the SDK's `call()` retains result ones)."""
+
+    artifact_id: str
+    length: int
+    digest: str
+    client: BusClient | None = field(default=None, compare=False, repr=False)
+
+    async def __aenter__(self) -> Attachment:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self.client is not None and not self.client.closed:
+            await self.client.drop([self.artifact_id])
+
+
+#: what `Allocation.seal()` returns: the sealed artifact, held by its allocator
+Artifact = Attachment
+#: an attachment as the SDK's calls take it: an artifact id or an `Attachment`
+AttachmentRef = str | Attachment
+
+
+def artifact_ids(attachments: Iterable[AttachmentRef]) -> list[str]:
+    """The wire form of attachments given as ids or `Attachment`s (docs/topics.md §12)."""
+    return [a if isinstance(a, str) else a.artifact_id for a in attachments]
+
+
+@dataclass(frozen=True, slots=True)
 class CallResult:
     call_id: int
     service_incarnation: str
     responder: Identity
     outcome: dict[str, Any]
+    attachments: tuple[Attachment, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Reply:
+    """A handler's outcome with attachments (docs/topics.md §12); `transfer` hands the
+    handler's holds on them to the result."""
+
+    outcome: dict[str, Any]
+    attachments: tuple[AttachmentRef, ...] = ()
+    transfer: bool = False
+
+
+class Allocation:
+    """An Allocated artifact of this client: write through `view()`, then `seal()`."""
+
+    def __init__(self, client: BusClient, artifact_id: str, length: int) -> None:
+        self.client = client
+        self.artifact_id = artifact_id
+        self.length = length
+        self._map: mmap.mmap | None = None
+
+    def view(self) -> memoryview:
+        """A writable view of the file's bytes (mapped on first use)."""
+        if self._map is None:
+            self._map = map_for_write(self.client._store_fd(), self.artifact_id, self.length)
+        return memoryview(self._map)
+
+    async def seal(self, digest: str | None = None) -> Attachment:
+        """Hash (unless `digest` is given), unmap, then `bus.seal`. A view still exported
+        keeps the mapping, so the seal is refused locally (BufferError), nothing sent."""
+        if self._map is not None:
+            if digest is None:
+                digest = hashlib.sha256(self._map).hexdigest()
+            self._map.close()  # BufferError while a view is exported
+            self._map = None
+        elif digest is None:
+            with map_for_write(self.client._store_fd(), self.artifact_id, self.length) as m:
+                digest = hashlib.sha256(m).hexdigest()
+        result = await self.client._command("bus.seal", {"artifactId": self.artifact_id,
+                                                         "digest": digest})
+        return self.client._attachment(result)
 
 
 def new_incarnation() -> str:
@@ -104,8 +181,8 @@ class Validators:
 class Request:
     """A `bus.request` delivered to one of our services; answer it once."""
 
-    __slots__ = ("_answered", "_client", "call_id", "caller", "delivery_id", "method", "payload",
-                 "service_incarnation", "target")
+    __slots__ = ("_answered", "_client", "attachments", "call_id", "caller", "delivery_id",
+                 "method", "payload", "service_incarnation", "target")
 
     def __init__(self, client: BusClient, params: dict[str, Any]) -> None:
         self._client = client
@@ -117,17 +194,27 @@ class Request:
         self.service_incarnation: str = params["serviceIncarnation"]
         self.method: str = params["method"]
         self.payload: dict[str, Any] = params["payload"]
+        self.attachments = client._attachments(params)
         self._answered = False
+
+    async def retain(self, ids: list[str] | None = None) -> list[Attachment]:
+        """Keep attachments (all by default) beyond the handler (docs/topics.md §12)."""
+        return await self._client.retain(
+            ids if ids is not None else [a.artifact_id for a in self.attachments])
 
     @property
     def answered(self) -> bool:
         return self._answered
 
-    async def reply(self, outcome: dict[str, Any]) -> bool:
+    async def reply(self, outcome: dict[str, Any], *,
+                    attachments: tuple[AttachmentRef, ...] = (),
+                    transfer: bool = False) -> bool:
         """Send the reply; True when routed to an attached caller."""
-        result = await self._client._command(
-            "bus.reply", {"deliveryId": self.delivery_id, "outcome": outcome}
-        )
+        params: dict[str, Any] = {"deliveryId": self.delivery_id, "outcome": outcome}
+        if attachments:
+            params["attachments"] = artifact_ids(attachments)
+            params["transfer"] = transfer
+        result = await self._client._command("bus.reply", params)
         self._answered = True
         return bool(result["routed"])
 
@@ -171,7 +258,7 @@ class _CallState:
     `admitted` exists only for a request-form call (`start_call` awaits the admission); a
     lean call has no admission response to wait for."""
 
-    __slots__ = ("admitted", "call_id", "done", "service_incarnation")
+    __slots__ = ("admitted", "call_id", "done", "keep", "service_incarnation")
 
     def __init__(self, loop: asyncio.AbstractEventLoop, call_id: int, admission: bool) -> None:
         self.call_id = call_id
@@ -180,6 +267,7 @@ class _CallState:
             self.admitted = loop.create_future()
         self.done: asyncio.Future[CallResult] = loop.create_future()
         self.service_incarnation: str | None = None
+        self.keep = True  # retain a result's attachments (docs/topics.md §12)
 
 
 class _DeadlineReached(Exception):
@@ -285,6 +373,14 @@ class Message:
     publisher: Identity
     payload: dict[str, Any]
     delivery_id: str
+    attachments: tuple[Attachment, ...] = ()
+    client: BusClient | None = field(default=None, compare=False, repr=False)
+
+    async def retain(self) -> list[Attachment]:
+        """Keep this message's attachments beyond its delivery (before asking for the next)."""
+        if not self.attachments or self.client is None:
+            return []
+        return await self.client.retain([a.artifact_id for a in self.attachments])
 
 
 class Topic:
@@ -457,6 +553,8 @@ class BusClient:
         self._drained: asyncio.Future[None] | None = None
         self._closed_with: BaseException | None = None
         self._closed = self._loop.create_future()
+        self.store: dict[str, str] | None = None  # the hello's `store` (docs/topics.md §5.1)
+        self._store_dir = -1
 
     # connection ---------------------------------------------------------------------------
     @property
@@ -523,6 +621,9 @@ class BusClient:
             self._credit_timer = None
         for t in self._tasks:
             t.cancel()
+        if self._store_dir >= 0:  # open mappings stay readable
+            os.close(self._store_dir)
+            self._store_dir = -1
         _settle(self._closed, value=error)
 
     def _violation(self, message: str) -> None:
@@ -578,7 +679,8 @@ class BusClient:
                             self._max_envelope)
 
     def _encode_call(self, rid: int, target: str, method: str, payload: dict[str, Any],
-                     expected_incarnation: str | None, lean: bool) -> bytes:
+                     expected_incarnation: str | None, lean: bool,
+                     attachments: tuple[str, ...] = (), transfer: bool = False) -> bytes:
         """A `bus.call` frame, the notification form when `lean` (its callId is `rid`);
         a lean router also takes the pending result credits with it (wire.md §21.3).
 
@@ -589,6 +691,9 @@ class BusClient:
                                   "method": method, "payload": payload}
         if lean:
             params["callId"] = rid
+        if attachments:
+            params["attachments"] = artifact_ids(attachments)
+            params["transfer"] = transfer
         credits = self._credits[:MAX_CONSUME_BATCH] if self._lean else None
         if credits:
             params["consumed"] = credits
@@ -766,9 +871,13 @@ class BusClient:
             state = self._calls.pop(params["callId"], None)
             if state is not None:
                 r = params["responder"]
-                _deliver(state, value=CallResult(
-                    params["callId"], params["serviceIncarnation"],
-                    self._identity(r), params["outcome"]))
+                result = CallResult(params["callId"], params["serviceIncarnation"],
+                                    self._identity(r), params["outcome"],
+                                    self._attachments(params))
+                if result.attachments and state.keep:
+                    self._keep(state, result)  # the retain leaves before the credit
+                else:
+                    _deliver(state, value=result)
             # queued after the wake-up: the credit leaves with the caller's next request
             self._queue_result_credit(params["deliveryId"])
         elif method == "bus.request":
@@ -796,6 +905,31 @@ class BusClient:
                     log.exception("bus.client.route_removed_hook_failed")
         else:
             self._lost(from_wire(params["error"]))
+
+    def _attachments(self, params: dict[str, Any]) -> tuple[Attachment, ...]:
+        wire = params.get("attachments")
+        return tuple(self._attachment(a) for a in wire) if wire else ()
+
+    def _attachment(self, wire: dict[str, Any]) -> Attachment:
+        return Attachment(wire["artifactId"], wire["length"], wire["digest"], self)
+
+    def _keep(self, state: _CallState, result: CallResult) -> None:
+        """docs/topics.md §12: retain a result's attachments before its credit leaves (the
+        router handles our frames in order, so the hold exists before the delivery goes)."""
+        fut = self._send_nowait("bus.retain",
+                                {"artifactIds": [a.artifact_id for a in result.attachments]})
+
+        def kept(f: asyncio.Future[dict[str, Any]]) -> None:
+            exc = None if f.cancelled() else f.exception()
+            if exc is None:
+                _deliver(state, value=result)
+            elif isinstance(exc, QuotaExceeded):
+                _deliver(state, AttachmentsNotKept(
+                    f"the result's attachments were not kept: {exc.message}", result))
+            else:
+                _deliver(state, exc)
+
+        fut.add_done_callback(kept)
 
     def _identity(self, wire: dict[str, str]) -> Identity:
         """The Identity of a caller or responder; the same few peers recur, so each is built
@@ -833,13 +967,14 @@ class BusClient:
                 outcome = None
             if not req.answered:
                 if outcome is not None:
+                    reply = outcome if isinstance(outcome, Reply) else Reply(outcome)
                     if self._lean:
-                        consumed = await self._send_reply(req, outcome)
+                        consumed = await self._send_reply(req, reply)
                     else:
                         # the credit leaves in the same write as the reply, right behind it
                         self._queue_consumed(req.delivery_id)
                         consumed = True
-                        await self._send_reply(req, outcome)
+                        await self._send_reply(req, reply)
                 if not req.answered:
                     await req.release()
         except RouterLost:
@@ -858,7 +993,7 @@ class BusClient:
         self._send_nowait("bus.release", {"deliveryId": delivery_id})
         self._queue_consumed(delivery_id)
 
-    async def _send_reply(self, req: Request, outcome: dict[str, Any]) -> bool:
+    async def _send_reply(self, req: Request, reply: Reply) -> bool:
         """Send the reply a handler returned without waiting for the router's answer: the
         task ends now instead of waking once more. Only a refusal as too large needs a
         follow-up (a release): the answer's callback, or a `bus.replyFailed`, does it.
@@ -867,19 +1002,24 @@ class BusClient:
         if self._drained is not None and not self._drained.done():
             await self._drained
             self._check_open()
+        outcome = reply.outcome
+        extra: dict[str, Any] = {}
+        if reply.attachments:
+            extra = {"attachments": artifact_ids(reply.attachments), "transfer": reply.transfer}
         try:
             if self._lean:
                 # only the handler's outcome needs the strict encoder; the router issued the
                 # delivery id (a checked string)
                 body = codec.encode_trusted({"jsonrpc": "2.0", "method": "bus.reply", "params": {
                     "deliveryId": req.delivery_id,
-                    "outcome": orjson.Fragment(codec.encode(outcome)), "consumed": True}},
+                    "outcome": orjson.Fragment(codec.encode(outcome)), "consumed": True,
+                    **extra}},
                     self._max_envelope)
                 self._write(body)
                 req._answered = True
                 return True
             fut = self._send_nowait("bus.reply", {"deliveryId": req.delivery_id,
-                                                  "outcome": outcome})
+                                                  "outcome": outcome, **extra})
         except InvalidEnvelope as exc:
             log.warning("bus.client.reply_refused", method=req.method, call_id=req.call_id,
                         error=exc.message)
@@ -932,14 +1072,18 @@ class BusClient:
         return self._services[result["name"]]
 
     def _admit(self, target: str, method: str, payload: dict[str, Any],
-               expected_incarnation: str | None, *, lean: bool = False) -> _CallState:
+               expected_incarnation: str | None, *, lean: bool = False,
+               attachments: tuple[str, ...] = (), transfer: bool = False,
+               keep: bool = True) -> _CallState:
         """Send a `bus.call`: the request form (an admission response follows), or with
         `lean` the notification form, whose only answer is the outcome (wire.md §21.2)."""
         self._check_open()
         rid = self._next_id + 1
-        body = self._encode_call(rid, target, method, payload, expected_incarnation, lean)
+        body = self._encode_call(rid, target, method, payload, expected_incarnation, lean,
+                                 attachments, transfer)
         self._next_id = rid
         state = _CallState(self._loop, rid, not lean)
+        state.keep = keep
         if not lean:
             fut: asyncio.Future[dict[str, Any]] = self._loop.create_future()
             fut.add_done_callback(lambda f: self._admission_failed(state, f))
@@ -967,13 +1111,19 @@ class BusClient:
 
     async def call(self, target: str, method: str, payload: dict[str, Any], *,
                    timeout: float | None,  # noqa: ASYNC109 - the SDK contract (wire.md §17)
-                   expected_incarnation: str | None = None) -> CallResult:
-        """One call with a required deadline (seconds, or None for none)."""
+                   expected_incarnation: str | None = None,
+                   attachments: tuple[AttachmentRef, ...] = (), transfer: bool = False,
+                   keep_attachments: bool = True) -> CallResult:
+        """One call with a required deadline (seconds, or None for none). A result's
+        attachments are retained before its credit leaves unless `keep_attachments` is
+        False (docs/topics.md §12); the caller drops them."""
         if timeout is not None and not timeout > 0:
             raise ValueError("timeout must be > 0 seconds, or None")
         if self._drained is not None and not self._drained.done():
             await self._drained
-        state = self._admit(target, method, payload, expected_incarnation, lean=self._lean)
+        state = self._admit(target, method, payload, expected_incarnation, lean=self._lean,
+                            attachments=tuple(artifact_ids(attachments)), transfer=transfer,
+                            keep=keep_attachments)
         # One plain loop timer, not asyncio.timeout: that one also cancels and uncancels the
         # task and, on Python 3.11, calls getpid() through get_running_loop() on every call.
         timer = None if timeout is None else self._loop.call_at(
@@ -1049,22 +1199,34 @@ class BusClient:
         return Topic(self, result["topic"], result["topicIncarnation"])
 
     async def publish(self, topic: str, payload: dict[str, Any], *,
-                      expected_incarnation: str | None = None) -> PublishResult:
+                      expected_incarnation: str | None = None,
+                      attachments: tuple[AttachmentRef, ...] = (),
+                      transfer: bool = False) -> PublishResult:
         """The request form: the result says which sequence the message got."""
         self._need_minor(2, "bus.publish")
-        result = await self._command("bus.publish", {
-            "topic": topic, "expectedIncarnation": expected_incarnation, "payload": payload})
+        params: dict[str, Any] = {"topic": topic, "expectedIncarnation": expected_incarnation,
+                                  "payload": payload}
+        if attachments:
+            params["attachments"] = artifact_ids(attachments)
+            params["transfer"] = transfer
+        result = await self._command("bus.publish", params)
         return PublishResult(result["topic"], result["topicIncarnation"], result["sequence"],
                              result["latest"], result["bounded"])
 
     def publish_nowait(self, topic: str, payload: dict[str, Any], *,
-                       expected_incarnation: str | None = None) -> None:
+                       expected_incarnation: str | None = None,
+                       attachments: tuple[AttachmentRef, ...] = (),
+                       transfer: bool = False) -> None:
         """The notification form: one frame, no answer on success; a refusal reaches the
         `on_publish_failed` hook. Never waits for the transport to drain."""
         self._check_open()
         self._need_minor(2, "bus.publish")
-        self._notify("bus.publish", {"topic": topic, "expectedIncarnation": expected_incarnation,
-                                     "payload": payload})
+        params: dict[str, Any] = {"topic": topic, "expectedIncarnation": expected_incarnation,
+                                  "payload": payload}
+        if attachments:
+            params["attachments"] = artifact_ids(attachments)
+            params["transfer"] = transfer
+        self._notify("bus.publish", params)
 
     async def subscribe(self, topic: str, *, mode: str = "latest", window: int = 1,
                         depth: int | None = None, retained: bool = True) -> Subscription:
@@ -1094,7 +1256,8 @@ class BusClient:
             return
         sub._deliver(Message(params["topic"], params["topicIncarnation"], params["sequence"],
                              params["skipped"], self._identity(params["publisher"]),
-                             params["payload"], params["deliveryId"]))
+                             params["payload"], params["deliveryId"],
+                             self._attachments(params), self))
 
     def _on_topic_removed(self, params: dict[str, Any]) -> None:
         sub = self._subscriptions.pop(params["topicIncarnation"], None)
@@ -1111,6 +1274,40 @@ class BusClient:
             hook(params["topic"], from_wire(params["error"]))
         except Exception:
             log.exception("bus.client.publish_failed_hook_failed")
+
+    # the artifact store (docs/topics.md §5, §12) --------------------------------------------
+    def _store_fd(self) -> int:
+        self._check_open()
+        if self._store_dir < 0:
+            raise StoreFailure("the router offers no store to this client" if self.store is None
+                               else f"the store directory {self.store['path']} could not be "
+                               "opened")
+        return self._store_dir
+
+    async def allocate(self, length: int) -> Allocation:
+        """`bus.allocate`: an Allocated artifact of `length` bytes, held by this client."""
+        self._need_minor(2, "bus.allocate")
+        self._check_open()
+        result = await self._command("bus.allocate", {"length": length})
+        return Allocation(self, result["artifactId"], result["length"])
+
+    def open_artifact(self, attachment: Attachment) -> memoryview:
+        """A read-only view of an artifact this client can see; it stays readable after the
+        artifact is collected or the connection is lost. ArtifactGone / ArtifactMismatch
+        (SDK-local, `not-dispatched`) when the file is gone or not the sealed one."""
+        return map_for_read(self._store_fd(), attachment.artifact_id, attachment.length)
+
+    async def retain(self, artifact_ids: list[str]) -> list[Attachment]:
+        """`bus.retain`: hold artifacts this client can see (all or nothing)."""
+        self._need_minor(2, "bus.retain")
+        result = await self._command("bus.retain", {"artifactIds": list(artifact_ids)})
+        return [self._attachment(a) for a in result["artifacts"]]
+
+    async def drop(self, artifact_ids: list[str]) -> int:
+        """`bus.drop`: end this client's holds; returns how many ended."""
+        self._need_minor(2, "bus.drop")
+        result = await self._command("bus.drop", {"artifactIds": list(artifact_ids)})
+        return int(result["dropped"])
 
     # hello -------------------------------------------------------------------------------
     async def _hello(self, supported_majors: tuple[int, ...]) -> None:
@@ -1131,6 +1328,14 @@ class BusClient:
         self._decoder = _rebound(self._decoder, self._max_envelope)
         self._lean = result["minor"] >= 1
         self._minor = result["minor"]
+        self.store = result.get("store")
+        if self.store is not None:
+            try:
+                self._store_dir = open_store_dir(self.store["path"])
+            except StoreFailure as exc:
+                # calls and topics work without it; store calls will say why they cannot
+                log.warning("bus.client.store_unavailable", client_id=self.client_id,
+                            error=exc.message)
 
 
 def _rebound(decoder: FrameDecoder, max_bytes: int) -> FrameDecoder:

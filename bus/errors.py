@@ -28,6 +28,11 @@ ERROR_CODES: Final[dict[str, int]] = {
     "ROUTER_LOST": -32008,
     "CONFLICT": -32009,
     "NO_TOPIC": -32010,
+    "ARTIFACT_GONE": -32011,
+    "ARTIFACT_UNSEALED": -32012,
+    "ARTIFACT_MISMATCH": -32013,
+    "OWNER_INVALID": -32014,
+    "STORE_FAILURE": -32015,
 }
 ERROR_NAMES: Final[dict[int, str]] = {code: name for name, code in ERROR_CODES.items()}
 
@@ -144,6 +149,46 @@ class NoTopic(BusError):
     name = "NO_TOPIC"
 
 
+class ArtifactGone(BusError):
+    """An artifact id this store never issued or already collected, or an attachment the
+    store cannot honour (disabled, failed, not offered); SDK-local: an open found no file."""
+
+    name = "ARTIFACT_GONE"
+
+
+class ArtifactUnsealed(BusError):
+    """Attaching or retaining an Allocated artifact, or a seal while a writer is still open."""
+
+    name = "ARTIFACT_UNSEALED"
+
+
+class ArtifactMismatch(BusError):
+    """A seal's digest differs from the bytes, or a file is not the one allocated."""
+
+    name = "ARTIFACT_MISMATCH"
+
+
+class OwnerInvalid(BusError):
+    """A seal of another connection's allocation, or an artifact the sender cannot see."""
+
+    name = "OWNER_INVALID"
+
+
+class StoreFailure(BusError):
+    """The store is disabled or failed, or creating a file failed (ENOSPC included)."""
+
+    name = "STORE_FAILURE"
+
+
+class AttachmentsNotKept(QuotaExceeded):
+    """`call()` got its result but could not retain its attachments (docs/topics.md §12);
+    `.result` is the call's result."""
+
+    def __init__(self, message: str, result: Any, dispatch: Dispatch = "dispatched") -> None:
+        super().__init__(message, dispatch)
+        self.result = result
+
+
 ERROR_CLASSES: Final[dict[str, type[BusError]]] = {
     cls.name: cls
     for cls in (
@@ -162,6 +207,11 @@ ERROR_CLASSES: Final[dict[str, type[BusError]]] = {
         RouterLost,
         Conflict,
         NoTopic,
+        ArtifactGone,
+        ArtifactUnsealed,
+        ArtifactMismatch,
+        OwnerInvalid,
+        StoreFailure,
     )
 }
 

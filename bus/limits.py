@@ -18,6 +18,8 @@ from typing import Any, Final
 import orjson
 
 MAX_CONSUME_BATCH: Final = 64
+#: attachments per call, reply or publish (docs/topics.md §8, fixed)
+MAX_ATTACHMENTS: Final = 16
 MAX_JSON_DEPTH: Final = 128
 REMEMBERED_INCARNATIONS: Final = 1024
 REMEMBERED_CLIENT_IDS: Final = 4096
@@ -59,6 +61,14 @@ class Limits:
     maxBoundedDepth: int = 64
     maxSubscriptionWindow: int = 16
     maxQueuedTopicBytes: int = 67108864
+    # the artifact store (docs/topics.md §8)
+    maxAttachments: int = MAX_ATTACHMENTS
+    maxArtifactBytes: int = 16777216
+    maxArtifacts: int = 65536
+    maxStoreBytes: int = 1073741824
+    maxHeldBytesPerClient: int = 268435456
+    maxHoldsPerClient: int = 4096
+    maxAllocationsPerClient: int = 64
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -75,6 +85,13 @@ class Limits:
             raise LimitError("maxControlBytes", "must be >= maxEnvelopeBytes")
         if self.maxQueuedTopicBytes < self.maxEnvelopeBytes:
             raise LimitError("maxQueuedTopicBytes", "must be >= maxEnvelopeBytes")
+        if self.maxStoreBytes < self.maxArtifactBytes:
+            raise LimitError("maxStoreBytes", "must be >= maxArtifactBytes")
+        if not self.maxArtifactBytes <= self.maxHeldBytesPerClient <= self.maxStoreBytes:
+            raise LimitError("maxHeldBytesPerClient",
+                             "must be within maxArtifactBytes..maxStoreBytes")
+        if self.maxAttachments != MAX_ATTACHMENTS:
+            raise LimitError("maxAttachments", f"is fixed at {MAX_ATTACHMENTS}")
         if self.maxConsumeBatch != MAX_CONSUME_BATCH:
             raise LimitError("maxConsumeBatch", f"is fixed at {MAX_CONSUME_BATCH}")
 
@@ -122,6 +139,12 @@ _RANGES: Final[dict[str, tuple[int, int]]] = {
     "maxBoundedDepth": (1, 65535),
     "maxSubscriptionWindow": (1, 256),
     "maxQueuedTopicBytes": (65536, 2**53 - 1),
+    "maxArtifactBytes": (1, 1073741824),
+    "maxArtifacts": (1, 1048576),
+    "maxStoreBytes": (1, 2**53 - 1),
+    "maxHeldBytesPerClient": (1, 2**53 - 1),
+    "maxHoldsPerClient": (1, 65535),
+    "maxAllocationsPerClient": (1, 65535),
 }
 
 HELLO_KEYS_MINOR_1: Final = (
@@ -139,7 +162,7 @@ HELLO_KEYS_MINOR_1: Final = (
     "maxExpectations",
     "helloTimeoutMs",
 )
-#: the hello keys this router sends (minor 2): minor 1's and the topic limits
+#: the hello keys this router sends (minor 2): minor 1's, the topic and the store limits
 HELLO_KEYS: Final = (
     *HELLO_KEYS_MINOR_1,
     "maxTopics",
@@ -148,6 +171,13 @@ HELLO_KEYS: Final = (
     "maxBoundedDepth",
     "maxSubscriptionWindow",
     "maxQueuedTopicBytes",
+    "maxAttachments",
+    "maxArtifactBytes",
+    "maxArtifacts",
+    "maxStoreBytes",
+    "maxHeldBytesPerClient",
+    "maxHoldsPerClient",
+    "maxAllocationsPerClient",
 )
 
 
@@ -160,39 +190,40 @@ def snake_case(name: str) -> str:
     return re.sub(r"(?<!^)(?=[A-Z])", "_", name).lower()
 
 
-def result_frame(call_id: int, service_incarnation: str, responder: Any, outcome: Any) -> bytes:
+def result_frame(call_id: int, service_incarnation: str, responder: Any, outcome: Any,
+                 attachments: Any = None) -> bytes:
     """The `bus.result` frame body of a reply, its delivery id the longest one: its length is
     the size checked against `maxEnvelopeBytes`, whatever delivery id the caller gets.
     `responder` is `{clientId, clientIncarnation}` and `outcome` the reply's outcome, each as a
-    JSON value or an `orjson.Fragment` already encoded."""
-    return orjson.dumps({
-        "jsonrpc": "2.0",
-        "method": "bus.result",
-        "params": {
-            "deliveryId": LONGEST_DELIVERY_ID,
-            "callId": call_id,
-            "serviceIncarnation": service_incarnation,
-            "responder": responder,
-            "outcome": outcome,
-        },
-    })
+    JSON value or an `orjson.Fragment` already encoded; `attachments` (docs/topics.md §6.1) is
+    present only when given."""
+    params = {
+        "deliveryId": LONGEST_DELIVERY_ID,
+        "callId": call_id,
+        "serviceIncarnation": service_incarnation,
+        "responder": responder,
+        "outcome": outcome,
+    }
+    if attachments is not None:
+        params["attachments"] = attachments
+    return orjson.dumps({"jsonrpc": "2.0", "method": "bus.result", "params": params})
 
 
 def message_frame(delivery_id: str, topic: str, incarnation: str, sequence: int, skipped: int,
-                  publisher: Any, payload: Any) -> bytes:
+                  publisher: Any, payload: Any, attachments: Any = None) -> bytes:
     """The `bus.message` frame body (docs/topics.md §3.8). With the longest delivery id and
     `skipped` = 2^53-1 its length is the size a publish counts against `maxEnvelopeBytes`
-    (§3.4 check 10), whatever delivery it becomes."""
-    return orjson.dumps({
-        "jsonrpc": "2.0",
-        "method": "bus.message",
-        "params": {
-            "deliveryId": delivery_id,
-            "topic": topic,
-            "topicIncarnation": incarnation,
-            "sequence": sequence,
-            "skipped": skipped,
-            "publisher": publisher,
-            "payload": payload,
-        },
-    })
+    (§3.4 check 10), whatever delivery it becomes. `attachments` (§6.1) is present only when
+    given: a frame without attachments stays byte-identical to one of a store-less router."""
+    params = {
+        "deliveryId": delivery_id,
+        "topic": topic,
+        "topicIncarnation": incarnation,
+        "sequence": sequence,
+        "skipped": skipped,
+        "publisher": publisher,
+        "payload": payload,
+    }
+    if attachments is not None:
+        params["attachments"] = attachments
+    return orjson.dumps({"jsonrpc": "2.0", "method": "bus.message", "params": params})

@@ -19,6 +19,13 @@ follow, and a move off the table is a broken invariant (§11).
 Frames are built once: a `bus.request` or `bus.result` is encoded at admission (or reply) with
 the longest possible delivery id, which both proves the worst-case size fits and gives the
 bytes to send; at dispatch only that first id is rewritten.
+
+The artifact store (docs/topics.md §5, §6): `bus/artifacts.py` keeps the books (holds, frame
+roots, sight, quotas) and says what each step collected; `bus/store.py` does the file calls.
+Attachments are checked at admission like any other member and root their artifacts under the
+call (keyed with REQUEST or RESULT) or the message that carries them, so the hot path of a
+frame without attachments is the minor-1 one. A seal above SEAL_INLINE_BYTES hashes on the
+store's thread while only its own connection stops reading.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ import contextlib
 import grp
 import os
 import secrets
+import signal
 import socket
 import stat
 import struct
@@ -41,8 +49,11 @@ import orjson
 import structlog
 
 from bus import codec, limits
+from bus.artifacts import Artifact, ArtifactLedger, StoreLimits
 from bus.call_phases import Call, CallPhase, Delivery, Ledger, Service
 from bus.errors import (
+    ArtifactGone,
+    ArtifactMismatch,
     Backpressure,
     BusError,
     CallGone,
@@ -52,7 +63,9 @@ from bus.errors import (
     InvalidParams,
     NoService,
     NotAuthorized,
+    NoTopic,
     QuotaExceeded,
+    StoreFailure,
     TargetChanged,
     VersionMismatch,
     error_object,
@@ -70,6 +83,14 @@ from bus.limits import (
 from bus.policy import Grants, Policy, any_matches, covered_by_delegate, substitute
 from bus.schema import Validator, contract_digest, validator
 from bus.sockets import probe_socket
+from bus.store import (
+    SEAL_INLINE_BYTES,
+    SealFile,
+    Store,
+    StoreSettings,
+    StoreStartError,
+    store_offer,
+)
 from bus.topics import Message, Removal, Subscription, TopicLimits, TopicTable
 
 log = structlog.get_logger("bus.router")
@@ -88,6 +109,11 @@ CANCEL_STATES: Final = (
     "completed",
     "call-gone",
 )
+#: frame-root keys of a call's request and of its result (docs/topics.md §5.2 rule 2)
+REQUEST: Final = 0
+RESULT: Final = 1
+#: an op whose response comes later (a seal hashing off the loop, §5.5 rule 4)
+DEFERRED: Final = object()
 
 def _serial(delivery_id: object) -> int | None:
     """The serial of a well-formed `dlv-<n>` (wire.md §5), else None."""
@@ -111,6 +137,7 @@ class RouterConfig:
     policy: Policy = field(default_factory=Policy.default)
     socket_group: str | None = None
     allowed_uids: tuple[int, ...] | None = None
+    store: StoreSettings = field(default_factory=StoreSettings)
 
 
 class _Expectation:
@@ -170,6 +197,8 @@ class _Conn(asyncio.Protocol):
         self.lane = LaneTurn()
         self.control_taken = 0
         self.messages: dict[int, tuple[Subscription[_Conn], Message]] = {}
+        # the store (docs/topics.md §5): a seal hashing off the loop pauses this connection
+        self.sealing = False
 
     # asyncio.Protocol -------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -236,12 +265,21 @@ class Router:
             "closes": {}, "framesIn": 0, "framesOut": 0, "bytesIn": 0, "bytesOut": 0,
             "leanCalls": 0, "leanReplies": 0, "leanConsumed": 0, "creditsCarried": 0,
             "published": 0, "publishRefused": 0, "leanPublishes": 0, "messagesDelivered": 0,
+            "sealsRefused": 0,
         }
         lim = self.limits
         self._topics: TopicTable[_Conn] = TopicTable(
             TopicLimits(lim.maxTopics, lim.maxSubscribersPerTopic, lim.maxSubscriptionsPerClient,
                         lim.maxBoundedDepth, lim.maxSubscriptionWindow, lim.maxQueuedTopicBytes),
             secrets.randbelow(2**40) + 1, _conn_label)
+        self._euid = os.geteuid()
+        self._store: Store | None = None
+        self._store_wire: dict[str, str] | None = None
+        self._art: ArtifactLedger[_Conn] = ArtifactLedger(
+            StoreLimits(lim.maxArtifactBytes, lim.maxArtifacts, lim.maxStoreBytes,
+                        lim.maxHeldBytesPerClient, lim.maxHoldsPerClient,
+                        lim.maxAllocationsPerClient),
+            secrets.randbelow(2**40) + 1)
         v = validator
         self._ops: dict[str, tuple[Validator, Callable[[_Conn, dict[str, Any], int], Any]]] = {
             "bus.register": (v("ops/bus.register.params.json"), self._op_register),
@@ -260,6 +298,10 @@ class Router:
             "bus.subscribe": (v("ops/bus.subscribe.params.json"), self._op_subscribe),
             "bus.unsubscribe": (v("ops/bus.unsubscribe.params.json"), self._op_unsubscribe),
             "bus.topics": (v("ops/bus.topics.params.json"), self._op_topics),
+            "bus.allocate": (v("ops/bus.allocate.params.json"), self._op_allocate),
+            "bus.seal": (v("ops/bus.seal.params.json"), self._op_seal),
+            "bus.retain": (v("ops/bus.retain.params.json"), self._op_retain),
+            "bus.drop": (v("ops/bus.drop.params.json"), self._op_drop),
         }
         self._hello_params = v("ops/bus.hello.params.json")
         self._call_params = self._ops["bus.call"][0]
@@ -286,12 +328,14 @@ class Router:
                 f"{SUN_PATH_MAX}: {path}"
             )
         self._prepare_path(path)
+        self._open_store()
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         old = os.umask(0o117 if self._group_gid is not None else 0o177)
         try:
             sock.bind(path)
         except OSError as exc:
             sock.close()
+            self._remove_store()
             raise RouterStartError(f"cannot bind {path}: {exc}") from exc
         finally:
             os.umask(old)
@@ -312,6 +356,30 @@ class Router:
             log.warning("router.open_policy", socket=path,
                         detail="every client may register, call and expect anything")
         log.info("router.started", router_id=self.router_id, socket=path, pid=os.getpid())
+
+    def _open_store(self) -> None:
+        """docs/topics.md §5.1: the store directory of this start, or none when disabled."""
+        settings = self.config.store
+        if not settings.enabled:
+            return
+        try:
+            store = Store.open(settings.root)
+        except StoreStartError as exc:
+            raise RouterStartError(f"[bus.store] root: {exc}") from exc
+        # a lease break would signal SIGIO, whose default action ends the process
+        with contextlib.suppress(ValueError):  # not the main thread: its owner decides
+            signal.signal(signal.SIGIO, signal.SIG_IGN)
+        self._store = store
+        self._store_wire = {"storeId": store.store_id, "path": store.path}
+        log.info("router.store", store_id=store.store_id, path=store.path)
+
+    def _remove_store(self) -> None:
+        """§5.1 rule 7: every artifact file and the store directory go."""
+        store, self._store = self._store, None
+        if store is None:
+            return
+        self._art.clear()
+        store.remove()
 
     def _prepare_path(self, path: str) -> None:
         parent = os.path.dirname(path) or "."
@@ -362,6 +430,7 @@ class Router:
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(1.0):
                 await server.wait_closed()
+        self._remove_store()
         log.info("router.stopped", router_id=self.router_id)
 
     def request_stop(self) -> None:
@@ -439,6 +508,11 @@ class Router:
         decoder = conn.decoder
         for _ in range(FRAMES_PER_TURN):
             if conn.closing:
+                return
+            if conn.sealing:  # §5.5 rule 4: nothing more from it until its hash is applied
+                if not conn.read_paused and conn.transport is not None:
+                    conn.read_paused = True
+                    conn.transport.pause_reading()
                 return
             try:
                 body = decoder.next_frame()
@@ -528,7 +602,8 @@ class Router:
                 counters["callsRefused"] += 1
             self._respond_error(conn, rid, exc.name, exc.message, exc.dispatch)
             return
-        self._respond(conn, rid, result)
+        if result is not DEFERRED:
+            self._respond(conn, rid, result)
 
     def _next_id(self, conn: _Conn, value: object, name: str, malformed: str) -> int | None:
         """Check 4 (wire.md §4): a request's id, or a lean call's callId in its place, is an
@@ -718,6 +793,8 @@ class Router:
         conn.dlv += 1
         serial = conn.dlv
         conn.deliveries[serial] = Delivery(serial, call, False)
+        if self._art.frames:
+            self._art.see(conn, self._art.rooted((call, RESULT)))
         return call.frame.replace(MAX_DLV, b'"dlv-%d"' % serial, 1)
 
     def _dispatch(self, conn: _Conn, out: list[bytes], budget: int) -> int:
@@ -742,6 +819,8 @@ class Router:
             delivery = Delivery(serial, call, True)
             conn.deliveries[serial] = delivery
             call.delivery = delivery
+            if self._art.frames:
+                self._art.see(conn, self._art.rooted((call, REQUEST)))
             svc.in_flight += 1
             conn.open_requests += 1
             conn.capabilities += 1
@@ -818,8 +897,10 @@ class Router:
         # 2. its services are removed
         for svc in list(conn.services.values()):
             self._remove_route(svc, "disconnected")
-        # 3 + 4. deliveries dropped; dispatched, unreplied calls fail
+        # 3 + 4. deliveries dropped (their roots end); dispatched, unreplied calls fail
         for delivery in conn.deliveries.values():
+            if delivery.is_request and not delivery.consumed:
+                self._unroot((delivery.call, REQUEST))
             if delivery.is_request and delivery.capability:
                 call = delivery.call
                 if call.phase is CallPhase.DISPATCHED:
@@ -835,10 +916,12 @@ class Router:
             if phase is CallPhase.QUEUED:
                 call.service.queue.remove(call)
                 ledger.move(call, CallPhase.GONE)
+                self._unroot((call, REQUEST))
             elif phase is CallPhase.DISPATCHED:
                 ledger.move(call, CallPhase.DETACHED)
             elif phase is CallPhase.REPLIED:
                 ledger.move(call, CallPhase.GONE)
+                self._unroot((call, RESULT))
         # 6. expectations it created
         for client_id in list(conn.expectations):
             exp = self._expectations.get(client_id)
@@ -849,9 +932,13 @@ class Router:
         deliveries = list(conn.messages.values())
         conn.messages.clear()
         if deliveries or conn in self._topics.readers or conn in self._topics.owned:
-            wake, _ = self._topics.forget_connection(conn, deliveries)
+            wake, released = self._topics.forget_connection(conn, deliveries)
             for other in wake:
                 self._mark(other)
+            self._messages_released(released)
+        # 9 + 10. its holds end, its Allocated artifacts go; every collected file is unlinked
+        if conn in self._art.holds or conn in self._art.sight:
+            self._collect(self._art.forget_connection(conn))
 
     def _remove_route(self, svc: Service[_Conn], reason: str) -> None:
         """wire.md §10.1: free the name, tell attached callers, fail the Queued calls."""
@@ -877,6 +964,7 @@ class Router:
             self._call_failed(call, "NO_SERVICE", f"service {svc.name} was {reason} "
                               "before the call was dispatched", "not-dispatched")
             self._ledger.move(call, CallPhase.GONE)
+            self._unroot((call, REQUEST))
 
     def _call_failed(self, call: Call[_Conn], name: str, message: str, dispatch: Dispatch) -> None:
         self.counters["callsFailed"] += 1
@@ -985,7 +1073,7 @@ class Router:
             "contractDigest": self._digest,
             "grants": grants.to_wire(),
             "limits": self.limits.hello(),
-            "store": None,
+            "store": store_offer(conn.uid, self._euid, self._store_wire),
         }
 
     # ops --------------------------------------------------------------------------------
@@ -1047,31 +1135,37 @@ class Router:
         expected = p["expectedIncarnation"]
         if expected is not None and expected != svc.incarnation:
             raise TargetChanged(f"{target} is now {svc.incarnation}, not {expected}")
+        ids = p.get("attachments")
+        arts = self._attachable(conn, ids) if ids else ()
         if len(svc.queue) >= svc.max_queued:
             raise Backpressure(f"service {target} queue full ({svc.max_queued})")
         payload = codec.encode_trusted(p["payload"])
         size = len(payload)
         if self._ledger.queued_bytes + size > lim.maxQueuedCallBytes:
             raise Backpressure("router queued-call bytes budget exhausted")
-        frame = orjson.dumps({
-            "jsonrpc": "2.0",
-            "method": "bus.request",
-            "params": {
-                "deliveryId": LONGEST_DELIVERY_ID,
-                "callId": rid,
-                "caller": conn.identity,
-                "target": target,
-                "serviceIncarnation": svc.incarnation,
-                "method": p["method"],
-                "payload": orjson.Fragment(payload),
-            },
-        })
+        params = {
+            "deliveryId": LONGEST_DELIVERY_ID,
+            "callId": rid,
+            "caller": conn.identity,
+            "target": target,
+            "serviceIncarnation": svc.incarnation,
+            "method": p["method"],
+            "payload": orjson.Fragment(payload),
+        }
+        if arts:
+            params["attachments"] = [a.wire() for a in arts]
+        frame = orjson.dumps({"jsonrpc": "2.0", "method": "bus.request", "params": params})
         if len(frame) > lim.maxEnvelopeBytes:
             raise InvalidEnvelope(
                 f"the bus.request frame would be {len(frame)} bytes (maxEnvelopeBytes "
                 f"{lim.maxEnvelopeBytes})"
             )
-        self._ledger.admit(Call(conn, rid, svc, frame, size))
+        call = Call(conn, rid, svc, frame, size)
+        self._ledger.admit(call)
+        if arts:
+            self._art.root((call, REQUEST), arts)
+            if p.get("transfer"):
+                self._collect(self._art.transfer(conn, arts))
         self.counters["callsAdmitted"] += 1
         self._mark(svc.owner)
         return {"callId": rid, "serviceIncarnation": svc.incarnation}
@@ -1090,9 +1184,12 @@ class Router:
         if d is None:
             raise CallGone(f"{p['deliveryId']} holds no reply capability")
         call = d.call
+        ids = p.get("attachments")
+        arts = self._attachable(conn, ids) if ids else ()
         outcome = codec.encode_trusted(p["outcome"])
         frame = limits.result_frame(call.call_id, call.service.incarnation, conn.identity,
-                                    orjson.Fragment(outcome))
+                                    orjson.Fragment(outcome),
+                                    [a.wire() for a in arts] if arts else None)
         if len(frame) > self.limits.maxEnvelopeBytes:
             raise InvalidEnvelope(
                 f"the bus.result frame would be {len(frame)} bytes (maxEnvelopeBytes "
@@ -1103,12 +1200,19 @@ class Router:
         if p.get("consumed") is True and not d.consumed:
             d.consumed = True
             self.counters["creditsCarried"] += 1
+            self._request_consumed(conn, call)
         if d.consumed:
             self._free_request(conn, d)
         if call.phase is CallPhase.DETACHED:
             self.counters["repliesUnrouted"] += 1
             self._ledger.move(call, CallPhase.GONE)
+            if arts and p.get("transfer"):  # the reply roots nothing (§6.3)
+                self._collect(self._art.transfer(conn, arts))
             return {"routed": False}
+        if arts:
+            self._art.root((call, RESULT), arts)
+            if p.get("transfer"):
+                self._collect(self._art.transfer(conn, arts))
         self._ledger.move(call, CallPhase.REPLIED)
         call.frame = frame
         call.caller.results.append(call)
@@ -1146,6 +1250,7 @@ class Router:
         elif call.phase is CallPhase.QUEUED:
             call.service.queue.remove(call)
             self._ledger.move(call, CallPhase.GONE)
+            self._unroot((call, REQUEST))
             state = "cancelled-before-dispatch"
         elif call.phase is CallPhase.DISPATCHED:
             self._ledger.move(call, CallPhase.DETACHED)
@@ -1177,11 +1282,16 @@ class Router:
             released += 1
             if d.is_request:
                 d.consumed = True
+                self._request_consumed(conn, d.call)
                 if not d.capability:
                     self._free_request(conn, d)
             else:
                 del conn.deliveries[serial]
                 self._ledger.move(d.call, CallPhase.GONE)
+                if self._art.frames:
+                    key = (d.call, RESULT)
+                    self._art.unsee(conn, self._art.rooted(key))
+                    self._unroot(key)
         return released
 
     def _op_services(self, conn: _Conn, p: dict[str, Any], rid: int) -> dict[str, Any]:
@@ -1296,9 +1406,11 @@ class Router:
         return {"topic": name, "topicIncarnation": topic.incarnation}
 
     def _op_undeclare(self, conn: _Conn, p: dict[str, Any], rid: int) -> dict[str, Any]:
-        removed, wake, _ = self._topics.undeclare(conn, p["topic"], p["topicIncarnation"])
+        removed, wake, released = self._topics.undeclare(conn, p["topic"],
+                                                         p["topicIncarnation"])
         for other in wake:
             self._mark(other)
+        self._messages_released(released)
         return {"removed": removed}
 
     def _op_publish(self, conn: _Conn, p: dict[str, Any], rid: int) -> dict[str, Any]:
@@ -1315,10 +1427,21 @@ class Router:
             raise NotAuthorized(f"no publish grant for {name}")
         payload = codec.encode_trusted(p["payload"])
         table = self._topics
+        ids = p.get("attachments")
+        arts: tuple[Artifact[_Conn], ...] = ()
+        if ids:  # checks 5–7 come after 3 and 4, before the transient 8 and 9
+            current = table.topics.get(name)
+            if current is None:
+                raise NoTopic(f"no topic declared under {name}")
+            expected = p["expectedIncarnation"]
+            if expected is not None and expected != current.incarnation:
+                raise TargetChanged(f"{name} is now {current.incarnation}, not {expected}")
+            arts = self._attachable(conn, ids)
         topic = table.check_publish(name, p["expectedIncarnation"], len(payload))
         size = len(message_frame(LONGEST_DELIVERY_ID, name, topic.incarnation,
                                  topic.sequence + 1, MAX_ID, conn.identity,
-                                 orjson.Fragment(payload)))
+                                 orjson.Fragment(payload),
+                                 [a.wire() for a in arts] if arts else None))
         if size > self.limits.maxEnvelopeBytes:
             raise InvalidEnvelope(f"the bus.message frame would be {size} bytes "
                                   f"(maxEnvelopeBytes {self.limits.maxEnvelopeBytes})")
@@ -1326,6 +1449,13 @@ class Router:
         self.counters["published"] += 1
         for other in outcome.wake:
             self._mark(other)
+        if arts:
+            msg = outcome.message
+            if msg not in outcome.released:
+                self._art.root(msg, arts)
+            if p.get("transfer"):
+                self._collect(self._art.transfer(conn, arts))
+        self._messages_released(outcome.released)
         return {"topic": name, "topicIncarnation": topic.incarnation,
                 "sequence": outcome.message.sequence, "latest": outcome.latest,
                 "bounded": outcome.bounded}
@@ -1348,7 +1478,8 @@ class Router:
                 "sequence": topic.sequence, "retained": retained}
 
     def _op_unsubscribe(self, conn: _Conn, p: dict[str, Any], rid: int) -> dict[str, Any]:
-        removed, _ = self._topics.unsubscribe(conn, p["topic"])
+        removed, released = self._topics.unsubscribe(conn, p["topic"])
+        self._messages_released(released)
         return {"removed": removed}
 
     def _op_topics(self, conn: _Conn, p: dict[str, Any], rid: int) -> dict[str, Any]:
@@ -1378,9 +1509,14 @@ class Router:
         entry = conn.messages.pop(serial, None)
         if entry is None:
             return 0
-        ready, _ = self._topics.consume(*entry)
+        sub, msg = entry
+        ready, released = self._topics.consume(sub, msg)
         if ready:
             self._mark(conn)
+        if self._art.frames:
+            self._art.unsee(conn, self._art.rooted(msg))
+            if released is not None:
+                self._collect(self._art.unroot(msg))
         return 1
 
     def _dispatchable(self, conn: _Conn) -> bool:
@@ -1447,8 +1583,166 @@ class Router:
         serial = conn.dlv
         conn.messages[serial] = (sub, msg)
         self.counters["messagesDelivered"] += 1
+        arts = self._art.rooted(msg) if self._art.frames else ()
+        if arts:
+            self._art.see(conn, arts)
         return message_frame(f"dlv-{serial}", msg.topic, msg.incarnation, msg.sequence, skipped,
-                             msg.publisher, orjson.Fragment(msg.payload))
+                             msg.publisher, orjson.Fragment(msg.payload),
+                             [a.wire() for a in arts] if arts else None)
+
+    # the artifact store (docs/topics.md §5, §6) ---------------------------------------------
+    def _usable_store(self, conn: _Conn) -> Store:
+        """§5.3 checks 2 and 3 (and §5.7's): the store, for a peer of the router's uid."""
+        if conn.uid != self._euid:
+            raise NotAuthorized(f"the store is offered to uid {self._euid} only")
+        store = self._store
+        if store is None or store.failed:
+            raise StoreFailure("the store is disabled" if store is None else
+                               "the store has failed")
+        return store
+
+    def _attachable(self, conn: _Conn, ids: list[str]) -> tuple[Artifact[_Conn], ...]:
+        """Checks A1–A3 of §6.2."""
+        store = self._store
+        if store is None or store.failed or conn.uid != self._euid:
+            raise ArtifactGone(f"{ids[0]}: no store is offered to this connection")
+        return self._art.attachable(conn, ids)
+
+    def _collect(self, arts: list[Artifact[_Conn]]) -> None:
+        """§5.2 rule 4: collected artifacts' files are unlinked in the same step."""
+        store = self._store
+        if store is None:
+            return
+        for art in arts:
+            store.unlink(art.artifact_id)
+
+    def _unroot(self, key: object) -> None:
+        if key in self._art.frames:
+            self._collect(self._art.unroot(key))
+
+    def _request_consumed(self, conn: _Conn, call: Call[_Conn]) -> None:
+        """A request delivery's credit returned: its sight and its root end (§5.2 rule 2)."""
+        if self._art.frames:
+            key = (call, REQUEST)
+            self._art.unsee(conn, self._art.rooted(key))
+            self._unroot(key)
+
+    def _messages_released(self, released: tuple[Message, ...] | list[Message]) -> None:
+        """Messages nothing references any more release their attachments (§5.2 rule 3)."""
+        if self._art.frames:
+            for msg in released:
+                self._unroot(msg)
+
+    def _op_allocate(self, conn: _Conn, p: dict[str, Any], rid: int) -> dict[str, Any]:
+        store = self._usable_store(conn)
+        length: int = p["length"]
+        ledger = self._art
+        ledger.check_allocate(conn, length)
+        artifact_id = ledger.next_id()
+        file = store.create(artifact_id, length)
+        ledger.allocate(conn, length, file)
+        return {"artifactId": artifact_id, "length": length}
+
+    def _op_seal(self, conn: _Conn, p: dict[str, Any], rid: int) -> Any:
+        """§5.5: the file checks in the handler; the hash inline up to SEAL_INLINE_BYTES,
+        else on the hashing thread with this connection's reading paused."""
+        store = self._store
+        if store is None or store.failed:
+            raise StoreFailure("the store is disabled" if store is None else
+                               "the store has failed")
+        art = self._art.check_seal(conn, p["artifactId"])
+        try:
+            seal = store.open_for_seal(art.artifact_id, art.length, art.file)
+        except BusError:
+            self.counters["sealsRefused"] += 1
+            raise
+        except OSError as exc:
+            store.failed = True
+            raise StoreFailure(f"seal of {art.artifact_id} failed: {exc.strerror}") from exc
+        if art.length <= SEAL_INLINE_BYTES:
+            try:
+                actual = store.hash(seal)
+            except OSError as exc:
+                self._seal_failed(store, seal)
+                raise StoreFailure(f"hashing {art.artifact_id} failed: {exc.strerror}") from exc
+            return self._apply_seal(conn, art, seal, actual, p["digest"])
+        assert self._loop is not None
+        conn.sealing = True
+        store.hashing += 1
+        fut = self._loop.run_in_executor(store.executor(), store.hash_off_loop, seal)
+        fut.add_done_callback(
+            lambda f: self._hashed(conn, rid, art, seal, p["digest"], f))
+        return DEFERRED
+
+    def _hashed(self, conn: _Conn, rid: int, art: Artifact[_Conn], seal: SealFile,
+                digest: str, fut: asyncio.Future[str]) -> None:
+        """An off-loop hash finished: apply it on the loop, respond, read on."""
+        store = self._store
+        if store is not None:
+            store.hashing -= 1
+        conn.sealing = False
+        if fut.cancelled() or fut.exception() is not None or store is None or conn.torn_down:
+            if store is None or conn.torn_down:  # the allocation went with its connection
+                with contextlib.suppress(OSError):
+                    os.close(seal.fd)
+                return
+            self._seal_failed(store, seal)
+            self._respond_error(conn, rid, "STORE_FAILURE",
+                                f"hashing {art.artifact_id} failed", "not-dispatched")
+            assert self._loop is not None
+            self._loop.call_soon(self._read_frames, conn)
+            return
+        try:
+            result = self._apply_seal(conn, art, seal, fut.result(), digest)
+        except BusError as exc:
+            self._respond_error(conn, rid, exc.name, exc.message, exc.dispatch)
+        else:
+            self._respond(conn, rid, result)
+        assert self._loop is not None
+        self._loop.call_soon(self._read_frames, conn)
+
+    def _seal_failed(self, store: Store, seal: SealFile) -> None:
+        """A store syscall failed unexpectedly: the store is failed (§5.1 rule 8)."""
+        store.failed = True
+        with contextlib.suppress(OSError):
+            store.finish_seal(seal, False)
+
+    def _apply_seal(self, conn: _Conn, art: Artifact[_Conn], seal: SealFile, actual: str,
+                    digest: str) -> dict[str, Any]:
+        """§5.5 check 8 and the accept."""
+        store = self._store
+        assert store is not None
+        accepted = actual == digest
+        try:
+            store.finish_seal(seal, accepted)
+        except OSError as exc:
+            store.failed = True
+            raise StoreFailure(f"sealing {art.artifact_id} failed: {exc.strerror}") from exc
+        if not accepted:
+            self.counters["sealsRefused"] += 1
+            raise ArtifactMismatch(f"{art.artifact_id}: the digest differs from the bytes")
+        self._art.seal(art, digest)
+        return art.wire()
+
+    def _op_retain(self, conn: _Conn, p: dict[str, Any], rid: int) -> dict[str, Any]:
+        self._usable_store(conn)
+        arts = self._art.retain(conn, p["artifactIds"])
+        return {"artifacts": [a.wire() for a in arts]}
+
+    def _op_drop(self, conn: _Conn, p: dict[str, Any], rid: int) -> dict[str, Any]:
+        dropped, collected = self._art.drop(conn, p["artifactIds"])
+        self._collect(collected)
+        return {"dropped": dropped}
+
+    def store_directory(self) -> str | None:
+        """The store directory's path, or None when the store is disabled."""
+        return None if self._store is None else self._store.path
+
+    def set_hash_hook(self, hook: Callable[[], None] | None) -> None:
+        """Run `hook` on the hashing thread before each off-loop hash: a harness holds a
+        large seal there to observe what proceeds meanwhile."""
+        if self._store is not None:
+            self._store.hash_hook = hook
 
     # introspection ----------------------------------------------------------------------
     def remembered_incarnations(self) -> dict[str, tuple[str, ...]]:
@@ -1475,6 +1769,7 @@ class Router:
         active = sum(c.active for c in conns)
         counters = self.counters
         topics = self._topics
+        art = self._art
         now = time.monotonic()
         result: dict[str, Any] = {
             "routerId": self.router_id,
@@ -1497,10 +1792,14 @@ class Router:
             "queuedMessages": topics.queued_messages,
             "queuedTopicBytes": topics.queued_bytes,
             "messageDeliveries": topics.deliveries,
+            "store": self._store_stats(),
             "counters": {
                 **counters,
                 "messagesReplaced": topics.replaced,
                 "messagesDropped": topics.dropped,
+                "artifactsAllocated": art.allocated_total,
+                "artifactsSealed": art.sealed_total,
+                "artifactsCollected": art.collected_total,
                 "cancels": dict(counters["cancels"]),
                 "errors": dict(counters["errors"]),
                 "closes": dict(counters["closes"]),
@@ -1528,11 +1827,24 @@ class Router:
                     "framesOut": c.frames_out,
                     "subscriptions": len(r.subs) if (r := topics.readers.get(c)) else 0,
                     "messageDeliveries": len(c.messages),
+                    "holds": len(art.holds.get(c, ())),
+                    "heldBytes": art.held_bytes.get(c, 0),
+                    "allocations": art.allocations.get(c, 0),
                 }
                 for c in sorted(conns, key=lambda c: c.number)
                 if not c.closing
             ]
         return result
+
+
+    def _store_stats(self) -> dict[str, Any] | None:
+        store = self._store
+        if store is None:
+            return None
+        art = self._art
+        return {"storeId": store.store_id, "failed": store.failed,
+                "artifacts": len(art.artifacts), "allocated": art.allocated, "bytes": art.bytes,
+                "holds": art.hold_count, "hashing": store.hashing}
 
 
 def _conn_label(conn: _Conn) -> str:

@@ -58,6 +58,10 @@ OPS: Final = (
     "bus.subscribe",
     "bus.unsubscribe",
     "bus.topics",
+    "bus.allocate",
+    "bus.seal",
+    "bus.retain",
+    "bus.drop",
 )
 NOTIFICATIONS: Final = (
     "bus.request",

@@ -52,6 +52,7 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 from bus.limits import LimitError, Limits, snake_case
 from bus.policy import Policy, PolicyError
 from bus.router import SUN_PATH_MAX, RouterConfig
+from bus.store import DEFAULT_ROOT, StoreSettings
 from flyd.durations import (
     DURATION_RULE,
     MAX_DURATION_MS,
@@ -68,7 +69,8 @@ if TYPE_CHECKING:
 
 KNOWN_SECTIONS: Final = ("node", "bus", "database", "leases", "session", "checkpoints",
                          "plugins")
-BUS_KEYS: Final = ("socket", "socket_group", "allowed_uids", "limits", "policy")
+BUS_KEYS: Final = ("socket", "socket_group", "allowed_uids", "limits", "policy", "store")
+STORE_KEYS: Final = ("enabled", "root")
 SYSTEM_CONFIG: Final = Path("/etc/flyd/flyd.toml")
 NODE_NAME_RE: Final = re.compile(r"[a-z0-9][a-z0-9-]{0,31}")
 REDACTED: Final = "***"
@@ -187,8 +189,27 @@ def router_config(config_file: Path | None, socket_path: str | None,
         raise ConfigError(f"{where}: {exc}") from exc
     if group is not None:
         _check_group(where, group)
+    store = store_settings(bus.get("store"), where)
     return RouterConfig(socket_path=socket, limits=limits, policy=policy, socket_group=group,
-                        allowed_uids=tuple(uids) if uids is not None else None)
+                        allowed_uids=tuple(uids) if uids is not None else None, store=store)
+
+
+def store_settings(table: object, where: str) -> StoreSettings:
+    """`[bus.store]` as typed settings (docs/topics.md §5.1); a bad key names itself."""
+    if table is None:
+        return StoreSettings()
+    if not isinstance(table, Mapping):
+        raise ConfigError(f"{where}: [bus.store] must be a table")
+    for key in table:
+        if key not in STORE_KEYS:
+            raise ConfigError(f"{where}: unknown key [bus.store] {key}")
+    enabled = table.get("enabled", True)
+    if not isinstance(enabled, bool):
+        raise ConfigError(f"{where}: [bus.store] enabled must be true or false")
+    root = table.get("root", DEFAULT_ROOT)
+    if not isinstance(root, str) or not os.path.isabs(root):
+        raise ConfigError(f"{where}: [bus.store] root must be an absolute path")
+    return StoreSettings(enabled=enabled, root=root)
 
 
 def _check_group(where: str, group: str) -> None:
@@ -267,6 +288,7 @@ KEYS: Final[dict[str, dict[str, Key]]] = {
         "allowed_uids": Key("uids", None, rule="a list of uids"),
         "limits": Key("table", None, rule="wire.md §14.1"),
         "policy": Key("table", None, rule="wire.md §12"),
+        "store": Key("table", None, rule="docs/topics.md §5.1: enabled (bool), root (path)"),
     },
     "database": {
         "dsn": Key("dsn", None, rule="libpq conninfo or URI", env="FLYD_DSN", flag="--dsn"),
@@ -536,6 +558,11 @@ class Config:
     def limits(self) -> Limits:
         return Limits.from_config(dict(self.value("bus", "limits") or {}))
 
+    @property
+    def store(self) -> StoreSettings:
+        """`[bus.store]`, typed (docs/topics.md §5.1)."""
+        return store_settings(self.value("bus", "store"), self.origin("bus", "store"))
+
     def log_settings(self, flags: LogFlags) -> LogSettings:
         """The process's logging: `[node] log_format` and `log_level` as resolved here (flag >
         environment > file > default), `-v` / `-q` shifting the level (`flyd.logs`)."""
@@ -555,6 +582,14 @@ class Config:
                         name = snake_case(f.name)
                         out[f"bus.limits.{name}"] = {
                             "value": getattr(limits, f.name),
+                            "source": s.source if name in given else "default"}
+                    continue
+                if (section, key) == ("bus", "store"):
+                    given = s.value or {}
+                    store = self.store
+                    for name in STORE_KEYS:
+                        out[f"bus.store.{name}"] = {
+                            "value": getattr(store, name),
                             "source": s.source if name in given else "default"}
                     continue
                 value = s.value
@@ -679,6 +714,7 @@ def _check_related(settings: dict[str, dict[str, Setting]],
             raise ConfigError(f"{where.get(('bus', 'policy'))}: {exc}") from exc
     if bus["socket_group"].value is not None:
         _check_group(where[("bus", "socket_group")], bus["socket_group"].value)
+    store_settings(bus["store"].value, where.get(("bus", "store")) or "defaults")
 
 
 def _lease_params(settings: dict[str, dict[str, Setting]],

@@ -22,10 +22,12 @@ from bus.client import BusClient, connect
 from bus.limits import Limits
 from bus.policy import Policy
 from bus.router import Router, RouterConfig
+from bus.store import StoreSettings
 
 #: every wire test runs under pytest-timeout (10 s) unless it names its own (wire.md §20)
 WIRE_TIMEOUT_S = 10
 RECV_TIMEOUT = 5.0
+SHM = "/dev/shm"
 HERE = Path(__file__).parent
 
 
@@ -151,20 +153,29 @@ Settle = Callable[[Callable[[dict[str, Any]], bool]], Awaitable[dict[str, Any]]]
 
 @pytest.fixture
 async def router() -> AsyncIterator[RouterFactory]:
-    """`await router(policy=..., socket_group=..., allowed_uids=..., **limit_overrides)`."""
+    """`await router(policy=..., socket_group=..., allowed_uids=..., store_enabled=...,
+    store_root=..., **limit_overrides)`. The store's root is, unless given, a fresh directory
+    under /dev/shm shared by the test's routers and removed after it (docs/topics.md §17)."""
     started: list[Router] = []
     dirs: list[str] = []
+    roots: list[str] = []
 
     async def make(policy: Policy | None = None, socket_group: str | None = None,
                    allowed_uids: tuple[int, ...] | None = None, socket_path: str | None = None,
+                   store_enabled: bool = True, store_root: str | None = None,
                    **limits: int) -> Router:
         if socket_path is None:
             d = short_socket_dir()
             dirs.append(d)
             socket_path = os.path.join(d, "bus.sock")
+        if store_root is None:
+            if not roots:
+                roots.append(tempfile.mkdtemp(prefix="flyd-t-store-", dir=SHM))
+            store_root = roots[0]
         cfg = RouterConfig(socket_path=socket_path, limits=Limits().replace(**limits),
                            policy=policy or Policy.open(), socket_group=socket_group,
-                           allowed_uids=allowed_uids)
+                           allowed_uids=allowed_uids,
+                           store=StoreSettings(enabled=store_enabled, root=store_root))
         r = Router(cfg)
         await r.start()
         started.append(r)
@@ -173,8 +184,20 @@ async def router() -> AsyncIterator[RouterFactory]:
     yield make
     for r in started:
         await r.stop()
-    for d in dirs:
+    for d in dirs + roots:
         shutil.rmtree(d, ignore_errors=True)
+
+
+def store_dir(r: Router) -> str:
+    """The store directory of router `r` (docs/topics.md §17)."""
+    path = r.store_directory()
+    assert path is not None, "the router has no store"
+    return path
+
+
+def store_files(r: Router) -> list[str]:
+    """The entries of `r`'s store directory, sorted."""
+    return sorted(os.listdir(store_dir(r)))
 
 
 @pytest.fixture

@@ -346,6 +346,16 @@ async def test_error_object_shape(router, raw) -> None:
     check(await c.call("bus.publish", {"topic": "svc.t", "expectedIncarnation": None,
                                        "payload": {}}), "NO_TOPIC")  # docs/topics.md §9
     check(await c.call("bus.register", {"name": "svc.b"}), "INVALID_PARAMS")
+    # the store's errors (docs/topics.md §9)
+    check(await c.call("bus.seal", {"artifactId": "art-1", "digest": "0" * 64}),
+          "ARTIFACT_GONE")
+    art = (await c.call("bus.allocate", {"length": 16}))["result"]["artifactId"]
+    check(await c.call("bus.retain", {"artifactIds": [art]}), "ARTIFACT_UNSEALED")
+    check(await svc.call("bus.seal", {"artifactId": art, "digest": "0" * 64}), "OWNER_INVALID")
+    check(await c.call("bus.seal", {"artifactId": art, "digest": "0" * 64}), "ARTIFACT_MISMATCH")
+    storeless = await router(policy=policy, store_enabled=False)
+    s = await _helloed(raw, storeless, "e-caller")
+    check(await s.call("bus.allocate", {"length": 16}), "STORE_FAILURE")
     check(await c.call("bus.register", {"name": "other.b", "maxQueued": 1, "maxInFlight": 1}),
           "NOT_AUTHORIZED")
     check(await c.call("bus.register", {"name": "svc.b", "maxQueued": 17, "maxInFlight": 1}),

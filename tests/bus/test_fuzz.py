@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import io
 import os
 import random
@@ -93,7 +94,10 @@ GAUGES = ("connections", "pendingConnections", "clients", "services", "expectati
           "activeCalls", "queuedCalls", "dispatchedCalls", "detachedCalls", "repliedCalls",
           "replyCapabilities", "queuedCallBytes",
           # docs/topics.md §10: topics and their messages settle with their connections (#171)
-          "topics", "subscriptions", "queuedMessages", "queuedTopicBytes", "messageDeliveries")
+          "topics", "subscriptions", "queuedMessages", "queuedTopicBytes", "messageDeliveries",
+          # and so do the store's artifacts, bytes and holds (#171)
+          "store")
+ART_REF = st.sampled_from(["$art", "$art", "$art", "art-1"])
 
 # --- strategies -------------------------------------------------------------------------------
 
@@ -152,6 +156,13 @@ GOOD: dict[str, st.SearchStrategy[Any]] = {
     "depth": st.integers(1, 3),
     "window": st.integers(1, 3),
     "retained": st.booleans(),
+    # the artifact store (docs/topics.md §5, §6)
+    "length": st.sampled_from([1, 16, 4096, 70000]),
+    "artifactId": ART_REF,
+    "digest": st.sampled_from(["$digest"] * 4 + ["0" * 64]),
+    "artifactIds": st.lists(ART_REF, min_size=1, max_size=3),
+    "attachments": st.lists(ART_REF, max_size=3),
+    "transfer": st.booleans(),
 }
 # Anything goes: types, ranges, patterns and sizes the schemas must refuse.
 WILD: dict[str, st.SearchStrategy[Any]] = {
@@ -189,6 +200,12 @@ WILD: dict[str, st.SearchStrategy[Any]] = {
     "depth": small_int | json_any,
     "window": small_int | json_any,
     "retained": json_any,
+    "length": small_int | json_any,
+    "artifactId": st.sampled_from(["art-0", "art-01", "x", ""]) | json_any,
+    "digest": st.sampled_from(["", "G" * 64, "0" * 63, "0" * 65]) | json_any,
+    "artifactIds": st.just([]) | st.just([f"art-{i}" for i in range(1, 18)]) | json_any,
+    "attachments": st.just(["art-1", "art-1"]) | json_any,
+    "transfer": json_any,
 }
 OP_KEYS: dict[str, list[str]] = {
     "bus.hello": ["clientId", "clientIncarnation", "supportedMajors"],
@@ -208,6 +225,10 @@ OP_KEYS: dict[str, list[str]] = {
     "bus.subscribe": ["topic", "mode", "depth", "window", "retained"],
     "bus.unsubscribe": ["topic"],
     "bus.topics": ["prefix"],
+    "bus.allocate": ["length"],
+    "bus.seal": ["artifactId", "digest"],
+    "bus.retain": ["artifactIds"],
+    "bus.drop": ["artifactIds"],
     "bus.nope": [],
     "": [],
 }
@@ -221,8 +242,11 @@ ROLE_OPS = {
               "bus.consumed", "bus.consumed", "bus.cancel", "bus.release", "bus.unregister",
               "bus.expect", "bus.stats", "bus.services",
               "bus.declare", "bus.publish", "bus.publish", "bus.subscribe", "bus.unsubscribe",
-              "bus.undeclare", "bus.topics"],
+              "bus.undeclare", "bus.topics",
+              "bus.allocate", "bus.allocate", "bus.seal", "bus.seal", "bus.retain", "bus.drop"],
 }
+#: ops whose frames may carry attachments (docs/topics.md §6.1)
+ATTACHING = ("bus.call", "bus.reply", "bus.publish")
 
 
 @st.composite
@@ -243,6 +267,10 @@ def params_for(draw: st.DrawFn, op: str) -> Any:
         params[draw(st.text(max_size=6))] = draw(json_any)
     if op == "bus.expect" and "ttlMs" in params and draw(st.booleans()):
         del params["ttlMs"]  # optional members may be omitted
+    if op in ATTACHING and mode != "random" and draw(st.sampled_from([True] + [False] * 3)):
+        table = WILD if mode == "wild" else GOOD
+        params["attachments"] = draw(table["attachments"])
+        params["transfer"] = draw(table["transfer"])
     return params
 
 
@@ -315,13 +343,15 @@ POISON = poison_action()
 @st.composite
 def action_for(draw: st.DrawFn, role: str) -> tuple[Any, ...]:
     kind = draw(st.sampled_from(["req"] * 30 + ["split", "split"] + ["yield"] * 6
-                                + ["poison"]))
+                                + ["poison", "file", "file"]))
     if kind == "req":
         return draw(request_action(role))
     if kind == "split":
         return draw(split_action(role))
     if kind == "yield":
         return ("yield", draw(st.integers(1, 8)))
+    if kind == "file":
+        return ("file", draw(FILE_ACTIONS))
     return draw(POISON)
 
 
@@ -442,6 +472,9 @@ class Conn:
     dlv: list[str] = field(default_factory=list)
     svc: list[str] = field(default_factory=list)
     top: list[str] = field(default_factory=list)
+    art: list[str] = field(default_factory=list)
+    lengths: dict[str, int] = field(default_factory=dict)
+    store_path: str | None = None
     sent_calls: list[int] = field(default_factory=list)
     task: asyncio.Task[None] | None = None
     auto: str | None = None
@@ -513,6 +546,7 @@ class Conn:
                         self.svc.append(msg["result"]["serviceIncarnation"])
                     if method == "bus.declare":
                         self.top.append(msg["result"]["topicIncarnation"])
+                    learn_store(self, method, msg["result"])
                 if "error" in msg:
                     if self.sent.get(rid) == "bus.hello" and not self.tainted:
                         final = "refused hello"
@@ -522,6 +556,7 @@ class Conn:
                 continue
             method, params = msg["method"], msg["params"]
             if method in ("bus.request", "bus.result", "bus.message"):
+                learn_attachments(self, params)
                 self.dlv.append(params["deliveryId"])
                 if self.auto is not None:
                     self.auto_answer(method, params)
@@ -598,11 +633,64 @@ def _resolve(value: Any, conn: Conn | Sock, counter: list[int]) -> Any:
             return calls[-1 - (i - 1) % len(calls)] if calls else 1
         if value == "$pid":
             return os.getpid()
+        if value == "$art":
+            return conn.art[-1 - (i - 1) % len(conn.art)] if conn.art else "art-1"
+        if value == "$digest":
+            last = conn.art[-1] if conn.art else None
+            return hashlib.sha256(bytes(conn.lengths.get(last or "", 0))).hexdigest()
     if isinstance(value, list):
         return [_resolve(x, conn, counter) for x in value]
     if isinstance(value, dict):
         return {k: _resolve(x, conn, counter) for k, x in value.items()}
     return value
+
+
+FILE_ACTIONS = st.sampled_from(["write", "write", "truncate", "symlink", "grow"])
+
+
+def learn_store(conn: Conn | Sock, method: str | None, result: dict[str, Any]) -> None:
+    """The store path of a hello and the ids of allocations, for `$art`, `$digest` and the
+    file actions."""
+    if method == "bus.hello" and result.get("store"):
+        conn.store_path = result["store"]["path"]
+    elif method == "bus.allocate":
+        conn.art.append(result["artifactId"])
+        conn.lengths[result["artifactId"]] = result["length"]
+        del conn.art[:-16]
+
+
+def learn_attachments(conn: Conn | Sock, params: dict[str, Any]) -> None:
+    for att in params.get("attachments", ()):
+        conn.art.append(att["artifactId"])
+    del conn.art[:-16]
+
+
+def file_action(conn: Conn | Sock, kind: str) -> None:
+    """What a client of the router's uid may do to a file of the store (docs/topics.md §5.4):
+    write into it (sealed or not), truncate or grow it, or swap it for a symlink. The router
+    must never follow, and refuse a seal of a changed file."""
+    if conn.store_path is None or not conn.art:
+        return
+    path = os.path.join(conn.store_path, conn.art[-1])
+    try:
+        if kind == "symlink":
+            os.unlink(path)
+            os.symlink(os.devnull, path)
+            return
+        fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return
+    try:
+        if kind == "write":
+            os.pwrite(fd, os.urandom(16), 0)
+        elif kind == "truncate":
+            os.ftruncate(fd, max(0, os.fstat(fd).st_size - 1))
+        else:
+            os.ftruncate(fd, os.fstat(fd).st_size + 1)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def _build(conn: Conn | Sock, action: tuple[Any, ...]) -> tuple[dict[str, Any], bool]:
@@ -780,6 +868,8 @@ class Player:
             body = _dumps(action[1])
             if body is not None:
                 await conn.send(_frame(body))
+        elif kind == "file":
+            file_action(conn, action[1])
         else:
             assert kind == "yield"
             for _ in range(action[1]):
@@ -950,6 +1040,8 @@ async def fuzz_router(case: list[list[Script]]) -> None:
         assert stats["connections"] >= 1
         settled = await _settle(r, baseline)
         assert r.fatal is None
+        directory = r.store_directory()
+        assert directory is not None and os.listdir(directory) == []
         counters = settled["counters"]
         assert counters["helloOk"] >= 1
         # steer generation towards examples that reach deep into the call lifecycle
@@ -957,6 +1049,8 @@ async def fuzz_router(case: list[list[Script]]) -> None:
         target(float(sum(1 for v in counters["cancels"].values() if v)
                      + (counters["repliesRouted"] > 0) + (counters["repliesUnrouted"] > 0)
                      + (counters["callsFailed"] > 0)), label="call outcomes")
+        target(float(counters["artifactsSealed"] + counters["sealsRefused"]),
+               label="seals")  # docs/topics.md §5.5 (#171)
     finally:
         await r.stop()
         shutil.rmtree(d, ignore_errors=True)
@@ -1066,6 +1160,9 @@ class Sock:
         self.dlv: list[str] = []
         self.svc: list[str] = []
         self.top: list[str] = []
+        self.art: list[str] = []
+        self.lengths: dict[str, int] = {}
+        self.store_path: str | None = None
         self.sent_calls: list[int] = []
         self.held: list[str] = []  # request deliveries a "hold" service answers later
         self.out = bytearray()
@@ -1225,9 +1322,11 @@ class Sock:
             if params["error"]["data"]["dispatch"] != "unknown":
                 self.fail(f"bus.closing with dispatch {params['error']['data']}")
         elif method == "bus.message":
+            learn_attachments(self, params)
             self.dlv.append(params["deliveryId"])
             del self.dlv[:-16]
         elif method in ("bus.request", "bus.result"):
+            learn_attachments(self, params)
             self.dlv.append(params["deliveryId"])
             del self.dlv[:-16]
             if method == "bus.result":
@@ -1258,6 +1357,7 @@ class Sock:
                 self.top.append(msg["result"]["topicIncarnation"])
             if method == "bus.hello":
                 self.helloed = True
+            learn_store(self, method, msg["result"])
         if method == "bus.call" and "error" in msg:
             self.outcome(rid, "refused")
         elif method == "bus.cancel" and "result" in msg:
@@ -1331,8 +1431,30 @@ class Sock:
         elif r < 0.9 and self.dlv:
             self.request("bus.consumed", {"deliveryIds": sorted(set(
                 rnd.choices(self.dlv[-6:], k=rnd.randint(1, 3))))})
+        elif r < 0.95:
+            self.store_op(rnd)
         else:
             self.request(rnd.choice(["bus.stats", "bus.services"]), {})
+
+    def store_op(self, rnd: random.Random) -> None:
+        """A valid store step (docs/topics.md §5, §6): allocate, seal a recent allocation with
+        the digest of its (still zero) bytes, retain or drop what it saw, or attach it."""
+        mine = list(self.lengths)[-4:]
+        r = rnd.random()
+        if not mine or r < 0.3:
+            self.request("bus.allocate", {"length": rnd.choice([1, 16, 4096])})
+        elif r < 0.6:
+            artifact_id = rnd.choice(mine)
+            self.request("bus.seal", {"artifactId": artifact_id, "digest": hashlib.sha256(
+                bytes(self.lengths[artifact_id])).hexdigest()})
+        elif r < 0.75 and self.art:
+            self.request(rnd.choice(["bus.retain", "bus.drop"]),
+                         {"artifactIds": sorted(set(rnd.choices(self.art[-4:], k=2)))})
+        else:
+            self.request("bus.call", {
+                "target": rnd.choice(SERVICE_NAMES), "expectedIncarnation": None,
+                "method": "M", "payload": {}, "attachments": [rnd.choice(mine)],
+                "transfer": rnd.random() < 0.5})
 
     def wait(self, until: Callable[[], bool], timeout: float = IO_TIMEOUT_S) -> bool:
         """Pump until `until()` or EOF; False on timeout."""
@@ -1378,9 +1500,11 @@ class RouterProcess:
 
     def __init__(self) -> None:
         self.dir = tempfile.mkdtemp(prefix="flyd-fzm-", dir="/tmp")
+        self.store_root = tempfile.mkdtemp(prefix="flyd-fzm-store-", dir="/dev/shm")
         self.path = os.path.join(self.dir, "bus.sock")
         config = os.path.join(self.dir, "router.toml")
         with open(config, "w") as f:
+            f.write(f'[bus.store]\nroot = "{self.store_root}"\n')
             f.write("[bus.limits]\n")
             for name in Limits.__dataclass_fields__:
                 f.write(f"{snake_case(name)} = {getattr(LIMITS, name)}\n")
@@ -1415,6 +1539,7 @@ class RouterProcess:
             code = self.proc.wait()
         self.log.close()
         shutil.rmtree(self.dir, ignore_errors=True)
+        shutil.rmtree(self.store_root, ignore_errors=True)
         return code
 
 
@@ -1565,6 +1690,12 @@ class RouterMachine(RuleBasedStateMachine):
             self._pump_all(skip=conn)
         conn.tally.frames_sent += 1
 
+    @rule(conn=conns, kind=FILE_ACTIONS)
+    def store_file(self, conn: Sock, kind: str) -> None:
+        """A client of the router's uid changes a file of the store (docs/topics.md §5.4):
+        writes after a seal attempt, a resize or a symlink swap (#171)."""
+        file_action(conn, kind)
+
     @rule(conn=conns, exact=st.booleans())
     def max_size_frame(self, conn: Sock, exact: bool) -> None:
         """A `bus.call` body of exactly (or just under) maxEnvelopeBytes: its worst-case
@@ -1682,6 +1813,8 @@ class RouterMachine(RuleBasedStateMachine):
         for s in self.socks:
             s.close()
         self.h.monitor.settle(self.h.baseline)
+        store = self.h.monitor.conn.store_path
+        assert store is not None and os.listdir(store) == [], "store files left behind"
         assert self.h.router.proc.poll() is None, self.h.router.log_tail()
         assert not self.tally.problems, "\n".join(self.tally.problems[:20])
 
@@ -1835,6 +1968,9 @@ def test_router_state_machine_frames_and_resources() -> None:
                    "calls": {k: stats["counters"][k] for k in (
                        "callsAdmitted", "callsRefused", "callsFailed", "repliesRouted",
                        "repliesUnrouted", "cancels")},
+                   "store": {k: stats["counters"][k] for k in (
+                       "artifactsAllocated", "artifactsSealed", "artifactsCollected",
+                       "sealsRefused")},
                    "seconds": round(time.monotonic() - t0, 1)}
         print(orjson.dumps(summary).decode())
         assert frames >= FRAME_TARGET, summary
@@ -1846,6 +1982,9 @@ def test_router_state_machine_frames_and_resources() -> None:
             assert tally.closings.get(name, 0) > 0, summary
         assert counters["repliesRouted"] > 0 and counters["callsFailed"] > 0, counters
         assert counters["cancels"]["execution-unknown"] > 0, counters
+        # docs/topics.md #171: the store was exercised and everything allocated was collected
+        assert counters["artifactsSealed"] > 0, counters
+        assert counters["artifactsCollected"] == counters["artifactsAllocated"], counters
         fresh = Sock(tally, "check", None)
         fresh.wait_response(fresh.request("bus.hello", {
             "clientId": "fz-check", "clientIncarnation": f"inc-{os.urandom(4).hex()}",

@@ -40,6 +40,13 @@ SPEC_HELLO_LIMITS = {
     "maxBoundedDepth": 64,
     "maxSubscriptionWindow": 16,
     "maxQueuedTopicBytes": 67108864,
+    "maxAttachments": 16,
+    "maxArtifactBytes": 16777216,
+    "maxArtifacts": 65536,
+    "maxStoreBytes": 1073741824,
+    "maxHeldBytesPerClient": 268435456,
+    "maxHoldsPerClient": 4096,
+    "maxAllocationsPerClient": 64,
 }
 
 

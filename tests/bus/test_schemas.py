@@ -166,7 +166,6 @@ def test_contract_digest_stable(tmp_path: Path) -> None:
 def test_error_codes_fixed() -> None:
     assert ERROR_CODES == SPEC_ERROR_CODES
     assert len(set(ERROR_CODES.values())) == len(ERROR_CODES)
-    assert not set(ERROR_CODES.values()) & set(range(-32015, -32010))  # reserved (§15)
 
     error = schema("error.json")
     names = error["properties"]["data"]["properties"]["name"]["enum"]
@@ -768,8 +767,8 @@ TOPICS_DOC = Path(__file__).resolve().parents[2] / "docs" / "topics.md"
 
 
 def test_topic_and_store_examples_validate() -> None:
-    """docs/topics.md §17 test 172, the topic part: the examples of §3 (those without the
-    attachments of §6) validate, and each is a line of the page, verbatim."""
+    """docs/topics.md §17 test 172: the examples of §3 and §5 (attachments included)
+    validate, and each is a line of the page, verbatim; every such line is a fixture."""
     examples = json.loads(TOPIC_EXAMPLES.read_text(encoding="utf-8"))
     doc_lines = {json.dumps(json.loads(line), separators=(",", ":"))
                  for line in TOPICS_DOC.read_text(encoding="utf-8").splitlines()
@@ -786,7 +785,13 @@ def test_topic_and_store_examples_validate() -> None:
             assert [e.message for e in reference(name).iter_errors(instance)] == [], name
             assert validator(name)(instance) is None, (example["section"], name)
         kinds.add(example["kind"])
-    assert {f"ops/{op}.{part}.json" for op in ("bus.declare", "bus.publish", "bus.subscribe")
+    assert {f"ops/{op}.{part}.json" for op in ("bus.declare", "bus.publish", "bus.subscribe",
+                                                 "bus.allocate", "bus.seal")
             for part in ("params", "result")} <= kinds
-    assert ERROR_CODES["NO_TOPIC"] == -32010
+    assert {json.dumps(e["message"], separators=(",", ":")) for e in examples} == doc_lines
+    assert {name: ERROR_CODES[name] for name in (
+        "NO_TOPIC", "ARTIFACT_GONE", "ARTIFACT_UNSEALED", "ARTIFACT_MISMATCH", "OWNER_INVALID",
+        "STORE_FAILURE")} == {"NO_TOPIC": -32010, "ARTIFACT_GONE": -32011,
+                              "ARTIFACT_UNSEALED": -32012, "ARTIFACT_MISMATCH": -32013,
+                              "OWNER_INVALID": -32014, "STORE_FAILURE": -32015}
     assert len(set(ERROR_CODES.values())) == len(ERROR_CODES)

@@ -16,6 +16,7 @@ STATS_KEYS = {
     "expectations", "calls", "activeCalls", "queuedCalls", "dispatchedCalls", "detachedCalls",
     "repliedCalls", "replyCapabilities", "queuedCallBytes", "counters", "connectionsDetail",
     "topics", "subscriptions", "queuedMessages", "queuedTopicBytes", "messageDeliveries",  # topics
+    "store",  # docs/topics.md §10
 }
 COUNTER_KEYS = {
     "accepted", "refusedAtAccept", "helloOk", "helloRefused", "closed", "callsAdmitted",
@@ -24,17 +25,18 @@ COUNTER_KEYS = {
     "leanCalls", "leanReplies", "leanConsumed", "creditsCarried",  # §21.7
     "published", "publishRefused", "leanPublishes", "messagesDelivered", "messagesReplaced",
     "messagesDropped",  # docs/topics.md §10
+    "artifactsAllocated", "artifactsSealed", "artifactsCollected", "sealsRefused",
 }
 CANCEL_KEYS = {"cancelled-before-dispatch", "execution-unknown", "completed", "call-gone"}
 DETAIL_KEYS = {
     "connectionId", "clientId", "clientIncarnation", "pid", "uid", "gid", "ageMs", "services",
     "activeCalls", "detachedCalls", "openRequests", "controlFrames", "controlBytes", "framesIn",
-    "framesOut", "subscriptions", "messageDeliveries",
+    "framesOut", "subscriptions", "messageDeliveries", "holds", "heldBytes", "allocations",
 }
 
 
 def _check_integers(stats: dict[str, Any]) -> None:
-    for key in STATS_KEYS - {"routerId", "counters", "connectionsDetail"}:
+    for key in STATS_KEYS - {"routerId", "counters", "connectionsDetail", "store"}:
         assert type(stats[key]) is int and stats[key] >= 0, key
     counters = stats["counters"]
     for key in COUNTER_KEYS - {"cancels", "errors", "closes"}:

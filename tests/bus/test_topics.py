@@ -7,6 +7,8 @@ wrote for it before that response is everything it had to write.
 
 from __future__ import annotations
 
+import os
+import re
 from collections.abc import Awaitable
 from typing import Any
 
@@ -26,6 +28,8 @@ HELLO_LIMIT_KEYS = {
     "helloTimeoutMs",
     "maxTopics", "maxSubscribersPerTopic", "maxSubscriptionsPerClient", "maxBoundedDepth",
     "maxSubscriptionWindow", "maxQueuedTopicBytes",
+    "maxAttachments", "maxArtifactBytes", "maxArtifacts", "maxStoreBytes",
+    "maxHeldBytesPerClient", "maxHoldsPerClient", "maxAllocationsPerClient",
 }
 TOPIC_GAUGES = {"topics", "subscriptions", "queuedMessages", "queuedTopicBytes",
                 "messageDeliveries"}
@@ -106,7 +110,9 @@ async def test_hello_announces_minor_2_store_grants_and_limits(router: Any, raw:
     c = await raw(r)
     result = (await c.hello("h2"))["result"]
     assert result["major"] == 1 and result["minor"] == 2
-    assert "store" in result  # its value is the store's (docs/topics.md §5.1)
+    store = result["store"]  # docs/topics.md §5.1
+    assert re.fullmatch(r"store-[0-9a-f]{16}", store["storeId"])
+    assert store["path"] == r.store_directory() and os.stat(store["path"]).st_mode & 0o777 == 0o700
     for kind in ("publish", "subscribe", "manage"):
         assert result["grants"][kind] == ["*"]
     assert set(result["limits"]) == HELLO_LIMIT_KEYS
