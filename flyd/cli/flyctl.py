@@ -50,6 +50,13 @@ Decisions where the spec is silent:
 - `runs show` asks the holder (when the run is `running` and its owner's control service answers
   on this socket) for the run's phase (`Control.Status`) and event ring (`Control.RunEvents`);
   otherwise both are null.
+- `watch` (docs/topics.md §15) resolves the run through `Control.Watch` (without RUN: the one run
+  the nodes' `Control.Status` list), subscribes to its run topic with a latest slot of window 1
+  and prints each boundary as it reads it, flushed; the final state is the command's result
+  (exit 0 succeeded, 1 failed or cancelled). A `released` end, or the topic's removal without
+  one, resolves the run again every second; a switch of node prints `run N: now on node <id>`.
+  A run no node holds is answered from the database when terminal. A lost router ends watch
+  with its error (exit 1); it does not wait for the router to come back.
 - `runs show` of a run a plugin failed: `reason` names the plugin, the stage and the exception
   with its message (`flyd.outcome.describe`); the human lines add the plugin's last traceback
   frames, which the JSON has in `outcome`.
@@ -542,20 +549,29 @@ async def _follow(bus: _Bus, found: _Watched, as_json: bool) -> dict[str, Any] |
     """Print each boundary the latest slot gives until the run's `end` (returned), or None when
     the topic went away without one."""
     try:
-        async with asyncio.timeout(CALL_S):
-            sub = await bus.client.subscribe(found.topic, mode="latest", window=1,
-                                             retained=True)
-    except BusError:
-        return None  # removed between the answer and the subscription
-    async with sub:
-        async for msg in sub:
-            payload = msg.payload
-            kind = payload.get("kind")
-            if kind == "end":
-                return payload
-            if kind == "boundary":
-                human, data = boundary_line(payload, msg.skipped)
-                _watch_line(as_json, human, data)
+        try:
+            async with asyncio.timeout(CALL_S):
+                sub = await bus.client.subscribe(found.topic, mode="latest", window=1,
+                                                 retained=True)
+        except RouterLost:
+            raise
+        except BusError:
+            return None  # removed between the answer and the subscription
+        async with sub:
+            async for msg in sub:
+                payload = msg.payload
+                kind = payload.get("kind")
+                if kind == "end":
+                    return payload
+                if kind == "boundary":
+                    human, data = boundary_line(payload, msg.skipped)
+                    _watch_line(as_json, human, data)
+    except RouterLost as exc:
+        raise CtlError("ROUTER_LOST", f"the router on {bus.socket} was lost: "
+                                      f"{exc.message}") from None
+    except TimeoutError:
+        raise CtlError("TIMEOUT", f"bus.subscribe {found.topic}: no answer within "
+                                  f"{CALL_S:g} s") from None
     return None
 
 

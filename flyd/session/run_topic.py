@@ -75,9 +75,10 @@ class RunPublisher:
         self.run_id = run_id
         self.topic = run_topic(run_id)
         self.refused = 0
+        #: refusals by error name (NO_TOPIC, NOT_AUTHORIZED, ...)
+        self.refusals: collections.Counter[str] = collections.Counter()
         self._clock = clock
         self._stats: Stats | None = None
-        self._logged: set[str] = set()
         self._published: collections.deque[tuple[float, int]] = collections.deque()
 
     def bind(self, stats: Stats) -> None:
@@ -90,10 +91,10 @@ class RunPublisher:
 
     def _refused(self, name: str, message: str) -> None:
         self.refused += 1
+        self.refusals[name] += 1
         if self._stats is not None:
             self._stats.publications_refused += 1
-        if name not in self._logged:
-            self._logged.add(name)
+        if self.refusals[name] == 1:
             log.warning("run.publication_refused", run=self.run_id, topic=self.topic,
                         error=name, message=message)
 
