@@ -50,6 +50,13 @@ Decisions where the spec is silent:
 - `runs show` asks the holder (when the run is `running` and its owner's control service answers
   on this socket) for the run's phase (`Control.Status`) and event ring (`Control.RunEvents`);
   otherwise both are null.
+- `watch` (docs/topics.md §15) resolves the run through `Control.Watch` (without RUN: the one run
+  the nodes' `Control.Status` list), subscribes to its run topic with a latest slot of window 1
+  and prints each boundary as it reads it, flushed; the final state is the command's result
+  (exit 0 succeeded, 1 failed or cancelled). A `released` end, or the topic's removal without
+  one, resolves the run again every second; a switch of node prints `run N: now on node <id>`.
+  A run no node holds is answered from the database when terminal. A lost router ends watch
+  with its error (exit 1); it does not wait for the router to come back.
 - `runs show` of a run a plugin failed: `reason` names the plugin, the stage and the exception
   with its message (`flyd.outcome.describe`); the human lines add the plugin's last traceback
   frames, which the JSON has in `outcome`.
@@ -57,6 +64,7 @@ Decisions where the spec is silent:
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hashlib
 import os
@@ -94,6 +102,7 @@ if TYPE_CHECKING:
 __all__ = [
     "CtlError",
     "Result",
+    "boundary_line",
     "checkpoints_export",
     "checkpoints_import",
     "checkpoints_list",
@@ -111,6 +120,7 @@ __all__ = [
     "runs_submit",
     "status",
     "table",
+    "watch",
 ]
 
 EXIT_FAILED: Final = 1
@@ -120,6 +130,8 @@ EXIT_INTERRUPTED: Final = 130
 CONNECT_S: Final = 5.0
 DB_CONNECT_S: Final = 5
 CALL_S: Final = 30.0
+#: how often `flyctl watch` resolves a run that changed hands (docs/topics.md §15 rule 5)
+WATCH_RESOLVE_S: Final = 1.0
 ACTOR_PREFIX: Final = "flyctl"
 
 
@@ -447,6 +459,150 @@ async def drain(opts: CtlOptions) -> Result:
         result = await bus.call(node_id, "Control.Drain", {})
     return Result({"node": node_id, "draining": result["draining"]},
                   [f"flyctl drain: node {node_id} is draining"])
+
+
+# --------------------------------------------------------------------------------------------
+# watch (docs/topics.md §15)
+
+
+@dataclass(frozen=True)
+class _Watched:
+    """A run found on a node: its `Control.Watch` result."""
+
+    node_id: str
+    run: int
+    topic: str
+    topic_incarnation: str
+
+
+async def watch(opts: CtlOptions, run_id: int | None, as_json: bool) -> Result:
+    """Follow a run on its run topic: a line per boundary read, then its final state (exit 0
+    succeeded, 1 failed or cancelled). A `released` end, or the topic's removal without an end,
+    resolves the run again every `WATCH_RESOLVE_S` and follows whichever node holds it."""
+    config = _config(opts)
+    async with _bus(opts, config) as bus:
+        previous: str | None = None
+        while True:
+            found = await _watch_target(bus, opts, config, run_id, following=previous is not None)
+            if isinstance(found, Result):
+                return found
+            if found is None:  # between holders: the run is neither held nor terminal
+                await asyncio.sleep(WATCH_RESOLVE_S)
+                continue
+            if previous is not None and found.node_id != previous:
+                _watch_line(as_json, f"run {found.run}: now on node {found.node_id}",
+                            {"run": found.run, "node": found.node_id})
+            previous, run_id = found.node_id, found.run
+            end = await _follow(bus, found, as_json)
+            if end is not None and end["state"] != "released":
+                return _end_result(end)
+            await asyncio.sleep(WATCH_RESOLVE_S)
+
+
+async def _watch_target(bus: _Bus, opts: CtlOptions, config: Config, run_id: int | None, *,
+                        following: bool) -> _Watched | Result | None:
+    """Rule 1 of §15: the node holding the run (or the only held run), else the final line of
+    a terminal run from the database; None while `following` a run no node holds yet."""
+    nodes = await bus.nodes(opts.node)
+    if run_id is None:
+        held: list[tuple[int, str]] = []
+        for node_id in nodes:
+            status = await bus.call(node_id, "Control.Status", {})
+            held += [(int(r), node_id) for r in status["nodes"][0]["runs"]]
+        if not held:
+            raise CtlError("USAGE", "no run is held by a reachable node")
+        if len(held) > 1:
+            raise CtlError("USAGE", "several runs are held: " + ", ".join(
+                f"{run} (node {node_id})" for run, node_id in sorted(held)) + "; name one")
+        run_id = held[0][0]
+    for node_id in nodes:
+        try:
+            result = await bus.call(node_id, "Control.Watch", {"run": run_id})
+        except CtlError as exc:
+            # a node that does not hold the run, or (following) one going away meanwhile
+            if exc.code == "IDENTITY_MISMATCH" or (following and exc.code != "UNSUPPORTED"):
+                continue
+            raise
+        return _Watched(node_id, run_id, result["topic"], result["topicIncarnation"])
+    row = await _run_state(opts, config, run_id)
+    if row is not None and row["state"] in TERMINAL:
+        outcome = row["outcome"] if isinstance(row["outcome"], dict) else {}
+        return _end_result({"run": run_id, "state": row["state"],
+                            "boundary": outcome.get("boundary", row["boundary"] or 0),
+                            "error": describe(outcome) if row["state"] == "failed" else None})
+    if following and row is not None:
+        return None
+    raise CtlError("USAGE", f"run {run_id} is not held by a reachable node")
+
+
+async def _run_state(opts: CtlOptions, config: Config, run_id: int) -> dict[str, Any] | None:
+    """The run's row, or None without one (or without a database)."""
+    try:
+        dsn = resolve_dsn(opts, config)
+    except CtlError:
+        return None
+    async with _database(dsn) as conn:
+        return await queries.run_row(conn, run_id)
+
+
+async def _follow(bus: _Bus, found: _Watched, as_json: bool) -> dict[str, Any] | None:
+    """Print each boundary the latest slot gives until the run's `end` (returned), or None when
+    the topic went away without one."""
+    try:
+        try:
+            async with asyncio.timeout(CALL_S):
+                sub = await bus.client.subscribe(found.topic, mode="latest", window=1,
+                                                 retained=True)
+        except RouterLost:
+            raise
+        except BusError:
+            return None  # removed between the answer and the subscription
+        async with sub:
+            async for msg in sub:
+                payload = msg.payload
+                kind = payload.get("kind")
+                if kind == "end":
+                    return payload
+                if kind == "boundary":
+                    human, data = boundary_line(payload, msg.skipped)
+                    _watch_line(as_json, human, data)
+    except RouterLost as exc:
+        raise CtlError("ROUTER_LOST", f"the router on {bus.socket} was lost: "
+                                      f"{exc.message}") from None
+    except TimeoutError:
+        raise CtlError("TIMEOUT", f"bus.subscribe {found.topic}: no answer within "
+                                  f"{CALL_S:g} s") from None
+    return None
+
+
+def boundary_line(payload: dict[str, Any], skipped: int) -> tuple[str, dict[str, Any]]:
+    """One boundary message as `flyctl watch` prints it: the human line and the JSON object."""
+    world = payload["worldTime"]
+    seconds = int(world["numerator"]) / int(world["denominator"]) / 1e9
+    rewards = {agent: sum(r["value"] for r in given)
+               for agent, given in sorted(payload["rewards"].items())}
+    events = list(payload["eventIds"])
+    shown = " ".join(f"{agent} {value:+g}" if value else f"{agent} 0"
+                     for agent, value in rewards.items())
+    line = (f"run {payload['run']}  boundary {payload['boundary']}  t {seconds:.3f} s  "
+            f"{payload['stepsPerSecond']:.1f} steps/s  rewards {shown or '-'}  "
+            f"events {len(events)}" + (f"  (+{skipped} skipped)" if skipped else ""))
+    return line, {"run": payload["run"], "boundary": payload["boundary"], "worldTime": seconds,
+                  "stepsPerSecond": payload["stepsPerSecond"], "rewards": rewards,
+                  "events": events, "skipped": skipped}
+
+
+def _watch_line(as_json: bool, human: str, data: dict[str, Any]) -> None:
+    """A live line on stdout, flushed at once (the watcher's reader follows the run)."""
+    sys.stdout.write((orjson.dumps(data).decode() if as_json else human) + "\n")
+    sys.stdout.flush()
+
+
+def _end_result(end: dict[str, Any]) -> Result:
+    state, run, boundary, error = end["state"], end["run"], end["boundary"], end["error"]
+    line = f"run {run}  {state} at boundary {boundary}" + (f": {error}" if error else "")
+    return Result({"run": run, "state": state, "boundary": boundary, "error": error}, [line],
+                  exit_code=0 if state == "succeeded" else EXIT_FAILED)
 
 
 # --------------------------------------------------------------------------------------------

@@ -358,6 +358,18 @@ def ctl_drain_cmd(call: CtlCall) -> None:
     sys.exit(flyctl.execute("drain", call.as_json, lambda: flyctl.drain(call.options)))
 
 
+@flyctl_main.command("watch", cls=_JsonErrors)
+@click.argument("run_id", metavar="[RUN]", required=False, type=click.IntRange(min=1))
+@ctl_options(node=True)
+def ctl_watch_cmd(run_id: int | None, call: CtlCall) -> None:
+    """Follow a run live: a line per published boundary, then its final state (exit 0
+    succeeded, 1 failed or cancelled)."""
+    from flyd.cli import flyctl
+
+    sys.exit(flyctl.execute("watch", call.as_json,
+                            lambda: flyctl.watch(call.options, run_id, call.as_json)))
+
+
 @flyctl_main.group("runs")
 def ctl_runs_group() -> None:
     """The run queue."""

@@ -39,6 +39,7 @@ __all__ = [
     "MAX_GENERATION",
     "MAX_TAG",
     "MAX_WORKER_ID",
+    "RUN_TOPIC_PREFIX",
     "Role",
     "SessionNames",
     "SessionTags",
@@ -53,6 +54,7 @@ __all__ = [
     "new_node_id",
     "node_client_id",
     "parse_tag",
+    "run_topic",
     "session_client_grants",
     "worker_client_id",
     "worker_grants",
@@ -64,6 +66,7 @@ MAX_TAG: Final = 999_999
 FIRST_TAG_MAX: Final = 900_000
 MAX_GENERATION: Final = 9999
 _TAG: Final = re.compile(r"s([1-9][0-9]{0,5})")
+RUN_TOPIC_PREFIX: Final = "flyd.run."
 _NODE_NAME: Final = re.compile(r"[a-z0-9][a-z0-9-]{0,31}")
 
 
@@ -153,6 +156,11 @@ def session_client_grants(tag: str) -> dict[str, list[str]]:
     return {"register": [], "call": [f"{tag}.agent.*", f"{tag}.env.*"]}
 
 
+def run_topic(run_id: int) -> str:
+    """`flyd.run.<run>`: the topic a node declares for a run it holds (docs/topics.md §14.1)."""
+    return f"{RUN_TOPIC_PREFIX}{run_id}"
+
+
 def worker_grants(service: str) -> dict[str, list[str]]:
     """Grants of a worker: register its own service, call nothing."""
     return {"register": [service], "call": []}
@@ -189,6 +197,14 @@ class SessionNames:
 
     def client_grants(self) -> dict[str, list[str]]:
         return session_client_grants(self.tag)
+
+    def coordinator_grants(self, run_id: int | None) -> dict[str, list[str]]:
+        """The client grants, and for a node's run the right to publish on its run topic
+        (docs/topics.md §14.1 rule 3); declaring it stays with the node."""
+        grants = session_client_grants(self.tag)
+        if run_id is not None:
+            grants["publish"] = [run_topic(run_id)]
+        return grants
 
     def agent(self, agent_id: str, port_id: str, threads: int,
               generation: int = 1) -> WorkerIdentity:

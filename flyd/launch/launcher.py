@@ -93,7 +93,7 @@ from typing import Any, Final, Protocol
 
 import structlog
 
-from bus.client import BusClient, CallResult, connect
+from bus.client import BusClient, CallResult, PublishFailedHook, connect
 from bus.errors import (
     BusError,
     CallDeadlineExceeded,
@@ -288,13 +288,15 @@ def _expect_error(client_id: str, exc: BusError) -> DomainError:
 
 async def connect_expected(node: BusClient, socket: str, client_id: str, *,
                            grants: dict[str, list[str]], ttl: float = 30.0,
-                           timeout: float = 5.0) -> BusClient:  # noqa: ASYNC109
+                           timeout: float = 5.0,  # noqa: ASYNC109
+                           on_publish_failed: PublishFailedHook | None = None) -> BusClient:
     """Have the node connection expect `client_id` from this process with a fresh `inc-<hex>`
-    incarnation and `grants`, then connect it (coordinator and launcher clients, §7.2)."""
+    incarnation and `grants`, then connect it (coordinator and launcher clients, §7.2);
+    `on_publish_failed` hears its refused lean publications (the coordinator's run topic)."""
     incarnation = new_client_incarnation()
     await expect(node, client_id, os.getpid(), incarnation, grants, ttl=ttl, timeout=timeout)
     return await connect(socket, client_id=client_id, client_incarnation=incarnation,
-                         timeout=timeout)
+                         timeout=timeout, on_publish_failed=on_publish_failed)
 
 
 async def expect(node: BusClient, client_id: str, pid: int, incarnation: str,

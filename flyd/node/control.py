@@ -38,6 +38,9 @@ Decisions where the spec is silent:
 - Status: `recoveries` counts the recoveries the executor reports for the run's current grant.
 - RunEvents: the executor's checkpoint event ring of the run (oldest first, at most 256); a held
   run without a ring yet (still launching) has an empty one.
+- Watch (docs/topics.md §14.3): `run: null` picks the only held run (none → `IDENTITY_MISMATCH`,
+  several → `INVALID_ARGUMENT` naming them); a held run whose topic declare was refused, or
+  whose grant has not declared it yet, answers `UNSUPPORTED`.
 """
 
 from __future__ import annotations
@@ -80,12 +83,16 @@ MAX_EVENTS: Final = 256
 @dataclass(frozen=True)
 class RunView:
     """What the control service shows of one run the node executes: its coordinator's epoch
-    and phase (None before there is a coordinator), its boundary and its recoveries."""
+    and phase (None before there is a coordinator), its boundary and its recoveries; its run
+    topic and incarnation (None while it has none, docs/topics.md §14.1 rule 2) and the current
+    descriptor body (None before bootstrap)."""
 
     epoch: str | None
     phase: str | None
     boundary: int
     recoveries: int
+    topic: tuple[str, str] | None = None
+    descriptor: dict[str, Any] | None = None
 
 
 class NodeView(Protocol):
@@ -159,6 +166,7 @@ class ControlService:
             "Control.Kill": self.kill,
             "Control.Drain": self.drain,
             "Control.RunEvents": self.run_events,
+            "Control.Watch": self.watch,
         }
 
     async def start(self) -> None:
@@ -398,3 +406,28 @@ class ControlService:
         ring = self.node.run_events(run)
         events = [] if ring is None else [dict(e) for e in ring][-MAX_EVENTS:]
         return {"run": run, "events": events}
+
+    # ------------------------------------------------------------------ Control.Watch
+
+    async def watch(self, params: dict[str, Any]) -> dict[str, Any]:
+        """The run topic of a held run (docs/topics.md §14.3): `flyctl watch` subscribes to it."""
+        run: int | None = params["run"]
+        held = sorted(self.held())
+        if run is None:
+            if not held:
+                raise DomainError.before(ErrorCode.IDENTITY_MISMATCH,
+                                         f"node {self.node_id} holds no run")
+            if len(held) > 1:
+                raise DomainError.invalid(
+                    f"node {self.node_id} holds runs {', '.join(map(str, held))}; name one with "
+                    "run")
+            run = held[0]
+        elif run not in held:
+            raise self._not_held(run)
+        view = self.node.run_view(run)
+        if view is None or view.topic is None:
+            raise DomainError.before(ErrorCode.UNSUPPORTED,
+                                     f"run {run} has no run topic on node {self.node_id}")
+        topic, incarnation = view.topic
+        return {"run": run, "topic": topic, "topicIncarnation": incarnation,
+                "descriptor": view.descriptor}

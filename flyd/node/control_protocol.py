@@ -20,7 +20,8 @@ __all__ = ["CONTROL_PREFIX", "CONTROL_SCHEMAS", "METHODS", "control_service", "c
 
 CONTROL_PREFIX: Final = "flyd.control."
 CONTROL_SCHEMAS: Final = SCHEMA_ROOT / "control"
-METHODS: Final = ("Control.Status", "Control.Kill", "Control.Drain", "Control.RunEvents")
+METHODS: Final = ("Control.Status", "Control.Kill", "Control.Drain", "Control.RunEvents",
+                   "Control.Watch")
 
 
 def control_service(node_id: str) -> str:

@@ -54,6 +54,7 @@ from flyd.launch.spawner import Spawner
 from flyd.leases.runtime import GrantScope
 from flyd.node.grant import GrantSession, LedgerReader, RunAbandoned, RunReport, writer_config
 from flyd.session.coordinator import Deadlines
+from flyd.session.run_topic import RunPublisher
 from flyd.session.runspec import DEFAULT_MAX_AGENTS, RunSpec, RunSpecError
 from flyd.session.sample import BoundarySample, boundary_sample
 from flyd.session.trace import RecordStream
@@ -219,9 +220,12 @@ class GrantExecutor:
         self._launchers[run_id] = launcher
         return names, launcher
 
-    async def connect_coordinator(self, run_id: int, names: SessionNames) -> BusClient | None:
-        client = await connect_expected(self.node, self.socket, names.coordinator_client_id,
-                                        grants=names.client_grants())
+    async def connect_coordinator(self, run_id: int, names: SessionNames,
+                                  publisher: RunPublisher | None) -> BusClient | None:
+        client = await connect_expected(
+            self.node, self.socket, names.coordinator_client_id,
+            grants=names.coordinator_grants(run_id),
+            on_publish_failed=None if publisher is None else publisher.on_publish_failed)
         old = self._clients.get(run_id)
         self._clients[run_id] = client
         return old

@@ -76,15 +76,23 @@ from typing import Any, Final, Literal, Protocol
 
 import structlog
 
-from bus.client import BusClient
+from bus.client import BusClient, Topic
 from bus.errors import BusError
 from flyd.launch.identities import SessionNames
 from flyd.launch.launcher import ExecutionMode, LaunchedWorker, Launcher, composition_plans
 from flyd.leases.queries import LedgerFold
 from flyd.leases.runtime import GrantScope
+from flyd.outcome import describe
 from flyd.session.coordinator import Coordinator, Deadlines, DispatchOrder, History, Injections
 from flyd.session.durability import CheckpointTooLarge, Durability, TooLarge
 from flyd.session.fence import SessionFailure
+from flyd.session.run_topic import (
+    EndState,
+    RunEnd,
+    RunPublisher,
+    declare_run_topic,
+    end_run_topic,
+)
 from flyd.session.runspec import RunSpec
 from flyd.session.trace import RecordStream
 from flyd.state.cadence import Cadence
@@ -122,6 +130,9 @@ CLOSE_S: Final = 5.0
 HISTORY_ENTRIES: Final = 1024
 HISTORY_TRANSITIONS: Final = 8
 Ending = Literal["succeeded", "cancelled", "drained"]
+#: a grant's final report state as the run topic's `end` says it (anything else: `released`)
+_END_STATES: Final[dict[str | None, EndState]] = {
+    "succeeded": "succeeded", "failed": "failed", "cancelled": "cancelled"}
 
 #: the committed ledger rows up to a boundary, folded in boundary order
 LedgerReader = Callable[[int, int], Awaitable[LedgerFold]]
@@ -164,6 +175,8 @@ class RunReport:
     recoveries: list[dict[str, Any]] = field(default_factory=list)
     coordinator: Coordinator | None = None
     lost_reason: str | None = None
+    #: the run topic while the grant's session has one (docs/topics.md §14.1)
+    topic: Topic | None = None
     ended: asyncio.Event = field(default_factory=asyncio.Event)
 
     def fence(self, reason: str) -> None:
@@ -195,8 +208,15 @@ class GrantHost(Protocol):
     async def open_launcher(self, run_id: int, session_id: str) -> tuple[SessionNames, Launcher]:
         """A launcher for the run under fresh session names (a new tag)."""
 
-    async def connect_coordinator(self, run_id: int, names: SessionNames) -> BusClient | None:
-        """Connect the run's coordinator client; returns the one it replaces (to be closed)."""
+    @property
+    def node(self) -> BusClient:
+        """The node's own connection (it owns the run topics)."""
+
+    async def connect_coordinator(self, run_id: int, names: SessionNames,
+                                  publisher: RunPublisher | None) -> BusClient | None:
+        """Connect the run's coordinator client, with the right to publish on the run topic
+        and `publisher`'s refusal hook when given; returns the one it replaces (to be
+        closed)."""
 
     def coordinator_client(self, run_id: int) -> BusClient: ...
 
@@ -267,6 +287,11 @@ class GrantSession:
         self.started = time.monotonic()
         self.generation = 1
         self.fresh_launcher = False
+        #: the run topic (docs/topics.md §14.1), declared when the session starts; None leaves
+        #: the run unwatched
+        self.topic: Topic | None = None
+        self.publisher: RunPublisher | None = None
+        self.end_error: str | None = None
 
     # ------------------------------------------------------------------ helpers
 
@@ -319,7 +344,8 @@ class GrantSession:
             order=DispatchOrder.from_label(spec.dispatch), injections=self._injections(),
             epoch=epoch, history=History(entries=HISTORY_ENTRIES,
                                          transitions=HISTORY_TRANSITIONS,
-                                         horizon=self.config.pending_effects_bound() + 2))
+                                         horizon=self.config.pending_effects_bound() + 2),
+            publisher=self.publisher)
         if spec.pacing == "off" and spec.pace_s is None:
             coordinator.disable_pacing()
         self.coordinator = coordinator
@@ -353,16 +379,35 @@ class GrantSession:
         self.durability = Durability(writer, Cadence(self.config.every_steps,
                                                      self.config.every_seconds),
                                      audit=self._audit)
-        async with asyncio.TaskGroup() as tg:
-            writer_task = tg.create_task(writer.run())
-            try:
-                await self._lifecycle(head)
-            except BaseException:
-                # a lost lease cancels this task: nothing of this grant may be written any
-                # more, so the writer's current job is cancelled, not awaited (§5.5)
-                writer_task.cancel()
-                raise
-            await writer.shutdown()
+        self.topic = self.report.topic = await declare_run_topic(self.host.node, self.run_id,
+                                                                 CLOSE_S)
+        if self.topic is not None:
+            self.publisher = RunPublisher(self.run_id)
+        try:
+            async with asyncio.TaskGroup() as tg:
+                writer_task = tg.create_task(writer.run())
+                try:
+                    await self._lifecycle(head)
+                except BaseException:
+                    # a lost lease cancels this task: nothing of this grant may be written any
+                    # more, so the writer's current job is cancelled, not awaited (§5.5)
+                    writer_task.cancel()
+                    raise
+                await writer.shutdown()
+        finally:
+            await self._end_topic()
+
+    async def _end_topic(self) -> None:
+        """The run topic's `end` (§14.1 rule 4), then its removal. A grant that ends without
+        a final state (abandoned, a lost lease) is `released`: another node may go on."""
+        topic, self.topic = self.topic, None
+        self.report.topic = None
+        if topic is None:
+            return
+        ended = _END_STATES.get(self.report.state, "released")
+        await end_run_topic(topic, RunEnd(self.run_id, ended, self.report.boundary,
+                                          self.end_error if ended == "failed" else None),
+                            CLOSE_S)
 
     async def _lifecycle(self, head: CheckpointRecord | None) -> None:
         try:
@@ -408,7 +453,7 @@ class GrantSession:
             self.live_spec, ExecutionMode.from_label(self.spec.mode))
         self.report.workers = [worker_json(launched[w]) for w in self.spec.worker_ids()
                                if w in launched]
-        await self.host.connect_coordinator(self.run_id, self.names)
+        await self.host.connect_coordinator(self.run_id, self.names, self.publisher)
 
     async def _launch_failed(self, exc: DomainError | BusError) -> None:
         if isinstance(exc, DomainError):
@@ -611,7 +656,10 @@ class GrantSession:
                     await old.close()
         self.names, self.launcher = await self.host.open_launcher(self.run_id,
                                                                   self.spec.session_id)
-        previous = await self.host.connect_coordinator(self.run_id, self.names)
+        if self.topic is not None:
+            self.topic = await declare_run_topic(self.host.node, self.run_id, CLOSE_S)
+            self.report.topic = self.topic
+        previous = await self.host.connect_coordinator(self.run_id, self.names, self.publisher)
         client = self.host.coordinator_client(self.run_id)
         if previous is not None:
             with contextlib.suppress(BusError, TimeoutError):
@@ -787,6 +835,7 @@ class GrantSession:
         await self.scope.release(refund=True)
 
     async def _failed(self, outcome: dict[str, Any]) -> None:
+        self.end_error = describe(outcome)
         durability = self._durability()
         await durability.writer.shutdown()
         self.report.state = "failed"

@@ -179,9 +179,13 @@ class ControlView:
         if report is None:
             return None
         coordinator = report.coordinator
+        topic = report.topic
         return RunView(epoch=None if coordinator is None else coordinator.epoch,
                        phase=None if coordinator is None else coordinator.phase.label,
-                       boundary=report.boundary, recoveries=len(report.recoveries))
+                       boundary=report.boundary, recoveries=len(report.recoveries),
+                       topic=None if topic is None else (topic.name, topic.incarnation),
+                       descriptor=None if coordinator is None
+                       else coordinator.snapshots.descriptor)
 
     def run_events(self, run_id: int) -> Sequence[Mapping[str, Any]] | None:
         executor = self._node.executor

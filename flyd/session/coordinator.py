@@ -149,6 +149,7 @@ from flyd.session.restore import (
     prepare,
     recovered,
 )
+from flyd.session.run_topic import RunPublisher
 from flyd.session.runspec import RunSpec
 from flyd.session.slots import AgentSlot
 from flyd.session.stats import Metrics, ResolutionEnd, Stats
@@ -268,7 +269,8 @@ class Coordinator:
                  order: DispatchOrder = DispatchOrder.CONCURRENT,
                  injections: Injections | None = None, clock: Clock = SYSTEM_CLOCK,
                  state: StateContext | None = None, epoch: str = "e1",
-                 history: History | None = None) -> None:
+                 history: History | None = None,
+                 publisher: RunPublisher | None = None) -> None:
         self.spec = spec
         self.task = task
         self.executor = executor
@@ -300,6 +302,10 @@ class Coordinator:
         self.trace = TraceLog(phase_source=self._machine.phase_path, keep=bound.transitions,
                               horizon=bound.horizon)
         self.snapshots = Feed()
+        #: the run topic's publisher (a node's run); None publishes nothing beyond the feed
+        self.publisher = publisher
+        if publisher is not None:
+            publisher.bind(self.stats)
         self.injection_log: list[InjectionOutcome] = []
         self.episode_request: EpisodeRequest | None = None
         self.descriptor: EnvironmentDescriptor | None = None
@@ -834,9 +840,12 @@ class Coordinator:
     def _publish_descriptor(self) -> None:
         assert self.descriptor is not None
         self._descriptor_revision += 1
-        self.snapshots.publish_descriptor(descriptor_body(
+        body = descriptor_body(
             self.spec.session_id, self.epoch, self._descriptor_revision, self.descriptor,
-            [(a, self._slots[a]) for a in self.agent_ids], self._progress))
+            [(a, self._slots[a]) for a in self.agent_ids], self._progress)
+        self.snapshots.publish_descriptor(body)
+        if self.publisher is not None:
+            self.publisher.descriptor(self._calls.client, body)
         self.audit.add("publish:descriptor")
 
     def _publish_snapshot(self, b: int, *, observed: bool = False) -> None:
@@ -861,6 +870,13 @@ class Coordinator:
             self._snapshot_sequence, self.observation, agents, self._progress,
             tuple(self._last_event_ids)))
         self._snapshot_sequence += 1
+        if self.publisher is not None:
+            evaluation = self.last_evaluation if observed else None
+            self.publisher.boundary(
+                self._calls.client, b, self.observation.world_time,
+                {} if evaluation is None else
+                {a: evaluation.outcomes[a].rewards for a in self.agent_ids},
+                self._last_event_ids)
         self.audit.add(f"publish:{b}")
         self.stats.publications += 1
 

@@ -6,8 +6,9 @@ shared by reference, keeps them one set of figures.
 
 - `ResolutionEnd`: how the last resolution ended (`Answered`, `BudgetExpired`,
   `AttemptsExhausted`).
-- `Stats`: advances, publications, prepares, commits, resolutions, `IN_PROGRESS` replies seen
-  while resolving, and the last resolution's end and attempts; `to_json` is camelCase.
+- `Stats`: advances, publications (and run-topic publications refused), prepares, commits,
+  resolutions, `IN_PROGRESS` replies seen while resolving, and the last resolution's end and
+  attempts; `to_json` is camelCase.
 - `Metrics`: latency samples in µs per name (a method, or `step`) and the pacing lag.
   `Metrics(window=n)` keeps the newest n samples per name (a long run's node): `count` and
   `max` still cover every sample, the percentiles the window; without a window, all.
@@ -35,6 +36,8 @@ class ResolutionEnd(StrEnum):
 class Stats:
     advances: int = 0
     publications: int = 0
+    #: run-topic publications the router refused (docs/topics.md §14.1 rule 3)
+    publications_refused: int = 0
     prepares: int = 0
     commits: int = 0
     resolutions: int = 0
@@ -44,6 +47,7 @@ class Stats:
 
     def to_json(self) -> dict[str, Any]:
         return {"advances": self.advances, "publications": self.publications,
+                "publicationsRefused": self.publications_refused,
                 "prepares": self.prepares, "commits": self.commits,
                 "resolutions": self.resolutions, "inProgressReplies": self.in_progress_replies,
                 "lastResolution": None if self.last_resolution is None

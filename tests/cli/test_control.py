@@ -1,4 +1,5 @@
-"""The node's control service (cli.md §8, §11 #18–#20).
+"""The node's control service (cli.md §8, §11 #18–#20; `Control.Watch`: docs/topics.md §14.3,
+test 187).
 
 `test_checkpoint_commands_print_json` stores its generation through the checkpoint store's own
 commit path (the node does not take checkpoints yet).
@@ -109,6 +110,10 @@ async def test_the_control_service_is_closed_to_other_clients(site: Site) -> Non
             assert control_validator("Control.RunEvents", "result")(outcome["result"]) is None
             assert {e["run"] for e in events} == {run}
             seen.add("Control.RunEvents")
+            outcome = await call(41, "Control.Watch", {"run": run})
+            assert outcome["type"] == "result", outcome
+            assert outcome["result"]["topic"] == f"flyd.run.{run}"
+            seen.add("Control.Watch")
             refusals = [
                 ("Control.Kill", {"run": 7, "workerId": "fly-a", "signal": "KILL"},
                  "IDENTITY_MISMATCH", f"run 7 is not held by node {node_id}"),
@@ -135,6 +140,67 @@ async def test_the_control_service_is_closed_to_other_clients(site: Site) -> Non
             seen.add("Control.Drain")
             assert seen == set(METHODS)
         assert await asyncio.to_thread(site.procs[0].wait, 60) == 0
+    finally:
+        await router.stop()
+
+
+async def test_control_watch(site: Site) -> None:
+    router = Router(RouterConfig(socket_path=site.socket, policy=Policy.default(None)))
+    await router.start()
+    try:
+        await asyncio.to_thread(serve, site, "n1", "--no-router", "--capacity", "3")
+        async with connect(site.socket, client_id="ctl-1-0a1b2c3d") as ctl:
+            (svc,) = await ctl.services("flyd.control.")
+            node_id = svc["name"].removeprefix("flyd.control.")
+            serials = iter(range(1, 100))
+
+            async def watch(run: int | None) -> dict[str, Any]:
+                answer = await ctl.call(svc["name"], "Control.Watch",
+                                        _call_payload(next(serials), {"run": run}), timeout=30)
+                outcome: dict[str, Any] = answer.outcome
+                return outcome
+
+            none = await watch(None)
+            assert none["error"]["code"] == "IDENTITY_MISMATCH", none
+            first = await asyncio.to_thread(submit, site, "--steps", "6000", "--pace",
+                                            "--mode", "in-process")
+            await asyncio.to_thread(wait_state, site, first, {"running"})
+            deadline = time.monotonic() + 30
+            outcome = await watch(first)
+            while outcome["result"]["descriptor"] is None and time.monotonic() < deadline:
+                await asyncio.sleep(0.1)
+                outcome = await watch(first)
+            result = outcome["result"]
+            assert control_validator("Control.Watch", "result")(result) is None
+            assert result["run"] == first and result["topic"] == f"flyd.run.{first}"
+            (listed,) = await ctl.topics(f"flyd.run.{first}")
+            assert result["topicIncarnation"] == listed["topicIncarnation"]
+            assert listed["owner"]["clientId"] == f"node.{node_id}"
+            assert result["descriptor"]["sessionId"] and result["descriptor"]["agents"]
+            only = (await watch(None))["result"]
+            assert (only["run"], only["topicIncarnation"]) == (first, result["topicIncarnation"])
+            missing = await watch(first + 100)
+            assert missing["error"]["code"] == "IDENTITY_MISMATCH"
+            assert missing["error"]["message"] == (f"run {first + 100} is not held by node "
+                                                   f"{node_id}")
+            # another node connection holds the next run's topic name: that run is unwatched
+            async with connect(site.socket, client_id="node.test-000000000000") as rival:
+                await rival.declare(f"flyd.run.{first + 1}")
+                second = await asyncio.to_thread(submit, site, "--steps", "6000", "--pace",
+                                                 "--mode", "in-process")
+                assert second == first + 1
+                await asyncio.to_thread(wait_state, site, second, {"running"})
+                unwatched = await watch(second)
+                assert unwatched["error"]["code"] == "UNSUPPORTED", unwatched
+                both = await watch(None)
+            assert both["error"]["code"] == "INVALID_ARGUMENT"
+            assert f"{first}, {second}" in both["error"]["message"]
+            for run in (first, second):
+                ran = await asyncio.to_thread(flyctl, site, "runs", "cancel", str(run),
+                                              socket=False)
+                assert ran.code == 0
+            for run in (first, second):
+                await asyncio.to_thread(wait_state, site, run, {"cancelled"})
     finally:
         await router.stop()
 

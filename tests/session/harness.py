@@ -9,8 +9,11 @@ participants in any execution mode, and a coordinator, wired as a node wires the
 `mode` (default in-process), `order`, `faults` per worker, `thread_budget`, `health`,
 `deadlines`, `injections`, `pacing`, `terminal`, `agents` (to change the composition),
 `composition` (a run spec whose agents, world, task and executor replace the synthetic ones: a
-plugin composition) and `router` (`"test"`: in the test process; `"process"`: a child
-`python -m flyd router` with the default closed policy, stopped by SIGTERM).
+plugin composition), `router` (`"test"`: in the test process; `"process"`: a child
+`python -m flyd router` with the default closed policy, stopped by SIGTERM) and `run_id` (the
+harness then plays the node's part of the run topic, docs/topics.md §14.1: its node connection
+declares `flyd.run.<run_id>` as `h.topic`, and the coordinator publishes through `h.publisher`
+with the node's coordinator grants).
 `harness.router.shutdown()` stops either. Every helper works in every mode: `status_of` and
 `progress_of` ask `Worker.Status` over the bus through the launcher; `kill(id)` is
 `launcher.kill` and is bound as the coordinator's `kill` injection.
@@ -30,7 +33,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
-from bus.client import BusClient, connect
+from bus.client import BusClient, Topic, connect
 from bus.policy import Policy
 from bus.router import Router, RouterConfig
 from flyd.launch.budget import ThreadBudget
@@ -47,6 +50,7 @@ from flyd.launch.launcher import (
 )
 from flyd.node.router_child import router_answers
 from flyd.session.coordinator import Coordinator, Deadlines, DispatchOrder, Injections, StepReport
+from flyd.session.run_topic import RunPublisher
 from flyd.session.runspec import AgentSpec, RunSpec, TaskSpec
 from workers.domain import DomainError
 from workers.faults import Faults
@@ -75,6 +79,7 @@ class Fixture:
     epoch: str = "e1"
     router: str = "test"
     composition: RunSpec | None = None
+    run_id: int | None = None
 
     def spec(self) -> RunSpec:
         if self.composition is not None:
@@ -157,6 +162,8 @@ class SessionHarness:
         self._coordinator: Coordinator | None = None
         self.workers: dict[str, LaunchedWorker] = {}
         self.task: CounterTask | None = None
+        self.publisher = None if fixture.run_id is None else RunPublisher(fixture.run_id)
+        self.topic: Topic | None = None
 
     @classmethod
     @asynccontextmanager
@@ -192,9 +199,13 @@ class SessionHarness:
             self.workers = await self.launcher.launch_composition(self.spec, fixture.mode)
         except DomainError as exc:
             raise start_error(exc) from None
+        publisher = self.publisher
+        if publisher is not None:
+            self.topic = await self.node.declare(publisher.topic, retain=True, max_bounded=0)
         self.coordinator_client = await connect_expected(
             self.node, self.socket, self.names.coordinator_client_id,
-            grants=self.names.client_grants())
+            grants=self.names.coordinator_grants(fixture.run_id),
+            on_publish_failed=None if publisher is None else publisher.on_publish_failed)
         self._coordinator = self.new_coordinator()
 
     def new_coordinator(self, epoch: str | None = None) -> Coordinator:
@@ -219,7 +230,7 @@ class SessionHarness:
         coordinator = Coordinator(
             self.spec, self.coordinator_client, self.refs(), task=self.task,
             executor=executor, deadlines=fixture.deadlines, order=fixture.order,
-            injections=injections, epoch=epoch)
+            injections=injections, epoch=epoch, publisher=self.publisher)
         if fixture.pacing == "off":
             coordinator.disable_pacing()
         return coordinator
