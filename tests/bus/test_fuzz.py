@@ -1515,10 +1515,20 @@ class RouterProcess:
             stderr=self.log)
         self.ps = psutil.Process(self.proc.pid)
         deadline = time.monotonic() + 15
-        while not os.path.exists(self.path):
+        while not self._accepts():  # the socket file exists between bind and listen too
             assert self.proc.poll() is None, self.log_tail()
-            assert time.monotonic() < deadline, "the router did not create its socket"
+            assert time.monotonic() < deadline, "the router did not accept on its socket"
             time.sleep(0.02)
+
+    def _accepts(self) -> bool:
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            probe.connect(self.path)
+        except OSError:
+            return False
+        finally:
+            probe.close()
+        return True
 
     def log_tail(self) -> str:
         self.log.flush()
