@@ -55,8 +55,9 @@ Decisions where the spec is silent:
   and prints each boundary as it reads it, flushed; the final state is the command's result
   (exit 0 succeeded, 1 failed or cancelled). A `released` end, or the topic's removal without
   one, resolves the run again every second; a switch of node prints `run N: now on node <id>`.
-  A run no node holds is answered from the database when terminal. A lost router ends watch
-  with its error (exit 1); it does not wait for the router to come back.
+  A run no node holds is answered from the database when terminal. A router lost while
+  following is waited for (reconnecting every second, at most `WATCH_ROUTER_S`), then the run
+  is resolved anew.
 - `runs show` of a run a plugin failed: `reason` names the plugin, the stage and the exception
   with its message (`flyd.outcome.describe`); the human lines add the plugin's last traceback
   frames, which the JSON has in `outcome`.
@@ -132,6 +133,8 @@ DB_CONNECT_S: Final = 5
 CALL_S: Final = 30.0
 #: how often `flyctl watch` resolves a run that changed hands (docs/topics.md §15 rule 5)
 WATCH_RESOLVE_S: Final = 1.0
+#: how long `flyctl watch` waits for a lost router to come back before it gives up
+WATCH_ROUTER_S: Final = 60.0
 ACTOR_PREFIX: Final = "flyctl"
 
 
@@ -480,22 +483,36 @@ async def watch(opts: CtlOptions, run_id: int | None, as_json: bool) -> Result:
     succeeded, 1 failed or cancelled). A `released` end, or the topic's removal without an end,
     resolves the run again every `WATCH_RESOLVE_S` and follows whichever node holds it."""
     config = _config(opts)
-    async with _bus(opts, config) as bus:
-        previous: str | None = None
-        while True:
-            found = await _watch_target(bus, opts, config, run_id, following=previous is not None)
-            if isinstance(found, Result):
-                return found
-            if found is None:  # between holders: the run is neither held nor terminal
-                await asyncio.sleep(WATCH_RESOLVE_S)
-                continue
-            if previous is not None and found.node_id != previous:
-                _watch_line(as_json, f"run {found.run}: now on node {found.node_id}",
-                            {"run": found.run, "node": found.node_id})
-            previous, run_id = found.node_id, found.run
-            end = await _follow(bus, found, as_json)
-            if end is not None and end["state"] != "released":
-                return _end_result(end)
+    loop = asyncio.get_running_loop()
+    previous: str | None = None
+    lost_at: float | None = None
+    while True:
+        try:
+            async with _bus(opts, config) as bus:
+                lost_at = None
+                while True:
+                    found = await _watch_target(bus, opts, config, run_id,
+                                                following=previous is not None)
+                    if isinstance(found, Result):
+                        return found
+                    if found is None:  # between holders: neither held nor terminal
+                        await asyncio.sleep(WATCH_RESOLVE_S)
+                        continue
+                    if previous is not None and found.node_id != previous:
+                        _watch_line(as_json, f"run {found.run}: now on node {found.node_id}",
+                                    {"run": found.run, "node": found.node_id})
+                    previous, run_id = found.node_id, found.run
+                    end = await _follow(bus, found, as_json)
+                    if end is not None and end["state"] != "released":
+                        return _end_result(end)
+                    await asyncio.sleep(WATCH_RESOLVE_S)
+        except CtlError as exc:
+            # the router went away while following: wait for it (bounded), then resolve anew
+            if previous is None or exc.code not in ("ROUTER_LOST", "CONFIG"):
+                raise
+            lost_at = loop.time() if lost_at is None else lost_at
+            if loop.time() - lost_at > WATCH_ROUTER_S:
+                raise
             await asyncio.sleep(WATCH_RESOLVE_S)
 
 
@@ -503,7 +520,10 @@ async def _watch_target(bus: _Bus, opts: CtlOptions, config: Config, run_id: int
                         following: bool) -> _Watched | Result | None:
     """Rule 1 of §15: the node holding the run (or the only held run), else the final line of
     a terminal run from the database; None while `following` a run no node holds yet."""
-    nodes = await bus.nodes(opts.node)
+    try:
+        nodes = await bus.nodes(opts.node)
+    except BusError as exc:
+        raise CtlError(exc.name, f"bus.services: {exc.message}") from None
     if run_id is None:
         held: list[tuple[int, str]] = []
         for node_id in nodes:
@@ -519,8 +539,11 @@ async def _watch_target(bus: _Bus, opts: CtlOptions, config: Config, run_id: int
         try:
             result = await bus.call(node_id, "Control.Watch", {"run": run_id})
         except CtlError as exc:
-            # a node that does not hold the run, or (following) one going away meanwhile
-            if exc.code == "IDENTITY_MISMATCH" or (following and exc.code != "UNSUPPORTED"):
+            # a node that does not hold the run, or (following) one going away or coming
+            # back meanwhile; a lost router is the caller's
+            if exc.code == "ROUTER_LOST":
+                raise
+            if exc.code == "IDENTITY_MISMATCH" or following:
                 continue
             raise
         return _Watched(node_id, run_id, result["topic"], result["topicIncarnation"])

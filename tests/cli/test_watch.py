@@ -11,6 +11,7 @@ run's steps/s is printed for the record.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import subprocess
@@ -21,10 +22,12 @@ import orjson
 import pytest
 
 from bus.client import connect
+from bus.errors import BusError
 from bus.policy import Policy
 from bus.router import Router, RouterConfig
 from tests.cli.test_flyctl_runs import FLYCTL, ROOT, Site, flyctl, serve, submit, wait_state
 from tests.cli.test_flyctl_runs import site as site
+from tests.serve_nodes import commands_under
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -192,3 +195,36 @@ async def test_watch_follows_a_run_across_nodes(site: Site) -> None:
     assert len(switched) == 1, lines
     assert lines[-1] == f"run {run}  succeeded at boundary 900"
 
+
+
+async def _run_topic_back(socket: str, run: int) -> dict[str, Any]:
+    """The run topic, once the node declared it again on its restarted router."""
+    async with asyncio.timeout(30):
+        while True:
+            with contextlib.suppress(OSError, BusError):
+                async with connect(socket, client_id=f"ctl-{os.getpid()}-0000cafe") as probe:
+                    listed = await probe.topics(f"flyd.run.{run}")
+                    if listed:
+                        return listed[0]
+            await asyncio.sleep(0.2)
+
+
+def test_watch_outlives_a_router_restart(site: Site) -> None:
+    """§15 rule 5 (with 191): the node's router is SIGKILLed mid-run; the node restarts it and
+    declares the run topic again, and watch reconnects, resolves the run anew and ends with
+    its final state."""
+    serve(site, "n1")
+    run = running(site, "--steps", "900", "--pace", "--mode", "in-process")
+    proc = watcher(site, str(run))
+    assert proc.stdout is not None
+    first = orjson.loads(proc.stdout.readline())
+    (router,) = [p for p, cmd in commands_under(site.socket)
+                 if "flyd" in cmd and " router " in f" {cmd} "]
+    router.kill()
+    redeclared = asyncio.run(_run_topic_back(site.socket, run))
+    code, lines, err = finish(proc)
+    assert code == 0, (lines, err)
+    *boundaries, end = objects(lines)
+    assert end == {"run": run, "state": "succeeded", "boundary": 900, "error": None}
+    assert boundaries and boundaries[-1]["boundary"] > first["boundary"]
+    assert redeclared["owner"]["clientId"].startswith("node.n1-")
