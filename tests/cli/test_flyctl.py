@@ -20,9 +20,14 @@ from tests.cli.test_flyctl_runs import site as site
 pytestmark = pytest.mark.timeout(120)
 
 
+# 20 s of world time: two kills, their recoveries and a few flyctl processes fit with room to
+# spare on a loaded two-core machine (10 s did not always).
+PACED_STEPS = "1200"
+
+
 def paced_run(s: Site, log: str) -> Any:
-    """`flyd run --pace --steps 600` on the site's socket (10 s of world time)."""
-    return start_process(s, [sys.executable, "-m", "flyd", "run", "--pace", "--steps", "600",
+    """`flyd run --pace --steps PACED_STEPS` on the site's socket."""
+    return start_process(s, [sys.executable, "-m", "flyd", "run", "--pace", "--steps", PACED_STEPS,
                              "--json", "--socket", s.socket], log)
 
 
@@ -58,8 +63,8 @@ def _recovered(s: Site, count: int, timeout: float = 60) -> dict[str, Any]:
 
 
 def clean_digest(s: Site) -> str:
-    """The behaviour digest of the same 600 steps without faults (thread mode, unpaced)."""
-    out = subprocess.run([sys.executable, "-m", "flyd", "run", "--steps", "600", "--mode",
+    """The behaviour digest of the same steps without faults (thread mode, unpaced)."""
+    out = subprocess.run([sys.executable, "-m", "flyd", "run", "--steps", PACED_STEPS, "--mode",
                           "thread", "--json", "--socket", s.socket], cwd=ROOT, env=s.env(),
                          capture_output=True, timeout=120, check=False)
     assert out.returncode == 0, out.stderr
