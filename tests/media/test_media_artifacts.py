@@ -1,0 +1,240 @@
+"""Media by reference (docs/topics.md §14.2; conformance tests 177–186).
+
+Views and audio chunks above `[session] media_inline_max_bytes` travel as sealed artifacts of
+the router's store attached to the world's reply, and from the coordinator to the agents as
+attachments of their `Agent.Commit`/`Agent.Initialize` requests. The tests watch the
+coordinator's own SDK calls (the only party that sees both sides), the router's stats and the
+store directory, and compare behaviour records with the same run kept inline.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import pytest
+
+from bus.client import BusClient, CallResult
+from bus.limits import Limits
+from bus.store import StoreSettings
+from flyd.launch.launcher import ExecutionMode
+from flyd.session.fence import SessionFailure
+from flyd.session.runspec import AgentSpec, RunSpec, WorldSpec
+from tests.session.harness import Fixture, SessionHarness, within
+from workers.artifacts import MediaSink
+from workers.canonical import digest_of
+from workers.datatypes import ArtifactBlob, MediaValue, WorldObservation
+from workers.environment import EnvironmentEndpoint
+from workers.launch import MAX_MEDIA_INLINE_MAX_BYTES, WorkerLaunch
+from workers.roles import endpoint_for
+from workers.shell import Endpoint, EndpointFactory
+
+LARGE = {"width": 256, "height": 256}
+VIEW_BYTES = 256 * 256 * 4
+
+
+def large_spec(agents: int = 2) -> RunSpec:
+    """The synthetic composition with 256×256 views and `agents` agents."""
+    base = RunSpec()
+    team = tuple(AgentSpec(agent_id=f"fly-{i}", port_id=f"p{i}", seed=i + 1)
+                 for i in range(agents))
+    return replace(base, agents=team, world=WorldSpec(config=LARGE))
+
+
+def behaviour_digest(h: SessionHarness) -> str:
+    """The digest of every behaviour record of the run (what `behaviourDigest` folds)."""
+    return digest_of([t.behaviour for t in h.coordinator.trace.transitions])
+
+
+@dataclass
+class Wire:
+    """The coordinator's calls as its SDK made them: method, payload, attachment ids sent, and
+    the result (with the attachments it carried)."""
+
+    calls: list[tuple[str, dict[str, Any], tuple[str, ...], CallResult]] = \
+        field(default_factory=list)
+
+    def watch(self, client: BusClient) -> None:
+        original = client.call
+
+        async def call(target: str, method: str, payload: dict[str, Any], **kw: Any,
+                       ) -> CallResult:
+            result = await original(target, method, payload, **kw)
+            sent = tuple(a if isinstance(a, str) else a.artifact_id
+                         for a in kw.get("attachments", ()))
+            self.calls.append((method, payload, sent, result))
+            return result
+
+        client.call = call  # type: ignore[method-assign]
+
+    def of(self, method: str) -> list[tuple[dict[str, Any], tuple[str, ...], CallResult]]:
+        return [(p, s, r) for m, p, s, r in self.calls if m == method]
+
+
+async def store_of(h: SessionHarness) -> dict[str, Any]:
+    """The router's store gauges (empty when it has no store) and counters."""
+    stats = await h.node.stats()
+    return {**(stats["store"] or {}), "counters": stats["counters"]}
+
+
+def store_entries(h: SessionHarness) -> list[str]:
+    """The store directory's entries (none without a store)."""
+    if h.node.store is None:
+        return []
+    return sorted(os.listdir(h.node.store["path"]))
+
+
+async def run_large(fixture: Fixture, steps: int, wire: Wire | None = None,
+                    ) -> tuple[str, dict[str, Any], dict[str, Any], list[str]]:
+    """(behaviour digest, store before, store after the session closed, store entries after)
+    of a run of `steps` steps."""
+    async with SessionHarness.start(fixture) as h:
+        before = await store_of(h)
+        if wire is not None:
+            assert h.coordinator_client is not None
+            wire.watch(h.coordinator_client)
+        await h.bootstrap()
+        await h.run(steps)
+        digest = behaviour_digest(h)
+        await within(h.close())
+        after = await store_of(h)
+        return digest, before, after, store_entries(h)
+
+
+def view_blobs(result: dict[str, Any]) -> list[dict[str, Any]]:
+    return [v["pixels"] for v in result["observation"]["sensoryViews"]]
+
+
+@pytest.mark.timeout(240)
+async def test_large_views_travel_as_artifacts() -> None:
+    wire = Wire()
+    fixture = Fixture(mode=ExecutionMode.PROCESS, composition=large_spec(4))
+    digest, before, after, entries = await run_large(fixture, 20, wire)
+
+    advances = wire.of("Environment.Advance")
+    assert len(advances) == 20
+    for _payload, _sent, result in advances:
+        attached = {a.artifact_id: a for a in result.attachments}
+        blobs = view_blobs(result.outcome["result"])
+        assert blobs and all("artifactId" in b and "data" not in b for b in blobs)
+        for blob in blobs:
+            att = attached[blob["artifactId"]]
+            assert (att.length, att.digest) == (int(blob["byteLength"]), blob["digest"])
+            assert att.length == VIEW_BYTES
+    commits = wire.of("Agent.Commit")
+    assert len(commits) == 20 * 4
+    for payload, sent, _result in commits:
+        views = payload["params"]["nextInput"]["views"]
+        assert sorted(sent) == sorted(v["pixels"]["artifactId"] for v in views)
+    # the inline run of the same composition behaves identically
+    inline = replace(fixture, media_inline_max_bytes=MAX_MEDIA_INLINE_MAX_BYTES)
+    inline_digest, *_ = await run_large(inline, 20)
+    assert digest == inline_digest
+    # nothing of the run is left in the store
+    assert after["counters"]["artifactsAllocated"] > before["counters"]["artifactsAllocated"]
+    assert (after["bytes"], after["artifacts"]) == (before["bytes"], before["artifacts"])
+    assert entries == []
+
+
+@pytest.mark.timeout(120)
+async def test_small_media_stays_inline() -> None:
+    wire = Wire()
+    fixture = Fixture()
+    digest, before, after, entries = await run_large(fixture, 10, wire)
+    assert after["counters"]["artifactsAllocated"] == before["counters"]["artifactsAllocated"]
+    for _payload, _sent, result in wire.of("Environment.Advance"):
+        assert result.attachments == ()
+        assert all("data" in b and "artifactId" not in b
+                   for b in view_blobs(result.outcome["result"]))
+    assert all(sent == () for _m, _p, sent, _r in wire.calls)
+    inline_digest, *_ = await run_large(
+        replace(fixture, media_inline_max_bytes=MAX_MEDIA_INLINE_MAX_BYTES), 10)
+    assert digest == inline_digest
+    assert entries == []
+
+
+Tamper = Callable[[ArtifactBlob], MediaValue]
+
+
+class TamperingHarness(SessionHarness):
+    """A harness whose world alters the by-reference blobs of one boundary after sealing."""
+
+    tamper: Tamper
+    at_boundary: int
+
+    def endpoint_factory(self) -> EndpointFactory:
+        return self.factory
+
+    def factory(self, launch: WorkerLaunch) -> Endpoint:
+        endpoint = endpoint_for(launch)
+        if isinstance(endpoint, EnvironmentEndpoint):
+            endpoint.media = TamperingSink(endpoint.media.threshold, self.tamper,
+                                           self.at_boundary)
+        return endpoint
+
+
+class TamperingSink(MediaSink):
+    def __init__(self, threshold: int, tamper: Tamper, at_boundary: int) -> None:
+        super().__init__(threshold)
+        self._tamper = tamper
+        self._at = at_boundary
+
+    async def seal(self, observation: WorldObservation) -> tuple[WorldObservation, Any]:
+        sealed, attachments = await super().seal(observation)
+        if sealed.boundary != self._at:
+            return sealed, attachments
+        views = tuple(replace(v, pixels=self._tamper(v.pixels))
+                      if isinstance(v.pixels, ArtifactBlob) else v
+                      for v in sealed.sensory_views)
+        return replace(sealed, sensory_views=views), attachments
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("case", ["unattached", "digest", "length"])
+async def test_a_reference_must_match_its_attachment(case: str) -> None:
+    tampers: dict[str, Tamper] = {
+        "unattached": lambda b: replace(b, artifact_id="art-9007199254740991"),
+        "digest": lambda b: replace(b, digest=hashlib.sha256(b"other").hexdigest()),
+        "length": lambda b: replace(b, byte_length=b.byte_length - 4),
+    }
+    fixture = Fixture(composition=large_spec(2))
+    TamperingHarness.tamper = staticmethod(tampers[case])  # type: ignore[assignment]
+    TamperingHarness.at_boundary = 2
+    async with TamperingHarness.start(fixture) as h:
+        before = await store_of(h)
+        await h.bootstrap()
+        await h.run(1)
+        with pytest.raises(SessionFailure) as caught:
+            await h.run(1)
+        failure = caught.value
+        assert (failure.code, failure.mutation) == ("BUFFER_INVALID", "unknown")
+        assert "view arena" in failure.error.message
+        await within(h.close())
+        after = await store_of(h)
+        assert (after["bytes"], after["artifacts"]) == (before["bytes"], before["artifacts"])
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("case", ["store-disabled", "held-bytes"])
+async def test_media_fall_back_to_inline(case: str) -> None:
+    spec = large_spec(2)
+    if case == "store-disabled":
+        fixture = Fixture(mode=ExecutionMode.THREAD, composition=spec,
+                          router_store=StoreSettings(enabled=False))
+    else:
+        fixture = Fixture(mode=ExecutionMode.THREAD, composition=spec,
+                          router_limits=Limits(maxArtifactBytes=VIEW_BYTES,
+                                               maxHeldBytesPerClient=VIEW_BYTES))
+    wire = Wire()
+    digest, _before, after, entries = await run_large(fixture, 10, wire)
+    for _payload, _sent, result in wire.of("Environment.Advance"):
+        assert result.attachments == ()
+        assert all("data" in b for b in view_blobs(result.outcome["result"]))
+    assert after["counters"]["artifactsAllocated"] == 0
+    assert entries == []
+    reference = replace(fixture, router_store=StoreSettings(), router_limits=Limits())
+    ref_digest, *_ = await run_large(reference, 10)
+    assert digest == ref_digest
