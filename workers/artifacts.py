@@ -47,6 +47,7 @@ from workers.datatypes import (
 
 __all__ = [
     "MediaSink",
+    "any_by_reference",
     "open_attached",
     "referenced_artifacts",
 ]
@@ -158,6 +159,13 @@ class MediaSink:
         if key not in self._logged:
             self._logged.add(key)
             log.warning("media.inline_fallback", reason=reason)
+
+
+def any_by_reference(observation: WorldObservation) -> bool:
+    """Whether some view or chunk of the observation travels by reference (the others are
+    then at most the threshold each)."""
+    return any(isinstance(v.pixels, ArtifactBlob) for v in observation.sensory_views) or \
+        any(isinstance(a.samples, ArtifactBlob) for a in observation.audio)
 
 
 def referenced_artifacts(views: Iterable[ViewRef], audio: Iterable[AudioRef] = ()) -> list[str]:

@@ -162,7 +162,7 @@ from flyd.state.writer import (
     SaveTicket,
     audit_line,
 )
-from workers.artifacts import open_attached, referenced_artifacts
+from workers.artifacts import any_by_reference, open_attached, referenced_artifacts
 from workers.canonical import controls_digest, typed_digest
 from workers.datatypes import (
     EnvironmentDescriptor,
@@ -885,18 +885,23 @@ class Coordinator:
             (agent_id, slot.telemetry, slot.last_decision if fresh else None,
              slot.last_controls if fresh else None)
             for agent_id, slot in ((a, self._slots[a]) for a in self.agent_ids)]
-        self.snapshots.publish_snapshot_on_read(functools.partial(
+        body = functools.partial(
             snapshot_body, self._descriptor_revision, self._scope(b), self.spec.episode_id,
             self._snapshot_sequence, self.observation, agents, self._progress,
-            tuple(self._last_event_ids)))
+            tuple(self._last_event_ids))
+        self.snapshots.publish_snapshot_on_read(body)
         self._snapshot_sequence += 1
         if self.publisher is not None:
             evaluation = self.last_evaluation if observed else None
+            # the snapshot rides along only when large media are by reference (run_topic)
+            by_reference = any_by_reference(self.observation)
             self.publisher.boundary(
                 self._calls.client, b, self.observation.world_time,
                 {} if evaluation is None else
                 {a: evaluation.outcomes[a].rewards for a in self.agent_ids},
-                self._last_event_ids)
+                self._last_event_ids, body() if by_reference else None,
+                referenced_artifacts(self.observation.sensory_views, self.observation.audio)
+                if by_reference else ())
         self.audit.add(f"publish:{b}")
         self.stats.publications += 1
 

@@ -9,24 +9,28 @@ store directory, and compare behaviour records with the same run kept inline.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import hashlib
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 import orjson
 import pytest
 
-from bus.client import BusClient, CallResult
+from bus.client import BusClient, CallResult, connect
 from bus.limits import Limits
 from bus.store import StoreSettings
 from flyd.launch.launcher import ExecutionMode
 from flyd.session.fence import SessionFailure
+from flyd.session.run_topic import RunEnd, end_run_topic
 from flyd.session.runspec import AgentSpec, RunSpec, WorldSpec
 from flyd.session.trace import EpochRebase, compare
 from flyd.state.envelope import decode
+from tests.media.test_media import Recorder
 from tests.session.harness import Fixture, SessionHarness, within
 from tests.state.conftest import RunCtx
 from tests.state.state_harness import StateHarness
@@ -285,3 +289,111 @@ async def test_checkpoints_carry_the_bytes(claimed_run: RunCtx) -> None:
         await s.h.run(2)
         resumed = list(c.trace.transitions)
     assert compare(resumed, reference[2:], EpochRebase("e2", "e1", c.task)) is None
+
+
+RUN = 7
+
+
+def ctl_id() -> str:
+    return f"ctl-{os.getpid()}-{os.urandom(4).hex()}"
+
+
+class SensingHarness(SessionHarness):
+    """A harness whose agents' models log every view they are given (`recorder.sensed`)."""
+
+    recorder = Recorder()
+
+    def endpoint_factory(self) -> EndpointFactory:
+        return self.recorder.factory
+
+
+def declared_digests(wire: Wire) -> dict[int, str]:
+    """The digest the world declared for its view, by produced step."""
+    out: dict[int, str] = {}
+    for method in ("Environment.Initialize", "Environment.Advance"):
+        for _payload, _sent, result in wire.of(method):
+            for view in result.outcome["result"]["observation"]["sensoryViews"]:
+                out[int(view["producedStep"])] = view["pixels"]["digest"]
+    return out
+
+
+@pytest.mark.timeout(180)
+async def test_spectators_cannot_corrupt_sensory_state() -> None:
+    SensingHarness.recorder = Recorder()
+    fixture = Fixture(mode=ExecutionMode.THREAD, composition=large_spec(2), run_id=RUN)
+    wire = Wire()
+    seen: list[tuple[str, str]] = []
+    refused_writes = 0
+    async with SensingHarness.start(fixture) as h:
+        assert h.topic is not None and h.coordinator_client is not None
+        wire.watch(h.coordinator_client)
+        async with connect(h.socket, client_id=ctl_id()) as ctl:
+            assert ctl.store is not None
+            sub = await ctl.subscribe(h.topic.name, mode="latest", window=1)
+
+            async def spectate() -> None:
+                nonlocal refused_writes
+                async for msg in sub:
+                    if msg.payload["kind"] == "end":
+                        return
+                    if "snapshot" not in msg.payload:
+                        continue
+                    for att in await msg.retain():
+                        data = ctl.open_artifact(att)
+                        with pytest.raises(TypeError):
+                            data[0] = 0
+                        path = Path(ctl.store["path"]) / att.artifact_id
+                        assert path.stat().st_mode & 0o777 == 0o444
+                        refused_writes += 1
+                        seen.append((att.digest, hashlib.sha256(data).hexdigest()))
+                        await ctl.drop([att.artifact_id])
+
+            async with asyncio.TaskGroup() as tg:
+                spectator = tg.create_task(within(spectate()))
+                await h.bootstrap()
+                await h.run(20)
+                await end_run_topic(h.topic, RunEnd(RUN, "succeeded", 20), 5.0)
+                await spectator
+    assert refused_writes > 0 and all(want == got for want, got in seen)
+    declared = declared_digests(wire)
+    sensed = SensingHarness.recorder.sensed
+    assert set(sensed) == {"fly-0", "fly-1"}
+    for views in sensed.values():
+        assert len(views) == 21
+        for produced, pixels in views:
+            assert hashlib.sha256(pixels).hexdigest() == declared[produced]
+
+
+@pytest.mark.timeout(180)
+async def test_required_input_is_never_coalesced_while_spectator_snapshots_are() -> None:
+    steps = 30
+    fixture = Fixture(mode=ExecutionMode.THREAD, composition=large_spec(2), run_id=RUN)
+    wire = Wire()
+    async with SessionHarness.start(fixture) as h:
+        assert h.topic is not None and h.coordinator_client is not None
+        wire.watch(h.coordinator_client)
+        async with connect(h.socket, client_id=ctl_id()) as ctl:
+            sub = await ctl.subscribe(h.topic.name, mode="latest", window=1)
+            reader = aiter(sub)
+            await h.bootstrap()
+            first = await within(anext(reader))
+            await h.run(steps)
+            # stopped after its first message; resumed, it reads exactly one more
+            second = await within(anext(reader))
+            assert second.skipped > 0
+            assert second.sequence == first.sequence + second.skipped + 1
+            assert second.payload["kind"] == "boundary"
+            assert second.payload["boundary"] == steps and "snapshot" in second.payload
+            await sub.unsubscribe()
+    commits = wire.of("Agent.Commit")
+    by_boundary: dict[int, list[tuple[dict[str, Any], tuple[str, ...]]]] = {}
+    for payload, sent, _result in commits:
+        by_boundary.setdefault(int(payload["params"]["nextInput"]["boundary"]), []).append(
+            (payload, sent))
+    assert sorted(by_boundary) == list(range(1, steps + 1))
+    for boundary, calls in by_boundary.items():
+        assert sorted(p["params"]["agentId"] for p, _ in calls) == ["fly-0", "fly-1"]
+        for payload, sent in calls:
+            views = payload["params"]["nextInput"]["views"]
+            assert [int(v["producedStep"]) for v in views] == [boundary]
+            assert list(sent) == [v["pixels"]["artifactId"] for v in views]
