@@ -397,3 +397,47 @@ async def test_required_input_is_never_coalesced_while_spectator_snapshots_are()
             views = payload["params"]["nextInput"]["views"]
             assert [int(v["producedStep"]) for v in views] == [boundary]
             assert list(sent) == [v["pixels"]["artifactId"] for v in views]
+
+
+def connection_of(stats: dict[str, Any], client_id: str) -> dict[str, Any]:
+    found: dict[str, Any] = next(c for c in stats["connectionsDetail"]
+                                 if c["clientId"] == client_id)
+    return found
+
+
+async def session_at_rest(h: SessionHarness) -> tuple[int, int, int]:
+    """(active calls, holds, held bytes) of the coordinator's connection between steps."""
+    coordinator = connection_of(await h.node.stats(detail=True), h.names.coordinator_client_id)
+    return coordinator["activeCalls"], coordinator["holds"], coordinator["heldBytes"]
+
+
+@pytest.mark.timeout(180)
+async def test_a_slow_spectator_spends_only_its_own_credits() -> None:
+    """Evidence, not wall-clock speed (§16 decision 35): a stopped spectator holds one
+    delivery and no other credit, its slot is replaced at every boundary, and the session's
+    calls and holds are those of the unwatched run."""
+    steps = 30
+    fixture = Fixture(mode=ExecutionMode.THREAD, composition=large_spec(2), run_id=RUN)
+    async with SessionHarness.start(replace(fixture, run_id=None)) as h:
+        await h.bootstrap()
+        await h.run(steps)
+        unwatched = await session_at_rest(h)
+    async with SessionHarness.start(fixture) as h:
+        assert h.topic is not None
+        spectator_id = ctl_id()
+        async with connect(h.socket, client_id=spectator_id) as ctl:
+            sub = await ctl.subscribe(h.topic.name, mode="latest", window=1)
+            reader = aiter(sub)
+            await h.bootstrap()
+            await within(anext(reader))  # then it stops reading
+            replaced = (await h.node.stats())["counters"]["messagesReplaced"]
+            await h.run(steps)
+            stats = await h.node.stats(detail=True)
+            spectator = connection_of(stats, spectator_id)
+            assert (spectator["subscriptions"], spectator["messageDeliveries"]) == (1, 1)
+            assert (spectator["activeCalls"], spectator["openRequests"]) == (0, 0)
+            assert (spectator["holds"], spectator["heldBytes"]) == (0, 0)
+            assert stats["counters"]["messagesReplaced"] - replaced >= steps - 1
+            assert await session_at_rest(h) == unwatched
+            print("watched run:", h.coordinator.stats.to_json())
+            await sub.unsubscribe()
