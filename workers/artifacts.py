@@ -12,7 +12,8 @@ Rules:
 - `MediaSink.seal` (on the loop) allocates every staged blob, writes and seals it with the
   digest it was staged with (the allocations pipelined, then the seals: two round trips however
   many blobs), and returns the observation with the real artifact ids and the sealed
-  attachments, to be sent with the reply and `transfer: true`. A refused allocate or seal
+  attachments, to be sent with the reply (the worker shell keeps its holds until its next
+  reply with attachments, so a replay can attach them again). A refused allocate or seal
   (QUOTA_EXCEEDED, STORE_FAILURE, NOT_AUTHORIZED, any store error) sends that blob inline
   instead, logged once per reason (docs/topics.md §16 decision 21); an allocation already made
   for it is dropped.

@@ -12,7 +12,8 @@ repeat O[0]). Audio: one chunk per transition per stream, sized by `AudioBudget`
 boundary 0, `discontinuity` false. A view or chunk above the launch's `media_inline_max_bytes`
 travels by reference (docs/topics.md §14.2, `workers.artifacts.MediaSink`): staged while
 rendering, sealed before the reply of `Environment.Initialize` or `Environment.Advance`, and
-attached to it with transfer; a failed reply drops what it sealed. `State.ActivateRestore`'s
+attached to it (the shell keeps the holds until the next such reply, for a replay); a failed
+reply drops what it sealed. `State.ActivateRestore`'s
 observation stays inline.
 
 Media faults at boundary B (applied to whichever observation has that boundary, O[0] included):
@@ -340,7 +341,7 @@ class EnvironmentEndpoint(Endpoint):
     async def _render(self, call: Call, boundary: int, world_time: RationalNs, *,
                       audio: bool) -> WorldObservation:
         """Render the observation of `boundary` and seal its large media; the sealed artifacts
-        leave with the reply (`call.outgoing`), transferred."""
+        leave with the reply (`call.outgoing`)."""
         self.media.discard()
         observation = await self._world(
             RENDER, lambda: self._observe(boundary, world_time, audio=audio), Mutation.APPLIED)

@@ -321,7 +321,8 @@ class StatusCell:
 class Call:
     """One admitted request as its handler sees it. `attached`: the request's attachments,
     opened (by-reference media, docs/topics.md §14.2); a handler appends to `outgoing` the
-    sealed artifacts its result names, and they leave with the reply, transferred."""
+    sealed artifacts its result names, and they leave with the reply (the shell keeps its holds
+    until the next reply with attachments, for a replay)."""
 
     method: str
     request: Request
@@ -499,6 +500,10 @@ class WorkerShell:
         self._callers = launch.allowed_callers()
         self._lock = asyncio.Lock()
         self._shutdown = asyncio.Event()
+        #: the request id and sealed attachments of the last reply that carried some: this
+        #: worker keeps its holds on them until the next such reply, so a replay of that
+        #: reply (a re-sent request after a lost result) attaches them again
+        self._kept: tuple[str, tuple[bus_client.Attachment, ...]] | None = None
         self.client: bus_client.BusClient | None = None
         self.service: bus_client.Service | None = None
         self.service_incarnation: str | None = None
@@ -662,6 +667,9 @@ class WorkerShell:
             admission = self.cache.admit_lifecycle(request.request_id, digest)
         if isinstance(admission, Replay):
             self._log.info("worker.replay", method=method, request_id=request.request_id)
+            kept = self._kept
+            if kept is not None and kept[0] == request.request_id:
+                return bus_client.Reply(admission.outcome, attachments=kept[1])
             return admission.outcome
         if isinstance(admission, Refuse):
             return self._outcome(request, error=admission.error)
@@ -710,7 +718,11 @@ class WorkerShell:
             self.cache.abandon(ticket)
         self.status.active_request_id = None
         if outgoing:
-            return bus_client.Reply(outcome, attachments=outgoing, transfer=True)
+            # the previous reply's holds end (written before this reply, after that one)
+            if self._kept is not None and self.client is not None:
+                self.client.drop_nowait([a.artifact_id for a in self._kept[1]])
+            self._kept = (call.request_id, outgoing)
+            return bus_client.Reply(outcome, attachments=outgoing)
         return outcome
 
     # Worker.* (§2.5–§2.8) ----------------------------------------------------------------------

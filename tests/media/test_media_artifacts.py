@@ -25,6 +25,7 @@ from bus.client import BusClient, CallResult, connect
 from bus.limits import Limits
 from bus.store import StoreSettings
 from flyd.launch.launcher import ExecutionMode
+from flyd.session.coordinator import Injections
 from flyd.session.fence import SessionFailure
 from flyd.session.run_topic import RunEnd, end_run_topic
 from flyd.session.runspec import AgentSpec, RunSpec, WorldSpec
@@ -441,3 +442,17 @@ async def test_a_slow_spectator_spends_only_its_own_credits() -> None:
             assert await session_at_rest(h) == unwatched
             print("watched run:", h.coordinator.stats.to_json())
             await sub.unsubscribe()
+
+
+@pytest.mark.timeout(120)
+async def test_a_replayed_reply_carries_its_artifacts_again() -> None:
+    """A lost Advance result is resolved by sending the request again: the world's result
+    cache answers with the same outcome, and the artifacts it names, which the world still
+    holds, are attached again (docs/topics.md §14.2, rule 3's holds)."""
+    spec = large_spec(2)
+    lost = Fixture(composition=spec, injections=Injections(lose_advance_result_at=(2,)))
+    digest, before, after, entries = await run_large(lost, 5)
+    plain, *_ = await run_large(Fixture(composition=spec), 5)
+    assert digest == plain
+    assert (after["bytes"], after["artifacts"]) == (before["bytes"], before["artifacts"])
+    assert entries == []
