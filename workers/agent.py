@@ -563,6 +563,11 @@ class AgentParticipant:
             raise incompatible("the saved decision context does not match its contextDigest")
         return StagedAgent(model, accumulator, context, seed)
 
+    async def seal_media(self, call: Call, observation: dict[str, Any] | None,
+                         ) -> dict[str, Any] | None:
+        """An agent's activation carries no media."""
+        return observation
+
     def install(self, staged: StagedAgent, scope: Scope) -> None:
         e = self.endpoint
         e.model, e.accumulator = staged.model, staged.accumulator

@@ -13,8 +13,8 @@ boundary 0, `discontinuity` false. A view or chunk above the launch's `media_inl
 travels by reference (docs/topics.md §14.2, `workers.artifacts.MediaSink`): staged while
 rendering, sealed before the reply of `Environment.Initialize` or `Environment.Advance`, and
 attached to it (the shell keeps the holds until the next such reply, for a replay); a failed
-reply drops what it sealed. `State.ActivateRestore`'s
-observation stays inline.
+reply drops what it sealed. `State.ActivateRestore`'s observation does the same (docs/topics.md
+§14.2 rule 7: the restored frames become new artifacts of the current store).
 
 Media faults at boundary B (applied to whichever observation has that boundary, O[0] included):
 `omit_view_at_boundary` serves no sensory view (the frame is still rendered and kept);
@@ -74,7 +74,6 @@ from workers.datatypes import (
     ViewRef,
     WorldObservation,
     check_controls,
-    encode_media,
 )
 from workers.domain import (
     DomainError,
@@ -641,9 +640,21 @@ class WorldParticipant:
                                f"{e.descriptor.step_duration}")
         return StagedWorld(world, episode, bindings, world_time, frames, audio, progress)
 
+    async def seal_media(self, call: Call, observation: dict[str, Any] | None,
+                         ) -> dict[str, Any] | None:
+        if observation is None:
+            return None
+        sealed, attachments = await self.endpoint.media.seal(
+            WorldObservation.from_json(observation))
+        call.outgoing.extend(attachments)
+        return sealed.to_json()
+
     def install(self, staged: StagedWorld, scope: Scope) -> dict[str, Any]:
         e = self.endpoint
         k = scope.step
+        # a replaced world restores without an Initialize: decide by reference here too
+        e.media.configure(e.shell.client, sum(v.byte_length for v in e.descriptor.views))
+        e.media.discard()
         e.world = staged.world
         e.episode_id = staged.episode_id
         e.bindings = staged.bindings
@@ -659,7 +670,7 @@ class WorldParticipant:
                 pipeline.push(step, data)
             e.pipelines[spec.view_id] = pipeline
             produced, data = pipeline.served(k)
-            ref = ViewRef(spec.view_id, produced, encode_media(VIEW_CONTENT_TYPE, data))
+            ref = ViewRef(spec.view_id, produced, e.media.stage(VIEW_CONTENT_TYPE, data))
             e.last_served[spec.view_id] = ref
             views.append(ref)
         e.budgets = {}

@@ -43,7 +43,8 @@ Rules:
    boundary fails (`BACKEND_FAILURE`/`unknown`) before it propagates.
 9. Attachments (docs/topics.md §14.2): a `Call` may carry artifact ids, sent without transfer.
    The SDK holds a result's attachments; those of a world's media results
-   (`Environment.Initialize`, `Environment.Advance`) wait for `take_attachments`, any other's
+   (`Environment.Initialize`, `Environment.Advance`, `State.ActivateRestore`) wait for
+   `take_attachments`, any other's
    are dropped at once, and a re-sent call's earlier ones too. `drop` is pipelined, never
    awaited; `drop_received` drops what nobody took (an epoch failure).
 
@@ -99,7 +100,8 @@ __all__ = [
 
 RESOLVE_PAUSE: Final = 0.002
 #: methods whose results carry a world's media, possibly by reference (docs/topics.md §14.2)
-MEDIA_METHODS: Final = frozenset({"Environment.Initialize", "Environment.Advance"})
+MEDIA_METHODS: Final = frozenset({"Environment.Initialize", "Environment.Advance",
+                                  "State.ActivateRestore"})
 
 
 @dataclass(frozen=True)

@@ -279,9 +279,14 @@ async def test_checkpoints_carry_the_bytes(claimed_run: RunCtx) -> None:
         pixels = base64.b64decode(frame["data"])
         assert hashlib.sha256(pixels).hexdigest() == frame["digest"]
     assert blob["digest"] in {f["digest"] for f in frames if f["producedStep"] == "2"}
-    # a restore under a new router (a new store) resumes with the same behaviour
+    # a restore under a new router (a new store) resumes with the same behaviour; the restored
+    # frame is a new artifact of that store with the checkpoint's digest (§14.2 rule 7)
+    restored = Wire()
     async with StateHarness.start(claimed_run, fixture) as s:
         assert s.h.node.store is not None and s.h.node.store["storeId"] != first_store
+        assert s.h.coordinator_client is not None
+        restored.watch(s.h.coordinator_client)
+        before = await store_of(s.h)
         c = s.coordinator
         await within(c.bootstrap())
         report = await within(c.restore(None, "e2"))
@@ -289,7 +294,17 @@ async def test_checkpoints_carry_the_bytes(claimed_run: RunCtx) -> None:
         c.resume()
         await s.h.run(2)
         resumed = list(c.trace.transitions)
+        await within(s.h.close())
+        after = await store_of(s.h)
+        assert (after["bytes"], after["artifacts"]) == (before["bytes"], before["artifacts"])
+        assert store_entries(s.h) == []
     assert compare(resumed, reference[2:], EpochRebase("e2", "e1", c.task)) is None
+    (_payload, _sent, activated), = [
+        (p, s, r) for p, s, r in restored.of("State.ActivateRestore")
+        if r.outcome["result"].get("observation") is not None]
+    view = view_blobs(activated.outcome["result"])[0]
+    assert view["digest"] == blob["digest"] and "artifactId" in view
+    assert [a.artifact_id for a in activated.attachments] == [view["artifactId"]]
 
 
 RUN = 7
