@@ -246,7 +246,7 @@ async def test_media_fall_back_to_inline(case: str) -> None:
         assert all("data" in b for b in view_blobs(result.outcome["result"]))
     assert after["counters"]["artifactsAllocated"] == 0
     assert entries == []
-    reference = replace(fixture, router_store=StoreSettings(), router_limits=Limits())
+    reference = replace(fixture, router_store=None, router_limits=None)
     ref_digest, *_ = await run_large(reference, 10)
     assert digest == ref_digest
 

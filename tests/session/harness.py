@@ -88,9 +88,10 @@ class Fixture:
     run_id: int | None = None
     #: the node's `[session] media_inline_max_bytes` (docs/topics.md §14.2)
     media_inline_max_bytes: int = DEFAULT_MEDIA_INLINE_MAX_BYTES
-    #: the in-process router's limits and store (`RouterConfig.limits`, `.store`)
-    router_limits: Limits = field(default_factory=Limits)
-    router_store: StoreSettings = field(default_factory=StoreSettings)
+    #: the in-process router's limits and store (`RouterConfig.limits`, `.store`; None: its
+    #: defaults)
+    router_limits: Limits | None = None
+    router_store: StoreSettings | None = None
 
     def spec(self) -> RunSpec:
         if self.composition is not None:
@@ -118,16 +119,17 @@ class RouterHandle:
                  store: StoreSettings | None = None) -> None:
         self.socket = socket
         self.in_process = in_process
-        self.limits = limits or Limits()
-        self.store = store or StoreSettings()
+        self.limits = limits
+        self.store = store
         self._router: Router | None = None
         self._child: asyncio.subprocess.Process | None = None
 
     async def start(self) -> None:
         if self.in_process:
-            self._router = Router(RouterConfig(socket_path=self.socket,
-                                               policy=Policy.default(os.getpid()),
-                                               limits=self.limits, store=self.store))
+            given: dict[str, Any] = {"limits": self.limits, "store": self.store}
+            self._router = Router(RouterConfig(
+                socket_path=self.socket, policy=Policy.default(os.getpid()),
+                **{k: v for k, v in given.items() if v is not None}))
             await self._router.start()
             return
         self._child = await asyncio.create_subprocess_exec(
