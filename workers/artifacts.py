@@ -9,17 +9,19 @@ Rules:
 - `MediaSink.stage` (any thread, the world renders in its model thread) hashes a blob once and
   returns it inline when it is at most `threshold` bytes or the sink is off, else an
   `ArtifactBlob` naming a staged placeholder id.
-- `MediaSink.seal` (on the loop) allocates every staged blob, writes and seals it with the
-  digest it was staged with (the allocations pipelined, then the seals: two round trips however
-  many blobs), and returns the observation with the real artifact ids and the sealed
-  attachments, to be sent with the reply (the worker shell keeps its holds until its next
-  reply with attachments, so a replay can attach them again). A refused allocate or seal
-  (QUOTA_EXCEEDED, STORE_FAILURE, NOT_AUTHORIZED, any store error) sends that blob inline
-  instead, logged once per reason (docs/topics.md §16 decision 21); an allocation already made
-  for it is dropped.
+- `MediaSink.seal` (on the loop) allocates every staged blob (or takes a spare), writes and
+  seals it with the digest it was staged with (the allocations pipelined, then the seals), and
+  returns the observation with the real artifact ids and the sealed attachments, to be sent
+  with the reply (the worker shell keeps its holds until its next reply with attachments, so a
+  replay can attach them again). A refused allocate or seal (QUOTA_EXCEEDED, STORE_FAILURE,
+  NOT_AUTHORIZED, any store error) sends that blob inline instead, logged once per reason
+  (docs/topics.md §16 decision 21); an allocation already made for it is dropped.
+- While a reply's seals are in flight, the sink allocates the next boundary's artifacts of the
+  same lengths (spares), so a boundary costs one store round trip. A store operation not
+  answered within `STORE_OP_S` counts as a refusal.
 - `MediaSink.configure` turns the sink off for good when the router offers no store or when
-  twice a boundary's media exceed the hello's `maxHeldBytesPerClient` (the coordinator keeps
-  two boundaries), logging why once.
+  three boundaries of large views (the last reply's, the sealing ones, the spares) exceed the
+  hello's `maxHeldBytesPerClient`, logging why once.
 - `open_attached` maps each attachment of a received frame read-only; one that cannot be opened
   maps to `data: None`, so the media check fails `BUFFER_INVALID` where an inline blob would.
 """
@@ -27,10 +29,11 @@ Rules:
 from __future__ import annotations
 
 import asyncio
+import collections
 import hashlib
-from collections.abc import Iterable
+from collections.abc import Awaitable, Iterable
 from dataclasses import dataclass, replace
-from typing import Final
+from typing import Final, TypeVar
 
 import structlog
 
@@ -56,6 +59,21 @@ __all__ = [
 log = structlog.get_logger("workers.artifacts")
 
 _STAGED: Final = "staged-"
+#: a world holds the last reply's artifacts, the ones it seals and the spares for the next
+HELD_BOUNDARIES: Final = 3
+#: every store operation of a reply is answered within this (a lost router answers at once)
+STORE_OP_S: Final = 10.0
+
+T = TypeVar("T")
+
+
+async def _attempt(op: Awaitable[T]) -> T | BusError | TimeoutError:
+    """`op`'s value, or the store error or timeout that refused it."""
+    try:
+        async with asyncio.timeout(STORE_OP_S):
+            return await op
+    except (BusError, TimeoutError) as exc:
+        return exc
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,19 +93,31 @@ class MediaSink:
         self._staged: dict[str, _Staged] = {}
         self._serial = 0
         self._logged: set[str] = set()
+        #: allocations made for the next boundary while this one seals, by length: a
+        #: boundary then costs one store round trip (the seals), not two
+        self._spares: dict[int, list[Allocation]] = {}
 
-    def configure(self, client: BusClient | None, media_bytes_per_boundary: int) -> None:
-        """Decide once per connection and descriptor whether media may go by reference."""
+    def configure(self, client: BusClient | None, view_sizes: Iterable[int]) -> None:
+        """Decide once per connection and descriptor whether media may go by reference, from
+        the sizes of the declared views (the fallback is logged only when some view is large
+        enough to have gone by reference). Spare allocations of an earlier decision are
+        dropped."""
+        if self.client is not None:
+            self.client.drop_nowait([a.artifact_id for spare in self._spares.values()
+                                     for a in spare])
+        self._spares = {}
         self.client = client
+        large = sum(size for size in view_sizes if size > self.threshold)
         if client is None or client.store is None:
             self.enabled = False
-            self._once("no-store", "the router offers no artifact store")
+            if large:
+                self._once("no-store", "the router offers no artifact store")
             return
         held = int(client.limits.get("maxHeldBytesPerClient", 0))
-        if 2 * media_bytes_per_boundary > held:
+        if HELD_BOUNDARIES * large > held:
             self.enabled = False
-            self._once("held-bytes", f"twice a boundary's media ({2 * media_bytes_per_boundary} "
-                       f"bytes) exceed maxHeldBytesPerClient {held}")
+            self._once("held-bytes", f"{HELD_BOUNDARIES} boundaries of views "
+                       f"({HELD_BOUNDARIES * large} bytes) exceed maxHeldBytesPerClient {held}")
             return
         self.enabled = True
 
@@ -114,29 +144,43 @@ class MediaSink:
         client = self.client
         assert client is not None
         keys = list(staged)
-        allocated = await asyncio.gather(*(client.allocate(len(staged[k].data)) for k in keys),
-                                         return_exceptions=True)
+        # 1. an allocation per blob: a spare one of its length, else one allocated now
         writes: dict[str, Allocation] = {}
-        for key, alloc in zip(keys, allocated, strict=True):
+        async with asyncio.TaskGroup() as tg:
+            asked: dict[str, asyncio.Task[Allocation | BusError | TimeoutError]] = {}
+            for key in keys:
+                spare = self._spares.get(len(staged[key].data))
+                if spare:
+                    writes[key] = spare.pop()
+                else:
+                    asked[key] = tg.create_task(_attempt(client.allocate(len(staged[key].data))))
+        for key, task in asked.items():
+            alloc = task.result()
             if isinstance(alloc, Allocation):
-                alloc.view()[:] = staged[key].data
                 writes[key] = alloc
-            elif isinstance(alloc, BusError):
-                self._refused("allocate", alloc)
             else:
-                raise alloc
-        sealed = await asyncio.gather(*(writes[k].seal(staged[k].digest) for k in writes),
-                                      return_exceptions=True)
+                self._refused("allocate", alloc)
+        for key, alloc in writes.items():
+            alloc.view()[:] = staged[key].data
+        # 2. the seals, and the next boundary's allocations in the same round trip
+        async with asyncio.TaskGroup() as tg:
+            seals = {k: tg.create_task(_attempt(writes[k].seal(staged[k].digest)))
+                     for k in writes}
+            refills = [tg.create_task(_attempt(client.allocate(length)))
+                       for length in self._refill(staged.values())]
         done: dict[str, Attachment] = {}
         failed: list[str] = []
-        for key, result in zip(writes, sealed, strict=True):
+        for key, sealing in seals.items():
+            result = sealing.result()
             if isinstance(result, Attachment):
                 done[key] = result
-            elif isinstance(result, BusError):
+            else:
                 self._refused("seal", result)
                 failed.append(writes[key].artifact_id)
-            else:
-                raise result
+        for refill in refills:
+            made = refill.result()
+            if isinstance(made, Allocation):
+                self._spares.setdefault(made.length, []).append(made)
         client.drop_nowait(failed)
 
         def resolve(blob: MediaValue) -> MediaValue:
@@ -153,8 +197,24 @@ class MediaSink:
         return (replace(observation, sensory_views=views, audio=audio),
                 tuple(done[k] for k in keys if k in done))
 
-    def _refused(self, op: str, exc: BusError) -> None:
-        self._once(f"{op}:{exc.name}", f"{op} refused: {exc.name}: {exc.message}")
+    def _refill(self, staged: Iterable[_Staged]) -> list[int]:
+        """The lengths to allocate so the spares match this reply's blobs, one per blob;
+        spares of lengths this reply did not use (audio chunk sizes vary) are dropped."""
+        need = collections.Counter(len(s.data) for s in staged)
+        stale = [a.artifact_id for length, spare in self._spares.items() if length not in need
+                 for a in spare]
+        if stale and self.client is not None:
+            self.client.drop_nowait(stale)
+        self._spares = {length: spare for length, spare in self._spares.items()
+                        if length in need}
+        return [length for length, count in need.items()
+                for _ in range(count - len(self._spares.get(length, ())))]
+
+    def _refused(self, op: str, exc: BusError | TimeoutError) -> None:
+        if isinstance(exc, TimeoutError):
+            self._once(f"{op}:timeout", f"{op} had no answer within {STORE_OP_S:g} s")
+        else:
+            self._once(f"{op}:{exc.name}", f"{op} refused: {exc.name}: {exc.message}")
 
     def _once(self, key: str, reason: str) -> None:
         if key not in self._logged:

@@ -424,7 +424,7 @@ class EnvironmentEndpoint(Endpoint):
         status.current_scope = scope.at(0)
         status.last_batch_id = None
         status.raise_progress(self.progress)
-        self.media.configure(self.shell.client, sum(v.byte_length for v in self.descriptor.views))
+        self.media.configure(self.shell.client, [v.byte_length for v in self.descriptor.views])
         observation = await self._render(call, 0, self.world_time, audio=False)
         return self._fitting(call, 0, {"descriptor": self.descriptor.to_json(),
                                        "observation": observation.to_json()})
@@ -653,7 +653,7 @@ class WorldParticipant:
         e = self.endpoint
         k = scope.step
         # a replaced world restores without an Initialize: decide by reference here too
-        e.media.configure(e.shell.client, sum(v.byte_length for v in e.descriptor.views))
+        e.media.configure(e.shell.client, [v.byte_length for v in e.descriptor.views])
         e.media.discard()
         e.world = staged.world
         e.episode_id = staged.episode_id

@@ -24,6 +24,7 @@ import pytest
 from bus.client import BusClient, CallResult, connect
 from bus.limits import Limits
 from bus.store import StoreSettings
+from flyd.config import load_config
 from flyd.launch.launcher import ExecutionMode
 from flyd.session.coordinator import Injections
 from flyd.session.fence import SessionFailure
@@ -33,6 +34,7 @@ from flyd.session.trace import EpochRebase, compare
 from flyd.state.envelope import decode
 from tests.media.test_media import Recorder
 from tests.session.harness import Fixture, SessionHarness, within
+from tests.session.worker_rig import environment_launch
 from tests.state.conftest import RunCtx
 from tests.state.state_harness import StateHarness
 from workers.artifacts import MediaSink
@@ -471,3 +473,21 @@ async def test_a_replayed_reply_carries_its_artifacts_again() -> None:
     assert digest == plain
     assert (after["bytes"], after["artifacts"]) == (before["bytes"], before["artifacts"])
     assert entries == []
+
+
+def test_the_threshold_is_node_configuration() -> None:
+    """`[session] media_inline_max_bytes` is read once into the launcher settings and reaches
+    every worker's command line; it is not part of the run spec (§16 decision 20)."""
+    assert load_config(None, {}, {}).launcher.media_inline_max_bytes == 16384
+    config = load_config(None, {"session.media_inline_max_bytes": 0}, {})
+    assert config.launcher.media_inline_max_bytes == 0
+    for bad in (-1, MAX_MEDIA_INLINE_MAX_BYTES + 1):
+        with pytest.raises(ValueError, match=r"\[session\] media_inline_max_bytes"):
+            load_config(None, {"session.media_inline_max_bytes": bad}, {})
+    launch = replace(environment_launch("/tmp/x.sock"), media_inline_max_bytes=0)
+    argv = launch.to_argv()
+    assert argv[argv.index("--media-inline-max-bytes") + 1] == "0"
+    assert WorkerLaunch.from_argv(argv) == launch
+    default = environment_launch("/tmp/x.sock")
+    assert "--media-inline-max-bytes" not in default.to_argv()
+    assert "mediaInlineMaxBytes" not in orjson.dumps(RunSpec().to_json()).decode()
