@@ -64,6 +64,8 @@ HANDLER_REAP_S: Final = 2.0
 CONNECT_RETRY_FIRST_S: Final = 0.005
 CONNECT_RETRY_MAX_S: Final = 0.1
 MAX_ID: Final = 2**53 - 1
+# `bus.drop` takes at most this many ids per frame (docs/topics.md §5.7)
+MAX_DROP_IDS: Final = 16
 
 Handler = Callable[["Request"], Awaitable["dict[str, Any] | Reply | None"]]
 RouteRemovedHook = Callable[[str, str, str], None]
@@ -152,6 +154,12 @@ class Allocation:
         result = await self.client._command("bus.seal", {"artifactId": self.artifact_id,
                                                          "digest": digest})
         return self.client._attachment(result)
+
+
+def _ignore_outcome(fut: asyncio.Future[Any]) -> None:
+    """Retrieve a pipelined command's outcome so an error is not reported as never retrieved."""
+    if not fut.cancelled():
+        fut.exception()
 
 
 def new_incarnation() -> str:
@@ -1308,6 +1316,18 @@ class BusClient:
         self._need_minor(2, "bus.drop")
         result = await self._command("bus.drop", {"artifactIds": list(artifact_ids)})
         return int(result["dropped"])
+
+    def drop_nowait(self, artifact_ids: list[str]) -> None:
+        """`bus.drop` pipelined: sent now, its answer never awaited. `bus.drop` fails only on
+        params, so nothing is lost by not waiting; a closed connection dropped every hold
+        already (docs/topics.md §11 step 9), so it is a no-op then."""
+        if not artifact_ids or self.closed:
+            return
+        self._need_minor(2, "bus.drop")
+        for start in range(0, len(artifact_ids), MAX_DROP_IDS):
+            fut = self._send_nowait("bus.drop",
+                                    {"artifactIds": artifact_ids[start:start + MAX_DROP_IDS]})
+            fut.add_done_callback(_ignore_outcome)
 
     # hello -------------------------------------------------------------------------------
     async def _hello(self, supported_majors: tuple[int, ...]) -> None:

@@ -63,6 +63,7 @@ from flyd.durations import (
 from flyd.errors import ConfigError
 from flyd.launch.spawner import LauncherSettings
 from flyd.logs import LogFlags, LogSettings, default_level
+from workers.launch import DEFAULT_MEDIA_INLINE_MAX_BYTES, MAX_MEDIA_INLINE_MAX_BYTES
 
 if TYPE_CHECKING:
     from flyd.leases.params import LeaseParams
@@ -333,6 +334,8 @@ KEYS: Final[dict[str, dict[str, Key]]] = {
         "max_agents": _int(4, 1, 256),
         "launcher": _choice("fork", "fork", "spawn"),
         "launch_concurrency": _int(8, 1, 256),
+        "media_inline_max_bytes": _int(DEFAULT_MEDIA_INLINE_MAX_BYTES, 0,
+                                       MAX_MEDIA_INLINE_MAX_BYTES),
         "probe_s": _num(2.0),
         "resolve_s": _num(8.0),
         "resolve_attempts": _int(8192, 1, 2**32 - 1),
@@ -549,10 +552,12 @@ class Config:
 
     @property
     def launcher(self) -> LauncherSettings:
-        """`[session] launcher` and `launch_concurrency`, typed."""
+        """`[session] launcher`, `launch_concurrency` and `media_inline_max_bytes`, typed."""
         return LauncherSettings(method=self.value("session", "launcher"),
                                 concurrency=int(self.value("session", "launch_concurrency")),
-                                plugin_paths=tuple(self.value("plugins", "paths")))
+                                plugin_paths=tuple(self.value("plugins", "paths")),
+                                media_inline_max_bytes=int(
+                                    self.value("session", "media_inline_max_bytes")))
 
     @property
     def limits(self) -> Limits:

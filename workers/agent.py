@@ -45,6 +45,7 @@ from workers.canonical import digest_of, typed_digest
 from workers.datatypes import (
     VIEW_CONTENT_TYPE,
     AssetRef,
+    Attached,
     Graph,
     Reward,
     SensoryInput,
@@ -159,7 +160,10 @@ class AgentEndpoint(Endpoint):
                               f"{method}: stimulus kind {stimulus.kind_id} is not declared by "
                               f"the graph of {self.launch.worker_id}")
 
-    def _decode(self, sensory: SensoryInput, what: str) -> list[DecodedView]:
+    def _decode(self, sensory: SensoryInput, what: str,
+                attached: Mapping[str, Attached]) -> list[DecodedView]:
+        """The input's views, inline or by reference to the request's attachments (read
+        during the handler, never kept: docs/topics.md §14.2 rule 5)."""
         views: list[DecodedView] = []
         for view in sensory.views:
             if view.produced_step > sensory.boundary:
@@ -167,7 +171,8 @@ class AgentEndpoint(Endpoint):
                               f"{what}: view {view.view_id} was produced at step "
                               f"{view.produced_step}, after the input's boundary "
                               f"{sensory.boundary}")
-            data = decode_media(view.pixels, VIEW_CONTENT_TYPE, f"view {view.view_id}")
+            data = decode_media(view.pixels, VIEW_CONTENT_TYPE, f"view {view.view_id}",
+                                attached=attached)
             views.append(DecodedView(view.view_id, view.produced_step, data))
         return views
 
@@ -230,7 +235,8 @@ class AgentEndpoint(Endpoint):
         if initial.boundary != 0:
             raise DomainError.invalid(f"{method}: initialInput.boundary must be 0; got "
                                       f"{initial.boundary}")
-        encoded = self._encode(self._decode(initial, method), initial.structured)
+        encoded = self._encode(self._decode(initial, method, call.attached),
+                               initial.structured)
         # 8: apply, on a fresh model (the endpoint changes only once it all worked)
         settings = self.settings
         warmup = settings.warmup_ticks
@@ -380,7 +386,8 @@ class AgentEndpoint(Endpoint):
         next_context = TypedValue.from_json(p["nextDecisionContext"],
                                             "params.nextDecisionContext")
         self.model_class.check_context(next_context)
-        encoded = self._encode(self._decode(next_input, method), next_input.structured)
+        encoded = self._encode(self._decode(next_input, method, call.attached),
+                               next_input.structured)
         # 4: apply
         model, accumulator = self._live()
         self.status.state = WorkerState.COMMITTING
@@ -555,6 +562,11 @@ class AgentParticipant:
         if typed_digest(context) != parse_digest_member(doc["contextDigest"], "contextDigest"):
             raise incompatible("the saved decision context does not match its contextDigest")
         return StagedAgent(model, accumulator, context, seed)
+
+    async def seal_media(self, call: Call, observation: dict[str, Any] | None,
+                         ) -> dict[str, Any] | None:
+        """An agent's activation carries no media."""
+        return observation
 
     def install(self, staged: StagedAgent, scope: Scope) -> None:
         e = self.endpoint

@@ -13,7 +13,10 @@ Rules for every type here:
   canonical bound and JSON-ness are checked on construction (every `TypedValue` on the wire
   obeys it, whoever built it).
 - Media (`decode_media`, `decode_view`, `decode_audio`): standard base64 with padding (strict:
-  it must re-encode to the same text), decoded length = `byteLength`, SHA-256 = `digest`,
+  it must re-encode to the same text), decoded length = `byteLength`, SHA-256 = `digest`; or,
+  by reference (`ArtifactBlob`, docs/topics.md §14.2), an attachment of the frame with the same
+  `artifactId`, `length` = `byteLength` and `digest` = `digest`, its bytes not hashed again (the
+  router checked the digest once, at seal),
   content type `image/x-rgba8` (views) or `audio/x-f32le` (audio), a view's length =
   `rowStride·height`, an audio chunk's `byteLength = sampleFrames·channels·4` with every sample
   finite. Any failure is `BUFFER_INVALID` naming the view or stream; the mutation is the
@@ -43,7 +46,7 @@ import hashlib
 import math
 import sys
 from array import array
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal, cast
 
@@ -72,7 +75,9 @@ __all__ = [
     "MAX_TYPED_VALUE_BYTES",
     "VIEW_CONTENT_TYPE",
     "VIEW_FORMAT",
+    "ArtifactBlob",
     "AssetRef",
+    "Attached",
     "AudioDescriptor",
     "AudioRef",
     "AxisSpec",
@@ -83,6 +88,7 @@ __all__ = [
     "Graph",
     "Learning",
     "MediaBlob",
+    "MediaValue",
     "PixelAspect",
     "PortControl",
     "PortSpec",
@@ -102,6 +108,8 @@ __all__ = [
     "decode_media",
     "decode_view",
     "encode_media",
+    "inline_media",
+    "parse_media",
 ]
 
 MAX_TYPED_VALUE_BYTES: Final = 32 * 1024
@@ -326,13 +334,63 @@ class MediaBlob:
         }
 
 
-def encode_media(content_type: str, data: bytes) -> MediaBlob:
-    return MediaBlob(
-        content_type,
-        len(data),
-        hashlib.sha256(data).hexdigest(),
-        base64.b64encode(data).decode("ascii"),
+@dataclass(frozen=True, slots=True)
+class ArtifactBlob:
+    """Media by reference (docs/topics.md §14.2): the bytes are the sealed artifact
+    `artifactId` attached to the same frame. A second key set rather than a nullable member of
+    `MediaBlob`, so inline frames stay byte-identical."""
+
+    content_type: str
+    byte_length: int
+    digest: str
+    artifact_id: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "contentType": self.content_type,
+            "byteLength": format_u64(self.byte_length),
+            "digest": self.digest,
+            "artifactId": self.artifact_id,
+        }
+
+
+MediaValue = MediaBlob | ArtifactBlob
+
+_INLINE_KEYS: Final = ("contentType", "byteLength", "digest", "data")
+_REFERENCE_KEYS: Final = ("contentType", "byteLength", "digest", "artifactId")
+
+
+def parse_media(value: Any, what: str = "media") -> MediaValue:
+    """Either key set: `artifactId` present means by reference, else inline (`MediaBlob`)."""
+    if not isinstance(value, dict) or "artifactId" not in value:
+        return MediaBlob.from_json(value, what)
+    v = _object(value, _REFERENCE_KEYS, what)
+    return ArtifactBlob(
+        parse_string(v["contentType"], f"{what}.contentType"),
+        parse_u64(v["byteLength"], f"{what}.byteLength"),
+        parse_digest(v["digest"], f"{what}.digest"),
+        parse_string(v["artifactId"], f"{what}.artifactId"),
     )
+
+
+@dataclass(frozen=True, slots=True)
+class Attached:
+    """One attachment of a received frame, opened: its sealed length and digest as the router
+    reported them, and a read-only view of its bytes (or None when it could not be opened)."""
+
+    length: int
+    digest: str
+    data: memoryview | None
+
+
+def encode_media(content_type: str, data: bytes) -> MediaBlob:
+    return inline_media(content_type, data, hashlib.sha256(data).hexdigest())
+
+
+def inline_media(content_type: str, data: bytes, digest: str) -> MediaBlob:
+    """Inline media whose digest the caller already computed (a by-reference blob that fell
+    back to inline keeps the digest it was staged with)."""
+    return MediaBlob(content_type, len(data), digest, base64.b64encode(data).decode("ascii"))
 
 
 def _buffer_invalid(message: str, mutation: Mutation | str) -> DomainError:
@@ -353,14 +411,18 @@ def _canonical_base64(text: str, data: bytes) -> bool:
 
 
 def decode_media(
-    blob: MediaBlob, content_type: str, name: str, mutation: Mutation | str = Mutation.NONE
+    blob: MediaValue, content_type: str, name: str, mutation: Mutation | str = Mutation.NONE,
+    attached: Mapping[str, Attached] | None = None,
 ) -> bytes:
-    """The blob's bytes after every check of §1.8; `name` is "view <id>" or "audio stream <id>"."""
+    """The blob's bytes after every check of §1.8; `name` is "view <id>" or "audio stream <id>";
+    `attached`: the frame's attachments by artifact id (a by-reference blob needs one)."""
     if blob.content_type != content_type:
         raise _buffer_invalid(
             f"{name} has content type {short(blob.content_type)}; expected {content_type}",
             mutation,
         )
+    if isinstance(blob, ArtifactBlob):
+        return _referenced(blob, name, mutation, attached or {})
     try:
         # what `base64.b64decode(validate=True)` does, without its copy of the text to bytes
         data = binascii.a2b_base64(blob.data, strict_mode=True)
@@ -375,6 +437,24 @@ def decode_media(
     if hashlib.sha256(data).hexdigest() != blob.digest:
         raise _buffer_invalid(f"{name} does not match its digest", mutation)
     return data
+
+
+def _referenced(blob: ArtifactBlob, name: str, mutation: Mutation | str,
+                attached: Mapping[str, Attached]) -> bytes:
+    """docs/topics.md §14.2 rule 4: the attachment must be the one the blob names, of its length
+    and digest; the router hashed it at seal, so the bytes are only copied."""
+    found = attached.get(blob.artifact_id)
+    if found is None:
+        raise _buffer_invalid(f"{name} names artifact {short(blob.artifact_id)}, which the frame "
+                              "does not attach", mutation)
+    if found.length != blob.byte_length:
+        raise _buffer_invalid(f"{name}'s artifact has {found.length} bytes; byteLength says "
+                              f"{blob.byte_length}", mutation)
+    if found.digest != blob.digest:
+        raise _buffer_invalid(f"{name}'s artifact does not match its digest", mutation)
+    if found.data is None or len(found.data) != blob.byte_length:
+        raise _buffer_invalid(f"{name}'s artifact could not be opened", mutation)
+    return bytes(found.data)
 
 
 @dataclass(frozen=True, slots=True)
@@ -447,7 +527,7 @@ class ViewDescriptor:
 class ViewRef:
     view_id: str
     produced_step: int
-    pixels: MediaBlob
+    pixels: MediaValue
 
     @classmethod
     def from_json(cls, value: Any, what: str = "view") -> ViewRef:
@@ -455,7 +535,7 @@ class ViewRef:
         return cls(
             parse_id(v["viewId"], f"{what}.viewId"),
             parse_u64(v["producedStep"], f"{what}.producedStep"),
-            MediaBlob.from_json(v["pixels"], f"{what}.pixels"),
+            parse_media(v["pixels"], f"{what}.pixels"),
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -467,13 +547,14 @@ class ViewRef:
 
 
 def decode_view(
-    ref: ViewRef, descriptor: ViewDescriptor, mutation: Mutation | str = Mutation.NONE
+    ref: ViewRef, descriptor: ViewDescriptor, mutation: Mutation | str = Mutation.NONE,
+    attached: Mapping[str, Attached] | None = None,
 ) -> bytes:
     """A view's RGBA8 bytes (top-left origin, no row padding), checked against its descriptor."""
     name = f"view {ref.view_id}"
     if ref.view_id != descriptor.view_id:
         raise _buffer_invalid(f"{name} is not the declared view {descriptor.view_id}", mutation)
-    data = decode_media(ref.pixels, VIEW_CONTENT_TYPE, name, mutation)
+    data = decode_media(ref.pixels, VIEW_CONTENT_TYPE, name, mutation, attached)
     if len(data) != descriptor.byte_length:
         raise _buffer_invalid(
             f"{name} has {len(data)} bytes; the descriptor requires {descriptor.byte_length}",
@@ -513,7 +594,7 @@ class AudioRef:
     stream_id: str
     first_sample: int
     sample_frames: int
-    samples: MediaBlob
+    samples: MediaValue
     discontinuity: bool
 
     @classmethod
@@ -524,7 +605,7 @@ class AudioRef:
             parse_id(v["streamId"], f"{what}.streamId"),
             parse_u64(v["firstSample"], f"{what}.firstSample"),
             parse_int(v["sampleFrames"], f"{what}.sampleFrames", 0, 192000),
-            MediaBlob.from_json(v["samples"], f"{what}.samples"),
+            parse_media(v["samples"], f"{what}.samples"),
             parse_bool(v["discontinuity"], f"{what}.discontinuity"),
         )
 
@@ -539,7 +620,8 @@ class AudioRef:
 
 
 def decode_audio(
-    ref: AudioRef, descriptor: AudioDescriptor, mutation: Mutation | str = Mutation.NONE
+    ref: AudioRef, descriptor: AudioDescriptor, mutation: Mutation | str = Mutation.NONE,
+    attached: Mapping[str, Attached] | None = None,
 ) -> bytes:
     """A chunk's interleaved f32le bytes, checked for size and finiteness."""
     name = f"audio stream {ref.stream_id}"
@@ -554,7 +636,7 @@ def decode_audio(
             f"{descriptor.channels} channels need {expected}",
             mutation,
         )
-    data = decode_media(ref.samples, AUDIO_CONTENT_TYPE, name, mutation)
+    data = decode_media(ref.samples, AUDIO_CONTENT_TYPE, name, mutation, attached)
     samples = array("f")
     samples.frombytes(data)
     if sys.byteorder != "little":

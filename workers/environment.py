@@ -9,7 +9,12 @@ fault knobs (`advance_delay_ms` and the media faults of §4.9).
 View pipeline: exactly one frame rendered per boundary per view; the last `delay+1` frames are
 kept; at boundary `b` the frame produced at `max(0, b − delay)` is served (boundaries `0..delay`
 repeat O[0]). Audio: one chunk per transition per stream, sized by `AudioBudget` (§5.3), none at
-boundary 0, `discontinuity` false.
+boundary 0, `discontinuity` false. A view or chunk above the launch's `media_inline_max_bytes`
+travels by reference (docs/topics.md §14.2, `workers.artifacts.MediaSink`): staged while
+rendering, sealed before the reply of `Environment.Initialize` or `Environment.Advance`, and
+attached to it (the shell keeps the holds until the next such reply, for a replay); a failed
+reply drops what it sealed. `State.ActivateRestore`'s observation does the same (docs/topics.md
+§14.2 rule 7: the restored frames become new artifacts of the current store).
 
 Media faults at boundary B (applied to whichever observation has that boundary, O[0] included):
 `omit_view_at_boundary` serves no sensory view (the frame is still rendered and kept);
@@ -57,6 +62,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Final, TypeVar
 
+from workers.artifacts import MediaSink
 from workers.canonical import controls_digest, digest_bytes, digest_of
 from workers.datatypes import (
     AUDIO_CONTENT_TYPE,
@@ -68,7 +74,6 @@ from workers.datatypes import (
     ViewRef,
     WorldObservation,
     check_controls,
-    encode_media,
 )
 from workers.domain import (
     DomainError,
@@ -220,6 +225,8 @@ class EnvironmentEndpoint(Endpoint):
         self.last_served: dict[str, ViewRef] = {}
         self.budgets: dict[str, AudioBudget] = {}
         self.resumed_streams: set[str] = set()
+        #: views and audio above the launch's threshold go by reference (docs/topics.md §14.2)
+        self.media = MediaSink(launch.media_inline_max_bytes)
         self.handlers = {
             "Environment.Initialize": self.initialize,
             "Environment.Advance": self.advance,
@@ -278,7 +285,7 @@ class EnvironmentEndpoint(Endpoint):
             else:
                 if faults.truncated_view_at_boundary == boundary:
                     data = data[: len(data) - spec.row_stride]
-                ref = ViewRef(spec.view_id, produced, encode_media(VIEW_CONTENT_TYPE, data))
+                ref = ViewRef(spec.view_id, produced, self.media.stage(VIEW_CONTENT_TYPE, data))
             self.last_served[spec.view_id] = ref
             if faults.omit_view_at_boundary != boundary:
                 views.append(ref)
@@ -299,7 +306,7 @@ class EnvironmentEndpoint(Endpoint):
                 self.resumed_streams.discard(stream.stream_id)
                 if faults.omit_audio_at_boundary != boundary:
                     chunks.append(AudioRef(stream.stream_id, first, span.frames,
-                                           encode_media(AUDIO_CONTENT_TYPE, bytes(samples)),
+                                           self.media.stage(AUDIO_CONTENT_TYPE, bytes(samples)),
                                            resumed))
         engine_frame = getattr(self.world, "engine_frame", None)
         return WorldObservation(
@@ -329,6 +336,17 @@ class EnvironmentEndpoint(Endpoint):
                 f"{method}: a checkpoint of this world carries its views base64 twice, at least "
                 f"{least} bytes, over maxEnvelopeBytes {limit} (raise [bus.limits] "
                 "max_envelope_bytes or render smaller views)")
+
+    async def _render(self, call: Call, boundary: int, world_time: RationalNs, *,
+                      audio: bool) -> WorldObservation:
+        """Render the observation of `boundary` and seal its large media; the sealed artifacts
+        leave with the reply (`call.outgoing`)."""
+        self.media.discard()
+        observation = await self._world(
+            RENDER, lambda: self._observe(boundary, world_time, audio=audio), Mutation.APPLIED)
+        observation, attachments = await self.media.seal(observation)
+        call.outgoing.extend(attachments)
+        return observation
 
     def _fitting(self, call: Call, boundary: int, result: dict[str, Any]) -> dict[str, Any]:
         """`result`, or `BACKEND_FAILURE`/`applied` naming the limit when its reply cannot be one
@@ -406,8 +424,8 @@ class EnvironmentEndpoint(Endpoint):
         status.current_scope = scope.at(0)
         status.last_batch_id = None
         status.raise_progress(self.progress)
-        observation = await self._world(
-            RENDER, lambda: self._observe(0, self.world_time, audio=False), Mutation.APPLIED)
+        self.media.configure(self.shell.client, [v.byte_length for v in self.descriptor.views])
+        observation = await self._render(call, 0, self.world_time, audio=False)
         return self._fitting(call, 0, {"descriptor": self.descriptor.to_json(),
                                        "observation": observation.to_json()})
 
@@ -446,9 +464,7 @@ class EnvironmentEndpoint(Endpoint):
         # 5: fault delay
         await self.sleep_fault("advance_delay_ms", k)
         # 6: render
-        world_time = self.world_time
-        observation = await self._world(
-            RENDER, lambda: self._observe(k + 1, world_time, audio=True), Mutation.APPLIED)
+        observation = await self._render(call, k + 1, self.world_time, audio=True)
         result = self._fitting(call, k + 1, {
             "batchId": batch_id,
             "appliedFromStep": format_u64(k),
@@ -624,9 +640,21 @@ class WorldParticipant:
                                f"{e.descriptor.step_duration}")
         return StagedWorld(world, episode, bindings, world_time, frames, audio, progress)
 
+    async def seal_media(self, call: Call, observation: dict[str, Any] | None,
+                         ) -> dict[str, Any] | None:
+        if observation is None:
+            return None
+        sealed, attachments = await self.endpoint.media.seal(
+            WorldObservation.from_json(observation))
+        call.outgoing.extend(attachments)
+        return sealed.to_json()
+
     def install(self, staged: StagedWorld, scope: Scope) -> dict[str, Any]:
         e = self.endpoint
         k = scope.step
+        # a replaced world restores without an Initialize: decide by reference here too
+        e.media.configure(e.shell.client, [v.byte_length for v in e.descriptor.views])
+        e.media.discard()
         e.world = staged.world
         e.episode_id = staged.episode_id
         e.bindings = staged.bindings
@@ -642,7 +670,7 @@ class WorldParticipant:
                 pipeline.push(step, data)
             e.pipelines[spec.view_id] = pipeline
             produced, data = pipeline.served(k)
-            ref = ViewRef(spec.view_id, produced, encode_media(VIEW_CONTENT_TYPE, data))
+            ref = ViewRef(spec.view_id, produced, e.media.stage(VIEW_CONTENT_TYPE, data))
             e.last_served[spec.view_id] = ref
             views.append(ref)
         e.budgets = {}

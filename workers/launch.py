@@ -34,7 +34,7 @@ Command line (§7.7), in the order `to_argv` writes it:
 
     common  --socket PATH --session ID --worker ID --incarnation ID --client-id ID
             --service NAME --supervisor ID --callers ID,ID,... --threads N --max-agents N
-            [--parent-pid PID] --log-format json|console
+            [--parent-pid PID] --log-format json|console [--media-inline-max-bytes N]
     agent   --port ID --model IMPORT --model-config JSON --tick NUM/DEN --warmup-ticks N
             [--prepare-delay-ms N[@K]] [--commit-delay-ms N[@K]] [--fail-commit-at-step K]
     env     --world IMPORT --world-config JSON --ports p1,p2 --step NUM/DEN
@@ -52,6 +52,8 @@ Resolved ambiguities:
 - A fault flag is written only when the knob is set (a `*_delay_ms` of None is not 0), so the
   round trip is exact; `--prepare-delay-ms` etc. are optional on the command line. `N@K` sets
   the delay and its `*_at_step`; an `*_at_step` without its delay is refused.
+- `--media-inline-max-bytes` (0..2^30, `[session] media_inline_max_bytes`, docs/topics.md
+  §14.2) is written only when it is not the default 16384: media above it travel by reference.
 - `--parent-pid` is written only when set (process mode); a worker given one re-arms
   die-with-parent and exits 1 when its parent is already someone else.
 - JSON configs travel as canonical JSON (`workers.canonical.canonical`) and must be objects.
@@ -87,12 +89,18 @@ from workers.domain import (
 from workers.faults import KNOBS, Faults, Role
 from workers.ticks import RationalNs
 
+#: `[session] media_inline_max_bytes` (docs/topics.md §14.2): blobs above it travel by reference
+DEFAULT_MEDIA_INLINE_MAX_BYTES: Final = 16384
+MAX_MEDIA_INLINE_MAX_BYTES: Final = 2**30
+
 __all__ = [
     "CRASHED_EXIT",
+    "DEFAULT_MEDIA_INLINE_MAX_BYTES",
     "DEFAULT_MODEL",
     "DEFAULT_STEP",
     "DEFAULT_TICK",
     "DEFAULT_WORLD",
+    "MAX_MEDIA_INLINE_MAX_BYTES",
     "REFUSED_LAUNCH",
     "START_GATE",
     "THREAD_VARIABLES",
@@ -241,6 +249,8 @@ class WorkerLaunch:
     faults: Faults = field(default_factory=Faults)
     parent_pid: int | None = None
     log_format: LogFormat = "json"
+    #: transport, not behaviour: media above it travel by reference (docs/topics.md §14.2)
+    media_inline_max_bytes: int = DEFAULT_MEDIA_INLINE_MAX_BYTES
 
     def __post_init__(self) -> None:
         if not isinstance(self.socket, str) or not self.socket or "\0" in self.socket:
@@ -270,6 +280,8 @@ class WorkerLaunch:
         if self.log_format not in ("json", "console"):
             raise DomainError.invalid(f"log format must be json or console; got "
                                       f"{short(self.log_format)}")
+        _int(self.media_inline_max_bytes, "media inline max bytes", 0,
+             MAX_MEDIA_INLINE_MAX_BYTES)
 
     @property
     def role(self) -> Role:
@@ -321,6 +333,8 @@ class WorkerLaunch:
         if self.parent_pid is not None:
             argv += ["--parent-pid", str(self.parent_pid)]
         argv += ["--log-format", self.log_format]
+        if self.media_inline_max_bytes != DEFAULT_MEDIA_INLINE_MAX_BYTES:
+            argv += ["--media-inline-max-bytes", str(self.media_inline_max_bytes)]
         s = self.settings
         if isinstance(s, AgentSettings):
             argv += [
@@ -464,6 +478,10 @@ def _delay_steps(text: str) -> int:
     return _decimal(text, "observation delay steps", 0, MAX_OBSERVATION_DELAY)
 
 
+def _media_threshold(text: str) -> int:
+    return _decimal(text, "media inline max bytes", 0, MAX_MEDIA_INLINE_MAX_BYTES)
+
+
 def _warmup(text: str) -> int:
     return _decimal(text, "warmup ticks", 0, U64_MAX)
 
@@ -519,6 +537,8 @@ def build_parser(role: Role) -> argparse.ArgumentParser:
     p.add_argument("--max-agents", required=True, type=_arg(_count))
     p.add_argument("--parent-pid", type=_arg(_pid))
     p.add_argument("--log-format", choices=("json", "console"), default="json")
+    p.add_argument("--media-inline-max-bytes", type=_arg(_media_threshold),
+                   default=DEFAULT_MEDIA_INLINE_MAX_BYTES)
     if role == "agent":
         p.add_argument("--port", required=True, type=_arg(_id))
         p.add_argument("--model", required=True, type=_arg(_import))
@@ -575,7 +595,8 @@ def parse_worker_argv(role: Role, argv: Sequence[str]) -> WorkerLaunch:
             incarnation_id=ns.incarnation, client_id=ns.client_id, service=ns.service,
             supervisor=ns.supervisor, callers=ns.callers, threads=ns.threads,
             max_agents=ns.max_agents, settings=settings, faults=Faults(**faults),
-            parent_pid=ns.parent_pid, log_format=ns.log_format)
+            parent_pid=ns.parent_pid, log_format=ns.log_format,
+            media_inline_max_bytes=ns.media_inline_max_bytes)
     except DomainError as exc:
         raise LaunchArgsError(f"python -m {MODULES[role]}: {exc.message}") from None
 

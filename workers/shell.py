@@ -91,7 +91,7 @@ import sys
 import threading
 from collections import deque
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
 from typing import Any, ClassVar, Final, TypeVar
@@ -103,7 +103,9 @@ from bus import client as bus_client
 from bus.errors import BusError
 from bus.limits import MAX_ID, result_frame
 from bus.schema import Validator, compile_schema
+from workers.artifacts import open_attached
 from workers.canonical import digest_bytes, digest_of, parse_strict
+from workers.datatypes import Attached
 from workers.dedup import Execute, OpClass, Refuse, Replay, ResultCache, Ticket, class_of
 from workers.domain import (
     DomainError,
@@ -317,11 +319,16 @@ class StatusCell:
 
 @dataclass(frozen=True, slots=True)
 class Call:
-    """One admitted request as its handler sees it."""
+    """One admitted request as its handler sees it. `attached`: the request's attachments,
+    opened (by-reference media, docs/topics.md §14.2); a handler appends to `outgoing` the
+    sealed artifacts its result names, and they leave with the reply (the shell keeps its holds
+    until the next reply with attachments, for a replay)."""
 
     method: str
     request: Request
     caller: str
+    attached: Mapping[str, Attached] = field(default_factory=dict)
+    outgoing: list[bus_client.Attachment] = field(default_factory=list)
 
     @property
     def request_id(self) -> str:
@@ -493,6 +500,10 @@ class WorkerShell:
         self._callers = launch.allowed_callers()
         self._lock = asyncio.Lock()
         self._shutdown = asyncio.Event()
+        #: the request id and sealed attachments of the last reply that carried some: this
+        #: worker keeps its holds on them until the next such reply, so a replay of that
+        #: reply (a re-sent request after a lost result) attaches them again
+        self._kept: tuple[str, tuple[bus_client.Attachment, ...]] | None = None
         self.client: bus_client.BusClient | None = None
         self.service: bus_client.Service | None = None
         self.service_incarnation: str | None = None
@@ -618,7 +629,8 @@ class WorkerShell:
         assert result is not None
         return Outcome.success(request, self.worker_id, self.incarnation_id, result).to_json()
 
-    async def _on_request(self, req: bus_client.Request) -> dict[str, Any] | None:
+    async def _on_request(self, req: bus_client.Request,
+                          ) -> dict[str, Any] | bus_client.Reply | None:
         """The SDK handler: everything up to admission runs before the first await."""
         method = req.method
         try:
@@ -642,7 +654,9 @@ class WorkerShell:
             return self._outcome(request, error=DomainError.before(
                 ErrorCode.IDENTITY_MISMATCH,
                 f"{caller} is not a caller of session {self.launch.session_id}"))
-        call = Call(method, request, caller)
+        attached = {} if not req.attachments or self.client is None \
+            else open_attached(self.client, req.attachments)
+        call = Call(method, request, caller, attached)
         if op == OpClass.READ_ONLY:
             return await self._read_only(call, req)
         digest = request.digest(method)
@@ -653,6 +667,9 @@ class WorkerShell:
             admission = self.cache.admit_lifecycle(request.request_id, digest)
         if isinstance(admission, Replay):
             self._log.info("worker.replay", method=method, request_id=request.request_id)
+            kept = self._kept
+            if kept is not None and kept[0] == request.request_id:
+                return bus_client.Reply(admission.outcome, attachments=kept[1])
             return admission.outcome
         if isinstance(admission, Refuse):
             return self._outcome(request, error=admission.error)
@@ -660,7 +677,7 @@ class WorkerShell:
         self.status.active_request_id = request.request_id
         return await self._execute(admission.ticket, call)
 
-    async def _execute(self, ticket: Ticket, call: Call) -> dict[str, Any]:
+    async def _execute(self, ticket: Ticket, call: Call) -> dict[str, Any] | bus_client.Reply:
         handler = self.endpoint.handlers[call.method]
         error: DomainError | None = None
         result: dict[str, Any] | None = None
@@ -684,6 +701,11 @@ class WorkerShell:
             self._log.exception("worker.handler_crashed", method=call.method)
             error = DomainError(ErrorCode.BACKEND_FAILURE,
                                 f"{call.method} failed: {type(exc).__name__}", Mutation.UNKNOWN)
+        outgoing = tuple(call.outgoing)
+        if error is not None and outgoing and self.client is not None:
+            # sealed for a result that is not sent: nothing else will ever name them
+            self.client.drop_nowait([a.artifact_id for a in outgoing])
+            outgoing = ()
         outcome = self._outcome(call.request, result=result, error=error)
         if error is None or error.mutation != Mutation.NONE:
             self.cache.complete(ticket, outcome)
@@ -695,6 +717,12 @@ class WorkerShell:
         else:
             self.cache.abandon(ticket)
         self.status.active_request_id = None
+        if outgoing:
+            # the previous reply's holds end (written before this reply, after that one)
+            if self._kept is not None and self.client is not None:
+                self.client.drop_nowait([a.artifact_id for a in self._kept[1]])
+            self._kept = (call.request_id, outgoing)
+            return bus_client.Reply(outcome, attachments=outgoing)
         return outcome
 
     # Worker.* (§2.5–§2.8) ----------------------------------------------------------------------

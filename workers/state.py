@@ -230,6 +230,12 @@ class Participant(Protocol[S]):
         """Install `staged` without advancing a tick; the reply's observation (model thread)."""
         ...
 
+    async def seal_media(self, call: Call, observation: dict[str, Any] | None,
+                         ) -> dict[str, Any] | None:
+        """The reply's observation with the media `install` staged sealed and attached
+        (docs/topics.md §14.2 rule 7; on the loop)."""
+        ...
+
 
 @dataclass(frozen=True)
 class StagedRestore(Generic[S]):
@@ -398,6 +404,7 @@ class StateService(Generic[S]):
         try:
             observation = await endpoint.run_model(
                 method, lambda: participant.install(staged.state, scope))
+            observation = await participant.seal_media(call, observation)
         except DomainError as exc:
             raise DomainError(ErrorCode.BACKEND_FAILURE, f"{method}: {exc.code}: {exc.message}",
                               Mutation.UNKNOWN) from None

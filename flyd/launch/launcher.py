@@ -117,6 +117,7 @@ from flyd.launch.spawner import Spawner
 from workers.domain import DomainError, ErrorCode, Mutation, format_request_id
 from workers.launch import (
     CRASHED_EXIT,
+    DEFAULT_MEDIA_INLINE_MAX_BYTES,
     AgentSettings,
     EnvironmentSettings,
     Faults,
@@ -374,7 +375,8 @@ class Composition(Protocol):
 def worker_launch(names: SessionNames, identity: WorkerIdentity, settings: Settings,
                   faults: Faults, mode: ExecutionMode, *, socket: str, supervisor: str,
                   max_agents: int, log_format: LogFormat = "json",
-                  parent_pid: int | None = None) -> WorkerLaunch:
+                  parent_pid: int | None = None,
+                  media_inline_max_bytes: int = DEFAULT_MEDIA_INLINE_MAX_BYTES) -> WorkerLaunch:
     """The `WorkerLaunch` of one launch: identity, the session's callers (coordinator, launcher,
     node), the supervisor (the launcher), and `--parent-pid` in process mode only: the process
     that starts the worker (`parent_pid`: the fork server), this one by default."""
@@ -385,7 +387,7 @@ def worker_launch(names: SessionNames, identity: WorkerIdentity, settings: Setti
         threads=identity.worker_threads, max_agents=max_agents, settings=settings,
         faults=faults,
         parent_pid=(parent_pid or os.getpid()) if mode is ExecutionMode.PROCESS else None,
-        log_format=log_format)
+        log_format=log_format, media_inline_max_bytes=media_inline_max_bytes)
 
 
 def composition_plans(names: SessionNames, spec: Composition, *,
@@ -706,7 +708,8 @@ class Launcher:
         """The `WorkerLaunch` this launcher writes for a launch (§7.7)."""
         return worker_launch(self.names, identity, settings, faults, mode, socket=self.socket,
                              supervisor=self.client_id, max_agents=self.max_agents,
-                             log_format=self.log_format, parent_pid=parent_pid)
+                             log_format=self.log_format, parent_pid=parent_pid,
+                             media_inline_max_bytes=self.spawner.settings.media_inline_max_bytes)
 
     async def _parent_pid(self) -> int:
         try:

@@ -49,7 +49,7 @@ import structlog
 
 from flyd.launch.forkserver import ForkServer, ForkServerError
 from flyd.launch.spawn import ChildProcess, SpawnedChild, spawn_worker
-from workers.launch import WorkerLaunch
+from workers.launch import DEFAULT_MEDIA_INLINE_MAX_BYTES, WorkerLaunch
 
 __all__ = ["LauncherSettings", "Spawner", "add_import_roots", "python_path"]
 
@@ -69,6 +69,9 @@ class LauncherSettings:
     concurrency: int = 8
     #: absolute directories searched for plugin packages before the installed ones
     plugin_paths: tuple[str, ...] = ()
+    #: `[session] media_inline_max_bytes`: every worker's threshold for media by reference
+    #: (docs/topics.md §14.2); transport, so not part of the run spec
+    media_inline_max_bytes: int = DEFAULT_MEDIA_INLINE_MAX_BYTES
 
 
 def add_import_roots(paths: Sequence[str]) -> None:

@@ -26,6 +26,7 @@ from flyd.session.fence import Detail
 from flyd.session.media import Media, check_audio, check_views
 from flyd.session.slots import AgentSlot
 from workers.datatypes import (
+    Attached,
     EnvironmentDescriptor,
     PortControl,
     TypedValue,
@@ -68,8 +69,10 @@ def controls_for(scope: Scope, descriptor: EnvironmentDescriptor, agent_ids: Seq
 
 def check_advance(k: int, result: dict[str, Any], batch_id: str, controls_digest: str,
                   descriptor: EnvironmentDescriptor, old: WorldObservation,
-                  audio: AudioTimelines, world_id: str) -> tuple[WorldObservation, Media]:
-    """O[k+1] and its decoded media, from the Advance's result."""
+                  audio: AudioTimelines, world_id: str,
+                  attached: Mapping[str, Attached] | None = None,
+                  ) -> tuple[WorldObservation, Media]:
+    """O[k+1] and its decoded media, from the Advance's result (and its opened attachments)."""
     try:
         if result.get("batchId") != batch_id:
             raise backend_failure(f"the world applied batch {result.get('batchId')}, expected "
@@ -94,8 +97,8 @@ def check_advance(k: int, result: dict[str, Any], batch_id: str, controls_digest
                                   "step")
         if new.inspection.schema != descriptor.inspection_schema:
             raise backend_failure("the inspection schema differs from the descriptor's")
-        media = check_views(descriptor, new, k + 1, Mutation.UNKNOWN)
-        check_audio(descriptor, new, media, audio)
+        media = check_views(descriptor, new, k + 1, Mutation.UNKNOWN, attached)
+        check_audio(descriptor, new, media, audio, attached)
     except DomainError as exc:
         raise Blame(exc, Detail.OBSERVATION, world_id) from None
     return new, media

@@ -27,9 +27,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
+from bus.client import Attachment
 from flyd.session.calls import (
     Blame,
+    Call,
     CallEngine,
     as_domain_error,
     backend_failure,
@@ -40,6 +43,7 @@ from flyd.session.injections import InjectionOutcome
 from flyd.session.media import Media, check_views
 from flyd.session.runspec import RunSpec
 from flyd.session.slots import AgentSlot
+from workers.artifacts import open_attached, referenced_artifacts
 from workers.composition import config_asset
 from workers.datatypes import EnvironmentDescriptor, Graph, Telemetry, WorldObservation
 from workers.domain import DomainError, ErrorCode, Mutation, Scope, parse_u64
@@ -103,6 +107,18 @@ async def initialize_environment(calls: CallEngine, spec: RunSpec, scope: Scope,
         "episodeId": spec.episode_id,
         "portBindings": [[p, a] for p, a in bindings]})
     result = await calls.blamed(call)
+    received = calls.take_attachments(call)
+    try:
+        return _world_start(calls, call, result, received, wid, bindings)
+    except BaseException:
+        calls.drop([a.artifact_id for a in received])
+        raise
+
+
+def _world_start(calls: CallEngine, call: Call, result: dict[str, Any],
+                 received: tuple[Attachment, ...], wid: str,
+                 bindings: Sequence[tuple[str, str]]) -> WorldStart:
+    """Check `Environment.Initialize`'s result; its media hold `received`."""
     try:
         descriptor = EnvironmentDescriptor.from_json(result["descriptor"])
         observation = WorldObservation.from_json(result["observation"])
@@ -121,9 +137,11 @@ async def initialize_environment(calls: CallEngine, spec: RunSpec, scope: Scope,
             raise backend_failure("O[0] inspection schema differs from the descriptor's")
         if observation.audio:
             raise backend_failure("O[0] carries audio")
-        media = check_views(descriptor, observation, 0, Mutation.NONE)
+        attached = open_attached(calls.client, received) if received else None
+        media = check_views(descriptor, observation, 0, Mutation.NONE, attached)
     except DomainError as exc:
         raise Blame(exc, "Environment.Initialize", wid) from None
+    media.held = tuple(a.artifact_id for a in received)
     return WorldStart(descriptor, observation, media, call.request_id)
 
 
@@ -155,7 +173,8 @@ async def initialize_agent(calls: CallEngine, scope: Scope, agent_id: str, slot:
                          "structured": (observation.inspection.to_json() if structured
                                         else None)},
         "initialDecisionContext": slot.context.to_json(),
-        "workerThreads": slot.spec.threads})
+        "workerThreads": slot.spec.threads},
+        attachments=referenced_artifacts(observation.sensory_views))
     result = await calls.blamed(call)
     try:
         if result.get("committedStep") != "0":

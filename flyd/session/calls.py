@@ -41,13 +41,20 @@ Rules:
    `BACKEND_FAILURE`), a `SessionFailure` passes, any other exception fails with `step`
    (`INTERNAL`/`unknown` unless it is a `DomainError`), and a cancellation away from a committed
    boundary fails (`BACKEND_FAILURE`/`unknown`) before it propagates.
+9. Attachments (docs/topics.md §14.2): a `Call` may carry artifact ids, sent without transfer.
+   The SDK holds a result's attachments; those of a world's media results
+   (`Environment.Initialize`, `Environment.Advance`, `State.ActivateRestore`) wait for
+   `take_attachments`, any other's
+   are dropped at once, and a re-sent call's earlier ones too. `drop` is pipelined, never
+   awaited; `drop_received` drops what nobody took (an epoch failure).
 
 API: `Call`, `Blame`, `Deadlines`, `RESOLVE_PAUSE`, `format_duration`,
 `identity_mismatch`, `backend_failure`, `as_domain_error`; `CallEngine(client, refs,
 deadlines, machine, audit=, stats=, metrics=, on_fail=)` with `client`, `replace_client`,
 `refs`, `ref`, `pin`, `replace`, `deadlines`, `phase`, `machine`, `last_failure`, `new_call`,
 `deadline_of`, `send`, `check_reply`, `settle`, `call`, `blamed`, `acknowledge`, `probe`,
-`resolve`, `move`, `fail`, `refuse_if_fenced`, `guarded`.
+`resolve`, `move`, `fail`, `refuse_if_fenced`, `guarded`, `take_attachments`, `drop`,
+`drop_received`.
 """
 
 from __future__ import annotations
@@ -59,7 +66,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Final, NoReturn
 
-from bus.client import BusClient
+from bus.client import Attachment, BusClient
 from bus.errors import BusError, CallDeadlineExceeded
 from flyd.launch.identities import WorkerRef
 from flyd.session.audit import AuditLog
@@ -92,6 +99,9 @@ __all__ = [
 ]
 
 RESOLVE_PAUSE: Final = 0.002
+#: methods whose results carry a world's media, possibly by reference (docs/topics.md §14.2)
+MEDIA_METHODS: Final = frozenset({"Environment.Initialize", "Environment.Advance",
+                                  "State.ActivateRestore"})
 
 
 @dataclass(frozen=True)
@@ -158,6 +168,9 @@ class Call:
     request_id: str
     scope: Scope | None
     params: dict[str, Any]
+    #: artifacts the request carries (by-reference views, docs/topics.md §14.2); the engine's
+    #: client holds them, and never transfers them
+    attachments: tuple[str, ...] = ()
 
     def payload(self) -> dict[str, Any]:
         return {"requestId": self.request_id,
@@ -181,6 +194,8 @@ class CallEngine:
         self._metrics = metrics
         self._on_fail = on_fail
         self.last_failure: SessionFailure | None = None
+        #: held attachments of media results not yet taken, by (worker, request id)
+        self._received: dict[tuple[str, str], tuple[Attachment, ...]] = {}
 
     # ------------------------------------------------------------------ participants
 
@@ -212,11 +227,12 @@ class CallEngine:
     # ------------------------------------------------------------------ calls (§6.4)
 
     def new_call(self, worker_id: str, method: str, scope: Scope | None,
-                 params: dict[str, Any], ref: WorkerRef | None = None) -> Call:
+                 params: dict[str, Any], ref: WorkerRef | None = None,
+                 attachments: Sequence[str] = ()) -> Call:
         serials = self._serials
         serials[worker_id] = serials.get(worker_id, 0) + 1
         return Call(worker_id, ref or self._refs[worker_id], method,
-                    format_request_id(serials[worker_id]), scope, params)
+                    format_request_id(serials[worker_id]), scope, params, tuple(attachments))
 
     def deadline_of(self, method: str) -> float:
         if method == "Worker.Hello" or method.endswith(".Initialize"):
@@ -237,14 +253,44 @@ class CallEngine:
             async with asyncio.timeout(timeout + 2.0):
                 result = await self._client.call(
                     call.ref.service, call.method, payload, timeout=timeout,
-                    expected_incarnation=call.ref.service_incarnation)
+                    expected_incarnation=call.ref.service_incarnation,
+                    attachments=call.attachments)
         except (CallDeadlineExceeded, TimeoutError):
             return Expired()
         except BusError as exc:
             return Refused(from_bus_error(call.method, exc))
         finally:
             self._metrics.observe(call.method, time.perf_counter() - started)
+        if result.attachments:
+            self._keep_received(call, result.attachments)
         return answer(call.method, result.outcome)
+
+    # ------------------------------------------------------------------ attachments (§14.2)
+
+    def _keep_received(self, call: Call, attachments: tuple[Attachment, ...]) -> None:
+        """The SDK holds a result's attachments; only a world's media results are kept for
+        `take_attachments`, anything else is dropped at once (nobody would ever drop it)."""
+        key = (call.worker_id, call.request_id)
+        if call.method not in MEDIA_METHODS:
+            self.drop([a.artifact_id for a in attachments])
+            return
+        previous = self._received.pop(key, ())
+        self.drop([a.artifact_id for a in previous])
+        self._received[key] = attachments
+
+    def take_attachments(self, call: Call) -> tuple[Attachment, ...]:
+        """The held attachments of `call`'s result; the caller drops them from now on."""
+        return self._received.pop((call.worker_id, call.request_id), ())
+
+    def drop(self, artifact_ids: Sequence[str]) -> None:
+        """End the engine client's holds on `artifact_ids`, pipelined (never awaited)."""
+        if artifact_ids:
+            self._client.drop_nowait(list(artifact_ids))
+
+    def drop_received(self) -> None:
+        """Drop every attachment not taken (an epoch failure, a restore)."""
+        received, self._received = self._received, {}
+        self.drop([a.artifact_id for atts in received.values() for a in atts])
 
     def check_reply(self, call: Call, outcome: Outcome) -> dict[str, Any]:
         """Identity and echo checks (§6.4); a domain error outcome is raised; the result is

@@ -162,6 +162,7 @@ from flyd.state.writer import (
     SaveTicket,
     audit_line,
 )
+from workers.artifacts import any_by_reference, open_attached, referenced_artifacts
 from workers.canonical import controls_digest, typed_digest
 from workers.datatypes import (
     EnvironmentDescriptor,
@@ -460,8 +461,19 @@ class Coordinator:
             slot.decision = None
             slot.prepare_request = None
             slot.commit_request = None
-        self._media = Media()
-        self._pending_media = Media()
+        self._set_media(committed=Media(), pending=Media())
+        self._calls.drop_received()
+
+    def _set_media(self, *, committed: Media | None = None, pending: Media | None = None) -> None:
+        """Replace the committed and/or the in-flight media, dropping the holds on artifacts
+        (docs/topics.md §14.2 rule 5) that neither of them keeps any more."""
+        old = (self._media, self._pending_media)
+        if committed is not None:
+            self._media = committed
+        if pending is not None:
+            self._pending_media = pending
+        keep = set(self._media.held) | set(self._pending_media.held)
+        self._calls.drop([a for media in old for a in media.held if a not in keep])
 
     def fence_now(self, message: str) -> None:
         """Close the fence from outside, synchronously (a lost lease, distribution.md §5.5
@@ -525,7 +537,7 @@ class Coordinator:
         world = await initialize_environment(calls, self.spec, self._scope(0), self.bindings())
         self.descriptor = world.descriptor
         self.observation = observation = world.observation
-        self._media = world.media
+        self._set_media(committed=world.media)
         self._audio = AudioTimelines.fresh(world.descriptor)
         self._owed.setdefault(wid, []).append(world.request_id)
         audit.add("environment.initialize")
@@ -702,9 +714,16 @@ class Coordinator:
             raise Blame(exc, "Environment.Advance", self.world_id) from None
         # C. Observe
         engine.move(Observing(k + 1), Detail.STEP)
-        new, media = check_advance(k, step_result, batch_id, self._controls_digest, descriptor,
-                                   old, self._audio, self.world_id)
-        self._pending_media = media
+        received = engine.take_attachments(advance)
+        try:
+            attached = open_attached(engine.client, received) if received else None
+            new, media = check_advance(k, step_result, batch_id, self._controls_digest,
+                                       descriptor, old, self._audio, self.world_id, attached)
+        except BaseException:
+            engine.drop([a.artifact_id for a in received])
+            raise
+        media.held = tuple(a.artifact_id for a in received)
+        self._set_media(pending=media)
         if self.injections.at_step == k:
             await advance_injections(engine, self.injections, advance, step_result, descriptor,
                                      media.views, self.injection_log)
@@ -738,8 +757,7 @@ class Coordinator:
                 bound.last_controls = control
         self.observation = new
         self.last_evaluation = evaluation
-        self._media = self._pending_media
-        self._pending_media = Media()
+        self._set_media(committed=self._pending_media, pending=Media())
         self._audio.advance(new.audio)
         self._progress = evaluation.progress
         self.stats.advances += 1
@@ -777,6 +795,7 @@ class Coordinator:
         calls: list[Call] = []
         # every agent receives the same views: one JSON value shared by every call
         views = [v.to_json() for v in new.sensory_views]
+        attachments = referenced_artifacts(new.sensory_views)
         structured = new.inspection.to_json() if self.structured_input else None
         for agent_id in self._agents_in_order():
             slot = self._slots[agent_id]
@@ -788,7 +807,8 @@ class Coordinator:
                               "structured": structured},
                 "nextDecisionContext": evaluation.next_contexts[agent_id].to_json(),
                 "rewards": [r.to_json() for r in outcome.rewards],
-                "taskStimulations": [s.to_json() for s in outcome.stimulations]}))
+                "taskStimulations": [s.to_json() for s in outcome.stimulations]},
+                attachments=attachments))
         results: dict[str, dict[str, Any] | DomainError] = {}
         telemetry: dict[str, Telemetry] = {}
 
@@ -865,18 +885,23 @@ class Coordinator:
             (agent_id, slot.telemetry, slot.last_decision if fresh else None,
              slot.last_controls if fresh else None)
             for agent_id, slot in ((a, self._slots[a]) for a in self.agent_ids)]
-        self.snapshots.publish_snapshot_on_read(functools.partial(
+        body = functools.partial(
             snapshot_body, self._descriptor_revision, self._scope(b), self.spec.episode_id,
             self._snapshot_sequence, self.observation, agents, self._progress,
-            tuple(self._last_event_ids)))
+            tuple(self._last_event_ids))
+        self.snapshots.publish_snapshot_on_read(body)
         self._snapshot_sequence += 1
         if self.publisher is not None:
             evaluation = self.last_evaluation if observed else None
+            # the snapshot rides along only when large media are by reference (run_topic)
+            by_reference = any_by_reference(self.observation)
             self.publisher.boundary(
                 self._calls.client, b, self.observation.world_time,
                 {} if evaluation is None else
                 {a: evaluation.outcomes[a].rewards for a in self.agent_ids},
-                self._last_event_ids)
+                self._last_event_ids, body() if by_reference else None,
+                referenced_artifacts(self.observation.sensory_views, self.observation.audio)
+                if by_reference else ())
         self.audit.add(f"publish:{b}")
         self.stats.publications += 1
 
@@ -1021,7 +1046,7 @@ class Coordinator:
         self._last_event_ids = []
         self.observation = installed.observation
         self.last_evaluation = None
-        self._media = installed.media
+        self._set_media(committed=installed.media, pending=Media())
         self._audio = installed.audio
         self._durable = installed.durable
         self.epoch = installed.epoch

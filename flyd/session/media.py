@@ -11,30 +11,50 @@ Rules:
   decodes against its declaration; else `BUFFER_INVALID` with the caller's mutation.
 - `check_audio`: every declared stream produced a chunk that decodes (`BUFFER_INVALID`/
   `unknown`), and the chunks continue their timelines (`AudioTimelines.check`).
+- By reference (docs/topics.md §14.2): `attached` are the result's attachments, opened; a
+  by-reference blob decodes only from the attachment it names, of its length and digest
+  (`workers.datatypes.decode_media`). `Media.held` are the artifact ids the coordinator's
+  connection holds for these media: whoever replaces a `Media` drops the ids the new one does
+  not hold (`released`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from workers.datatypes import EnvironmentDescriptor, WorldObservation, decode_audio, decode_view
+from workers.datatypes import (
+    Attached,
+    EnvironmentDescriptor,
+    WorldObservation,
+    decode_audio,
+    decode_view,
+)
 from workers.domain import DomainError, ErrorCode, Mutation
 from workers.synthetic.audio import AudioTimelines
 
-__all__ = ["Media", "check_audio", "check_views"]
+__all__ = ["Media", "check_audio", "check_views", "released"]
 
 
 @dataclass
 class Media:
     views: dict[str, bytes] = field(default_factory=dict)
     audio: dict[str, bytes] = field(default_factory=dict)
+    held: tuple[str, ...] = ()
 
     def count(self) -> int:
         return len(self.views) + len(self.audio)
 
 
+def released(old: Media, new: Media) -> list[str]:
+    """The artifact ids `old` holds and `new` does not: to drop when `new` replaces `old`."""
+    keep = set(new.held)
+    return [a for a in old.held if a not in keep]
+
+
 def check_views(descriptor: EnvironmentDescriptor, observation: WorldObservation,
-                boundary: int, mutation: Mutation) -> Media:
+                boundary: int, mutation: Mutation,
+                attached: Mapping[str, Attached] | None = None) -> Media:
     media = Media()
     by_id = {v.view_id: v for v in observation.sensory_views}
     for view in descriptor.views:
@@ -49,12 +69,13 @@ def check_views(descriptor: EnvironmentDescriptor, observation: WorldObservation
                               f"view {view.view_id} at boundary {boundary} was produced at "
                               f"{ref.produced_step}; the descriptor requires {want}",
                               mutation)
-        media.views[view.view_id] = decode_view(ref, view, mutation)
+        media.views[view.view_id] = decode_view(ref, view, mutation, attached)
     return media
 
 
 def check_audio(descriptor: EnvironmentDescriptor, observation: WorldObservation,
-                media: Media, timelines: AudioTimelines) -> None:
+                media: Media, timelines: AudioTimelines,
+                attached: Mapping[str, Attached] | None = None) -> None:
     by_id = {a.stream_id: a for a in observation.audio}
     for stream in descriptor.audio:
         chunk = by_id.get(stream.stream_id)
@@ -62,5 +83,5 @@ def check_audio(descriptor: EnvironmentDescriptor, observation: WorldObservation
             raise DomainError(ErrorCode.BUFFER_INVALID,
                               f"audio stream {stream.stream_id} produced no chunk for this "
                               "transition", Mutation.UNKNOWN)
-        media.audio[stream.stream_id] = decode_audio(chunk, stream, Mutation.UNKNOWN)
+        media.audio[stream.stream_id] = decode_audio(chunk, stream, Mutation.UNKNOWN, attached)
     timelines.check(observation.audio, Mutation.UNKNOWN)

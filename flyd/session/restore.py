@@ -86,8 +86,10 @@ from flyd.state.envelope import (
     WORLD_PAYLOAD,
     Envelope,
 )
+from workers.artifacts import open_attached
 from workers.canonical import canonical, digest_bytes, digest_of, parse_strict, typed_digest
 from workers.datatypes import (
+    Attached,
     EnvironmentDescriptor,
     Graph,
     MediaBlob,
@@ -216,6 +218,10 @@ class Install:
     results: dict[str, dict[str, Any]] = field(default_factory=dict)
     buffers: dict[str, ImportedBuffer] = field(default_factory=dict)
     uncertain: set[str] = field(default_factory=set)
+    #: the restored media by reference (docs/topics.md §14.2 rule 7): the world's activation
+    #: result's attachments, opened, and the ids the engine's connection holds for them
+    attached: dict[str, Attached] = field(default_factory=dict)
+    held: tuple[str, ...] = ()
 
     @property
     def manifest(self) -> dict[str, Any]:
@@ -470,6 +476,10 @@ async def _activate(install: Install) -> None:
                                       {"restoreToken": install.staged[worker]})
         install.uncertain.add(worker)  # from here on it may hold the proposed epoch
         result = await _ask(install, worker, call)
+        received = install.calls.take_attachments(call)
+        if received:
+            install.held += tuple(a.artifact_id for a in received)
+            install.attached.update(open_attached(install.calls.client, received))
         install.results[worker] = result
         install.activated.append(worker)
         install.activate_requests[worker] = call.request_id
@@ -631,7 +641,7 @@ def _check_observation(observation: WorldObservation, descriptor: EnvironmentDes
             raise fail(f"restored view {view.view_id} with digest {ref.pixels.digest}; the "
                        f"checkpoint recorded {recorded[view.view_id]['digest']}")
         try:
-            decode_view(ref, view, Mutation.UNKNOWN)
+            decode_view(ref, view, Mutation.UNKNOWN, install.attached)
         except DomainError as exc:
             raise fail(exc.message) from None
 
@@ -660,7 +670,8 @@ def _installed(install: Install, ledgers: _Ledgers, observation: WorldObservatio
     assert descriptor is not None
     k = install.k
     audio = AudioTimelines.restored(descriptor, ledgers.inspection["audioPositions"])
-    media = check_views(descriptor, observation, k, Mutation.UNKNOWN)
+    media = check_views(descriptor, observation, k, Mutation.UNKNOWN, install.attached)
+    media.held, install.held = install.held, ()
     target.task.restore(ledgers.task_state)
     task = ledgers.task
     contexts = {c["agentId"]: TypedValue.from_json(c["context"]) for c in task["contexts"]}
@@ -718,3 +729,6 @@ async def install(plan: Install, state: StateContext) -> Installed:
         raise InstallAborted(abort.error, abort.participant, plan.tainted) from None
     finally:
         plan.buffers.clear()
+        # restored media not handed over in `Installed.media` (an abort) are dropped
+        plan.calls.drop(plan.held)
+        plan.held = ()

@@ -11,9 +11,13 @@ Rules:
 - `descriptor(client, body)` at every descriptor publication (`publish:descriptor`,
   `descriptor-revision:<n>`): `{kind: "descriptor", run, descriptor}`.
 - `boundary(client, ...)` at every `publish:<k>`, after the commit: `{kind: "boundary", run,
-  boundary, worldTime, stepsPerSecond, rewards, eventIds}`. `stepsPerSecond` is the rate over
-  the boundaries published in the last second of wall time (and the one before them), 0 before
-  the second; every watcher therefore shows the same figure whatever its slot skipped.
+  boundary, worldTime, stepsPerSecond, rewards, eventIds}`, plus `snapshot` (the boundary's
+  snapshot body) with the boundary's artifacts attached (no transfer: the coordinator keeps its
+  holds) when some medium of the boundary travels by reference, the rest being small
+  (docs/topics.md §14.2, §16 decision 31: large inline media would cost a base64 snapshot per
+  step). `stepsPerSecond` is the rate over the boundaries published in the last second of
+  wall time (and the one before them), 0 before the second; every watcher therefore shows the
+  same figure whatever its slot skipped.
 - `on_publish_failed` is the coordinator connection's hook: it counts the refusal here and in
   the bound `Stats.publications_refused`, and logs the first refusal of each error name.
 - A publication the SDK refuses locally (a closed connection) counts as refused too.
@@ -102,12 +106,17 @@ class RunPublisher:
         self._send(client, {"kind": "descriptor", "run": self.run_id, "descriptor": body})
 
     def boundary(self, client: BusClient, boundary: int, world_time: RationalNs,
-                 rewards: Mapping[str, Sequence[Reward]], event_ids: Sequence[str]) -> None:
-        self._send(client, {
+                 rewards: Mapping[str, Sequence[Reward]], event_ids: Sequence[str],
+                 snapshot: dict[str, Any] | None = None,
+                 attachments: Sequence[str] = ()) -> None:
+        payload: dict[str, Any] = {
             "kind": "boundary", "run": self.run_id, "boundary": boundary,
             "worldTime": world_time.to_json(), "stepsPerSecond": self._rate(boundary),
             "rewards": {agent: [r.to_json() for r in given] for agent, given in rewards.items()},
-            "eventIds": list(event_ids)})
+            "eventIds": list(event_ids)}
+        if snapshot is not None:
+            payload["snapshot"] = snapshot
+        self._send(client, payload, tuple(attachments))
 
     def _rate(self, boundary: int) -> float:
         """Boundaries per second over the last `RATE_WINDOW_S` (module rules)."""
@@ -123,9 +132,10 @@ class RunPublisher:
             return 0.0
         return round((boundary - first) / (now - first_at), 1)
 
-    def _send(self, client: BusClient, payload: dict[str, Any]) -> None:
+    def _send(self, client: BusClient, payload: dict[str, Any],
+              attachments: tuple[str, ...] = ()) -> None:
         try:
-            client.publish_nowait(self.topic, payload)
+            client.publish_nowait(self.topic, payload, attachments=attachments)
         except BusError as exc:
             self._refused(exc.name, exc.message)
 

@@ -26,6 +26,7 @@ import pytest
 
 from flyd.launch.identities import WorkerRef
 from flyd.launch.launcher import ExecutionMode, Launcher, connect_expected, start_error
+from flyd.launch.spawner import LauncherSettings, Spawner
 from flyd.session.coordinator import SessionFailure
 from flyd.session.runspec import RunSpec
 from tests.session.harness import ALL_MODES, Fixture, SessionHarness
@@ -44,7 +45,7 @@ from workers.datatypes import (
 from workers.domain import DomainError, ErrorCode, Scope
 from workers.environment import EnvironmentEndpoint
 from workers.faults import Faults
-from workers.launch import WorkerLaunch
+from workers.launch import MAX_MEDIA_INLINE_MAX_BYTES, WorkerLaunch
 from workers.protocols import AgentModel, DecodedView
 from workers.roles import endpoint_for
 from workers.shell import Endpoint
@@ -135,9 +136,12 @@ class MediaHarness(SessionHarness):
     async def _open(self) -> None:
         self.recorder = Recorder()
         fixture = self.fixture
+        self.spawner = Spawner(LauncherSettings(
+            media_inline_max_bytes=fixture.media_inline_max_bytes), socket=self.socket)
         self.launcher = await Launcher.open(names=self.names, socket=self.socket, node=self.node,
                                             budget=self.budget, health=fixture.health,
-                                            endpoint_factory=self.recorder.factory)
+                                            endpoint_factory=self.recorder.factory,
+                                            spawner=self.spawner)
         try:
             self.workers = await self.launcher.launch_composition(self.spec, fixture.mode)
         except DomainError as exc:
@@ -264,12 +268,15 @@ class UncapturedArena(CounterArena):
 
 
 async def test_a_frame_over_the_envelope_fails_naming_the_limit() -> None:
-    """A 512×512 view is 1 MiB of RGBA8, 1.4 MB as inline base64: the world answers with a
-    failure naming the router's limit and the key that raises it, never a reply the router
-    would refuse (the coordinator would hear only that the call went without one)."""
+    """A 512×512 view is 1 MiB of RGBA8, 1.4 MB as inline base64: with media kept inline (the
+    threshold at its maximum), the world answers with a failure naming the router's limit and
+    the key that raises it, never a reply the router would refuse (the coordinator would hear
+    only that the call went without one)."""
     world = replace(RunSpec().world, impl="tests.media.test_media:UncapturedArena",
                     config={"width": 512, "height": 512})
-    async with SessionHarness.start(Fixture(composition=replace(RunSpec(), world=world))) as h:
+    fixture = Fixture(composition=replace(RunSpec(), world=world),
+                      media_inline_max_bytes=MAX_MEDIA_INLINE_MAX_BYTES)
+    async with SessionHarness.start(fixture) as h:
         with pytest.raises(SessionFailure) as caught:
             await h.bootstrap()
     failure = caught.value
@@ -365,7 +372,9 @@ async def test_one_audio_chunk_per_boundary_with_an_exact_sample_budget() -> Non
 
 async def test_a_cadence_that_does_not_divide_the_sample_rate_still_lands_on_whole_samples(
 ) -> None:
-    async with MediaHarness.start(MediaFixture(step=HZ7)) as h:
+    # the chunks are read from the local feed's snapshots, so they stay inline
+    fixture = MediaFixture(step=HZ7, media_inline_max_bytes=MAX_MEDIA_INLINE_MAX_BYTES)
+    async with MediaHarness.start(fixture) as h:
         await h.bootstrap()
         feed = h.coordinator.snapshots.subscribe(depth=16, replay=True)
         await h.run(7)

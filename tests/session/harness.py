@@ -8,6 +8,8 @@ participants in any execution mode, and a coordinator, wired as a node wires the
 `Fixture` = the synthetic run spec (`RunSpec()`, the `SessionSpec.synthetic()` of §4.7) plus
 `mode` (default in-process), `order`, `faults` per worker, `thread_budget`, `health`,
 `deadlines`, `injections`, `pacing`, `terminal`, `agents` (to change the composition),
+`media_inline_max_bytes` (the node's threshold for media by reference, docs/topics.md §14.2),
+`router_limits` and `router_store` (the in-process router's `Limits` and `StoreSettings`),
 `composition` (a run spec whose agents, world, task and executor replace the synthetic ones: a
 plugin composition), `router` (`"test"`: in the test process; `"process"`: a child
 `python -m flyd router` with the default closed policy, stopped by SIGTERM) and `run_id` (the
@@ -34,8 +36,10 @@ from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
 from bus.client import BusClient, Topic, connect
+from bus.limits import Limits
 from bus.policy import Policy
 from bus.router import Router, RouterConfig
+from bus.store import StoreSettings
 from flyd.launch.budget import ThreadBudget
 from flyd.launch.health import HealthPolicy
 from flyd.launch.identities import SessionNames, SessionTags, WorkerRef, new_node_id, node_client_id
@@ -48,13 +52,15 @@ from flyd.launch.launcher import (
     connect_expected,
     start_error,
 )
+from flyd.launch.spawner import LauncherSettings, Spawner
 from flyd.node.router_child import router_answers
 from flyd.session.coordinator import Coordinator, Deadlines, DispatchOrder, Injections, StepReport
 from flyd.session.run_topic import RunPublisher
 from flyd.session.runspec import AgentSpec, RunSpec, TaskSpec
 from workers.domain import DomainError
 from workers.faults import Faults
-from workers.shell import load_plugin
+from workers.launch import DEFAULT_MEDIA_INLINE_MAX_BYTES
+from workers.shell import EndpointFactory, load_plugin
 from workers.synthetic.executor import IdentityExecutor
 from workers.synthetic.task import CounterTask
 
@@ -80,6 +86,12 @@ class Fixture:
     router: str = "test"
     composition: RunSpec | None = None
     run_id: int | None = None
+    #: the node's `[session] media_inline_max_bytes` (docs/topics.md §14.2)
+    media_inline_max_bytes: int = DEFAULT_MEDIA_INLINE_MAX_BYTES
+    #: the in-process router's limits and store (`RouterConfig.limits`, `.store`; None: its
+    #: defaults)
+    router_limits: Limits | None = None
+    router_store: StoreSettings | None = None
 
     def spec(self) -> RunSpec:
         if self.composition is not None:
@@ -103,16 +115,21 @@ async def within(awaitable: Awaitable[T], seconds: float = WAIT) -> T:
 class RouterHandle:
     """The harness's router: in the test process (`Router`) or a child `flyd router`."""
 
-    def __init__(self, socket: str, in_process: bool) -> None:
+    def __init__(self, socket: str, in_process: bool, limits: Limits | None = None,
+                 store: StoreSettings | None = None) -> None:
         self.socket = socket
         self.in_process = in_process
+        self.limits = limits
+        self.store = store
         self._router: Router | None = None
         self._child: asyncio.subprocess.Process | None = None
 
     async def start(self) -> None:
         if self.in_process:
-            self._router = Router(RouterConfig(socket_path=self.socket,
-                                               policy=Policy.default(os.getpid())))
+            given: dict[str, Any] = {"limits": self.limits, "store": self.store}
+            self._router = Router(RouterConfig(
+                socket_path=self.socket, policy=Policy.default(os.getpid()),
+                **{k: v for k, v in given.items() if v is not None}))
             await self._router.start()
             return
         self._child = await asyncio.create_subprocess_exec(
@@ -158,6 +175,7 @@ class SessionHarness:
         self.budget = budget
         self.spec = fixture.spec()
         self.launcher: Launcher | None = None
+        self.spawner: Spawner | None = None
         self.coordinator_client: BusClient | None = None
         self._coordinator: Coordinator | None = None
         self.workers: dict[str, LaunchedWorker] = {}
@@ -171,7 +189,8 @@ class SessionHarness:
         fixture = fixture or Fixture()
         directory = tempfile.mkdtemp(prefix="flyd-h-", dir="/tmp")
         socket = os.path.join(directory, "bus.sock")
-        router = RouterHandle(socket, in_process=fixture.router != "process")
+        router = RouterHandle(socket, in_process=fixture.router != "process",
+                              limits=fixture.router_limits, store=fixture.router_store)
         node: BusClient | None = None
         harness: SessionHarness | None = None
         try:
@@ -193,8 +212,12 @@ class SessionHarness:
 
     async def _open(self) -> None:
         fixture = self.fixture
+        self.spawner = Spawner(LauncherSettings(
+            media_inline_max_bytes=fixture.media_inline_max_bytes), socket=self.socket)
         self.launcher = await Launcher.open(names=self.names, socket=self.socket, node=self.node,
-                                            budget=self.budget, health=fixture.health)
+                                            budget=self.budget, health=fixture.health,
+                                            endpoint_factory=self.endpoint_factory(),
+                                            spawner=self.spawner)
         try:
             self.workers = await self.launcher.launch_composition(self.spec, fixture.mode)
         except DomainError as exc:
@@ -207,6 +230,11 @@ class SessionHarness:
             grants=self.names.coordinator_grants(fixture.run_id),
             on_publish_failed=None if publisher is None else publisher.on_publish_failed)
         self._coordinator = self.new_coordinator()
+
+    def endpoint_factory(self) -> EndpointFactory | None:
+        """How thread and in-process workers are built (None: the role's own endpoint); a
+        test harness overrides it to observe or alter an endpoint."""
+        return None
 
     def new_coordinator(self, epoch: str | None = None) -> Coordinator:
         """A coordinator over the current workers (not bootstrapped)."""
@@ -256,6 +284,9 @@ class SessionHarness:
         if self.coordinator_client is not None:
             await self.coordinator_client.close()
             self.coordinator_client = None
+        if self.spawner is not None:
+            await within(self.spawner.close())
+            self.spawner = None
 
     # ------------------------------------------------------------------ helpers
 
