@@ -4,7 +4,8 @@ Views and audio chunks above `[session] media_inline_max_bytes` travel as sealed
 the router's store attached to the world's reply, and from the coordinator to the agents as
 attachments of their `Agent.Commit`/`Agent.Initialize` requests. The tests watch the
 coordinator's own SDK calls (the only party that sees both sides), the router's stats and the
-store directory, and compare behaviour records with the same run kept inline.
+store directory, and compare behaviour records with the same run kept inline. The imported
+checkpoint's test (184) runs real `flyd serve` nodes and `flyctl`, and watches the run topic.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import asyncio
 import base64
 import hashlib
 import os
+import signal
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -22,6 +24,7 @@ import orjson
 import pytest
 
 from bus.client import BusClient, CallResult, connect
+from bus.errors import BusError
 from bus.limits import Limits
 from bus.store import StoreSettings
 from flyd.config import load_config
@@ -32,6 +35,8 @@ from flyd.session.run_topic import RunEnd, end_run_topic
 from flyd.session.runspec import AgentSpec, RunSpec, WorldSpec
 from flyd.session.trace import EpochRebase, compare
 from flyd.state.envelope import decode
+from tests.cli.test_flyctl_runs import Site, flyctl, serve, submit, wait_state
+from tests.cli.test_flyctl_runs import site as site
 from tests.media.test_media import Recorder
 from tests.session.harness import Fixture, SessionHarness, within
 from tests.session.worker_rig import environment_launch
@@ -307,6 +312,153 @@ async def test_checkpoints_carry_the_bytes(claimed_run: RunCtx) -> None:
     view = view_blobs(activated.outcome["result"])[0]
     assert view["digest"] == blob["digest"] and "artifactId" in view
     assert [a.artifact_id for a in activated.attachments] == [view["artifactId"]]
+
+
+def checkpoint_frames(file: Path) -> dict[int, set[str]]:
+    """The view digests of the world's frames in a FLYSESS1 file, by produced step; each
+    frame's bytes hash to the digest it names."""
+    frames: dict[int, set[str]] = {}
+    for name, body in decode(file.read_bytes()).payloads:
+        if name.startswith("world"):
+            for frame in orjson.loads(body)["frames"]:
+                data = base64.b64decode(frame["data"])
+                assert hashlib.sha256(data).hexdigest() == frame["digest"]
+                frames.setdefault(int(frame["producedStep"]), set()).add(frame["digest"])
+    return frames
+
+
+@dataclass
+class Seen:
+    """One run-topic boundary message as a spectator of the importing node saw it."""
+
+    boundary: int
+    views: list[dict[str, Any]]
+    attached: list[tuple[str, int, str, str, bool]]  # id, length, digest, sha256, file in store
+
+
+async def spectate_import(socket: str, importing: Callable[[], int],
+                          ) -> tuple[int, dict[str, Any], dict[str, Any], list[Seen]]:
+    """Runs `importing` (the import; it returns the new run) while a spectator on the node's
+    router waits for the run's topic, subscribes as soon as it is declared (before the workers
+    are launched, so before the restored boundary is published) and reads every message to
+    the end. (run, the node's store before, its hello's store, the boundary messages)."""
+    async with connect(socket, client_id=ctl_id()) as ctl:
+        assert ctl.store is not None
+        before = await ctl.stats()
+        task = asyncio.create_task(asyncio.to_thread(importing))
+
+        async def declared() -> str:
+            while True:
+                found = [t["topic"] for t in await ctl.topics("flyd.run.")]
+                if found:
+                    (topic,) = found
+                    return topic
+                assert not task.done() or task.exception() is None, "the import failed"
+                await asyncio.sleep(0.01)
+
+        name = await within(declared(), 60)
+        try:
+            sub = await ctl.subscribe(name, mode="latest", window=16)
+        except BusError as exc:
+            raise AssertionError(f"the spectator could not subscribe: {exc!r}") from None
+        run = await within(task)
+        assert name == f"flyd.run.{run}"
+        seen: list[Seen] = []
+
+        async def read() -> None:
+            async for msg in sub:
+                if msg.payload["kind"] == "end":
+                    assert msg.payload["state"] == "succeeded", msg.payload
+                    return
+                if msg.payload["kind"] != "boundary":
+                    continue
+                assert "snapshot" in msg.payload, "the views did not travel by reference"
+                attached = []
+                for att in await msg.retain():
+                    data = ctl.open_artifact(att)
+                    in_store = (Path(ctl.store["path"]) / att.artifact_id).exists()
+                    attached.append((att.artifact_id, att.length, att.digest,
+                                     hashlib.sha256(data).hexdigest(), in_store))
+                    del data
+                    await ctl.drop([att.artifact_id])
+                seen.append(Seen(msg.payload["boundary"],
+                                 msg.payload["snapshot"]["media"]["views"], attached))
+
+        await asyncio.wait_for(read(), 120)
+        return run, before, dict(ctl.store), seen
+
+
+async def store_settles(socket: str, before: dict[str, Any]) -> dict[str, Any]:
+    """The router's stats once its store holds what it held before (the run's ending reaches
+    the router after the run's row: its topic's retained value goes with the topic)."""
+    async with connect(socket, client_id=ctl_id()) as probe:
+        for _ in range(300):
+            stats = await probe.stats()
+            if (stats["store"]["bytes"], stats["store"]["artifacts"]) == \
+                    (before["store"]["bytes"], before["store"]["artifacts"]):
+                break
+            await asyncio.sleep(0.1)
+        return stats
+
+
+async def hello_store(socket: str) -> str:
+    async with connect(socket, client_id=ctl_id()) as probe:
+        assert probe.store is not None
+        return probe.store["storeId"]
+
+
+@pytest.mark.timeout(300)
+def test_an_imported_asset_is_a_new_collectable_artifact(site: Site) -> None:
+    # a 256×256 run on node n1, its last checkpoint exported
+    first = serve(site, "n1")
+    source = submit(site, "--steps", "4", "--checkpoint-every", "2", "--mode", "process",
+                    "--no-pace", "--world-config", orjson.dumps(LARGE).decode())
+    assert wait_state(site, source, {"succeeded", "failed"})["state"] == "succeeded"
+    file = site.path / "run.flysess"
+    exported = flyctl(site, "checkpoints", "export", str(source), "-o", str(file), socket=False)
+    assert exported.code == 0 and exported.json["boundary"] == 4, exported
+    frames = checkpoint_frames(file)
+    assert frames.get(4), frames
+    first_store = asyncio.run(hello_store(site.socket))
+    first.send_signal(signal.SIGTERM)
+    assert first.wait(timeout=60) == 0
+
+    # imported on node n2: another router, another store
+    socket = str(site.path / "n2.sock")
+    serve(site, "n2", socket=socket)
+
+    def importing() -> int:
+        ran = flyctl(site, "checkpoints", "import", str(file), "--steps", "6", socket=False)
+        assert ran.code == 0, ran
+        run: int = ran.json["run"]
+        return run
+
+    run, before, store, seen = asyncio.run(spectate_import(socket, importing))
+    assert store["storeId"] != first_store
+    assert wait_state(site, run, {"succeeded", "failed"})["state"] == "succeeded"
+    # the node bootstraps the composition (boundary 0), then restores boundary 4 and publishes
+    # it: its views are new artifacts of n2's store with the checkpoint's digests, and each
+    # boundary after it has its own
+    assert [s.boundary for s in seen] == [0, 4, 5, 6]
+    restored = seen[1]
+    assert restored.views and len(restored.attached) == len(restored.views)
+    ids = [a[0] for a in restored.attached]
+    assert sorted(ids) == sorted(v["pixels"]["artifactId"] for v in restored.views)
+    for view in restored.views:
+        assert int(view["producedStep"]) == 4 and "data" not in view["pixels"]
+        assert view["pixels"]["digest"] in frames[4]
+    for _id, length, digest, sha, in_store in restored.attached:
+        assert (length, sha, in_store) == (VIEW_BYTES, digest, True)
+    assert not {a[2] for a in seen[0].attached} & {a[2] for a in restored.attached}, \
+        "the restored views are the bootstrap's"
+    later = {a[0] for s in seen[2:] for a in s.attached}
+    assert later and not later & set(ids)
+    # and collected: once the run has ended the store holds what it held before
+    after = asyncio.run(store_settles(socket, before))
+    assert after["counters"]["artifactsAllocated"] > before["counters"]["artifactsAllocated"]
+    assert (after["store"]["bytes"], after["store"]["artifacts"]) == \
+        (before["store"]["bytes"], before["store"]["artifacts"])
+    assert os.listdir(store["path"]) == []
 
 
 RUN = 7
