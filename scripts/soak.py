@@ -15,8 +15,12 @@ Phases (`--sessions` clean ones, then `--kill-sessions` with a kill):
   or arena) is SIGKILLed by its pid. The kill is proven: the pid is gone, and the run's outcome
   counts a recovery.
 
+Media sessions (every `--media-every`-th session of either phase, 0: none): the arena renders
+256×256 views, so every view travels as an artifact of the router's store (docs/topics.md §14.2),
+through recoveries too. Their reference digest is the first clean media session's.
+
 Every session must end `succeeded`, with its ledger (`flyd.effects`) holding `boundary-1..N` and
-`finish` each exactly once and the `behaviourDigest` of the first clean session.
+`finish` each exactly once and the `behaviourDigest` of the first clean session of its kind.
 
 Sampling (psutil), after each session once the node is idle again (its only child is the
 router: the session's workers were reaped; bounded wait, a worker left behind is a violation):
@@ -31,7 +35,10 @@ about the first ten sessions, then stays flat):
   first tenth's (allocator noise, no steady growth);
 - processes: every idle sample shows no descendant of the node but its router and its fork
   server (once a process session started it), and no zombie; the router and the fork server
-  keep their pids (a kill of a worker never takes either down).
+  keep their pids (a kill of a worker never takes either down);
+- the artifact store: every idle sample shows no artifact, zero store bytes and no file in the
+  store directory (`bus.stats` of the router, read as a `ctl-*` client), and the media
+  sessions did allocate artifacts (`artifactsAllocated` grew).
 Leftovers: the node runs with a private `TMPDIR`; its state dir, socket dir and `TMPDIR` hold
 the same entries at the end as after the warm-up, and after the node's drain (exit 0) the
 socket dir and `TMPDIR` are empty and no process started under the work directory survives.
@@ -152,9 +159,15 @@ def query(dsn: str, statement: str, *args: object) -> list[tuple[Any, ...]]:
         return conn.execute(statement, args).fetchall()  # type: ignore[arg-type]
 
 
-def run_spec(steps: int, every: int, pace_s: float | None) -> dict[str, Any]:
+MEDIA_WORLD = {"config": {"width": 256, "height": 256}}  # 256 KiB views: above the threshold
+
+
+def run_spec(steps: int, every: int, pace_s: float | None,
+             media: bool = False) -> dict[str, Any]:
     body: dict[str, Any] = {"steps": str(steps), "mode": "process",
                             "checkpoints": {"everySteps": every}}
+    if media:
+        body["world"] = MEDIA_WORLD
     if pace_s is not None:
         body["paceS"] = pace_s
     return RunSpec.validate(body).to_json()
@@ -418,6 +431,21 @@ def live_run(socket: Path, run: int, at_least: int, timeout: float = RUN_TIMEOUT
             time.sleep(0.2)
 
 
+async def _store_view(socket: Path) -> tuple[dict[str, Any], int, int]:
+    """The router's store stats, its `artifactsAllocated` counter and the number of files in
+    its store directory, as a `ctl-*` client of the router's uid sees them."""
+    async with connect(str(socket), client_id=ctl_client_id(), timeout=5.0) as client:
+        stats = await client.stats()
+        if client.store is None or stats.get("store") is None:
+            raise HarnessError(f"the router on {socket} offers no artifact store")
+        files = len(os.listdir(client.store["path"]))
+        return dict(stats["store"]), int(stats["counters"]["artifactsAllocated"]), files
+
+
+def store_view(socket: Path) -> tuple[dict[str, Any], int, int]:
+    return asyncio.run(_store_view(socket))
+
+
 def sigkill(proc: psutil.Process) -> None:
     """SIGKILL and confirm the process is gone (reaped by its parent, or a zombie)."""
     proc.send_signal(signal.SIGKILL)
@@ -447,6 +475,10 @@ class Sample:
     descendants: int
     zombies: int
     server_pids: tuple[int, ...]
+    store_artifacts: int
+    store_bytes: int
+    store_files: int
+    artifacts_allocated: int
 
 
 def sample(node: Node, session: int) -> Sample:
@@ -462,12 +494,15 @@ def sample(node: Node, session: int) -> Sample:
     children = proc.children(recursive=True)
     zombies = sum(1 for c in children if c.status() == psutil.STATUS_ZOMBIE)
     servers = tuple(c.pid for c in children if "workers.forkserver" in cmdline(c))
+    store, allocated, files = store_view(node.socket)
     return Sample(session=session, node_fds=proc.num_fds(), node_threads=proc.num_threads(),
                   node_rss=proc.memory_info().rss, router_fds=router.num_fds(),
                   router_threads=router.num_threads(), router_rss=router.memory_info().rss,
                   router_pid=router.pid,
                   descendants=len(children) - zombies - len(servers), zombies=zombies,
-                  server_pids=servers)
+                  server_pids=servers, store_artifacts=int(store["artifacts"]),
+                  store_bytes=int(store["bytes"]), store_files=files,
+                  artifacts_allocated=allocated)
 
 
 def tenths(values: Sequence[int]) -> tuple[float, float]:
@@ -507,6 +542,19 @@ def growth(samples: Sequence[Sample], rss_tolerance: float) -> tuple[dict[str, A
     return report, problems
 
 
+def store_problems(samples: Sequence[Sample], media_sessions: int) -> list[str]:
+    """Every idle sample (warm-up included) shows an empty store; media sessions allocated."""
+    problems = []
+    kept = [(s.session, s.store_artifacts, s.store_bytes, s.store_files) for s in samples
+            if s.store_artifacts or s.store_bytes or s.store_files]
+    if kept:
+        problems.append(f"the store kept artifacts after sessions (session, artifacts, bytes, "
+                        f"files): {kept[:10]}")
+    if media_sessions and (not samples or samples[-1].artifacts_allocated == 0):
+        problems.append(f"{media_sessions} media sessions allocated no artifact")
+    return problems
+
+
 # --------------------------------------------------------------------------------------------
 # the soak
 
@@ -523,21 +571,26 @@ class Soak:
     warmup: int
     rss_tolerance: float
     rng: random.Random
+    media_every: int = 0
     samples: list[Sample] = field(default_factory=list)
     kills: list[dict[str, Any]] = field(default_factory=list)
     violations: list[str] = field(default_factory=list)
-    digest: str | None = None
+    digests: dict[bool, str] = field(default_factory=dict)  # media or not -> reference digest
+    media_sessions: int = 0
 
-    def clean_session(self) -> None:
-        run = submit(self.dsn, run_spec(self.steps, self.every, None))
+    def is_media(self, index: int) -> bool:
+        return self.media_every > 0 and index % self.media_every == 0
+
+    def clean_session(self, media: bool) -> None:
+        run = submit(self.dsn, run_spec(self.steps, self.every, None, media))
         state, outcome = wait_terminal(self.dsn, run)
-        if self.digest is None and state == "succeeded":
-            self.digest = outcome["behaviourDigest"]
+        if media not in self.digests and state == "succeeded":
+            self.digests[media] = outcome["behaviourDigest"]
         self.violations += session_problems(self.dsn, run, self.steps, state, outcome,
-                                            self.digest)
+                                            self.digests.get(media))
 
-    def kill_session(self, node: Node, index: int) -> None:
-        run = submit(self.dsn, run_spec(self.steps, self.every, self.pace_s))
+    def kill_session(self, node: Node, index: int, media: bool) -> None:
+        run = submit(self.dsn, run_spec(self.steps, self.every, self.pace_s, media))
         victim = self.rng.choice(WORKERS)
         step = self.rng.randint(1, max(1, self.steps - 10))
         entry = live_run(node.socket, run, step)
@@ -549,12 +602,12 @@ class Soak:
         recoveries = int(outcome.get("recoveries", 0)) if isinstance(outcome, dict) else 0
         self.kills.append({"session": index, "run": run, "victim": victim, "pid": worker["pid"],
                            "targetBoundary": step, "killedAtBoundary": entry["boundary"],
-                           "recoveries": recoveries, "state": state})
+                           "recoveries": recoveries, "state": state, "media": media})
         if recoveries < 1:
             self.violations.append(f"run {run}: the kill of {victim} left no recovery in "
                                    f"its outcome")
         self.violations += session_problems(self.dsn, run, self.steps, state, outcome,
-                                            self.digest)
+                                            self.digests.get(media))
 
     def run(self) -> dict[str, Any]:
         node = Node(self.work, "soak")
@@ -565,10 +618,12 @@ class Soak:
         try:
             node.start(self.dsn)
             for index in range(1, total + 1):
+                media = self.is_media(index)
+                self.media_sessions += media
                 if index <= self.sessions:
-                    self.clean_session()
+                    self.clean_session(media)
                 else:
-                    self.kill_session(node, index)
+                    self.kill_session(node, index, media)
                 self.samples.append(sample(node, index))
                 if index == self.warmup:
                     baseline = self.leftover_view(node)
@@ -602,12 +657,17 @@ class Soak:
         measured = [s for s in self.samples if s.session > self.warmup]
         report, problems = growth(measured, self.rss_tolerance) if measured else ({}, [
             "no samples after the warm-up"])
-        self.violations += problems
+        self.violations += problems + store_problems(self.samples, self.media_sessions)
         return {"tool": "soak", "sessions": self.sessions, "killSessions": self.kill_sessions,
                 "steps": self.steps, "checkpointEvery": self.every, "paceS": self.pace_s,
                 "warmup": self.warmup, "samplesMeasured": len(measured),
                 "wallSeconds": round(time.monotonic() - started, 1),
-                "behaviourDigest": self.digest, "growth": report,
+                "behaviourDigest": self.digests.get(False),
+                "mediaBehaviourDigest": self.digests.get(True), "mediaEvery": self.media_every,
+                "mediaSessions": self.media_sessions,
+                "artifactsAllocated": (self.samples[-1].artifacts_allocated if self.samples
+                                       else 0),
+                "growth": report,
                 "rssTolerance": self.rss_tolerance, "kills": self.kills,
                 "nodeExit": node_code, "samples": [asdict(s) for s in self.samples],
                 "violations": self.violations, "ok": not self.violations}
@@ -649,6 +709,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--checkpoint-every", type=int, default=10)
     parser.add_argument("--pace-s", type=float, default=0.04,
                         help="seconds per step of the kill sessions (0.04)")
+    parser.add_argument("--media-every", type=int, default=5,
+                        help="every K-th session renders 256x256 views, which travel as "
+                             "artifacts (5; 0: none)")
     parser.add_argument("--warmup", type=int, default=None,
                         help="sessions not measured (default: a tenth, at least 10)")
     parser.add_argument("--rss-tolerance", type=float, default=0.10)
@@ -670,6 +733,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     warmup = args.warmup if args.warmup is not None else max(10, total // 10)
     if total - warmup < 6:
         parser.error("too few sessions after the warm-up to compare")
+    if args.media_every < 0:
+        parser.error("--media-every must be 0 or more")
     seed = args.seed if args.seed is not None else random.randrange(2**32)
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="flyd-soak-"))
     try:
@@ -677,7 +742,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             soak = Soak(dsn=dsn, work=work, sessions=args.sessions,
                         kill_sessions=args.kill_sessions, steps=args.steps,
                         every=args.checkpoint_every, pace_s=args.pace_s, warmup=warmup,
-                        rss_tolerance=args.rss_tolerance, rng=random.Random(seed))
+                        rss_tolerance=args.rss_tolerance, rng=random.Random(seed),
+                        media_every=args.media_every)
             try:
                 summary = soak.run()
             except HarnessError as exc:

@@ -5,7 +5,9 @@ The script applies the criteria of its docstring (no growth of the node's and th
 threads and RSS between the first and the last tenth of the measured sessions, an idle node with
 only its router, no leftover socket or temporary file, a clean drain) and reports them; this test
 checks its summary and re-reads the database on its own: every run `succeeded` once with
-`boundary-1..N` and `finish` each exactly once and one behaviour digest, and every kill proven.
+`boundary-1..N` and `finish` each exactly once and one behaviour digest per kind of session, and
+every kill proven. Every fifth session (the last kill session among them) renders 256×256 views,
+which travel as artifacts of the router's store: after every session the store is empty again.
 The work directory is the test's process directory, so no process may outlive it.
 """
 
@@ -27,6 +29,7 @@ pytestmark = pytest.mark.timeout(600)
 SESSIONS = 20
 KILLS = 5
 STEPS = 50
+MEDIA_EVERY = 5
 
 
 @pytest.fixture
@@ -69,7 +72,15 @@ def test_soak_sessions_leave_nothing_behind(db_dsn: str, tmp: Path) -> None:
     runs = query(db_dsn, "SELECT run_id, state::text, outcome->>'behaviourDigest', "
                          "(outcome->>'recoveries')::int FROM flyd.runs ORDER BY run_id")
     assert [r[1] for r in runs] == ["succeeded"] * (SESSIONS + KILLS)
-    assert {r[2] for r in runs} == {summary["behaviourDigest"]}
+    media = {r[0] for i, r in enumerate(runs, start=1) if i % MEDIA_EVERY == 0}
+    assert summary["mediaSessions"] == len(media) == (SESSIONS + KILLS) // MEDIA_EVERY
+    assert {r[2] for r in runs if r[0] not in media} == {summary["behaviourDigest"]}
+    assert {r[2] for r in runs if r[0] in media} == {summary["mediaBehaviourDigest"]}
+    assert any(k["media"] for k in kills)  # a recovery by reference too
+    # by reference, really: the arena's view of every boundary, and every artifact collected
+    assert summary["artifactsAllocated"] >= len(media) * STEPS
+    assert all(s["store_artifacts"] == s["store_bytes"] == s["store_files"] == 0
+               for s in summary["samples"])
     assert {k["run"] for k in kills} <= {r[0] for r in runs if r[3] >= 1}
     keys = query(db_dsn, "SELECT run_id, count(*), count(DISTINCT effect_key), "
                          "count(*) FILTER (WHERE effect_key = 'finish'), max(boundary) "
