@@ -9,6 +9,12 @@ Rules:
 - `MediaSink.stage` (any thread, the world renders in its model thread) hashes a blob once and
   returns it inline when it is at most `threshold` bytes or the sink is off, else an
   `ArtifactBlob` naming a staged placeholder id.
+- A view's frames go through `render` and `serve` instead (rule 3's delayed views): `render`
+  stages the frame a boundary rendered, and once sealed the sink keeps it, by `(view id,
+  produced step)`, as long as the world retains the frame (`retain_only`); `serve` names the
+  kept artifact, so a frame served by boundary s + d, or by every clamped boundary 0..d, is one
+  artifact sealed when it was rendered. A frame no longer retained is forgotten, and dropped
+  unless the shell's last reply names it (the shell then drops it with its next reply).
 - `MediaSink.seal` (on the loop) allocates every staged blob (or takes a spare), writes and
   seals it with the digest it was staged with (the allocations pipelined, then the seals), and
   returns the observation with the real artifact ids and the sealed attachments, to be sent
@@ -20,8 +26,9 @@ Rules:
   same lengths (spares), so a boundary costs one store round trip. A store operation not
   answered within `STORE_OP_S` counts as a refusal.
 - `MediaSink.configure` turns the sink off for good when the router offers no store or when
-  three boundaries of large views (the last reply's, the sealing ones, the spares) exceed the
-  hello's `maxHeldBytesPerClient`, logging why once.
+  what the world may hold of its large views (per view: its d + 1 kept frames, the spares and
+  one the shell holds for a replay) exceeds the hello's `maxHeldBytesPerClient`, logging why
+  once.
 - `open_attached` maps each attachment of a received frame read-only; one that cannot be opened
   maps to `data: None`, so the media check fails `BUFFER_INVALID` where an inline blob would.
 """
@@ -31,7 +38,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import hashlib
-from collections.abc import Awaitable, Iterable
+from collections.abc import Awaitable, Collection, Iterable
 from dataclasses import dataclass, replace
 from typing import Final, TypeVar
 
@@ -59,12 +66,15 @@ __all__ = [
 log = structlog.get_logger("workers.artifacts")
 
 _STAGED: Final = "staged-"
-#: a world holds the last reply's artifacts, the ones it seals and the spares for the next
+#: a world holds the last reply's artifacts, the ones it seals and the spares for the next,
+#: and a view's d earlier frames on top (docs/topics.md §14.2 rule 3)
 HELD_BOUNDARIES: Final = 3
 #: every store operation of a reply is answered within this (a lost router answers at once)
 STORE_OP_S: Final = 10.0
 
 T = TypeVar("T")
+#: a rendered frame: (view id, produced step)
+FrameKey = tuple[str, int]
 
 
 async def _attempt(op: Awaitable[T]) -> T | BusError | TimeoutError:
@@ -96,28 +106,40 @@ class MediaSink:
         #: allocations made for the next boundary while this one seals, by length: a
         #: boundary then costs one store round trip (the seals), not two
         self._spares: dict[int, list[Allocation]] = {}
+        #: sealed frames the world may still serve (its hold), by (view id, produced step)
+        self._kept: dict[FrameKey, Attachment] = {}
+        #: staged placeholders of rendered frames, kept once sealed
+        self._keys: dict[str, FrameKey] = {}
+        #: the frames this reply serves, attached with it
+        self._serving: list[FrameKey] = []
 
-    def configure(self, client: BusClient | None, view_sizes: Iterable[int]) -> None:
+    def configure(self, client: BusClient | None, views: Iterable[tuple[int, int]],
+                  replaying: Collection[str] = ()) -> None:
         """Decide once per connection and descriptor whether media may go by reference, from
-        the sizes of the declared views (the fallback is logged only when some view is large
-        enough to have gone by reference). Spare allocations of an earlier decision are
-        dropped."""
+        the `(byte length, observation delay)` of the declared views (the fallback is logged
+        only when some view is large enough to have gone by reference). Spare allocations and
+        kept frames of an earlier decision are dropped, except what `replaying` (the shell's
+        last reply) names."""
+        self.retain_only((), replaying)
         if self.client is not None:
             self.client.drop_nowait([a.artifact_id for spare in self._spares.values()
                                      for a in spare])
         self._spares = {}
         self.client = client
-        large = sum(size for size in view_sizes if size > self.threshold)
+        views = list(views)
+        # a view's kept frames (delay + 1), the spares and the last reply's forgotten one
+        large = sum(size * (HELD_BOUNDARIES + delay) for size, delay in views
+                    if size > self.threshold)
         if client is None or client.store is None:
             self.enabled = False
             if large:
                 self._once("no-store", "the router offers no artifact store")
             return
         held = int(client.limits.get("maxHeldBytesPerClient", 0))
-        if HELD_BOUNDARIES * large > held:
+        if large > held:
             self.enabled = False
-            self._once("held-bytes", f"{HELD_BOUNDARIES} boundaries of views "
-                       f"({HELD_BOUNDARIES * large} bytes) exceed maxHeldBytesPerClient {held}")
+            self._once("held-bytes", f"{HELD_BOUNDARIES} boundaries of views and their "
+                       f"delayed frames ({large} bytes) exceed maxHeldBytesPerClient {held}")
             return
         self.enabled = True
 
@@ -131,16 +153,60 @@ class MediaSink:
         self._staged[key] = _Staged(content_type, data, digest)
         return ArtifactBlob(content_type, len(data), digest, key)
 
+    def render(self, key: FrameKey, content_type: str, data: bytes) -> None:
+        """Stage the frame a boundary rendered, to be sealed with this reply and kept while
+        the world retains it (nothing when it would travel inline)."""
+        if self.enabled and len(data) > self.threshold and key not in self._kept \
+                and key not in self._keys.values():
+            blob = self.stage(content_type, data)
+            assert isinstance(blob, ArtifactBlob)
+            self._keys[blob.artifact_id] = key
+
+    def serve(self, key: FrameKey, content_type: str, data: bytes) -> MediaValue:
+        """The blob of a retained frame this reply serves: its kept artifact, the one staged
+        by `render`, or (after a restore or a refused seal) one staged and kept now."""
+        kept = self._kept.get(key)
+        if kept is not None:
+            self._serving.append(key)
+            return ArtifactBlob(content_type, kept.length, kept.digest, kept.artifact_id)
+        self.render(key, content_type, data)
+        staged = next((sid for sid, k in self._keys.items() if k == key), None)
+        if staged is None:
+            return self.stage(content_type, data)
+        self._serving.append(key)
+        s = self._staged[staged]
+        return ArtifactBlob(content_type, len(s.data), s.digest, staged)
+
+    def retain_only(self, keys: Collection[FrameKey], replaying: Collection[str]) -> None:
+        """Forget the kept frames not in `keys` (the world no longer retains them); their
+        holds end now unless `replaying` names them, the artifacts of the shell's last reply,
+        which it drops with its next reply."""
+        gone = [key for key in self._kept if key not in keys]
+        ids = [self._kept.pop(key).artifact_id for key in gone]
+        if self.client is not None:
+            self.client.drop_nowait([i for i in ids if i not in replaying])
+
+    def kept(self) -> frozenset[str]:
+        """The artifact ids of the frames the sink keeps (the world's holds)."""
+        return frozenset(a.artifact_id for a in self._kept.values())
+
     def discard(self) -> None:
         """Forget staged blobs of a reply that will not be sent."""
         self._staged.clear()
+        self._keys.clear()
+        self._serving.clear()
 
     async def seal(self, observation: WorldObservation,
                    ) -> tuple[WorldObservation, tuple[Attachment, ...]]:
         """The observation with every staged blob sealed (or inline after a refusal)."""
         staged, self._staged = self._staged, {}
+        keys_of, self._keys = self._keys, {}
+        serving, self._serving = self._serving, []
         if not staged:
-            return observation, ()
+            named = {v.pixels.artifact_id for v in observation.sensory_views
+                     if isinstance(v.pixels, ArtifactBlob)}
+            return observation, tuple({a.artifact_id: a for k in serving
+                                       if (a := self._kept[k]).artifact_id in named}.values())
         client = self.client
         assert client is not None
         keys = list(staged)
@@ -174,6 +240,8 @@ class MediaSink:
             result = sealing.result()
             if isinstance(result, Attachment):
                 done[key] = result
+                if key in keys_of:
+                    self._kept[keys_of[key]] = result
             else:
                 self._refused("seal", result)
                 failed.append(writes[key].artifact_id)
@@ -194,8 +262,18 @@ class MediaSink:
 
         views = tuple(replace(v, pixels=resolve(v.pixels)) for v in observation.sensory_views)
         audio = tuple(replace(a, samples=resolve(a.samples)) for a in observation.audio)
-        return (replace(observation, sensory_views=views, audio=audio),
-                tuple(done[k] for k in keys if k in done))
+        # the reply attaches its fresh blobs and the kept frames it names, never a rendered
+        # frame only a later boundary will serve
+        named = {b.artifact_id for b in (*(v.pixels for v in views),
+                                         *(a.samples for a in audio))
+                 if isinstance(b, ArtifactBlob)}
+        attached = {done[k].artifact_id: done[k] for k in keys
+                    if k in done and (k not in keys_of or done[k].artifact_id in named)}
+        for k in serving:
+            att = self._kept.get(k)
+            if att is not None and att.artifact_id in named:
+                attached.setdefault(att.artifact_id, att)
+        return replace(observation, sensory_views=views, audio=audio), tuple(attached.values())
 
     def _refill(self, staged: Iterable[_Staged]) -> list[int]:
         """The lengths to allocate so the spares match this reply's blobs, one per blob;

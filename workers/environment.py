@@ -13,7 +13,9 @@ boundary 0, `discontinuity` false. A view or chunk above the launch's `media_inl
 travels by reference (docs/topics.md §14.2, `workers.artifacts.MediaSink`): staged while
 rendering, sealed before the reply of `Environment.Initialize` or `Environment.Advance`, and
 attached to it (the shell keeps the holds until the next such reply, for a replay); a failed
-reply drops what it sealed. `State.ActivateRestore`'s observation does the same (docs/topics.md
+reply drops what it sealed. A view's frame is sealed with the reply of the boundary that
+rendered it and kept while the pipeline retains it, so a delayed view is served as the one
+artifact sealed at its render. `State.ActivateRestore`'s observation does the same (docs/topics.md
 §14.2 rule 7: the restored frames become new artifacts of the current store).
 
 Media faults at boundary B (applied to whichever observation has that boundary, O[0] included):
@@ -278,14 +280,17 @@ class EnvironmentEndpoint(Endpoint):
                                   Mutation.APPLIED)
             pipeline = self.pipelines[spec.view_id]
             pipeline.push(boundary, bytes(frame))
+            self.media.render((spec.view_id, boundary), VIEW_CONTENT_TYPE, bytes(frame))
             produced, data = pipeline.served(boundary)
             previous = self.last_served.get(spec.view_id)
             if faults.stale_view_at_boundary == boundary and previous is not None:
                 ref = previous
+            elif faults.truncated_view_at_boundary == boundary:
+                ref = ViewRef(spec.view_id, produced, self.media.stage(
+                    VIEW_CONTENT_TYPE, data[: len(data) - spec.row_stride]))
             else:
-                if faults.truncated_view_at_boundary == boundary:
-                    data = data[: len(data) - spec.row_stride]
-                ref = ViewRef(spec.view_id, produced, self.media.stage(VIEW_CONTENT_TYPE, data))
+                ref = ViewRef(spec.view_id, produced,
+                              self.media.serve((spec.view_id, produced), VIEW_CONTENT_TYPE, data))
             self.last_served[spec.view_id] = ref
             if faults.omit_view_at_boundary != boundary:
                 views.append(ref)
@@ -346,7 +351,20 @@ class EnvironmentEndpoint(Endpoint):
             RENDER, lambda: self._observe(boundary, world_time, audio=audio), Mutation.APPLIED)
         observation, attachments = await self.media.seal(observation)
         call.outgoing.extend(attachments)
+        self.media.retain_only(self._retained(), self.shell.replayable_artifacts())
         return observation
+
+    def _retained(self) -> set[tuple[str, int]]:
+        """The frames the view pipelines retain: those a later boundary may still serve."""
+        return {(view_id, step) for view_id, pipeline in self.pipelines.items()
+                for step, _data in pipeline.frames}
+
+    def view_shapes(self) -> list[tuple[int, int]]:
+        """`(byte length, observation delay)` of each declared view, for `MediaSink`."""
+        return [(v.byte_length, v.observation_delay_steps) for v in self.descriptor.views]
+
+    def kept_artifacts(self) -> frozenset[str]:
+        return self.media.kept()
 
     def _fitting(self, call: Call, boundary: int, result: dict[str, Any]) -> dict[str, Any]:
         """`result`, or `BACKEND_FAILURE`/`applied` naming the limit when its reply cannot be one
@@ -424,7 +442,8 @@ class EnvironmentEndpoint(Endpoint):
         status.current_scope = scope.at(0)
         status.last_batch_id = None
         status.raise_progress(self.progress)
-        self.media.configure(self.shell.client, [v.byte_length for v in self.descriptor.views])
+        self.media.configure(self.shell.client, self.view_shapes(),
+                             self.shell.replayable_artifacts())
         observation = await self._render(call, 0, self.world_time, audio=False)
         return self._fitting(call, 0, {"descriptor": self.descriptor.to_json(),
                                        "observation": observation.to_json()})
@@ -653,7 +672,7 @@ class WorldParticipant:
         e = self.endpoint
         k = scope.step
         # a replaced world restores without an Initialize: decide by reference here too
-        e.media.configure(e.shell.client, [v.byte_length for v in e.descriptor.views])
+        e.media.configure(e.shell.client, e.view_shapes(), e.shell.replayable_artifacts())
         e.media.discard()
         e.world = staged.world
         e.episode_id = staged.episode_id
@@ -670,7 +689,8 @@ class WorldParticipant:
                 pipeline.push(step, data)
             e.pipelines[spec.view_id] = pipeline
             produced, data = pipeline.served(k)
-            ref = ViewRef(spec.view_id, produced, e.media.stage(VIEW_CONTENT_TYPE, data))
+            ref = ViewRef(spec.view_id, produced,
+                          e.media.serve((spec.view_id, produced), VIEW_CONTENT_TYPE, data))
             e.last_served[spec.view_id] = ref
             views.append(ref)
         e.budgets = {}

@@ -370,6 +370,11 @@ class Endpoint:
     def attach(self, shell: WorkerShell) -> None:
         self._shell = shell
 
+    def kept_artifacts(self) -> frozenset[str]:
+        """Artifact ids this endpoint holds for a later reply (a world's delayed frames,
+        docs/topics.md §14.2 rule 3): the shell never drops those with its replay holds."""
+        return frozenset()
+
     @property
     def shell(self) -> WorkerShell:
         if self._shell is None:
@@ -509,6 +514,12 @@ class WorkerShell:
         self.service_incarnation: str | None = None
         self._log = log.bind(worker_id=launch.worker_id, incarnation_id=launch.incarnation_id)
         endpoint.attach(self)
+
+    def replayable_artifacts(self) -> frozenset[str]:
+        """The artifact ids of the last reply that carried some: held for its replay until
+        the next such reply, which drops them (the endpoint must not drop them before)."""
+        return frozenset() if self._kept is None else \
+            frozenset(a.artifact_id for a in self._kept[1])
 
     # identity ---------------------------------------------------------------------------------
 
@@ -703,8 +714,11 @@ class WorkerShell:
                                 f"{call.method} failed: {type(exc).__name__}", Mutation.UNKNOWN)
         outgoing = tuple(call.outgoing)
         if error is not None and outgoing and self.client is not None:
-            # sealed for a result that is not sent: nothing else will ever name them
-            self.client.drop_nowait([a.artifact_id for a in outgoing])
+            # sealed for a result that is not sent: nothing else will ever name them, unless
+            # the endpoint keeps them for a later reply
+            own = self.endpoint.kept_artifacts()
+            self.client.drop_nowait([a.artifact_id for a in outgoing
+                                     if a.artifact_id not in own])
             outgoing = ()
         outcome = self._outcome(call.request, result=result, error=error)
         if error is None or error.mutation != Mutation.NONE:
@@ -718,9 +732,12 @@ class WorkerShell:
             self.cache.abandon(ticket)
         self.status.active_request_id = None
         if outgoing:
-            # the previous reply's holds end (written before this reply, after that one)
+            # the previous reply's holds end (written before this reply, after that one),
+            # except on what this reply names again or the endpoint keeps for a later one
             if self._kept is not None and self.client is not None:
-                self.client.drop_nowait([a.artifact_id for a in self._kept[1]])
+                still = {a.artifact_id for a in outgoing} | self.endpoint.kept_artifacts()
+                self.client.drop_nowait([a.artifact_id for a in self._kept[1]
+                                         if a.artifact_id not in still])
             self._kept = (call.request_id, outgoing)
             return bus_client.Reply(outcome, attachments=outgoing)
         return outcome
