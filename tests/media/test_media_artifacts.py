@@ -613,6 +613,83 @@ async def test_a_slow_spectator_spends_only_its_own_credits() -> None:
             await sub.unsubscribe()
 
 
+def advance_of(wire: Wire, boundary: int) -> CallResult:
+    """The Environment.Advance result that produced `boundary`."""
+    return next(r for _p, _s, r in wire.of("Environment.Advance")
+                if int(r.outcome["result"]["observation"]["boundary"]) == boundary)
+
+
+async def collected(h: SessionHarness, artifact_ids: set[str]) -> set[str]:
+    """Those of `artifact_ids` still files of the store, once none is or after 300 looks
+    (the drops that end their roots are pipelined)."""
+    for _ in range(300):
+        left = artifact_ids & set(store_entries(h))
+        if not left:
+            break
+        await asyncio.sleep(0.05)
+    return left
+
+
+@pytest.mark.timeout(180)
+async def test_delayed_rendering_keeps_its_handle_after_the_message_drops() -> None:
+    """With `observationDelaySteps` 2 the frame rendered at step s is sealed then, held by the
+    world alone through boundaries s and s + 1 (whose publications a stopped spectator never
+    reads), served as that same artifact at s + 2, and collected after s + 3."""
+    delay, s = 2, 3
+    spec = large_spec(2)
+    spec = replace(spec, world=replace(spec.world, observation_delay_steps=delay))
+    fixture = Fixture(mode=ExecutionMode.PROCESS, composition=spec, run_id=RUN)
+    wire = Wire()
+    live: dict[int, set[str]] = {}
+    async with SessionHarness.start(fixture) as h:
+        assert h.topic is not None and h.coordinator_client is not None
+        wire.watch(h.coordinator_client)
+        async with connect(h.socket, client_id=ctl_id()) as ctl:
+            sub = await ctl.subscribe(h.topic.name, mode="latest", window=1)
+            reader = aiter(sub)
+            await h.bootstrap()
+            await within(anext(reader))  # then it stops reading
+            replaced = (await h.node.stats())["counters"]["messagesReplaced"]
+            for boundary in range(1, s + 3):
+                await h.step()
+                live[boundary] = set(store_entries(h))
+            # boundaries s and s + 1 were published into its slot and replaced unread
+            counters = (await h.node.stats())["counters"]
+            assert counters["messagesReplaced"] - replaced >= s + 1
+            # the views boundary s + 2 serves: rendered at s, one artifact per view
+            served = advance_of(wire, s + 2)
+            views = served.outcome["result"]["observation"]["sensoryViews"]
+            assert views and all(int(v["producedStep"]) == s for v in views)
+            held = {v["pixels"]["artifactId"]: v["pixels"]["digest"] for v in views}
+            assert {a.artifact_id: a.digest for a in served.attachments} == held
+            # live since its render, while only the world held it: boundaries s and s + 1
+            # neither attached nor published it
+            for boundary in (s, s + 1):
+                assert held.keys() <= live[boundary]
+                assert not held.keys() & {a.artifact_id
+                                          for a in advance_of(wire, boundary).attachments}
+            commits = [(p, sent) for p, sent, _r in wire.of("Agent.Commit")
+                       if int(p["params"]["nextInput"]["boundary"]) in (s, s + 1)]
+            assert commits and not any(held.keys() & set(sent) for _p, sent in commits)
+            # the agents got it at s + 2 with the same id and digest
+            given = [(p, sent) for p, sent, _r in wire.of("Agent.Commit")
+                     if int(p["params"]["nextInput"]["boundary"]) == s + 2]
+            assert sorted(p["params"]["agentId"] for p, _ in given) == ["fly-0", "fly-1"]
+            for payload, sent in given:
+                for view in payload["params"]["nextInput"]["views"]:
+                    assert int(view["producedStep"]) == s
+                    assert held[view["pixels"]["artifactId"]] == view["pixels"]["digest"]
+                    assert list(sent) == [view["pixels"]["artifactId"]]
+            # collected once s + 3 is committed and published
+            await h.step()
+            assert await collected(h, set(held)) == set()
+            resumed = await within(anext(reader))
+            assert resumed.payload["kind"] == "boundary"
+            assert resumed.payload["boundary"] == s + 3 and resumed.skipped > 0
+            assert not held.keys() & {a.artifact_id for a in resumed.attachments}
+            await sub.unsubscribe()
+
+
 @pytest.mark.timeout(120)
 async def test_a_replayed_reply_carries_its_artifacts_again() -> None:
     """A lost Advance result is resolved by sending the request again: the world's result
