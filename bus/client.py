@@ -48,7 +48,7 @@ from bus.errors import (
 from bus.framing import PREFIX, FrameDecoder
 from bus.limits import MAX_CONSUME_BATCH, hello_keys
 from bus.schema import NOTIFICATIONS, OPS, Validator, contract_digest, validator
-from bus.store import map_for_read, map_for_write, open_store_dir
+from bus.store import map_for_write, open_store_dir, read_sealed, write_whole
 
 log = structlog.get_logger("bus.client")
 
@@ -126,7 +126,8 @@ class Reply:
 
 
 class Allocation:
-    """An Allocated artifact of this client: write through `view()`, then `seal()`."""
+    """An Allocated artifact of this client: write its bytes (`write()` at once, or through
+    `view()`), then `seal()`."""
 
     def __init__(self, client: BusClient, artifact_id: str, length: int) -> None:
         self.client = client
@@ -139,6 +140,13 @@ class Allocation:
         if self._map is None:
             self._map = map_for_write(self.client._store_fd(), self.artifact_id, self.length)
         return memoryview(self._map)
+
+    def write(self, data: bytes | memoryview) -> None:
+        """The whole contents at once, without a mapping (docs/topics.md §5.4; cheaper than
+        `view()` for a frame written in one piece). Not while a `view()` mapping is open."""
+        if self._map is not None:
+            raise BufferError(f"{self.artifact_id} is mapped: write through view()")
+        write_whole(self.client._store_fd(), self.artifact_id, self.length, data)
 
     async def seal(self, digest: str | None = None) -> Attachment:
         """Hash (unless `digest` is given), unmap, then `bus.seal`. A view still exported
@@ -403,6 +411,17 @@ class Topic:
         result = await self.client._command("bus.undeclare", {
             "topic": self.name, "topicIncarnation": self.incarnation})
         return bool(result["removed"])
+
+    def undeclare_nowait(self) -> None:
+        """`bus.undeclare` pipelined: sent now, its answer never awaited, for an owner that
+        must not wait on the router (a grant whose lease was lost). Frames of one connection
+        are taken in order, so what was sent before is handled first; a closed connection
+        removed the topic already."""
+        if self.client.closed:
+            return
+        fut = self.client._send_nowait("bus.undeclare", {
+            "topic": self.name, "topicIncarnation": self.incarnation})
+        fut.add_done_callback(_ignore_outcome)
 
     async def __aenter__(self) -> Topic:
         return self
@@ -1300,10 +1319,11 @@ class BusClient:
         return Allocation(self, result["artifactId"], result["length"])
 
     def open_artifact(self, attachment: Attachment) -> memoryview:
-        """A read-only view of an artifact this client can see; it stays readable after the
-        artifact is collected or the connection is lost. ArtifactGone / ArtifactMismatch
-        (SDK-local, `not-dispatched`) when the file is gone or not the sealed one."""
-        return map_for_read(self._store_fd(), attachment.artifact_id, attachment.length)
+        """A read-only view of an artifact this client can see (a private copy up to 1 MiB, a
+        mapping above); it stays readable after the artifact is collected or the connection is
+        lost. ArtifactGone / ArtifactMismatch (SDK-local, `not-dispatched`) when the file is
+        gone or not the sealed one."""
+        return read_sealed(self._store_fd(), attachment.artifact_id, attachment.length)
 
     async def retain(self, artifact_ids: list[str]) -> list[Attachment]:
         """`bus.retain`: hold artifacts this client can see (all or nothing)."""

@@ -7,8 +7,13 @@ on an orderly stop. Every file operation is relative to the store directory's fd
 `O_NOFOLLOW`, so a symlink planted in the directory is never followed. The books (which
 artifact lives, who may see it) are `bus/artifacts.py`'s; this module only does the syscalls.
 
-The client side (`open_store_dir`, `map_for_write`, `map_for_read`) is what the SDK uses to
-write an allocation and read an attachment (§5.4, §5.6), with the same no-follow rules.
+The client side (`open_store_dir`, `map_for_write`, `write_whole`, `read_sealed`) is what the
+SDK uses to write an allocation and read an attachment (§5.4, §5.6), with the same no-follow
+rules. A frame-sized artifact is written with one `pwrite` and read with one `pread` rather than
+mapped: for 256 KiB on tmpfs that costs about a third of mapping the file, faulting in its 64
+pages, copying and unmapping it (docs/performance.md, "Media"), and the reader gets bytes that
+no later change of the file can touch. Larger artifacts are mapped, so nothing copies them
+whole.
 """
 
 from __future__ import annotations
@@ -33,18 +38,20 @@ from bus.errors import ArtifactGone, ArtifactMismatch, ArtifactUnsealed, StoreFa
 __all__ = [
     "DEFAULT_ROOT",
     "RAMFS_MAGIC",
+    "READ_COPY_MAX",
     "SEAL_INLINE_BYTES",
     "TMPFS_MAGIC",
     "SealFile",
     "Store",
     "StoreSettings",
     "StoreStartError",
-    "map_for_read",
     "map_for_write",
     "memory_fs",
     "open_store_dir",
+    "read_sealed",
     "statfs_type",
     "store_offer",
+    "write_whole",
 ]
 
 DEFAULT_ROOT: Final = "/dev/shm"
@@ -52,6 +59,9 @@ TMPFS_MAGIC: Final = 0x01021994
 RAMFS_MAGIC: Final = 0x858458F6
 #: seals of at most this many bytes hash in the handler, larger ones on the hashing thread
 SEAL_INLINE_BYTES: Final = 1048576
+#: sealed artifacts of at most this many bytes are read into memory with `pread`; larger ones
+#: are mapped
+READ_COPY_MAX: Final = 1048576
 DIR_FLAGS: Final = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 READ_FLAGS: Final = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
 WRITE_FLAGS: Final = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -365,15 +375,41 @@ def map_for_write(dir_fd: int, artifact_id: str, length: int) -> mmap.mmap:
         os.close(fd)
 
 
-def map_for_read(dir_fd: int, artifact_id: str, length: int) -> memoryview:
-    """§5.6: a read-only view of a sealed artifact; it stays readable after collection."""
+def write_whole(dir_fd: int, artifact_id: str, length: int, data: bytes | memoryview) -> None:
+    """§5.4 without a mapping: the Allocated artifact's whole contents in `pwrite` calls, the fd
+    closed before returning (a writer still open makes the seal refuse)."""
+    if len(data) != length:
+        raise ValueError(f"{artifact_id} holds {length} bytes; got {len(data)} to write")
+    fd = _open_artifact(dir_fd, artifact_id, WRITE_FLAGS)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size != length:
+            raise ArtifactMismatch(f"{artifact_id} is not a regular file of {length} bytes")
+        view = memoryview(data).cast("B")
+        done = 0
+        while done < length:
+            done += os.pwrite(fd, view[done:], done)
+    finally:
+        os.close(fd)
+
+
+def read_sealed(dir_fd: int, artifact_id: str, length: int) -> memoryview:
+    """§5.6: a read-only view of a sealed artifact's bytes that stays readable after its
+    collection: a private copy (one `pread`) up to READ_COPY_MAX bytes, a mapping above."""
     fd = _open_artifact(dir_fd, artifact_id, READ_FLAGS)
     try:
         st = os.fstat(fd)
         if (not stat.S_ISREG(st.st_mode) or st.st_size != length
                 or stat.S_IMODE(st.st_mode) != 0o444):
             raise ArtifactMismatch(f"{artifact_id} is not a sealed file of {length} bytes")
-        return memoryview(mmap.mmap(fd, length, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ))
+        if length > READ_COPY_MAX:
+            return memoryview(mmap.mmap(fd, length, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ))
+        data = os.pread(fd, length, 0)
+        while len(data) < length:  # a regular file reads short only at its end
+            more = os.pread(fd, length - len(data), len(data))
+            if not more:
+                raise ArtifactMismatch(f"{artifact_id} ended after {len(data)} of {length} bytes")
+            data += more
+        return memoryview(data)
     finally:
         os.close(fd)
-

@@ -227,7 +227,7 @@ class MediaSink:
             else:
                 self._refused("allocate", alloc)
         for key, alloc in writes.items():
-            alloc.view()[:] = staged[key].data
+            alloc.write(staged[key].data)
         # 2. the seals, and the next boundary's allocations in the same round trip
         async with asyncio.TaskGroup() as tg:
             seals = {k: tg.create_task(_attempt(writes[k].seal(staged[k].digest)))

@@ -454,7 +454,10 @@ def _referenced(blob: ArtifactBlob, name: str, mutation: Mutation | str,
         raise _buffer_invalid(f"{name}'s artifact does not match its digest", mutation)
     if found.data is None or len(found.data) != blob.byte_length:
         raise _buffer_invalid(f"{name}'s artifact could not be opened", mutation)
-    return bytes(found.data)
+    whole = found.data.obj
+    # a frame-sized artifact was read into immutable bytes already: no second copy
+    return whole if type(whole) is bytes and len(whole) == blob.byte_length \
+        else bytes(found.data)
 
 
 @dataclass(frozen=True, slots=True)

@@ -833,6 +833,52 @@ async def test_reader_mapping_survives_collection(router: Any, sdk: Any) -> None
         c.open_artifact(art)
 
 
+async def test_sdk_write_puts_the_whole_contents_without_a_mapping(router: Any, sdk: Any) -> None:
+    """docs/topics.md §12: `Allocation.write` writes the whole contents with the fd closed
+    before it returns, so the seal goes through; a wrong length or an open `view()` mapping is
+    refused locally and leaves the allocation as it was."""
+    r = await router()
+    c = await sdk(r, "c")
+    alloc = await c.allocate(4096)
+    with pytest.raises(ValueError, match="4096 bytes; got 10"):
+        alloc.write(b"x" * 10)
+    view = alloc.view()
+    with pytest.raises(BufferError, match="mapped"):
+        alloc.write(b"y" * 4096)
+    view.release()
+    await alloc.seal(sha(bytes(4096)))
+    other = await c.allocate(4096)
+    data = os.urandom(4096)
+    other.write(data)
+    art = await other.seal(sha(data))
+    assert art.digest == sha(data)
+    assert bytes(c.open_artifact(art)) == data
+
+
+async def test_open_artifact_copies_a_frame_and_maps_a_larger_artifact(router: Any,
+                                                                       sdk: Any) -> None:
+    """docs/topics.md §5.6: up to READ_COPY_MAX bytes the reader gets a private copy (one
+    pread); above it a read-only mapping. Both are read-only and outlive the collection."""
+    r = await router()
+    c = await sdk(r, "c")
+    views = []
+    for length in (bus_store.READ_COPY_MAX, bus_store.READ_COPY_MAX + 1):
+        alloc = await c.allocate(length)
+        data = os.urandom(length)
+        alloc.write(data)
+        art = await alloc.seal(sha(data))
+        view = c.open_artifact(art)
+        assert await c.drop([art.artifact_id]) == 1
+        views.append((view, data))
+    (small, small_data), (large, large_data) = views
+    assert type(small.obj) is bytes and bytes(small) == small_data
+    assert isinstance(large.obj, mmap.mmap) and bytes(large) == large_data
+    for view in (small, large):
+        with pytest.raises(TypeError):
+            view[0] = 1
+    assert store_files(r) == []
+
+
 async def test_sdk_seal_refuses_while_a_view_is_exported(router: Any, sdk: Any) -> None:
     """docs/topics.md §12: the unmap before the seal cannot happen while a view is exported,
     so the SDK refuses locally and sends nothing; released, the seal goes through."""
