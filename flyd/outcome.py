@@ -14,14 +14,22 @@ Rules:
   `unknown_outcome_lost`) and `last_grant` (the last `run_attempts` row: node and end reason)
   are added to an `attempts exhausted` outcome as `lastLeaseLoss` and `lastGrant`: the reaper
   only knows that the attempts ran out, the node knows why the last one did.
+- A durable capture a participant refused is one failure document (`{detail: "capture",
+  participant, code, mutation, message, checkpointId}`, `flyd.node.grant`): the outcome's
+  `failure` when it ends the run at once (`checkpoint capture refused`), `lastCaptureRefusal`
+  when the node ended the run after its last attempt (`attempts exhausted`). Either way the
+  text names it the same: `checkpoint capture refused by arena: UNSUPPORTED: checkpoint payload
+  of 90000 bytes does not fit one bus frame (limit 65536)`, after `attempts exhausted (` in
+  the second case, before the lease loss and the last grant.
 - `describe(failure)` is the one-line reason: the error and the fields that explain it (sizes
   and limits, the spec path, the worker and its error code, the last failure or lease loss).
   A `plugin failed` outcome names the plugin's import path, the stage, the worker, what failed
   and the exception with its message: `plugin failed: pkg.mod:Model (construct) of ant-1 at
   Agent.Initialize: ValueError: bad gain 42`.
 - `traceback_of(failure)` is the plugin fault's last frames (innermost last), from the outcome's
-  `plugin`, or from the `plugin` of its `failure` or `lastFailure` (a launch failure, exhausted
-  attempts); `flyd run` prints them on stderr and `flyctl runs show` under the reason.
+  `plugin`, or from the `plugin` of its `failure`, `lastFailure` or `lastCaptureRefusal` (a
+  launch failure, exhausted attempts); `flyd run` prints them on stderr and `flyctl runs show`
+  under the reason.
 """
 
 from __future__ import annotations
@@ -60,7 +68,8 @@ def failure_of(state: str, outcome: Mapping[str, Any] | None, *, last_loss: str 
 
 def plugin_of(failure: Mapping[str, Any]) -> Mapping[str, Any] | None:
     """The plugin fault that explains a failure, wherever its shape keeps it."""
-    for doc in (failure, failure.get("failure"), failure.get("lastFailure")):
+    for doc in (failure, failure.get("failure"), failure.get("lastFailure"),
+                failure.get("lastCaptureRefusal")):
         if isinstance(doc, Mapping) and isinstance(doc.get("plugin"), Mapping):
             plugin: Mapping[str, Any] = doc["plugin"]
             return plugin
@@ -79,6 +88,11 @@ def _exception(plugin: Mapping[str, Any]) -> str:
     return f"{plugin.get('exception')}: {message}" if message else str(plugin.get("exception"))
 
 
+def _capture_refusal(refusal: Mapping[str, Any]) -> str:
+    who = refusal.get("participant") or "a participant"
+    return f"checkpoint capture refused by {who}: {refusal.get('code')}: {refusal.get('message')}"
+
+
 def describe(failure: Mapping[str, Any]) -> str:
     """One line naming the reason and what explains it."""
     error = str(failure.get("error"))
@@ -95,8 +109,14 @@ def describe(failure: Mapping[str, Any]) -> str:
                     f"holds {failure.get('payloadLimit')}")
         return (f"checkpoint too large: {failure.get('byteLength')} bytes, max_envelope_bytes "
                 f"{failure.get('limit')}")
+    if error == "checkpoint capture refused":
+        refusal = failure.get("failure") or {}
+        return f"{_capture_refusal(refusal)} (checkpoint {refusal.get('checkpointId')})"
     if error == "attempts exhausted":
         why = []
+        refusal = failure.get("lastCaptureRefusal")
+        if isinstance(refusal, Mapping):
+            why.append(_capture_refusal(refusal))
         if failure.get("lastLeaseLoss"):
             why.append(f"last lease loss: {failure['lastLeaseLoss']}")
         grant = failure.get("lastGrant")

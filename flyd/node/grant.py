@@ -41,6 +41,13 @@ Sequence:
    final or forced capture too large → `finish` and `finish_run(failed)` only, outcome
    `{error: "checkpoint too large", byteLength, limit}`; a drain → a durable capture
    at the current boundary (bounded by the drain window), then release with refund.
+   A final or forced capture a participant refused (`flyd.session.durability.Refusal`) is
+   named in the outcome as `failure` (`{detail: "capture", participant, code, mutation,
+   message, checkpointId}`): refused in a way every attempt would meet again
+   (`flyd.state.recovery.capture_repeats`, `UNSUPPORTED`), the run ends `failed` at once with
+   `{error: "checkpoint capture refused", failure}`; otherwise the run is handed back charged,
+   `claim_poll` from now, and on its last attempt ends `failed` with `{error: "attempts
+   exhausted", lastCaptureRefusal: failure}`. Both log `run.capture_refused` (with `retry`).
 
 Decisions:
 - The guard of restore precondition 4 is the runtime's own (every commit checks it); a lost
@@ -84,7 +91,13 @@ from flyd.leases.queries import LedgerFold
 from flyd.leases.runtime import GrantScope
 from flyd.outcome import describe
 from flyd.session.coordinator import Coordinator, Deadlines, DispatchOrder, History, Injections
-from flyd.session.durability import CheckpointTooLarge, Durability, TooLarge
+from flyd.session.durability import (
+    CaptureRefused,
+    CheckpointTooLarge,
+    Durability,
+    Refusal,
+    TooLarge,
+)
 from flyd.session.fence import SessionFailure
 from flyd.session.run_topic import (
     EndState,
@@ -98,7 +111,13 @@ from flyd.session.trace import RecordStream
 from flyd.state.cadence import Cadence
 from flyd.state.checkpoints import CheckpointRecord, CheckpointStore, FinishRun
 from flyd.state.effects import epoch_number
-from flyd.state.recovery import Exhausted, RecoveryBudget, is_permanent, repeats
+from flyd.state.recovery import (
+    Exhausted,
+    RecoveryBudget,
+    capture_repeats,
+    is_permanent,
+    repeats,
+)
 from flyd.state.writer import CheckpointWriter, Committed, EventRing, WriterConfig
 from workers.domain import DomainError, ErrorCode
 from workers.protocols import (
@@ -444,6 +463,9 @@ class GrantSession:
             except CheckpointTooLarge as exc:
                 await self._failed(exc.refused.outcome())
                 return
+            except CaptureRefused as exc:
+                await self._capture_refused(exc.refusal)
+                return
         await self._end(ending)
 
     async def _launch(self) -> None:
@@ -519,16 +541,17 @@ class GrantSession:
                 raise health[0]
             raise asyncio.CancelledError
         result = stepper.result()
-        if isinstance(result, SessionFailure | CheckpointTooLarge):
+        if isinstance(result, SessionFailure | CheckpointTooLarge | CaptureRefused):
             raise result
         return result
 
-    async def _steps_or_failure(self) -> Ending | SessionFailure | CheckpointTooLarge:
-        """A failed epoch (or a forced capture that can never commit) as a value, so it leaves
-        the task group as itself."""
+    async def _steps_or_failure(self) -> (Ending | SessionFailure | CheckpointTooLarge
+                                          | CaptureRefused):
+        """A failed epoch (or a forced capture that can never commit, or that a participant
+        refused) as a value, so it leaves the task group as itself."""
         try:
             return await self._steps()
-        except (SessionFailure, CheckpointTooLarge) as exc:
+        except (SessionFailure, CheckpointTooLarge, CaptureRefused) as exc:
             return exc
 
     async def _steps(self) -> Ending:
@@ -804,6 +827,9 @@ class GrantSession:
             if isinstance(result, TooLarge):
                 await self._failed(result.outcome())
                 return
+            if isinstance(result, Refusal):
+                await self._capture_refused(result)
+                return
             backoff = self.config.recovery_backoff_s
             self.log.warning("checkpoint.final_retry", checkpoint_id=checkpoint_id,
                              outcome=type(result).__name__, backoff_s=backoff)
@@ -842,6 +868,26 @@ class GrantSession:
         epoch = self.coordinator.epoch if self.coordinator is not None else FIRST_EPOCH
         await self.scope.finish("failed", outcome, boundaries=durability.head_boundary,
                                 session_epoch=epoch_number(epoch))
+
+    async def _capture_refused(self, refusal: Refusal) -> None:
+        """A final or forced capture a participant refused (module sequence, step 4): the
+        outcome names the refusal, which otherwise only the log would."""
+        failure = {**_failure_json(refusal.failure), "checkpointId": refusal.checkpoint_id}
+        self.report.failure = failure
+        self.report.failures.append(failure)
+        fields = {"checkpoint_id": refusal.checkpoint_id, "participant": failure["participant"],
+                  "code": failure["code"], "message": failure["message"]}
+        if capture_repeats(refusal.failure.error):
+            self._rlog().error("run.capture_refused", retry=False, **fields)
+            await self._failed({"error": "checkpoint capture refused", "failure": failure})
+            return
+        await self._durability().writer.shutdown()
+        if await self.scope.retry_later():
+            self._rlog().warning("run.capture_refused", retry=True, **fields)
+            self.report.state = "released"
+            return
+        self._rlog().error("run.capture_refused", retry=False, **fields)
+        await self._failed({"error": "attempts exhausted", "lastCaptureRefusal": failure})
 
     async def _permanent(self, error: DomainError, checkpoint_id: str | None, detail: str,
                          participant: str | None) -> None:

@@ -21,6 +21,10 @@ Rules:
   `MAX_PAYLOADS`) is returned as `TooLarge` with both sizes, never retried; a
   forced capture raises it as `CheckpointTooLarge`, which ends the run. A payload-count refusal's
   outcome adds `payloadCount` and `payloadLimit` to §5.2's `{error, byteLength, limit}`.
+- A durable capture a participant refused with the epoch intact is returned as `Refusal`: the
+  id and the participant's `SessionFailure` (who, code, message), so the grant can end the run
+  naming it (`flyd.node.grant`); a forced one raises it as `CaptureRefused`. Every refusal is
+  also logged `checkpoint.capture_refused`.
 - Ids come from the cadence (`ck-e<N>-<n>[-final|-drain|-forced]`), so none recurs in a run.
 - `committed` counts the generations this grant committed; `head` is the writer's (id, k).
 """
@@ -53,7 +57,7 @@ from workers.domain import DomainError, ErrorCode
 if TYPE_CHECKING:
     from flyd.session.coordinator import Coordinator
 
-__all__ = ["CheckpointTooLarge", "Durability", "TooLarge"]
+__all__ = ["CaptureRefused", "CheckpointTooLarge", "Durability", "Refusal", "TooLarge"]
 
 log = structlog.get_logger("flyd.session.durability")
 
@@ -91,6 +95,23 @@ class CheckpointTooLarge(Exception):
         self.refused = refused
 
 
+@dataclass(frozen=True, slots=True)
+class Refusal:
+    """A durable capture a participant refused with the epoch intact (a worker error with
+    mutation `none`, `flyd.session.capture` rule 4)."""
+
+    checkpoint_id: str
+    failure: SessionFailure
+
+
+class CaptureRefused(Exception):
+    """A forced capture a participant refused: stepping cannot go on without it."""
+
+    def __init__(self, refusal: Refusal) -> None:
+        super().__init__(refusal.failure.message)
+        self.refusal = refusal
+
+
 class Durability:
     """Cadence + pending effects + writer for one session (module rules)."""
 
@@ -102,7 +123,6 @@ class Durability:
         self.clock = clock
         self.audit = audit or (lambda line: None)
         self.committed = 0
-        self.refusal = "a participant"  # who refused the last capture, and why
 
     @property
     def head(self) -> tuple[str, int] | None:
@@ -140,7 +160,7 @@ class Durability:
             return
         ticket = await self._capture_and_submit(coordinator, checkpoint_id, reservation,
                                                 replaceable=True, finish=None)
-        if ticket is not None:
+        if isinstance(ticket, SaveTicket):
             self.cadence.submitted(boundary, self.clock())
             ticket.add_done_callback(self._count)
 
@@ -153,6 +173,8 @@ class Durability:
                 return
             if isinstance(outcome, TooLarge):
                 raise CheckpointTooLarge(outcome)
+            if isinstance(outcome, Refusal):
+                raise CaptureRefused(outcome)
             log.warning("checkpoint.forced_retry", checkpoint_id=outcome.checkpoint_id,
                         outcome=type(outcome).__name__, backoff_s=backoff)
             await asyncio.sleep(backoff)
@@ -161,7 +183,7 @@ class Durability:
 
     async def durable(self, coordinator: Coordinator, kind: Kind,
                       finish: FinishRun | None = None, budget: float | None = None,
-                      checkpoint_id: str | None = None) -> SaveOutcome | TooLarge:
+                      checkpoint_id: str | None = None) -> SaveOutcome | TooLarge | Refusal:
         """`checkpoint_id`: one the caller took from the cadence already (a final capture's
         outcome names its id before the capture exists)."""
         checkpoint_id = checkpoint_id or self.cadence.next_id(kind)
@@ -172,10 +194,9 @@ class Durability:
         except EnvelopeTooLarge as exc:
             return TooLarge(checkpoint_id, exc.message, exc.byte_length, exc.limit,
                             exc.payload_count)
-        if ticket is None:
-            raise DomainError.before(
-                ErrorCode.INVALID_PHASE,
-                f"durable capture {checkpoint_id} was refused by {self.refusal}")
+        if isinstance(ticket, Refusal):
+            return ticket
+        assert ticket is not None  # the writer drops only a replaceable (hot) capture
         outcome = await self.writer.wait(ticket, budget)
         if isinstance(outcome, Committed):
             self.committed += 1
@@ -192,7 +213,9 @@ class Durability:
 
     async def _capture_and_submit(self, coordinator: Coordinator, checkpoint_id: str,
                                   reservation: Reservation, *, replaceable: bool,
-                                  finish: FinishRun | None) -> SaveTicket | None:
+                                  finish: FinishRun | None) -> SaveTicket | Refusal | None:
+        """The writer's ticket; a participant's refusal; None when the writer refused a hot
+        capture (it stays due)."""
         try:
             capture = await coordinator.capture(checkpoint_id,
                                                 kind="hot" if replaceable else "durable")
@@ -201,12 +224,11 @@ class Durability:
             if coordinator.fenced:
                 raise
             # the participant's reason (an unpicklable world names itself) reaches the log and
-            # a durable capture's error, instead of vanishing
-            self.refusal = f"{exc.participant or 'a participant'}: {exc.error.message}"
+            # a durable capture's outcome, instead of vanishing
             log.warning("checkpoint.capture_refused", checkpoint_id=checkpoint_id,
                         participant=exc.participant, code=str(exc.error.code),
                         reason=exc.error.message)
-            return None
+            return Refusal(checkpoint_id, exc)
         except BaseException:
             reservation.release()
             raise

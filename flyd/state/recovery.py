@@ -24,6 +24,13 @@ Rules:
   import, `BACKEND_FAILURE` for a constructor), the flag whether trying again can help.
   A plugin's exception in a later call (`stage: call`) is retried: a restore from the head may
   not reach the same inputs. Everything else is retried.
+- A durable capture a participant refused with the epoch intact is no session failure (the
+  session could step on), so it never starts a recovery. One refused `UNSUPPORTED`
+  (`capture_repeats`: its state does not fit one bus frame, an env that cannot be pickled, a
+  participant without `checkpoint-v1`) would be refused on every attempt: the next one resumes
+  the same deterministic run to the same boundary. The run ends `failed` at once, like a capture
+  too large for the writer (§5.2). Any other refusal hands the run back for another attempt
+  (`flyd.node.grant`).
 """
 
 from __future__ import annotations
@@ -32,7 +39,7 @@ from dataclasses import dataclass, field
 
 from workers.domain import DomainError, ErrorCode
 
-__all__ = ["Exhausted", "RecoveryBudget", "is_permanent", "repeats"]
+__all__ = ["Exhausted", "RecoveryBudget", "capture_repeats", "is_permanent", "repeats"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,3 +96,8 @@ def is_permanent(error: DomainError) -> bool:
     """§8.2 step 9: an incompatible head can never be installed; a plugin failure that repeats
     recurs on every attempt. Retrying cannot help either."""
     return error.code == ErrorCode.INCOMPATIBLE_STATE or repeats(error)
+
+
+def capture_repeats(error: DomainError) -> bool:
+    """A participant's refusal of a durable capture that every attempt would meet again."""
+    return error.code == ErrorCode.UNSUPPORTED

@@ -21,14 +21,23 @@ import orjson
 import pytest
 
 from flyd.node.grant import writer_config
-from flyd.session.durability import CheckpointTooLarge, Durability, TooLarge
+from flyd.session.durability import (
+    CaptureRefused,
+    CheckpointTooLarge,
+    Durability,
+    Refusal,
+    TooLarge,
+)
 from flyd.session.runspec import RunSpec
 from flyd.session.trace import EpochRebase
 from flyd.state.cadence import Cadence, CadenceError
 from flyd.state.checkpoints import FinishRun
+from flyd.state.recovery import capture_repeats
 from flyd.state.writer import CheckpointWriter, Committed, WriterConfig, WriterFaults
 from tests.session.harness import Fixture, SessionHarness
 from tests.state.conftest import RunCtx, effect_rows, run_state
+from workers.domain import ErrorCode, Mutation
+from workers.faults import Faults
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -75,11 +84,11 @@ class Driven:
 
 
 @asynccontextmanager
-async def driven(ctx: RunCtx, config: WriterConfig,
-                 faults: WriterFaults | None = None) -> AsyncIterator[Driven]:
+async def driven(ctx: RunCtx, config: WriterConfig, faults: WriterFaults | None = None,
+                 fixture: Fixture | None = None) -> AsyncIterator[Driven]:
     writer = CheckpointWriter(ctx.store, ctx.path, config, faults=faults)
     durability = Durability(writer, Cadence(config.every_steps, config.every_seconds))
-    async with SessionHarness.start(Fixture()) as h, asyncio.TaskGroup() as tg:
+    async with SessionHarness.start(fixture or Fixture()) as h, asyncio.TaskGroup() as tg:
         tg.create_task(writer.run())
         try:
             await h.bootstrap()
@@ -260,4 +269,28 @@ async def test_a_capture_over_the_envelope_limit_names_both_sizes(mem_run: RunCt
                                            finish=FinishRun("succeeded", {}, 6, 1))
         assert isinstance(final, TooLarge) and final.limit == limit
         assert final.outcome()["byteLength"] == final.byte_length > limit
+        assert await effect_rows(mem_run) == [], "nothing of a refused capture is durable"
+
+
+async def test_a_capture_a_participant_refuses_is_returned_naming_it(mem_run: RunCtx) -> None:
+    """A capture the world refuses with the epoch intact (mutation `none`): hot ones are
+    skipped and stepping goes on; a forced one raises `CaptureRefused`, a final one returns the
+    `Refusal`; both carry the world's `SessionFailure`, which the grant puts in the run's
+    outcome. `BACKEND_FAILURE` may pass on another attempt; `UNSUPPORTED` would not."""
+    config = WriterConfig(every_steps=2, max_pending_effects=6)
+    fixture = Fixture(faults={"arena": Faults(fail_capture=True)})
+    async with driven(mem_run, config, fixture=fixture) as d:
+        await d.run(5)                     # hot captures at 2 and 4, each refused
+        with pytest.raises(CaptureRefused) as forced:
+            await d.run(1)                 # boundary 6 fills the buffer: a forced capture
+        final = await d.durability.durable(d.h.coordinator, "final",
+                                           finish=FinishRun("succeeded", {}, 6, 1))
+        assert isinstance(final, Refusal) and not d.h.coordinator.fenced
+        for refusal in (forced.value.refusal, final):
+            failure = refusal.failure
+            assert (failure.participant, failure.code, failure.mutation, failure.message) == (
+                "arena", ErrorCode.BACKEND_FAILURE, Mutation.NONE, "injected capture failure")
+            assert not capture_repeats(failure.error)
+        assert forced.value.refusal.checkpoint_id.endswith("-forced")
+        assert final.checkpoint_id.endswith("-final")
         assert await effect_rows(mem_run) == [], "nothing of a refused capture is durable"
