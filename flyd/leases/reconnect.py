@@ -17,6 +17,8 @@ Rules:
 - Tries are serialised by a lock (one connection, one statement at a time); the backoff sleeps
   outside it. The connection is the lease store's `ClosingConnection`: a try cut by its bound
   closes the socket at once instead of waiting for a server-side cancel.
+- A cancelled read never retries, even when the cancellation came out of a try as another
+  error (`flyd.cancel`).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from typing import Final, TypeVar
 import psycopg
 import structlog
 
+from flyd.cancel import raise_if_cancelled
 from flyd.leases.stores.pg import ClosingConnection, session_lost
 
 __all__ = ["BACKOFF_MAX_S", "BACKOFF_S", "ReadConnection"]
@@ -66,6 +69,7 @@ class ReadConnection:
                 async with asyncio.timeout_at(deadline):
                     return await self._try(op)
             except (psycopg.Error, TimeoutError, OSError) as exc:
+                raise_if_cancelled()
                 if not session_lost(exc) or loop.time() + delay >= deadline:
                     raise
                 log.warning("db.read_retry", what=what, error=f"{type(exc).__name__}: {exc}",

@@ -75,6 +75,7 @@ import psycopg
 import structlog
 from psycopg.types.json import Jsonb
 
+from flyd.cancel import raise_if_cancelled
 from flyd.leases.core import LeaseLost
 from flyd.leases.reconnect import ReadConnection
 from flyd.leases.resolve import decide
@@ -531,6 +532,7 @@ class _Base(ABC):
             try:
                 return await read()  # each read is bounded by the store's own timeout
             except DomainError as exc:
+                raise_if_cancelled()
                 if exc.code != ErrorCode.BACKEND_FAILURE or loop.time() + delay > deadline:
                     raise
                 log.warning("checkpoint.resolve_retry", error=exc.message)

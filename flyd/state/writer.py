@@ -56,6 +56,7 @@ from typing import Any, Final, Literal
 
 import structlog
 
+from flyd.cancel import raise_if_cancelled
 from flyd.durations import DURATION_RULE, is_duration_s
 from flyd.errors import ConfigError
 from flyd.state.checkpoints import (
@@ -618,6 +619,7 @@ class CheckpointWriter:
             try:
                 await self.store.commit(commit_job, self.path, self.faults)
             except CommitFailure as exc:
+                raise_if_cancelled()
                 if exc.retryable and attempt < attempts:
                     structlog.get_logger("flyd.state").warning(
                         "checkpoint.retry", checkpoint_id=sub.checkpoint_id, attempt=attempt,

@@ -10,7 +10,9 @@ import psycopg
 import pytest
 
 from flyd.leases.params import LeaseParams
+from flyd.leases.reconnect import ReadConnection
 from flyd.leases.stores.contract import Commit, Effect, Held, Transient
+from flyd.leases.stores.pg import ClosingConnection
 from tests.state.conftest import NODE, RunCtx, make_job
 
 TERMINATE = """
@@ -123,3 +125,47 @@ async def test_a_renewal_outlives_a_heartbeat_session_ended_while_idle(
     await gone(ctx.admin, pids)
     [again] = await ctx.lease.renew(NODE, held, 60.0)
     assert (again.run_id, again.lease_epoch) == (first.run_id, first.lease_epoch)
+
+
+async def test_a_cancelled_read_does_not_retry_when_its_try_absorbed_the_cancel(
+        db_dsn: str) -> None:
+    """`flyd.cancel`: a try that turns its cancellation into a lost-session error (as a
+    connection closed on cancel may) is not repeated for a task its owner cancelled; a lost
+    lease's writer would otherwise go on reading past the kill bound. Vacuity: the same error
+    without a cancellation is a lost session, and the read repeats it."""
+    read = ReadConnection(db_dsn, within_s=30.0)
+    calls = 0
+    entered = asyncio.Event()
+
+    async def absorbs_its_cancel(conn: ClosingConnection) -> int:
+        nonlocal calls
+        calls += 1
+        entered.set()
+        try:
+            await asyncio.Event().wait()  # a statement the server never answers
+        except asyncio.CancelledError:
+            raise psycopg.OperationalError("connection closed on cancel") from None
+        return 0
+
+    async def fails_once(conn: ClosingConnection) -> int:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            raise psycopg.OperationalError("connection closed on cancel")
+        return 7
+
+    try:
+        task = asyncio.create_task(read.read(absorbs_its_cancel, "probe"))
+        async with asyncio.timeout(10):
+            await entered.wait()
+        task.cancel()
+        async with asyncio.timeout(10):
+            with pytest.raises(asyncio.CancelledError):
+                await task
+        assert calls == 1
+        calls = 0
+        async with asyncio.timeout(10):
+            assert await read.read(fails_once, "probe") == 7
+        assert calls == 2
+    finally:
+        await read.close()
