@@ -68,12 +68,17 @@ class ForkedChild(ChildProcess):
 class ForkServer:
     """One running fork server and the children it forked for this node."""
 
-    def __init__(self, sock: socket.socket, popen: subprocess.Popen[bytes]) -> None:
+    def __init__(self, sock: socket.socket, popen: subprocess.Popen[bytes],
+                 start_timeout: float) -> None:
         self._loop = asyncio.get_running_loop()
         self._sock = sock
         self._popen = popen
         self.pid: int = popen.pid
-        self._ready: asyncio.Future[int] = self._loop.create_future()
+        self._start_timeout = start_timeout
+        self._ready_due = self._loop.time() + start_timeout
+        self._ready: asyncio.Future[None] = self._loop.create_future()
+        # a start nobody waits for any more (every launch cancelled) may fail unobserved
+        self._ready.add_done_callback(lambda f: f.cancelled() or f.exception())
         self._pending: dict[int, asyncio.Future[dict[str, Any]]] = {}
         self._children: dict[int, ForkedChild] = {}
         self._outbox: collections.deque[tuple[bytes, list[int]]] = collections.deque()
@@ -86,35 +91,56 @@ class ForkServer:
                     timeout: float,  # noqa: ASYNC109
                     env: Mapping[str, str] | None = None) -> ForkServer:
         """Spawn `python -m workers.forkserver` on `executor`'s thread (which must live as long
-        as the node: the server's death signal follows it) and wait for its `ready`. `env` is
-        its whole environment (None: the node's), which every worker it forks inherits."""
+        as the node: the server's death signal follows it). The server is returned before it is
+        ready: `until_ready()` waits for its `ready`, due within `timeout` seconds of now. `env`
+        is its whole environment (None: the node's), which every worker it forks inherits. A
+        caller cancelled while the process starts still gets the server, with its task's
+        cancellation left pending (`flyd.cancel.raise_if_cancelled`)."""
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         argv = [python, "-m", "workers.forkserver", "--control-fd", str(theirs.fileno()),
                 "--parent-pid", str(os.getpid()), "--socket", socket_path, "--room", " " * ROOM]
         loop = asyncio.get_running_loop()
+        spawned = loop.run_in_executor(executor, functools.partial(
+            die_with_parent, argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+            pass_fds=(theirs.fileno(),), start_new_session=True, close_fds=True, env=env))
+        popen: subprocess.Popen[bytes] | None = None
         try:
-            popen = await loop.run_in_executor(executor, functools.partial(
-                die_with_parent, argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                pass_fds=(theirs.fileno(),), start_new_session=True, close_fds=True, env=env))
+            try:
+                popen = await asyncio.shield(spawned)
+            except asyncio.CancelledError:
+                # The thread forks and execs regardless: a server it started is returned all the
+                # same (the caller re-raises the cancellation), so none is lost; a start that
+                # failed ends in the cancellation itself.
+                with contextlib.suppress(Exception):
+                    async with asyncio.timeout(timeout):
+                        popen = await spawned
+                if popen is None:
+                    raise
         except BaseException:
             ours.close()
             raise
         finally:
             theirs.close()
         ours.setblocking(False)
-        server = cls(ours, popen)
+        server = cls(ours, popen, timeout)
         loop.add_reader(ours.fileno(), server._on_readable)
-        try:
-            async with asyncio.timeout(timeout):
-                await asyncio.shield(server._ready)
-        except BaseException as exc:
-            await server.close(1.0)
-            if isinstance(exc, TimeoutError):
-                raise ForkServerError(f"the fork server did not start within {timeout:g}s") \
-                    from None
-            raise
-        log.info("forkserver.started", pid=server.pid)
         return server
+
+    async def until_ready(self) -> None:
+        """Wait for the server's `ready` until its start is due. A cancelled wait leaves the
+        start going, so the next launch waits for the same server instead of starting (and
+        importing) another; a server that exits first or misses its due time is closed and
+        `ForkServerError` raised, to every waiter."""
+        try:
+            async with asyncio.timeout_at(self._ready_due):
+                await asyncio.shield(self._ready)
+        except TimeoutError:
+            await self.close(1.0)
+            raise ForkServerError(f"the fork server did not start within "
+                                  f"{self._start_timeout:g}s") from None
+        except ForkServerError:
+            await self.close(1.0)
+            raise
 
     # ------------------------------------------------------------------ receive
 
@@ -133,7 +159,8 @@ class ForkServer:
             op = message.get("op")
             if op == "ready":
                 if not self._ready.done():
-                    self._ready.set_result(int(message["pid"]))
+                    self._ready.set_result(None)
+                    log.info("forkserver.started", pid=self.pid)
             elif op == "forked":
                 self._on_forked(message)
             elif op == "exited":

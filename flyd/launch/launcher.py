@@ -20,6 +20,7 @@ API (all coroutines run on the node's loop):
     launcher.info(worker_id) -> WorkerInfo           psutil facts (pid, RSS, peak RSS, cpu, threads)
     launcher.supervise(report)                       health loop + exit reports, until cancelled
     launcher.kill_process_groups()                   synchronous SIGKILL of every child group
+    launcher.abandon()                               the same, and no process exit waited for
     launcher.close()                                 kills every remaining body; idempotent
     connect_expected(node, socket, client_id, grants=, ttl=) -> BusClient
 
@@ -58,6 +59,13 @@ Resolved ambiguities:
 - After SIGKILL (or a cancel) the launcher waits up to `KILL_WAIT_S` (5 s) for the body to end;
   a child stuck beyond that is logged `process-did-not-exit` (its pidfd watcher still reaps
   it later), a thread `thread-did-not-stop` and left as a daemon thread; both are `Terminated`.
+- `abandon()` is the lost lease's kill (distribution.md §5.5 step 3): every child group is
+  SIGKILLed and from then on no process exit is waited for (kills, `close()`, a cancelled
+  launch's cleanup). Why: a process's exit is learnt from the fork server's report (or the
+  pidfd), which a loaded host schedules late, and the scope must end within the lease bound
+  K; the kernel ends a SIGKILLed group regardless, the lease runtime confirms it gone
+  (`groups_running`), and the fork server (or the pidfd watch) still reaps each zombie on its
+  own. The output pipes are closed at once, so a killed worker's last lines may be lost.
 - `supervise(report)` reports `(worker_id, DomainError)` once per launch: a failed health
   check, or `BACKEND_FAILURE`/`unknown` "<worker> exited with code <n>" for a body that ended
   without the launcher stopping it. A health check that fails while the body ends within
@@ -460,8 +468,9 @@ class _Body:
         """Up to `timeout` seconds for the end; True when it ended."""
         return await settled_within(self.ended, timeout)
 
-    async def dispose(self) -> None:
-        """Release what the body holds once it ended (or was given up on)."""
+    async def dispose(self, wait_s: float) -> None:
+        """Release what the body holds once it ended (or was given up on), waiting at most
+        `wait_s` for what is still ending."""
 
     def info(self) -> ProcessInfo:
         return process_info(self.pid)
@@ -498,8 +507,8 @@ class _ProcessBody(_Body):
     def abort(self) -> None:
         self.child.kill()
 
-    async def dispose(self) -> None:
-        await self.child.close(KILL_WAIT_S)
+    async def dispose(self, wait_s: float) -> None:
+        await self.child.close(wait_s)
 
 
 class _ThreadBody(_Body):
@@ -529,7 +538,7 @@ class _ThreadBody(_Body):
         self.worker.stop()
         self.worker.cancel()
 
-    async def dispose(self) -> None:
+    async def dispose(self, wait_s: float) -> None:
         # `ended` is resolved by the thread's last statement: the join is immediate then.
         if self.ended.done():
             self.worker.join(timeout=0.1)
@@ -563,11 +572,11 @@ class _TaskBody(_Body):
         self._stop.set()
         self.task.cancel()
 
-    async def dispose(self) -> None:
+    async def dispose(self, wait_s: float) -> None:
         if not self.task.done():
             self.task.cancel()
         with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(KILL_WAIT_S):
+            async with asyncio.timeout(wait_s):
                 await asyncio.wait({self.task})
 
 
@@ -623,6 +632,7 @@ class Launcher:
         self._starting: dict[str, _Body] = {}
         self._report: Report | None = None
         self._closed = False
+        self._abandoned = False
 
     @classmethod
     async def open(cls, *, names: SessionNames, socket: str, node: BusClient,
@@ -778,8 +788,9 @@ class Launcher:
             body = body or starting
             if body is not None:
                 body.abort()
-                await body.wait(KILL_WAIT_S)
-                await body.dispose()
+                wait_s = self._kill_wait(body)
+                await body.wait(wait_s)
+                await body.dispose(wait_s)
             raise
         self._starting.pop(wid, None)
         launched = LaunchedWorker(
@@ -1002,17 +1013,23 @@ class Launcher:
             self.budget.release(live.holder)
         return live
 
+    def _kill_wait(self, body: _Body) -> float:
+        """How long to wait for a body stopped by force: `KILL_WAIT_S`, or nothing for a
+        process once the launcher was abandoned (see `abandon`)."""
+        return 0.0 if self._abandoned and isinstance(body, _ProcessBody) else KILL_WAIT_S
+
     async def _force(self, live: _Live) -> bool:
-        """Abort the body and wait up to KILL_WAIT_S; True when it ended."""
+        """Abort the body and wait up to `_kill_wait`; True when it ended."""
         live.body.abort()
-        ended = await live.body.wait(KILL_WAIT_S)
-        if not ended:
+        wait_s = self._kill_wait(live.body)
+        ended = await live.body.wait(wait_s)
+        if not ended and wait_s > 0:
             event = ("launcher.thread-did-not-stop" if live.launched.mode is ExecutionMode.THREAD
                      else "launcher.process-did-not-exit"
                      if live.launched.mode is ExecutionMode.PROCESS
                      else "launcher.task-did-not-stop")
             log.error(event, worker=live.launched.worker_id, pid=live.body.pid)
-        await live.body.dispose()
+        await live.body.dispose(wait_s)
         return ended
 
     async def reap(self, worker_id: str, reason: str) -> ReapOutcome:
@@ -1033,7 +1050,7 @@ class Launcher:
                 log.warning("launcher.shutdown_failed", worker=worker_id, error=str(exc))
         self._remove(worker_id)
         if answered and await live.body.wait(self.health.probe):
-            await live.body.dispose()
+            await live.body.dispose(KILL_WAIT_S)
             outcome: ReapOutcome = Stopped(worker_id, live.body.exit_code)
         else:
             await self._force(live)
@@ -1087,6 +1104,12 @@ class Launcher:
                 body.abort()
                 groups.append(body.child.pgid)
         return groups
+
+    def abandon(self) -> list[int]:
+        """The run's lease is lost: `kill_process_groups()`, and no process exit is waited for
+        from now on (see the module docstring), so whatever is still stopping ends at once."""
+        self._abandoned = True
+        return self.kill_process_groups()
 
     async def close(self) -> None:
         """Kill every remaining body, release the session's reservation, close the client."""

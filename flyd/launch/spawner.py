@@ -20,7 +20,10 @@ Decisions:
 - A launch waits for its slot without a deadline of its own: every holder's start and identify
   are bounded by `[session] health_boot_s`, so the wait is bounded by the launches ahead of it.
 - The fork server starts at the first process-mode launch (a node that runs only thread-mode
-  sessions never pays for it) and again after it was lost.
+  sessions never pays for it) and again after it was lost. Its start belongs to the spawner,
+  not to the launch that asked first: a launch cancelled meanwhile (a lost lease must end its
+  scope within K, on a host where the server's imports take seconds) stops waiting, and the
+  next launch waits for the same server.
 - In fork mode a worker's `--parent-pid` is the fork server's pid; the server itself dies with
   the node, so nothing a node started outlives it either way.
 - The environment of a forked worker is the server's (the node's at the server's start) plus
@@ -47,6 +50,7 @@ from typing import Any, Final, Literal
 
 import structlog
 
+from flyd.cancel import raise_if_cancelled
 from flyd.launch.forkserver import ForkServer, ForkServerError
 from flyd.launch.spawn import ChildProcess, SpawnedChild, spawn_worker
 from workers.launch import DEFAULT_MEDIA_INLINE_MAX_BYTES, WorkerLaunch
@@ -125,7 +129,8 @@ class Spawner:
 
     async def fork_server(self) -> ForkServer:
         """The running fork server, started (again) when there is none. Its start is bounded
-        by `SERVER_START_S`, not by a launch's boot budget: it happens once per node."""
+        by `SERVER_START_S`, not by a launch's boot budget: it happens once per node, and a
+        launch cancelled while it starts (its lease lost) leaves it starting for the next."""
         async with self._server_lock:
             if self._closed:
                 raise ForkServerError("the spawner is closed: the node is stopping")
@@ -136,7 +141,10 @@ class Spawner:
                 self._server = await ForkServer.start(
                     python=self.python, socket_path=self.socket, executor=self._thread,
                     timeout=SERVER_START_S, env={**os.environ, **env} if env else None)
-            return self._server
+                raise_if_cancelled()
+            server = self._server
+        await server.until_ready()
+        return server
 
     async def parent_pid(self) -> int:
         """The pid a process worker's `--parent-pid` names: the fork server's or ours."""

@@ -49,7 +49,7 @@ from flyd.launch.budget import ThreadBudget
 from flyd.launch.health import HealthPolicy
 from flyd.launch.identities import SessionNames, SessionTags
 from flyd.launch.launcher import Launcher, connect_expected
-from flyd.launch.spawn import group_running
+from flyd.launch.spawn import groups_running
 from flyd.launch.spawner import Spawner
 from flyd.leases.runtime import GrantScope
 from flyd.node.grant import GrantSession, LedgerReader, RunAbandoned, RunReport, writer_config
@@ -107,7 +107,7 @@ class GrantExecutor:
         self.keep_reports = False
         self.trace_path: Path | None = None
         self._launchers: dict[int, Launcher] = {}
-        self._groups: dict[int, list[int]] = {}
+        self._groups: dict[int, set[int]] = {}
         self._clients: dict[int, BusClient] = {}
         self._tags = SessionTags()
 
@@ -118,18 +118,19 @@ class GrantExecutor:
     # ------------------------------------------------------------------ ProcessGroups
 
     def kill(self, run_id: int) -> None:
-        """SIGKILL every process group of the run's workers, synchronously (§5.5 step 3)."""
+        """SIGKILL every process group of the run's workers, synchronously (§5.5 step 3); the
+        launcher is abandoned, so the scope's teardown waits for no worker's exit report."""
         launcher = self._launchers.get(run_id)
         if launcher is not None:
-            self._groups.setdefault(run_id, []).extend(launcher.kill_process_groups())
+            self._groups.setdefault(run_id, set()).update(launcher.abandon())
 
     def alive(self, run_id: int) -> bool:
         """Whether a process of the run's signalled groups still runs (zombies are dead)."""
-        groups = list(self._groups.get(run_id, ()))
+        groups = set(self._groups.get(run_id, ()))
         launcher = self._launchers.get(run_id)
         if launcher is not None:
-            groups += [w.pid for w in launcher.workers().values() if w.pid is not None]
-        return any(group_running(pgid) for pgid in groups)
+            groups.update(w.pid for w in launcher.workers().values() if w.pid is not None)
+        return groups_running(groups)
 
     # ------------------------------------------------------------------ Executor
 
@@ -268,15 +269,18 @@ class GrantExecutor:
 
     async def _teardown(self, run_id: int, spec: RunSpec, report: RunReport) -> None:
         """Reap the workers and close the session's clients; every step bounded. After a lost
-        lease the workers were SIGKILLed already: nothing is asked of them, so the scope ends
-        within the runtime's bound."""
+        lease the workers were SIGKILLed already and the launcher abandoned: nothing is asked of
+        them and no exit report awaited, so the scope ends within the runtime's bound."""
         launcher = self._launchers.get(run_id)
         if launcher is not None:
             if report.lost_reason is None:
                 with contextlib.suppress(Exception):
                     async with asyncio.timeout(REAP_S):
                         await launcher.reap_all("run-ended")
-            self._groups.setdefault(run_id, []).extend(launcher.kill_process_groups())
+                groups = launcher.kill_process_groups()
+            else:
+                groups = launcher.abandon()
+            self._groups.setdefault(run_id, set()).update(groups)
             with contextlib.suppress(Exception):
                 async with asyncio.timeout(REAP_S):
                     await launcher.close()

@@ -16,19 +16,22 @@ import signal
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import psutil
 import pytest
+from structlog.testing import capture_logs
 
 from flyd.config import load_config
 from flyd.launch.budget import ThreadBudget
 from flyd.launch.forkserver import MAX_REQUEST
 from flyd.launch.launcher import ExecutionMode, composition_plans
+from flyd.launch.spawn import groups_running
 from flyd.launch.spawner import LauncherSettings, Spawner
 from flyd.session.runspec import AgentSpec, RunSpec
-from tests.session.conftest import children
+from tests.session.conftest import children, fork_server
 from workers.domain import DomainError
 
 if TYPE_CHECKING:
@@ -177,3 +180,83 @@ async def test_an_oversized_fork_request_fails_that_launch_alone(
     launched = await launcher.launch(identity.next_generation(), settings, ExecutionMode.PROCESS,
                                      faults=faults)
     assert (await launcher.health_check(launched.worker_id))["state"] == "uninitialized"
+
+
+async def _until(condition: Callable[[], bool]) -> None:
+    """Poll `condition` on the loop (which must keep running: the node answers reports)."""
+    async with asyncio.timeout(30):
+        while True:
+            if condition():
+                return
+            await asyncio.sleep(0.005)
+
+
+async def _server_spawned() -> psutil.Process:
+    """The fork server the test process started, as soon as it exists."""
+    await _until(lambda: any(_is_server(p) for p in psutil.Process().children()))
+    return next(p for p in psutil.Process().children() if _is_server(p))
+
+
+def _is_server(proc: psutil.Process) -> bool:
+    try:
+        return fork_server(proc)
+    except psutil.NoSuchProcess:
+        return False
+
+
+async def test_a_launch_cancelled_while_the_fork_server_starts_leaves_it_starting_for_the_next(
+        launchers: LauncherFactory) -> None:
+    """A lost lease cancels the launch that is waiting for the server's imports: the wait ends
+    at once and the next launch waits for the same server rather than starting another."""
+    spawner = Spawner()
+    try:
+        async with asyncio.TaskGroup() as tg:
+            first = tg.create_task(spawner.parent_pid())
+            server = await _server_spawned()
+            server.suspend()  # it cannot say `ready` before the cancel
+            first.cancel()
+        assert first.cancelled(), "the first wait had ended before the cancel"
+        assert server.is_running(), "the cancel left the server starting"
+        server.resume()
+        assert await spawner.parent_pid() == server.pid
+        launcher = await launchers(budget=ThreadBudget(4, 1), spawner=spawner)
+        launched = await launcher.launch_composition(spec(1), ExecutionMode.PROCESS)
+        assert {psutil.Process(w.pid).ppid() for w in launched.values() if w.pid} == {server.pid}
+        assert [p.pid for p in psutil.Process().children() if _is_server(p)] == [server.pid]
+        await launcher.close()
+    finally:
+        await spawner.close()
+    assert children(servers=True) == []
+
+
+async def test_an_abandoned_launcher_waits_for_no_exit_report(
+        launchers: LauncherFactory) -> None:
+    """After a lost lease the launcher's kills and close wait for no worker's exit report (the
+    fork server's, scheduled late on a loaded host); the killed groups are gone at once, and
+    the server still reaps the zombies when it reports."""
+    spawner = Spawner()  # the node's: it outlives the session's launcher
+    try:
+        launcher = await launchers(budget=ThreadBudget(4, 1), spawner=spawner)
+        launched = await launcher.launch_composition(spec(1), ExecutionMode.PROCESS)
+        server = psutil.Process(await spawner.parent_pid())
+        workers = {wid: psutil.Process(w.pid) for wid, w in launched.items() if w.pid}
+        server.suspend()  # no exit report can reach the node
+        try:
+            with capture_logs() as logs:
+                await launcher.kill("a1")  # not abandoned: waits KILL_WAIT_S for the report
+                groups = launcher.abandon()
+                await launcher.close()
+            await _until(lambda: not groups_running(groups))  # the kernel ends them alone
+            arena = workers["arena"].status()
+        finally:
+            server.resume()
+        did_not_exit = [e["worker"] for e in logs
+                        if e["event"] == "launcher.process-did-not-exit"]
+        assert did_not_exit == ["a1"], "vacuity: a suspended server holds the exit report back"
+        assert groups == [workers["arena"].pid]
+        assert arena == psutil.STATUS_ZOMBIE, "gone while the server could not reap it"
+        # the node answers the late reports with `reap`
+        await _until(lambda: not any(psutil.pid_exists(w.pid) for w in workers.values()))
+        assert children() == []
+    finally:
+        await spawner.close()

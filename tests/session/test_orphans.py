@@ -13,7 +13,7 @@ import time
 import psutil
 import pytest
 
-from flyd.launch.spawn import group_running
+from flyd.launch.spawn import groups_running
 from workers import launch
 
 HELPER = """
@@ -83,7 +83,7 @@ def _state(pid: int) -> str | None:
 @pytest.mark.timeout(30)
 def test_a_killed_group_left_as_zombies_is_not_running() -> None:
     """The leader stays an unreaped zombie of ours, so `killpg(pgid, 0)` still succeeds (the
-    liveness check this replaced said "alive" here until someone reaped); `group_running` must
+    liveness check this replaced said "alive" here until someone reaped); `groups_running` must
     say dead, while it said running before the kill."""
     leader = subprocess.Popen([sys.executable, "-c", FORKING_LEADER], stdout=subprocess.PIPE,
                               start_new_session=True)
@@ -91,7 +91,7 @@ def test_a_killed_group_left_as_zombies_is_not_running() -> None:
         assert leader.stdout is not None
         child = int(leader.stdout.readline())
         assert os.getpgid(child) == leader.pid
-        assert group_running(leader.pid)
+        assert groups_running([leader.pid])
         os.killpg(leader.pid, signal.SIGKILL)
         deadline = time.monotonic() + 10
         while _state(leader.pid) != psutil.STATUS_ZOMBIE and time.monotonic() < deadline:
@@ -100,11 +100,11 @@ def test_a_killed_group_left_as_zombies_is_not_running() -> None:
         os.killpg(leader.pid, 0)  # the group still exists: the zombie leader is in it
         while _state(child) not in (None, psutil.STATUS_ZOMBIE) and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert not group_running(leader.pid)
+        assert not groups_running([leader.pid])
     finally:
         leader.kill()
         leader.wait(5)
-    assert not group_running(leader.pid)  # reaped: the group is gone altogether
+    assert not groups_running([leader.pid])  # reaped: the group is gone altogether
 
 
 @pytest.mark.timeout(30)
@@ -120,10 +120,53 @@ def test_one_live_member_keeps_a_group_running() -> None:
         leader.kill()
         leader.wait(5)
         assert _state(child) not in (None, psutil.STATUS_ZOMBIE)
-        assert group_running(leader.pid)
+        assert groups_running([leader.pid])
     finally:
         if child is not None:
             os.kill(child, signal.SIGKILL)
+
+
+@pytest.mark.timeout(30)
+def test_groups_with_zombie_leaders_cost_one_pass_over_proc(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The lease runtime asks on its event loop while a lost scope's workers die: a running
+    leader answers from its own stat file, a gone group from `killpg`, and every group whose
+    leader is an unreaped zombie is settled in one pass over /proc together."""
+    leaders = [subprocess.Popen([sys.executable, "-c", FORKING_LEADER], stdout=subprocess.PIPE,
+                                start_new_session=True) for _ in range(3)]
+    children = []
+    passes: list[str] = []
+    listdir = os.listdir
+
+    def counting(path: str) -> list[str]:
+        if path == "/proc":
+            passes.append(path)
+        return listdir(path)
+
+    monkeypatch.setattr(os, "listdir", counting)
+    try:
+        for leader in leaders:
+            assert leader.stdout is not None
+            children.append(int(leader.stdout.readline()))
+        assert groups_running([leader.pid for leader in leaders])
+        assert passes == []  # a running leader settles it without scanning
+        for leader in leaders:
+            os.killpg(leader.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        for pid in [leader.pid for leader in leaders] + children:
+            while _state(pid) not in (None, psutil.STATUS_ZOMBIE) and time.monotonic() < deadline:
+                time.sleep(0.01)
+        assert all(_state(leader.pid) == psutil.STATUS_ZOMBIE for leader in leaders)
+        assert not groups_running([leader.pid for leader in leaders] + [leaders[0].pid])
+        assert passes == ["/proc"]  # three suspect groups, one pass
+    finally:
+        for leader in leaders:
+            leader.kill()
+            leader.wait(5)
+    passes.clear()
+    # reaped leaders: the groups are gone, or hold only the children's orphan zombies
+    assert not groups_running([leader.pid for leader in leaders])
+    assert len(passes) <= 1
 
 
 def test_resolving_prctl_starts_no_process(monkeypatch: pytest.MonkeyPatch) -> None:
