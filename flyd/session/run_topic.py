@@ -156,11 +156,16 @@ async def declare_run_topic(node: BusClient, run_id: int, timeout_s: float) -> T
 async def end_run_topic(topic: Topic, end: RunEnd, timeout_s: float) -> None:
     """Publish the run's `end` on the node connection, then undeclare the topic: the router
     takes one connection's frames in order, so `end` is accepted before the removal and every
-    subscriber reads it before `bus.topicRemoved` (§3.3). A lost router already removed it."""
+    subscriber reads it before `bus.topicRemoved` (§3.3). A lost router already removed it.
+    A `released` end (a lost lease, an abandoned grant) does not wait for the removal's answer:
+    its scope must end within the kill bound (distribution.md §5.5), never on the router."""
     client = topic.client
     if client.closed:
         return
     with contextlib.suppress(BusError, TimeoutError):
         client.publish_nowait(topic.name, end.to_json(), expected_incarnation=topic.incarnation)
+        if end.state == "released":
+            topic.undeclare_nowait()
+            return
         async with asyncio.timeout(timeout_s):
             await topic.undeclare()

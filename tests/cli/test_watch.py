@@ -67,14 +67,20 @@ def running(site: Site, *args: str) -> int:
     return run
 
 
+#: paced runs the watcher must see stepping: 10 s of world time, so a watcher that takes a few
+#: seconds to start on a loaded host still sees boundaries before the end
+WATCHED_STEPS = "600"
+
+
+@pytest.mark.timeout(120)
 def test_watch_prints_boundaries_and_the_final_state(site: Site) -> None:
     serve(site, "n1", env=fast_recovery(site))
-    run = running(site, "--steps", "200", "--pace", "--mode", "thread")
+    run = running(site, "--steps", WATCHED_STEPS, "--pace", "--mode", "thread")
     code, lines, _ = finish(watcher(site, str(run)))
     assert code == 0, lines
     *boundaries, end = objects(lines)
-    assert boundaries and end == {"run": run, "state": "succeeded", "boundary": 200,
-                                  "error": None}
+    assert boundaries and end == {"run": run, "state": "succeeded",
+                                  "boundary": int(WATCHED_STEPS), "error": None}
     for line in boundaries:
         assert {"run", "boundary", "worldTime", "stepsPerSecond"} <= set(line)
         assert line["run"] == run
@@ -93,13 +99,13 @@ def test_watch_prints_boundaries_and_the_final_state(site: Site) -> None:
     code, lines, _ = finish(proc)
     assert code == 1 and objects(lines)[-1]["state"] == "cancelled"
 
-    human = running(site, "--steps", "200", "--pace", "--mode", "thread")
+    human = running(site, "--steps", WATCHED_STEPS, "--pace", "--mode", "thread")
     code, lines, _ = finish(watcher(site, str(human), json=False))
     assert code == 0
     *read, final = lines
     assert read and all(line.startswith(f"run {human}  boundary ") and " steps/s " in line
                         for line in read)
-    assert final == f"run {human}  succeeded at boundary 200"
+    assert final == f"run {human}  succeeded at boundary {WATCHED_STEPS}"
 
 
 async def _watcher_connection(socket: str, pid: int) -> dict[str, Any]:

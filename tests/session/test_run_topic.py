@@ -19,7 +19,7 @@ import pytest
 
 from bus.client import Message, Subscription, connect
 from bus.errors import NotAuthorized, QuotaExceeded
-from flyd.session.run_topic import RunEnd, end_run_topic
+from flyd.session.run_topic import EndState, RunEnd, end_run_topic
 from tests.cli.test_flyctl_runs import Site, serve, submit, wait_state
 from tests.cli.test_flyctl_runs import site as site
 from tests.session.harness import Fixture, SessionHarness, within
@@ -51,7 +51,11 @@ async def unwatched_run(steps: int) -> tuple[list[str], list[dict[str, Any]]]:
         return publish_lines(h), [t.behaviour for t in h.coordinator.trace.transitions]
 
 
-async def test_every_committed_boundary_is_published() -> None:
+async def watched_run(steps: int, state: EndState,
+                      ) -> tuple[Subscription, list[Message], list[str], str]:
+    """A run of `steps` watched from before its descriptor to its `end` (`state`): the
+    subscription, the messages read, the audit's publication lines and the coordinator's
+    client id."""
     async with SessionHarness.start(Fixture(run_id=RUN)) as h:
         assert h.topic is not None
         async with connect(h.socket, client_id=ctl_id()) as ctl:
@@ -59,10 +63,13 @@ async def test_every_committed_boundary_is_published() -> None:
             async with asyncio.TaskGroup() as tg:
                 reader = tg.create_task(within(read_all(sub)))
                 await h.bootstrap()
-                await h.run(STEPS)
-                await end_run_topic(h.topic, RunEnd(RUN, "succeeded", STEPS), 5.0)
-            messages = reader.result()
-        watched = publish_lines(h)
+                await h.run(steps)
+                await end_run_topic(h.topic, RunEnd(RUN, state, steps), 5.0)
+            return sub, reader.result(), publish_lines(h), h.names.coordinator_client_id
+
+
+async def test_every_committed_boundary_is_published() -> None:
+    sub, messages, watched, coordinator = await watched_run(STEPS, "succeeded")
     assert sub.removed_reason == "undeclared"
     end = messages[-1]
     assert end.payload == {"kind": "end", "run": RUN, "state": "succeeded", "boundary": STEPS,
@@ -79,9 +86,18 @@ async def test_every_committed_boundary_is_published() -> None:
             "eventIds"} <= set(boundaries[-1])
     assert boundaries[-1]["boundary"] <= STEPS
     assert any(b["stepsPerSecond"] > 0 for b in boundaries)
-    assert all(m.publisher.client_id == h.names.coordinator_client_id for m in messages[:-1])
+    assert all(m.publisher.client_id == coordinator for m in messages[:-1])
     unwatched, _ = await unwatched_run(STEPS)
     assert watched == unwatched
+
+
+async def test_a_released_end_is_sent_without_waiting_and_still_removes_the_topic() -> None:
+    """A lost lease's grant publishes `released` and pipelines the undeclare (it must not wait
+    on the router): the observer still reads `end`, then the removal."""
+    sub, messages, _, _ = await watched_run(3, "released")
+    assert sub.removed_reason == "undeclared"
+    assert messages[-1].payload == {"kind": "end", "run": RUN, "state": "released",
+                                    "boundary": 3, "error": None}
 
 
 async def test_run_topic_admits_only_latest_observers() -> None:
