@@ -1744,6 +1744,8 @@ class RouterMachine(RuleBasedStateMachine):
         expected = POISON_CLOSES[poison]
         if op in LEAN_OPS and poison in (("id", "missing"), ("shape", "notification")):
             expected = ""  # a lean notification (wire.md §21): its params decide the outcome
+        if kind != "prefix" and len(chunks) == 1 and len(chunks[0]) - 4 > LIMITS.maxEnvelopeBytes:
+            expected = "INVALID_ENVELOPE"  # the mutation grew a body near the limit past it (§2)
         if poison == ("prefix", "be") and body is not None:
             (n,) = struct.unpack("<I", struct.pack(">I", len(body)))
             if n <= LIMITS.maxEnvelopeBytes:
