@@ -28,6 +28,9 @@ Rules:
   each `renewed` event processed no later than the current bound. M6 (an expired lease is never
   renewed) is judged under S1 from the taps: a renewal answered with a row whose last known expiry
   had passed at the store.
+- S6's K (confirming a lost hold's workers dead) is a physical bound: it is extended by the loop
+  lag the node measured itself (`loop_lag` events) between the loss and the scope's end, as a
+  pause extends safe_until + W. A node whose loop ran on time gets no extension.
 - S5 also checks each run's own grant budget (distribution.md §1.2 T2/T3, `runs.max_attempts`,
   which may be below `[leases] max_attempts`): no claim tap grants an `attempt` (a row's fourth
   field, when the tap records it) beyond it, and neither the final `runs` row nor any sample
@@ -145,6 +148,16 @@ class History:
         if n is None or n.get("end") is None:
             return None
         return float(n["end"][0]), float(n["end"][1])
+
+    def lag(self, node: str, t0: float, t1: float) -> float:
+        """How long the node's event loop measured itself late (`loop_lag`) within [t0, t1],
+        local time: while its loop was off the CPU the node could do nothing."""
+        total = 0.0
+        for ev in self.by_node.get(node, ()):
+            if ev["event"] == "loop_lag":
+                end = float(ev["t"])
+                total += max(0.0, min(end, t1) - max(end - float(ev.get("lag_s", 0.0)), t0))
+        return total
 
     def pauses(self, node: str) -> list[tuple[float, float, float, float]]:
         n = self.nodes.get(node)
@@ -502,14 +515,15 @@ def s6(h: History) -> Verdict:
         if lost is None:
             continue
         t_lost = float(lost["t"])
-        node_gone = end_local <= t_lost + h.K + h.slack + EPS
         after = [e for e in evs if e["seq"] > lost["seq"]] if "seq" in lost else [
             e for e in evs if _true(e) > _true(lost)]
         cancelled = [e for e in after if e["event"] == "scope_cancelled"]
-        if not node_gone and (not cancelled or float(cancelled[0]["t"]) > t_lost + h.K
-                              + h.slack + EPS):
+        t_cancelled = float(cancelled[0]["t"]) if cancelled else float("inf")
+        lag = h.lag(node, t_lost, min(t_cancelled, end_local))
+        within = t_lost + h.K + h.slack + lag + EPS
+        if end_local > within and t_cancelled > within:
             v.fail(f"{node} {run_id}@{epoch}: lease_lost at {t_lost:.3f} without "
-                   f"scope_cancelled within K")
+                   f"scope_cancelled within K (+ {lag:.3f} s measured loop lag)")
         for e in after:
             ok = e["event"] in AFTER_LOSS_OK or (
                 e["event"] in ("released", "write_result") and e.get("kind") == "relinquish")
