@@ -329,25 +329,31 @@ class Router:
             )
         self._prepare_path(path)
         self._open_store()
+        staging = staging_path(path)
+        bind_at = staging or path
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         old = os.umask(0o117 if self._group_gid is not None else 0o177)
         try:
-            sock.bind(path)
+            if staging is not None:
+                _remove_stale_socket(staging)
+            sock.bind(bind_at)
         except OSError as exc:
             sock.close()
             self._remove_store()
-            raise RouterStartError(f"cannot bind {path}: {exc}") from exc
+            raise RouterStartError(f"cannot bind {bind_at}: {exc}") from exc
         finally:
             os.umask(old)
         if self._group_gid is not None:
-            os.chown(path, -1, self._group_gid)
-            os.chmod(path, 0o660)
+            os.chown(bind_at, -1, self._group_gid)
+            os.chmod(bind_at, 0o660)
         else:
-            os.chmod(path, 0o600)
+            os.chmod(bind_at, 0o600)
         # the loop listens again with its own default backlog (100) unless it is given one
         backlog = listen_backlog(self.limits.maxClients)
         sock.listen(backlog)
         sock.setblocking(False)
+        if staging is not None:
+            self._publish_path(sock, staging, path)
         self._server = await self._loop.create_unix_server(
             lambda: _Conn(self), sock=sock, backlog=backlog
         )
@@ -356,6 +362,23 @@ class Router:
             log.warning("router.open_policy", socket=path,
                         detail="every client may register, call and expect anything")
         log.info("router.started", router_id=self.router_id, socket=path, pid=os.getpid())
+
+    def _publish_path(self, sock: socket.socket, staging: str, path: str) -> None:
+        """Give the listening socket its name: a client that finds the file can connect.
+
+        A hard link, not a rename, so that a router which took the name meanwhile keeps it
+        (the link fails, as a bind in place would)."""
+        try:
+            os.link(staging, path)
+        except OSError as exc:
+            sock.close()
+            self._remove_store()
+            detail = ("another router bound it while this one started"
+                      if isinstance(exc, FileExistsError) else str(exc))
+            raise RouterStartError(f"cannot bind {path}: {detail}") from exc
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(staging)
 
     def _open_store(self) -> None:
         """docs/topics.md §5.1: the store directory of this start, or none when disabled."""
@@ -1850,6 +1873,26 @@ class Router:
 def _conn_label(conn: _Conn) -> str:
     """A subscriber as a BACKPRESSURE message names it (docs/topics.md §3.4 check 8)."""
     return conn.client_id or conn.connection_id
+
+
+def staging_path(path: str) -> str | None:
+    """Where the router binds before it listens: a hidden name beside `path`, or None when
+    that name would not fit sun_path (then it binds `path` itself).
+
+    Why: between `bind` and `listen` a socket file exists that refuses connections, and a
+    client that waits for the file (the launcher's children, `flyctl`, tests) may hit that
+    window. Bound and listening under the staging name, the socket is then linked to `path`.
+    """
+    parent, base = os.path.split(path)
+    staging = os.path.join(parent, f".{base}.{os.getpid()}.bind")
+    return staging if len(os.fsencode(staging)) <= SUN_PATH_MAX else None
+
+
+def _remove_stale_socket(path: str) -> None:
+    """A staging name left by a router of the same pid that died between bind and link."""
+    with contextlib.suppress(FileNotFoundError):
+        if stat.S_ISSOCK(os.lstat(path).st_mode):
+            os.unlink(path)
 
 
 def listen_backlog(max_clients: int) -> int:

@@ -20,6 +20,7 @@ import pytest
 
 from bus.client import PendingCall, Request
 from bus.errors import RouterLost
+from bus.router import SUN_PATH_MAX, staging_path
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -290,3 +291,38 @@ async def test_sdk_reconnect_uses_new_incarnation(router: Any, sdk: Any, settle:
     detail = r.stats(detail=True)["connectionsDetail"]
     assert [(d["clientId"], d["clientIncarnation"]) for d in detail] == [("cli-r", inc2)]
     assert r.stats()["counters"]["helloOk"] == 2
+
+
+async def test_socket_file_appears_only_when_the_router_accepts(sock_dir: str,
+                                                               spawn_router: Any) -> None:
+    """The router listens under a staging name and links the socket's path afterwards, so a
+    client that waits for the file (as the launcher's children and flyctl do) is never refused
+    by a socket that is bound but not yet listening. Spinning on the path and connecting at
+    the first sight of it, several starts in a row."""
+    for attempt in range(5):
+        path = os.path.join(sock_dir, f"bus-{attempt}.sock")
+        rp = await spawn_router(path, f"router-{attempt}.log")
+        async with asyncio.timeout(READY_TIMEOUT_S):
+            while not exists(path):
+                assert rp.proc.returncode is None, rp.log.read_text()
+                await asyncio.sleep(0)
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            probe.connect(path)  # refused only if the file came before listen
+        finally:
+            probe.close()
+        assert sorted(n for n in os.listdir(sock_dir) if not n.endswith(".log")) == sorted(
+            f"bus-{k}.sock" for k in range(attempt + 1)), "the staging name is left behind"
+        mode = os.lstat(path).st_mode
+        assert stat.S_ISSOCK(mode) and stat.S_IMODE(mode) == 0o600
+
+
+def test_staging_name_fits_sun_path_or_the_router_binds_in_place() -> None:
+    short = "/tmp/flyd-x/bus.sock"
+    staging = staging_path(short)
+    assert staging is not None
+    assert os.path.dirname(staging) == "/tmp/flyd-x"
+    assert os.path.basename(staging).startswith(".bus.sock.")
+    long = "/tmp/" + "d" * (SUN_PATH_MAX - len("/tmp/") - len("/bus.sock")) + "/bus.sock"
+    assert len(long) == SUN_PATH_MAX
+    assert staging_path(long) is None
