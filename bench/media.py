@@ -2,9 +2,11 @@
 
 The counter arena's frame size is world configuration (`{"width": W, "height": H}`), so the
 same composition runs with W×H views (default 256×256, 256 KiB a frame) and with the default
-32×24 (3 KiB): 8 agents in process mode, checkpoint cadence 0, `--no-pace`. Every view travels
-inline as base64 today: in the Advance reply, in each agent's Prepare and in the final
-checkpoint. The line says what large media cost the lockstep:
+32×24 (3 KiB): 8 agents in process mode, checkpoint cadence 0, `--no-pace`. A view above
+`[session] media_inline_max_bytes` (16 KiB) travels by reference, as a sealed artifact of the
+router's store attached to the Advance reply and to each agent's Commit (docs/topics.md §14.2);
+a smaller one inline as base64; the final checkpoint carries the bytes either way. The line says
+what large media cost the lockstep:
 
   {"bench":"media","width":W,"height":H,"agents":N,"steps_per_s":..,"small_steps_per_s":..,
    "ratio":..,"cpu_ms_per_step":..,"small_cpu_ms_per_step":..,"pairs":[[large,small],..]}
