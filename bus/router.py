@@ -1875,16 +1875,17 @@ def _conn_label(conn: _Conn) -> str:
     return conn.client_id or conn.connection_id
 
 
-def staging_path(path: str) -> str | None:
-    """Where the router binds before it listens: a hidden name beside `path`, or None when
-    that name would not fit sun_path (then it binds `path` itself).
+def staging_path(path: str, pid: int | None = None) -> str | None:
+    """Where the router of `pid` (this process by default) binds before it listens: a hidden
+    name beside `path`, or None when that name would not fit sun_path (then it binds `path`
+    itself).
 
     Why: between `bind` and `listen` a socket file exists that refuses connections, and a
     client that waits for the file (the launcher's children, `flyctl`, tests) may hit that
     window. Bound and listening under the staging name, the socket is then linked to `path`.
     """
     parent, base = os.path.split(path)
-    staging = os.path.join(parent, f".{base}.{os.getpid()}.bind")
+    staging = os.path.join(parent, f".{base}.{os.getpid() if pid is None else pid}.bind")
     return staging if len(os.fsencode(staging)) <= SUN_PATH_MAX else None
 
 

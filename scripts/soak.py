@@ -494,9 +494,11 @@ def sample(node: Node, session: int) -> Sample:
     children = proc.children(recursive=True)
     zombies = sum(1 for c in children if c.status() == psutil.STATUS_ZOMBIE)
     servers = tuple(c.pid for c in children if "workers.forkserver" in cmdline(c))
+    node_fds, router_fds = proc.num_fds(), router.num_fds()
+    # read after the fds: the stats connection is the router's own fd until it sees the close
     store, allocated, files = store_view(node.socket)
-    return Sample(session=session, node_fds=proc.num_fds(), node_threads=proc.num_threads(),
-                  node_rss=proc.memory_info().rss, router_fds=router.num_fds(),
+    return Sample(session=session, node_fds=node_fds, node_threads=proc.num_threads(),
+                  node_rss=proc.memory_info().rss, router_fds=router_fds,
                   router_threads=router.num_threads(), router_rss=router.memory_info().rss,
                   router_pid=router.pid,
                   descendants=len(children) - zombies - len(servers), zombies=zombies,
