@@ -55,6 +55,8 @@ log = structlog.get_logger("bus.client")
 CANCEL_WAIT_S: Final = 0.5
 IDENTITY_CACHE: Final = 1024
 CREDIT_DELAY_S: Final = 0.005  # result credits wait this long for a call to carry them (§21.6)
+# A lingering publication waits at most this long for another frame to share its write.
+LINGER_S: Final = 0.002
 # A credit window with less than this left when its timer fires is due now, not re-armed.
 CREDIT_SLACK_S: Final = 0.0005
 # How long `close()` waits for cancelled handler tasks to end.
@@ -575,6 +577,9 @@ class BusClient:
         self._last_credit = 0.0
         self._out: list[bytes] = []
         self._flush_scheduled = False
+        self._linger_timer: asyncio.TimerHandle | None = None
+        #: transport writes made: frames queued in one loop turn leave in one write
+        self.writes = 0
         self._reading = False
         self._flush_after_read = False
         self._drained: asyncio.Future[None] | None = None
@@ -595,9 +600,18 @@ class BusClient:
         return result
 
     async def close(self) -> None:
-        """Close locally; everything pending fails with RouterLost `unknown`."""
+        """Close locally; everything pending fails with RouterLost `unknown`. Frames queued
+        before the close (a notification sent just before it, a lingering one) are written
+        first: `..._nowait` promises they leave, not that the connection outlives them."""
+        self.flush()
         self._lost(None)
         await self._reap_tasks()
+
+    def flush(self) -> None:
+        """Write every queued frame now, lingering ones included: for a publisher whose next
+        frame goes out on another connection and must come after these."""
+        if self._out and self._closed_with is None:
+            self._flush()
 
     async def __aenter__(self) -> BusClient:
         return self
@@ -646,6 +660,9 @@ class BusClient:
         if self._credit_timer is not None:
             self._credit_timer.cancel()
             self._credit_timer = None
+        if self._linger_timer is not None:
+            self._linger_timer.cancel()
+            self._linger_timer = None
         for t in self._tasks:
             t.cancel()
         if self._store_dir >= 0:  # open mappings stay readable
@@ -676,6 +693,19 @@ class BusClient:
         self._out.append(body)
         self._schedule_flush()
 
+    def _write_lingering(self, body: bytes) -> None:
+        """Queue a frame that may wait up to LINGER_S for another frame's write: a frame
+        queued meanwhile carries it, in order, so the two cost one write and one wake-up of
+        the router instead of two."""
+        self._out.append(PREFIX.pack(len(body)))
+        self._out.append(body)
+        if not self._flush_scheduled and self._linger_timer is None:
+            self._linger_timer = self._loop.call_later(LINGER_S, self._linger_due)
+
+    def _linger_due(self) -> None:
+        self._linger_timer = None
+        self._flush()
+
     def _schedule_flush(self) -> None:
         if self._reading:
             self._flush_after_read = True
@@ -695,8 +725,12 @@ class BusClient:
             else:
                 self._send_nowait("bus.consumed", {"deliveryIds": batch})
         self._flush_scheduled = False
+        if self._linger_timer is not None:
+            self._linger_timer.cancel()
+            self._linger_timer = None
         out, self._out = self._out, []
         if out:
+            self.writes += 1
             self._transport.write(b"".join(out))
             if self._transport.get_write_buffer_size() > 4 * self._max_envelope:
                 self._lost(RouterLost("unsent bytes above 4 x maxEnvelopeBytes"))
@@ -791,10 +825,14 @@ class BusClient:
         self._credits.clear()
         self._schedule_flush()
 
-    def _notify(self, method: str, params: dict[str, Any]) -> None:
+    def _notify(self, method: str, params: dict[str, Any], linger: bool = False) -> None:
         """A lean notification (wire.md §21): no id, no response, never waits to drain."""
-        self._write(codec.encode({"jsonrpc": "2.0", "method": method, "params": params},
-                                 self._max_envelope))
+        body = codec.encode({"jsonrpc": "2.0", "method": method, "params": params},
+                            self._max_envelope)
+        if linger:
+            self._write_lingering(body)
+        else:
+            self._write(body)
 
     def _send_nowait(self, method: str, params: dict[str, Any]) -> asyncio.Future[dict[str, Any]]:
         """A credit-returning command: never waits for the transport to drain."""
@@ -1243,9 +1281,13 @@ class BusClient:
     def publish_nowait(self, topic: str, payload: dict[str, Any], *,
                        expected_incarnation: str | None = None,
                        attachments: tuple[AttachmentRef, ...] = (),
-                       transfer: bool = False) -> None:
+                       transfer: bool = False, linger: bool = False) -> None:
         """The notification form: one frame, no answer on success; a refusal reaches the
-        `on_publish_failed` hook. Never waits for the transport to drain."""
+        `on_publish_failed` hook. Never waits for the transport to drain.
+
+        `linger`: the frame may wait up to LINGER_S for the next frame of this connection
+        and leave in its write (a publisher that sends calls right after, as a lockstep
+        coordinator does, then costs no write and no router wake-up of its own)."""
         self._check_open()
         self._need_minor(2, "bus.publish")
         params: dict[str, Any] = {"topic": topic, "expectedIncarnation": expected_incarnation,
@@ -1253,7 +1295,7 @@ class BusClient:
         if attachments:
             params["attachments"] = artifact_ids(attachments)
             params["transfer"] = transfer
-        self._notify("bus.publish", params)
+        self._notify("bus.publish", params, linger)
 
     async def subscribe(self, topic: str, *, mode: str = "latest", window: int = 1,
                         depth: int | None = None, retained: bool = True) -> Subscription:

@@ -426,7 +426,7 @@ class GrantSession:
         ended = _END_STATES.get(self.report.state, "released")
         await end_run_topic(topic, RunEnd(self.run_id, ended, self.report.boundary,
                                           self.end_error if ended == "failed" else None),
-                            CLOSE_S)
+                            CLOSE_S, self.publisher)
 
     async def _lifecycle(self, head: CheckpointRecord | None) -> None:
         try:

@@ -18,6 +18,9 @@ Rules:
   step). `stepsPerSecond` is the rate over the boundaries published in the last second of
   wall time (and the one before them), 0 before the second; every watcher therefore shows the
   same figure whatever its slot skipped.
+  A boundary message lingers (the SDK's `linger`): unpaced, the next step's Prepare calls
+  follow within the window and carry it in their write, so it costs the step no write and no
+  router wake-up of its own; paced, it leaves alone at most `bus.client.LINGER_S` later.
 - `on_publish_failed` is the coordinator connection's hook: it counts the refusal here and in
   the bound `Stats.publications_refused`, and logs the first refusal of each error name.
 - A publication the SDK refuses locally (a closed connection) counts as refused too.
@@ -84,6 +87,7 @@ class RunPublisher:
         self._clock = clock
         self._stats: Stats | None = None
         self._published: collections.deque[tuple[float, int]] = collections.deque()
+        self._lingering: BusClient | None = None  # the client of the last boundary message
 
     def bind(self, stats: Stats) -> None:
         """Count refusals in `stats` too (the current coordinator's)."""
@@ -116,7 +120,15 @@ class RunPublisher:
             "eventIds": list(event_ids)}
         if snapshot is not None:
             payload["snapshot"] = snapshot
-        self._send(client, payload, tuple(attachments))
+        self._send(client, payload, tuple(attachments), linger=True)
+        self._lingering = client
+
+    def flush(self) -> None:
+        """Write a lingering boundary message now (before the node's `end`, which another
+        connection sends and which must come after it)."""
+        client, self._lingering = self._lingering, None
+        if client is not None:
+            client.flush()
 
     def _rate(self, boundary: int) -> float:
         """Boundaries per second over the last `RATE_WINDOW_S` (module rules)."""
@@ -133,9 +145,9 @@ class RunPublisher:
         return round((boundary - first) / (now - first_at), 1)
 
     def _send(self, client: BusClient, payload: dict[str, Any],
-              attachments: tuple[str, ...] = ()) -> None:
+              attachments: tuple[str, ...] = (), linger: bool = False) -> None:
         try:
-            client.publish_nowait(self.topic, payload, attachments=attachments)
+            client.publish_nowait(self.topic, payload, attachments=attachments, linger=linger)
         except BusError as exc:
             self._refused(exc.name, exc.message)
 
@@ -153,12 +165,17 @@ async def declare_run_topic(node: BusClient, run_id: int, timeout_s: float) -> T
         return None
 
 
-async def end_run_topic(topic: Topic, end: RunEnd, timeout_s: float) -> None:
+async def end_run_topic(topic: Topic, end: RunEnd, timeout_s: float,
+                        publisher: RunPublisher | None) -> None:
     """Publish the run's `end` on the node connection, then undeclare the topic: the router
     takes one connection's frames in order, so `end` is accepted before the removal and every
-    subscriber reads it before `bus.topicRemoved` (§3.3). A lost router already removed it.
+    subscriber reads it before `bus.topicRemoved` (§3.3). The publisher's lingering boundary
+    message is written first, so it is not accepted after the end. A lost router already
+    removed the topic.
     A `released` end (a lost lease, an abandoned grant) does not wait for the removal's answer:
     its scope must end within the kill bound (distribution.md §5.5), never on the router."""
+    if publisher is not None:
+        publisher.flush()
     client = topic.client
     if client.closed:
         return

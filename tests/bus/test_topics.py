@@ -7,6 +7,7 @@ wrote for it before that response is everything it had to write.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 from collections.abc import Awaitable
@@ -15,6 +16,7 @@ from typing import Any
 import orjson
 import pytest
 
+import bus.client as client_module
 from bus.client import Validators
 from bus.policy import Policy, PolicyEntry
 
@@ -646,3 +648,35 @@ async def test_sdk_topics(router: Any, sdk: Any, settle: Any) -> None:
     assert failures == [("t.missing", "NO_TOPIC")]
     await settle(r, lambda st: st["subscriptions"] == 0 and st["messageDeliveries"] == 0
                  and st["topics"] == 0)
+
+
+async def test_sdk_lingering_publish_shares_the_next_write(router: Any, sdk: Any,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """`publish_nowait(..., linger=True)`: the frame waits for the connection's next frame and
+    leaves in its write, ahead of it; with nothing after it, it leaves alone once the window
+    ends. The window is stretched for the first part so that a slow loop turn cannot end it."""
+    r = await router()
+    owner = await sdk(r, "sdk-linger")
+    reader = await sdk(r, "sdk-linger-reader")
+    await owner.declare("t.linger", retain=True)
+    async with await reader.subscribe("t.linger", window=2) as sub:
+        monkeypatch.setattr(client_module, "LINGER_S", 60.0)
+        before = owner.writes
+        owner.publish_nowait("t.linger", {"n": 1}, linger=True)
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert owner.writes == before, "a lingering frame left without company"
+        stats = await owner.stats()
+        assert owner.writes == before + 1, "the publication and the stats request share a write"
+        assert stats["counters"]["published"] == 1, "the publication went first"
+        async with asyncio.timeout(5):
+            first = await anext(aiter(sub))
+        assert first.payload == {"n": 1}
+
+        monkeypatch.setattr(client_module, "LINGER_S", 0.002)
+        before = owner.writes
+        owner.publish_nowait("t.linger", {"n": 2}, linger=True)
+        async with asyncio.timeout(5):
+            second = await anext(aiter(sub))
+        assert (second.payload, second.sequence) == ({"n": 2}, first.sequence + 1)
+        assert owner.writes == before + 1

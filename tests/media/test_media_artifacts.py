@@ -522,7 +522,7 @@ async def test_spectators_cannot_corrupt_sensory_state() -> None:
                 spectator = tg.create_task(within(spectate()))
                 await h.bootstrap()
                 await h.run(20)
-                await end_run_topic(h.topic, RunEnd(RUN, "succeeded", 20), 5.0)
+                await end_run_topic(h.topic, RunEnd(RUN, "succeeded", 20), 5.0, h.publisher)
                 await spectator
     assert refused_writes > 0 and all(want == got for want, got in seen)
     declared = declared_digests(wire)

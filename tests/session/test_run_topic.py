@@ -64,7 +64,7 @@ async def watched_run(steps: int, state: EndState,
                 reader = tg.create_task(within(read_all(sub)))
                 await h.bootstrap()
                 await h.run(steps)
-                await end_run_topic(h.topic, RunEnd(RUN, state, steps), 5.0)
+                await end_run_topic(h.topic, RunEnd(RUN, state, steps), 5.0, h.publisher)
             return sub, reader.result(), publish_lines(h), h.names.coordinator_client_id
 
 
@@ -121,6 +121,7 @@ async def test_refused_publication_never_fails_the_epoch() -> None:
         await h.bootstrap()
         await h.run(10)
         assert h.publisher.refused == 0
+        h.publisher.flush()  # boundary 10's lingering message leaves before the undeclare
         assert await h.topic.undeclare()  # the node gives the topic up at boundary 10
         reports = await h.run(STEPS - 10)
         assert reports[-1].boundary == STEPS
