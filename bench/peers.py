@@ -12,11 +12,13 @@ lockstep costs, not a rival runtime.
 
 flyd's figure is `stepsPerSecond` of `flyd run --mode process --checkpoint-every 0 --no-pace`
 (stepping time only, launch excluded), as `bench/step_cpu.py` runs it; the peers' is the
-coordinator's stepping time after a warm-up. Runs alternate (flyd, peers) in `--repeat` pairs on
-this shared host; the line gives medians and ratio = flyd / peers (target >= 0.7):
+coordinator's stepping time after a warm-up. Runs alternate (flyd, peers) in `--repeat` pairs
+on this shared host; the line gives medians and ratio = flyd / peers (target >= 0.7), and the
+peers' CPU per step (`peer_cpu_ms_per_step`: user + system time of every peer process over the
+measured steps), the floor to read `bench/step_cpu.py`'s `cpu_ms_per_step` against:
 
   {"bench":"peers","agents":N,"flyd_steps_per_s":..,"peer_steps_per_s":..,"ratio":..,
-   "pairs":[[flyd,peers],..]}
+   "peer_cpu_ms_per_step":..,"pairs":[[flyd,peers],..]}
 
 pyzmq is a bench dependency (the dev extra); flyd never imports it. Run it as
 `python -P bench/peers.py`. Progress goes to stderr.
@@ -38,6 +40,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import orjson
+import psutil
 import zmq
 
 from workers.synthetic.audio import TriangleSource
@@ -125,8 +128,15 @@ def arena(address: str) -> None:
         sock.send_multipart([sender, orjson.dumps({"id": request["id"], "result": result})])
 
 
-def coordinator(address: str, agents: int, steps: int) -> None:
-    """The lockstep; prints {"steps":..,"seconds":..} for the steps after the warm-up."""
+def _cpu_s(procs: list[psutil.Process]) -> float:
+    """User + system CPU of the peers (every thread: libzmq's I/O thread included)."""
+    return sum(sum(p.cpu_times()[:2]) for p in procs)
+
+
+def coordinator(address: str, agents: int, steps: int, peer_pids: list[int]) -> None:
+    """The lockstep; prints {"steps":..,"seconds":..,"cpu_s":..} for the steps after the
+    warm-up (`cpu_s`: every peer process, this one and the broker included)."""
+    procs = [psutil.Process(), *(psutil.Process(pid) for pid in peer_pids)]
     _, sock = _dealer(address, "coordinator")
     ids = [f"a{i}".encode() for i in range(1, agents + 1)]
     serial = 0
@@ -142,27 +152,30 @@ def coordinator(address: str, agents: int, steps: int) -> None:
             sock.send_multipart([target, orjson.dumps(body)])
         replies: dict[bytes, dict[str, Any]] = {}
         while pending:
-            if not sock.poll(PEER_TIMEOUT_S * 1000):
+            if not sock.poll(int(PEER_TIMEOUT_S * 1000)):
                 raise RuntimeError(f"{method}: no reply within {PEER_TIMEOUT_S} s")
             _, raw = sock.recv_multipart()
             reply = orjson.loads(raw)
             replies[pending.pop(reply["id"])] = reply["result"]
         return [replies[t] for t in targets]
 
-    started = 0.0
+    started = cpu_at_start = 0.0
     for step in range(WARMUP + steps):
         if step == WARMUP:
             started = time.perf_counter()
+            cpu_at_start = _cpu_s(procs)
         decisions = ask(ids, "Prepare", {"step": str(step), "interval": {"ns": "16666666"}})
         controls = [{"port": f"p{i}", "press": d["decision"]["value"]["press"]}
                     for i, d in enumerate(decisions, 1)]
         (observation,) = ask([b"arena"], "Advance", {"step": str(step), "controls": controls})
         ask(ids, "Commit", {"boundary": observation["boundary"], "view": observation["view"]})
     seconds = time.perf_counter() - started
+    cpu_s = _cpu_s(procs) - cpu_at_start
     for target in [*ids, b"arena"]:
         sock.send_multipart([target, STOP])
     time.sleep(0.2)  # let the stops leave before the context is torn down
-    print(orjson.dumps({"steps": steps, "seconds": seconds}).decode(), flush=True)
+    print(orjson.dumps({"steps": steps, "seconds": seconds, "cpu_s": cpu_s}).decode(),
+          flush=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -173,7 +186,8 @@ def _role(*args: str) -> list[str]:
     return [sys.executable, "-P", str(Path(__file__).resolve()), "--role", *args]
 
 
-def peer_steps_per_s(tmp: Path, agents: int, steps: int) -> float:
+def peer_run(tmp: Path, agents: int, steps: int) -> tuple[float, float]:
+    """(steps/s, CPU ms per step of every peer process) after the warm-up."""
     address = f"ipc://{tmp / 'peers.ipc'}"
     procs = [subprocess.Popen(_role("broker", address))]
     try:
@@ -181,10 +195,12 @@ def peer_steps_per_s(tmp: Path, agents: int, steps: int) -> float:
         procs += [subprocess.Popen(_role("agent", address, f"a{i}"))
                   for i in range(1, agents + 1)]
         time.sleep(1.0 + agents * 0.1)  # every DEALER connected before the first send
-        out = subprocess.run(_role("coordinator", address, str(agents), str(steps)),
+        pids = ",".join(str(p.pid) for p in procs)
+        out = subprocess.run(_role("coordinator", address, str(agents), str(steps), pids),
                              capture_output=True, check=True, timeout=PEER_TIMEOUT_S)
         result = orjson.loads(out.stdout)
-        return float(result["steps"]) / float(result["seconds"])
+        steps_done = float(result["steps"])
+        return steps_done / float(result["seconds"]), 1000.0 * float(result["cpu_s"]) / steps_done
     finally:
         for proc in reversed(procs):
             if proc.poll() is None:
@@ -216,7 +232,8 @@ def main() -> None:
         elif role == "agent":
             agent(rest[0], rest[1])
         else:
-            coordinator(rest[0], int(rest[1]), int(rest[2]))
+            coordinator(rest[0], int(rest[1]), int(rest[2]),
+                        [int(pid) for pid in rest[3].split(",")])
         return
     tmp = Path(tempfile.mkdtemp(prefix="flyd-bench-", dir="/tmp"))
     try:
@@ -225,18 +242,21 @@ def main() -> None:
             for agents in args.agents:
                 _, steps = step_cpu.lengths(agents, args.scale)
                 pairs: list[tuple[float, float]] = []
+                peer_cpu: list[float] = []
                 for _ in range(args.repeat):
                     scaling.progress(f"{agents} agents: flyd, {steps} steps")
                     ours = flyd_steps_per_s(tmp, dsn, agents, steps)
                     scaling.progress(f"{agents} agents: peers, {steps} steps")
-                    theirs = peer_steps_per_s(tmp, agents, steps)
+                    theirs, cpu_ms = peer_run(tmp, agents, steps)
                     pairs.append((ours, theirs))
+                    peer_cpu.append(cpu_ms)
                 flyd_rate = statistics.median(p[0] for p in pairs)
                 peer_rate = statistics.median(p[1] for p in pairs)
                 scaling.emit({"bench": "peers", "agents": agents,
                               "flyd_steps_per_s": round(flyd_rate, 1),
                               "peer_steps_per_s": round(peer_rate, 1),
                               "ratio": round(flyd_rate / peer_rate, 3),
+                              "peer_cpu_ms_per_step": round(statistics.median(peer_cpu), 3),
                               "pairs": [[round(a, 1), round(b, 1)] for a, b in pairs]})
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
