@@ -1179,20 +1179,22 @@ class BusClient:
                    expected_incarnation: str | None = None,
                    attachments: tuple[AttachmentRef, ...] = (), transfer: bool = False,
                    keep_attachments: bool = True) -> CallResult:
-        """One call with a required deadline (seconds, or None for none). A result's
-        attachments are retained before its credit leaves unless `keep_attachments` is
-        False (docs/topics.md §12); the caller drops them."""
+        """One call with a required deadline (seconds, or None for none). The deadline
+        covers the whole call, a wait for write credit included, so with a deadline `call`
+        returns or raises within `timeout` plus one cancel exchange (CANCEL_WAIT_S). A
+        result's attachments are retained before its credit leaves unless `keep_attachments`
+        is False (docs/topics.md §12); the caller drops them."""
         if timeout is not None and not timeout > 0:
             raise ValueError("timeout must be > 0 seconds, or None")
+        deadline = None if timeout is None else self._loop.time() + timeout
         if self._drained is not None and not self._drained.done():
-            await self._drained
+            await self._drain_until(self._drained, deadline)
         state = self._admit(target, method, payload, expected_incarnation, lean=self._lean,
                             attachments=tuple(artifact_ids(attachments)), transfer=transfer,
                             keep=keep_attachments)
         # One plain loop timer, not asyncio.timeout: that one also cancels and uncancels the
         # task and, on Python 3.11, calls getpid() through get_running_loop() on every call.
-        timer = None if timeout is None else self._loop.call_at(
-            self._loop.time() + timeout, _expire, state)
+        timer = None if deadline is None else self._loop.call_at(deadline, _expire, state)
         try:
             # `done` also settles on a refused admission: not waking up for the
             # admission response saves a task step per call
@@ -1208,6 +1210,19 @@ class BusClient:
         finally:
             if timer is not None:
                 timer.cancel()
+
+    async def _drain_until(self, drained: asyncio.Future[None], deadline: float | None) -> None:
+        """Wait for write credit until the call's deadline. Nothing of the call was sent, so
+        a deadline here is certainly `not-dispatched`. `drained` is shared by every waiter and
+        is never cancelled by one."""
+        if deadline is None:
+            await drained
+            return
+        await asyncio.wait((drained,), timeout=max(0.0, deadline - self._loop.time()))
+        if not drained.done():
+            raise CallDeadlineExceeded("deadline while waiting for write credit; nothing was "
+                                       "sent", "not-dispatched")
+        drained.result()  # a lost connection raises its RouterLost
 
     async def _deadline(self, state: _CallState) -> CallResult:
         if state.done.cancelled():

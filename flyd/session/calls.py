@@ -250,12 +250,13 @@ class CallEngine:
             payload["params"] = params
         started = time.perf_counter()
         try:
-            async with asyncio.timeout(timeout + 2.0):
-                result = await self._client.call(
-                    call.ref.service, call.method, payload, timeout=timeout,
-                    expected_incarnation=call.ref.service_incarnation,
-                    attachments=call.attachments)
-        except (CallDeadlineExceeded, TimeoutError):
+            # the SDK's deadline bounds the whole call (its wait for write credit too), so no
+            # guard of our own: that was a timer and a task cancel scope per call
+            result = await self._client.call(
+                call.ref.service, call.method, payload, timeout=timeout,
+                expected_incarnation=call.ref.service_incarnation,
+                attachments=call.attachments)
+        except CallDeadlineExceeded:
             return Expired()
         except BusError as exc:
             return Refused(from_bus_error(call.method, exc))

@@ -609,3 +609,37 @@ async def test_thread_and_subprocess_clients_match(router, settle) -> None:
     assert stats["calls"] == 0
     assert stats["services"] == 0
     assert stats["counters"]["helloOk"] == 3
+
+
+async def test_call_deadline_covers_the_wait_for_write_credit() -> None:
+    """A call that cannot be written (the router reads nothing and the transport paused)
+    still ends at its deadline, certainly not dispatched, and leaves the wait for the drain
+    to the others: the first call is still pending until the connection closes."""
+    release = asyncio.Event()
+
+    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        hello = await _read_msg(reader)
+        _send(writer, _hello_result(hello["id"]))
+        await writer.drain()
+        async with asyncio.timeout(30):
+            await release.wait()  # reads nothing until the test is done
+
+    async with FakeRouter(script) as fake:
+        bus = await connect(fake.path, client_id="fake-client", timeout=5)
+        big = asyncio.create_task(bus.call("fake.svc", "M", {"blob": "x" * 900_000},
+                                           timeout=None))
+        try:
+            writes = bus.writes
+            for _ in range(10):  # the task starts, its frame is flushed: the transport pauses
+                await asyncio.sleep(0)
+            assert bus.writes == writes + 1
+            with pytest.raises(CallDeadlineExceeded) as info:
+                async with asyncio.timeout(5):
+                    await bus.call("fake.svc", "M", {}, timeout=0.2)
+            assert info.value.dispatch == "not-dispatched"
+            assert "write credit" in info.value.message
+            assert not big.done()
+        finally:
+            release.set()
+            await bus.close()
+        await _raises_router_lost(big)
