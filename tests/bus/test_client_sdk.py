@@ -614,7 +614,7 @@ async def test_thread_and_subprocess_clients_match(router, settle) -> None:
 async def test_call_deadline_covers_the_wait_for_write_credit() -> None:
     """A call that cannot be written (the router reads nothing and the transport paused)
     still ends at its deadline, certainly not dispatched, and leaves the wait for the drain
-    to the others: the first call is still pending until the connection closes."""
+    to the others: the earlier calls are still pending until the connection closes."""
     release = asyncio.Event()
 
     async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -626,11 +626,13 @@ async def test_call_deadline_covers_the_wait_for_write_credit() -> None:
 
     async with FakeRouter(script) as fake:
         bus = await connect(fake.path, client_id="fake-client", timeout=5)
-        big = asyncio.create_task(bus.call("fake.svc", "M", {"blob": "x" * 900_000},
-                                           timeout=None))
+        # three frames of 900 kB, more than any socket buffer takes, less than the 4 x
+        # maxEnvelopeBytes of unsent bytes past which the SDK gives the connection up
+        big = [asyncio.create_task(bus.call("fake.svc", "M", {"blob": "x" * 900_000},
+                                            timeout=None)) for _ in range(3)]
         try:
             writes = bus.writes
-            for _ in range(10):  # the task starts, its frame is flushed: the transport pauses
+            for _ in range(10):  # the tasks start, their frames leave in one write: it pauses
                 await asyncio.sleep(0)
             assert bus.writes == writes + 1
             with pytest.raises(CallDeadlineExceeded) as info:
@@ -638,8 +640,9 @@ async def test_call_deadline_covers_the_wait_for_write_credit() -> None:
                     await bus.call("fake.svc", "M", {}, timeout=0.2)
             assert info.value.dispatch == "not-dispatched"
             assert "write credit" in info.value.message
-            assert not big.done()
+            assert not any(task.done() for task in big)
         finally:
             release.set()
             await bus.close()
-        await _raises_router_lost(big)
+        for task in big:
+            await _raises_router_lost(task)
