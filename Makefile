@@ -39,6 +39,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/bus.py
 	$(BIN)/python bench/step_rate.py
 	$(BIN)/python -P bench/step_cpu.py
+	$(BIN)/python -P bench/request_cpu.py
 	$(BIN)/python -P bench/peers.py
 	$(BIN)/python -P bench/media.py
 	$(BIN)/python -P bench/agent_scaling.py --intervals 1
