@@ -34,8 +34,8 @@ from __future__ import annotations
 
 import argparse
 import collections
-import importlib.util
 import os
+import runpy
 import shutil
 import subprocess
 import sys
@@ -44,7 +44,7 @@ import timeit
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
-from types import ModuleType
+from types import SimpleNamespace
 from typing import Any
 
 import orjson
@@ -116,16 +116,10 @@ if OUT:
 '''
 
 
-def sibling(name: str) -> ModuleType:
-    """bench/<name>.py by path (the bench runs with -P: `bench/bus.py` would shadow `bus`)."""
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "bench" / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-scaling = sibling("agent_scaling")
+# bench/step_cpu.py by path (the bench runs with -P: `bench/bus.py` would shadow `bus`); it
+# loads its own siblings, so that loader is written once, there.
+scaling = SimpleNamespace(**runpy.run_path(str(ROOT / "bench" / "step_cpu.py"),
+                                           run_name="bench_step_cpu")).scaling
 
 
 def run(tmp: Path, dsn: str, agents: int, steps: int, skip: int) -> dict[str, Any]:
