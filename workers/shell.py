@@ -34,7 +34,7 @@ of that task, so admission order is arrival order. 1 parse (§1.3) → `INVALID_
 table → `UNSUPPORTED`; 3 class, StepMutation with scope null → `INVALID_ARGUMENT`; 3b caller ∉
 `--callers` ∪ {supervisor} → `IDENTITY_MISMATCH`; 4 ReadOnly → answered at once from the status
 cell (never waits for the endpoint lock); 5 admission by the `ResultCache` with
-`body_digest(method, scope, params)`: Replay (the stored outcome JSON, a fresh bus reply),
+`wire_digest(method, payload bytes)` (wire.md §22.3: the bytes the caller sent): Replay (the stored outcome JSON, a fresh bus reply),
 Refuse, or Execute (`activeRequestId`, the endpoint handler behind the endpoint lock in the
 request's own task); 6 a success or an error with mutation ≠ `none` is stored in the cache
 before the reply (`lastCompletedRequestId`; mutation ≠ `none` makes the worker `failed`), an
@@ -106,7 +106,16 @@ from bus.schema import Validator, compile_schema
 from workers.artifacts import open_attached
 from workers.canonical import digest_bytes, digest_of, parse_strict
 from workers.datatypes import Attached
-from workers.dedup import Execute, OpClass, Refuse, Replay, ResultCache, Ticket, class_of
+from workers.dedup import (
+    Execute,
+    OpClass,
+    Refuse,
+    Replay,
+    ResultCache,
+    Ticket,
+    class_of,
+    wire_digest,
+)
 from workers.domain import (
     DomainError,
     ErrorCode,
@@ -670,7 +679,7 @@ class WorkerShell:
         call = Call(method, request, caller, attached)
         if op == OpClass.READ_ONLY:
             return await self._read_only(call, req)
-        digest = request.digest(method)
+        digest = wire_digest(method, req.payload_bytes)
         if op == OpClass.STEP_MUTATION:
             assert request.scope is not None
             admission = self.cache.admit_step(request.scope, method, request.request_id, digest)
