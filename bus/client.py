@@ -633,6 +633,8 @@ class BusClient:
         self.writes = 0
         self._reading = False
         self._flush_after_read = False
+        #: the body-carrying frame `_on_notification` is handling (wire.md §22.1)
+        self._body_frame: codec.BodyFrame | None = None
         self._drained: asyncio.Future[None] | None = None
         self._closed_with: BaseException | None = None
         self._closed = self._loop.create_future()
@@ -941,7 +943,8 @@ class BusClient:
             if "id" in msg:
                 self._on_response(msg)
             else:
-                self._on_notification(msg, raw)
+                self._body_frame = raw
+                self._on_notification(msg)
 
     def _on_response(self, msg: dict[str, Any]) -> None:
         problem = self._v.response(msg)
@@ -979,7 +982,7 @@ class BusClient:
                 _settle(state.admitted, value=result["serviceIncarnation"])
         _settle(fut, value=result)
 
-    def _on_notification(self, msg: dict[str, Any], raw: codec.BodyFrame | None = None) -> None:
+    def _on_notification(self, msg: dict[str, Any]) -> None:
         method = msg.get("method")
         check = self._v.notifications.get(method) if isinstance(method, str) else None
         params = msg.get("params")
@@ -992,6 +995,7 @@ class BusClient:
             self._violation(f"{method}: {problem}")
             return
         assert isinstance(params, dict)
+        raw, self._body_frame = self._body_frame, None
         body = None if raw is None else raw.body
         if body is not None and method == "bus.message":
             # a published payload is held to §3 by the router; read it whole, as before
