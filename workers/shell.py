@@ -29,19 +29,19 @@ retrying a bus `CONFLICT` every 5 ms for up to 30 s (then exit 4); serve until `
 was answered (exit 0) or the connection is lost (exit 3). The shell never reconnects.
 
 Request pipeline (§2.2), for each delivered request in arrival order: the SDK starts one task per
-`bus.request` in arrival order, and everything up to admission runs synchronously at the start
-of that task, so admission order is arrival order; `Worker.Hello`, `Worker.Status` and
-`Worker.Acknowledge` never await and run inline on the SDK's reader (wire.md §22.2). 1 parse (§1.3) → `INVALID_ARGUMENT`; 2 method
-table → `UNSUPPORTED`; 3 class, StepMutation with scope null → `INVALID_ARGUMENT`; 3b caller ∉
-`--callers` ∪ {supervisor} → `IDENTITY_MISMATCH`; 4 ReadOnly → answered at once from the status
-cell (never waits for the endpoint lock); 5 admission by the `ResultCache` with
-`wire_digest(method, payload bytes)` (wire.md §22.3: the bytes the caller sent): Replay (the
-stored outcome JSON, a fresh bus reply), Refuse, or Execute (`activeRequestId`, the endpoint handler behind the endpoint lock in the
-request's own task); 6 a success or an error with mutation ≠ `none` is stored in the cache
-before the reply (`lastCompletedRequestId`; mutation ≠ `none` makes the worker `failed`), an
-error with `none` abandons the key; `activeRequestId` is cleared either way. The endpoint lock
-is released before the reply is sent (the SDK sends the returned outcome), so it is never held
-across bus I/O.
+`bus.request` in arrival order, and everything up to admission runs synchronously at the start of
+that task, so admission order is arrival order; `Worker.Hello`, `Worker.Status` and
+`Worker.Acknowledge` never await and run inline on the SDK's reader (wire.md §22.2). 1 parse (§1.3)
+→ `INVALID_ARGUMENT`; 2 method table → `UNSUPPORTED`; 3 class, StepMutation with scope null →
+`INVALID_ARGUMENT`; 3b caller ∉ `--callers` ∪ {supervisor} → `IDENTITY_MISMATCH`; 4 ReadOnly →
+answered at once from the status cell (never waits for the endpoint lock); 5 admission by the
+`ResultCache` with `wire_digest(method, payload bytes)` (wire.md §22.3: the bytes the caller sent):
+Replay (the stored outcome JSON, a fresh bus reply), Refuse, or Execute (`activeRequestId`, the
+endpoint handler behind the endpoint lock in the request's own task); 6 a success or an error with
+mutation ≠ `none` is stored in the cache before the reply (`lastCompletedRequestId`; mutation ≠
+`none` makes the worker `failed`), an error with `none` abandons the key; `activeRequestId` is
+cleared either way. The endpoint lock is released before the reply is sent (the SDK sends the
+returned outcome), so it is never held across bus I/O.
 
 Resolved ambiguities:
 - The effective caller set is `--callers` plus the supervisor (its `Worker.Shutdown` must get

@@ -185,9 +185,11 @@ async def test_inline_handlers_run_without_tasks(router: Any, sdk: Any) -> None:
     r = await router()
     loop = asyncio.get_running_loop()
     gate = asyncio.Event()
+    entered = asyncio.Event()
     inline_seen: list[int] = []
 
     async def slow(req: Request) -> dict[str, Any]:
+        entered.set()
         await gate.wait()
         return {"slow": True}
 
@@ -199,8 +201,8 @@ async def test_inline_handlers_run_without_tasks(router: Any, sdk: Any) -> None:
     await service.register("svc.inline", slow, inline={"Fast": fast})
     client: BusClient = await sdk(r, "inline-caller")
     held = asyncio.ensure_future(client.call("svc.inline", "Slow", {}, timeout=9.0))
-    while (await client.stats())["dispatchedCalls"] < 1:
-        await asyncio.sleep(0.005)
+    async with asyncio.timeout(5):
+        await entered.wait()
 
     created = 0
     factory = loop.get_task_factory()
