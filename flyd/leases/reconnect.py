@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
-from typing import Final, TypeVar
+from typing import Any, Final, TypeVar
 
 import psycopg
 import structlog
@@ -51,7 +51,7 @@ class ReadConnection:
                  ) -> None:
         self._dsn = dsn
         self.within_s = within_s
-        self._names = {} if application_name is None else {
+        self._names: dict[str, Any] = {} if application_name is None else {
             "application_name": application_name}
         self._conn: ClosingConnection | None = None
         self._lock = asyncio.Lock()
