@@ -546,6 +546,15 @@ class Config:
         return {key: s.value for key, s in self._settings[name].items()}
 
     @property
+    def socket_gid(self) -> int | None:
+        """The gid of `[bus] socket_group` (checked to exist at load), or None: the group that
+        may share the socket's directory (wire.md §13, `bus.ownership`)."""
+        import grp
+
+        group = self.value("bus", "socket_group")
+        return None if group is None else grp.getgrnam(group).gr_gid
+
+    @property
     def leases(self) -> LeaseParams:
         """The validated lease parameters (distribution.md §4.2, §4.3)."""
         return self._leases

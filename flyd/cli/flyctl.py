@@ -81,6 +81,7 @@ import uvloop
 
 from bus.client import BusClient, connect
 from bus.errors import BusError, CallDeadlineExceeded, RouterLost
+from bus.ownership import UnsafeDirectory
 from flyd.cli.common import CtlOptions
 from flyd.cli.run import RunOptions, RunUsageError, build_spec, read_spec_file
 from flyd.config import Config, load_config, redact_dsn, redact_dsn_text
@@ -332,7 +333,10 @@ async def _bus(opts: CtlOptions, config: Config) -> AsyncIterator[_Bus]:
     """Connect as `ctl-<pid>-<8 hex>`; no router → `CONFIG`, a refusal → its bus name (exit 2)."""
     socket = str(config.value("bus", "socket"))
     try:
-        client = await connect(socket, client_id=ctl_client_id(), timeout=CONNECT_S)
+        client = await connect(socket, client_id=ctl_client_id(), timeout=CONNECT_S,
+                               socket_gid=config.socket_gid)
+    except UnsafeDirectory as exc:
+        raise CtlError(exc.name, f"socket {socket}: {exc.message}", EXIT_CONFIG) from None
     except RouterLost as exc:
         raise CtlError("CONFIG", f"no router on {socket}: {exc.message}") from None
     except BusError as exc:
