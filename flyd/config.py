@@ -63,6 +63,7 @@ from flyd.durations import (
 from flyd.errors import ConfigError
 from flyd.launch.spawner import LauncherSettings
 from flyd.logs import LogFlags, LogSettings, default_level
+from flyd.pgtext import bad_strings, text_problem
 from workers.launch import DEFAULT_MEDIA_INLINE_MAX_BYTES, MAX_MEDIA_INLINE_MAX_BYTES
 
 if TYPE_CHECKING:
@@ -123,13 +124,25 @@ def validate_node_name(name: object, where: str = "--node-name") -> str:
 
 
 def load_toml(path: Path) -> dict[str, Any]:
+    """The file's tables; a file that cannot be read, is not UTF-8 or not TOML, or holds a
+    string PostgreSQL text cannot (`flyd.pgtext`) is a `ConfigError` naming it."""
     try:
         with path.open("rb") as fh:
-            data = tomllib.load(fh)
+            raw = fh.read()
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read: {exc.strerror}") from exc
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not UTF-8 text: byte {raw[exc.start]:#04x} at offset "
+                          f"{exc.start}") from None
+    try:
+        data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: not valid TOML: {exc}") from exc
+    for pointer, problem in bad_strings(data):
+        section, _, rest = pointer.lstrip("/").partition("/")
+        raise ConfigError(f"{path}: [{section}] {rest.replace('/', '.')}: {problem}")
     for section in data:
         if section not in KNOWN_SECTIONS:
             raise ConfigError(f"{path}: unknown section [{section}]")
@@ -431,6 +444,10 @@ def _check(section: str, name: str, value: Any, where: str) -> Any:
         if key.kind == "choice":
             expected += f" {key.rule}"
         raise ConfigError(f"{where}: [{section}] {name} must be {expected}; got {value!r}")
+    for text in (value if key.kind == "dirs" else [value]):
+        problem = text_problem(text) if isinstance(text, str) else None
+        if problem is not None:
+            raise ConfigError(f"{where}: [{section}] {name} {problem}")
     if key.kind == "dsn":
         _check_dsn(value, where)
     if key.check is not None and not key.check(value):
