@@ -56,6 +56,7 @@ from flyd.leases import queries
 from flyd.leases.clock import BootClock, LeaseClock, SimFileClock
 from flyd.leases.core import LeasePhase
 from flyd.leases.embedded import EmbeddedPostgres
+from flyd.leases.fit import ThreadRoom
 from flyd.leases.migrate import migrate
 from flyd.leases.runtime import NodeRuntime
 from flyd.leases.stores.contract import NodeInfo
@@ -326,6 +327,7 @@ class NodeProcess:
         self.runtime = NodeRuntime(
             params=self.params, store=self.store, clock=self.clock(), executor=self.executor,
             groups=self.executor, node=self.info(), capacity=self.setup.capacity, only=only,
+            threads=ThreadRoom(self.budget.total, self.budget.coordinator_reservation),
             listen=self.store.listen,
             log=log.bind(node=self.setup.node_id))
         return self.runtime
