@@ -97,6 +97,7 @@ from flyd.leases.core import (
     StartScope,
     StopForCancel,
 )
+from flyd.leases.fit import ThreadRoom
 from flyd.leases.params import LeaseParams
 from flyd.leases.resolve import Decision, decide
 from flyd.leases.stores.contract import (
@@ -239,7 +240,7 @@ class NodeRuntime:
     def __init__(self, *, params: LeaseParams, store: Store, clock: LeaseClock,
                  executor: GrantHandler,
                  groups: ProcessGroups, node: NodeInfo, capacity: int = 1,
-                 only: int | None = None,
+                 only: int | None = None, threads: ThreadRoom | None = None,
                  listen: Callable[[], AsyncIterator[int]] | None = None,
                  seed: int | None = None,
                  log: structlog.typing.FilteringBoundLogger | None = None,
@@ -252,6 +253,7 @@ class NodeRuntime:
         self._node = node
         self._node_id = node.node_id
         self._only = only
+        self._threads = threads
         self._listen = listen
         self._rng = random.Random(seed)
         base = log if log is not None else structlog.get_logger("flyd.leases.runtime")
@@ -660,10 +662,14 @@ class NodeRuntime:
             n = min(n, 1)
         if n <= 0:
             return False
+        fit = None
+        if self._threads is not None:  # claims fit first (flyd.leases.fit)
+            held = [sc.grant.spec for sc in self._scopes.values()]
+            fit = self._threads.fit([*held, *(g.spec for g in self._grants.values())])
         t_send = self._clock.now()
         try:
             async with asyncio.timeout(p.commit_timeout_s):
-                grants = await self._store.claim(self._node_id, n, p.T, self._only)
+                grants = await self._store.claim(self._node_id, n, p.T, self._only, fit)
         except Transient as exc:
             self._event("claim_failed", level="warning", error=repr(exc))
             return False

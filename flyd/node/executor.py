@@ -13,8 +13,10 @@ Sequence per grant:
    `flyd.runs` is refused at path "" on the first claim, not coerced or retried), and a
    `startFrom` whose checkpoint the run has no head for (a spec inserted without
    `flyctl checkpoints import`) is refused at `/startFrom` rather than started from 0.
-2. Fit the composition into the node's thread budget; a run that does not fit is released with
-   refund and `backoff = claim_poll` and `run_does_not_fit` is logged with both numbers.
+2. Fit the composition into the node's thread budget. The claim already took only runs that
+   fit (`flyd.leases.fit`), so this is a safety net for a spec the claim's reading of `threads`
+   counts differently: such a run is released with refund and `backoff = claim_poll` and
+   `run_does_not_fit` is logged with both numbers.
 3. The grant session runs it (`flyd.node.grant`); afterwards the workers are reaped and the
    session's clients closed, whatever happened.
 

@@ -45,6 +45,7 @@ import structlog
 
 from bus.client import BusClient, connect
 from bus.errors import BusError
+from bus.ownership import Trust, UnsafeDirectory, check_dir, make_dirs
 from flyd.config import Config
 from flyd.launch.budget import ThreadBudget
 from flyd.launch.health import HealthPolicy
@@ -55,6 +56,7 @@ from flyd.leases import queries
 from flyd.leases.clock import BootClock, LeaseClock, SimFileClock
 from flyd.leases.core import LeasePhase
 from flyd.leases.embedded import EmbeddedPostgres
+from flyd.leases.fit import ThreadRoom
 from flyd.leases.migrate import migrate
 from flyd.leases.runtime import NodeRuntime
 from flyd.leases.stores.contract import NodeInfo
@@ -231,10 +233,26 @@ class NodeProcess:
 
     # ------------------------------------------------------------------ start
 
+    def _prepare_socket_dir(self) -> None:
+        """Before anything starts: the socket's directory is created 0700 (0750 with a socket
+        group) or must be one no other user controls (wire.md §13); else exit 2 naming it."""
+        setup, gid = self.setup, self.setup.config.socket_gid
+        parent = os.path.dirname(os.path.abspath(setup.socket))
+        try:
+            make_dirs(parent, 0o750 if gid is not None else 0o700, gid)
+            check_dir(parent, Trust.own(gid))
+        except UnsafeDirectory as exc:
+            raise NodeStartError(f"{setup.socket_origin}: [bus] socket {setup.socket}: "
+                                 f"{exc.message}") from None
+        except OSError as exc:
+            raise NodeStartError(f"{setup.socket_origin}: [bus] socket {setup.socket}: cannot "
+                                 f"create {parent}: {exc.strerror or exc}") from None
+
     async def start(self) -> None:
         setup = self.setup
         if setup.router:
             check_socket_path(setup.socket, setup.socket_origin)
+            self._prepare_socket_dir()
         setup.state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         if setup.dsn is None:
             self.embedded = EmbeddedPostgres()
@@ -243,7 +261,6 @@ class NodeProcess:
             self.dsn = setup.dsn
         await migrate(self.dsn, sim_clock=setup.sim_clock is not None)
         if setup.router:
-            os.makedirs(os.path.dirname(setup.socket) or ".", exist_ok=True)
             self.router = RouterChild(self.directory, setup.socket)
             bus: Mapping[str, Any] = {k: v for k, v in setup.config.section("bus").items()
                                       if v is not None}
@@ -251,7 +268,8 @@ class NodeProcess:
                                     max_agents=int(setup.config.value("session", "max_agents")),
                                     quiet=setup.router_quiet)
         try:
-            self.client = await connect(setup.socket, client_id=node_client_id(setup.node_id))
+            self.client = await connect(setup.socket, client_id=node_client_id(setup.node_id),
+                                        socket_gid=setup.config.socket_gid)
         except (BusError, OSError) as exc:
             raise NodeStartError(f"cannot connect to the router on {setup.socket}: "
                                  f"{exc}") from None
@@ -310,6 +328,7 @@ class NodeProcess:
         self.runtime = NodeRuntime(
             params=self.params, store=self.store, clock=self.clock(), executor=self.executor,
             groups=self.executor, node=self.info(), capacity=self.setup.capacity, only=only,
+            threads=ThreadRoom(self.budget.total, self.budget.coordinator_reservation),
             listen=self.store.listen,
             log=log.bind(node=self.setup.node_id))
         return self.runtime
@@ -379,7 +398,8 @@ class NodeProcess:
             with contextlib.suppress(Exception):
                 async with asyncio.timeout(CLOSE_S):
                     await old.close()
-        self.client = await connect(setup.socket, client_id=node_client_id(setup.node_id))
+        self.client = await connect(setup.socket, client_id=node_client_id(setup.node_id),
+                                    socket_gid=setup.config.socket_gid)
         if self.control is not None:
             self.control.service = None
             await self.control.start()
