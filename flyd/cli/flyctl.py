@@ -374,7 +374,8 @@ def _status_lines(doc: dict[str, Any]) -> list[str]:
         lines.append(f"node {n['nodeId']}  state {n['state']}  pid {n['pid']}  runs "
                      f"{n.get('runs') or []}  leases [{leases}]  threads "
                      f"{threads.get('used', '-')}/{threads.get('total', '-')}  heartbeat "
-                     f"{n.get('lastHeartbeat') or '-'}  database {n.get('dsn') or '-'}")
+                     f"{n.get('lastHeartbeat') or '-'}  database {n.get('dsn') or '-'}"
+                     + (f"  reason {n['reason']}" if n.get("reason") else ""))
     rows = [[r["run"], w["workerId"], w["role"], w["pid"], w["incarnationId"],
              w["state"] if w["alive"] else "dead", w["step"], w["threads"],
              _seconds(w["uptimeMs"])]

@@ -50,9 +50,10 @@ from flyd.launch.health import HealthPolicy
 from flyd.launch.identities import SessionNames, SessionTags
 from flyd.launch.launcher import Launcher, connect_expected
 from flyd.launch.spawn import groups_running
-from flyd.launch.spawner import Spawner
+from flyd.launch.spawner import SERVER_START_S, Spawner
 from flyd.leases.runtime import GrantScope
 from flyd.node.grant import GrantSession, LedgerReader, RunAbandoned, RunReport, writer_config
+from flyd.node.parts import PartsWatch
 from flyd.session.coordinator import Deadlines
 from flyd.session.run_topic import RunPublisher
 from flyd.session.runspec import DEFAULT_MAX_AGENTS, RunSpec, RunSpecError
@@ -103,6 +104,8 @@ class GrantExecutor:
         self._router_up = asyncio.Event()
         self.router_exits = 0
         self._router_up.set()
+        #: the liveness watch of the node's router and fork server (set while serving)
+        self.watch: PartsWatch | None = None
         self.reports: dict[int, RunReport] = {}
         self.keep_reports = False
         self.trace_path: Path | None = None
@@ -200,6 +203,22 @@ class GrantExecutor:
         """The router is back and the node reconnected (a new incarnation)."""
         self.node = node
         self._router_up.set()
+
+    @property
+    def parts_lost(self) -> int:
+        """The node's own parts lost so far: router exits and fork servers lost in use (hung
+        and replaced, or dead). A run's attempt that saw one is given back."""
+        return self.router_exits + (self.spawner.losses if self.spawner is not None else 0)
+
+    async def check_parts(self) -> None:
+        """Probe the router and the fork server now and wait until each answered, or was
+        replaced and answered, or was given up (bounded by two probe deadlines and a start)."""
+        if self.watch is not None:
+            await self.watch.check(2 * self.health.fail + SERVER_START_S)
+
+    def parts_down(self) -> str | None:
+        """Why this node cannot launch runs now (a part given up); None when it can."""
+        return None if self.watch is None else self.watch.reason
 
     async def router_ready(self, timeout_s: float) -> bool:
         """Wait until the node's connection is open (bounded); False when it stayed down. A
