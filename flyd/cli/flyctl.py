@@ -433,7 +433,8 @@ async def _database_status(opts: CtlOptions, config: Config) -> dict[str, Any]:
             "runs": [r["run"] for r in mine],
             "leases": [{"run": r["run"], "leaseEpoch": r["leaseEpoch"],
                         "leaseExpiresAt": r["leaseExpiresAt"]} for r in mine],
-            "lastHeartbeat": n["heartbeatAt"], "dsn": redact_dsn(dsn)})
+            "lastHeartbeat": n["heartbeatAt"], "dsn": redact_dsn(dsn),
+            "reason": n["reason"]})
     runs = [{"run": r["run"], "state": r["state"], "leaseEpoch": r["leaseEpoch"],
              "ownerNode": r["ownerNode"], "epoch": None, "phase": None,
              "boundary": r["boundary"] or 0, "recoveries": None, "workers": []}

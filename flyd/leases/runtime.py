@@ -337,7 +337,7 @@ class NodeRuntime:
         if (was is None) != (reason is None) and self._tg is not None \
                 and not (self._drains or self._stopping):
             self._tg.create_task(self._set_state("draining" if reason is not None
-                                                 else "active"))
+                                                 else "active", reason))
 
     def stop(self) -> None:
         """Immediate stop without drain semantics: holds are fenced locally, not released."""
@@ -411,7 +411,7 @@ class NodeRuntime:
     async def _drain(self) -> None:
         """§5.8 steps 1–3; step 4 (`stopped`) follows in `run`."""
         self._event("drain_started")
-        await self._set_state("draining")
+        await self._set_state("draining", self.claims_held)
         try:
             async with asyncio.timeout(self._p.drain_timeout_s):
                 await self._claim_lock.acquire()
@@ -449,10 +449,10 @@ class NodeRuntime:
             self._changed.clear()
             await self._wait_for(self._changed, min(end, self._clock.now() + p.watchdog_tick_s))
 
-    async def _set_state(self, state: NodeState) -> None:
+    async def _set_state(self, state: NodeState, reason: str | None = None) -> None:
         try:
             async with asyncio.timeout(self._p.R):
-                await self._store.set_node_state(self._node_id, state)
+                await self._store.set_node_state(self._node_id, state, reason)
         except Exception as exc:  # the registry is status only
             self._event("node_state_unknown", level="warning", state=state, error=repr(exc))
 

@@ -106,6 +106,7 @@ class GrantExecutor:
         self._router_up.set()
         #: the liveness watch of the node's router and fork server (set while serving)
         self.watch: PartsWatch | None = None
+        self._parts_down = asyncio.Event()
         self.reports: dict[int, RunReport] = {}
         self.keep_reports = False
         self.trace_path: Path | None = None
@@ -220,14 +221,27 @@ class GrantExecutor:
         """Why this node cannot launch runs now (a part given up); None when it can."""
         return None if self.watch is None else self.watch.reason
 
+    def parts_changed(self, reason: str | None) -> None:
+        """The watch gave a part up (`reason`) or has every part back (None): a session
+        waiting for the router stops waiting when it was given up."""
+        if reason is None:
+            self._parts_down.clear()
+        else:
+            self._parts_down.set()
+
     async def router_ready(self, timeout_s: float) -> bool:
-        """Wait until the node's connection is open (bounded); False when it stayed down. A
-        closed connection means the router is gone even before its supervisor noticed."""
+        """Wait until the node's connection is open (bounded); False when it stayed down, or
+        the router was given up meanwhile. A closed connection means the router is gone even
+        before its supervisor noticed."""
         if self.node.closed:
             self._router_up.clear()
         with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(timeout_s):
-                await self._router_up.wait()
+            async with asyncio.timeout(timeout_s), asyncio.TaskGroup() as tg:
+                up = tg.create_task(self._router_up.wait())
+                down = tg.create_task(self._parts_down.wait())
+                await asyncio.wait((up, down), return_when=asyncio.FIRST_COMPLETED)
+                up.cancel()
+                down.cancel()
         return self._router_up.is_set() and not self.node.closed
 
     # ------------------------------------------------------------------ for the grant session

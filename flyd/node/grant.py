@@ -270,6 +270,11 @@ class GrantHost(Protocol):
         """A recovery resumed the session."""
 
 
+class PartsDown(Exception):
+    """The node gave up a part of its own (its router, its fork server) while the grant
+    needed it: the run is handed back with refund."""
+
+
 class RunAbandoned(Exception):
     """The grant's work cannot go on here (the writer would not drain); the runtime
     relinquishes the run and the next holder resumes from the head."""
@@ -655,6 +660,10 @@ class GrantSession:
                 await self._attempt(attempt, last)
             except RunAbandoned:
                 raise
+            except PartsDown as exc:
+                self.budget.refund()
+                await self._hand_back(str(exc))
+                return True
             except (SessionFailure, DomainError) as exc:
                 error = exc.error if isinstance(exc, SessionFailure) else exc
                 if is_permanent(error):
@@ -704,6 +713,9 @@ class GrantSession:
         new launcher and coordinator client (new incarnations; the old expectations died with
         the old connections)."""
         if not await self.host.router_ready(self.config.durable_timeout_s):
+            down = self.host.parts_down()
+            if down is not None:
+                raise PartsDown(down)
             self._rlog().error("recovery.abandoned_run", reason="the router did not come back")
             raise RunAbandoned(f"run {self.run_id}: the router did not come back")
         old = self.launcher

@@ -358,8 +358,15 @@ class NodeProcess:
         if self.spawner is not None:
             parts.append(ForkServerPart(self.spawner))
         health = HealthPolicy.from_config(self.setup.config.section("session"))
+        executor = self.executor
+
+        def on_change(reason: str | None) -> None:
+            runtime.hold_claims(reason)
+            if executor is not None:
+                executor.parts_changed(reason)
+
         return PartsWatch(parts, period=health.probe, deadline=health.fail,
-                          on_change=runtime.hold_claims)
+                          on_change=on_change)
 
     def impaired(self) -> str | None:
         """Why the node holds its claims (a part given up), None when it does not."""

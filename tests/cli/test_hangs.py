@@ -3,24 +3,31 @@
 A router or fork server SIGSTOPped for longer than the node's call deadline (`[session]
 health_fail_s`, short here) misses its liveness probe, is killed and replaced like a dead one,
 and the run it held succeeds with the clean behaviour digest and no attempt spent. A node whose
-router cannot be brought back stops claiming and says why; a run submitted then waits, its
-attempts untouched.
+router cannot be brought back stops claiming, hands its run back with refund, says why in
+`flyctl status` and stops its systemd watchdog pings; once the router is back it claims again.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import orjson
 import psutil
 import pytest
 
 from flyd.session.runspec import RunSpec
+from tests.cli.test_flyctl_runs import FLYCTL
 from tests.cli.test_serve import log_events, run_state, submit
+from tests.cli.test_systemd import FakeManager
 from tests.serve_nodes import (
+    ROOT,
     commands_under,
     node_log,
     process_dir,
@@ -132,3 +139,76 @@ def test_fork_server_sigstop_ends_in_a_replaced_fork_server(db_dsn: str, tmp: Pa
         assert outcome["recoveries"] >= 1
     finally:
         assert stop(node) == 0
+
+
+def _start_notified(tmp: Path, db_dsn: str, manager: FakeManager) -> subprocess.Popen[bytes]:
+    """`flyd serve` as node `n` under a fake service manager with `WATCHDOG_USEC` 1 s."""
+    home = tmp / "n"
+    home.mkdir(exist_ok=True)
+    (home / "flyd.toml").write_text(HEALTH)
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("FLYD_", "WATCHDOG_")) and k != "NOTIFY_SOCKET"}
+    env.update(NOTIFY_SOCKET=manager.address, WATCHDOG_USEC="1000000")
+    return subprocess.Popen(
+        [sys.executable, "-m", "flyd", "serve", "--dsn", db_dsn, "--socket",
+         str(home / "bus.sock"), "--state-dir", str(home), "--node-name", "n",
+         "--config", str(home / "flyd.toml"), "--log-format", "json", "-v", "--capacity", "1"],
+        cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=(home / "node.log").open("ab"))
+
+
+def _status(tmp: Path, db_dsn: str) -> dict[str, Any]:
+    ran = subprocess.run([*FLYCTL, "status", "--json", "--socket", str(tmp / "n" / "bus.sock"),
+                          "--dsn", db_dsn], cwd=ROOT, capture_output=True, timeout=60,
+                         check=False)
+    assert ran.returncode == 0, ran.stderr.decode()[-2000:]
+    return dict(orjson.loads(ran.stdout))
+
+
+def test_a_node_whose_router_cannot_be_brought_back_stops_claiming_and_says_why(
+        db_dsn: str, tmp: Path) -> None:
+    manager = FakeManager(str(tmp / "notify.sock"), str(tmp / "notify.sock"))
+    node = _start_notified(tmp, db_dsn, manager)
+    socket = tmp / "n" / "bus.sock"
+    try:
+        manager.until("READY", 60)
+        run = submit(db_dsn, _spec())
+        stopped = _stop_part(tmp, db_dsn, run, "router")
+        # Nothing can bind the socket path any more: every restart of the router fails.
+        socket.rename(tmp / "n" / "moved.sock")
+        socket.mkdir()
+        wait_for("the router to be given up",
+                 lambda: bool(log_events(tmp, "n", "part.given_up")), 60)
+        assert not _alive(stopped)
+        [given_up] = log_events(tmp, "n", "part.given_up")
+        assert given_up["part"] == "router"
+        assert "could not be brought back" in str(given_up["reason"])
+        wait_for("the run handed back with refund", lambda: run_state(db_dsn, run)[:2] == (
+            "pending", 0), 60)
+        assert [e for e in log_events(tmp, "n", "claims_held")], "claims held"
+        wait_for("the registry to say why", lambda: query(
+            db_dsn, "SELECT state, reason IS NOT NULL FROM flyd.nodes") == [("draining", True)],
+            30)
+        shown = _status(tmp, db_dsn)
+        assert shown["source"] == "database", "no router answers"
+        [row] = shown["nodes"]
+        assert row["state"] == "draining" and "router" in row["reason"], row
+        status = manager.until_status(r"impaired: ", 30)
+        assert "could not be brought back" in status
+        since = time.monotonic()
+        manager.drain_for(3.0)
+        assert not manager.times("WATCHDOG", since=since), "no watchdog ping while impaired"
+        assert run_state(db_dsn, run)[:2] == ("pending", 0), "the node claims nothing"
+        # The path is free again: the router comes back, the node claims and runs the run.
+        socket.rmdir()
+        wait_for("the router back", lambda: bool(log_events(tmp, "n", "part.recovered")), 60)
+        resumed = time.monotonic()
+        wait_for("the run to end", lambda: run_state(db_dsn, run)[0] not in (
+            "pending", "running"), 150)
+        state, attempt, outcome = run_state(db_dsn, run)
+        assert state == "succeeded" and attempt == 1, (outcome, node_log(tmp, "n")[-3000:])
+        manager.drain_for(1.5)
+        assert manager.times("WATCHDOG", since=resumed), "pings again once the router is back"
+        assert query(db_dsn, "SELECT state, reason FROM flyd.nodes") == [("active", None)]
+    finally:
+        assert stop(node) == 0
+        manager.close()
