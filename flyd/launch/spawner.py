@@ -27,7 +27,8 @@ Decisions:
 - A hung fork server is the node's to notice (`flyd.node.parts` probes `server` with
   `ForkServer.ping`); `replace_server()` kills it and starts another. `losses` counts servers
   lost while in use, replaced or died on their own: a run whose workers died with one is given
-  its attempt back.
+  its attempt back; so is one whose launch met a server that could not start (within
+  `SERVER_START_S`: its imports are not a liveness probe's business).
 - In fork mode a worker's `--parent-pid` is the fork server's pid; the server itself dies with
   the node, so nothing a node started outlives it either way.
 - The environment of a forked worker is the server's (the node's at the server's start) plus
@@ -150,7 +151,11 @@ class Spawner:
                     on_lost=self._lost)
                 raise_if_cancelled()
             server = self._server
-        await server.until_ready()
+        try:
+            await server.until_ready()
+        except ForkServerError:
+            self.losses += 1  # a server that could not start failed the launch, not the run
+            raise
         return server
 
     @property
