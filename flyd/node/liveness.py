@@ -14,7 +14,8 @@ States of one part (`PartLiveness.phase`):
 
 Transitions (each returns the action the shell must take, or None):
 - `tick(now)`: `idle` and due → `probing`, `Probe`; `probing` past its deadline → `replacing`,
-  `Replace` (a miss).
+  `Replace` (a miss; `GiveUp` instead when it is the last failure allowed: the shell replaces
+  the part all the same).
 - `answered(now)` (in `probing`): → `idle`; the failure count resets; a part that had been given
   up is back: `Recovered`.
 - `lost(now, why)`: the part died on its own (or the probe found its connection gone) →
@@ -22,10 +23,13 @@ Transitions (each returns the action the shell must take, or None):
 - `replaced(now)`: a new part is up → `idle`, probed at once: only an answer confirms it.
 - `replace_failed(now, why)`: the replacement did not come up; the shell tries again.
 
-Giving up: every miss, loss and failed replacement counts, an answer resets the count; at
+Giving up: every miss and every failed replacement counts, an answer resets the count; at
 `give_up_after` consecutive failures the part is given up (`GiveUp`, once): the node stops
 claiming and hands its runs back (docs/launcher.md, "Hung parts"). The shell keeps trying to
-replace a given-up part; its first answer after that is `Recovered`.
+replace a given-up part; its first answer after that is `Recovered`. A loss (the part died)
+does not count by itself: a part that came up and was killed later (an operator's `kill`, a
+burst of them) was brought back each time; a replacement that does not come up, or hangs
+again, counts.
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ from typing import Final
 __all__ = ["GIVE_UP_AFTER", "GiveUp", "PartLiveness", "Phase", "Probe", "Recovered",
            "Replace", "Verdict"]
 
-#: consecutive failures (misses, losses, failed replacements) after which a part is given up
+#: consecutive failures (misses, failed replacements) after which a part is given up
 GIVE_UP_AFTER: Final = 3
 
 
@@ -113,8 +117,10 @@ class PartLiveness:
             return Probe(self.part)
         if self.phase is Phase.PROBING and now >= self.next_at:
             self.misses += 1
-            return self._replace(f"the {self.part} did not answer its liveness probe within "
-                                 f"{self.deadline:g}s")
+            self.phase = Phase.REPLACING
+            why = f"the {self.part} did not answer its liveness probe within {self.deadline:g}s"
+            give_up = self._failed(why)
+            return give_up if give_up is not None else Replace(self.part, why)
         return None
 
     def request(self, now: float) -> None:
@@ -133,10 +139,11 @@ class PartLiveness:
         self.reason = None
         return None
 
-    def lost(self, now: float, why: str) -> Replace | GiveUp | None:
+    def lost(self, now: float, why: str) -> Replace | None:
         if self.phase is Phase.REPLACING:
             return None
-        return self._replace(why)
+        self.phase, self.reason = Phase.REPLACING, why
+        return Replace(self.part, why)
 
     def replaced(self, now: float) -> None:
         if self.phase is Phase.REPLACING:
@@ -150,11 +157,6 @@ class PartLiveness:
     def settled_since(self, t: float) -> bool:
         """Whether the part was found answering at or after `t`, or was given up."""
         return self.given_up or (self.answered_at is not None and self.answered_at >= t)
-
-    def _replace(self, why: str) -> Replace | GiveUp:
-        self.phase = Phase.REPLACING
-        give_up = self._failed(why)
-        return give_up if give_up is not None else Replace(self.part, why)
 
     def _failed(self, why: str) -> GiveUp | None:
         self.failures += 1

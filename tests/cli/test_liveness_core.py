@@ -74,6 +74,16 @@ def test_a_replaced_part_that_hangs_again_is_given_up() -> None:
     assert [type(v) for v in verdicts] == [Replace, Replace, GiveUp]
 
 
+def test_losses_after_successful_replacements_never_give_up() -> None:
+    """A router killed again and again right after it came back (an operator's burst) was
+    brought back each time: only misses and failed replacements count."""
+    c = core()
+    for k in range(10):
+        assert isinstance(c.lost(float(k), "the router exited with code -9"), Replace)
+        c.replaced(k + 0.5)
+    assert not c.given_up and c.replacements == 10
+
+
 def test_a_loss_replaces_and_late_answers_are_ignored() -> None:
     c = core()
     c.tick(0.0)
