@@ -401,12 +401,20 @@ class NodeProcess:
                 await self._restart_router(router)
             except (RouterChildError, BusError, OSError) as exc:
                 log.error("router.restart_failed", error=str(exc))
-                if self.watch is not None:
+                if self.watch is not None and not self._killed_starting(router):
                     self.watch.replace_failed("router", str(exc))
                 continue
             log.info("router.restarted", socket=self.setup.socket, pid=router.pid)
             if self.watch is not None:
                 self.watch.replaced("router")
+
+    @staticmethod
+    def _killed_starting(router: RouterChild) -> bool:
+        """The new router was killed by a signal while it started (an operator's `kill`): a
+        loss like any other, not a router that cannot be brought back."""
+        process = router.process
+        return (process is not None and process.exited.done()
+                and process.exited.result() < 0)
 
     async def _restart_router(self, router: RouterChild) -> None:
         setup = self.setup
