@@ -11,7 +11,11 @@ configured (§5.9) → migrations → router child on the socket (cli.md §5.1; 
 connects to a router managed separately) → node connection `node.<node_id>` → `PgStore` →
 `GrantExecutor`.
 serve: `NodeRuntime(...).run()` until drained or stopped; SIGTERM/SIGINT drain (a second one
-skips the checkpoints, §5.8).
+skips the checkpoints, §5.8). Beside it, the router's supervisor and the parts watch
+(`flyd.node.parts`): a router or fork server that misses its liveness probe is killed and
+replaced like a dead one; a part that cannot be brought back holds the node's claims
+(`NodeRuntime.hold_claims`: it stops claiming and hands its runs back, `flyctl status` shows
+`draining` with the reason) until the part answers again.
 close: store, node connection, router (SIGTERM, SIGKILL after 5 s), embedded server.
 
 Decisions:
@@ -63,6 +67,7 @@ from flyd.leases.stores.contract import NodeInfo
 from flyd.leases.stores.pg import DbSettings, PgStore
 from flyd.node.control import ControlService, RunView
 from flyd.node.executor import GrantExecutor
+from flyd.node.parts import ForkServerPart, Part, PartsWatch, RouterPart
 from flyd.node.router_child import RouterChild, RouterChildError, check_socket_path
 from flyd.session.coordinator import Deadlines
 from flyd.state.checkpoints import PgCheckpointStore
@@ -205,6 +210,9 @@ class ControlView:
     def drain(self) -> None:
         self._node.drain()
 
+    def impaired(self) -> str | None:
+        return self._node.impaired()
+
 
 class NodeProcess:
     """One node's parts, owned for an orderly start and a bounded teardown."""
@@ -227,6 +235,7 @@ class NodeProcess:
         self.control: ControlService | None = None
         self.drain_listeners: list[Callable[[], None]] = []
         self.spawner: Spawner | None = None
+        self.watch: PartsWatch | None = None
         self.budget = ThreadBudget.for_this_machine(
             setup.capacity, threads=setup.threads,
             coordinator_reservation=int(setup.config.value("node", "coordinator_reservation")))
@@ -346,14 +355,42 @@ class NodeProcess:
                 loop.remove_signal_handler(sig)
 
     async def run_runtime(self, runtime: NodeRuntime) -> int:
-        """The lease runtime with the router's supervisor beside it; the supervisor ends with
-        the runtime."""
+        """The lease runtime with the router's supervisor and the parts watch beside it; both
+        end with the runtime."""
+        self.watch = self.make_watch(runtime)
+        if self.executor is not None:
+            self.executor.watch = self.watch
         async with asyncio.TaskGroup() as tg:
-            supervisor = tg.create_task(self.supervise_router())
+            helpers = [tg.create_task(self.supervise_router()), tg.create_task(self.watch.run())]
             try:
                 return await runtime.run()
             finally:
-                supervisor.cancel()
+                for task in helpers:
+                    task.cancel()
+
+    def make_watch(self, runtime: NodeRuntime) -> PartsWatch:
+        """The liveness watch of this node's router (unless `--no-router`) and fork server, on
+        the `[session]` health budgets; a part given up holds the runtime's claims."""
+        parts: list[Part] = []
+        router = self.router
+        if router is not None:
+            parts.append(RouterPart(lambda: router.process, lambda: self.client))
+        if self.spawner is not None:
+            parts.append(ForkServerPart(self.spawner))
+        health = HealthPolicy.from_config(self.setup.config.section("session"))
+        executor = self.executor
+
+        def on_change(reason: str | None) -> None:
+            runtime.hold_claims(reason)
+            if executor is not None:
+                executor.parts_changed(reason)
+
+        return PartsWatch(parts, period=health.probe, deadline=health.fail,
+                          on_change=on_change)
+
+    def impaired(self) -> str | None:
+        """Why the node holds its claims (a part given up), None when it does not."""
+        return None if self.watch is None else self.watch.reason
 
     # ------------------------------------------------------------------ router supervision
 
@@ -373,6 +410,8 @@ class NodeProcess:
             code = await process.exited  # lifetime wait: the router's exit ends it
             if self.executor is not None:
                 self.executor.router_lost()
+            if self.watch is not None:
+                self.watch.lost("router", f"the router exited with code {code}")
             if time.monotonic() - started >= ROUTER_STABLE_S:
                 backoff = ROUTER_BACKOFF_S
             log.warning("router.exited", code=code, restart_in_s=backoff)
@@ -382,8 +421,20 @@ class NodeProcess:
                 await self._restart_router(router)
             except (RouterChildError, BusError, OSError) as exc:
                 log.error("router.restart_failed", error=str(exc))
+                if self.watch is not None and not self._killed_starting(router):
+                    self.watch.replace_failed("router", str(exc))
                 continue
             log.info("router.restarted", socket=self.setup.socket, pid=router.pid)
+            if self.watch is not None:
+                self.watch.replaced("router")
+
+    @staticmethod
+    def _killed_starting(router: RouterChild) -> bool:
+        """The new router was killed by a signal while it started (an operator's `kill`): a
+        loss like any other, not a router that cannot be brought back."""
+        process = router.process
+        return (process is not None and process.exited.done()
+                and process.exited.result() < 0)
 
     async def _restart_router(self, router: RouterChild) -> None:
         setup = self.setup
