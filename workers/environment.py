@@ -710,6 +710,40 @@ class WorldParticipant:
             broadcast_views=tuple(v.view_id for v in views), audio=())
         return observation.to_json()
 
+    def observation_digests(self, boundary: int) -> list[dict[str, str]]:
+        """What the restored world observes now, in the behaviour record's form (state.md
+        §6.5, `observationDigests`): per declared view, by view id, the step and digest of the
+        frame served at `boundary`. A frame of `boundary` itself is rendered again from the
+        restored world, not read from the checkpoint, so a world whose state did not come back
+        shows it here; a delayed view serves a frame of an earlier boundary, which only the
+        checkpoint holds, so it is reported as recorded (the restored world's own frames reach
+        the behaviour record from `boundary + delay` on). Model thread; render once more, read
+        nothing else."""
+        e = self.endpoint
+        entries: list[dict[str, str]] = []
+        for spec in sorted(e.descriptor.views, key=lambda v: v.view_id):
+            produced, data = e.pipelines[spec.view_id].served(boundary)
+            if produced == boundary:
+                try:
+                    frame = e.world.render(spec.view_id, boundary)
+                except DomainError:
+                    raise
+                except Exception as exc:
+                    fault = PluginFault.of(exc, e.settings.world, PluginStage.CALL)
+                    raise DomainError(ErrorCode.BACKEND_FAILURE,
+                                      f"rendering view {spec.view_id} of the restored world "
+                                      f"failed: {fault.summary()}", Mutation.UNKNOWN,
+                                      fault) from None
+                if not isinstance(frame, bytes | bytearray) or len(frame) != spec.byte_length:
+                    raise DomainError(ErrorCode.BACKEND_FAILURE,
+                                      f"view {spec.view_id} of the restored world rendered a "
+                                      f"frame of the wrong size; the descriptor requires "
+                                      f"{spec.byte_length} bytes", Mutation.UNKNOWN)
+                data = bytes(frame)
+            entries.append({"viewId": spec.view_id, "producedStep": format_u64(produced),
+                            "digest": digest_bytes(data)})
+        return entries
+
 
 if __name__ == "__main__":
     sys.exit(main("environment", sys.argv[1:], endpoint_factory=EnvironmentEndpoint))

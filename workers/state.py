@@ -236,6 +236,12 @@ class Participant(Protocol[S]):
         (docs/topics.md §14.2 rule 7; on the loop)."""
         ...
 
+    def observation_digests(self, boundary: int) -> list[dict[str, str]] | None:
+        """After `install`: what the restored state observes now, per view in the behaviour
+        record's form, for the coordinator to compare with the checkpoint (the environment's
+        views; None for an agent). Model thread."""
+        ...
+
 
 @dataclass(frozen=True)
 class StagedRestore(Generic[S]):
@@ -402,8 +408,9 @@ class StateService(Generic[S]):
         endpoint.shell.cache.adopt_epoch(scope.epoch)
         _move(status, method, WorkerState.RESTORING)
         try:
-            observation = await endpoint.run_model(
-                method, lambda: participant.install(staged.state, scope))
+            observation, current = await endpoint.run_model(
+                method, lambda: (participant.install(staged.state, scope),
+                                 participant.observation_digests(scope.step)))
             observation = await participant.seal_media(call, observation)
         except DomainError as exc:
             raise DomainError(ErrorCode.BACKEND_FAILURE, f"{method}: {exc.code}: {exc.message}",
@@ -414,7 +421,7 @@ class StateService(Generic[S]):
         status.current_scope = scope
         # 7
         return {"checkpointId": staged.checkpoint_id, "committedStep": format_u64(scope.step),
-                "observation": observation}
+                "observation": observation, "observationDigests": current}
 
 
 def _payload_bytes(blob: MediaBlob) -> bytes:
