@@ -13,7 +13,10 @@ from __future__ import annotations
 import hashlib
 from typing import Any
 
-from flyd.session.records import transition_records
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from flyd.session.records import rewards_digest, transition_records
 from flyd.session.runspec import AgentSpec
 from flyd.session.slots import AgentSlot
 from flyd.session.trace import EpochRebase, compare
@@ -134,3 +137,27 @@ def test_an_epoch_rebase_leaves_the_v2_digests_untouched() -> None:
         assert rebased[key] == e2[key] == e1[key]
     assert rebased["scope"]["epoch"] == "e1" and rebased["batchId"] == "batch-e1-0"
     assert compare([e2], [e1], EpochRebase("e2", "e1", TASK)) is None
+
+
+ids = st.from_regex(r"[a-z0-9][a-z0-9._-]{0,63}", fullmatch=True)
+values = st.one_of(st.floats(allow_nan=False, allow_infinity=False, min_value=-(2.0**53 - 1),
+                             max_value=2.0**53 - 1),
+                   st.integers(min_value=-(2**53) + 1, max_value=2**53 - 1),
+                   st.sampled_from([0.0, -0.0, 1e-7, 2.5e-7, 1.5e-300, 123456789.125, 1 / 3]))
+
+
+@settings(deadline=None, max_examples=200, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.tuples(ids, st.lists(st.tuples(ids, values), max_size=3)), max_size=6,
+                unique_by=lambda agent: agent[0]))
+def test_the_rewards_digest_is_digest_of_its_canonical_list(
+        agents: list[tuple[str, list[tuple[str, float]]]]) -> None:
+    """The record builder writes the rewards' canonical bytes itself; they must be exactly
+    `canonical`'s, for every number spelling (integers, integral floats, exponents, -0)."""
+    outcomes = {a: AgentOutcome(tuple(Reward(f"ev-{i}", rule, value)
+                                      for i, (rule, value) in enumerate(rewards)))
+                for a, rewards in agents}
+    evaluation = Evaluation(outcomes, {}, typed({}), (), None)
+    order = sorted(outcomes)
+    assert rewards_digest(order, evaluation) == digest_of(
+        [{"agentId": a, "rule": rule, "value": value}
+         for a in order for rule, value in ((r.rule_id, r.value) for r in outcomes[a].rewards)])
