@@ -49,7 +49,12 @@ Resolved ambiguities:
   launch's settings, resets it to the checkpoint's episode and bindings and restores the saved
   world into it (the staging copy); activation swaps it in with the recorded frames and audio
   positions. The first chunk of each audio stream after an activation is marked
-  `discontinuity`.
+  `discontinuity`. The activation also reports `observationDigests` (session.md §6.12,
+  amendment 2026-12-07): each view served at k rendered again from the restored world, for the
+  coordinator to compare with the checkpoint (`WorldParticipant.observation_digests`). A world
+  whose `restore` (staging) or `render` (activation) raises `RESTORE_DIVERGED` itself is
+  answered with that code, not `INCOMPATIBLE_STATE` or `BACKEND_FAILURE`: the checkpoint is
+  fine, the world's state did not come back.
 """
 
 from __future__ import annotations
@@ -651,6 +656,11 @@ class WorldParticipant:
             world.reset(episode, bindings)
             world.restore(blob)
         except DomainError as exc:
+            if exc.code == ErrorCode.RESTORE_DIVERGED:
+                # the world found its own state would not come back (e.g. a replay checked
+                # against its record): that, not an incompatible checkpoint
+                raise DomainError.before(ErrorCode.RESTORE_DIVERGED,
+                                         f"world {e.launch.worker_id}: {exc.message}") from None
             raise incompatible(f"the world refuses the state: {exc.message}") from None
         except Exception as exc:
             raise incompatible(f"the world refuses the state: {type(exc).__name__}") from None

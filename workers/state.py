@@ -18,7 +18,11 @@ Rules (state machine of the staged slot, in the style of h11's `_state.py`):
    §6.4.
 3. `State.ActivateRestore` empties the slot into the live state (`staged-restore → restoring →
    ready`), adopts the proposed epoch and adds the token to the incarnation's activated set; the
-   token can never activate again. Checks in the order of §6.5.
+   token can never activate again. Checks in the order of §6.5. Its result also carries
+   `observationDigests` (`Participant.observation_digests`: the environment's views as its
+   restored world renders them now; null for an agent), which the coordinator compares with
+   the checkpoint (session.md §6.12, amendment 2026-12-07). A `RESTORE_DIVERGED` raised while
+   installing keeps its code; any other failure there is `BACKEND_FAILURE`/`unknown`.
    `fail_activate_restore` keeps the slot and makes the worker `failed`.
 4. `TRANSITIONS` lists the status edges each method may take; every move goes through `_move`,
    which refuses any other edge as `INTERNAL` (a bug in this module, never a caller's error).
@@ -413,7 +417,10 @@ class StateService(Generic[S]):
                                  participant.observation_digests(scope.step)))
             observation = await participant.seal_media(call, observation)
         except DomainError as exc:
-            raise DomainError(ErrorCode.BACKEND_FAILURE, f"{method}: {exc.code}: {exc.message}",
+            # a world that finds its restored state diverged says so under its own code
+            code = exc.code if exc.code == ErrorCode.RESTORE_DIVERGED \
+                else ErrorCode.BACKEND_FAILURE
+            raise DomainError(code, f"{method}: {exc.code}: {exc.message}",
                               Mutation.UNKNOWN) from None
         self.activated.add(token)
         self.staged = None
