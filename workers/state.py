@@ -417,10 +417,11 @@ class StateService(Generic[S]):
                                  participant.observation_digests(scope.step)))
             observation = await participant.seal_media(call, observation)
         except DomainError as exc:
-            # a world that finds its restored state diverged says so under its own code
-            code = exc.code if exc.code == ErrorCode.RESTORE_DIVERGED \
-                else ErrorCode.BACKEND_FAILURE
-            raise DomainError(code, f"{method}: {exc.code}: {exc.message}",
+            if exc.code == ErrorCode.RESTORE_DIVERGED:
+                # a world that finds its restored state diverged says so under its own code
+                raise DomainError(exc.code, f"{method}: {exc.message}", Mutation.UNKNOWN) \
+                    from None
+            raise DomainError(ErrorCode.BACKEND_FAILURE, f"{method}: {exc.code}: {exc.message}",
                               Mutation.UNKNOWN) from None
         self.activated.add(token)
         self.staged = None

@@ -456,6 +456,9 @@ async def _ask(install: Install, worker: str, call: Call) -> dict[str, Any]:
     except DomainError as exc:
         if exc.mutation != Mutation.NONE or isinstance(outcome, Expired):
             install.uncertain.add(worker)
+        if exc.code == ErrorCode.RESTORE_DIVERGED:  # the world found it itself: name them
+            raise _diverged(install, worker, exc.message.removeprefix(f"{call.method}: "),
+                            call.method, exc.mutation) from None
         raise _Abort(exc, worker) from None
 
 
@@ -629,12 +632,14 @@ def _check_results(install: Install, ledgers: _Ledgers) -> WorldObservation:
     return observation
 
 
-def _diverged(install: Install, world: str, what: str) -> _Abort:
+def _diverged(install: Install, world: str, what: str,
+              method: str = "State.ActivateRestore",
+              mutation: Mutation = Mutation.UNKNOWN) -> _Abort:
     """`RESTORE_DIVERGED` naming the world and what differs (session.md §6.12 amendment)."""
     return _Abort(DomainError(
         ErrorCode.RESTORE_DIVERGED,
-        f"State.ActivateRestore: restored world {world} diverged from checkpoint "
-        f"{install.env.checkpoint_id} at boundary {install.k}: {what}", Mutation.UNKNOWN), world)
+        f"{method}: restored world {world} diverged from checkpoint "
+        f"{install.env.checkpoint_id} at boundary {install.k}: {what}", mutation), world)
 
 
 def _check_current(reported: Any, observation: WorldObservation,

@@ -2,18 +2,20 @@
 amendment 2026-12-07: behaviour record v2 and verified restore), through `flyd run` with real
 processes.
 
-The world is `tests.fixtures.plugins.diverging:ForgetfulArena`: the synthetic arena, except that
-once restored it flips the last byte of every frame it renders. No agent reads that byte and the
+The worlds are tests/fixtures/plugins/diverging.py's: the synthetic arena, except that once
+restored it flips the last byte of every frame it renders (`ForgetfulArena`), or does so only
+from its second step after the restore (`LateForgetfulArena`). No agent reads that byte and the
 task reads only the inspection, so every decision, control and reward of the recovered run is
-that of an undisturbed one. Under the v1 record (view step numbers, reward event ids) both tests
-below passed as clean recoveries: the run succeeded and printed the undisturbed run's
-`behaviourDigest`. With v2:
-- an undelayed view is rendered again by the restored world at the restore, so the recovery
-  attempt fails `RESTORE_DIVERGED` naming the world and the view, and no attempt continues;
-- a delayed view is served at the restore from the checkpoint's frames (the restored world has
-  not rendered them), so the restore passes, and the divergence shows in the behaviour record
-  from the first frame the restored world rendered: the digest differs from the clean run's
-  while the v1 projection of every record is identical.
+that of an undisturbed one. Under the v1 record (view step numbers, reward event ids) and
+without the restore check, every run below succeeded as a clean recovery and printed the
+undisturbed run's `behaviourDigest`. Now:
+- the restored world renders its views again at the restore: the attempt fails
+  `RESTORE_DIVERGED` naming the world and the view, found by the coordinator for an undelayed
+  view (against its record) and by the world itself for a delayed one (against the
+  checkpoint's frame of the restored boundary), and no attempt continues;
+- a world that diverges only later passes the restore, and the v2 record sees it from the first
+  boundary that serves a changed frame: the digest differs from the clean run's while the v1
+  projection of every record is identical (so the digest test fails without record v2).
 """
 
 from __future__ import annotations
@@ -34,21 +36,21 @@ from workers.canonical import digest_of
 
 pytestmark = pytest.mark.timeout(240)
 
-WORLD = "tests.fixtures.plugins.diverging:ForgetfulArena"
+PLUGINS = "tests.fixtures.plugins.diverging"
 STEPS = 12
 KILL = "kill:fly-b@6"  # the head is then boundary 4 (cadence 4)
 
 
-def run(tmp: Path, *args: str, delay: int = 0, trace: Path | None = None,
-        ) -> tuple[int, dict[str, Any], str]:
+def run(tmp: Path, *args: str, world: str = "ForgetfulArena", delay: int = 0,
+        trace: Path | None = None) -> tuple[int, dict[str, Any], str]:
     config = tmp / "quick.toml"
     config.write_text("[checkpoints]\nrecovery_max_attempts = 2\nrecovery_backoff_s = 0.05\n")
     spec = tmp / f"spec-{delay}.json"
     spec.write_bytes(orjson.dumps({"world": {"observationDelaySteps": delay}}))
     extra = ["--trace", str(trace)] if trace is not None else []
-    return flyd_run(tmp, "--world", WORLD, "--plugin-path", str(ROOT), "--spec", str(spec),
-                    "--steps", str(STEPS), "--checkpoint-every", "4", "--mode", "thread",
-                    "--config", str(config), *extra, *args, timeout=200)
+    return flyd_run(tmp, "--world", f"{PLUGINS}:{world}", "--plugin-path", str(ROOT),
+                    "--spec", str(spec), "--steps", str(STEPS), "--checkpoint-every", "4",
+                    "--mode", "thread", "--config", str(config), *extra, *args, timeout=200)
 
 
 def records(path: Path) -> list[dict[str, Any]]:
@@ -63,9 +65,13 @@ def v1(record: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+@pytest.mark.parametrize(("delay", "said"), [
+    (0, "at boundary 4: view arena is frame 4 with digest"),
+    (1, "at boundary 4: view arena: frame 4 rendered again by the restored world has digest"),
+], ids=["undelayed view, the coordinator's check", "delayed view, the world's own check"])
 def test_a_world_that_mutates_an_observation_after_restore_ends_restore_diverged(
-        tmp: Path) -> None:
-    code, summary, stderr = run(tmp, "--fault", KILL)
+        tmp: Path, delay: int, said: str) -> None:
+    code, summary, stderr = run(tmp, "--fault", KILL, delay=delay)
     assert code == 1 and summary["state"] == "failed", summary
     # the fault happened: fly-b was killed at step 6 and recovery restored the head
     assert events(stderr, "faults.fired"), "the kill never fired"
@@ -80,10 +86,11 @@ def test_a_world_that_mutates_an_observation_after_restore_ends_restore_diverged
     assert outcome["error"] == "recovery attempts exhausted", outcome
     last = outcome["lastFailure"]
     assert (last["code"], last["participant"]) == ("RESTORE_DIVERGED", "arena"), last
-    assert "restored world arena diverged from checkpoint" in last["message"]
-    assert "at boundary 4: view arena is frame 4 with digest" in last["message"]
+    assert last["message"].startswith("State.ActivateRestore: restored world arena diverged "
+                                      "from checkpoint "), last["message"]
+    assert said in last["message"], last["message"]
     reason = describe(outcome)
-    assert "RESTORE_DIVERGED" in reason and "view arena" in reason
+    assert "RESTORE_DIVERGED" in reason and "view arena" in reason and "arena" in reason
     assert f"flyd run: run {summary['run']} failed: {reason}" in stderr.splitlines()
     # and `flyctl runs show` says the same
     dsn = env_for(tmp)["FLYD_DSN"]
@@ -96,14 +103,15 @@ def test_a_world_that_mutates_an_observation_after_restore_ends_restore_diverged
     assert doc["outcome"]["lastFailure"]["code"] == "RESTORE_DIVERGED"
 
 
-def test_a_world_that_mutates_a_delayed_observation_after_restore_changes_the_behaviour_digest(
+def test_a_world_that_mutates_an_observation_later_changes_the_behaviour_digest(
         tmp: Path) -> None:
     clean_trace, trace = tmp / "clean.jsonl", tmp / "recovered.jsonl"
-    code, clean, _ = run(tmp, delay=1, trace=clean_trace)
+    world = "LateForgetfulArena"
+    code, clean, _ = run(tmp, world=world, trace=clean_trace)
     assert code == 0 and clean["state"] == "succeeded", clean
-    code, summary, stderr = run(tmp, "--fault", KILL, delay=1, trace=trace)
+    code, summary, stderr = run(tmp, "--fault", KILL, world=world, trace=trace)
     assert code == 0 and summary["state"] == "succeeded", summary
-    # the fault happened and the run was recovered from the head at 4
+    # the fault happened and the run was recovered from the head at 4, which passed the check
     assert events(stderr, "faults.fired") and summary["recoveries"] == 1, summary
     [restored] = events(stderr, "recovery.restored")
     assert restored["boundary"] == 4
@@ -113,8 +121,7 @@ def test_a_world_that_mutates_a_delayed_observation_after_restore_changes_the_be
     assert digest_of(theirs) == clean["behaviourDigest"]
     # v1 could not tell them apart: every record's v1 projection is the clean run's
     assert [v1(r) for r in ours] == [v1(r) for r in theirs]
-    # v2 does: the digest differs, first at boundary 6, the first boundary that serves a
-    # frame the restored world rendered (frame 5; frame 4 came from the checkpoint)
+    # v2 does: the digest differs, first at boundary 6 (the restored world's second step)
     assert summary["behaviourDigest"] != clean["behaviourDigest"]
     differing = [int(r["publishedBoundary"]) for r, c in zip(ours, theirs, strict=True)
                  if r != c]

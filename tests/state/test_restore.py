@@ -594,7 +594,8 @@ async def test_a_world_that_finds_its_own_restore_diverged_keeps_the_code(
         await failed_and_replaced(s)
         failure = await refused_restore(c, "ckpt-1", "e2")
         assert failure.code == ErrorCode.RESTORE_DIVERGED and failure.participant == "arena"
-        assert "world arena: replayed frame 2 differs" in failure.message
+        assert failure.message == ("State.StageRestore: restored world arena diverged from "
+                                   "checkpoint ckpt-1 at boundary 2: replayed frame 2 differs")
         assert not [line for line in c.audit if line.startswith("activated:")]
         assert c.tainted() == []
 
