@@ -49,6 +49,7 @@ from bus.errors import (
 )
 from bus.framing import PREFIX, FrameDecoder
 from bus.limits import MAX_CONSUME_BATCH, hello_keys
+from bus.ownership import Trust, check_socket_dir
 from bus.schema import NOTIFICATIONS, OPS, Validator, contract_digest, validator
 from bus.store import map_for_write, open_store_dir, read_sealed, write_whole
 
@@ -1616,14 +1617,18 @@ class _Connect:
     def __init__(self, path: str, client_id: str, client_incarnation: str | None,
                  supported_majors: tuple[int, ...], timeout: float | None,
                  on_route_removed: RouteRemovedHook | None,
-                 on_publish_failed: PublishFailedHook | None = None) -> None:
+                 on_publish_failed: PublishFailedHook | None = None,
+                 socket_gid: int | None = None) -> None:
         self._args = (path, client_id, client_incarnation, supported_majors, timeout,
                       on_route_removed)
         self._on_publish_failed = on_publish_failed
+        self._socket_gid = socket_gid
         self._client: BusClient | None = None
 
     async def _open(self) -> BusClient:
         path, client_id, incarnation, majors, timeout, hook = self._args
+        # wire.md §13: a socket in a directory another user controls may be an impostor's
+        check_socket_dir(path, Trust.client(self._socket_gid))
         loop = asyncio.get_running_loop()
         client = BusClient(path, client_id, incarnation or new_incarnation(), hook,
                            self._on_publish_failed)
@@ -1658,7 +1663,10 @@ class _Connect:
 def connect(path: str, *, client_id: str, client_incarnation: str | None = None,
             supported_majors: tuple[int, ...] = (1,), timeout: float | None = 5.0,
             on_route_removed: RouteRemovedHook | None = None,
-            on_publish_failed: PublishFailedHook | None = None) -> _Connect:
-    """Open a connection and complete `bus.hello` (wire.md §17)."""
+            on_publish_failed: PublishFailedHook | None = None,
+            socket_gid: int | None = None) -> _Connect:
+    """Open a connection and complete `bus.hello` (wire.md §17). The socket's directory must be
+    one no other user controls (`bus.ownership.Trust.client`; `socket_gid` is the configured
+    `[bus] socket_group`), else `UnsafeDirectory` (NOT_AUTHORIZED) before any connect."""
     return _Connect(path, client_id, client_incarnation, tuple(supported_majors), timeout,
-                    on_route_removed, on_publish_failed)
+                    on_route_removed, on_publish_failed, socket_gid)

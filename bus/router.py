@@ -80,6 +80,7 @@ from bus.limits import (
     Limits,
     message_frame,
 )
+from bus.ownership import Trust, UnsafeDirectory, check_dir, make_dirs
 from bus.policy import Grants, Policy, any_matches, covered_by_delegate, substitute
 from bus.schema import Validator, contract_digest, validator
 from bus.sockets import probe_socket
@@ -409,13 +410,18 @@ class Router:
         store.remove()
 
     def _prepare_path(self, path: str) -> None:
-        parent = os.path.dirname(path) or "."
-        if not os.path.isdir(parent):
-            mode = 0o750 if self._group_gid is not None else 0o700
-            os.makedirs(parent, mode=mode, exist_ok=True)
-            os.chmod(parent, mode)  # the umask may have narrowed makedirs' mode
-            if self._group_gid is not None:
-                os.chown(parent, -1, self._group_gid)
+        """The socket's directory is created (0700, 0750 with a group) or must be one nobody
+        else controls (`bus.ownership`); a stale socket in it is removed, a live one refused."""
+        parent = os.path.dirname(os.path.abspath(path))
+        try:
+            make_dirs(parent, 0o750 if self._group_gid is not None else 0o700, self._group_gid)
+        except OSError as exc:
+            raise RouterStartError(f"cannot create the socket directory {parent}: "
+                                   f"{exc.strerror or exc}") from exc
+        try:
+            check_dir(parent, Trust.own(self._group_gid))
+        except UnsafeDirectory as exc:
+            raise RouterStartError(f"socket {path}: {exc.message}") from exc
         try:
             st = os.lstat(path)
         except FileNotFoundError:

@@ -63,6 +63,7 @@ from flyd.durations import (
 from flyd.errors import ConfigError
 from flyd.launch.spawner import LauncherSettings
 from flyd.logs import LogFlags, LogSettings, default_level
+from flyd.pgtext import bad_strings, text_problem
 from workers.launch import DEFAULT_MEDIA_INLINE_MAX_BYTES, MAX_MEDIA_INLINE_MAX_BYTES
 
 if TYPE_CHECKING:
@@ -123,13 +124,25 @@ def validate_node_name(name: object, where: str = "--node-name") -> str:
 
 
 def load_toml(path: Path) -> dict[str, Any]:
+    """The file's tables; a file that cannot be read, is not UTF-8 or not TOML, or holds a
+    string PostgreSQL text cannot (`flyd.pgtext`) is a `ConfigError` naming it."""
     try:
         with path.open("rb") as fh:
-            data = tomllib.load(fh)
+            raw = fh.read()
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read: {exc.strerror}") from exc
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not UTF-8 text: byte {raw[exc.start]:#04x} at offset "
+                          f"{exc.start}") from None
+    try:
+        data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: not valid TOML: {exc}") from exc
+    for pointer, problem in bad_strings(data):
+        section, _, rest = pointer.lstrip("/").partition("/")
+        raise ConfigError(f"{path}: [{section}] {rest.replace('/', '.')}: {problem}")
     for section in data:
         if section not in KNOWN_SECTIONS:
             raise ConfigError(f"{path}: unknown section [{section}]")
@@ -334,6 +347,7 @@ KEYS: Final[dict[str, dict[str, Key]]] = {
         "max_agents": _int(4, 1, 256),
         "launcher": _choice("fork", "fork", "spawn"),
         "launch_concurrency": _int(8, 1, 256),
+        "agents_per_process": _int(1, 1, 256),
         "media_inline_max_bytes": _int(DEFAULT_MEDIA_INLINE_MAX_BYTES, 0,
                                        MAX_MEDIA_INLINE_MAX_BYTES),
         "probe_s": _num(2.0),
@@ -431,6 +445,10 @@ def _check(section: str, name: str, value: Any, where: str) -> Any:
         if key.kind == "choice":
             expected += f" {key.rule}"
         raise ConfigError(f"{where}: [{section}] {name} must be {expected}; got {value!r}")
+    for text in (value if key.kind == "dirs" else [value]):
+        problem = text_problem(text) if isinstance(text, str) else None
+        if problem is not None:
+            raise ConfigError(f"{where}: [{section}] {name} {problem}")
     if key.kind == "dsn":
         _check_dsn(value, where)
     if key.check is not None and not key.check(value):
@@ -546,18 +564,30 @@ class Config:
         return {key: s.value for key, s in self._settings[name].items()}
 
     @property
+    def socket_gid(self) -> int | None:
+        """The gid of `[bus] socket_group` (checked to exist at load), or None: the group that
+        may share the socket's directory (wire.md §13, `bus.ownership`)."""
+        import grp
+
+        group = self.value("bus", "socket_group")
+        return None if group is None else grp.getgrnam(group).gr_gid
+
+    @property
     def leases(self) -> LeaseParams:
         """The validated lease parameters (distribution.md §4.2, §4.3)."""
         return self._leases
 
     @property
     def launcher(self) -> LauncherSettings:
-        """`[session] launcher`, `launch_concurrency` and `media_inline_max_bytes`, typed."""
+        """`[session] launcher`, `launch_concurrency`, `media_inline_max_bytes` and
+        `agents_per_process`, typed."""
         return LauncherSettings(method=self.value("session", "launcher"),
                                 concurrency=int(self.value("session", "launch_concurrency")),
                                 plugin_paths=tuple(self.value("plugins", "paths")),
                                 media_inline_max_bytes=int(
-                                    self.value("session", "media_inline_max_bytes")))
+                                    self.value("session", "media_inline_max_bytes")),
+                                agents_per_process=int(
+                                    self.value("session", "agents_per_process")))
 
     @property
     def limits(self) -> Limits:

@@ -504,13 +504,15 @@ def ctl_checkpoints_export_cmd(run_id: int, checkpoint_id: str | None, out: Path
 @run_spec_options
 @click.option("--key", help="Idempotency key of the submitted run.")
 @click.option("--max-attempts", type=int, help="Grant attempts (default [leases] max_attempts).")
+@click.option("--trust", is_flag=True, help="Import a file with pickled payloads that this "
+              "database did not write: restoring unpickles them, which runs any code in them.")
 @ctl_options()
 def ctl_checkpoints_import_cmd(file: Path, steps: int | None, spec_file: Path | None,
                                agents: str | None, mode: str | None,
                                seed: int | None, checkpoint_every: int | None,
                                dispatch: str | None, pace: bool | None,
                                faults: tuple[str, ...], key: str | None,
-                               max_attempts: int | None, call: CtlCall) -> None:
+                               max_attempts: int | None, trust: bool, call: CtlCall) -> None:
     """Submit a new run that starts from the file's checkpoint, with the composition that
     wrote it (or --spec FILE, checked against the checkpoint)."""
     from flyd.cli import flyctl
@@ -524,7 +526,7 @@ def ctl_checkpoints_import_cmd(file: Path, steps: int | None, spec_file: Path | 
         "checkpoints import", call.as_json,
         lambda: flyctl.checkpoints_import(call.options, file, run, key, max_attempts,
                                           spec_file=spec_file,
-                                          steps_given=steps is not None)))
+                                          steps_given=steps is not None, trust=trust)))
 
 
 @ctl_checkpoints_group.command("verify", cls=_JsonErrors)

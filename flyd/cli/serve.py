@@ -19,7 +19,10 @@ Under systemd (cli.md §5.2, §10; `flyd.node.sdnotify`), while serving:
   steps the node's sessions took since the previous line, per second), `draining: ...` once a
   drain started.
 - `WATCHDOG=1` every half `WATCHDOG_USEC` from a task on the event loop, so a blocked loop misses
-  its pings and systemd restarts the node.
+  its pings and systemd restarts the node. No ping is sent while the node holds its claims
+  because a part of its own (router, fork server) could not be brought back
+  (`NodeProcess.impaired`): the node cannot launch runs, and a restart of the whole unit is
+  the remedy left; the `STATUS=` line then reads `impaired: <reason>`.
 - `STOPPING=1` once, when the first drain request arrives (SIGTERM, SIGINT, `Control.Drain`:
   `NodeProcess.drain_listeners`), i.e. at step 1 of distribution.md §5.8.
 The notification variables are removed from the environment at start, so the router and the
@@ -155,6 +158,9 @@ class ServiceNotes:
         rate = (self.steps - self._counted) / max(now - self._since, 1e-3)
         self._counted, self._since = self.steps, now
         held = len(self.node.runtime.held()) if self.node.runtime is not None else 0
+        impaired = self.node.impaired()
+        if impaired is not None and not self.stopping:
+            return f"impaired: {impaired}; {held}/{self.node.setup.capacity} runs held"
         state = "draining" if self.stopping else "serving"
         return (f"{state}: {held}/{self.node.setup.capacity} runs held, "
                 f"{rate:.1f} steps/s")
@@ -167,9 +173,11 @@ class ServiceNotes:
             self.notifier.send(STATUS=self.summary())
 
     async def watchdog(self, interval: float) -> None:
-        """`WATCHDOG=1` every `interval` from the event loop (lifetime task)."""
+        """`WATCHDOG=1` every `interval` from the event loop while the node is not impaired
+        (lifetime task)."""
         while True:
-            self.notifier.send(WATCHDOG=1)
+            if self.node.impaired() is None:
+                self.notifier.send(WATCHDOG=1)
             await asyncio.sleep(interval)
 
 

@@ -13,8 +13,10 @@ Sequence per grant:
    `flyd.runs` is refused at path "" on the first claim, not coerced or retried), and a
    `startFrom` whose checkpoint the run has no head for (a spec inserted without
    `flyctl checkpoints import`) is refused at `/startFrom` rather than started from 0.
-2. Fit the composition into the node's thread budget; a run that does not fit is released with
-   refund and `backoff = claim_poll` and `run_does_not_fit` is logged with both numbers.
+2. Fit the composition into the node's thread budget. The claim already took only runs that
+   fit (`flyd.leases.fit`), so this is a safety net for a spec the claim's reading of `threads`
+   counts differently: such a run is released with refund and `backoff = claim_poll` and
+   `run_does_not_fit` is logged with both numbers.
 3. The grant session runs it (`flyd.node.grant`); afterwards the workers are reaped and the
    session's clients closed, whatever happened.
 
@@ -50,9 +52,10 @@ from flyd.launch.health import HealthPolicy
 from flyd.launch.identities import SessionNames, SessionTags
 from flyd.launch.launcher import Launcher, connect_expected
 from flyd.launch.spawn import groups_running
-from flyd.launch.spawner import Spawner
+from flyd.launch.spawner import SERVER_START_S, Spawner
 from flyd.leases.runtime import GrantScope
 from flyd.node.grant import GrantSession, LedgerReader, RunAbandoned, RunReport, writer_config
+from flyd.node.parts import PartsWatch
 from flyd.session.coordinator import Deadlines
 from flyd.session.run_topic import RunPublisher
 from flyd.session.runspec import DEFAULT_MAX_AGENTS, RunSpec, RunSpecError
@@ -103,6 +106,9 @@ class GrantExecutor:
         self._router_up = asyncio.Event()
         self.router_exits = 0
         self._router_up.set()
+        #: the liveness watch of the node's router and fork server (set while serving)
+        self.watch: PartsWatch | None = None
+        self._parts_down = asyncio.Event()
         self.reports: dict[int, RunReport] = {}
         self.keep_reports = False
         self.trace_path: Path | None = None
@@ -201,23 +207,57 @@ class GrantExecutor:
         self.node = node
         self._router_up.set()
 
+    @property
+    def parts_lost(self) -> int:
+        """The node's own parts lost so far: router exits and fork servers lost in use (hung
+        and replaced, or dead). A run's attempt that saw one is given back."""
+        return self.router_exits + (self.spawner.losses if self.spawner is not None else 0)
+
+    async def check_parts(self) -> None:
+        """Probe the router and the fork server now and wait until each answered, or was
+        replaced and answered, or was given up (bounded by two probe deadlines and a start)."""
+        if self.watch is not None:
+            await self.watch.check(2 * self.health.fail + SERVER_START_S)
+
+    def parts_down(self) -> str | None:
+        """Why this node cannot launch runs now (a part given up); None when it can."""
+        return None if self.watch is None else self.watch.reason
+
+    def parts_changed(self, reason: str | None) -> None:
+        """The watch gave a part up (`reason`) or has every part back (None): a session
+        waiting for the router stops waiting when it was given up."""
+        if reason is None:
+            self._parts_down.clear()
+        else:
+            self._parts_down.set()
+
     async def router_ready(self, timeout_s: float) -> bool:
-        """Wait until the node's connection is open (bounded); False when it stayed down. A
-        closed connection means the router is gone even before its supervisor noticed."""
+        """Wait until the node's connection is open (bounded); False when it stayed down, or
+        the router was given up meanwhile. A closed connection means the router is gone even
+        before its supervisor noticed."""
         if self.node.closed:
             self._router_up.clear()
         with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(timeout_s):
-                await self._router_up.wait()
+            async with asyncio.timeout(timeout_s), asyncio.TaskGroup() as tg:
+                up = tg.create_task(self._router_up.wait())
+                down = tg.create_task(self._parts_down.wait())
+                await asyncio.wait((up, down), return_when=asyncio.FIRST_COMPLETED)
+                up.cancel()
+                down.cancel()
         return self._router_up.is_set() and not self.node.closed
 
     # ------------------------------------------------------------------ for the grant session
 
-    async def open_launcher(self, run_id: int, session_id: str) -> tuple[SessionNames, Launcher]:
+    async def open_launcher(self, run_id: int, session_id: str,
+                            agents_per_process: int | None = None
+                            ) -> tuple[SessionNames, Launcher]:
+        """A session's launcher; a run spec's `agentsPerProcess` overrides the node's."""
         names = SessionNames(session_id=session_id, tag=self._tags.next(), node_id=self.node_id)
         launcher = await Launcher.open(names=names, socket=self.socket, node=self.node,
                                        budget=self.budget, health=self.health,
                                        max_agents=self.max_agents, spawner=self.spawner)
+        if agents_per_process is not None:
+            launcher.agents_per_process = agents_per_process
         self._launchers[run_id] = launcher
         return names, launcher
 
