@@ -459,6 +459,9 @@ class GrantSession:
                 ending = await self._step_to_end()
                 break
             except SessionFailure as exc:
+                if repeats(exc.error):  # e.g. a task value that cannot be encoded
+                    await self._permanent(exc.error, None, exc.detail, exc.participant)
+                    return
                 failure = exc
             except CheckpointTooLarge as exc:
                 await self._failed(exc.refused.outcome())
