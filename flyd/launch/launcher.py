@@ -35,7 +35,10 @@ Execution modes (§7.1), all over the Unix socket:
 - `IN_PROCESS`: a task on the node's loop, owned by the launcher.
 
 Task and thread ownership: every body (child, thread, task) is owned by the launcher's table from
-spawn to reap; `close()` kills the ones left. Every wait is bounded (`asyncio.timeout`): calls by
+spawn to reap; `close()` kills the ones left. What a process worker starts carries the
+launcher's `scope` (`FLYD_SCOPE`); killing the process groups and `close()` also kill those
+processes, detached ones included, which the node adopts as child subreaper
+(`flyd.launch.orphans`). Every wait is bounded (`asyncio.timeout`): calls by
 the health policy, exits by `probe` (reap) or `KILL_WAIT_S` (after SIGKILL / cancel).
 
 Resolved ambiguities:
@@ -99,6 +102,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Final, Protocol
 
+import psutil
 import structlog
 
 from bus.client import BusClient, CallResult, PublishFailedHook, connect
@@ -120,6 +124,7 @@ from flyd.launch.identities import (
     WorkerRef,
     new_client_incarnation,
 )
+from flyd.launch.orphans import SCOPE_VAR, reap, sweep
 from flyd.launch.spawn import ChildProcess, ProcessInfo, process_info, settled_within
 from flyd.launch.spawner import Spawner
 from workers.domain import DomainError, ErrorCode, Mutation, format_request_id
@@ -633,6 +638,9 @@ class Launcher:
         self._report: Report | None = None
         self._closed = False
         self._abandoned = False
+        #: `FLYD_SCOPE` of this launcher's process workers (`flyd.launch.orphans`)
+        self.scope = f"{names.node_id}.{names.tag}"
+        self._orphans: list[psutil.Process] = []
 
     @classmethod
     async def open(cls, *, names: SessionNames, socket: str, node: BusClient,
@@ -738,6 +746,7 @@ class Launcher:
         if mode is ExecutionMode.PROCESS:
             env = thread_environment(identity.worker_threads)
             env["PYTHONUNBUFFERED"] = "1"
+            env[SCOPE_VAR] = self.scope
             try:
                 child = await self.spawner.start(
                     launch, env=env, timeout=self.health.boot,
@@ -1098,12 +1107,20 @@ class Launcher:
         for live in self._workers.values():
             live.stopping = True  # an exit now is ours, not a failure to report
         groups: list[int] = []
-        for body in [live.body for live in self._workers.values()] + list(
-                self._starting.values()):
-            if isinstance(body, _ProcessBody):
-                body.abort()
-                groups.append(body.child.pgid)
+        for body in self._process_bodies():
+            body.abort()
+            groups.append(body.child.pgid)
+        self._sweep()
         return groups
+
+    def _process_bodies(self) -> list[_ProcessBody]:
+        return [body for body in [live.body for live in self._workers.values()]
+                + list(self._starting.values()) if isinstance(body, _ProcessBody)]
+
+    def _sweep(self) -> None:
+        """SIGKILL what the workers started and left behind (`flyd.launch.orphans`); the
+        workers themselves are their bodies' to reap."""
+        self._orphans.extend(sweep(self.scope, spare={b.pid for b in self._process_bodies()}))
 
     def abandon(self) -> list[int]:
         """The run's lease is lost: `kill_process_groups()`, and no process exit is waited for
@@ -1121,6 +1138,12 @@ class Launcher:
                 tg.create_task(self.kill(wid))
             for body in list(self._starting.values()):
                 body.abort()
+        self._sweep()
+        orphans, self._orphans = self._orphans, []
+        wait = 0.0 if self._abandoned else KILL_WAIT_S  # a lost lease waits for no exit
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(wait + 1):
+                await asyncio.to_thread(reap, orphans, wait)
         if self._holds_reservation:
             self.budget.close_session(self.names.tag)
             self._holds_reservation = False

@@ -1,0 +1,89 @@
+"""What a worker started outlives neither the worker's session nor the node (docs/launcher.md).
+
+Why: a worker runs in its own process group and is ended with `killpg`, but a plugin may start
+processes that leave the group (`setsid`) and its parent (a double fork). Such a process used
+to be adopted by init and run on after the run ended. Two things end it now:
+
+- The node is a **child subreaper** (`prctl(PR_SET_CHILD_SUBREAPER)`, `become_subreaper`, set
+  once when the node starts): an orphan among its descendants is adopted by the node, not by
+  init, so it stays among the node's descendants, where the node can find it and reap it.
+- Every process-mode worker gets the variable `FLYD_SCOPE` = its launcher's scope
+  (`<node id>.<session tag>`) in its environment, which whatever it starts inherits.
+  `sweep(scope, spare)` SIGKILLs every descendant of the node that carries the scope, except
+  `spare` (the workers' own pids, which their launcher reaps), and returns them;
+  `reap(procs, timeout)` then waits for them, which reaps the ones the node adopted. The
+  launcher sweeps whenever it kills its process groups (the end of a session, a lost lease)
+  and again when it closes.
+
+Limits: a process that clears its environment, or one of a thread- or in-process-mode worker
+(which runs inside the node and so has the node's environment), carries no scope; the node
+still adopts such an orphan but cannot tell whose it is, so it is left alone. A process that
+moved to another user cannot be read and is left alone too. Without `prctl` (not Linux) the
+node is no subreaper, and only the descendants still below the node are swept.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+from collections.abc import Collection, Sequence
+from typing import Final
+
+import psutil
+import structlog
+
+__all__ = ["SCOPE_VAR", "become_subreaper", "reap", "sweep"]
+
+log = structlog.get_logger("flyd.launch.orphans")
+
+SCOPE_VAR: Final = "FLYD_SCOPE"
+#: `<linux/prctl.h>`
+PR_SET_CHILD_SUBREAPER: Final = 36
+
+
+def become_subreaper() -> bool:
+    """Make this process the child subreaper of its descendants; False where it cannot be."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return int(libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def _scope_of(proc: psutil.Process) -> str | None:
+    try:
+        scope = proc.environ().get(SCOPE_VAR)
+    except (psutil.Error, OSError):
+        return None  # gone, a zombie, or another user's
+    return None if scope is None else str(scope)
+
+
+def sweep(scope: str, spare: Collection[int] = ()) -> list[psutil.Process]:
+    """SIGKILL every descendant of this process whose environment carries `scope`, except the
+    pids in `spare`; the processes signalled."""
+    try:
+        descendants = psutil.Process().children(recursive=True)
+    except psutil.Error:
+        return []
+    found = [p for p in descendants if p.pid not in spare and _scope_of(p) == scope]
+    killed: list[psutil.Process] = []
+    for proc in found:
+        with contextlib.suppress(psutil.Error):
+            proc.kill()
+            killed.append(proc)
+    if killed:
+        log.info("orphans.killed", scope=scope, pids=[p.pid for p in killed])
+    return killed
+
+
+def reap(procs: Sequence[psutil.Process], timeout: float) -> list[int]:
+    """Wait up to `timeout` seconds for `procs` to end (reaping those this process adopted);
+    the pids still running then (blocking: run it on a thread)."""
+    if not procs:
+        return []
+    _, alive = psutil.wait_procs(list(procs), timeout=timeout)
+    left = [p.pid for p in alive]
+    if left:
+        log.warning("orphans.still_running", pids=left, node_pid=os.getpid())
+    return left
