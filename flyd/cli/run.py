@@ -33,7 +33,7 @@ Decisions:
 - `--trace PATH` writes the behaviour records (canonical JSON, one line each), also for a
   failed run; the file is created (truncated) before anything starts, so an unwritable path is
   `USAGE` (exit 2). A re-granted or recovered run appends to it: each grant's first line and
-  each recovery's is a mark `{"resume": {boundary, cause, epoch, leaseEpoch, node}}`, and the
+  each recovery's is a mark `{"resume": {boundary, cause, leaseEpoch, node[, epoch]}}`, and the
   records of re-executed transitions replace those they repeat, so every boundary is there
   once (`flyd.session.outputs.TraceFile`). A write error during the run (a full disk) fails
   the run at once (`{error: "output write failed", option, path, errno, message}`); the

@@ -448,6 +448,7 @@ class GrantSession:
             await self._output_failed(exc)
 
     async def _session(self, head: CheckpointRecord | None) -> None:
+        self._resume_trace(head.boundary if head is not None else 0, "grant")
         try:
             await self._launch()
         except (DomainError, BusError) as exc:
@@ -492,13 +493,16 @@ class GrantSession:
 
     def _resume_trace(self, boundary: int, cause: Literal["grant", "recovery"]) -> None:
         """The trace resumes after `boundary` (`flyd.session.outputs.TraceFile`): what follows
-        it is cut, and a mark says where and why execution resumed."""
+        it is cut, and a mark says where and why execution resumes. A grant's mark comes
+        before its launch (its epoch is not known yet); a recovery's names its new epoch."""
         trace = self.report.trace
-        if trace is not None:
-            trace.resume(boundary, {"boundary": str(boundary), "cause": cause,
-                                    "epoch": self._coordinator().epoch,
-                                    "leaseEpoch": str(self.scope.lease_epoch),
-                                    "node": self.host.node_id})
+        if trace is None:
+            return
+        mark = {"boundary": str(boundary), "cause": cause,
+                "leaseEpoch": str(self.scope.lease_epoch), "node": self.host.node_id}
+        if cause == "recovery":
+            mark["epoch"] = self._coordinator().epoch
+        trace.resume(boundary, mark)
 
     def _flush_trace(self, durable: int | None = None) -> None:
         if self.report.trace is not None:
@@ -547,7 +551,6 @@ class GrantSession:
             await coordinator.bootstrap()
             durability.restart(0, epoch)
             self.report.boundary = 0
-            self._resume_trace(0, "grant")
             return
         self.max_epoch = epoch_number(head.session_epoch)
         coordinator = self._new_coordinator(self._next_epoch())
@@ -558,7 +561,6 @@ class GrantSession:
         coordinator.resume()
         durability.restart(restored.boundary, epoch)
         self.report.boundary = restored.boundary
-        self._resume_trace(restored.boundary, "grant")
         self.log.info("run.resumed", checkpoint_id=restored.checkpoint_id,
                       boundary=restored.boundary, new_epoch=epoch)
 
