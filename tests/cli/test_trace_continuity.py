@@ -168,21 +168,25 @@ def full_tmpfs(tmp: Path) -> Iterator[Path]:
         subprocess.run(["umount", "-l", str(mount)], check=False)
 
 
+@pytest.mark.parametrize(("option", "name"), [("--trace", "trace.jsonl"),
+                                              ("--record", "run.gif")])
 def test_a_trace_on_a_full_tmpfs_ends_the_run_at_once_naming_the_path(
-        tmp: Path, full_tmpfs: Path) -> None:
+        tmp: Path, full_tmpfs: Path, option: str, name: str) -> None:
+    """The trace, and an output file of the same kind (the GIF of `--record`, written as the
+    run goes)."""
     if os.geteuid() != 0:
         pytest.fail("mounting the tmpfs needs root (CI runs the suite as root)")
-    trace = full_tmpfs / "trace.jsonl"
+    path = full_tmpfs / name
     with pytest.raises(OSError):  # vacuity: the file system is full
         (full_tmpfs / "probe").write_bytes(b"x" * 4096)
     code, summary, stderr = flyd_run(tmp, "--steps", "600", "--mode", "thread",
-                                     "--trace", str(trace))
+                                     option, str(path))
     assert code == 1 and summary["state"] == "failed", summary
     outcome = summary["outcome"]
-    assert outcome == {"error": "output write failed", "option": "--trace",
-                       "path": str(trace), "errno": "ENOSPC",
+    assert outcome == {"error": "output write failed", "option": option,
+                       "path": str(path), "errno": "ENOSPC",
                        "message": "No space left on device"}, outcome
     assert summary["recoveries"] == 0 and summary["boundary"] < 600
     assert run_row(_DSN[tmp], summary["run"]) == (1, 1), "one attempt"
-    assert f"output write failed: --trace {trace}: ENOSPC" in stderr
+    assert f"output write failed: {option} {path}: ENOSPC" in stderr
     assert "recovery.started" not in stderr
