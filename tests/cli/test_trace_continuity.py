@@ -1,9 +1,10 @@
 """`flyd run --trace` across re-grants and full disks (issue 34, Build item 3).
 
-A run re-granted after a PostgreSQL interruption (bursts of `pg_terminate_backend` on the
-test's own database, as tests/cli/test_db_blips.py does, until the node loses its lease and
-claims the run again) has a trace with every boundary once, a resume mark as each grant's first
-line, and the clean behaviour digest. A trace on a full tmpfs ends the run at once, naming the
+A run re-granted after a PostgreSQL interruption (the test's own database refuses connections
+and its sessions are terminated, as tests/cli/test_db_blips.py terminates them, for longer than
+the run's lease in database time, so the node loses the lease and claims the run again) has a
+trace with every boundary once, a resume mark as each grant's first line, and the clean
+behaviour digest. A trace on a full tmpfs ends the run at once, naming the
 path and the errno, in one attempt, and `flyd run --json` still prints its summary.
 """
 
