@@ -504,9 +504,9 @@ class GrantSession:
             mark["epoch"] = self._coordinator().epoch
         trace.resume(boundary, mark)
 
-    def _flush_trace(self, durable: int | None = None) -> None:
+    def _flush_trace(self) -> None:
         if self.report.trace is not None:
-            self.report.trace.flush(durable)
+            self.report.trace.flush()
 
     async def _output_failed(self, exc: OutputWriteError) -> None:
         """An output file could not be written: the run fails at once, naming it (no attempt
@@ -629,11 +629,10 @@ class GrantSession:
             self.host.progressed(report)
             if step.terminal or step.paused or step.boundary >= self.spec.steps:
                 break  # the final capture replaces a cadence capture due here (§9.1)
-            durable = durability.head_boundary
             await durability.after_boundary(coordinator, step.boundary)
             report.records.settle(durability.head_boundary - self._first_local())
-            if durability.head_boundary != durable:
-                self._flush_trace(durability.head_boundary)
+            if report.trace is not None:
+                report.trace.durable(durability.head_boundary)
             if self.budget.attempt and durability.head_boundary > done_at_start:
                 self.budget.committed()
         return "succeeded"

@@ -8,8 +8,8 @@ repair.
 
 `TraceFile` (one per run and node, outliving the run's grants):
 - Every committed transition's behaviour record (canonical JSON, one line) is appended as it
-  is recorded (`append`), through one buffered handle, and flushed whenever the session's
-  work becomes durable (`flush`) and before the run's final transaction, so a write error
+  is recorded (`append`), through one buffered handle, and flushed whenever the run's head
+  moves (`durable`) and before the run's final transaction (`flush`), so a write error
   surfaces while the run can still fail because of it.
 - Records beyond the durable head may be executed again: a recovery or a new grant resumes
   from the head. `resume(boundary, mark)` cuts the file back to the end of record `boundary`
@@ -18,7 +18,7 @@ repair.
   line is such a mark (`cause: "grant"`, boundary 0 for the first), and so is each
   recovery's (`cause: "recovery"`). So the file holds every boundary of the run once, in
   order, with a mark wherever execution resumed; a reader skips lines with a `resume` key.
-- Only the positions of records beyond the last durable boundary are kept (`flush` forgets
+- Only the positions of records beyond the last durable boundary are kept (`durable` forgets
   the others), so memory stays bounded by the checkpoint cadence. A resume before the last
   durable boundary cannot happen (the head never goes back) and is `INTERNAL`; one beyond the
   last record written (a run started from an imported checkpoint) writes its mark at the end.
@@ -132,18 +132,23 @@ class TraceFile:
             raise self._failed(exc) from None
         self.boundary = boundary
 
-    def flush(self, durable: int | None = None) -> None:
-        """Write out what is buffered; `durable` is the boundary the run's head now covers
-        (positions before it are forgotten)."""
+    def flush(self) -> None:
+        """Write out what is buffered."""
         self._check()
         try:
             if self._fh is not None:
                 self._fh.flush()
         except OSError as exc:
             raise self._failed(exc) from None
-        if durable is not None and durable > self._durable:
-            self._durable = min(durable, self.boundary)
-            self._ends = {k: v for k, v in self._ends.items() if k >= self._durable}
+
+    def durable(self, boundary: int) -> None:
+        """The run's head now covers `boundary`: when that is further than before, write out
+        what is buffered and forget the positions before it."""
+        if boundary <= self._durable:
+            return
+        self.flush()
+        self._durable = min(boundary, self.boundary)
+        self._ends = {k: v for k, v in self._ends.items() if k >= self._durable}
 
     def close(self) -> OutputWriteError | None:
         """Flush and close (the run ended); the error, if writing ever failed."""

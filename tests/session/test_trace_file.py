@@ -40,7 +40,7 @@ def test_a_resume_replaces_the_records_after_its_boundary_and_marks_it(tmp_path:
     trace.resume(0, mark(0, "grant"))
     for k in range(1, 8):
         trace.append(k, record(k))
-    trace.flush(durable=4)
+    trace.durable(4)
     trace.resume(4, mark(4, "recovery"))  # 5..7 are executed again, in e2
     for k in range(5, 11):
         trace.append(k, record(k, "e2"))
@@ -77,7 +77,7 @@ def test_a_resume_before_the_durable_boundary_is_refused(tmp_path: Path) -> None
     trace.resume(0, mark(0, "grant"))
     for k in range(1, 6):
         trace.append(k, record(k))
-    trace.flush(durable=5)
+    trace.durable(5)
     with pytest.raises(DomainError, match="cannot resume at boundary 3"):
         trace.resume(3, mark(3, "recovery"))
     with pytest.raises(DomainError, match="record of boundary 7 after boundary 5"):
@@ -89,7 +89,7 @@ def test_a_write_error_names_the_path_and_errno_and_stops_writing() -> None:
     trace.resume(0, mark(0, "grant"))
     trace.append(1, record(1))
     with pytest.raises(OutputWriteError) as caught:
-        trace.flush(durable=1)
+        trace.durable(1)
     error = caught.value
     assert error.outcome() == {"error": "output write failed", "option": "--trace",
                                "path": "/dev/full", "errno": "ENOSPC",
