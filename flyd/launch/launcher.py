@@ -36,9 +36,10 @@ Execution modes (§7.1), all over the Unix socket:
 
 Task and thread ownership: every body (child, thread, task) is owned by the launcher's table from
 spawn to reap; `close()` kills the ones left. What a process worker starts carries the
-launcher's `scope` (`FLYD_SCOPE`); killing the process groups and `close()` also kill those
-processes, detached ones included, which the node adopts as child subreaper
-(`flyd.launch.orphans`). Every wait is bounded (`asyncio.timeout`): calls by
+worker's scope (`FLYD_SCOPE=<launcher scope>/<worker id>`); reaping or killing a worker also
+kills what it started, detached processes included, which the node adopts as child subreaper
+(`flyd.launch.orphans`), and killing the process groups and `close()` kill what any of them
+started. Every wait is bounded (`asyncio.timeout`): calls by
 the health policy, exits by `probe` (reap) or `KILL_WAIT_S` (after SIGKILL / cancel).
 
 Resolved ambiguities:
@@ -746,7 +747,7 @@ class Launcher:
         if mode is ExecutionMode.PROCESS:
             env = thread_environment(identity.worker_threads)
             env["PYTHONUNBUFFERED"] = "1"
-            env[SCOPE_VAR] = self.scope
+            env[SCOPE_VAR] = self._worker_scope(wid)
             try:
                 child = await self.spawner.start(
                     launch, env=env, timeout=self.health.boot,
@@ -1064,6 +1065,7 @@ class Launcher:
         else:
             await self._force(live)
             outcome = Terminated(worker_id, live.body.exit_code)
+        self._sweep(worker_id)
         log.info("launcher.reaped", worker=worker_id, reason=reason, outcome=outcome.label,
                  exit_code=live.body.exit_code, peak_rss_kib=live.launched.peak_rss_kib)
         return outcome
@@ -1087,6 +1089,7 @@ class Launcher:
             return AlreadyGone(worker_id)
         self._sample_rss(live)
         await self._force(live)
+        self._sweep(worker_id)
         log.info("launcher.killed", worker=worker_id, exit_code=live.body.exit_code)
         return Terminated(worker_id, live.body.exit_code)
 
@@ -1117,10 +1120,14 @@ class Launcher:
         return [body for body in [live.body for live in self._workers.values()]
                 + list(self._starting.values()) if isinstance(body, _ProcessBody)]
 
-    def _sweep(self) -> None:
-        """SIGKILL what the workers started and left behind (`flyd.launch.orphans`); the
-        workers themselves are their bodies' to reap."""
-        self._orphans.extend(sweep(self.scope, spare={b.pid for b in self._process_bodies()}))
+    def _worker_scope(self, worker_id: str) -> str:
+        return f"{self.scope}/{worker_id}"
+
+    def _sweep(self, worker_id: str | None = None) -> None:
+        """SIGKILL what one worker (else every worker of the session) started and left behind
+        (`flyd.launch.orphans`); the workers themselves are their bodies' to reap."""
+        scope = self.scope if worker_id is None else self._worker_scope(worker_id)
+        self._orphans.extend(sweep(scope, spare={b.pid for b in self._process_bodies()}))
 
     def abandon(self) -> list[int]:
         """The run's lease is lost: `kill_process_groups()`, and no process exit is waited for

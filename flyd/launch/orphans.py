@@ -7,13 +7,14 @@ to be adopted by init and run on after the run ended. Two things end it now:
 - The node is a **child subreaper** (`prctl(PR_SET_CHILD_SUBREAPER)`, `become_subreaper`, set
   once when the node starts): an orphan among its descendants is adopted by the node, not by
   init, so it stays among the node's descendants, where the node can find it and reap it.
-- Every process-mode worker gets the variable `FLYD_SCOPE` = its launcher's scope
-  (`<node id>.<session tag>`) in its environment, which whatever it starts inherits.
-  `sweep(scope, spare)` SIGKILLs every descendant of the node that carries the scope, except
-  `spare` (the workers' own pids, which their launcher reaps), and returns them;
-  `reap(procs, timeout)` then waits for them, which reaps the ones the node adopted. The
-  launcher sweeps whenever it kills its process groups (the end of a session, a lost lease)
-  and again when it closes.
+- Every process-mode worker gets the variable `FLYD_SCOPE` = `<launcher scope>/<worker id>`
+  (the launcher's scope is `<node id>.<session tag>`) in its environment, which whatever it
+  starts inherits. `sweep(scope, spare)` SIGKILLs every descendant of the node whose
+  `FLYD_SCOPE` is `scope` or lies below it (`scope/…`), except `spare` (the workers' own pids,
+  which their launcher reaps), and returns them; `reap(procs, timeout)` then waits for them,
+  which reaps the ones the node adopted. The launcher sweeps a worker's scope when it has
+  reaped or killed that worker (a recovery's replacement included), its own scope whenever it
+  kills its process groups (the end of a session, a lost lease), and again when it closes.
 
 Limits: a process that clears its environment, or one of a thread- or in-process-mode worker
 (which runs inside the node and so has the node's environment), carries no scope; the node
@@ -59,14 +60,18 @@ def _scope_of(proc: psutil.Process) -> str | None:
     return None if scope is None else str(scope)
 
 
+def _within(found: str | None, scope: str) -> bool:
+    return found is not None and (found == scope or found.startswith(scope + "/"))
+
+
 def sweep(scope: str, spare: Collection[int] = ()) -> list[psutil.Process]:
-    """SIGKILL every descendant of this process whose environment carries `scope`, except the
-    pids in `spare`; the processes signalled."""
+    """SIGKILL every descendant of this process whose `FLYD_SCOPE` is `scope` or below it,
+    except the pids in `spare`; the processes signalled."""
     try:
         descendants = psutil.Process().children(recursive=True)
     except psutil.Error:
         return []
-    found = [p for p in descendants if p.pid not in spare and _scope_of(p) == scope]
+    found = [p for p in descendants if p.pid not in spare and _within(_scope_of(p), scope)]
     killed: list[psutil.Process] = []
     for proc in found:
         with contextlib.suppress(psutil.Error):

@@ -33,8 +33,15 @@ def running(pid: int, created: float) -> bool:
         return False
 
 
-def helpers(tmp: Path) -> list[psutil.Process]:
-    return [p for p in leftovers(tmp) if "flyd-detached" in " ".join(p.cmdline())]
+def helpers(tmp: Path) -> dict[int, float]:
+    """The running helpers of this test's workers: pid → creation time."""
+    found: dict[int, float] = {}
+    for proc in psutil.process_iter(["cmdline", "create_time", "status"]):
+        cmdline = " ".join(proc.info["cmdline"] or [])
+        if ("flyd-detached" in cmdline and str(tmp) in cmdline
+                and proc.info["status"] != psutil.STATUS_ZOMBIE):
+            found[proc.pid] = proc.info["create_time"]
+    return found
 
 
 @pytest.mark.parametrize("launcher", ["fork", "spawn"])
@@ -51,13 +58,13 @@ def test_a_plugin_that_double_forks_leaves_no_process_after_the_run(tmp: Path,
     try:
         deadline = time.monotonic() + 60
         while len(seen) < 2 and proc.poll() is None and time.monotonic() < deadline:
-            for helper in helpers(tmp):
+            for pid, created in helpers(tmp).items():
                 try:
                     # detached: a session of its own, not below any worker's group
-                    assert os.getsid(helper.pid) == helper.pid
-                    seen[helper.pid] = helper.create_time()
-                except (psutil.Error, ProcessLookupError):
+                    assert os.getsid(pid) == pid
+                except ProcessLookupError:
                     continue
+                seen[pid] = created
             time.sleep(0.05)
         stdout, stderr = proc.communicate(timeout=120)
     finally:
@@ -71,3 +78,32 @@ def test_a_plugin_that_double_forks_leaves_no_process_after_the_run(tmp: Path,
     survivors = [pid for pid, created in seen.items() if running(pid, created)]
     assert not survivors, f"helpers outlived the run: {survivors}"
     assert not leftovers(tmp)
+
+
+def test_a_helper_ends_with_its_worker_when_a_recovery_replaces_it(tmp: Path) -> None:
+    """fly-b is killed at step 60; the recovery replaces every worker, and each old worker's
+    helper is gone before any new worker starts its own: never more than one per agent."""
+    argv = [sys.executable, "-m", "flyd", "run", "--json", "--steps", "240", "--pace",
+            "--mode", "process", "--model", MODEL, "--plugin-path", str(ROOT),
+            "--fault", "kill:fly-b@60", "--socket", str(tmp / "bus.sock")]
+    proc = subprocess.Popen(argv, cwd=ROOT, env=env_for(tmp), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    seen: dict[int, float] = {}
+    most = 0
+    try:
+        while proc.poll() is None:
+            now = helpers(tmp)
+            most = max(most, len(now))
+            seen.update(now)
+            time.sleep(0.02)
+        stdout, stderr = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, stderr.decode()[-3000:]
+    summary = orjson.loads(stdout.decode().splitlines()[-1])
+    assert summary["state"] == "succeeded" and summary["recoveries"] == 1, summary
+    assert len(seen) == 4, f"vacuous: two generations of helpers were not both seen: {seen}"
+    assert most == 2, f"{most} helpers ran at once: an old worker's outlived it"
+    assert not [pid for pid, created in seen.items() if running(pid, created)]

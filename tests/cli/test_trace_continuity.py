@@ -32,7 +32,7 @@ from workers.canonical import digest_of
 
 pytestmark = pytest.mark.timeout(240)
 
-STEPS = 900
+STEPS = 600
 OUTAGE_S = 1.5
 #: a node that missed heartbeats across the moved database time is still the run's submitter
 #: (else the reaper would end the run "submitter gone" instead of letting it be re-granted)
