@@ -1042,9 +1042,10 @@ class Launcher:
         await live.body.dispose(wait_s)
         return ended
 
-    async def reap(self, worker_id: str, reason: str) -> ReapOutcome:
+    async def reap(self, worker_id: str, reason: str, *, sweep: bool = True) -> ReapOutcome:
         """`Worker.Shutdown {reason}` bounded by `probe`, then wait ≤ `probe` for the end;
-        else stop by force (§7.6)."""
+        else stop by force (§7.6). Then what the worker started is killed, unless `sweep` is
+        False (the caller sweeps the whole session once)."""
         live = self._workers.get(worker_id)
         if live is None:
             return AlreadyGone(worker_id)
@@ -1065,31 +1066,36 @@ class Launcher:
         else:
             await self._force(live)
             outcome = Terminated(worker_id, live.body.exit_code)
-        self._sweep(worker_id)
+        if sweep:
+            self._sweep(worker_id)
         log.info("launcher.reaped", worker=worker_id, reason=reason, outcome=outcome.label,
                  exit_code=live.body.exit_code, peak_rss_kib=live.launched.peak_rss_kib)
         return outcome
 
     async def reap_all(self, reason: str) -> dict[str, ReapOutcome]:
-        """Reap every live worker concurrently."""
+        """Reap every live worker concurrently, then kill what any of them started (one pass
+        over the node's descendants, not one per worker)."""
         out: dict[str, ReapOutcome] = {}
 
         async def one(wid: str) -> None:
-            out[wid] = await self.reap(wid, reason)
+            out[wid] = await self.reap(wid, reason, sweep=False)
 
         async with asyncio.TaskGroup() as tg:
             for wid in list(self._workers):
                 tg.create_task(one(wid))
+        self._sweep()
         return out
 
-    async def kill(self, worker_id: str) -> Terminated | AlreadyGone:
-        """No request: remove, release, SIGKILL the group (or abort and cancel) and wait."""
+    async def kill(self, worker_id: str, *, sweep: bool = True) -> Terminated | AlreadyGone:
+        """No request: remove, release, SIGKILL the group (or abort and cancel) and wait; then
+        kill what the worker started, unless `sweep` is False."""
         live = self._remove(worker_id)
         if live is None:
             return AlreadyGone(worker_id)
         self._sample_rss(live)
         await self._force(live)
-        self._sweep(worker_id)
+        if sweep:
+            self._sweep(worker_id)
         log.info("launcher.killed", worker=worker_id, exit_code=live.body.exit_code)
         return Terminated(worker_id, live.body.exit_code)
 
@@ -1142,7 +1148,7 @@ class Launcher:
         self._closed = True
         async with asyncio.TaskGroup() as tg:
             for wid in list(self._workers):
-                tg.create_task(self.kill(wid))
+                tg.create_task(self.kill(wid, sweep=False))
             for body in list(self._starting.values()):
                 body.abort()
         self._sweep()
