@@ -1133,7 +1133,8 @@ class Launcher:
         """SIGKILL what one worker (else every worker of the session) started and left behind
         (`flyd.launch.orphans`); the workers themselves are their bodies' to reap."""
         scope = self.scope if worker_id is None else self._worker_scope(worker_id)
-        self._orphans.extend(sweep(scope, spare={b.pid for b in self._process_bodies()}))
+        self._orphans.extend(sweep(scope, spare={b.pid for b in self._process_bodies()},
+                                   deep=worker_id is None))
 
     def abandon(self) -> list[int]:
         """The run's lease is lost: `kill_process_groups()`, and no process exit is waited for

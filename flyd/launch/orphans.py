@@ -13,8 +13,10 @@ to be adopted by init and run on after the run ended. Two things end it now:
   `FLYD_SCOPE` is `scope` or lies below it (`scope/…`), except `spare` (the workers' own pids,
   which their launcher reaps), and returns them; `reap(procs, timeout)` then waits for them,
   which reaps the ones the node adopted. The launcher sweeps a worker's scope when it has
-  reaped or killed that worker (a recovery's replacement included), its own scope whenever it
-  kills its process groups (the end of a session, a lost lease), and again when it closes.
+  reaped or killed that worker (a recovery's replacement included; `deep=False`: the node's
+  own children, where the dead worker's orphans are, a few `/proc` reads), its own scope
+  over all the node's descendants whenever it kills its process groups (the end of a
+  session, a lost lease), and again when it closes.
 
 Limits: a process that clears its environment, or one of a thread- or in-process-mode worker
 (which runs inside the node and so has the node's environment), carries no scope; the node
@@ -64,11 +66,39 @@ def _within(found: str | None, scope: str) -> bool:
     return found is not None and (found == scope or found.startswith(scope + "/"))
 
 
-def sweep(scope: str, spare: Collection[int] = ()) -> list[psutil.Process]:
-    """SIGKILL every descendant of this process whose `FLYD_SCOPE` is `scope` or below it,
-    except the pids in `spare`; the processes signalled."""
+def _children() -> list[psutil.Process]:
+    """This process's own children: one `/proc/self/task/<tid>/children` read per thread of
+    ours, rather than psutil's pass over every process of the host."""
+    pids: set[int] = set()
     try:
-        descendants = psutil.Process().children(recursive=True)
+        for tid in os.listdir("/proc/self/task"):
+            with open(f"/proc/self/task/{tid}/children", encoding="ascii") as fh:
+                pids.update(int(pid) for pid in fh.read().split())
+    except OSError:  # no procfs, or a kernel without CONFIG_PROC_CHILDREN
+        return list(psutil.Process().children())
+    out: list[psutil.Process] = []
+    for pid in sorted(pids):
+        with contextlib.suppress(psutil.Error):
+            out.append(psutil.Process(pid))
+    return out
+
+
+def sweep(scope: str, spare: Collection[int] = (), *,
+          deep: bool = True) -> list[psutil.Process]:
+    """SIGKILL every descendant of this process whose `FLYD_SCOPE` is `scope` or below it,
+    except the pids in `spare`; the processes signalled. `deep=False` looks only at this
+    process's own children (where a dead worker's orphans land, the node being their
+    subreaper) and below the ones that match: cheap enough for every worker's end."""
+    try:
+        if deep:
+            descendants = psutil.Process().children(recursive=True)
+        else:
+            matched = [p for p in _children()
+                       if p.pid not in spare and _within(_scope_of(p), scope)]
+            descendants = list(matched)
+            for proc in matched:
+                with contextlib.suppress(psutil.Error):
+                    descendants.extend(proc.children(recursive=True))
     except psutil.Error:
         return []
     found = [p for p in descendants if p.pid not in spare and _within(_scope_of(p), scope)]

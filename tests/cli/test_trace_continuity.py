@@ -155,6 +155,25 @@ def test_a_run_regranted_after_a_postgresql_interruption_has_a_trace_with_every_
     assert not leftovers(tmp)
 
 
+def test_a_recovered_run_has_a_trace_with_every_boundary_once(tmp: Path) -> None:
+    """fly-b is killed at step 150: the recovery resumes from the head (boundary 120, cadence
+    60) and steps 121..150 again; their records replace the ones it abandoned."""
+    trace = tmp / "trace.jsonl"
+    code, summary, _ = flyd_run(tmp, "--steps", "240", "--mode", "process",
+                                "--fault", "kill:fly-b@150", "--trace", str(trace))
+    assert code == 0 and summary["state"] == "succeeded", summary
+    assert summary["recoveries"] == 1, "vacuous: nothing was recovered"
+    lines = trace_lines(trace)
+    marks = [(i, line["resume"]) for i, line in enumerate(lines) if "resume" in line]
+    records = [line for line in lines if "resume" not in line]
+    assert [int(r["scope"]["step"]) for r in records] == list(range(240))
+    assert digest_of(records) == summary["behaviourDigest"]
+    assert [m["cause"] for _, m in marks] == ["grant", "recovery"]
+    index, recovery = marks[1]
+    assert recovery["boundary"] == "120" and recovery["epoch"] == "e2", recovery
+    assert index == 1 + 120  # right after record 120
+
+
 @pytest.fixture
 def full_tmpfs(tmp: Path) -> Iterator[Path]:
     """A 64 KiB tmpfs, filled up but for what an empty file needs (root mounts it)."""
