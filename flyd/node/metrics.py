@@ -57,6 +57,8 @@ log = structlog.get_logger("flyd.node.metrics")
 CONTENT_TYPE: Final = "text/plain; version=0.0.4; charset=utf-8"
 ROUTER_STATS_S: Final = 1.0
 PHASES: Final = tuple(p for p in LeasePhase if p is not LeasePhase.DONE)
+#: how a grant ends (`GrantTotals.ended`), each exported from 0 on
+ENDINGS: Final = ("succeeded", "failed", "cancelled", "released", "lost")
 
 
 class MetricsParts(Protocol):
@@ -196,7 +198,7 @@ class NodeCollector(Collector):
                         "Runs this node holds, by lease phase.", "state", s.holds)
         yield _labelled(CounterMetricFamily, "flyd_runs_ended",
                         "Grants this node ended, by how: succeeded, failed, cancelled, "
-                        "released, lost.", "state", s.ended)
+                        "released, lost.", "state", {**dict.fromkeys(ENDINGS, 0), **s.ended})
         yield from self._runs()
         yield CounterMetricFamily("flyd_steps", "Steps this node's sessions took.",
                                   value=s.steps)

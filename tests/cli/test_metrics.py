@@ -30,6 +30,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import CollectorRegistry
 
+from flyd.config import load_config
+from flyd.errors import ConfigError
 from flyd.leases.stats import Histogram
 from flyd.node.metrics import (
     CONTENT_TYPE,
@@ -107,7 +109,8 @@ def test_the_exposition_names_labels_and_types() -> None:
     assert {k[0][1] for k in _values(families["flyd_runs"])} == {
         "starting", "active", "committing", "finishing", "releasing", "lost"}
     assert _values(families["flyd_runs_ended"], "flyd_runs_ended_total") == {
-        (("state", "failed"),): 1, (("state", "succeeded"),): 4}
+        (("state", "failed"),): 1, (("state", "succeeded"),): 4, (("state", "cancelled"),): 0,
+        (("state", "released"),): 0, (("state", "lost"),): 0}
     assert _values(families["flyd_steps"], "flyd_steps_total") == {(): 900}
     assert _values(families["flyd_recoveries"], "flyd_recoveries_total") == {
         (("cause", "CALL_GONE"),): 1}
@@ -177,6 +180,19 @@ def test_metrics_addresses_parse_or_are_refused_naming_the_form() -> None:
     for bad in ("", "host:", ":9464", "h:70000", "::1:9464", "[nope]:1", "a b:1", "x"):
         with pytest.raises(MetricsAddressError):
             MetricsAddress.parse(bad)
+
+
+def test_node_metrics_is_checked_where_it_is_set(tmp_path: Path) -> None:
+    config = tmp_path / "flyd.toml"
+    config.write_text('[node]\nmetrics = "localhost:99999"\n')
+    with pytest.raises(ConfigError, match=r"flyd.toml: \[node\] metrics = 'localhost:99999' "
+                                          r"is out of range \(HOST:PORT"):
+        load_config(config, env={})
+    with pytest.raises(ConfigError, match=r"flag --metrics: \[node\] metrics"):
+        load_config(None, flags={"node.metrics": "::1:80"}, env={})
+    config.write_text('[node]\nmetrics = "0.0.0.0:9464"\n')
+    assert load_config(config, env={}).metrics == MetricsAddress("0.0.0.0", 9464)
+    assert load_config(None, env={}).metrics is None
 
 
 async def _http(port: int, request: bytes) -> bytes:
@@ -339,3 +355,17 @@ def test_prometheus_scrapes_the_run_step_counter_rising(db_dsn: str, tmp: Path) 
     # the node drained: the metrics port is closed with it
     with pytest.raises(OSError), socket.create_connection(("127.0.0.1", listening["port"]), 2):
         pass
+
+
+def test_a_metrics_port_that_cannot_be_bound_stops_the_start(db_dsn: str, tmp: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        node = start_node(tmp, "m", db_dsn, "--metrics", f"127.0.0.1:{port}", "--json")
+        try:
+            node.wait(60)
+        finally:
+            code = stop(node)
+    assert code == 2
+    assert f"flyd serve: cannot serve metrics on 127.0.0.1:{port}: " in node_log(tmp, "m")
