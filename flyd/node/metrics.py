@@ -227,8 +227,8 @@ class NodeCollector(Collector):
                                     "this node.", labels=["run"])
         rate = GaugeMetricFamily("flyd_run_steps_per_second",
                                  "The grant's steps over its stepping time.", labels=["run"])
-        boundary = GaugeMetricFamily("flyd_run_boundary", "The run's last committed boundary "
-                                     "(its position in steps).", labels=["run"])
+        boundary = GaugeMetricFamily("flyd_run_boundary", "The boundary of the run's last step "
+                                     "(its position).", labels=["run"])
         recoveries = CounterMetricFamily("flyd_run_recoveries", "Recoveries of the run's "
                                          "current grant on this node.", labels=["run"])
         for r in runs:

@@ -4,10 +4,10 @@
   from a snapshot with known figures (fast, no node).
 - The HTTP endpoint on a real loopback socket: `/metrics` answered, other paths and methods
   refused, nothing left running after close.
-- The acceptance test: a real `flyd serve --metrics` node executes a paced run while a real
-  Prometheus server (Debian's `prometheus` package, which `.ci/run` installs) scrapes it every
-  second; a PromQL query through Prometheus' HTTP API shows the run's step counter rising. A
-  missing `prometheus` binary fails the test (it is never skipped).
+- The acceptance test: a real `flyd serve` node with `[node] metrics` executes a paced run
+  while a real Prometheus server (Debian's `prometheus` package, which `.ci/run` installs)
+  scrapes it every second; a PromQL query through Prometheus' HTTP API shows the run's step
+  counter rising. A missing `prometheus` binary fails the test (it is never skipped).
 """
 
 from __future__ import annotations
@@ -303,7 +303,7 @@ def _paced_spec(steps: int) -> dict[str, Any]:
 
 
 def test_prometheus_scrapes_the_run_step_counter_rising(db_dsn: str, tmp: Path) -> None:
-    node = start_node(tmp, "m", db_dsn, "--metrics", "127.0.0.1:0")
+    node = start_node(tmp, "m", db_dsn, config='[node]\nmetrics = "127.0.0.1:0"\n')
     prometheus: subprocess.Popen[bytes] | None = None
     try:
         wait_for("the metrics endpoint", lambda: bool(log_events(tmp, "m", "metrics.listening"))
