@@ -117,6 +117,7 @@ class NodeSnapshot:
     checkpoint_commit: HistogramSample | None = None
     checkpoint_bytes: int = 0
     router: Mapping[str, Any] | None = None
+    router_exits: int = 0
     workers: int = 0
     processes: list[ProcessSample] = field(default_factory=list)
 
@@ -130,8 +131,9 @@ class NodeSnapshot:
                 if phase is not LeasePhase.DONE:
                     holds[phase.value.lower()] += 1
         runs: list[RunSample] = []
-        steps, ended, recoveries, workers = 0, {}, {}, 0
+        steps, ended, recoveries, workers, router_exits = 0, {}, {}, 0, 0
         if executor is not None:
+            router_exits = executor.router_exits
             totals = executor.totals
             steps, ended, recoveries = totals.steps, dict(totals.states), dict(totals.recoveries)
             for run, report in sorted(executor.reports.items()):
@@ -149,7 +151,8 @@ class NodeSnapshot:
             renew=HistogramSample.of(lease.renew), renew_unknown=lease.renew_unknown,
             losses=dict(lease.losses), checkpoint_commit=HistogramSample.of(
                 lease.checkpoint_commit), checkpoint_bytes=lease.checkpoint_bytes,
-            router=await _router_stats(parts.client), workers=workers,
+            router=await _router_stats(parts.client), router_exits=router_exits,
+            workers=workers,
             processes=_processes(parts.router))
 
 
@@ -260,6 +263,9 @@ class NodeCollector(Collector):
 
     def _router(self) -> Iterator[Metric]:
         stats = self.snapshot.router
+        yield CounterMetricFamily("flyd_router_exits", "Exits of the node's router the node "
+                                  "saw (each one restarted, sessions recovered).",
+                                  value=self.snapshot.router_exits)
         yield GaugeMetricFamily("flyd_router_up", "Whether the router answered bus.stats for "
                                 "this scrape.", value=0 if stats is None else 1)
         if stats is None:
