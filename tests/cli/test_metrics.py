@@ -51,6 +51,8 @@ from flyd.session.runspec import RunSpec
 from tests.cli.test_serve import log_events, run_state, submit
 from tests.serve_nodes import node_log, process_dir, start_node, stop, wait_for
 
+pytestmark = pytest.mark.timeout(180)
+
 # -- the exposition ----------------------------------------------------------------------------
 
 
