@@ -4,6 +4,9 @@
   from a snapshot with known figures (fast, no node).
 - The HTTP endpoint on a real loopback socket: `/metrics` answered, other paths and methods
   refused, nothing left running after close.
+- A real node's scrape after a process-mode run with checkpoints and a killed agent: the
+  recovery's cause, every step (re-executed ones included), checkpoint commits, renewals, the
+  grant's end, the router and the processes.
 - The acceptance test: a real `flyd serve` node with `[node] metrics` executes a paced run
   while a real Prometheus server (Debian's `prometheus` package, which `.ci/run` installs)
   scrapes it every second; a PromQL query through Prometheus' HTTP API shows the run's step
@@ -13,9 +16,11 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import shutil
 import socket
 import subprocess
+import sys
 import threading
 import urllib.error
 import urllib.parse
@@ -49,7 +54,7 @@ from flyd.node.metrics_http import MetricsAddress, MetricsAddressError, MetricsE
 from flyd.node.router_child import RouterChild
 from flyd.session.runspec import RunSpec
 from tests.cli.test_serve import log_events, run_state, submit
-from tests.serve_nodes import node_log, process_dir, start_node, stop, wait_for
+from tests.serve_nodes import ROOT, node_log, process_dir, start_node, stop, wait_for
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -380,3 +385,84 @@ def test_a_metrics_port_that_cannot_be_bound_stops_the_start(db_dsn: str, tmp: P
             code = stop(node)
     assert code == 2
     assert f"flyd serve: cannot serve metrics on 127.0.0.1:{port}: " in node_log(tmp, "m")
+
+
+def _scrape(port: int) -> dict[str, Any]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as answer:
+        assert answer.headers["Content-Type"] == CONTENT_TYPE
+        return _families(answer.read().decode())
+
+
+def _submit_cli(dsn: str, *args: str) -> int:
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("FLYD_SOCKET", "FLYD_DSN", "FLYD_CONFIG", "FLYD_NODE_NAME")}
+    out = subprocess.run([sys.executable, "-c", "from flyd.cli.flyd import flyctl_main; "
+                          "flyctl_main()", "runs", "submit", "--dsn", dsn, "--json", *args],
+                         cwd=ROOT, env=env, capture_output=True, timeout=60, check=False)
+    assert out.returncode == 0, out.stdout + out.stderr
+    run = orjson.loads(out.stdout)["run"]
+    assert isinstance(run, int)
+    return run
+
+
+def test_a_scrape_reports_what_the_node_did(db_dsn: str, tmp: Path) -> None:
+    """A process-mode run with checkpoints and a killed agent: the scrape after it shows the
+    recovery's cause, the checkpoint commits, the renewals, the run's end and every step."""
+    node = start_node(tmp, "m", db_dsn, "--metrics", "127.0.0.1:0")
+    try:
+        wait_for("the metrics endpoint", lambda: bool(log_events(tmp, "m", "metrics.listening"))
+                 or node.poll() is not None, 60)
+        assert node.poll() is None, node_log(tmp, "m")
+        port = int(log_events(tmp, "m", "metrics.listening")[0]["port"])
+        before = _scrape(port)
+        # vacuity: nothing of the run is counted before it exists
+        assert _values(before["flyd_recoveries"], "flyd_recoveries_total") == {}
+        assert _values(before["flyd_checkpoint_commit_seconds"],
+                       "flyd_checkpoint_commit_seconds_count") == {(): 0}
+        assert _values(before["flyd_steps"], "flyd_steps_total") == {(): 0}
+        run = _submit_cli(db_dsn, "--steps", "150", "--mode", "process", "--checkpoint-every",
+                          "30", "--fault", "kill:fly-b@50")
+
+        def stepping() -> bool:
+            during = _scrape(port)
+            return (_values(during["flyd_run_steps"], "flyd_run_steps_total").get(
+                (("run", str(run)),), 0) > 0 and _values(during["flyd_workers"])[()] >= 1)
+
+        wait_for("a scrape of the run stepping with its workers", stepping, 60)
+        wait_for("the run to succeed", lambda: run_state(db_dsn, run)[0] == "succeeded", 120)
+        after: dict[str, Any] = {}
+
+        def ended() -> bool:  # the grant ends once its workers are reaped, after the commit
+            after.update(_scrape(port))
+            return _values(after["flyd_runs_ended"], "flyd_runs_ended_total")[
+                (("state", "succeeded"),)] == 1
+
+        wait_for("the scrape to count the grant's end", ended, 30)
+    finally:
+        code = stop(node)
+    assert code == 0, node_log(tmp, "m")
+    recoveries = _values(after["flyd_recoveries"], "flyd_recoveries_total")
+    assert sum(recoveries.values()) == 1, recoveries  # the killed agent, once
+    resumed = [e for e in log_events(tmp, "m", "recovery.resumed") if e.get("run") == run]
+    assert len(resumed) == 1
+    # every step taken: the 150 of the run and those re-executed after the restore
+    restored = int(resumed[0]["boundary"])
+    abandoned = [e for e in log_events(tmp, "m", "recovery.abandoned") if e.get("run") == run]
+    assert len(abandoned) == 1, "the kill at 50 comes after the checkpoint at 30"
+    reached = int(abandoned[0]["to_boundary"])
+    assert reached > restored
+    assert _values(after["flyd_steps"], "flyd_steps_total") == {(): 150 + reached - restored}
+    assert sum(_values(after["flyd_runs_ended"], "flyd_runs_ended_total").values()) == 1
+    assert _values(after["flyd_run_steps"], "flyd_run_steps_total") == {}  # the grant ended
+    commits = _values(after["flyd_checkpoint_commit_seconds"],
+                      "flyd_checkpoint_commit_seconds_count")[()]
+    assert commits >= 5  # 30, 60 (and after the restore again), ..., the final one at 150
+    assert _values(after["flyd_checkpoint_bytes"], "flyd_checkpoint_bytes_total")[()] > 0
+    assert _values(after["flyd_lease_renew_seconds"], "flyd_lease_renew_seconds_count")[()] > 0
+    assert sum(_values(after["flyd_lease_losses"], "flyd_lease_losses_total").values()) == 0
+    assert _values(after["flyd_router_up"]) == {(): 1}
+    assert _values(after["flyd_router_calls"], "flyd_router_calls_total")[
+        (("result", "admitted"),)] > 150
+    assert _values(after["flyd_workers"]) == {(): 0}
+    assert {k[0][1] for k in _values(after["flyd_process_resident_bytes"])} == {"node",
+                                                                               "router"}
