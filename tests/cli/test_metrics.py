@@ -244,6 +244,10 @@ async def test_the_endpoint_answers_scrapes_and_closes_with_nothing_left() -> No
     head_only = await _http(bound.port, b"HEAD /metrics HTTP/1.1\r\n\r\n")
     assert head_only.startswith(b"HTTP/1.1 200") and head_only.endswith(b"\r\n\r\n")
     assert renders == 2
+    huge = await _http(bound.port, b"GET /metrics HTTP/1.1\r\nX: " + b"x" * 9000)
+    assert huge.startswith(b"HTTP/1.1 431")
+    assert (await _http(bound.port, b"nonsense\r\n\r\n")).startswith(b"HTTP/1.1 400")
+    assert renders == 2
     # a connection that never finishes its request is ended by close
     _, idle = await asyncio.open_connection("127.0.0.1", bound.port)
     idle.write(b"GET /metr")
