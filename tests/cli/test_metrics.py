@@ -53,6 +53,7 @@ from flyd.node.metrics import (
 from flyd.node.metrics_http import MetricsAddress, MetricsAddressError, MetricsEndpoint
 from flyd.node.router_child import RouterChild
 from flyd.session.runspec import RunSpec
+from tests.cli.test_run import _DSN, flyd_run
 from tests.cli.test_serve import log_events, run_state, submit
 from tests.serve_nodes import ROOT, node_log, process_dir, start_node, stop, wait_for
 
@@ -470,3 +471,21 @@ def test_a_scrape_reports_what_the_node_did(db_dsn: str, tmp: Path) -> None:
     assert _values(after["flyd_workers"]) == {(): 0}
     assert {k[0][1] for k in _values(after["flyd_process_resident_bytes"])} == {"node",
                                                                                "router"}
+
+
+def test_flyd_run_does_not_serve_the_configured_metrics(db_dsn: str, tmp: Path) -> None:
+    """`[node] metrics` in a host's shared file is the host node's port: `flyd run` on that
+    host must neither take it nor fail because the node holds it."""
+    config = tmp / "flyd.toml"
+    _DSN[tmp] = db_dsn
+    try:
+        with socket.socket() as held:
+            held.bind(("127.0.0.1", 0))
+            held.listen()
+            config.write_text(f'[node]\nmetrics = "127.0.0.1:{held.getsockname()[1]}"\n')
+            code, summary, err = flyd_run(tmp, "--config", str(config), "--steps", "20",
+                                          "--mode", "inprocess")
+    finally:
+        _DSN.pop(tmp, None)
+    assert code == 0 and summary["state"] == "succeeded", err
+    assert "metrics.listening" not in err
