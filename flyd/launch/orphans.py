@@ -8,10 +8,11 @@ to be adopted by init and run on after the run ended. Two things end it now:
   once when the node starts): an orphan among its descendants is adopted by the node, not by
   init, so it stays among the node's descendants, where the node can find it and reap it.
 - Every process-mode worker gets the variable `FLYD_SCOPE` = `<launcher scope>/<worker id>`
-  (the launcher's scope is `<node id>.<session tag>`) in its environment, which whatever it
-  starts inherits. `sweep(scope, spare)` SIGKILLs every descendant of the node whose
-  `FLYD_SCOPE` is `scope` or lies below it (`scope/…`), except `spare` (the workers' own pids,
-  which their launcher reaps), and returns them; `reap(procs, timeout)` then waits for them,
+  (the launcher's scope is `<node id>.<session tag>`; an agent host's names its agents,
+  `<launcher scope>/<id>,<id>,…`) in its environment, which whatever it starts inherits.
+  `sweep(scope, spare)` SIGKILLs every descendant of the node whose `FLYD_SCOPE` falls under
+  `scope` (`_within`), except `spare` (the workers' own pids, which their launcher reaps), and
+  returns them; `reap(procs, timeout)` then waits for them,
   which reaps the ones the node adopted. The launcher sweeps a worker's scope when it has
   reaped or killed that worker (a recovery's replacement included; `deep=False`: the node's
   own children, where the dead worker's orphans are, a few `/proc` reads), its own scope
@@ -63,7 +64,15 @@ def _scope_of(proc: psutil.Process) -> str | None:
 
 
 def _within(found: str | None, scope: str) -> bool:
-    return found is not None and (found == scope or found.startswith(scope + "/"))
+    """Whether a process's `FLYD_SCOPE` falls under `scope`: the same, below it, or, for a
+    worker's scope `<launcher>/<id>`, an agent host's `<launcher>/<id>,<id>,…` naming it."""
+    if found is None:
+        return False
+    if found == scope or found.startswith(scope + "/"):
+        return True
+    base, _, worker = scope.rpartition("/")
+    found_base, _, hosted = found.rpartition("/")
+    return bool(base) and found_base == base and worker in hosted.split(",")
 
 
 def _children() -> list[psutil.Process]:
