@@ -44,11 +44,13 @@ def helpers(tmp: Path) -> dict[int, float]:
     return found
 
 
-@pytest.mark.parametrize("launcher", ["fork", "spawn"])
-def test_a_plugin_that_double_forks_leaves_no_process_after_the_run(tmp: Path,
-                                                                    launcher: str) -> None:
+@pytest.mark.parametrize(("launcher", "per_process"), [("fork", 1), ("spawn", 1), ("fork", 2)])
+def test_a_plugin_that_double_forks_leaves_no_process_after_the_run(
+        tmp: Path, launcher: str, per_process: int) -> None:
+    """With the fork server, with plain spawn, and with both agents in one agent host."""
     config = tmp / "flyd.toml"
-    config.write_text(f'[session]\nlauncher = "{launcher}"\n')
+    config.write_text(f'[session]\nlauncher = "{launcher}"\n'
+                      f"agents_per_process = {per_process}\n")
     argv = [sys.executable, "-m", "flyd", "run", "--json", "--steps", "240", "--pace",
             "--mode", "process", "--model", MODEL, "--plugin-path", str(ROOT),
             "--config", str(config), "--socket", str(tmp / "bus.sock")]
