@@ -109,7 +109,8 @@ async def test_claim_grants_what_the_spec_statement_grants(db: Conn, db_dsn: str
         compared = 0
         for only in (None, *rng.sample(runs, 10)):
             for n in (1, 3, 8, 100):
-                params = {"only": only, "n": n, "node": "n2", "ttl": 15.0}
+                params = {"only": only, "n": n, "node": "n2", "ttl": 15.0, "room": None,
+                          "per_run": 0}
                 want = await outcome(db_dsn, SPEC_CLAIM, params)
                 grants, attempts = await outcome(db_dsn, CLAIM, params)
                 # CLAIM also returns each run's max_attempts (every run here has 3)
