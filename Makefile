@@ -39,8 +39,10 @@ bench: $(STAMP)
 	$(BIN)/python bench/bus.py
 	$(BIN)/python bench/step_rate.py
 	$(BIN)/python -P bench/step_cpu.py
+	$(BIN)/python -P bench/step_cpu.py --agents 2 8 32 --cadence 0 --agents-per-process 8
 	$(BIN)/python -P bench/request_cpu.py
 	$(BIN)/python -P bench/peers.py
+	$(BIN)/python -P bench/peers.py --agents 8 32 --agents-per-process 8
 	$(BIN)/python -P bench/media.py
 	$(BIN)/python -P bench/agent_scaling.py --intervals 1
 	$(BIN)/python -P bench/checkpoints.py
@@ -49,6 +51,7 @@ bench: $(STAMP)
 	$(BIN)/python -P bench/failover.py
 	$(BIN)/python -P bench/memory.py --steps 1500
 	$(BIN)/python -P bench/launch.py --rounds 3
+	$(BIN)/python -P bench/watch.py
 
 # As `test`: the sweep's < 60 s bound (marker `serial`) is measured alone, after the rest.
 faults: $(STAMP)
