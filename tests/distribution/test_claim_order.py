@@ -142,7 +142,7 @@ async def test_claim_does_not_visit_held_runs(db: Conn, db_dsn: str) -> None:
     await db.execute(
         "INSERT INTO flyd.runs (spec) SELECT '{}'::jsonb FROM generate_series(1, 3000)")
     await db.execute("VACUUM ANALYZE flyd.runs")
-    params = {"only": None, "n": 4, "node": "n2", "ttl": 15.0}
+    params = {"only": None, "n": 4, "node": "n2", "ttl": 15.0, "room": None, "per_run": 0}
     read = {}
     for name, query in (("spec", SPEC_CLAIM), ("sent", CLAIM)):
         async with await psycopg.AsyncConnection.connect(db_dsn) as conn:
@@ -168,7 +168,7 @@ async def test_claim_skips_no_run_for_a_malformed_exclusivity_flag(db: Conn, db_
         row = await cur.fetchone()
         assert row is not None
         ids[name] = int(row[0])
-    params = {"only": None, "n": 10, "node": "n2", "ttl": 15.0}
+    params = {"only": None, "n": 10, "node": "n2", "ttl": 15.0, "room": None, "per_run": 0}
     try:
         await outcome(db_dsn, SPEC_CLAIM, params)
     except psycopg.errors.InvalidTextRepresentation:
