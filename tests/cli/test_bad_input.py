@@ -479,12 +479,18 @@ def test_nul_and_non_utf8_strings_exit_2_naming_their_key(site: Site) -> None:
     for argv in (_flyd("run", "--spec", str(spec), "--steps", "10", "--json", *sock),
                  [*FLYCTL, "runs", "submit", "--spec", str(spec), "--json"]):
         _refused(site, argv, "USAGE", "/world/config/note", "NUL")
-    # undecodable bytes in the environment arrive as lone surrogates
+    # undecodable bytes in argv and the environment arrive as lone surrogates
+    envelope = site.path / "good.flysess"
+    envelope.write_bytes(base64.b64decode(json.loads(FIXTURE.read_text())["envelope"]))
+    for argv in ([*FLYCTL, "runs", "submit", "--key", "k\udcff", "--json"],
+                 [*FLYCTL, "checkpoints", "import", str(envelope), "--steps", "10", "--key",
+                  "k\udcff", "--json"]):
+        _refused(site, argv, "USAGE", "--key", "not UTF-8")
     for argv in (_flyd("run", "--steps", "10", "--json", *sock),
                  [*FLYCTL, "runs", "submit", "--json"]):
         _refused(site, argv, "CONFIG", "environment FLYD_STATE_DIR", "not UTF-8",
                  env=site.env(FLYD_STATE_DIR=str(site.path / "st\udcffate")))
-    _untouched(site, "flyd.toml", "spec.json")
+    _untouched(site, "flyd.toml", "spec.json", "good.flysess")
 
 
 def test_a_config_file_that_is_not_utf8_or_unreadable_exits_2_naming_it(site: Site) -> None:
