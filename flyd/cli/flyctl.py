@@ -92,7 +92,6 @@ from flyd.leases.stores.contract import TERMINAL, SpecMismatch, StoreError
 from flyd.leases.stores.pg import DbSettings, PgStore
 from flyd.node.control_protocol import CONTROL_PREFIX, control_service, control_validator
 from flyd.outcome import describe, failure_of, traceback_of
-from flyd.pgtext import text_problem
 from flyd.session.runspec import DEFAULT_MAX_AGENTS, FaultSpecError, RunSpec, RunSpecError
 from workers.canonical import canonical
 from workers.domain import DomainError, ErrorCode, format_request_id
@@ -657,18 +656,10 @@ def _max_attempts(config: Config, given: int | None) -> int:
     return attempts
 
 
-def _check_key(key: str | None) -> None:
-    """An idempotency key is stored as text: one PostgreSQL cannot hold is `USAGE`."""
-    problem = None if key is None else text_problem(key)
-    if problem is not None:
-        raise CtlError("USAGE", f"--key {problem}")
-
-
 async def runs_submit(opts: CtlOptions, run: RunOptions, key: str | None,
                       max_attempts: int | None) -> Result:
     """Build, normalise and validate the spec as `flyd run` does (claimable by any node)."""
     config = _config(opts)
-    _check_key(key)
     spec = _submitted_spec(config, run)
     attempts = _max_attempts(config, max_attempts)
     async with _store(opts, config) as store:
@@ -994,7 +985,6 @@ async def checkpoints_import(opts: CtlOptions, path: Path, run: RunOptions, key:
     from flyd.state.pickled import pickled_payloads
 
     config = _config(opts)
-    _check_key(key)
     try:
         data, envelope = _read_envelope(path)
     except EnvelopeError as exc:

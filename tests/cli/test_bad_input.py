@@ -486,6 +486,8 @@ def test_nul_and_non_utf8_strings_exit_2_naming_their_key(site: Site) -> None:
                  [*FLYCTL, "checkpoints", "import", str(envelope), "--steps", "10", "--key",
                   "k\udcff", "--json"]):
         _refused(site, argv, "USAGE", "--key", "not UTF-8")
+    _refused(site, [*FLYCTL, "checkpoints", "verify", "--run", "1", "--id", "ck\udcff",
+                    "--json"], "USAGE", "--id", "not UTF-8")
     for argv in (_flyd("run", "--steps", "10", "--json", *sock),
                  [*FLYCTL, "runs", "submit", "--json"]):
         _refused(site, argv, "CONFIG", "environment FLYD_STATE_DIR", "not UTF-8",
