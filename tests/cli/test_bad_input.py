@@ -537,6 +537,8 @@ def test_an_oversize_spec_exits_2_naming_its_limit(site: Site) -> None:
 def test_an_embedded_server_that_cannot_start_names_its_cause(site: Site) -> None:
     """A state dir on a full file system: the embedded PostgreSQL's start failure said
     `did not start (None)`; it names the disk now (exit 2, `CONFIG`)."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root")
     mount = site.path / "small"
     mount.mkdir(mode=0o700)
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m,mode=0700", "tmpfs", str(mount)],
