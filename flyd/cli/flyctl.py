@@ -378,7 +378,8 @@ def _status_lines(doc: dict[str, Any]) -> list[str]:
         lines.append(f"node {n['nodeId']}  state {n['state']}  pid {n['pid']}  runs "
                      f"{n.get('runs') or []}  leases [{leases}]  threads "
                      f"{threads.get('used', '-')}/{threads.get('total', '-')}  heartbeat "
-                     f"{n.get('lastHeartbeat') or '-'}  database {n.get('dsn') or '-'}")
+                     f"{n.get('lastHeartbeat') or '-'}  database {n.get('dsn') or '-'}"
+                     + (f"  reason {n['reason']}" if n.get("reason") else ""))
     rows = [[r["run"], w["workerId"], w["role"], w["pid"], w["incarnationId"],
              w["state"] if w["alive"] else "dead", w["step"], w["threads"],
              _seconds(w["uptimeMs"])]
@@ -436,7 +437,8 @@ async def _database_status(opts: CtlOptions, config: Config) -> dict[str, Any]:
             "runs": [r["run"] for r in mine],
             "leases": [{"run": r["run"], "leaseEpoch": r["leaseEpoch"],
                         "leaseExpiresAt": r["leaseExpiresAt"]} for r in mine],
-            "lastHeartbeat": n["heartbeatAt"], "dsn": redact_dsn(dsn)})
+            "lastHeartbeat": n["heartbeatAt"], "dsn": redact_dsn(dsn),
+            "reason": n["reason"]})
     runs = [{"run": r["run"], "state": r["state"], "leaseEpoch": r["leaseEpoch"],
              "ownerNode": r["ownerNode"], "epoch": None, "phase": None,
              "boundary": r["boundary"] or 0, "recoveries": None, "workers": []}

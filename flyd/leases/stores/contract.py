@@ -358,8 +358,10 @@ class Store(Protocol):
     async def register_node(self, node: NodeInfo) -> None:
         """§3.1: insert or re-activate the registry row."""
 
-    async def set_node_state(self, node_id: str, state: NodeState) -> None:
-        """§3.1 / §5.8: `draining`, or `stopped` (which also sets `held = 0`)."""
+    async def set_node_state(self, node_id: str, state: NodeState,
+                             reason: str | None = None) -> None:
+        """§3.1 / §5.8: `draining`, or `stopped` (which also sets `held = 0`); `reason` says
+        why a node holds its claims (status only; None clears it)."""
 
     async def submit(self, key: str | None, spec: Mapping[str, Any],
                      max_attempts: int) -> Submitted:

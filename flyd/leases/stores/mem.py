@@ -144,6 +144,7 @@ class NodeRow:
     state: str
     started_at: float
     heartbeat_at: float
+    reason: str | None = None
 
 
 @dataclass(slots=True)
@@ -329,13 +330,16 @@ class MemStore:
                 started_at=now, heartbeat_at=now)
         else:
             row.state = "active"
+            row.reason = None
             row.heartbeat_at = now
 
-    async def set_node_state(self, node_id: str, state: NodeState) -> None:
+    async def set_node_state(self, node_id: str, state: NodeState,
+                             reason: str | None = None) -> None:
         self._tick()
         row = self._nodes.get(node_id)
         if row is not None:
             row.state = state
+            row.reason = reason
             if state == "stopped":
                 row.held = 0
 

@@ -343,12 +343,14 @@ def _bound_s(seconds: float, scale: float) -> float:
 REGISTER_NODE: Final = """
 INSERT INTO flyd.nodes (node_id, node_name, host, pid, version, capacity)
 VALUES (%(node)s, %(name)s, %(host)s, %(pid)s, %(version)s, %(capacity)s)
-ON CONFLICT (node_id) DO UPDATE SET state = 'active', heartbeat_at = flyd.app_now()
+ON CONFLICT (node_id) DO UPDATE SET state = 'active', reason = NULL,
+                                    heartbeat_at = flyd.app_now()
 """
 
 SET_NODE_STATE: Final = """
 UPDATE flyd.nodes
-   SET state = %(state)s, held = CASE WHEN %(state)s = 'stopped' THEN 0 ELSE held END
+   SET state = %(state)s, held = CASE WHEN %(state)s = 'stopped' THEN 0 ELSE held END,
+       reason = %(reason)s
  WHERE node_id = %(node)s
 """
 
@@ -815,8 +817,10 @@ class PgStore:
             "node": node.node_id, "name": node.node_name, "host": node.host, "pid": node.pid,
             "version": node.version, "capacity": node.capacity})
 
-    async def set_node_state(self, node_id: str, state: NodeState) -> None:
-        await self._fetchall("set node state", SET_NODE_STATE, {"node": node_id, "state": state})
+    async def set_node_state(self, node_id: str, state: NodeState,
+                             reason: str | None = None) -> None:
+        await self._fetchall("set node state", SET_NODE_STATE,
+                             {"node": node_id, "state": state, "reason": reason})
 
     async def prune_nodes(self) -> int:
         async def op(conn: ClosingConnection) -> int:
