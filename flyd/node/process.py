@@ -16,7 +16,11 @@ skips the checkpoints, §5.8). Beside it, the router's supervisor and the parts 
 replaced like a dead one; a part that cannot be brought back holds the node's claims
 (`NodeRuntime.hold_claims`: it stops claiming and hands its runs back, `flyctl status` shows
 `draining` with the reason) until the part answers again.
-close: store, node connection, router (SIGTERM, SIGKILL after 5 s), embedded server.
+close: metrics endpoint, control service, store, node connection, router (SIGTERM, SIGKILL
+after 5 s), embedded server.
+metrics: with `setup.metrics` (`flyd serve --metrics`), the Prometheus endpoint of
+`flyd.node.metrics` listens once everything above is up; a port that cannot be bound is a
+start error (exit 2).
 
 Decisions:
 - The thread budget is the configured `[node] threads` for `flyd serve`; `flyd run`, which holds
@@ -49,6 +53,7 @@ import structlog
 
 from bus.client import BusClient, connect
 from bus.errors import BusError
+from bus.ownership import Trust, UnsafeDirectory, check_dir, make_dirs
 from flyd.config import Config
 from flyd.launch.budget import ThreadBudget
 from flyd.launch.health import HealthPolicy
@@ -59,12 +64,15 @@ from flyd.leases import queries
 from flyd.leases.clock import BootClock, LeaseClock, SimFileClock
 from flyd.leases.core import LeasePhase
 from flyd.leases.embedded import EmbeddedPostgres
+from flyd.leases.fit import ThreadRoom
 from flyd.leases.migrate import migrate
 from flyd.leases.runtime import NodeRuntime
 from flyd.leases.stores.contract import NodeInfo
 from flyd.leases.stores.pg import DbSettings, PgStore
 from flyd.node.control import ControlService, RunView
 from flyd.node.executor import GrantExecutor
+from flyd.node.metrics import CONTENT_TYPE, NodeMetrics
+from flyd.node.metrics_http import MetricsAddress, MetricsEndpoint
 from flyd.node.parts import ForkServerPart, Part, PartsWatch, RouterPart
 from flyd.node.router_child import RouterChild, RouterChildError, check_socket_path
 from flyd.session.coordinator import Deadlines
@@ -111,6 +119,8 @@ class NodeSetup:
     sim_clock: Path | None = None
     time_scale: float = 1.0
     clock_rate: float = 1.0
+    #: where to serve the metrics (`flyd serve --metrics`); None: not served
+    metrics: MetricsAddress | None = None
 
     @property
     def dsn(self) -> str | None:
@@ -231,6 +241,7 @@ class NodeProcess:
         self.checkpoints: PgCheckpointStore | None = None
         self.runtime: NodeRuntime | None = None
         self.control: ControlService | None = None
+        self.metrics: MetricsEndpoint | None = None
         self.drain_listeners: list[Callable[[], None]] = []
         self.spawner: Spawner | None = None
         self.watch: PartsWatch | None = None
@@ -240,10 +251,26 @@ class NodeProcess:
 
     # ------------------------------------------------------------------ start
 
+    def _prepare_socket_dir(self) -> None:
+        """Before anything starts: the socket's directory is created 0700 (0750 with a socket
+        group) or must be one no other user controls (wire.md §13); else exit 2 naming it."""
+        setup, gid = self.setup, self.setup.config.socket_gid
+        parent = os.path.dirname(os.path.abspath(setup.socket))
+        try:
+            make_dirs(parent, 0o750 if gid is not None else 0o700, gid)
+            check_dir(parent, Trust.own(gid))
+        except UnsafeDirectory as exc:
+            raise NodeStartError(f"{setup.socket_origin}: [bus] socket {setup.socket}: "
+                                 f"{exc.message}") from None
+        except OSError as exc:
+            raise NodeStartError(f"{setup.socket_origin}: [bus] socket {setup.socket}: cannot "
+                                 f"create {parent}: {exc.strerror or exc}") from None
+
     async def start(self) -> None:
         setup = self.setup
         if setup.router:
             check_socket_path(setup.socket, setup.socket_origin)
+            self._prepare_socket_dir()
         setup.state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         if setup.dsn is None:
             self.embedded = EmbeddedPostgres()
@@ -252,7 +279,6 @@ class NodeProcess:
             self.dsn = setup.dsn
         await migrate(self.dsn, sim_clock=setup.sim_clock is not None)
         if setup.router:
-            os.makedirs(os.path.dirname(setup.socket) or ".", exist_ok=True)
             self.router = RouterChild(self.directory, setup.socket)
             bus: Mapping[str, Any] = {k: v for k, v in setup.config.section("bus").items()
                                       if v is not None}
@@ -260,7 +286,8 @@ class NodeProcess:
                                     max_agents=int(setup.config.value("session", "max_agents")),
                                     quiet=setup.router_quiet)
         try:
-            self.client = await connect(setup.socket, client_id=node_client_id(setup.node_id))
+            self.client = await connect(setup.socket, client_id=node_client_id(setup.node_id),
+                                        socket_gid=setup.config.socket_gid)
         except (BusError, OSError) as exc:
             raise NodeStartError(f"cannot connect to the router on {setup.socket}: "
                                  f"{exc}") from None
@@ -287,6 +314,21 @@ class NodeProcess:
             spawner=self.spawner)
         self.control = ControlService(ControlView(self))
         await self.control.start()
+        if setup.metrics is not None:
+            await self.serve_metrics(setup.metrics)
+
+    async def serve_metrics(self, address: MetricsAddress) -> None:
+        """Listen for scrapes (docs/operations.md); the endpoint closes with the node."""
+        metrics = NodeMetrics(self, node_id=self.setup.node_id, node_name=self.setup.node_name,
+                              version=VERSION)
+        self.metrics = MetricsEndpoint(address, metrics.render, CONTENT_TYPE)
+        try:
+            bound = await self.metrics.start()
+        except OSError as exc:
+            self.metrics = None
+            raise NodeStartError(f"cannot serve metrics on {address}: "
+                                 f"{exc.strerror or exc}") from None
+        log.info("metrics.listening", address=str(bound), host=bound.host, port=bound.port)
 
     def writer_defaults(self) -> WriterConfig:
         """`[checkpoints]` of the configuration (a run spec's `checkpoints` overrides it);
@@ -319,6 +361,7 @@ class NodeProcess:
         self.runtime = NodeRuntime(
             params=self.params, store=self.store, clock=self.clock(), executor=self.executor,
             groups=self.executor, node=self.info(), capacity=self.setup.capacity, only=only,
+            threads=ThreadRoom(self.budget.total, self.budget.coordinator_reservation),
             listen=self.store.listen,
             log=log.bind(node=self.setup.node_id))
         return self.runtime
@@ -430,7 +473,8 @@ class NodeProcess:
             with contextlib.suppress(Exception):
                 async with asyncio.timeout(CLOSE_S):
                     await old.close()
-        self.client = await connect(setup.socket, client_id=node_client_id(setup.node_id))
+        self.client = await connect(setup.socket, client_id=node_client_id(setup.node_id),
+                                    socket_gid=setup.config.socket_gid)
         if self.control is not None:
             self.control.service = None
             await self.control.start()
@@ -451,6 +495,9 @@ class NodeProcess:
     async def close(self) -> None:
         """Control service, store, node connection, router, embedded server; every step
         bounded."""
+        metrics, self.metrics = self.metrics, None
+        if metrics is not None:
+            await metrics.close()
         control, self.control = self.control, None
         if control is not None:
             await control.close()

@@ -739,7 +739,7 @@ class Coordinator:
         self.audit.add(f"evaluate:{k}")
         # D. Commit
         engine.move(Committing(k), Detail.STEP)
-        commits, telemetry = await self._commit(k, scope, new, evaluation)
+        commits, telemetry, inputs = await self._commit(k, scope, new, evaluation)
         # E. Ready(k+1)
         engine.move(Ready(k + 1), Detail.STEP)
         for agent_id in self.agent_ids:
@@ -764,7 +764,7 @@ class Coordinator:
         self._last_event_ids = [e.id for e in evaluation.events]
         behaviour, operational = transition_records(
             scope, self.agent_ids, self._slots, batch_id, self._controls_digest, new, evaluation,
-            commits, advance.request_id, wall)
+            commits, advance.request_id, wall, inputs)
         try:
             self.trace.record(behaviour, operational)
         except DomainError as exc:
@@ -789,14 +789,19 @@ class Coordinator:
         return StepReport(k + 1, paused, self.episode_request is not None)
 
     async def _commit(self, k: int, scope: Scope, new: WorldObservation, evaluation: Evaluation,
-                      ) -> tuple[dict[str, dict[str, Any]], dict[str, Telemetry]]:
-        """Commit every agent: the results and their parsed telemetry, by agent."""
+                      ) -> tuple[dict[str, dict[str, Any]], dict[str, Telemetry],
+                                 dict[str, str | None]]:
+        """Commit every agent: the results, their parsed telemetry and the digest of the
+        structured input each was sent (the behaviour record's `inputDigests`), by agent."""
         engine = self._calls
         calls: list[Call] = []
         # every agent receives the same views: one JSON value shared by every call
         views = [v.to_json() for v in new.sensory_views]
         attachments = referenced_artifacts(new.sensory_views)
         structured = new.inspection.to_json() if self.structured_input else None
+        # the inspection's canonical bytes are kept on it: one hash, shared like the value
+        structured_digest = typed_digest(new.inspection) if self.structured_input else None
+        inputs: dict[str, str | None] = {a: structured_digest for a in self.agent_ids}
         for agent_id in self._agents_in_order():
             slot = self._slots[agent_id]
             outcome = evaluation.outcomes[agent_id]
@@ -853,7 +858,7 @@ class Coordinator:
             agent_id = self.injections.duplicate_commit
             call = next(c for c in calls if c.worker_id == agent_id)
             await duplicate(engine, call, out[agent_id], "duplicate-commit", self.injection_log)
-        return out, telemetry
+        return out, telemetry, inputs
 
     # ------------------------------------------------------------------ publication (§6.9)
 

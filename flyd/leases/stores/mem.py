@@ -57,6 +57,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any, Final
 
+from flyd.leases.fit import Fit, fitting
 from flyd.leases.params import LeaseParams
 from flyd.leases.stores.contract import (
     TERMINAL,
@@ -381,7 +382,7 @@ class MemStore:
         return isinstance(spec, dict) and spec.get("exclusiveToSubmitter") is True
 
     async def claim(self, node_id: str, n: int, ttl_s: float,
-                    only: int | None = None) -> list[Grant]:
+                    only: int | None = None, fit: Fit | None = None) -> list[Grant]:
         now = self._tick()
         if n < 0:
             raise Transient("LIMIT must not be negative")
@@ -402,9 +403,13 @@ class MemStore:
                     continue
             elif run_id != only:
                 continue
+            if fit is not None and fit.need(r.spec) > fit.room:
+                continue
             if self._key_share_locked(run_id) or self._row_locked(run_id):
                 continue
             picked.append((r, r.state, r.lease_expires_at))
+        if fit is not None:
+            picked = picked[:fitting((fit.need(r.spec) for r, _, _ in picked), fit.room)]
         grants: list[Grant] = []
         for r, prev_state, prev_expiry in picked:
             r.state = "running"
