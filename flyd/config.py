@@ -30,6 +30,8 @@ Decisions where the spec is silent:
   working directory and adds to the file's list instead of replacing it (source `flag` then).
   Every entry must be an existing directory. The node puts them first on its own `sys.path`
   and on its workers' `PYTHONPATH` (`flyd.launch.spawner`).
+- `[node] metrics` (`--metrics`, `flyd serve` only): `HOST:PORT`, `[IPV6]:PORT` or a bare
+  `PORT`, which listens on 127.0.0.1; absent, no metrics are served (docs/operations.md).
 - `[node] log_level`'s default follows the effective `log_format`: `warning` for the console
   renderer, `info` for JSON lines (`flyd.logs.default_level`), so `flyd config show` prints the
   level a command would use.
@@ -63,6 +65,7 @@ from flyd.durations import (
 from flyd.errors import ConfigError
 from flyd.launch.spawner import LauncherSettings
 from flyd.logs import LogFlags, LogSettings, default_level
+from flyd.node.metrics_http import MetricsAddress, MetricsAddressError
 from flyd.pgtext import bad_strings, text_problem
 from workers.launch import DEFAULT_MEDIA_INLINE_MAX_BYTES, MAX_MEDIA_INLINE_MAX_BYTES
 
@@ -281,6 +284,14 @@ def _choice(default: str | None, *choices: str, env: str | None = None,
                choices=choices)
 
 
+def _is_metrics_address(text: str) -> bool:
+    try:
+        MetricsAddress.parse(text)
+    except MetricsAddressError:
+        return False
+    return True
+
+
 KEYS: Final[dict[str, dict[str, Key]]] = {
     "node": {
         "name": Key("str", None, lambda v: NODE_NAME_RE.fullmatch(v) is not None,
@@ -294,6 +305,8 @@ KEYS: Final[dict[str, dict[str, Key]]] = {
                               flag="--log-format"),
         "log_level": _choice("info", "debug", "info", "warning", "error", env="FLYD_LOG_LEVEL",
                              flag="-v/-q"),
+        "metrics": Key("str", None, _is_metrics_address, "HOST:PORT, [IPV6]:PORT or PORT "
+                       "(0..65535; a bare port is on 127.0.0.1)", flag="--metrics"),
     },
     "bus": {
         "socket": Key("path", None, lambda v: len(os.fsencode(v)) <= SUN_PATH_MAX,
@@ -588,6 +601,12 @@ class Config:
                                     self.value("session", "media_inline_max_bytes")),
                                 agents_per_process=int(
                                     self.value("session", "agents_per_process")))
+
+    @property
+    def metrics(self) -> MetricsAddress | None:
+        """`[node] metrics`, typed: where `flyd serve` serves its metrics, or None."""
+        value = self.value("node", "metrics")
+        return None if value is None else MetricsAddress.parse(value)
 
     @property
     def limits(self) -> Limits:

@@ -33,6 +33,7 @@ from flyd.cli.common import (
 )
 from flyd.config import Config, load_config, router_config
 from flyd.errors import ConfigError
+from flyd.pgtext import text_problem
 
 EXIT_FAILED = 1
 EXIT_CONFIG = 2
@@ -97,18 +98,31 @@ def demo_cmd(calls: int, as_json: bool, config_file: Path | None, log_format: st
 
 
 class _JsonErrors(click.Command):
-    """A command whose usage errors are JSON (`USAGE`, exit 2) when `--json` is given."""
+    """A command whose usage errors are JSON (`USAGE`, exit 2) when `--json` is given. A string
+    argument or option that PostgreSQL text cannot hold (a NUL, or undecodable bytes, which
+    arrive as lone surrogates: `flyd.pgtext`) is such an error, named, before anything runs."""
 
     def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
         as_json = "--json" in args
         try:
-            return super().parse_args(ctx, args)
+            rest = super().parse_args(ctx, args)
+            _check_text(self, ctx)
+            return rest
         except click.UsageError as exc:
             if not as_json:
                 raise
             click.echo(orjson.dumps({"error": {"code": "USAGE",
                                                "message": exc.format_message()}}).decode())
             ctx.exit(EXIT_CONFIG)
+
+
+def _check_text(command: click.Command, ctx: click.Context) -> None:
+    for param in command.params:
+        value = ctx.params.get(param.name or "")
+        for text in value if isinstance(value, tuple | list) else (value,):
+            problem = text_problem(text) if isinstance(text, str) else None
+            if problem is not None:
+                raise click.BadParameter(problem, ctx=ctx, param=param)
 
 
 @flyd_main.command("run", cls=_JsonErrors)
@@ -183,6 +197,9 @@ def run_cmd(steps: int, agents: str | None, mode: str | None, seed: int | None,
 @click.option("--router/--no-router", default=None,
               help="Spawn the router as a child (default) or use one managed separately.")
 @click.option("--lease-ttl", type=float, help="Lease TTL in seconds (default 15).")
+@click.option("--metrics", metavar="ADDR",
+              help="Serve Prometheus metrics at http://ADDR/metrics (HOST:PORT, or PORT on "
+                   "127.0.0.1; default [node] metrics, else none; docs/operations.md).")
 @click.option("--json", "as_json", is_flag=True, help="Errors as JSON on stdout.")
 @click.option("--sim-clock", type=click.Path(path_type=Path), hidden=True)
 @click.option("--time-scale", type=float, default=1.0, hidden=True)
@@ -191,8 +208,9 @@ def run_cmd(steps: int, agents: str | None, mode: str | None, seed: int | None,
 @global_options
 def serve_cmd(dsn: str | None, socket_path: str | None, state_dir: Path | None,
               node_name: str | None, capacity: int | None, router: bool | None,
-              lease_ttl: float | None, as_json: bool, sim_clock: Path | None,
-              time_scale: float, clock_rate: float, plugin_paths: tuple[Path, ...],
+              lease_ttl: float | None, metrics: str | None, as_json: bool,
+              sim_clock: Path | None, time_scale: float, clock_rate: float,
+              plugin_paths: tuple[Path, ...],
               config_file: Path | None,
               log_format: str | None, verbose: int, quiet: int) -> None:
     """Run the node service: claim, execute and finish runs from the queue until drained."""
@@ -204,7 +222,7 @@ def serve_cmd(dsn: str | None, socket_path: str | None, state_dir: Path | None,
                         router=router, lease_ttl=lease_ttl, as_json=as_json,
                         log=log, sim_clock=sim_clock,
                         time_scale=time_scale, clock_rate=clock_rate,
-                        plugin_paths=plugin_paths)
+                        plugin_paths=plugin_paths, metrics=metrics)
     sys.exit(uvloop.run(serve(opts)))
 
 
@@ -291,19 +309,21 @@ def config_group() -> None:
 @click.option("--capacity", type=int, help="As `flyd serve --capacity`.")
 @click.option("--router/--no-router", default=None, help="As `flyd serve --router`.")
 @click.option("--lease-ttl", type=float, help="As `flyd serve --lease-ttl`.")
+@click.option("--metrics", metavar="ADDR", help="As `flyd serve --metrics`.")
 @click.option("--json", "as_json", is_flag=True, help="Print the configuration as JSON.")
 @global_options
 def config_show_cmd(dsn: str | None, socket_path: str | None, state_dir: str | None,
                     node_name: str | None, capacity: int | None, router: bool | None,
-                    lease_ttl: float | None, as_json: bool, config_file: Path | None,
-                    log_format: str | None, verbose: int, quiet: int) -> None:
+                    lease_ttl: float | None, metrics: str | None, as_json: bool,
+                    config_file: Path | None, log_format: str | None, verbose: int,
+                    quiet: int) -> None:
     """Print the effective configuration: every key with its value and source (`serve`'s
     flags are accepted, so the output is what `flyd serve` with them would use)."""
     log = log_flags(log_format, verbose, quiet)
     flags: dict[str, object] = {
         "database.dsn": dsn, "bus.socket": socket_path, "node.state_dir": state_dir,
         "node.name": node_name, "node.capacity": capacity, "node.router": router,
-        "leases.ttl_s": lease_ttl,
+        "leases.ttl_s": lease_ttl, "node.metrics": metrics,
     }
     try:
         config = _load_cli_config(config_file, log, flags)

@@ -10,6 +10,9 @@ it and is never claimed here.
 Errors before serving (bad configuration, unreachable DSN, a router that does not come up, a
 malformed `$NOTIFY_SOCKET`) exit 2 with code `CONFIG`, as JSON on stdout under `--json`.
 
+With `--metrics ADDR` (or `[node] metrics`) the node serves Prometheus metrics on ADDR
+(`flyd.node.metrics`, docs/operations.md); an address that cannot be bound exits 2.
+
 Under systemd (cli.md §5.2, §10; `flyd.node.sdnotify`), while serving:
 - `READY=1` (with the first `STATUS=`) once `node.start()` returned, i.e. the router accepts and
   the database is migrated. It is sent from the status task's first step, which runs only after
@@ -77,13 +80,14 @@ class ServeOptions:
     time_scale: float = 1.0
     clock_rate: float = 1.0
     plugin_paths: tuple[Path, ...] = ()
+    metrics: str | None = None
 
     def flags(self) -> dict[str, Any]:
         return {"database.dsn": self.dsn, "bus.socket": self.socket,
                 "node.state_dir": self.state_dir, "node.name": self.node_name,
                 "node.capacity": self.capacity, "node.router": self.router,
                 "leases.ttl_s": self.lease_ttl, "node.log_format": self.log.format,
-                "plugins.paths": self.plugin_paths or None}
+                "plugins.paths": self.plugin_paths or None, "node.metrics": self.metrics}
 
 
 def _error(opts: ServeOptions, message: str) -> int:
@@ -114,7 +118,8 @@ async def serve(opts: ServeOptions) -> int:
         threads=int(config.value("node", "threads")),
         router=bool(config.value("node", "router")), router_quiet=logging.router_quiet,
         socket_origin=config.origin("bus", "socket"),
-        sim_clock=opts.sim_clock, time_scale=opts.time_scale, clock_rate=opts.clock_rate)
+        sim_clock=opts.sim_clock, time_scale=opts.time_scale, clock_rate=opts.clock_rate,
+        metrics=config.metrics)
     node = NodeProcess(setup)
     try:
         try:

@@ -60,6 +60,10 @@ Decisions where the spec is silent:
   sets `drain_hurry` on every scope (release now, no checkpoint) and cuts the remaining drain
   window to at most B.
 - The reaper reaps at most `REAP_BATCH` runs per tick.
+- `stats` (`flyd.leases.stats.LeaseStats`) counts what the node's metrics export: each
+  acknowledged renewal's latency (send to reply, lease clock), abandoned renewals, each
+  `lease_lost` by reason, and each committed group commit that carried a checkpoint (first send
+  to committed reply, lease clock) with its envelope's bytes.
 - The heartbeat (before applying a renewal's reply) and the resolver of an unknown commit
   outcome (after every await, `_lost_on_wake`) apply the watchdog's `expire_due` first:
   whichever task wakes first after a pause or a stretch off the CPU, a hold whose safe_until
@@ -100,6 +104,7 @@ from flyd.leases.core import (
 from flyd.leases.fit import ThreadRoom
 from flyd.leases.params import LeaseParams
 from flyd.leases.resolve import Decision, decide
+from flyd.leases.stats import LeaseStats
 from flyd.leases.stores.contract import (
     Backend,
     Checkpoint,
@@ -265,6 +270,8 @@ class NodeRuntime:
         self._log = base.bind(node=node.node_id)
         self._events = events
         self._core = LeaseCore(params, node.node_id, capacity)
+        #: renewal latency, losses and checkpoint commits, for the node's metrics
+        self.stats = LeaseStats()
         self._scopes: dict[tuple[int, int], GrantScope] = {}
         self._grants: dict[tuple[int, int], Grant] = {}
         self._seen: set[tuple[int, int]] = set()
@@ -525,6 +532,7 @@ class NodeRuntime:
     def _on_lost(self, run_id: int, epoch: int, reason: Reason) -> None:
         """Steps 2–4 of §5.5 (the core did step 1), then the cleanup task."""
         self._event("lease_lost", run=run_id, epoch=epoch, reason=reason)
+        self.stats.losses[reason] += 1
         sc = self._scopes.get((run_id, epoch))
         if sc is not None:
             for callback in sc._fence_callbacks:
@@ -616,11 +624,14 @@ class NodeRuntime:
                     rows = await self._store.renew(self._node_id, held, p.T)
             except Exception as exc:  # unknown renewal (§5.6): nothing
                 self._event("renew_unknown", error=repr(exc))
+                self.stats.renew_unknown += 1
                 actions = self._core.on_renew_unknown(batch)
                 abandoned = True
             else:
+                replied = self._clock.now()
+                self.stats.renew.observe(replied - t_send)
                 # a hold past safe_until is lost before the reply is applied (module docstring)
-                self._perform(self._core.expire_due(self._clock.now()))
+                self._perform(self._core.expire_due(replied))
                 got = [RenewRow(r.run_id, r.lease_epoch, r.cancel_requested) for r in rows]
                 self._event("renewed", level="debug", t_send=t_send,
                             runs=[[r.run_id, r.epoch] for r in got])
@@ -855,7 +866,8 @@ class NodeRuntime:
         extra = commit_allowance_s(rows, size)
         budget, bound = self._p.commit_budget_s + extra, self._p.commit_timeout_s + extra
         self._live(sc)
-        self._core.check(run, epoch, self._clock.now(), budget)
+        began = self._clock.now()
+        self._core.check(run, epoch, began, budget)
         self._core.begin(run, kind)
         while True:
             self._event("write_begin", level="debug", run=run, epoch=epoch, kind=kind,
@@ -912,6 +924,9 @@ class NodeRuntime:
                 self._raise_if_lost(run, epoch, kind, None)
                 self._event("write_result", level="debug", run=run, epoch=epoch, kind=kind,
                             result="committed", finished=done.finished)
+            if checkpoint is not None:
+                self.stats.checkpoint_commit.observe(self._clock.now() - began)
+                self.stats.checkpoint_bytes += len(checkpoint.envelope)
             self._committed(sc, effects, checkpoint)
             self._perform(self._core.end(run, kind, "committed"))
             if finish is not None:

@@ -31,15 +31,22 @@ Decisions:
   after the end, sets `keep_reports`.
 - `on_boundary` (`flyd run --record`, `--plot`) gets a `BoundarySample` of each committed
   transition, built from the coordinator only while it is set (`flyd.session.sample`).
+- `totals` (`GrantTotals`) keeps what the node's metrics need of grants whose reports are
+  gone: their steps, their end states, recoveries by cause. It is updated once per grant end and
+  once per recovery, never per step (a live grant's steps are read from its report).
 - A report's behaviour records are a `RecordStream`: only those beyond the durable head are
-  held; the rest went to `trace_path` (`flyd run --trace`), if set, and into a running digest.
+  held; the rest went into a running digest. With `trace_path` (`flyd run --trace`) every
+  record also goes to that file, through one `TraceFile` per run that all the run's grants on
+  this node share, so a re-granted run appends to it (`flyd.session.outputs`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
@@ -57,6 +64,7 @@ from flyd.leases.runtime import GrantScope
 from flyd.node.grant import GrantSession, LedgerReader, RunAbandoned, RunReport, writer_config
 from flyd.node.parts import PartsWatch
 from flyd.session.coordinator import Deadlines
+from flyd.session.outputs import TraceFile
 from flyd.session.run_topic import RunPublisher
 from flyd.session.runspec import DEFAULT_MAX_AGENTS, RunSpec, RunSpecError
 from flyd.session.sample import BoundarySample, boundary_sample
@@ -65,12 +73,29 @@ from flyd.state.checkpoints import CheckpointStore
 from flyd.state.writer import EventRing, WriterConfig
 from workers.domain import DomainError
 
-__all__ = ["GrantExecutor"]
+__all__ = ["GrantExecutor", "GrantTotals"]
 
 log = structlog.get_logger("flyd.node.executor")
 
 REAP_S: Final = 10.0
 WORLD_READ_S: Final = 2.0
+
+
+@dataclass
+class GrantTotals:
+    """What this node's grants did, kept after their reports are dropped (the node's metrics):
+    steps of ended grants, grants ended by state, recoveries by the failure's code."""
+
+    steps: int = 0
+    states: collections.Counter[str] = field(default_factory=collections.Counter)
+    recoveries: collections.Counter[str] = field(default_factory=collections.Counter)
+
+    def ended(self, report: RunReport) -> None:
+        """Count a grant whose execution ended; a grant that neither finished nor released
+        its run (a lost lease, an abandoned session) counts as `lost` or `released`."""
+        self.steps += report.advances
+        self.states[report.state or ("lost" if report.lost_reason is not None
+                                     else "released")] += 1
 
 
 class GrantExecutor:
@@ -111,15 +136,22 @@ class GrantExecutor:
         self._parts_down = asyncio.Event()
         self.reports: dict[int, RunReport] = {}
         self.keep_reports = False
+        #: `flyd run --trace`: the file every run's grants write (`TraceFile`)
         self.trace_path: Path | None = None
+        self._trace_files: dict[int, TraceFile] = {}
         self._launchers: dict[int, Launcher] = {}
         self._groups: dict[int, set[int]] = {}
         self._clients: dict[int, BusClient] = {}
         self._tags = SessionTags()
+        self.totals = GrantTotals()
 
     def launcher(self, run_id: int) -> Launcher | None:
         """The launcher of a run this node is executing (the control service's view)."""
         return self._launchers.get(run_id)
+
+    def worker_count(self) -> int:
+        """The live workers of every run this node is executing (the metrics' view)."""
+        return sum(len(launcher.workers()) for launcher in self._launchers.values())
 
     # ------------------------------------------------------------------ ProcessGroups
 
@@ -141,15 +173,22 @@ class GrantExecutor:
     # ------------------------------------------------------------------ Executor
 
     async def execute(self, scope: GrantScope) -> None:
-        report = RunReport(scope.run_id, scope.lease_epoch,
-                           records=RecordStream(self.trace_path))
+        report = RunReport(scope.run_id, scope.lease_epoch, records=RecordStream(),
+                           trace=self._trace_file(scope.run_id))
         self.reports[scope.run_id] = report
         try:
             await self._execute(scope, report)
         finally:
             report.ended.set()
+            self.totals.ended(report)
             if not self.keep_reports and self.reports.get(scope.run_id) is report:
                 del self.reports[scope.run_id]
+
+    def _trace_file(self, run_id: int) -> TraceFile | None:
+        """The run's `--trace` file, one for all its grants on this node."""
+        if self.trace_path is None:
+            return None
+        return self._trace_files.setdefault(run_id, TraceFile(self.trace_path))
 
     async def _execute(self, scope: GrantScope, report: RunReport) -> None:
         bound = log.bind(run=scope.run_id, lease_epoch=scope.lease_epoch, node=self.node_id)
@@ -287,6 +326,7 @@ class GrantExecutor:
 
     def recovered(self, report: RunReport, info: dict[str, Any]) -> None:
         report.recoveries.append(info)
+        self.totals.recoveries[str(info["code"])] += 1
         if self.on_recovery is not None:
             self.on_recovery(report, info)
 

@@ -16,7 +16,11 @@ skips the checkpoints, §5.8). Beside it, the router's supervisor and the parts 
 replaced like a dead one; a part that cannot be brought back holds the node's claims
 (`NodeRuntime.hold_claims`: it stops claiming and hands its runs back, `flyctl status` shows
 `draining` with the reason) until the part answers again.
-close: store, node connection, router (SIGTERM, SIGKILL after 5 s), embedded server.
+close: metrics endpoint, control service, store, node connection, router (SIGTERM, SIGKILL
+after 5 s), embedded server.
+metrics: with `setup.metrics` (`flyd serve --metrics`), the Prometheus endpoint of
+`flyd.node.metrics` listens once everything above is up; a port that cannot be bound is a
+start error (exit 2).
 
 Decisions:
 - The thread budget is the configured `[node] threads` for `flyd serve`; `flyd run`, which holds
@@ -55,6 +59,7 @@ from flyd.launch.budget import ThreadBudget
 from flyd.launch.health import HealthPolicy
 from flyd.launch.identities import node_client_id
 from flyd.launch.launcher import Launcher
+from flyd.launch.orphans import become_subreaper
 from flyd.launch.spawner import Spawner, add_import_roots
 from flyd.leases import queries
 from flyd.leases.clock import BootClock, LeaseClock, SimFileClock
@@ -67,6 +72,8 @@ from flyd.leases.stores.contract import NodeInfo
 from flyd.leases.stores.pg import DbSettings, PgStore
 from flyd.node.control import ControlService, RunView
 from flyd.node.executor import GrantExecutor
+from flyd.node.metrics import CONTENT_TYPE, NodeMetrics
+from flyd.node.metrics_http import MetricsAddress, MetricsEndpoint
 from flyd.node.parts import ForkServerPart, Part, PartsWatch, RouterPart
 from flyd.node.router_child import RouterChild, RouterChildError, check_socket_path
 from flyd.session.coordinator import Deadlines
@@ -113,6 +120,8 @@ class NodeSetup:
     sim_clock: Path | None = None
     time_scale: float = 1.0
     clock_rate: float = 1.0
+    #: where to serve the metrics (`flyd serve --metrics`); None: not served
+    metrics: MetricsAddress | None = None
 
     @property
     def dsn(self) -> str | None:
@@ -233,6 +242,7 @@ class NodeProcess:
         self.checkpoints: PgCheckpointStore | None = None
         self.runtime: NodeRuntime | None = None
         self.control: ControlService | None = None
+        self.metrics: MetricsEndpoint | None = None
         self.drain_listeners: list[Callable[[], None]] = []
         self.spawner: Spawner | None = None
         self.watch: PartsWatch | None = None
@@ -259,6 +269,8 @@ class NodeProcess:
 
     async def start(self) -> None:
         setup = self.setup
+        if not become_subreaper():  # orphans of workers' processes come here (docs/launcher.md)
+            log.warning("node.no_subreaper", detail="prctl(PR_SET_CHILD_SUBREAPER) failed")
         if setup.router:
             check_socket_path(setup.socket, setup.socket_origin)
             self._prepare_socket_dir()
@@ -305,6 +317,21 @@ class NodeProcess:
             spawner=self.spawner)
         self.control = ControlService(ControlView(self))
         await self.control.start()
+        if setup.metrics is not None:
+            await self.serve_metrics(setup.metrics)
+
+    async def serve_metrics(self, address: MetricsAddress) -> None:
+        """Listen for scrapes (docs/operations.md); the endpoint closes with the node."""
+        metrics = NodeMetrics(self, node_id=self.setup.node_id, node_name=self.setup.node_name,
+                              version=VERSION)
+        self.metrics = MetricsEndpoint(address, metrics.render, CONTENT_TYPE)
+        try:
+            bound = await self.metrics.start()
+        except OSError as exc:
+            self.metrics = None
+            raise NodeStartError(f"cannot serve metrics on {address}: "
+                                 f"{exc.strerror or exc}") from None
+        log.info("metrics.listening", address=str(bound), host=bound.host, port=bound.port)
 
     def writer_defaults(self) -> WriterConfig:
         """`[checkpoints]` of the configuration (a run spec's `checkpoints` overrides it);
@@ -471,6 +498,9 @@ class NodeProcess:
     async def close(self) -> None:
         """Control service, store, node connection, router, embedded server; every step
         bounded."""
+        metrics, self.metrics = self.metrics, None
+        if metrics is not None:
+            await metrics.close()
         control, self.control = self.control, None
         if control is not None:
             await control.close()
