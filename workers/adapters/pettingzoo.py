@@ -32,7 +32,7 @@ A reward that is not finite or lies outside ±`MAX_REWARD` fails the step at onc
 env, the agent and the task, as a failure that repeats (the run ends without a retry: the same
 env gives the same reward again).
 
-Checkpoints pickle the env (and a stateful policy). An env that cannot be pickled fails its
+Checkpoints pickle the env (compressed) and a stateful policy. An env that cannot be pickled fails its
 capture with `UNSUPPORTED` naming the env, and so does the run at its first checkpoint: such an
 env cannot be recovered. Restoring unpickles a checkpoint the node wrote itself; never restore
 a checkpoint from a source you do not trust.
@@ -48,6 +48,7 @@ import math
 import pickle
 import re
 import types
+import zlib
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Executor
 from typing import Any, ClassVar, Final, NamedTuple
@@ -166,7 +167,8 @@ def step_of(seconds: float, what: str) -> RationalNs:
 
 def bad_reward(env_path: str, agent: str, value: Any) -> DomainError:
     """A reward the task cannot take: a failure that repeats, so the run ends at once."""
-    message = (f"env {env_path}: agent {agent}'s reward is {value!r}; task {TASK_PATH} takes "
+    shown = f"{value:g}" if isinstance(value, float) else repr(value)
+    message = (f"env {env_path}: agent {agent}'s reward is {shown}; task {TASK_PATH} takes "
                f"finite rewards within ±{MAX_REWARD:g} (fix the env's reward)")
     return DomainError(ErrorCode.BACKEND_FAILURE, message, Mutation.APPLIED,
                        PluginFault(env_path, PluginStage.CALL, "ValueError", message, (), True))
@@ -422,7 +424,9 @@ class ParallelEnvWorld:
                  "terminated": self.terminated, "truncated": self.truncated,
                  "steps": self.steps, "episode": self.episode, "ended": self.ended}
         try:
-            return pickle.dumps(state, protocol=pickle.HIGHEST_PROTOCOL)
+            # compressed: an env's pickle holds its screens and the last observations (a
+            # pixel env's 2 MB shrink to tens of KB), and a capture must fit one bus frame
+            return zlib.compress(pickle.dumps(state, protocol=pickle.HIGHEST_PROTOCOL), 1)
         except Exception as exc:
             raise unsupported(f"env {self.env_path} cannot be pickled, so its world cannot be "
                               f"checkpointed or recovered: {type(exc).__name__}: {exc}") \
@@ -431,7 +435,7 @@ class ParallelEnvWorld:
     def restore(self, payload: bytes) -> None:
         """Install a `capture()`: all or nothing, `INCOMPATIBLE_STATE` when it does not fit."""
         try:
-            state = pickle.loads(payload)
+            state = pickle.loads(zlib.decompress(payload))
         except Exception as exc:
             raise DomainError.before("INCOMPATIBLE_STATE", f"env {self.env_path} state: "
                                      f"{type(exc).__name__}") from None
