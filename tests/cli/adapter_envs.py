@@ -201,3 +201,15 @@ def spread(observation: np.ndarray, agent_id: str, rng: np.random.Generator,
     """A random move of one of many particles; its observation is its own vector."""
     assert observation.shape == spaces.observation.shape and agent_id.startswith("agent_")
     return int(rng.integers(0, spaces.action.n))
+
+
+def last_action(observation: np.ndarray, agent_id: str, rng: np.random.Generator,
+                spaces: Any) -> int:
+    """The last action of a `Discrete` space, from the spaces the policy is given."""
+    assert observation.shape == spaces.observation.shape
+    return int(spaces.action.n) - 1
+
+
+def first_action(observation: np.ndarray, agent_id: str) -> int:
+    """A policy of the two-argument form."""
+    return 0

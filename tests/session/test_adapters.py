@@ -21,7 +21,8 @@ from flyd.session.fence import SessionFailure
 from flyd.session.runspec import RunSpec
 from tests.session.harness import Fixture, SessionHarness, within
 from workers.adapters.gymnasium import EnvWorld
-from workers.adapters.pettingzoo import EnvTask, ParallelEnvWorld, PolicyModel
+from tests.cli.adapter_envs import LineEnv
+from workers.adapters.pettingzoo import EnvTask, ParallelEnvWorld, PolicyModel, episode_seed
 from workers.adapters.spaces import (
     CONTEXT,
     controller,
@@ -257,3 +258,71 @@ def test_only_the_adapters_import_the_optional_packages() -> None:
                  for path in (ROOT / package).rglob("*.py")
                  if "adapters" not in path.parts and pattern.search(path.read_text())]
     assert offenders == []
+
+
+# --------------------------------------------------------------------------------------------
+# friction: the spec's defaults follow the env (docs/adapters.md)
+
+
+def adapter_doc(env: str, **world: Any) -> dict[str, Any]:
+    return {"agents": [{"agentId": a, "portId": p, "model": "workers.adapters.pettingzoo:"
+                        "PolicyModel", "modelConfig": {"policy": f"{ENVS}:walk"}}
+                       for p, a in BINDINGS],
+            "world": {"worldId": "line", "impl": "workers.adapters.pettingzoo:ParallelEnvWorld",
+                      "config": {"env": f"{ENVS}:{env}"}, **world}}
+
+
+def test_the_world_step_follows_the_env_unless_the_spec_sets_it() -> None:
+    timed = RunSpec.validate(adapter_doc("TimedLineEnv"))  # metadata render_fps 25
+    assert timed.world.step == RationalNs.millis(40)
+    assert timed.task.impl == "workers.adapters.pettingzoo:EnvTask"  # the default task
+    given = RunSpec.validate(adapter_doc("TimedLineEnv", step={"numerator": "5000000",
+                                                               "denominator": "1"}))
+    assert given.world.step == RationalNs.millis(5)
+    untimed = RunSpec.validate(adapter_doc("LineEnv"))
+    assert untimed.world.step == RunSpec.validate({}).world.step  # neither dt nor fps
+    gym = RunSpec.validate({"agents": [{"agentId": "slider", "portId": "p1"}],
+                            "world": {"impl": "workers.adapters.gymnasium:EnvWorld",
+                                      "config": {"env": f"{ENVS}:DtSlideEnv"}}})
+    assert gym.world.step == RationalNs.millis(20)  # the env's dt
+    # the normalised spec carries the step, so a node launches what the submitter saw
+    assert RunSpec.validate(timed.to_json()).world.step == RationalNs.millis(40)
+
+
+def test_a_policy_gets_its_spaces_and_two_or_three_argument_policies_still_work() -> None:
+    world = line_world()
+    world.reset("ep1", BINDINGS)
+    pool = ThreadPoolExecutor(1)
+    pressed = {}
+    for name in ("last_action", "first_action", "walk"):  # 4, 2 and 3 arguments
+        model = PolicyModel(agent_id="walker-a", seed=1, threads=1, executor=pool,
+                            config={"policy": f"{ENVS}:{name}"})
+        model.install_input(delivered(world, "p1", 0))
+        decision = model.decide(typed(CONTEXT, {"step": 0})).value
+        pressed[name] = [b["id"] for b in decision["buttons"] if b["down"]]
+        # the spaces came once, with the boundary-0 input, as gymnasium spaces
+        assert model.gym_spaces() == (spaces.Box(0.0, 16.0, (2,), np.float32), spaces.Discrete(3))
+        model.install_input(delivered(world, "p1", 1))  # no spaces: the model kept them
+    assert pressed["last_action"] == ["a2"] and pressed["first_action"] == ["a0"]
+    assert len(pressed["walk"]) == 1
+
+
+def test_episodes_reset_within_the_run_seeded_from_the_seed_and_episode() -> None:
+    world, models = line_world(kwargs={"size": 4, "maxSteps": 5}, episodes=3), policies()
+    world.reset("ep1", BINDINGS)
+    starts = [world.observations["p1"].copy()]
+    episode = 0
+    for k in range(40):
+        run(world, models, 1, start=k)
+        if world.episode != episode:
+            episode = world.episode
+            starts.append(world.observations["p1"].copy())
+        if world.done():
+            break
+    assert world.done() and world.ended == 3 and len(starts) == 3
+    assert world.inspection(k + 1).value["done"] is True
+    for e, start in enumerate(starts):  # each reset is the env's reset with that seed
+        fresh = LineEnv(size=4, maxSteps=5)
+        observations, _ = fresh.reset(seed=episode_seed(3, e))
+        assert np.array_equal(observations["walker_0"], start)
+    assert episode_seed(3, 0) == 3 and len({episode_seed(3, e) for e in range(50)}) == 50

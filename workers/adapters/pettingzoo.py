@@ -545,7 +545,8 @@ class PolicyModel:
         self.total = 0.0
         self._mutations = 0
 
-    def _spaces(self) -> Spaces:
+    def gym_spaces(self) -> Spaces:
+        """The agent's spaces as gymnasium spaces, rebuilt once from their descriptions."""
         if self.built is None:
             assert self.spaces is not None
             self.built = Spaces(to_space(self.spaces["observation"]),
@@ -564,7 +565,7 @@ class PolicyModel:
             observation = decode_observation(self.spaces["observation"], value["observation"],
                                              arrays)
             args: tuple[Any, ...] = (observation, self.spaces["agent"], self.rng,
-                                     self._spaces())
+                                     self.gym_spaces())
             try:
                 action = self.policy(*args[:self.arity])
             except DomainError:
