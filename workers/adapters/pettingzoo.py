@@ -40,6 +40,7 @@ from typing import Any, ClassVar, Final
 
 import numpy as np
 
+from workers.adapters.recovery import EnvRecovery
 from workers.adapters.spaces import (
     CONTEXT,
     EPISODE,
@@ -51,13 +52,15 @@ from workers.adapters.spaces import (
     expect,
     from_json,
     neutral,
+    space_text,
     to_action,
     to_intent,
     to_json,
     typed,
     unsupported,
 )
-from workers.canonical import canonical, digest_bytes, parse_strict
+from workers.adapters.thread import EnvThread
+from workers.canonical import canonical, digest_bytes, digest_of, parse_strict
 from workers.composition import config_asset
 from workers.datatypes import (
     AssetRef,
@@ -74,7 +77,19 @@ from workers.datatypes import (
     TypedValue,
     ViewDescriptor,
 )
-from workers.domain import DomainError, Scope, parse_bool, parse_finite, parse_id, parse_int
+from workers.domain import (
+    DomainError,
+    ErrorCode,
+    Mutation,
+    PluginFault,
+    PluginStage,
+    Scope,
+    clip_message,
+    parse_bool,
+    parse_finite,
+    parse_id,
+    parse_int,
+)
 from workers.protocols import (
     STRUCTURED_OBSERVATION,
     AgentOutcome,
@@ -88,10 +103,10 @@ from workers.synthetic.schemas import DECISION
 from workers.ticks import RationalNs
 
 VIEW_ID: Final = "frame"
-WORLD_FORMAT: Final = "adapter-world-v1"
+WORLD_FORMAT: Final = "adapter-world-v2"
 MODEL_FORMAT: Final = "adapter-policy-v1"
 TASK_FORMAT: Final = "adapter-task-v1"
-WORLD_KEYS: Final = frozenset({"env", "kwargs", "render", "seed"})
+WORLD_KEYS: Final = frozenset({"env", "kwargs", "render", "seed", "restore"})
 _IMPORT_PATH: Final = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*")
 _TERMINAL: Final = re.compile(r"after:(0|[1-9][0-9]{0,15})")
 
@@ -149,6 +164,14 @@ class ParallelEnvWorld:
             kwargs = {**kwargs, "render_mode": "rgb_array"}
         self.kwargs = kwargs
         self.seed = parse_int(self.config.get("seed", 0), "world config seed", 0, 2**63 - 1)
+        self.recovery = EnvRecovery(str(self.config.get("restore", "auto")),
+                                    f"world {world_id} (env {self.env_path})")
+        #: every call into the env runs on this thread (workers.adapters.thread)
+        self.thread = EnvThread(f"{world_id}-env")
+        self.thread.call(self._start, observation_delay_steps)
+
+    def _start(self, observation_delay_steps: int) -> None:
+        """Build the env, bind the ports, reset it and size the view (on the env thread)."""
         self.env: Any = self.build()
         names = [str(a) for a in self.env.possible_agents]
         if len(names) != len(self.ports):
@@ -169,6 +192,7 @@ class ParallelEnvWorld:
         self.truncated: dict[str, bool] = {}
         self.steps = 0
         self.reset_env()
+        self.recovery.admit(self.env)
         self.views: tuple[ViewDescriptor, ...] = ()
         if self.render_view:
             height, width = self.frame().shape[:2]
@@ -192,6 +216,7 @@ class ParallelEnvWorld:
 
     def reset_env(self) -> None:
         observations, _ = self.env.reset(seed=self.seed)
+        self.recovery.reset(self.seed)
         self.steps = 0
         for port, agent in self.env_agents.items():
             self.observations[port] = to_json(self.observation_spaces[port], observations[agent])
@@ -228,15 +253,20 @@ class ParallelEnvWorld:
 
     def reset(self, episode_id: str, bindings: Sequence[tuple[str, str]]) -> None:
         self.agents = {port: agent for port, agent in bindings}
-        self.reset_env()
+        self.thread.call(self.reset_env)
 
     def apply(self, controls: Sequence[PortControl]) -> None:
+        self.thread.call(self._apply, controls)
+
+    def _apply(self, controls: Sequence[PortControl]) -> None:
         live = self.live()
         if not live:
             return
         actions = {self.env_agents[c.port_id]: to_action(self.action_spaces[c.port_id], c)
                    for c in controls if self.names[c.port_id] in live}
-        observations, rewards, terminations, truncations, _ = self.env.step(actions)
+        result = self.env.step(actions)
+        self.recovery.stepped(actions, result)
+        observations, rewards, terminations, truncations, _ = result
         self.steps += 1
         for port, agent in self.env_agents.items():
             if self.names[port] not in live:
@@ -250,7 +280,7 @@ class ParallelEnvWorld:
             self.truncated[port] = bool(truncations.get(agent, False))
 
     def inspection(self, boundary: int) -> TypedValue:
-        live = self.live()
+        live = self.thread.call(self.live)
         return typed(INSPECTION, {
             "boundary": boundary, "env": self.env_path, "steps": self.steps, "done": not live,
             "agents": [{"portId": port, "agentId": self.agents.get(port),
@@ -263,7 +293,7 @@ class ParallelEnvWorld:
     def render(self, view_id: str, boundary: int) -> bytes:
         if not self.views or view_id != VIEW_ID:
             raise DomainError.invalid(f"env {self.env_path} has no view {view_id}")
-        frame = self.frame()
+        frame = self.thread.call(self.frame)
         view = self.views[0]
         if frame.shape[:2] != (view.height, view.width):
             raise DomainError.invalid(f"env {self.env_path}: a frame of {frame.shape[1]}×"
@@ -280,19 +310,23 @@ class ParallelEnvWorld:
     # ------------------------------------------------------------------ checkpoint
 
     def capture(self) -> bytes:
-        state = {"format": WORLD_FORMAT, "env": self.env, "agents": self.agents,
-                 "observations": self.observations, "rewards": self.rewards,
-                 "terminated": self.terminated, "truncated": self.truncated,
-                 "steps": self.steps}
-        try:
-            return pickle.dumps(state, protocol=pickle.HIGHEST_PROTOCOL)
-        except Exception as exc:
-            raise unsupported(f"env {self.env_path} cannot be pickled, so its world cannot be "
-                              f"checkpointed or recovered: {type(exc).__name__}: {exc}") \
-                from None
+        """The world's state and its env's (`workers.adapters.recovery`: a snapshot, or the
+        episode's record to replay), made on the env thread."""
+        return self.thread.call(self._capture)
+
+    def _capture(self) -> bytes:
+        state = {"format": WORLD_FORMAT, "env": self.recovery.capture(self.env),
+                 "agents": self.agents, "observations": self.observations,
+                 "rewards": self.rewards, "terminated": self.terminated,
+                 "truncated": self.truncated, "steps": self.steps}
+        return pickle.dumps(state, protocol=pickle.HIGHEST_PROTOCOL)
 
     def restore(self, payload: bytes) -> None:
-        """Install a `capture()`: all or nothing, `INCOMPATIBLE_STATE` when it does not fit."""
+        """Install a `capture()`: all or nothing, `INCOMPATIBLE_STATE` when it does not fit
+        (or its episode does not replay exactly)."""
+        self.thread.call(self._restore, payload)
+
+    def _restore(self, payload: bytes) -> None:
         try:
             state = pickle.loads(payload)
         except Exception as exc:
@@ -302,11 +336,14 @@ class ParallelEnvWorld:
                 "truncated", "steps"}
         if not isinstance(state, dict) or set(state) != keys \
                 or state["format"] != WORLD_FORMAT \
+                or not isinstance(state["env"], dict) \
+                or set(state["env"]) != {"state", "env", "log"} \
                 or any(set(state[k]) != set(self.ports) for k in
                        ("observations", "rewards", "terminated", "truncated")):
             raise DomainError.before("INCOMPATIBLE_STATE", f"env {self.env_path} state: not a "
                                      f"{WORLD_FORMAT} state of ports {list(self.ports)}")
-        previous, self.env = self.env, state["env"]
+        previous = self.env
+        self.env = self.recovery.restore(state["env"], previous)
         self.agents = dict(state["agents"])
         self.observations = dict(state["observations"])
         self.rewards = dict(state["rewards"])
@@ -314,7 +351,7 @@ class ParallelEnvWorld:
         self.truncated = dict(state["truncated"])
         self.steps = int(state["steps"])
         close = getattr(previous, "close", None)
-        if callable(close):
+        if previous is not self.env and callable(close):
             close()
 
 
@@ -397,10 +434,25 @@ class PolicyModel:
             except Exception as exc:
                 raise DomainError.invalid(f"policy {self.policy_path} failed: "
                                           f"{type(exc).__name__}: {exc}") from None
-            self.intent = to_intent(space, action)
+            try:
+                self.intent = to_intent(space, action)
+            except DomainError as exc:
+                raise self._outside(action, mine["envAgent"], space, exc.message) from None
         else:
             self.intent = neutral(space)
         self._mutations += 1
+
+    def _outside(self, action: Any, env_agent: str, space: Mapping[str, Any],
+                 why: str) -> DomainError:
+        """An action outside its space: the same policy returns it again on every attempt,
+        so the failure repeats (the run ends at once) and names the agent and the space."""
+        message = (f"agent {self.agent_id} (env agent {env_agent}): policy {self.policy_path} "
+                   f"returned {np.asarray(action).tolist()!r}, outside its action space "
+                   f"{space_text(space)} ({why}); make the policy return actions of that "
+                   "space")
+        fault = PluginFault(self.policy_path, PluginStage.CALL, "ActionOutsideSpace",
+                            clip_message(message), (), True)
+        return DomainError(ErrorCode.BACKEND_FAILURE, message, Mutation.UNKNOWN, fault)
 
     def advance(self, ticks: int) -> None:
         self.ticks += ticks
@@ -539,7 +591,8 @@ class EnvTask:
             ident = event_id(scope.epoch, step, "reward", ordinal)
             events.append(TaskEvent(ident, "adapter.reward", step, agent, typed(EVENT, {
                 "reward": value, "terminated": bool(entry.get("terminated")),
-                "truncated": bool(entry.get("truncated"))})))
+                "truncated": bool(entry.get("truncated")),
+                "observationDigest": digest_of(entry.get("observation"))})))
             rewards[agent].append(Reward(ident, "env", value))
             returns[agent] += value
         done = bool(after.get("done"))
