@@ -47,6 +47,7 @@ import structlog
 from bus.client import Allocation, Attachment, BusClient
 from bus.errors import BusError
 from workers.datatypes import (
+    ArrayValue,
     ArtifactBlob,
     Attached,
     AudioRef,
@@ -262,10 +263,14 @@ class MediaSink:
 
         views = tuple(replace(v, pixels=resolve(v.pixels)) for v in observation.sensory_views)
         audio = tuple(replace(a, samples=resolve(a.samples)) for a in observation.audio)
+        inputs = None if observation.agent_inputs is None else tuple(
+            replace(i, arrays=tuple(replace(a, bytes=resolve(a.bytes)) for a in i.arrays))
+            for i in observation.agent_inputs)
         # the reply attaches its fresh blobs and the kept frames it names, never a rendered
         # frame only a later boundary will serve
         named = {b.artifact_id for b in (*(v.pixels for v in views),
-                                         *(a.samples for a in audio))
+                                         *(a.samples for a in audio),
+                                         *(a.bytes for i in inputs or () for a in i.arrays))
                  if isinstance(b, ArtifactBlob)}
         attached = {done[k].artifact_id: done[k] for k in keys
                     if k in done and (k not in keys_of or done[k].artifact_id in named)}
@@ -273,7 +278,8 @@ class MediaSink:
             att = self._kept.get(k)
             if att is not None and att.artifact_id in named:
                 attached.setdefault(att.artifact_id, att)
-        return replace(observation, sensory_views=views, audio=audio), tuple(attached.values())
+        return replace(observation, sensory_views=views, audio=audio, agent_inputs=inputs), \
+            tuple(attached.values())
 
     def _refill(self, staged: Iterable[_Staged]) -> list[int]:
         """The lengths to allocate so the spares match this reply's blobs, one per blob;
@@ -304,12 +310,15 @@ def any_by_reference(observation: WorldObservation) -> bool:
     """Whether some view or chunk of the observation travels by reference (the others are
     then at most the threshold each)."""
     return any(isinstance(v.pixels, ArtifactBlob) for v in observation.sensory_views) or \
-        any(isinstance(a.samples, ArtifactBlob) for a in observation.audio)
+        any(isinstance(a.samples, ArtifactBlob) for a in observation.audio) or \
+        any(isinstance(a.bytes, ArtifactBlob) for i in observation.agent_inputs or ()
+            for a in i.arrays)
 
 
-def referenced_artifacts(views: Iterable[ViewRef], audio: Iterable[AudioRef] = ()) -> list[str]:
-    """The artifact ids the by-reference blobs of `views` and `audio` name, once each, in
-    order."""
+def referenced_artifacts(views: Iterable[ViewRef], audio: Iterable[AudioRef] = (),
+                         arrays: Iterable[ArrayValue] = ()) -> list[str]:
+    """The artifact ids the by-reference blobs of `views`, `audio` and `arrays` name, once
+    each, in order."""
     ids: dict[str, None] = {}
     for v in views:
         if isinstance(v.pixels, ArtifactBlob):
@@ -317,6 +326,9 @@ def referenced_artifacts(views: Iterable[ViewRef], audio: Iterable[AudioRef] = (
     for a in audio:
         if isinstance(a.samples, ArtifactBlob):
             ids[a.samples.artifact_id] = None
+    for arr in arrays:
+        if isinstance(arr.bytes, ArtifactBlob):
+            ids[arr.bytes.artifact_id] = None
     return list(ids)
 
 

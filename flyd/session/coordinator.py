@@ -108,6 +108,7 @@ from flyd.session.capture import Capture, CaptureKind
 from flyd.session.capture import capture as capture_boundary
 from flyd.session.capture import save as save_capture
 from flyd.session.fence import Detail, SessionFailure, check_replacement
+from flyd.session.inputs import sensory_inputs
 from flyd.session.injections import (
     LOSS_POLLS,
     InjectionOutcome,
@@ -793,22 +794,24 @@ class Coordinator:
         """Commit every agent: the results and their parsed telemetry, by agent."""
         engine = self._calls
         calls: list[Call] = []
-        # every agent receives the same views: one JSON value shared by every call
-        views = [v.to_json() for v in new.sensory_views]
-        attachments = referenced_artifacts(new.sensory_views)
-        structured = new.inspection.to_json() if self.structured_input else None
+        # every agent receives the same views (one JSON value shared by every call) and its
+        # own structured input (flyd.session.inputs)
+        try:
+            inputs = sensory_inputs(new, self.bindings(), self.structured_input, k + 1,
+                                    Mutation.APPLIED)
+        except DomainError as exc:
+            raise Blame(exc, Detail.COMMIT, self.world_id) from None
         for agent_id in self._agents_in_order():
             slot = self._slots[agent_id]
             outcome = evaluation.outcomes[agent_id]
             assert slot.prepare_request is not None
             calls.append(engine.new_call(agent_id, "Agent.Commit", scope, {
                 "agentId": agent_id, "preparedRequestId": slot.prepare_request,
-                "nextInput": {"boundary": str(k + 1), "views": views,
-                              "structured": structured},
+                "nextInput": inputs.json[agent_id],
                 "nextDecisionContext": evaluation.next_contexts[agent_id].to_json(),
                 "rewards": [r.to_json() for r in outcome.rewards],
                 "taskStimulations": [s.to_json() for s in outcome.stimulations]},
-                attachments=attachments))
+                attachments=inputs.attachments[agent_id]))
         results: dict[str, dict[str, Any] | DomainError] = {}
         telemetry: dict[str, Telemetry] = {}
 

@@ -6,6 +6,7 @@ rewards and endings, and that nothing outside `workers/adapters` imports the opt
 
 from __future__ import annotations
 
+import hashlib
 import pickle
 import random
 import re
@@ -24,20 +25,21 @@ from tests.cli.adapter_envs import EzLineEnv, ThreadLineEnv
 from tests.session.harness import Fixture, SessionHarness, within
 from workers.adapters import snapshot
 from workers.adapters.gymnasium import EnvWorld
-from workers.adapters.pettingzoo import EnvTask, ParallelEnvWorld, PolicyModel
+from workers.adapters.pettingzoo import EnvTask, ParallelEnvWorld, PolicyModel, episode_seed
 from workers.adapters.spaces import (
     CONTEXT,
     controller,
+    decode_observation,
     describe,
-    from_json,
+    encode_observation,
     to_action,
     to_intent,
-    to_json,
+    to_space,
     typed,
 )
 from workers.datatypes import ButtonState, PortControl, PortSpec, check_port_control
 from workers.domain import DomainError, Scope
-from workers.protocols import ControllerIntent
+from workers.protocols import ControllerIntent, DecodedArray
 from workers.ticks import RationalNs
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -59,15 +61,21 @@ def policies() -> dict[str, PolicyModel]:
             for agent, policy in (("walker-a", "walk"), ("walker-b", "stubborn"))}
 
 
+def delivered(world: ParallelEnvWorld, port: str, boundary: int) -> Any:
+    """The port's input as its agent's model encodes it (arrays as the agent decodes them)."""
+    structured, arrays = world.agent_input(port, boundary)
+    return PolicyModel.encode([], structured, [DecodedArray(a.id, a.dtype, a.shape, a.data)
+                                               for a in arrays])
+
+
 def run(world: ParallelEnvWorld, models: dict[str, PolicyModel], steps: int,
         start: int = 0) -> list[Any]:
     """`steps` transitions of the world driven by the models; every inspection after one."""
     seen = []
     for k in range(start, start + steps):
-        inspection = world.inspection(k)
         controls = []
         for port, agent in BINDINGS:
-            models[agent].install_input(PolicyModel.encode([], inspection))
+            models[agent].install_input(delivered(world, port, k))
             decision = models[agent].decide(typed(CONTEXT, {"step": k}))
             controls.append(ControllerIntent.from_json(decision.value).for_port(port))
         world.apply(controls)
@@ -113,17 +121,32 @@ def test_unmappable_action_spaces_are_unsupported(space: Any, reason: str) -> No
     assert info.value.code == "UNSUPPORTED"
 
 
-def test_observations_round_trip_through_json() -> None:
+def test_observations_travel_as_binary_arrays_and_round_trip() -> None:
     space = spaces.Dict({"pos": spaces.Box(0, 1, (2, 2), np.float32),
                          "mode": spaces.Discrete(4),
-                         "bits": spaces.Tuple((spaces.MultiBinary(3),))})
+                         "bits": spaces.Tuple((spaces.MultiBinary(3),)),
+                         "pixels": spaces.Box(0, 255, (64, 48, 3), np.uint8)})
     space.seed(1)
     value = space.sample()
     desc = describe(space)
-    back = from_json(desc, to_json(desc, value))
+    structured, arrays = encode_observation(desc, value)
+    # no number of an array is written as JSON: the structured value names arrays by id and
+    # digest, and the arrays are the raw bytes with their dtype and shape
+    assert structured["mode"] == int(value["mode"])
+    # leaves in the space's key order (gymnasium sorts a plain dict's keys)
+    assert structured["pos"] == {"array": "o2", "digest": hashlib.sha256(
+        value["pos"].tobytes()).hexdigest()}
+    assert [(a.id, a.dtype, a.shape) for a in arrays] == [
+        ("o0", "|i1", (3,)), ("o1", "|u1", (64, 48, 3)), ("o2", "<f4", (2, 2))]
+    assert arrays[1].data == value["pixels"].tobytes()
+    back = decode_observation(desc, structured, {a.id: DecodedArray(a.id, a.dtype, a.shape,
+                                                                    a.data) for a in arrays})
     assert back["pos"].dtype == np.float32 and np.array_equal(back["pos"], value["pos"])
     assert back["mode"] == value["mode"]
     assert np.array_equal(back["bits"][0], value["bits"][0])
+    assert np.array_equal(back["pixels"], value["pixels"])
+    rebuilt = to_space(desc)
+    assert rebuilt["pixels"] == space["pixels"] and rebuilt["pos"] == space["pos"]
 
 
 # --------------------------------------------------------------------------------------------
@@ -203,8 +226,11 @@ def test_an_env_that_diverges_after_restore_is_recovered_by_replay() -> None:
     world.reset("ep1", BINDINGS)
     run(world, models, 2)
     saved = world.capture()
+    twins = policies()
+    for agent, model in models.items():
+        twins[agent].restore(model.capture())
     expected = run(world, models, 3, start=2)
-    assert run(restored(saved, "DriftingLineEnv", restore="snapshot"), policies(), 3,
+    assert run(restored(saved, "DriftingLineEnv", restore="snapshot"), twins, 3,
                start=2) != expected
 
 
@@ -214,6 +240,15 @@ def test_an_unpicklable_env_is_recovered_by_replay_in_auto() -> None:
     part = pickle.loads(saved)["env"]
     assert part["env"] is None and len(part["log"].actions) == 4
     continues("UnpicklableLineEnv", 3, restore="replay")
+
+
+def test_a_replay_starts_at_the_episode_the_capture_is_in() -> None:
+    world, saved = continues("UnpicklableLineEnv", 7, kwargs={"size": 4, "maxSteps": 5})
+    state = pickle.loads(saved)
+    assert state["episode"] >= 1, "no episode ended before the capture"
+    log = state["env"]["log"]
+    assert log.seed == episode_seed(3, state["episode"])
+    assert 0 < len(log.actions) < 7  # only the current episode's steps
 
 
 def test_snapshot_refuses_an_unpicklable_env_when_the_world_starts() -> None:
@@ -263,9 +298,8 @@ def test_an_action_outside_its_space_fails_at_once_naming_the_agent_and_the_spac
     model = PolicyModel(agent_id="walker-a", seed=7, threads=1, executor=ThreadPoolExecutor(1),
                         config={"policy": f"{ENVS}:wild"})
     for k in range(20):
-        inspection = PolicyModel.encode([], world.inspection(k))
         try:
-            model.install_input(inspection)
+            model.install_input(delivered(world, "p1", k))
         except DomainError as exc:
             error = exc
             break
@@ -317,8 +351,10 @@ def test_the_render_is_the_view_and_a_gymnasium_env_has_one_agent() -> None:
                    observation_delay_steps=0, threads=1,
                    config={"env": f"{ENVS}:SlideEnv", "seed": 2})
     gym.reset("ep1", (("p1", "slider"),))
-    (entry,) = gym.inspection(0).value["agents"]
-    assert entry["envAgent"] == "agent" and entry["actionSpace"]["kind"] == "box"
+    structured, _arrays = gym.agent_input("p1", 0)
+    assert structured.value["spaces"]["agent"] == "agent"
+    assert structured.value["spaces"]["action"]["kind"] == "box"
+    assert "spaces" not in gym.agent_input("p1", 1)[0].value  # the spaces travel once
     assert [a.id for a in gym.descriptor().ports[0].controls.axes] == ["x0"]
 
 
@@ -327,7 +363,7 @@ def test_the_render_is_the_view_and_a_gymnasium_env_has_one_agent() -> None:
 
 
 def test_the_task_rewards_live_agents_and_ends_the_episode_when_the_env_is_done() -> None:
-    world, models = line_world(kwargs={"size": 4}), policies()
+    world, models = line_world(kwargs={"size": 4}, episodes=1), policies()
     world.reset("ep1", BINDINGS)
     task = EnvTask(config={}, terminal="done", max_agents=4, epoch="e1")
     old = world.inspection(0)
@@ -338,7 +374,7 @@ def test_the_task_rewards_live_agents_and_ends_the_episode_when_the_env_is_done(
         evaluation = task.evaluate_transition(Scope("demo", "e1", k), old, new, [])
         for entry in new.value["agents"]:
             rewards = evaluation.outcomes[entry["agentId"]].rewards
-            acted = any(a["portId"] == entry["portId"] and a["active"]
+            acted = any(a["agentId"] == entry["agentId"] and a["active"]
                         for a in old.value["agents"])
             assert [r.value for r in rewards] == ([entry["reward"]] if acted else [])
         old = new

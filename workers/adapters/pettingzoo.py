@@ -2,24 +2,35 @@
 task that turns the environment's rewards and endings into flyd's (docs/adapters.md).
 
 - `ParallelEnvWorld` (world config `{"env": "module:callable", "kwargs": {…}, "render": bool,
-  "seed": int}`): `env(**kwargs)` builds the environment. The run's ports bind to the env's
-  `possible_agents` in order (the i-th agent of the run spec drives the i-th env agent; the
-  counts must be equal). `reset` resets the env with `seed` (default 0), so every episode and
-  every run of a spec is the same. `apply` maps each live agent's port controls to its action
-  (`workers.adapters.spaces`) and steps the env once; the controls of agents that are no longer
-  live are ignored, and once no agent is live the env is done and `apply` leaves it alone. The
-  inspection (every agent's last observation, reward, termination and truncation, and the
-  spaces) is each agent's structured input. With `render` true the env is built with
-  `render_mode="rgb_array"` and its render is the world's view `frame`.
+  "seed": int, "episodes": int}`): `env(**kwargs)` builds the environment. The run's ports bind
+  to the env's `possible_agents` in order (the i-th agent of the run spec drives the i-th env
+  agent; the counts must be equal). `reset` resets the env with the episode's seed (`seed`,
+  default 0, for episode 0; `episode_seed(seed, e)` for episode e). `apply` maps each live
+  agent's port controls to its action (`workers.adapters.spaces`) and steps the env once; the
+  controls of agents that are no longer live are ignored. When no agent is live the episode
+  has ended: the env is reset at once for the next episode, up to `episodes` (unbounded when
+  left out: episodes follow each other until the run's step count), after which it is done and
+  `apply` leaves it alone. The world offers `per-agent-input-v1`: each agent receives only its
+  own observation (binary arrays), reward and endings (`adapter.input.v1`), its spaces once at
+  boundary 0; the inspection (`adapter.inspection.v2`, rewards and endings, no observations) is
+  the task's. With `render` true the env is built with `render_mode="rgb_array"` and its
+  render is the world's view `frame`. The world's step follows the env (`natural_step`: its
+  `dt`, else `1 / metadata["render_fps"]`) unless the run spec sets one.
 - `PolicyModel` (model config `{"policy": "module:callable"}`): when its input arrives it calls
-  `policy(observation, env_agent, rng)` once, with the observation as the env gave it, the env's
-  name of the agent and a numpy `Generator` seeded by the agent's seed, and decides the
-  controls that make the world take the returned action (`arena.decision.v1`, so the default
-  `IdentityExecutor` applies it). A policy that is a plain function keeps no state; any other
-  callable object is copied per agent and its state is part of the agent's checkpoint.
+  `policy(observation, env_agent, rng, spaces)` once (a policy taking two or three positional
+  arguments gets the first two or three), with the observation as the env gave it, the env's
+  name of the agent, a numpy `Generator` seeded by the agent's seed and the agent's
+  `Spaces(observation, action)`, and decides the controls that make the world take the
+  returned action (`arena.decision.v1`, so the default `IdentityExecutor` applies it). A policy
+  that is a plain function keeps no state; any other callable object is copied per agent and
+  its state is part of the agent's checkpoint.
 - `EnvTask` (task config `{}`, terminal `never`, `done` or `after:N`): each live agent's env
-  reward of a transition is its flyd reward; `done` ends the episode when every env agent has
-  terminated or been truncated.
+  reward of a transition is its flyd reward; `done` ends the episode when every episode the
+  world runs has ended.
+
+A reward that is not finite or lies outside ±`MAX_REWARD` fails the step at once, naming the
+env, the agent and the task, as a failure that repeats (the run ends without a retry: the same
+env gives the same reward again).
 
 Checkpoints pickle the env (and a stateful policy). An env that cannot be pickled fails its
 capture with `UNSUPPORTED` naming the env, and so does the run at its first checkpoint: such an
@@ -30,37 +41,43 @@ a checkpoint from a source you do not trust.
 from __future__ import annotations
 
 import copy
+import hashlib
 import importlib
+import inspect
+import math
 import pickle
 import re
 import types
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Executor
-from typing import Any, ClassVar, Final
+from typing import Any, ClassVar, Final, NamedTuple
 
 import numpy as np
 
 from workers.adapters.recovery import EnvRecovery
+from workers.adapters.replay import observation_digest
 from workers.adapters.spaces import (
     CONTEXT,
     EPISODE,
     EVENT,
+    INPUT,
     INSPECTION,
     PROGRESS,
     controller,
+    decode_observation,
     describe,
+    encode_observation,
     expect,
-    from_json,
     neutral,
     space_text,
     to_action,
     to_intent,
-    to_json,
+    to_space,
     typed,
     unsupported,
 )
 from workers.adapters.thread import EnvThread
-from workers.canonical import canonical, digest_bytes, digest_of, parse_strict
+from workers.canonical import canonical, digest_bytes, parse_strict
 from workers.composition import config_asset
 from workers.datatypes import (
     AssetRef,
@@ -91,9 +108,12 @@ from workers.domain import (
     parse_int,
 )
 from workers.protocols import (
-    STRUCTURED_OBSERVATION,
+    ARRAY_INPUT,
+    PER_AGENT_INPUT,
+    AgentArray,
     AgentOutcome,
     Bootstrap,
+    DecodedArray,
     DecodedView,
     EpisodeRequest,
     Evaluation,
@@ -103,10 +123,13 @@ from workers.synthetic.schemas import DECISION
 from workers.ticks import RationalNs
 
 VIEW_ID: Final = "frame"
-WORLD_FORMAT: Final = "adapter-world-v2"
-MODEL_FORMAT: Final = "adapter-policy-v1"
+WORLD_FORMAT: Final = "adapter-world-v3"
+MODEL_FORMAT: Final = "adapter-policy-v2"
 TASK_FORMAT: Final = "adapter-task-v1"
-WORLD_KEYS: Final = frozenset({"env", "kwargs", "render", "seed", "restore"})
+TASK_PATH: Final = "workers.adapters.pettingzoo:EnvTask"
+WORLD_KEYS: Final = frozenset({"env", "kwargs", "render", "seed", "episodes", "restore"})
+#: the largest reward magnitude an env may give (beyond it sums lose every unit digit)
+MAX_REWARD: Final = 1e12
 _IMPORT_PATH: Final = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*")
 _TERMINAL: Final = re.compile(r"after:(0|[1-9][0-9]{0,15})")
 
@@ -127,8 +150,41 @@ def load_callable(path: Any, what: str) -> Callable[..., Any]:
     return obj  # type: ignore[no-any-return]
 
 
-def _float(value: Any, what: str) -> float:
-    return parse_finite(float(value), what)
+def episode_seed(seed: int, episode: int) -> int:
+    """The reset seed of episode `episode` of a run whose world seed is `seed`: `seed` itself
+    for episode 0 (a one-episode run resets as before), else 63 bits of
+    `SHA-256("<seed>\\n<episode>\\n")`, so every episode differs and a recovered run
+    resets exactly as the undisturbed one."""
+    if episode == 0:
+        return seed
+    digest = hashlib.sha256(f"{seed}\n{episode}\n".encode()).digest()
+    return int.from_bytes(digest[:8], "big") >> 1
+
+
+def step_of(seconds: float, what: str) -> RationalNs:
+    """A step of `seconds` (> 0, finite) as exact nanoseconds, rounded to the nanosecond."""
+    if not isinstance(seconds, int | float) or not math.isfinite(seconds) or seconds <= 0:
+        raise DomainError.invalid(f"{what} must be a positive number of seconds; got "
+                                  f"{seconds!r}")
+    return RationalNs.of(max(1, round(seconds * 1e9)), 1)
+
+
+def bad_reward(env_path: str, agent: str, value: Any) -> DomainError:
+    """A reward the task cannot take: a failure that repeats, so the run ends at once."""
+    message = (f"env {env_path}: agent {agent}'s reward is {value!r}; task {TASK_PATH} takes "
+               f"finite rewards within ±{MAX_REWARD:g} (fix the env's reward)")
+    return DomainError(ErrorCode.BACKEND_FAILURE, message, Mutation.APPLIED,
+                       PluginFault(env_path, PluginStage.CALL, "ValueError", message, (), True))
+
+
+def checked_reward(env_path: str, agent: str, value: Any) -> float:
+    try:
+        reward = float(value)
+    except (TypeError, ValueError):
+        raise bad_reward(env_path, agent, value) from None
+    if not math.isfinite(reward) or abs(reward) > MAX_REWARD:
+        raise bad_reward(env_path, agent, reward)
+    return reward
 
 
 # ============================================================================================
@@ -138,9 +194,63 @@ def _float(value: Any, what: str) -> float:
 class ParallelEnvWorld:
     """A PettingZoo `ParallelEnv`, one port per env agent, in order."""
 
-    capabilities: ClassVar[tuple[str, ...]] = (STRUCTURED_OBSERVATION,)
+    capabilities: ClassVar[tuple[str, ...]] = (PER_AGENT_INPUT,)
     inline_calls: ClassVar[bool] = False  # an env step may take long; the model thread runs it
     backend: ClassVar[str] = "pettingzoo-parallel-env-v1"
+
+    @classmethod
+    def natural_step(cls, config: Mapping[str, Any]) -> RationalNs | None:
+        """The env's own step: its `dt` (the unwrapped env's, as MuJoCo envs give it), else
+        `1 / metadata["render_fps"]`; None when it has neither. Builds the env once."""
+        env = cls.check_config(config)[0]()
+        try:
+            dt = getattr(getattr(env, "unwrapped", env), "dt", None)
+            if dt is not None:
+                return step_of(dt, f"env {config.get('env')} dt")
+            fps = (getattr(env, "metadata", None) or {}).get("render_fps")
+            if fps is not None:
+                if isinstance(fps, bool) or not isinstance(fps, int | float) or fps <= 0:
+                    raise DomainError.invalid(f"env {config.get('env')} metadata render_fps "
+                                              f"{fps!r} is not a positive rate")
+                return RationalNs.of(10**9, int(fps)) if float(fps).is_integer() \
+                    else step_of(1.0 / fps, f"env {config.get('env')} 1/render_fps")
+            return None
+        finally:
+            close = getattr(env, "close", None)
+            if callable(close):
+                close()
+
+    @classmethod
+    def check_config(cls, config: Mapping[str, Any]) -> tuple[Callable[[], Any], str]:
+        """A builder of the env the config names, and its import path."""
+        extra = set(config) - WORLD_KEYS
+        if extra:
+            raise DomainError.invalid(f"world config: unknown keys {sorted(extra)} (known: "
+                                      f"{sorted(WORLD_KEYS)})")
+        env_path = str(config.get("env"))
+        make = load_callable(config.get("env"), "world config env")
+        kwargs = config.get("kwargs", {})
+        if not isinstance(kwargs, dict):
+            raise DomainError.invalid("world config kwargs must be an object")
+        if parse_bool(config.get("render", False), "world config render") \
+                and "render_mode" not in kwargs:
+            kwargs = {**kwargs, "render_mode": "rgb_array"}
+
+        def build() -> Any:
+            try:
+                return cls.wrap(make(**kwargs))
+            except DomainError:
+                raise
+            except Exception as exc:
+                raise DomainError.invalid(f"env {env_path}: building it failed: "
+                                          f"{type(exc).__name__}: {exc}") from None
+
+        return build, env_path
+
+    @classmethod
+    def wrap(cls, env: Any) -> Any:
+        """The env as the world steps it (a parallel env; the Gymnasium world wraps)."""
+        return env
 
     def __init__(self, *, world_id: str, ports: Sequence[str], step: RationalNs,
                  observation_delay_steps: int, threads: int,
@@ -150,20 +260,12 @@ class ParallelEnvWorld:
         self.ports = tuple(ports)
         self.step = step
         self.config = dict(config)
-        extra = set(self.config) - WORLD_KEYS
-        if extra:
-            raise DomainError.invalid(f"world config: unknown keys {sorted(extra)} (known: "
-                                      f"{sorted(WORLD_KEYS)})")
-        self.env_path = str(self.config.get("env"))
-        self.make = load_callable(self.config.get("env"), "world config env")
-        kwargs = self.config.get("kwargs", {})
-        if not isinstance(kwargs, dict):
-            raise DomainError.invalid("world config kwargs must be an object")
+        self.builder, self.env_path = self.check_config(self.config)
         self.render_view = parse_bool(self.config.get("render", False), "world config render")
-        if self.render_view and "render_mode" not in kwargs:
-            kwargs = {**kwargs, "render_mode": "rgb_array"}
-        self.kwargs = kwargs
         self.seed = parse_int(self.config.get("seed", 0), "world config seed", 0, 2**63 - 1)
+        episodes = self.config.get("episodes")
+        self.episodes: int | None = None if episodes is None else \
+            parse_int(episodes, "world config episodes", 1, 2**53 - 1)
         self.recovery = EnvRecovery(str(self.config.get("restore", "auto")),
                                     f"world {world_id} (env {self.env_path})")
         #: every call into the env runs on this thread (workers.adapters.thread)
@@ -191,6 +293,8 @@ class ParallelEnvWorld:
         self.terminated: dict[str, bool] = {}
         self.truncated: dict[str, bool] = {}
         self.steps = 0
+        self.episode = 0
+        self.ended = 0  # episodes that ended
         self.reset_env()
         self.recovery.admit(self.env)
         self.views: tuple[ViewDescriptor, ...] = ()
@@ -203,24 +307,24 @@ class ParallelEnvWorld:
 
     def build(self) -> Any:
         """The environment, from the config's callable and kwargs."""
-        try:
-            return self.make(**self.kwargs)
-        except DomainError:
-            raise
-        except Exception as exc:
-            raise DomainError.invalid(f"env {self.env_path}: building it failed: "
-                                      f"{type(exc).__name__}: {exc}") from None
+        return self.builder()
 
     def live(self) -> set[str]:
         return {str(a) for a in self.env.agents}
 
-    def reset_env(self) -> None:
-        observations, _ = self.env.reset(seed=self.seed)
-        self.recovery.reset(self.seed)
-        self.steps = 0
+    def done(self) -> bool:
+        """Every episode the world runs has ended."""
+        return self.episodes is not None and self.ended >= self.episodes
+
+    def reset_env(self, *, rewards: bool = True) -> None:
+        """Reset the env for `self.episode` with that episode's seed."""
+        seed = episode_seed(self.seed, self.episode)
+        observations, _ = self.env.reset(seed=seed)
+        self.recovery.reset(seed)
         for port, agent in self.env_agents.items():
-            self.observations[port] = to_json(self.observation_spaces[port], observations[agent])
-            self.rewards[port] = 0.0
+            self.observations[port] = observations[agent]
+            if rewards:
+                self.rewards[port] = 0.0
             self.terminated[port] = self.truncated[port] = False
 
     def frame(self) -> Any:
@@ -253,15 +357,18 @@ class ParallelEnvWorld:
 
     def reset(self, episode_id: str, bindings: Sequence[tuple[str, str]]) -> None:
         self.agents = {port: agent for port, agent in bindings}
+        self.steps = self.episode = self.ended = 0
         self.thread.call(self.reset_env)
 
     def apply(self, controls: Sequence[PortControl]) -> None:
         self.thread.call(self._apply, controls)
 
     def _apply(self, controls: Sequence[PortControl]) -> None:
-        live = self.live()
-        if not live:
+        if self.done():
+            for port in self.ports:
+                self.rewards[port] = 0.0
             return
+        live = self.live()
         actions = {self.env_agents[c.port_id]: to_action(self.action_spaces[c.port_id], c)
                    for c in controls if self.names[c.port_id] in live}
         result = self.env.step(actions)
@@ -273,22 +380,45 @@ class ParallelEnvWorld:
                 self.rewards[port] = 0.0
                 continue
             if agent in observations:
-                self.observations[port] = to_json(self.observation_spaces[port],
-                                                  observations[agent])
-            self.rewards[port] = _float(rewards.get(agent, 0.0), f"{agent}'s reward")
+                self.observations[port] = observations[agent]
+            self.rewards[port] = checked_reward(self.env_path, self.names[port],
+                                                rewards.get(agent, 0.0))
             self.terminated[port] = bool(terminations.get(agent, False))
             self.truncated[port] = bool(truncations.get(agent, False))
+        if not self.live():
+            self.ended += 1
+            if not self.done():
+                self.episode += 1
+                self.reset_env(rewards=False)
 
     def inspection(self, boundary: int) -> TypedValue:
         live = self.thread.call(self.live)
         return typed(INSPECTION, {
-            "boundary": boundary, "env": self.env_path, "steps": self.steps, "done": not live,
-            "agents": [{"portId": port, "agentId": self.agents.get(port),
-                        "envAgent": self.names[port], "active": self.names[port] in live,
-                        "observation": self.observations[port], "reward": self.rewards[port],
-                        "terminated": self.terminated[port], "truncated": self.truncated[port],
-                        "observationSpace": self.observation_spaces[port],
-                        "actionSpace": self.action_spaces[port]} for port in self.ports]})
+            "boundary": boundary, "env": self.env_path, "steps": self.steps,
+            "episode": self.episode, "episodesDone": self.ended, "done": self.done(),
+            "agents": [{"agentId": self.agents.get(port),
+                        "active": self.names[port] in live and not self.done(),
+                        "reward": self.rewards[port], "terminated": self.terminated[port],
+                        "truncated": self.truncated[port],
+                        "observationDigest": observation_digest(self.observations[port])}
+                       for port in self.ports]})
+
+    def agent_input(self, port_id: str, boundary: int
+                    ) -> tuple[TypedValue, Sequence[AgentArray]]:
+        """The agent on `port_id`'s own input: its observation (binary arrays), reward and
+        endings; its spaces at boundary 0 only."""
+        observation, arrays = encode_observation(self.observation_spaces[port_id],
+                                                 self.observations[port_id])
+        value: dict[str, Any] = {
+            "step": self.steps, "episode": self.episode, "done": self.done(),
+            "active": self.names[port_id] in self.thread.call(self.live) and not self.done(),
+            "reward": self.rewards[port_id], "terminated": self.terminated[port_id],
+            "truncated": self.truncated[port_id], "observation": observation}
+        if boundary == 0:
+            value["spaces"] = {"agent": self.names[port_id],
+                               "observation": self.observation_spaces[port_id],
+                               "action": self.action_spaces[port_id]}
+        return typed(INPUT, value), arrays
 
     def render(self, view_id: str, boundary: int) -> bytes:
         if not self.views or view_id != VIEW_ID:
@@ -318,7 +448,8 @@ class ParallelEnvWorld:
         state = {"format": WORLD_FORMAT, "env": self.recovery.capture(self.env),
                  "agents": self.agents, "observations": self.observations,
                  "rewards": self.rewards, "terminated": self.terminated,
-                 "truncated": self.truncated, "steps": self.steps}
+                 "truncated": self.truncated, "steps": self.steps, "episode": self.episode,
+                 "ended": self.ended}
         return pickle.dumps(state, protocol=pickle.HIGHEST_PROTOCOL)
 
     def restore(self, payload: bytes) -> None:
@@ -333,7 +464,7 @@ class ParallelEnvWorld:
             raise DomainError.before("INCOMPATIBLE_STATE", f"env {self.env_path} state: "
                                      f"{type(exc).__name__}") from None
         keys = {"format", "env", "agents", "observations", "rewards", "terminated",
-                "truncated", "steps"}
+                "truncated", "steps", "episode", "ended"}
         if not isinstance(state, dict) or set(state) != keys \
                 or state["format"] != WORLD_FORMAT \
                 or not isinstance(state["env"], dict) \
@@ -350,6 +481,7 @@ class ParallelEnvWorld:
         self.terminated = dict(state["terminated"])
         self.truncated = dict(state["truncated"])
         self.steps = int(state["steps"])
+        self.episode, self.ended = int(state["episode"]), int(state["ended"])
         close = getattr(previous, "close", None)
         if previous is not self.env and callable(close):
             close()
@@ -359,22 +491,34 @@ class ParallelEnvWorld:
 # the policy model
 
 
-def _own(structured: Any, agent_id: str) -> dict[str, Any]:
-    agents = structured.get("agents") if isinstance(structured, dict) else None
-    mine = next((a for a in agents or () if isinstance(a, dict) and a.get("agentId") == agent_id),
-                None)
-    if mine is None:
-        raise DomainError.invalid(f"the world's inspection shows no env agent bound to "
-                                  f"{agent_id}")
-    return mine
+class Spaces(NamedTuple):
+    """An agent's spaces as gymnasium spaces (the policy's fourth argument)."""
+
+    observation: Any
+    action: Any
+
+
+def _arity(policy: Callable[..., Any]) -> int:
+    """How many positional arguments the policy takes, 2..4 (4 when it takes `*args`)."""
+    try:
+        params = inspect.signature(policy).parameters.values()
+    except (TypeError, ValueError):
+        return 4
+    if any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in params):
+        return 4
+    positional = [p for p in params if p.kind in (inspect.Parameter.POSITIONAL_ONLY,
+                                                   inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+    if len(positional) < 2:
+        raise DomainError.invalid("a policy takes (observation, agent_id[, rng[, spaces]])")
+    return min(4, len(positional))
 
 
 class PolicyModel:
     """Calls a policy once per input and presses the controls of the action it returns."""
 
-    capabilities: ClassVar[tuple[str, ...]] = ()
+    capabilities: ClassVar[tuple[str, ...]] = (ARRAY_INPUT,)
     inline_calls: ClassVar[bool] = False  # a policy may take long; the model thread runs it
-    model_version: ClassVar[str] = "adapter-policy-v1"
+    model_version: ClassVar[str] = "adapter-policy-v2"
     plasticity_version: ClassVar[str] = "adapter-policy-none-v1"
 
     @classmethod
@@ -399,11 +543,14 @@ class PolicyModel:
             raise DomainError.invalid("an adapter context is {step}")
 
     @classmethod
-    def encode(cls, views: Sequence[DecodedView], structured: TypedValue | None) -> Any:
+    def encode(cls, views: Sequence[DecodedView], structured: TypedValue | None,
+               arrays: Sequence[DecodedArray] = ()) -> Any:
         if structured is None:
-            raise DomainError.invalid("the policy model needs structured input (an adapter "
-                                      "world's inspection)")
-        return expect(structured, INSPECTION, "the structured input")
+            raise DomainError.invalid("the policy model needs an adapter world's input")
+        value = expect(structured, INPUT, "the structured input")
+        if not isinstance(value, dict):
+            raise DomainError.invalid("an adapter input is an object")
+        return value, {a.id: a for a in arrays}
 
     def __init__(self, *, agent_id: str, seed: int, threads: int, executor: Executor,
                  config: Mapping[str, Any]) -> None:
@@ -414,7 +561,10 @@ class PolicyModel:
         policy = load_callable(config["policy"], "model config policy")
         self.stateful = not isinstance(policy, types.FunctionType | types.BuiltinFunctionType)
         self.policy = copy.deepcopy(policy) if self.stateful else policy
+        self.arity = _arity(self.policy)
         self.rng = np.random.default_rng(seed & 0xFFFFFFFF)
+        self.spaces: dict[str, Any] | None = None  # described, from the boundary-0 input
+        self.built: Spaces | None = None
         self.intent: dict[str, Any] = {"buttons": [], "axes": []}
         self.ticks = 0
         self.learning = False
@@ -422,34 +572,49 @@ class PolicyModel:
         self.total = 0.0
         self._mutations = 0
 
+    def _spaces(self) -> Spaces:
+        if self.built is None:
+            assert self.spaces is not None
+            self.built = Spaces(to_space(self.spaces["observation"]),
+                                to_space(self.spaces["action"]))
+        return self.built
+
     def install_input(self, encoded: Any) -> None:
-        mine = _own(encoded, self.agent_id)
-        space = mine["actionSpace"]
-        if mine["active"] and not encoded.get("done"):
-            observation = from_json(mine["observationSpace"], mine["observation"])
+        value, arrays = encoded
+        if "spaces" in value:
+            self.spaces, self.built = dict(value["spaces"]), None
+        if self.spaces is None:
+            raise DomainError.invalid(f"agent {self.agent_id} has no spaces: they come with "
+                                      "the world's first input")
+        action_space = self.spaces["action"]
+        if value.get("active") and not value.get("done"):
+            observation = decode_observation(self.spaces["observation"], value["observation"],
+                                             arrays)
+            args: tuple[Any, ...] = (observation, self.spaces["agent"], self.rng,
+                                     self._spaces())
             try:
-                action = self.policy(observation, mine["envAgent"], self.rng)
+                action = self.policy(*args[:self.arity])
             except DomainError:
                 raise
             except Exception as exc:
                 raise DomainError.invalid(f"policy {self.policy_path} failed: "
                                           f"{type(exc).__name__}: {exc}") from None
             try:
-                self.intent = to_intent(space, action)
+                self.intent = to_intent(action_space, action)
             except DomainError as exc:
-                raise self._outside(action, mine["envAgent"], space, exc.message) from None
+                raise self._outside(action, action_space, exc.message) from None
         else:
-            self.intent = neutral(space)
+            self.intent = neutral(action_space)
         self._mutations += 1
 
-    def _outside(self, action: Any, env_agent: str, space: Mapping[str, Any],
-                 why: str) -> DomainError:
+    def _outside(self, action: Any, space: Mapping[str, Any], why: str) -> DomainError:
         """An action outside its space: the same policy returns it again on every attempt,
         so the failure repeats (the run ends at once) and names the agent and the space."""
-        message = (f"agent {self.agent_id} (env agent {env_agent}): policy {self.policy_path} "
-                   f"returned {np.asarray(action).tolist()!r}, outside its action space "
-                   f"{space_text(space)} ({why}); make the policy return actions of that "
-                   "space")
+        assert self.spaces is not None
+        message = (f"agent {self.agent_id} (env agent {self.spaces['agent']}): policy "
+                   f"{self.policy_path} returned {np.asarray(action).tolist()!r}, outside its "
+                   f"action space {space_text(space)} ({why}); make the policy return actions "
+                   "of that space")
         fault = PluginFault(self.policy_path, PluginStage.CALL, "ActionOutsideSpace",
                             clip_message(message), (), True)
         return DomainError(ErrorCode.BACKEND_FAILURE, message, Mutation.UNKNOWN, fault)
@@ -483,6 +648,7 @@ class PolicyModel:
     def capture(self) -> bytes:
         state = {"format": MODEL_FORMAT, "policy": self.policy if self.stateful else None,
                  "rng": self.rng.bit_generator.state, "intent": self.intent,
+                 "spaces": self.spaces,
                  "ticks": self.ticks, "learning": self.learning, "signal": self.signal,
                  "total": self.total, "mutations": self._mutations}
         try:
@@ -502,6 +668,7 @@ class PolicyModel:
             rng = np.random.default_rng()
             rng.bit_generator.state = state["rng"]
             intent = dict(state["intent"])
+            described = state["spaces"]
             ticks, mutations = int(state["ticks"]), int(state["mutations"])
             learning, signal = bool(state["learning"]), float(state["signal"])
             total = float(state["total"])
@@ -511,6 +678,7 @@ class PolicyModel:
         if self.stateful:
             self.policy = state["policy"]
         self.rng, self.intent, self.ticks, self._mutations = rng, intent, ticks, mutations
+        self.spaces, self.built = described, None
         self.learning, self.signal, self.total = learning, signal, total
 
 
@@ -536,7 +704,8 @@ def _agents(inspection: TypedValue, which: str) -> tuple[dict[str, Any], list[di
 
 
 class EnvTask:
-    """The env's rewards as flyd rewards; the env's end as the episode's."""
+    """The env's rewards as flyd rewards; the end of the world's last episode as the run's
+    episode end (terminal `done`)."""
 
     def __init__(self, *, config: Mapping[str, Any], terminal: str, max_agents: int,
                  epoch: str) -> None:
@@ -575,7 +744,7 @@ class EnvTask:
         step = scope.step + 1
         before, old_agents = _agents(old, "old")
         after, new_agents = _agents(new, "new")
-        acted = {a.get("portId") for a in old_agents if a.get("active")} \
+        acted = {a.get("agentId") for a in old_agents if a.get("active")} \
             if not before.get("done") else set()
         rewards: dict[str, list[Reward]] = {agent: [] for agent in self.returns}
         events: list[TaskEvent] = []
@@ -584,21 +753,24 @@ class EnvTask:
             agent = entry.get("agentId")
             if agent not in rewards:
                 raise DomainError.before("IDENTITY_MISMATCH",
-                                         f"port {entry.get('portId')} has no bound agent")
-            if entry.get("portId") not in acted:
+                                         f"the inspection's agent {ordinal} is not bound")
+            if agent not in acted:
                 continue
             value = parse_finite(entry.get("reward"), "reward")
             ident = event_id(scope.epoch, step, "reward", ordinal)
             events.append(TaskEvent(ident, "adapter.reward", step, agent, typed(EVENT, {
                 "reward": value, "terminated": bool(entry.get("terminated")),
                 "truncated": bool(entry.get("truncated")),
-                "observationDigest": digest_of(entry.get("observation"))})))
+                "observationDigest": entry.get("observationDigest")})))
             rewards[agent].append(Reward(ident, "env", value))
             returns[agent] += value
         done = bool(after.get("done"))
-        if done and not self.done:
+        if after.get("episodesDone") != before.get("episodesDone"):
             events.append(TaskEvent(event_id(scope.epoch, step, "done", 0), "adapter.done",
-                                    step, None, typed(EVENT, {"steps": after.get("steps")})))
+                                    step, None, typed(EVENT, {
+                                        "steps": after.get("steps"),
+                                        "episodesDone": after.get("episodesDone"),
+                                        "done": done})))
         self.transitions += 1
         self.env_steps = parse_int(after.get("steps"), "steps", 0, 2**53 - 1)
         self.done = done

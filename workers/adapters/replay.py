@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["EpisodeLog", "Replayed", "StepResult", "replay", "step_digest"]
+__all__ = ["EpisodeLog", "Replayed", "StepResult", "observation_digest", "replay", "step_digest"]
 
 #: `env.step`'s five dicts: observations, rewards, terminations, truncations, infos
 StepResult = Sequence[Mapping[str, Any]]
@@ -43,6 +43,13 @@ def _feed(h: Any, value: Any) -> None:
         array = np.ascontiguousarray(np.asarray(value))
         h.update(f"{array.dtype.str}{array.shape}".encode())
         h.update(array.tobytes() if array.dtype.kind != "O" else repr(value).encode())
+
+
+def observation_digest(value: Any) -> str:
+    """The digest of one observation as the env gave it (every bit of its arrays)."""
+    h = hashlib.sha256()
+    _feed(h, value)
+    return h.hexdigest()
 
 
 def step_digest(result: StepResult) -> str:
