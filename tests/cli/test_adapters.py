@@ -11,12 +11,15 @@ the tests' environments and policies from there.
 from __future__ import annotations
 
 import json
+import subprocess
 from pathlib import Path
 from typing import Any
 
+import orjson
 import pytest
 
-from tests.cli.test_run import ROOT, flyd_run
+from tests.cli.test_flyctl_runs import FLYCTL
+from tests.cli.test_run import ROOT, env_for, flyd_run
 from tests.cli.test_run import tmp as tmp
 
 pytestmark = pytest.mark.timeout(180)
@@ -118,6 +121,149 @@ def test_a_gymnasium_env_is_a_world_of_one_agent_and_its_end_ends_the_episode(
     assert code == 0 and killed["state"] == "succeeded", killed
     assert killed["recoveries"] == 1 and killed["boundary"] == summary["boundary"]
     assert killed["behaviourDigest"] == summary["behaviourDigest"]
+
+
+# --------------------------------------------------------------------------------------------
+# exact recovery of published envs, compared by export (docs/adapters.md, "Checkpoints")
+
+_EXPORTS: dict[str, list[dict[str, Any]]] = {}
+
+
+def export(tmp: Path, run: int) -> list[dict[str, Any]]:
+    """`flyctl runs export RUN`: one result line per committed boundary."""
+    out = subprocess.run([*FLYCTL, "runs", "export", str(run)], cwd=ROOT, env=env_for(tmp),
+                         capture_output=True, timeout=60, check=False)
+    assert out.returncode == 0, out.stderr
+    return [orjson.loads(line) for line in out.stdout.splitlines()]
+
+
+def env_spec(tmp: Path, name: str, agents: list[tuple[str, str]], world: dict[str, Any],
+             steps: int) -> str:
+    """A spec of the adapters: `agents` are `(agentId, policy)`, one port each, in order."""
+    doc = {
+        "sessionId": name, "steps": str(steps), "seed": "7",
+        "agents": [{"agentId": agent, "portId": f"p{i + 1}",
+                    "model": "workers.adapters.pettingzoo:PolicyModel",
+                    "modelConfig": {"policy": policy}} for i, (agent, policy) in
+                   enumerate(agents)],
+        "world": {"worldId": name, **world},
+        "task": {"impl": "workers.adapters.pettingzoo:EnvTask", "config": {},
+                 "terminal": "never"},
+        "checkpoints": {"everySteps": 4},
+    }
+    path = tmp / f"{name}.json"
+    path.write_text(json.dumps(doc))
+    return str(path)
+
+
+PARALLEL = "workers.adapters.pettingzoo:ParallelEnvWorld"
+# The published envs restore from snapshots only (`restore: snapshot`): the default `auto`
+# would replay an env whose snapshot does not continue, which would hide a pickle that lost
+# state (a plain pickle of these envs is a fresh env: the test fails with it).
+SPECS: dict[str, tuple[list[tuple[str, str]], dict[str, Any], int]] = {
+    # MuJoCo (gymnasium[mujoco]): InvertedPendulumEnv inherits EzPickle
+    "pole": ([("balancer", f"{ENVS}:balance")],
+             {"impl": "workers.adapters.gymnasium:EnvWorld",
+              "config": {"env": "gymnasium:make", "kwargs": {"id": "InvertedPendulum-v5"},
+                         "seed": 3, "restore": "snapshot"}}, 24),
+    # PettingZoo's sisl pursuit: 8 pursuers; its raw_env inherits EzPickle
+    "pursuit": ([(f"pursuer-{i}", f"{ENVS}:roam") for i in range(8)],
+                {"impl": PARALLEL,
+                 "config": {"env": "pettingzoo.sisl.pursuit_v5:parallel_env",
+                            "kwargs": {"max_cycles": 100}, "seed": 5,
+                            "restore": "snapshot"}}, 16),
+    # an env that cannot be pickled: recovered by replay in the default `auto`
+    "unpicklable": ([("walker-a", f"{ENVS}:walk"), ("walker-b", f"{ENVS}:walk")],
+                    {"impl": PARALLEL, "config": {"env": f"{ENVS}:UnpicklableLineEnv",
+                                                  "seed": 3}}, 20),
+}
+
+
+def exported_run(tmp: Path, name: str, *args: str) -> tuple[dict[str, Any],
+                                                             list[dict[str, Any]]]:
+    agents, world, steps = SPECS[name]
+    config = tmp / "wide.toml"
+    config.write_text(f"[session]\nmax_agents = {max(4, len(agents))}\n")
+    code, summary, _ = flyd_run(tmp, "--spec", env_spec(tmp, name, agents, world, steps),
+                                *PLUGINS, "--mode", "process", "--config", str(config), *args,
+                                timeout=150)
+    assert code == 0 and summary["state"] == "succeeded", summary
+    assert summary["boundary"] == steps
+    return summary, export(tmp, summary["run"])
+
+
+def undisturbed_export(tmp: Path, name: str) -> list[dict[str, Any]]:
+    if name not in _EXPORTS:
+        summary, lines = exported_run(tmp, name)
+        assert summary["recoveries"] == 0
+        _EXPORTS[name] = lines
+    return _EXPORTS[name]
+
+
+def observation_digests(line: dict[str, Any]) -> dict[str, str]:
+    return {e["agentId"]: e["payload"]["value"]["observationDigest"] for e in line["events"]
+            if e["kindId"] == "adapter.reward"}
+
+
+@pytest.mark.parametrize("name, victim", [
+    ("pole", "pole"), ("pole", "balancer"), ("pursuit", "pursuit"), ("pursuit", "pursuer-3"),
+    ("unpicklable", "unpicklable")])
+def test_a_published_env_killed_mid_run_exports_the_lines_of_an_undisturbed_run(
+        tmp: Path, name: str, victim: str) -> None:
+    clean = undisturbed_export(tmp, name)
+    summary, lines = exported_run(tmp, name, "--fault", f"kill:{victim}@10")
+    # the fault happened: one recovery, after the named worker was lost
+    assert summary["recoveries"] == 1 and summary["epochs"] == ["e1", "e2"], summary
+    assert [f["participant"] for f in summary["failures"]] == [victim]
+    assert len(lines) == len(clean) == SPECS[name][2]
+    for mine, theirs in zip(lines, clean, strict=True):
+        assert mine["rewards"] == theirs["rewards"], mine["boundary"]
+        assert observation_digests(mine) == observation_digests(theirs), mine["boundary"]
+        assert mine == theirs
+    # not a vacuous comparison: the observations changed along the run
+    assert len({str(observation_digests(line)) for line in clean}) > len(clean) // 2
+
+
+def test_an_env_that_diverges_across_restore_ends_restore_diverged(tmp: Path) -> None:
+    """`restore: snapshot` trusts the pickle; the restored world reports what it renders and
+    the coordinator finds it differs from the checkpoint's record."""
+    spec = env_spec(tmp, "drift", [("walker-a", f"{ENVS}:walk"), ("walker-b", f"{ENVS}:walk")],
+                    {"impl": PARALLEL, "config": {"env": f"{ENVS}:DriftingLineEnv",
+                                                  "render": True, "restore": "snapshot",
+                                                  "seed": 3}}, 20)
+    code, summary, _ = flyd_run(tmp, "--spec", spec, *PLUGINS, "--mode", "process",
+                                "--fault", "kill:drift@10")
+    assert code != 0 and summary["state"] == "failed", summary
+    assert summary["failures"][0]["participant"] == "drift"  # the kill happened
+    failure = summary["failures"][-1]
+    assert failure["code"] == "RESTORE_DIVERGED" and failure["participant"] == "drift", summary
+
+
+def test_an_unpicklable_world_with_restore_snapshot_fails_at_once_naming_it(tmp: Path) -> None:
+    spec = env_spec(tmp, "stuck", [("walker-a", f"{ENVS}:walk"), ("walker-b", f"{ENVS}:walk")],
+                    {"impl": PARALLEL, "config": {"env": f"{ENVS}:UnpicklableLineEnv",
+                                                  "restore": "snapshot"}}, 20)
+    code, summary, _ = flyd_run(tmp, "--spec", spec, *PLUGINS, "--mode", "process")
+    assert code != 0 and summary["state"] == "failed", summary
+    assert summary["recoveries"] == 0 and len(summary["failures"]) == 1, summary
+    (failure,) = summary["failures"]
+    assert failure["code"] == "INVALID_ARGUMENT"
+    assert f"world stuck (env {ENVS}:UnpicklableLineEnv) cannot be pickled" \
+        in failure["message"]
+    assert "set restore to auto or replay" in failure["message"]
+
+
+def test_an_action_outside_its_space_ends_the_run_at_once_naming_agent_and_space(
+        tmp: Path) -> None:
+    spec = env_spec(tmp, "wild", [("walker-a", f"{ENVS}:wild"), ("walker-b", f"{ENVS}:walk")],
+                    {"impl": PARALLEL, "config": {"env": f"{ENVS}:LineEnv", "seed": 3}}, 30)
+    code, summary, _ = flyd_run(tmp, "--spec", spec, *PLUGINS, "--mode", "process")
+    assert code != 0 and summary["state"] == "failed", summary
+    assert summary["recoveries"] == 0 and len(summary["failures"]) == 1, summary
+    (failure,) = summary["failures"]
+    assert failure["participant"] == "walker-a"
+    assert "policy tests.cli.adapter_envs:wild returned 7, outside its action space " \
+           "Discrete(3, start=0)" in failure["message"]
 
 
 # --------------------------------------------------------------------------------------------

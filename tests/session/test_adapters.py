@@ -7,7 +7,10 @@ rewards and endings, and that nothing outside `workers/adapters` imports the opt
 from __future__ import annotations
 
 import hashlib
+import pickle
+import random
 import re
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -17,9 +20,10 @@ import pytest
 from gymnasium import spaces
 
 from flyd.launch.launcher import ExecutionMode
-from flyd.session.fence import SessionFailure
 from flyd.session.runspec import RunSpec
+from tests.cli.adapter_envs import EzLineEnv, ThreadLineEnv
 from tests.session.harness import Fixture, SessionHarness, within
+from workers.adapters import snapshot
 from workers.adapters.gymnasium import EnvWorld
 from tests.cli.adapter_envs import LineEnv
 from workers.adapters.pettingzoo import EnvTask, ParallelEnvWorld, PolicyModel, episode_seed
@@ -167,16 +171,148 @@ def test_a_restored_world_and_policy_continue_exactly() -> None:
     assert run(twin, twins, 6, start=4) == expected
 
 
-def test_an_unpicklable_env_fails_its_capture_naming_the_env() -> None:
-    world = line_world("UnpicklableLineEnv")
+def restored(saved: bytes, env: str = "LineEnv", **config: Any) -> ParallelEnvWorld:
+    """A fresh world (as a staged restore builds it) with `saved` installed."""
+    twin = line_world(env, **config)
+    twin.reset("ep1", BINDINGS)
+    twin.restore(saved)
+    return twin
+
+
+def continues(env: str, saved_at: int, **config: Any) -> tuple[ParallelEnvWorld, bytes]:
+    """A world run `saved_at` steps, then captured and run on; the restored capture must
+    run on with the same inspections. Returns the world and its capture."""
+    world, models = line_world(env, **config), policies()
     world.reset("ep1", BINDINGS)
+    run(world, models, saved_at)
+    saved = world.capture()
+    states = {agent: model.capture() for agent, model in models.items()}
+    expected = run(world, models, 8, start=saved_at)
+    twins = policies()
+    for agent, model in twins.items():
+        model.restore(states[agent])
+    assert run(restored(saved, env, **config), twins, 8, start=saved_at) == expected
+    return world, saved
+
+
+def test_an_ezpickle_env_is_captured_with_its_whole_state() -> None:
+    env = EzLineEnv()
+    env.reset(seed=3)
+    env.step({"walker_0": 2, "walker_1": 2})
+    plain = pickle.loads(pickle.dumps(env))
+    assert plain.agents == [] and plain.positions == {}, "EzPickle's own pickle kept the state"
+    exact = snapshot.loads(snapshot.dumps(env))
+    assert exact.agents == env.agents and exact.positions == env.positions
+    assert exact.steps == 1
+    assert exact.np_random.bit_generator.state == env.np_random.bit_generator.state
+
+
+def test_auto_checks_the_first_capture_then_trusts_snapshots() -> None:
+    world, _ = continues("EzLineEnv", 2)
+    # the first capture started the check; its twin matched the next steps
+    assert world.recovery.state == "snapshot" and world.recovery.log is None
+    later = pickle.loads(world.capture())["env"]
+    assert later["state"] == "snapshot" and later["env"] is not None and later["log"] is None
+    continues("EzLineEnv", 5, restore="snapshot")
+
+
+def test_an_env_that_diverges_after_restore_is_recovered_by_replay() -> None:
+    world, saved = continues("DriftingLineEnv", 2)
+    assert world.recovery.state == "replay"
+    assert "diverged 1 step(s) after the first capture" in world.recovery.reason
+    # the first capture was made before the check, and replays as well
+    assert pickle.loads(saved)["env"]["state"] == "checking"
+    # the same env restored from a snapshot would not have continued (the check's reason)
+    world, models = line_world("DriftingLineEnv", restore="snapshot"), policies()
+    world.reset("ep1", BINDINGS)
+    run(world, models, 2)
+    saved = world.capture()
+    twins = policies()
+    for agent, model in models.items():
+        twins[agent].restore(model.capture())
+    expected = run(world, models, 3, start=2)
+    assert run(restored(saved, "DriftingLineEnv", restore="snapshot"), twins, 3,
+               start=2) != expected
+
+
+def test_an_unpicklable_env_is_recovered_by_replay_in_auto() -> None:
+    world, saved = continues("UnpicklableLineEnv", 4)
+    assert world.recovery.state == "replay" and "cannot be pickled" in world.recovery.reason
+    part = pickle.loads(saved)["env"]
+    assert part["env"] is None and len(part["log"].actions) == 4
+    continues("UnpicklableLineEnv", 3, restore="replay")
+
+
+def test_a_replay_starts_at_the_episode_the_capture_is_in() -> None:
+    world, saved = continues("UnpicklableLineEnv", 7, kwargs={"size": 4, "maxSteps": 5})
+    state = pickle.loads(saved)
+    assert state["episode"] >= 1, "no episode ended before the capture"
+    log = state["env"]["log"]
+    assert log.seed == episode_seed(3, state["episode"])
+    assert 0 < len(log.actions) < 7  # only the current episode's steps
+
+
+def test_snapshot_refuses_an_unpicklable_env_when_the_world_starts() -> None:
     with pytest.raises(DomainError) as info:
-        world.capture()
-    assert info.value.code == "UNSUPPORTED" and info.value.mutation == "none"
-    assert f"env {ENVS}:UnpicklableLineEnv cannot be pickled" in info.value.message
+        line_world("UnpicklableLineEnv", restore="snapshot")
+    assert info.value.code == "INVALID_ARGUMENT" and info.value.mutation == "none"
+    assert info.value.message.startswith(f"world line (env {ENVS}:UnpicklableLineEnv) cannot "
+                                         "be pickled (TypeError: cannot pickle '_thread.lock'")
+    assert "set restore to auto or replay" in info.value.message
+    with pytest.raises(DomainError, match="restore must be one of auto, snapshot, replay"):
+        line_world(restore="always")
 
 
-async def test_a_session_capture_of_an_unpicklable_env_fails_naming_it() -> None:
+def test_a_replay_that_differs_from_the_record_is_refused_naming_the_step() -> None:
+    world, models = line_world("GlobalRandomLineEnv", restore="replay"), policies()
+    world.reset("ep1", BINDINGS)
+    random.seed(1)
+    run(world, models, 6)
+    saved = world.capture()
+    random.seed(2)
+    with pytest.raises(DomainError) as info:
+        restored(saved, "GlobalRandomLineEnv", restore="replay")
+    assert info.value.code == "INCOMPATIBLE_STATE"
+    assert re.search(r"did not replay its episode: step \d+'s result differs from the "
+                     r"recorded one; the env is not deterministic", info.value.message)
+
+
+def test_every_call_into_the_env_runs_on_one_thread() -> None:
+    ThreadLineEnv.threads.clear()
+    world = line_world("ThreadLineEnv", render=True)
+    world.reset("ep1", BINDINGS)
+    with ThreadPoolExecutor(1) as other:
+        other.submit(run, world, policies(), 3).result()
+        other.submit(world.render, "frame", 3).result()
+        saved = other.submit(world.capture).result()
+    world.capture()
+    assert ThreadLineEnv.threads == {world.thread.ident()}
+    assert world.thread.ident() != threading.get_ident()
+    twin = restored(saved, "ThreadLineEnv", render=True)
+    twin.render("frame", 3)
+    assert ThreadLineEnv.threads == {world.thread.ident(), twin.thread.ident()}
+
+
+def test_an_action_outside_its_space_fails_at_once_naming_the_agent_and_the_space() -> None:
+    world = line_world()
+    world.reset("ep1", BINDINGS)
+    model = PolicyModel(agent_id="walker-a", seed=7, threads=1, executor=ThreadPoolExecutor(1),
+                        config={"policy": f"{ENVS}:wild"})
+    for k in range(20):
+        try:
+            model.install_input(delivered(world, "p1", k))
+        except DomainError as exc:
+            error = exc
+            break
+        controls = ControllerIntent.from_json(model.decide(typed(CONTEXT, {"step": k})).value)
+        world.apply([controls.for_port("p1"), controls.for_port("p2")])
+    assert error.code == "BACKEND_FAILURE" and error.data is not None
+    assert error.data.repeats is True  # the run ends at once: another attempt fails the same
+    assert error.message.startswith(f"agent walker-a (env agent walker_0): policy {ENVS}:wild "
+                                    "returned 7, outside its action space Discrete(3, start=0)")
+
+
+async def test_a_session_captures_an_unpicklable_env_by_its_record() -> None:
     doc = {"sessionId": "demo", "steps": "10",
            "agents": [{"agentId": a, "portId": p, "model": "workers.adapters.pettingzoo:"
                        "PolicyModel", "modelConfig": {"policy": f"{ENVS}:walk"}}
@@ -189,10 +325,9 @@ async def test_a_session_capture_of_an_unpicklable_env_fails_naming_it() -> None
     async with SessionHarness.start(fixture) as h:
         await within(h.coordinator.bootstrap())
         await within(h.coordinator.step())
-        with pytest.raises(SessionFailure) as info:
-            await within(h.coordinator.capture("ck-1"))
-    assert info.value.participant == "line"
-    assert f"env {ENVS}:UnpicklableLineEnv cannot be pickled" in info.value.error.message
+        await within(h.coordinator.capture("ck-1"))
+        await within(h.coordinator.step())
+        assert h.coordinator.committed_boundary() == 2
 
 
 def test_the_world_binds_exactly_one_port_per_env_agent() -> None:

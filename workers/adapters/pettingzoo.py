@@ -55,6 +55,8 @@ from typing import Any, ClassVar, Final, NamedTuple
 
 import numpy as np
 
+from workers.adapters.recovery import EnvRecovery
+from workers.adapters.replay import observation_digest
 from workers.adapters.spaces import (
     CONTEXT,
     EPISODE,
@@ -68,12 +70,14 @@ from workers.adapters.spaces import (
     encode_observation,
     expect,
     neutral,
+    space_text,
     to_action,
     to_intent,
     to_space,
     typed,
     unsupported,
 )
+from workers.adapters.thread import EnvThread
 from workers.canonical import canonical, digest_bytes, parse_strict
 from workers.composition import config_asset
 from workers.datatypes import (
@@ -98,6 +102,7 @@ from workers.domain import (
     PluginFault,
     PluginStage,
     Scope,
+    clip_message,
     parse_bool,
     parse_finite,
     parse_id,
@@ -119,11 +124,11 @@ from workers.synthetic.schemas import DECISION
 from workers.ticks import RationalNs
 
 VIEW_ID: Final = "frame"
-WORLD_FORMAT: Final = "adapter-world-v2"
+WORLD_FORMAT: Final = "adapter-world-v3"
 MODEL_FORMAT: Final = "adapter-policy-v2"
 TASK_FORMAT: Final = "adapter-task-v1"
 TASK_PATH: Final = "workers.adapters.pettingzoo:EnvTask"
-WORLD_KEYS: Final = frozenset({"env", "kwargs", "render", "seed", "episodes"})
+WORLD_KEYS: Final = frozenset({"env", "kwargs", "render", "seed", "episodes", "restore"})
 #: the largest reward magnitude an env may give (beyond it sums lose every unit digit)
 MAX_REWARD: Final = 1e12
 _IMPORT_PATH: Final = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*")
@@ -263,6 +268,14 @@ class ParallelEnvWorld:
         episodes = self.config.get("episodes")
         self.episodes: int | None = None if episodes is None else \
             parse_int(episodes, "world config episodes", 1, 2**53 - 1)
+        self.recovery = EnvRecovery(str(self.config.get("restore", "auto")),
+                                    f"world {world_id} (env {self.env_path})")
+        #: every call into the env runs on this thread (workers.adapters.thread)
+        self.thread = EnvThread(f"{world_id}-env")
+        self.thread.call(self._start, observation_delay_steps)
+
+    def _start(self, observation_delay_steps: int) -> None:
+        """Build the env, bind the ports, reset it and size the view (on the env thread)."""
         self.env: Any = self.build()
         names = [str(a) for a in self.env.possible_agents]
         if len(names) != len(self.ports):
@@ -285,6 +298,7 @@ class ParallelEnvWorld:
         self.episode = 0
         self.ended = 0  # episodes that ended
         self.reset_env()
+        self.recovery.admit(self.env)
         self.views: tuple[ViewDescriptor, ...] = ()
         if self.render_view:
             height, width = self.frame().shape[:2]
@@ -306,7 +320,9 @@ class ParallelEnvWorld:
 
     def reset_env(self, *, rewards: bool = True) -> None:
         """Reset the env for `self.episode` with that episode's seed."""
-        observations, _ = self.env.reset(seed=episode_seed(self.seed, self.episode))
+        seed = episode_seed(self.seed, self.episode)
+        observations, _ = self.env.reset(seed=seed)
+        self.recovery.reset(seed)
         for port, agent in self.env_agents.items():
             self.observations[port] = observations[agent]
             if rewards:
@@ -344,9 +360,12 @@ class ParallelEnvWorld:
     def reset(self, episode_id: str, bindings: Sequence[tuple[str, str]]) -> None:
         self.agents = {port: agent for port, agent in bindings}
         self.steps = self.episode = self.ended = 0
-        self.reset_env()
+        self.thread.call(self.reset_env)
 
     def apply(self, controls: Sequence[PortControl]) -> None:
+        self.thread.call(self._apply, controls)
+
+    def _apply(self, controls: Sequence[PortControl]) -> None:
         if self.done():
             for port in self.ports:
                 self.rewards[port] = 0.0
@@ -354,7 +373,9 @@ class ParallelEnvWorld:
         live = self.live()
         actions = {self.env_agents[c.port_id]: to_action(self.action_spaces[c.port_id], c)
                    for c in controls if self.names[c.port_id] in live}
-        observations, rewards, terminations, truncations, _ = self.env.step(actions)
+        result = self.env.step(actions)
+        self.recovery.stepped(actions, result)
+        observations, rewards, terminations, truncations, _ = result
         self.steps += 1
         for port, agent in self.env_agents.items():
             if self.names[port] not in live:
@@ -373,14 +394,16 @@ class ParallelEnvWorld:
                 self.reset_env(rewards=False)
 
     def inspection(self, boundary: int) -> TypedValue:
-        live = self.live()
+        live = self.thread.call(self.live)
         return typed(INSPECTION, {
             "boundary": boundary, "env": self.env_path, "steps": self.steps,
             "episode": self.episode, "episodesDone": self.ended, "done": self.done(),
             "agents": [{"agentId": self.agents.get(port),
                         "active": self.names[port] in live and not self.done(),
                         "reward": self.rewards[port], "terminated": self.terminated[port],
-                        "truncated": self.truncated[port]} for port in self.ports]})
+                        "truncated": self.truncated[port],
+                        "observationDigest": observation_digest(self.observations[port])}
+                       for port in self.ports]})
 
     def agent_input(self, port_id: str, boundary: int
                     ) -> tuple[TypedValue, Sequence[AgentArray]]:
@@ -390,7 +413,7 @@ class ParallelEnvWorld:
                                                  self.observations[port_id])
         value: dict[str, Any] = {
             "step": self.steps, "episode": self.episode, "done": self.done(),
-            "active": self.names[port_id] in self.live() and not self.done(),
+            "active": self.names[port_id] in self.thread.call(self.live) and not self.done(),
             "reward": self.rewards[port_id], "terminated": self.terminated[port_id],
             "truncated": self.truncated[port_id], "observation": observation}
         if boundary == 0:
@@ -402,7 +425,7 @@ class ParallelEnvWorld:
     def render(self, view_id: str, boundary: int) -> bytes:
         if not self.views or view_id != VIEW_ID:
             raise DomainError.invalid(f"env {self.env_path} has no view {view_id}")
-        frame = self.frame()
+        frame = self.thread.call(self.frame)
         view = self.views[0]
         if frame.shape[:2] != (view.height, view.width):
             raise DomainError.invalid(f"env {self.env_path}: a frame of {frame.shape[1]}×"
@@ -419,21 +442,26 @@ class ParallelEnvWorld:
     # ------------------------------------------------------------------ checkpoint
 
     def capture(self) -> bytes:
-        state = {"format": WORLD_FORMAT, "env": self.env, "agents": self.agents,
-                 "observations": self.observations, "rewards": self.rewards,
-                 "terminated": self.terminated, "truncated": self.truncated,
-                 "steps": self.steps, "episode": self.episode, "ended": self.ended}
-        try:
-            # compressed: an env's pickle holds its screens and the last observations (a
-            # pixel env's 2 MB shrink to tens of KB), and a capture must fit one bus frame
-            return zlib.compress(pickle.dumps(state, protocol=pickle.HIGHEST_PROTOCOL), 1)
-        except Exception as exc:
-            raise unsupported(f"env {self.env_path} cannot be pickled, so its world cannot be "
-                              f"checkpointed or recovered: {type(exc).__name__}: {exc}") \
-                from None
+        """The world's state and its env's (`workers.adapters.recovery`: a snapshot, or the
+        episode's record to replay), made on the env thread."""
+        return self.thread.call(self._capture)
+
+    def _capture(self) -> bytes:
+        state = {"format": WORLD_FORMAT, "env": self.recovery.capture(self.env),
+                 "agents": self.agents, "observations": self.observations,
+                 "rewards": self.rewards, "terminated": self.terminated,
+                 "truncated": self.truncated, "steps": self.steps, "episode": self.episode,
+                 "ended": self.ended}
+        # compressed: an env's pickle holds its screens and the last observations (a pixel
+        # env's 2 MB shrink to tens of KB), and a capture must fit one bus frame
+        return zlib.compress(pickle.dumps(state, protocol=pickle.HIGHEST_PROTOCOL), 1)
 
     def restore(self, payload: bytes) -> None:
-        """Install a `capture()`: all or nothing, `INCOMPATIBLE_STATE` when it does not fit."""
+        """Install a `capture()`: all or nothing, `INCOMPATIBLE_STATE` when it does not fit
+        (or its episode does not replay exactly)."""
+        self.thread.call(self._restore, payload)
+
+    def _restore(self, payload: bytes) -> None:
         try:
             state = pickle.loads(zlib.decompress(payload))
         except Exception as exc:
@@ -443,11 +471,14 @@ class ParallelEnvWorld:
                 "truncated", "steps", "episode", "ended"}
         if not isinstance(state, dict) or set(state) != keys \
                 or state["format"] != WORLD_FORMAT \
+                or not isinstance(state["env"], dict) \
+                or set(state["env"]) != {"state", "env", "log"} \
                 or any(set(state[k]) != set(self.ports) for k in
                        ("observations", "rewards", "terminated", "truncated")):
             raise DomainError.before("INCOMPATIBLE_STATE", f"env {self.env_path} state: not a "
                                      f"{WORLD_FORMAT} state of ports {list(self.ports)}")
-        previous, self.env = self.env, state["env"]
+        previous = self.env
+        self.env = self.recovery.restore(state["env"], previous)
         self.agents = dict(state["agents"])
         self.observations = dict(state["observations"])
         self.rewards = dict(state["rewards"])
@@ -456,7 +487,7 @@ class ParallelEnvWorld:
         self.steps = int(state["steps"])
         self.episode, self.ended = int(state["episode"]), int(state["ended"])
         close = getattr(previous, "close", None)
-        if callable(close):
+        if previous is not self.env and callable(close):
             close()
 
 
@@ -573,10 +604,25 @@ class PolicyModel:
             except Exception as exc:
                 raise DomainError.invalid(f"policy {self.policy_path} failed: "
                                           f"{type(exc).__name__}: {exc}") from None
-            self.intent = to_intent(action_space, action)
+            try:
+                self.intent = to_intent(action_space, action)
+            except DomainError as exc:
+                raise self._outside(action, action_space, exc.message) from None
         else:
             self.intent = neutral(action_space)
         self._mutations += 1
+
+    def _outside(self, action: Any, space: Mapping[str, Any], why: str) -> DomainError:
+        """An action outside its space: the same policy returns it again on every attempt,
+        so the failure repeats (the run ends at once) and names the agent and the space."""
+        assert self.spaces is not None
+        message = (f"agent {self.agent_id} (env agent {self.spaces['agent']}): policy "
+                   f"{self.policy_path} returned {np.asarray(action).tolist()!r}, outside its "
+                   f"action space {space_text(space)} ({why}); make the policy return actions "
+                   "of that space")
+        fault = PluginFault(self.policy_path, PluginStage.CALL, "ActionOutsideSpace",
+                            clip_message(message), (), True)
+        return DomainError(ErrorCode.BACKEND_FAILURE, message, Mutation.UNKNOWN, fault)
 
     def advance(self, ticks: int) -> None:
         self.ticks += ticks
@@ -719,7 +765,8 @@ class EnvTask:
             ident = event_id(scope.epoch, step, "reward", ordinal)
             events.append(TaskEvent(ident, "adapter.reward", step, agent, typed(EVENT, {
                 "reward": value, "terminated": bool(entry.get("terminated")),
-                "truncated": bool(entry.get("truncated"))})))
+                "truncated": bool(entry.get("truncated")),
+                "observationDigest": entry.get("observationDigest")})))
             rewards[agent].append(Reward(ident, "env", value))
             returns[agent] += value
         done = bool(after.get("done"))

@@ -24,7 +24,8 @@ Actions (`controller`, `to_action`, `to_intent`):
 - `MultiBinary(shape)` ↔ one button per element, `b0`.. in row-major order (≤ 32).
 - `Box` of a floating dtype with finite bounds ↔ one bipolar axis per element, `x0`.. in
   row-major order (≤ 16): axis value v ∈ [-1, 1] is the action `low + (v + 1)/2 · (high − low)`,
-  neutral 0 (the middle of the box); an action maps back by the inverse, clamped to [-1, 1].
+  neutral 0 (the middle of the box); an action maps back by the inverse. An action outside
+  its space (a `Discrete` value out of range, a `Box` element outside its bounds) is refused.
 - Every other action space (integer boxes, unbounded boxes, `MultiDiscrete`, `Dict`, `Tuple`,
   …) is `UNSUPPORTED`, refused when the world starts.
 """
@@ -67,8 +68,10 @@ def adapter_schema(name: str, version: int = 1) -> SchemaRef:
 
 INSPECTION: Final = adapter_schema("adapter.inspection.v2")
 """The task's view of a boundary: `{boundary, env, steps, episode, episodesDone, done, agents:
-[{agentId, active, reward, terminated, truncated}]}`, agents in port order. No observations:
-those go to each agent alone (`INPUT`)."""
+[{agentId, active, reward, terminated, truncated, observationDigest}]}`, agents in port order.
+No observations, only their digests (`workers.adapters.replay.observation_digest`, which the
+task's reward events carry into a run's export): the observations go to each agent alone
+(`INPUT`)."""
 INPUT: Final = adapter_schema("adapter.input.v1")
 """One agent's structured input: `{step, episode, active, done, reward, terminated, truncated,
 observation}` (`observation` as `encode_observation` writes it) and, at boundary 0 only,
@@ -297,9 +300,25 @@ def to_intent(desc: dict[str, Any], action: Any) -> dict[str, Any]:
     axes = []
     for i, (value, lo, hi) in enumerate(zip(values, desc["low"], desc["high"], strict=True)):
         v = parse_finite(value, f"action[{i}]")
+        if not lo <= v <= hi:
+            raise DomainError.invalid(f"action[{i}] = {v} lies outside [{lo}, {hi}]")
         unit = 0.0 if hi == lo else 2.0 * (v - lo) / (hi - lo) - 1.0
         axes.append({"id": f"x{i}", "value": min(1.0, max(-1.0, unit))})
     return {"buttons": [], "axes": axes}
+
+
+def space_text(desc: dict[str, Any]) -> str:
+    """A described space as Gymnasium prints it, near enough to recognise it."""
+    kind = desc["kind"]
+    if kind == "discrete":
+        return f"Discrete({desc['n']}, start={desc['start']})"
+    if kind == "box":
+        bounds = f"{min(desc['low'])}, {max(desc['high'])}, " if "low" in desc else ""
+        return f"Box({bounds}{tuple(desc['shape'])}, {desc['dtype']})"
+    if kind in ("multi-binary", "multi-discrete"):
+        return f"{'MultiBinary' if kind == 'multi-binary' else 'MultiDiscrete'}" \
+               f"({tuple(desc['shape'])})"
+    return kind
 
 
 def neutral(desc: dict[str, Any]) -> dict[str, Any]:
