@@ -10,6 +10,7 @@ import hashlib
 import pickle
 import random
 import re
+import zlib
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -211,7 +212,7 @@ def test_auto_checks_the_first_capture_then_trusts_snapshots() -> None:
     world, _ = continues("EzLineEnv", 2)
     # the first capture started the check; its twin matched the next steps
     assert world.recovery.state == "snapshot" and world.recovery.log is None
-    later = pickle.loads(world.capture())["env"]
+    later = pickle.loads(zlib.decompress(world.capture()))["env"]
     assert later["state"] == "snapshot" and later["env"] is not None and later["log"] is None
     continues("EzLineEnv", 5, restore="snapshot")
 
@@ -221,7 +222,7 @@ def test_an_env_that_diverges_after_restore_is_recovered_by_replay() -> None:
     assert world.recovery.state == "replay"
     assert "diverged 1 step(s) after the first capture" in world.recovery.reason
     # the first capture was made before the check, and replays as well
-    assert pickle.loads(saved)["env"]["state"] == "checking"
+    assert pickle.loads(zlib.decompress(saved))["env"]["state"] == "checking"
     # the same env restored from a snapshot would not have continued (the check's reason)
     world, models = line_world("DriftingLineEnv", restore="snapshot"), policies()
     world.reset("ep1", BINDINGS)
@@ -238,14 +239,14 @@ def test_an_env_that_diverges_after_restore_is_recovered_by_replay() -> None:
 def test_an_unpicklable_env_is_recovered_by_replay_in_auto() -> None:
     world, saved = continues("UnpicklableLineEnv", 4)
     assert world.recovery.state == "replay" and "cannot be pickled" in world.recovery.reason
-    part = pickle.loads(saved)["env"]
+    part = pickle.loads(zlib.decompress(saved))["env"]
     assert part["env"] is None and len(part["log"].actions) == 4
     continues("UnpicklableLineEnv", 3, restore="replay")
 
 
 def test_a_replay_starts_at_the_episode_the_capture_is_in() -> None:
     world, saved = continues("UnpicklableLineEnv", 7, kwargs={"size": 4, "maxSteps": 5})
-    state = pickle.loads(saved)
+    state = pickle.loads(zlib.decompress(saved))
     assert state["episode"] >= 1, "no episode ended before the capture"
     log = state["env"]["log"]
     assert log.seed == episode_seed(3, state["episode"])
