@@ -502,6 +502,20 @@ class Spaces(NamedTuple):
     action: Any
 
 
+def random_policy(observation: Any, agent_id: str, rng: np.random.Generator,
+                  spaces: Spaces) -> Any:
+    """A uniformly random action of the agent's action space, drawn from `rng` (so a run of
+    it is reproducible): a ready policy to try an env with (`workers.adapters.pettingzoo:
+    random_policy`)."""
+    space = spaces.action
+    if hasattr(space, "n"):  # Discrete
+        return int(space.start) + int(rng.integers(0, int(space.n)))
+    if hasattr(space, "low"):  # Box
+        return rng.uniform(space.low, space.high).astype(space.dtype)
+    return rng.integers(0, 2, size=space.shape).astype(np.int8)  # MultiBinary
+
+
+
 def _arity(policy: Callable[..., Any]) -> int:
     """How many positional arguments the policy takes, 2..4 (4 when it takes `*args`)."""
     try:
