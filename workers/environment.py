@@ -69,9 +69,9 @@ from workers.canonical import controls_digest, digest_bytes, digest_of
 from workers.datatypes import (
     ARRAY_CONTENT_TYPE,
     AUDIO_CONTENT_TYPE,
+    VIEW_CONTENT_TYPE,
     AgentInput,
     ArrayValue,
-    VIEW_CONTENT_TYPE,
     AssetRef,
     AudioRef,
     EnvironmentDescriptor,

@@ -88,18 +88,18 @@ from workers.domain import (
 from workers.ticks import RationalNs
 
 __all__ = [
+    "ARRAY_INPUT",
     "EXECUTOR_ATTRIBUTES",
     "MODEL_ATTRIBUTES",
-    "ARRAY_INPUT",
     "PER_AGENT_INPUT",
     "STRUCTURED_OBSERVATION",
     "TASK_ATTRIBUTES",
     "WORLD_ATTRIBUTES",
     "ActionExecutor",
+    "AgentArray",
     "AgentModel",
     "AgentOutcome",
     "Binding",
-    "AgentArray",
     "Bootstrap",
     "ControllerIntent",
     "DecodedArray",

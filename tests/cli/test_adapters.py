@@ -355,7 +355,7 @@ def test_a_world_task_mismatch_is_refused_at_submit_naming_both(tmp: Path) -> No
     assert "/task/impl" in message and "workers.synthetic:CounterTask" in message
     assert PZ_WORLD in message
     reverse = {"steps": 5, "task": {"impl": "workers.adapters.pettingzoo:EnvTask"}}
-    code, summary, err = flyd_run(tmp, "--spec", write_spec(tmp, "reverse", reverse), *PLUGINS)
+    code, summary, _ = flyd_run(tmp, "--spec", write_spec(tmp, "reverse", reverse), *PLUGINS)
     assert code == 2 and "workers.synthetic:CounterArena" in summary["error"]["message"]
 
 

@@ -10,8 +10,8 @@ import hashlib
 import pickle
 import random
 import re
-import zlib
 import threading
+import zlib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -22,11 +22,10 @@ from gymnasium import spaces
 
 from flyd.launch.launcher import ExecutionMode
 from flyd.session.runspec import RunSpec
-from tests.cli.adapter_envs import EzLineEnv, ThreadLineEnv
+from tests.cli.adapter_envs import EzLineEnv, LineEnv, ThreadLineEnv
 from tests.session.harness import Fixture, SessionHarness, within
 from workers.adapters import snapshot
 from workers.adapters.gymnasium import EnvWorld
-from tests.cli.adapter_envs import LineEnv
 from workers.adapters.pettingzoo import EnvTask, ParallelEnvWorld, PolicyModel, episode_seed
 from workers.adapters.spaces import (
     CONTEXT,
@@ -245,7 +244,7 @@ def test_an_unpicklable_env_is_recovered_by_replay_in_auto() -> None:
 
 
 def test_a_replay_starts_at_the_episode_the_capture_is_in() -> None:
-    world, saved = continues("UnpicklableLineEnv", 7, kwargs={"size": 4, "maxSteps": 5})
+    _world, saved = continues("UnpicklableLineEnv", 7, kwargs={"size": 4, "maxSteps": 5})
     state = pickle.loads(zlib.decompress(saved))
     assert state["episode"] >= 1, "no episode ended before the capture"
     log = state["env"]["log"]
