@@ -243,7 +243,7 @@ def test_an_unpicklable_env_is_recovered_by_replay_in_auto() -> None:
 
 
 def test_a_replay_starts_at_the_episode_the_capture_is_in() -> None:
-    world, saved = continues("UnpicklableLineEnv", 7, kwargs={"size": 4, "maxSteps": 5})
+    _, saved = continues("UnpicklableLineEnv", 7, kwargs={"size": 4, "maxSteps": 5})
     state = pickle.loads(saved)
     assert state["episode"] >= 1, "no episode ended before the capture"
     log = state["env"]["log"]

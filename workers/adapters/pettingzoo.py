@@ -2,7 +2,7 @@
 task that turns the environment's rewards and endings into flyd's (docs/adapters.md).
 
 - `ParallelEnvWorld` (world config `{"env": "module:callable", "kwargs": {…}, "render": bool,
-  "seed": int, "episodes": int}`): `env(**kwargs)` builds the environment. The run's ports bind
+  "seed": int, "episodes": int, "restore": "auto" | "snapshot" | "replay"}`): `env(**kwargs)` builds the environment. The run's ports bind
   to the env's `possible_agents` in order (the i-th agent of the run spec drives the i-th env
   agent; the counts must be equal). `reset` resets the env with the episode's seed (`seed`,
   default 0, for episode 0; `episode_seed(seed, e)` for episode e). `apply` maps each live
@@ -32,10 +32,11 @@ A reward that is not finite or lies outside ±`MAX_REWARD` fails the step at onc
 env, the agent and the task, as a failure that repeats (the run ends without a retry: the same
 env gives the same reward again).
 
-Checkpoints pickle the env (and a stateful policy). An env that cannot be pickled fails its
-capture with `UNSUPPORTED` naming the env, and so does the run at its first checkpoint: such an
-env cannot be recovered. Restoring unpickles a checkpoint the node wrote itself; never restore
-a checkpoint from a source you do not trust.
+Checkpoints hold the env's whole state or its episode's actions, as the world config's
+`restore` (`auto`, the default, `snapshot` or `replay`) says: `workers.adapters.recovery`. Every
+call into the env runs on the world's own env thread (`workers.adapters.thread`). An action
+outside its space ends the run at once, naming the agent and the space. Restoring unpickles a
+checkpoint the node wrote itself; never restore a checkpoint from a source you do not trust.
 """
 
 from __future__ import annotations
