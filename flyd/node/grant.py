@@ -459,6 +459,13 @@ class GrantSession:
                 ending = await self._step_to_end()
                 break
             except SessionFailure as exc:
+                if repeats(exc.error):
+                    # a participant's own deterministic refusal (a world's non-finite reward):
+                    # every attempt would step into it again
+                    head = self._durability().head
+                    await self._permanent(exc.error, head[0] if head is not None else None,
+                                          exc.detail, exc.participant)
+                    return
                 failure = exc
             except CheckpointTooLarge as exc:
                 await self._failed(exc.refused.outcome())

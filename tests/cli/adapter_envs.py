@@ -18,8 +18,13 @@
 - `ThreadLineEnv`: the same, noting the thread of every call into it (`threads`).
 - `SlideEnv`: a Gymnasium `Env` of one agent on `[-1, 1]` with a `Box(-1, 1, (1,))` action
   (the velocity), terminated within 0.05 of its target.
+- `BadRewardLineEnv`: `LineEnv` whose rewards turn to `reward` (NaN by default) at step
+  `atStep`.
+- `TimedLineEnv`: `LineEnv` with `metadata["render_fps"] = 25`; `DtSlideEnv`: `SlideEnv` with
+  `dt = 0.02`.
 - `walk` (a function) and `StubbornPolicy` (a callable object with state) for `LineEnv`;
-  `slide` for `SlideEnv`.
+  `slide` for `SlideEnv`; `pistons` and `spread` (four-argument policies) for PettingZoo's
+  pistonball and MPE2's simple_spread, checking the observation each receives is its own.
 """
 
 from __future__ import annotations
@@ -226,6 +231,55 @@ def slide(observation: np.ndarray, agent_id: str, rng: np.random.Generator) -> n
     assert agent_id == "agent" and observation.shape == (2,)
     x, target = observation
     return np.array([np.clip((target - x) * 5, -1, 1)], dtype=np.float32)
+
+
+class BadRewardLineEnv(LineEnv):
+    def __init__(self, atStep: int = 3, reward: float = float("nan"), **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.at_step = atStep
+        self.bad = reward
+
+    def step(self, actions: dict[str, Any]) -> tuple[dict[str, Any], ...]:
+        observations, rewards, terminations, truncations, infos = super().step(actions)
+        if self.steps >= self.at_step:
+            rewards = dict.fromkeys(rewards, self.bad)
+        return observations, rewards, terminations, truncations, infos
+
+
+class TimedLineEnv(LineEnv):
+    metadata = {"name": "timed_line_v0", "render_modes": ["rgb_array"], "render_fps": 25}
+
+
+class DtSlideEnv(SlideEnv):
+    dt = 0.02
+
+
+def pistons(observation: np.ndarray, agent_id: str, rng: np.random.Generator,
+            spaces: Any) -> np.ndarray:
+    """A random piston move; the observation is this piston's own picture."""
+    assert observation.dtype == np.uint8 and observation.shape == spaces.observation.shape
+    assert observation.ndim == 3 and agent_id.startswith("piston_")
+    low, high = spaces.action.low, spaces.action.high
+    return rng.uniform(low, high).astype(spaces.action.dtype)
+
+
+def spread(observation: np.ndarray, agent_id: str, rng: np.random.Generator,
+           spaces: Any) -> int:
+    """A random move of one of many particles; its observation is its own vector."""
+    assert observation.shape == spaces.observation.shape and agent_id.startswith("agent_")
+    return int(rng.integers(0, spaces.action.n))
+
+
+def last_action(observation: np.ndarray, agent_id: str, rng: np.random.Generator,
+                spaces: Any) -> int:
+    """The last action of a `Discrete` space, from the spaces the policy is given."""
+    assert observation.shape == spaces.observation.shape
+    return int(spaces.action.n) - 1
+
+
+def first_action(observation: np.ndarray, agent_id: str) -> int:
+    """A policy of the two-argument form."""
+    return 0
 
 
 def wild(observation: np.ndarray, agent_id: str, rng: np.random.Generator) -> int:

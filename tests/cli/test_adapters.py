@@ -270,3 +270,119 @@ def test_an_action_outside_its_space_ends_the_run_at_once_naming_agent_and_space
     assert failure["participant"] == "walker-a"
     assert "policy tests.cli.adapter_envs:wild returned 7, outside its action space " \
            "Discrete(3, start=0)" in failure["message"]
+
+
+# --------------------------------------------------------------------------------------------
+# per-agent binary observations, well-known envs, friction (docs/adapters.md)
+
+POLICY_MODEL = "workers.adapters.pettingzoo:PolicyModel"
+PZ_WORLD = "workers.adapters.pettingzoo:ParallelEnvWorld"
+
+
+def write_spec(tmp: Path, name: str, doc: dict[str, Any]) -> str:
+    path = tmp / f"{name}.json"
+    path.write_text(json.dumps(doc))
+    return str(path)
+
+
+def agents(prefix: str, count: int, policy: str) -> list[dict[str, Any]]:
+    return [{"agentId": f"{prefix}-{i:02d}", "portId": f"p{i:02d}", "model": POLICY_MODEL,
+             "modelConfig": {"policy": f"{ENVS}:{policy}"}} for i in range(count)]
+
+
+def test_a_pettingzoo_env_with_pixel_observations_runs(tmp: Path) -> None:
+    """PettingZoo's pistonball: each piston's observation is its own 457×120×3 picture (164 KB,
+    far over the 32 KiB a typed value may hold, so it travels as a binary array by reference);
+    the spec gives no task (the adapter world's EnvTask runs) and integer steps and seed."""
+    doc = {"sessionId": "pistons", "steps": 12, "seed": 3,
+           "agents": agents("piston", 4, "pistons"),
+           "world": {"worldId": "pistonball", "impl": PZ_WORLD,
+                     "config": {"env": "pettingzoo.butterfly.pistonball_v6:parallel_env",
+                                "kwargs": {"n_pistons": 4}, "seed": 1}}}
+    code, summary, err = flyd_run(tmp, "--spec", write_spec(tmp, "pistons", doc), *PLUGINS,
+                                  "--mode", "process", timeout=150)
+    assert code == 0 and summary["state"] == "succeeded", (summary, err[-2000:])
+    assert summary["boundary"] == summary["steps"] == 12
+    assert summary["counter"] == 12  # the env's own steps: the EnvTask's progress counter
+    assert summary["recoveries"] == 0
+
+
+def test_a_64_agent_pettingzoo_run_in_process_mode_succeeds(tmp: Path) -> None:
+    """MPE2's simple_spread with 64 particles, one agent process each: every agent receives
+    only its own observation, so the step's messages grow with the agents, not their square."""
+    doc = {"sessionId": "spread", "steps": 3, "seed": 3, "mode": "process",
+           "agents": agents("particle", 64, "spread"),
+           "world": {"worldId": "spread", "impl": PZ_WORLD,
+                     "config": {"env": "mpe2.simple_spread_v3:parallel_env",
+                                "kwargs": {"N": 64, "max_cycles": 25}, "seed": 2}},
+           "checkpoints": {"everySteps": 0}}
+    config = tmp / "wide.toml"
+    config.write_text("[session]\nmax_agents = 64\n[leases]\nttl_s = 12\n")
+    code, summary, err = flyd_run(tmp, "--spec", write_spec(tmp, "spread", doc), *PLUGINS,
+                                  "--config", str(config), timeout=170)
+    assert code == 0 and summary["state"] == "succeeded", (summary, err[-2000:])
+    assert summary["mode"] == "process" and summary["boundary"] == 3
+    assert len(summary["workers"]) == 65 and summary["counter"] == 3
+
+
+def test_a_non_finite_reward_ends_the_run_at_once_naming_the_env_and_the_task(
+        tmp: Path) -> None:
+    doc = {"sessionId": "nan", "steps": 20, "agents": agents("walker", 2, "walk"),
+           "world": {"worldId": "line", "impl": PZ_WORLD,
+                     "config": {"env": f"{ENVS}:BadRewardLineEnv", "kwargs": {"atStep": 4}}},
+           "checkpoints": {"recoveryMaxAttempts": 3}}
+    code, summary, _ = flyd_run(tmp, "--spec", write_spec(tmp, "nan", doc), *PLUGINS,
+                                "--mode", "process")
+    assert code != 0 and summary["state"] == "failed", summary
+    outcome = summary["outcome"]
+    assert outcome["error"] == "plugin failed"
+    message = outcome["failure"]["message"]
+    assert f"env {ENVS}:BadRewardLineEnv" in message and "reward is nan" in message
+    assert "workers.adapters.pettingzoo:EnvTask" in message
+    assert outcome["failure"]["participant"] == "line"
+    # no retry: one epoch, no recovery, the failure at the step the env gave it
+    assert summary["recoveries"] == 0 and summary["epochs"] == ["e1"]
+    assert summary["boundary"] == 3
+
+    doc["world"]["config"]["kwargs"] = {"atStep": 2, "reward": -5e13}
+    code, summary, _ = flyd_run(tmp, "--spec", write_spec(tmp, "huge", doc), *PLUGINS,
+                                "--mode", "thread")
+    assert code != 0 and summary["recoveries"] == 0 and summary["boundary"] == 1, summary
+    assert "reward is -5e+13" in summary["outcome"]["failure"]["message"], summary
+
+
+def test_a_world_task_mismatch_is_refused_at_submit_naming_both(tmp: Path) -> None:
+    doc = {"steps": 5, "agents": agents("walker", 2, "walk"),
+           "world": {"worldId": "line", "impl": PZ_WORLD, "config": {"env": f"{ENVS}:LineEnv"}},
+           "task": {"impl": "workers.synthetic:CounterTask"}}
+    code, summary, err = flyd_run(tmp, "--spec", write_spec(tmp, "mismatch", doc), *PLUGINS)
+    assert code == 2 and summary["error"]["code"] == "USAGE"
+    message = summary["error"]["message"]
+    assert "/task/impl" in message and "workers.synthetic:CounterTask" in message
+    assert PZ_WORLD in message
+    reverse = {"steps": 5, "task": {"impl": "workers.adapters.pettingzoo:EnvTask"}}
+    code, summary, err = flyd_run(tmp, "--spec", write_spec(tmp, "reverse", reverse), *PLUGINS)
+    assert code == 2 and "workers.synthetic:CounterArena" in summary["error"]["message"]
+
+
+def test_episodes_reset_within_a_run_and_recover_across_a_reset(tmp: Path) -> None:
+    """`episodes: 3` on a short line: the env resets twice within the run (each reset seeded
+    from the world seed and the episode number) and terminal `done` ends the run with the third
+    episode; a world killed after the first reset recovers with the clean digest."""
+    doc = {"sessionId": "episodes", "steps": 200, "seed": 5,
+           "agents": agents("walker", 2, "walk"),
+           "world": {"worldId": "line", "impl": PZ_WORLD,
+                     "config": {"env": f"{ENVS}:TimedLineEnv",
+                                "kwargs": {"size": 8, "maxSteps": 7}, "seed": 4,
+                                "episodes": 3}},
+           "task": {"terminal": "done"}, "checkpoints": {"everySteps": 4}}
+    spec = write_spec(tmp, "episodes", doc)
+    code, summary, err = flyd_run(tmp, "--spec", spec, *PLUGINS, "--mode", "thread")
+    assert code == 0 and summary["state"] == "succeeded", (summary, err[-2000:])
+    # three episodes of at most 7 steps each, and more than one episode's worth
+    assert 7 < summary["boundary"] <= 21 and summary["counter"] == summary["boundary"]
+    code, killed, _ = flyd_run(tmp, "--spec", spec, *PLUGINS, "--mode", "process",
+                               "--fault", f"kill:line@{summary['boundary'] - 3}")
+    assert code == 0 and killed["recoveries"] == 1, killed
+    assert killed["boundary"] == summary["boundary"]
+    assert killed["behaviourDigest"] == summary["behaviourDigest"]

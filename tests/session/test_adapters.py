@@ -11,6 +11,7 @@ import pickle
 import random
 import re
 import threading
+import zlib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -21,7 +22,7 @@ from gymnasium import spaces
 
 from flyd.launch.launcher import ExecutionMode
 from flyd.session.runspec import RunSpec
-from tests.cli.adapter_envs import EzLineEnv, ThreadLineEnv
+from tests.cli.adapter_envs import EzLineEnv, LineEnv, ThreadLineEnv
 from tests.session.harness import Fixture, SessionHarness, within
 from workers.adapters import snapshot
 from workers.adapters.gymnasium import EnvWorld
@@ -210,7 +211,7 @@ def test_auto_checks_the_first_capture_then_trusts_snapshots() -> None:
     world, _ = continues("EzLineEnv", 2)
     # the first capture started the check; its twin matched the next steps
     assert world.recovery.state == "snapshot"
-    later = pickle.loads(world.capture())["env"]
+    later = pickle.loads(zlib.decompress(world.capture()))["env"]
     assert later["state"] == "snapshot" and later["env"] is not None
     assert later["log"] is not None  # kept for a snapshot that restores differently
     assert later["frame"] is None  # this world does not render
@@ -222,7 +223,7 @@ def test_an_env_that_diverges_after_restore_is_recovered_by_replay() -> None:
     assert world.recovery.state == "replay"
     assert "diverged 1 step(s) after the first capture" in world.recovery.reason
     # the first capture was made before the check, and replays as well
-    assert pickle.loads(saved)["env"]["state"] == "checking"
+    assert pickle.loads(zlib.decompress(saved))["env"]["state"] == "checking"
     # the same env restored from a snapshot would not have continued (the check's reason)
     world, models = line_world("DriftingLineEnv", restore="snapshot"), policies()
     world.reset("ep1", BINDINGS)
@@ -239,14 +240,14 @@ def test_an_env_that_diverges_after_restore_is_recovered_by_replay() -> None:
 def test_an_unpicklable_env_is_recovered_by_replay_in_auto() -> None:
     world, saved = continues("UnpicklableLineEnv", 4)
     assert world.recovery.state == "replay" and "cannot be pickled" in world.recovery.reason
-    part = pickle.loads(saved)["env"]
+    part = pickle.loads(zlib.decompress(saved))["env"]
     assert part["env"] is None and len(part["log"].actions) == 4
     continues("UnpicklableLineEnv", 3, restore="replay")
 
 
 def test_a_replay_starts_at_the_episode_the_capture_is_in() -> None:
     _, saved = continues("UnpicklableLineEnv", 7, kwargs={"size": 4, "maxSteps": 5})
-    state = pickle.loads(saved)
+    state = pickle.loads(zlib.decompress(saved))
     assert state["episode"] >= 1, "no episode ended before the capture"
     log = state["env"]["log"]
     assert log.seed == episode_seed(3, state["episode"])
@@ -394,3 +395,71 @@ def test_only_the_adapters_import_the_optional_packages() -> None:
                  for path in (ROOT / package).rglob("*.py")
                  if "adapters" not in path.parts and pattern.search(path.read_text())]
     assert offenders == []
+
+
+# --------------------------------------------------------------------------------------------
+# friction: the spec's defaults follow the env (docs/adapters.md)
+
+
+def adapter_doc(env: str, **world: Any) -> dict[str, Any]:
+    return {"agents": [{"agentId": a, "portId": p, "model": "workers.adapters.pettingzoo:"
+                        "PolicyModel", "modelConfig": {"policy": f"{ENVS}:walk"}}
+                       for p, a in BINDINGS],
+            "world": {"worldId": "line", "impl": "workers.adapters.pettingzoo:ParallelEnvWorld",
+                      "config": {"env": f"{ENVS}:{env}"}, **world}}
+
+
+def test_the_world_step_follows_the_env_unless_the_spec_sets_it() -> None:
+    timed = RunSpec.validate(adapter_doc("TimedLineEnv"))  # metadata render_fps 25
+    assert timed.world.step == RationalNs.millis(40)
+    assert timed.task.impl == "workers.adapters.pettingzoo:EnvTask"  # the default task
+    given = RunSpec.validate(adapter_doc("TimedLineEnv", step={"numerator": "5000000",
+                                                               "denominator": "1"}))
+    assert given.world.step == RationalNs.millis(5)
+    untimed = RunSpec.validate(adapter_doc("LineEnv"))
+    assert untimed.world.step == RunSpec.validate({}).world.step  # neither dt nor fps
+    gym = RunSpec.validate({"agents": [{"agentId": "slider", "portId": "p1"}],
+                            "world": {"impl": "workers.adapters.gymnasium:EnvWorld",
+                                      "config": {"env": f"{ENVS}:DtSlideEnv"}}})
+    assert gym.world.step == RationalNs.millis(20)  # the env's dt
+    # the normalised spec carries the step, so a node launches what the submitter saw
+    assert RunSpec.validate(timed.to_json()).world.step == RationalNs.millis(40)
+
+
+def test_a_policy_gets_its_spaces_and_two_or_three_argument_policies_still_work() -> None:
+    world = line_world()
+    world.reset("ep1", BINDINGS)
+    pool = ThreadPoolExecutor(1)
+    pressed = {}
+    for name in ("last_action", "first_action", "walk"):  # 4, 2 and 3 arguments
+        model = PolicyModel(agent_id="walker-a", seed=1, threads=1, executor=pool,
+                            config={"policy": f"{ENVS}:{name}"})
+        model.install_input(delivered(world, "p1", 0))
+        decision = model.decide(typed(CONTEXT, {"step": 0})).value
+        pressed[name] = [b["id"] for b in decision["buttons"] if b["down"]]
+        # the spaces came once, with the boundary-0 input, as gymnasium spaces
+        assert model.gym_spaces() == (spaces.Box(0.0, 16.0, (2,), np.float32), spaces.Discrete(3))
+        model.install_input(delivered(world, "p1", 1))  # no spaces: the model kept them
+    assert pressed["last_action"] == ["a2"] and pressed["first_action"] == ["a0"]
+    assert len(pressed["walk"]) == 1
+
+
+def test_episodes_reset_within_the_run_seeded_from_the_seed_and_episode() -> None:
+    world, models = line_world(kwargs={"size": 4, "maxSteps": 5}, episodes=3), policies()
+    world.reset("ep1", BINDINGS)
+    starts = [world.observations["p1"].copy()]
+    episode = 0
+    for k in range(40):
+        run(world, models, 1, start=k)
+        if world.episode != episode:
+            episode = world.episode
+            starts.append(world.observations["p1"].copy())
+        if world.done():
+            break
+    assert world.done() and world.ended == 3 and len(starts) == 3
+    assert world.inspection(k + 1).value["done"] is True
+    for e, start in enumerate(starts):  # each reset is the env's reset with that seed
+        fresh = LineEnv(size=4, maxSteps=5)
+        observations, _ = fresh.reset(seed=episode_seed(3, e))
+        assert np.array_equal(observations["walker_0"], start)
+    assert episode_seed(3, 0) == 3 and len({episode_seed(3, e) for e in range(50)}) == 50

@@ -34,10 +34,11 @@ env, the agent and the task, as a failure that repeats (the run ends without a r
 env gives the same reward again).
 
 Checkpoints hold the env's whole state or its episode's actions, as the world config's
-`restore` (`auto`, the default, `snapshot` or `replay`) says: `workers.adapters.recovery`. Every
-call into the env runs on the world's own env thread (`workers.adapters.thread`). An action
-outside its space ends the run at once, naming the agent and the space. Restoring unpickles a
-checkpoint the node wrote itself; never restore a checkpoint from a source you do not trust.
+`restore` (`auto`, the default, `snapshot` or `replay`) says: `workers.adapters.recovery`; the
+world's capture is compressed. Every call into the env runs on the world's own env thread
+(`workers.adapters.thread`). An action outside its space ends the run at once, naming the agent
+and the space. Restoring unpickles a checkpoint the node wrote itself; never restore a
+checkpoint from a source you do not trust.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ import math
 import pickle
 import re
 import types
+import zlib
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Executor
 from typing import Any, ClassVar, Final, NamedTuple
@@ -173,7 +175,8 @@ def step_of(seconds: float, what: str) -> RationalNs:
 
 def bad_reward(env_path: str, agent: str, value: Any) -> DomainError:
     """A reward the task cannot take: a failure that repeats, so the run ends at once."""
-    message = (f"env {env_path}: agent {agent}'s reward is {value!r}; task {TASK_PATH} takes "
+    shown = f"{value:g}" if isinstance(value, float) else repr(value)
+    message = (f"env {env_path}: agent {agent}'s reward is {shown}; task {TASK_PATH} takes "
                f"finite rewards within ±{MAX_REWARD:g} (fix the env's reward)")
     return DomainError(ErrorCode.BACKEND_FAILURE, message, Mutation.APPLIED,
                        PluginFault(env_path, PluginStage.CALL, "ValueError", message, (), True))
@@ -459,7 +462,9 @@ class ParallelEnvWorld:
                  "rewards": self.rewards, "terminated": self.terminated,
                  "truncated": self.truncated, "steps": self.steps, "episode": self.episode,
                  "ended": self.ended}
-        return pickle.dumps(state, protocol=pickle.HIGHEST_PROTOCOL)
+        # compressed: an env's pickle holds its screens and the last observations (a pixel
+        # env's 2 MB shrink to tens of KB), and a capture must fit one bus frame
+        return zlib.compress(pickle.dumps(state, protocol=pickle.HIGHEST_PROTOCOL), 1)
 
     def restore(self, payload: bytes) -> None:
         """Install a `capture()`: all or nothing, `INCOMPATIBLE_STATE` when it does not fit
@@ -468,7 +473,7 @@ class ParallelEnvWorld:
 
     def _restore(self, payload: bytes) -> None:
         try:
-            state = pickle.loads(payload)
+            state = pickle.loads(zlib.decompress(payload))
         except Exception as exc:
             raise DomainError.before("INCOMPATIBLE_STATE", f"env {self.env_path} state: "
                                      f"{type(exc).__name__}") from None
@@ -581,7 +586,8 @@ class PolicyModel:
         self.total = 0.0
         self._mutations = 0
 
-    def _spaces(self) -> Spaces:
+    def gym_spaces(self) -> Spaces:
+        """The agent's spaces as gymnasium spaces, rebuilt once from their descriptions."""
         if self.built is None:
             assert self.spaces is not None
             self.built = Spaces(to_space(self.spaces["observation"]),
@@ -600,7 +606,7 @@ class PolicyModel:
             observation = decode_observation(self.spaces["observation"], value["observation"],
                                              arrays)
             args: tuple[Any, ...] = (observation, self.spaces["agent"], self.rng,
-                                     self._spaces())
+                                     self.gym_spaces())
             try:
                 action = self.policy(*args[:self.arity])
             except DomainError:
