@@ -11,6 +11,8 @@
   plain pickle of it is a fresh, never-reset env).
 - `DriftingLineEnv`: the same, but an unpickled copy has every walker one cell further right:
   deliberately not the env that was pickled.
+- `HomesickLineEnv`: the same, but a copy unpickled in another process than the one that made
+  the env has every walker one cell further right (a copy in the same process is exact).
 - `GlobalRandomLineEnv`: the same, but its walkers slip at random by the process-wide
   `random` module, so neither its pickle nor a replay from its seed continues it.
 - `ThreadLineEnv`: the same, noting the thread of every call into it (`threads`).
@@ -27,6 +29,7 @@
 
 from __future__ import annotations
 
+import os
 import random
 import threading
 from typing import Any
@@ -119,6 +122,17 @@ class DriftingLineEnv(LineEnv):
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self.positions = {a: min(self.size, p + 1) for a, p in self.positions.items()}
+
+
+class HomesickLineEnv(LineEnv):
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.home = os.getpid()
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        if self.home != os.getpid():
+            self.positions = {a: min(self.size, p + 1) for a, p in self.positions.items()}
 
 
 class GlobalRandomLineEnv(LineEnv):

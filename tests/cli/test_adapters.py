@@ -172,6 +172,11 @@ SPECS: dict[str, tuple[list[tuple[str, str]], dict[str, Any], int]] = {
                  "config": {"env": "pettingzoo.sisl.pursuit_v5:parallel_env",
                             "kwargs": {"max_cycles": 100}, "seed": 5,
                             "restore": "snapshot"}}, 16),
+    # an env whose snapshot restores differently in another process: the default `auto`
+    # trusts it in-process, sees the difference in its render at the restore, and replays
+    "homesick": ([("walker-a", f"{ENVS}:walk"), ("walker-b", f"{ENVS}:walk")],
+                 {"impl": PARALLEL, "config": {"env": f"{ENVS}:HomesickLineEnv",
+                                               "render": True, "seed": 3}}, 20),
     # an env that cannot be pickled: recovered by replay in the default `auto`
     "unpicklable": ([("walker-a", f"{ENVS}:walk"), ("walker-b", f"{ENVS}:walk")],
                     {"impl": PARALLEL, "config": {"env": f"{ENVS}:UnpicklableLineEnv",
@@ -207,7 +212,7 @@ def observation_digests(line: dict[str, Any]) -> dict[str, str]:
 
 @pytest.mark.parametrize("name, victim", [
     ("pole", "pole"), ("pole", "balancer"), ("pursuit", "pursuit"), ("pursuit", "pursuer-3"),
-    ("unpicklable", "unpicklable")])
+    ("unpicklable", "unpicklable"), ("homesick", "homesick")])
 def test_a_published_env_killed_mid_run_exports_the_lines_of_an_undisturbed_run(
         tmp: Path, name: str, victim: str) -> None:
     clean = undisturbed_export(tmp, name)
@@ -226,9 +231,10 @@ def test_a_published_env_killed_mid_run_exports_the_lines_of_an_undisturbed_run(
 
 def test_an_env_that_diverges_across_restore_ends_restore_diverged(tmp: Path) -> None:
     """`restore: snapshot` trusts the pickle; the restored world reports what it renders and
-    the coordinator finds it differs from the checkpoint's record."""
+    the coordinator finds it differs from the checkpoint's record (`auto` replays this env:
+    the test above)."""
     spec = env_spec(tmp, "drift", [("walker-a", f"{ENVS}:walk"), ("walker-b", f"{ENVS}:walk")],
-                    {"impl": PARALLEL, "config": {"env": f"{ENVS}:DriftingLineEnv",
+                    {"impl": PARALLEL, "config": {"env": f"{ENVS}:HomesickLineEnv",
                                                   "render": True, "restore": "snapshot",
                                                   "seed": 3}}, 20)
     code, summary, _ = flyd_run(tmp, "--spec", spec, *PLUGINS, "--mode", "process",

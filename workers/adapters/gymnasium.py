@@ -6,8 +6,8 @@
 wrapped as a parallel env of one agent named `agent`, so the run binds exactly one agent, the
 `PolicyModel` and `EnvTask` of that module drive it unchanged, and an episode ends when the
 env terminates or is truncated (the next one starts at once, as for a parallel env).
-Checkpoints pickle the wrapped env; an env that cannot be pickled fails its capture naming
-it.
+Checkpoints and recovery are the parallel world's (`restore: auto | snapshot | replay`,
+`workers.adapters.recovery`), applied to the wrapped env.
 """
 
 from __future__ import annotations

@@ -2,20 +2,21 @@
 task that turns the environment's rewards and endings into flyd's (docs/adapters.md).
 
 - `ParallelEnvWorld` (world config `{"env": "module:callable", "kwargs": {…}, "render": bool,
-  "seed": int, "episodes": int}`): `env(**kwargs)` builds the environment. The run's ports bind
-  to the env's `possible_agents` in order (the i-th agent of the run spec drives the i-th env
-  agent; the counts must be equal). `reset` resets the env with the episode's seed (`seed`,
-  default 0, for episode 0; `episode_seed(seed, e)` for episode e). `apply` maps each live
-  agent's port controls to its action (`workers.adapters.spaces`) and steps the env once; the
-  controls of agents that are no longer live are ignored. When no agent is live the episode
-  has ended: the env is reset at once for the next episode, up to `episodes` (unbounded when
-  left out: episodes follow each other until the run's step count), after which it is done and
-  `apply` leaves it alone. The world offers `per-agent-input-v1`: each agent receives only its
-  own observation (binary arrays), reward and endings (`adapter.input.v1`), its spaces once at
-  boundary 0; the inspection (`adapter.inspection.v2`, rewards and endings, no observations) is
-  the task's. With `render` true the env is built with `render_mode="rgb_array"` and its
-  render is the world's view `frame`. The world's step follows the env (`natural_step`: its
-  `dt`, else `1 / metadata["render_fps"]`) unless the run spec sets one.
+  "seed": int, "episodes": int, "restore": "auto" | "snapshot" | "replay"}`): `env(**kwargs)`
+  builds the environment. The run's ports bind to the env's `possible_agents` in order (the i-th
+  agent of the run spec drives the i-th env agent; the counts must be equal). `reset` resets the
+  env with the episode's seed (`seed`, default 0, for episode 0; `episode_seed(seed, e)` for
+  episode e). `apply` maps each live agent's port controls to its action
+  (`workers.adapters.spaces`) and steps the env once; the controls of agents that are no longer
+  live are ignored. When no agent is live the episode has ended: the env is reset at once for the
+  next episode, up to `episodes` (unbounded when left out: episodes follow each other until the
+  run's step count), after which it is done and `apply` leaves it alone. The world offers
+  `per-agent-input-v1`: each agent receives only its own observation (binary arrays), reward and
+  endings (`adapter.input.v1`), its spaces once at boundary 0; the inspection
+  (`adapter.inspection.v2`, rewards and endings, no observations) is the task's. With `render`
+  true the env is built with `render_mode="rgb_array"` and its render is the world's view `frame`.
+  The world's step follows the env (`natural_step`: its `dt`, else `1 / metadata["render_fps"]`)
+  unless the run spec sets one.
 - `PolicyModel` (model config `{"policy": "module:callable"}`): when its input arrives it calls
   `policy(observation, env_agent, rng, spaces)` once (a policy taking two or three positional
   arguments gets the first two or three), with the observation as the env gave it, the env's
@@ -32,10 +33,12 @@ A reward that is not finite or lies outside ±`MAX_REWARD` fails the step at onc
 env, the agent and the task, as a failure that repeats (the run ends without a retry: the same
 env gives the same reward again).
 
-Checkpoints pickle the env (compressed) and a stateful policy. An env that cannot be pickled fails its
-capture with `UNSUPPORTED` naming the env, and so does the run at its first checkpoint: such an
-env cannot be recovered. Restoring unpickles a checkpoint the node wrote itself; never restore
-a checkpoint from a source you do not trust.
+Checkpoints hold the env's whole state or its episode's actions, as the world config's
+`restore` (`auto`, the default, `snapshot` or `replay`) says: `workers.adapters.recovery`; the
+world's capture is compressed. Every call into the env runs on the world's own env thread
+(`workers.adapters.thread`). An action outside its space ends the run at once, naming the agent
+and the space. Restoring unpickles a checkpoint the node wrote itself; never restore a
+checkpoint from a source you do not trust.
 """
 
 from __future__ import annotations
@@ -329,8 +332,9 @@ class ParallelEnvWorld:
                 self.rewards[port] = 0.0
             self.terminated[port] = self.truncated[port] = False
 
-    def frame(self) -> Any:
-        frame = np.asarray(self.env.render())
+    def frame(self, env: Any = None) -> Any:
+        """The render of `env` (the world's own by default) as an H×W×3|4 uint8 array."""
+        frame = np.asarray((self.env if env is None else env).render())
         if frame.ndim != 3 or frame.shape[2] not in (3, 4) or frame.dtype != np.uint8:
             raise DomainError.invalid(f"env {self.env_path}: render() must return an rgb_array "
                                       f"(H×W×3 uint8); got {frame.dtype} {frame.shape}")
@@ -441,13 +445,19 @@ class ParallelEnvWorld:
 
     # ------------------------------------------------------------------ checkpoint
 
+    def picture(self) -> Callable[[Any], str] | None:
+        """The digest of an env's render, for a world that renders."""
+        if not self.render_view:
+            return None
+        return lambda env: observation_digest(self.frame(env))
+
     def capture(self) -> bytes:
         """The world's state and its env's (`workers.adapters.recovery`: a snapshot, or the
         episode's record to replay), made on the env thread."""
         return self.thread.call(self._capture)
 
     def _capture(self) -> bytes:
-        state = {"format": WORLD_FORMAT, "env": self.recovery.capture(self.env),
+        state = {"format": WORLD_FORMAT, "env": self.recovery.capture(self.env, self.picture()),
                  "agents": self.agents, "observations": self.observations,
                  "rewards": self.rewards, "terminated": self.terminated,
                  "truncated": self.truncated, "steps": self.steps, "episode": self.episode,
@@ -472,13 +482,13 @@ class ParallelEnvWorld:
         if not isinstance(state, dict) or set(state) != keys \
                 or state["format"] != WORLD_FORMAT \
                 or not isinstance(state["env"], dict) \
-                or set(state["env"]) != {"state", "env", "log"} \
+                or set(state["env"]) != {"state", "env", "log", "frame"} \
                 or any(set(state[k]) != set(self.ports) for k in
                        ("observations", "rewards", "terminated", "truncated")):
             raise DomainError.before("INCOMPATIBLE_STATE", f"env {self.env_path} state: not a "
                                      f"{WORLD_FORMAT} state of ports {list(self.ports)}")
         previous = self.env
-        self.env = self.recovery.restore(state["env"], previous)
+        self.env = self.recovery.restore(state["env"], previous, self.picture())
         self.agents = dict(state["agents"])
         self.observations = dict(state["observations"])
         self.rewards = dict(state["rewards"])

@@ -15,13 +15,16 @@ the env that wrote it would have. Two ways get there, and neither fits every env
 `auto` (the default) tries the snapshot and checks it: at the first capture it pickles the env
 and unpickles the bytes into a second env (the *twin*), then steps the twin with the live env's
 actions for the next `CHECK_STEPS` steps and compares their results. Equal every time, the env
-is trusted and later captures are snapshots (the action record is then dropped); a difference,
-a twin that raises, or an env that cannot be pickled makes the world replay from then on. Until
-the check has passed a capture holds the record and restores by replay, so no checkpoint ever
-depends on an unchecked snapshot. `snapshot` skips the check and never replays: an env that
-cannot be pickled is refused when the world starts (a run that could never be checkpointed
-fails at once, naming the world), and a restored env that diverges is left to the coordinator's
-restore verification. `replay` never pickles the env.
+is trusted and later captures are snapshots; a difference, a twin that raises, or an env that
+cannot be pickled makes the world replay from then on. Until the check has passed a capture
+restores by replay, so no checkpoint ever depends on an unchecked snapshot. A trusted snapshot
+keeps the episode's record beside it, and for a world that renders, the digest of the frame
+the env rendered at the capture: a snapshot restored in another process whose render differs
+(an env whose state depends on its process) is dropped and the episode replayed instead.
+`snapshot` skips the check and never replays: an env that cannot be pickled is refused when
+the world starts (a run that could never be checkpointed fails at once, naming the world), and
+a restored env that diverges is left to the coordinator's restore verification
+(`RESTORE_DIVERGED`). `replay` never pickles the env.
 
 The policy's state (which way it is, the record, the twin) is bookkeeping of the world, not
 behaviour: the checks step only the twin, never the live env. Every call into an env made here
@@ -30,8 +33,10 @@ runs on the world's env thread (the world calls these methods there).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Final, Literal
+
+import structlog
 
 from workers.adapters.replay import EpisodeLog, StepResult, replay, step_digest
 from workers.adapters.snapshot import Unpicklable, dumps, loads
@@ -39,11 +44,15 @@ from workers.domain import DomainError, ErrorCode
 
 __all__ = ["CHECK_STEPS", "RESTORE_MODES", "EnvRecovery"]
 
+log = structlog.get_logger("workers.adapters.recovery")
+
 RESTORE_MODES: Final = ("auto", "snapshot", "replay")
 #: steps the twin of the first capture is compared over
 CHECK_STEPS: Final = 3
 
 State = Literal["unchecked", "checking", "snapshot", "replay"]
+#: the digest of what an env renders now (None for a world without a view)
+Picture = Callable[[Any], str] | None
 
 
 class EnvRecovery:
@@ -79,7 +88,7 @@ class EnvRecovery:
                 "it by replaying its actions") from None
 
     def keeps_log(self) -> bool:
-        return self.state != "snapshot"
+        return self.mode != "snapshot"
 
     def reset(self, seed: int) -> None:
         """A new episode: a new record; a check in progress starts again at the next
@@ -106,15 +115,18 @@ class EnvRecovery:
             return
         self.twin_steps += 1
         if self.twin_steps >= CHECK_STEPS:
-            self.state, self.twin, self.log = "snapshot", None, None
+            self.state, self.twin = "snapshot", None
+            log.info("adapter.snapshot_trusted", world=self.what, steps=CHECK_STEPS)
 
     def _replay_from_now(self, reason: str) -> None:
         self.state, self.twin, self.reason = "replay", None, reason
+        log.warning("adapter.replaying", world=self.what, reason=reason)
 
     # ------------------------------------------------------------------ checkpoints
 
-    def capture(self, env: Any) -> dict[str, Any]:
-        """The env's part of a world capture: `{state, env: snapshot bytes | None, log}`."""
+    def capture(self, env: Any, picture: Picture) -> dict[str, Any]:
+        """The env's part of a world capture: `{state, env: snapshot bytes | None, log,
+        frame: the digest of the env's render | None}`."""
         snapshot: bytes | None = None
         if self.state in ("unchecked", "snapshot"):
             try:
@@ -131,19 +143,31 @@ class EnvRecovery:
                 self.twin, self.twin_steps, self.state = loads(snapshot), 0, "checking"
             except Exception as exc:
                 self._replay_from_now(f"its pickle does not load ({type(exc).__name__})")
+        log = None if self.log is None else self.log.copy()
         if self.state == "snapshot":
-            return {"state": "snapshot", "env": snapshot, "log": None}
-        assert self.log is not None, "a world that replays keeps its episode's record"
-        return {"state": self.state, "env": None, "log": self.log.copy()}
+            frame = picture(env) if picture is not None and log is not None else None
+            return {"state": "snapshot", "env": snapshot, "log": log, "frame": frame}
+        assert log is not None, "a world that replays keeps its episode's record"
+        return {"state": self.state, "env": None, "log": log, "frame": None}
 
-    def restore(self, part: Mapping[str, Any], env: Any) -> Any:
+    def restore(self, part: Mapping[str, Any], env: Any, picture: Picture) -> Any:
         """The env of a capture's part: unpickled, or `env` (freshly built) replayed. Raises
         `INCOMPATIBLE_STATE` naming the first step that replays differently."""
         state, snapshot, log = part["state"], part["env"], part["log"]
         if state == "snapshot":
             restored = loads(snapshot)
-            self.state, self.log, self.twin = "snapshot", None, None
-            return restored
+            self.twin = None
+            frame = part["frame"]
+            if frame is None or picture is None or picture(restored) == frame:
+                self.state = "snapshot"
+                self.log = None if log is None else log.copy()
+                return restored
+            close = getattr(restored, "close", None)
+            if callable(close):
+                close()
+            self.reason = "its snapshot rendered another picture once restored"
+            log.warning("adapter.replaying", world=self.what, reason=self.reason)
+            state = "replay"
         if not isinstance(log, EpisodeLog):
             raise DomainError.before(ErrorCode.INCOMPATIBLE_STATE,
                                      f"{self.what}: the capture holds no episode record")

@@ -62,7 +62,8 @@ class _EnvPickler(pickle.Pickler):
         if transient is not None:
             state.update({k: type(v)() if isinstance(v, dict) else v
                           for k, v in transient.items()})
-        return copyreg.__newobj__, (cls,), state, None, None, install_state
+        new = copyreg.__newobj__  # type: ignore[attr-defined]
+        return new, (cls,), state, None, None, install_state
 
 
 def dumps(env: Any) -> bytes:

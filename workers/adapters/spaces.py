@@ -307,9 +307,9 @@ def to_intent(desc: dict[str, Any], action: Any) -> dict[str, Any]:
     return {"buttons": [], "axes": axes}
 
 
-def space_text(desc: dict[str, Any]) -> str:
+def space_text(desc: Mapping[str, Any]) -> str:
     """A described space as Gymnasium prints it, near enough to recognise it."""
-    kind = desc["kind"]
+    kind = str(desc["kind"])
     if kind == "discrete":
         return f"Discrete({desc['n']}, start={desc['start']})"
     if kind == "box":
