@@ -214,7 +214,7 @@ def decode_observation(desc: dict[str, Any], value: Any,
     if kind == "discrete":
         return np.int64(value)
     if kind in ("box", "multi-binary", "multi-discrete"):
-        found = arrays.get(value.get("array")) if isinstance(value, dict) else None
+        found = arrays.get(str(value.get("array"))) if isinstance(value, dict) else None
         if found is None or np.dtype(found.dtype) != _leaf_dtype(desc) \
                 or list(found.shape) != list(desc["shape"]):
             raise DomainError.invalid(f"the input has no array {value!r} of dtype "
