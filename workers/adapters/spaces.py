@@ -67,8 +67,9 @@ def adapter_schema(name: str, version: int = 1) -> SchemaRef:
 
 
 INSPECTION: Final = adapter_schema("adapter.inspection.v2")
-"""The task's view of a boundary: `{boundary, env, steps, episode, episodesDone, done, agents:
-[{agentId, active, reward, terminated, truncated, observationDigest}]}`, agents in port order.
+"""The task's view of a boundary: `{boundary, env, steps, episode, episodesDone, done,
+agentIds, active, rewards, terminated, truncated, observationDigests}`, each of the last six a
+list by port, in port order (columns, so a key is not repeated per agent).
 No observations, only their digests (`workers.adapters.replay.observation_digest`, which the
 task's reward events carry into a run's export): the observations go to each agent alone
 (`INPUT`)."""
