@@ -192,7 +192,7 @@ def exported_run(tmp: Path, name: str, *args: str) -> tuple[dict[str, Any],
     code, summary, _ = flyd_run(tmp, "--spec", env_spec(tmp, name, agents, world, steps),
                                 *PLUGINS, "--mode", "process", "--config", str(config), *args,
                                 timeout=150)
-    assert code == 0 and summary["state"] == "succeeded", summary
+    assert code == 0 and summary["state"] == "succeeded", (summary["failures"], summary["outcome"])
     assert summary["boundary"] == steps
     return summary, export(tmp, summary["run"])
 

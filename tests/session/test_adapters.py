@@ -7,6 +7,7 @@ rewards and endings, and that nothing outside `workers/adapters` imports the opt
 from __future__ import annotations
 
 import hashlib
+import os
 import pickle
 import random
 import re
@@ -235,6 +236,34 @@ def test_an_env_that_diverges_after_restore_is_recovered_by_replay() -> None:
     expected = run(world, models, 3, start=2)
     assert run(restored(saved, "DriftingLineEnv", restore="snapshot"), twins, 3,
                start=2) != expected
+
+
+def test_a_snapshot_that_renders_another_picture_once_restored_is_replayed(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """`HomesickLineEnv` passes the in-process check; restored in another process (its pid
+    patched here) it drifts, its render shows it, and `auto` replays the record instead."""
+    world, models = line_world("HomesickLineEnv", render=True), policies()
+    world.reset("ep1", BINDINGS)
+    run(world, models, 2)
+    world.capture()
+    run(world, models, 4, start=2)
+    assert world.recovery.state == "snapshot"
+    saved = world.capture()
+    states = {agent: model.capture() for agent, model in models.items()}
+    expected = run(world, models, 5, start=6)
+    home = os.getpid()
+    monkeypatch.setattr(os, "getpid", lambda: home + 1)
+    twins = policies()
+    for agent, model in twins.items():
+        model.restore(states[agent])
+    twin = restored(saved, "HomesickLineEnv", render=True)
+    assert twin.recovery.state == "replay"
+    assert twin.recovery.reason == "its snapshot rendered another picture once restored"
+    assert run(twin, twins, 5, start=6) == expected
+    # without the picture the snapshot would have been installed, one cell off
+    drifted = restored(saved, "HomesickLineEnv")
+    assert drifted.recovery.state == "snapshot"
+    assert drifted.env.positions != twin.env.positions
 
 
 def test_an_unpicklable_env_is_recovered_by_replay_in_auto() -> None:
