@@ -315,6 +315,7 @@ class ParallelEnvWorld:
         return self.builder()
 
     def live(self) -> set[str]:
+        """The env's live agents (on the env thread; `alive` keeps them for other threads)."""
         return {str(a) for a in self.env.agents}
 
     def done(self) -> bool:
@@ -326,6 +327,8 @@ class ParallelEnvWorld:
         seed = episode_seed(self.seed, self.episode)
         observations, _ = self.env.reset(seed=seed)
         self.recovery.reset(seed)
+        #: the live agents as of the env's last reset or step, read without a call into it
+        self.alive = self.live()
         for port, agent in self.env_agents.items():
             self.observations[port] = observations[agent]
             if rewards:
@@ -391,14 +394,15 @@ class ParallelEnvWorld:
                                                 rewards.get(agent, 0.0))
             self.terminated[port] = bool(terminations.get(agent, False))
             self.truncated[port] = bool(truncations.get(agent, False))
-        if not self.live():
+        self.alive = self.live()
+        if not self.alive:
             self.ended += 1
             if not self.done():
                 self.episode += 1
                 self.reset_env(rewards=False)
 
     def inspection(self, boundary: int) -> TypedValue:
-        live = self.thread.call(self.live)
+        live = self.alive
         return typed(INSPECTION, {
             "boundary": boundary, "env": self.env_path, "steps": self.steps,
             "episode": self.episode, "episodesDone": self.ended, "done": self.done(),
@@ -417,7 +421,7 @@ class ParallelEnvWorld:
                                                  self.observations[port_id])
         value: dict[str, Any] = {
             "step": self.steps, "episode": self.episode, "done": self.done(),
-            "active": self.names[port_id] in self.thread.call(self.live) and not self.done(),
+            "active": self.names[port_id] in self.alive and not self.done(),
             "reward": self.rewards[port_id], "terminated": self.terminated[port_id],
             "truncated": self.truncated[port_id], "observation": observation}
         if boundary == 0:
@@ -496,6 +500,7 @@ class ParallelEnvWorld:
         self.truncated = dict(state["truncated"])
         self.steps = int(state["steps"])
         self.episode, self.ended = int(state["episode"]), int(state["ended"])
+        self.alive = self.live()
         close = getattr(previous, "close", None)
         if previous is not self.env and callable(close):
             close()
