@@ -50,6 +50,7 @@ bench: $(STAMP)
 	$(BIN)/python -P bench/failover.py
 	$(BIN)/python -P bench/memory.py --steps 1500
 	$(BIN)/python -P bench/launch.py --rounds 3
+	$(BIN)/python -P bench/watch.py
 
 # As `test`: the sweep's < 60 s bound (marker `serial`) is measured alone, after the rest.
 faults: $(STAMP)

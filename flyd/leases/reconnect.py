@@ -12,8 +12,9 @@ Rules:
   lazily; closed after any failure, so the next use reconnects). While the session is lost it
   reconnects and repeats `op`, `BACKOFF_S` doubling to `BACKOFF_MAX_S` apart, until `within_s`
   has passed since the read began; then the last error stands. Each try is bounded by what is
-  left of `within_s`. Only idempotent reads may be passed: a write repeated after a lost reply
-  could apply twice.
+  left of `within_s`. An `application_name` names the session in `pg_stat_activity`, so an
+  operator (and the blip tests) can tell whose it is. Only idempotent reads may be passed: a
+  write repeated after a lost reply could apply twice.
 - Tries are serialised by a lock (one connection, one statement at a time); the backoff sleeps
   outside it. The connection is the lease store's `ClosingConnection`: a try cut by its bound
   closes the socket at once instead of waiting for a server-side cancel.
@@ -25,7 +26,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
-from typing import Final, TypeVar
+from typing import Any, Final, TypeVar
 
 import psycopg
 import structlog
@@ -46,9 +47,12 @@ log = structlog.get_logger("flyd.leases.reconnect")
 class ReadConnection:
     """One lazily opened autocommit connection for idempotent reads (module rules)."""
 
-    def __init__(self, dsn: str, *, within_s: float) -> None:
+    def __init__(self, dsn: str, *, within_s: float, application_name: str | None = None
+                 ) -> None:
         self._dsn = dsn
         self.within_s = within_s
+        self._names: dict[str, Any] = {} if application_name is None else {
+            "application_name": application_name}
         self._conn: ClosingConnection | None = None
         self._lock = asyncio.Lock()
 
@@ -81,7 +85,8 @@ class ReadConnection:
         async with self._lock:
             conn = self._conn
             if conn is None or conn.closed:
-                conn = self._conn = await ClosingConnection.connect(self._dsn, autocommit=True)
+                conn = self._conn = await ClosingConnection.connect(self._dsn, autocommit=True,
+                                                                    **self._names)
             try:
                 return await op(conn)
             except BaseException:

@@ -262,7 +262,8 @@ class NodeProcess:
         self.store = PgStore(self.dsn, setup.node_id, settings, self.params,
                              capacity=setup.capacity)
         await self.store.open()
-        self.checkpoints = PgCheckpointStore(self.dsn)
+        self.checkpoints = PgCheckpointStore(
+            self.dsn, application_name=f"flyd:{setup.node_id}:checkpoints")
         add_import_roots(setup.config.launcher.plugin_paths)
         self.spawner = Spawner(setup.config.launcher, socket=setup.socket)
         self.executor = GrantExecutor(

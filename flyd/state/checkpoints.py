@@ -649,11 +649,13 @@ def _record(r: Sequence[Any]) -> CheckpointRecord:
 class PgCheckpointStore(_Base):
     """The checkpoint store on the distribution schema (module rules)."""
 
-    def __init__(self, dsn: str, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    def __init__(self, dsn: str, *, timeout_s: float = DEFAULT_TIMEOUT_S,
+                 application_name: str | None = None) -> None:
         super().__init__()
         self._dsn = dsn
         self._timeout_s = timeout_s
-        self._reads = ReadConnection(dsn, within_s=timeout_s)
+        self._reads = ReadConnection(dsn, within_s=timeout_s,
+                                     application_name=application_name)
 
     async def close(self) -> None:
         await self._reads.close()

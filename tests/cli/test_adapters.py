@@ -11,6 +11,7 @@ the tests' environments and policies from there.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -192,7 +193,7 @@ def exported_run(tmp: Path, name: str, *args: str) -> tuple[dict[str, Any],
     code, summary, _ = flyd_run(tmp, "--spec", env_spec(tmp, name, agents, world, steps),
                                 *PLUGINS, "--mode", "process", "--config", str(config), *args,
                                 timeout=150)
-    assert code == 0 and summary["state"] == "succeeded", summary
+    assert code == 0 and summary["state"] == "succeeded", (summary["failures"], summary["outcome"])
     assert summary["boundary"] == steps
     return summary, export(tmp, summary["run"])
 
@@ -243,6 +244,26 @@ def test_an_env_that_diverges_across_restore_ends_restore_diverged(tmp: Path) ->
     assert summary["failures"][0]["participant"] == "drift"  # the kill happened
     failure = summary["failures"][-1]
     assert failure["code"] == "RESTORE_DIVERGED" and failure["participant"] == "drift", summary
+
+
+def test_an_env_that_replays_differently_ends_the_run_naming_the_world(tmp: Path) -> None:
+    """Its walkers slip by the process-wide `random`: `auto`'s check sees the twin differ and
+    replays; the new process's replay differs from the record, and the run ends at once."""
+    spec = env_spec(tmp, "slippery", [("walker-a", f"{ENVS}:walk"),
+                                      ("walker-b", f"{ENVS}:walk")],
+                    {"impl": PARALLEL, "config": {"env": f"{ENVS}:GlobalRandomLineEnv",
+                                                  "seed": 3}}, 20)
+    code, summary, _ = flyd_run(tmp, "--spec", spec, *PLUGINS, "--mode", "process",
+                                "--fault", "kill:slippery@10")
+    assert code != 0 and summary["state"] == "failed", summary
+    assert summary["failures"][0]["participant"] == "slippery"  # the kill happened
+    assert summary["recoveries"] == 0
+    outcome = summary["outcome"]
+    assert outcome["code"] == "INCOMPATIBLE_STATE", outcome
+    # 8 steps replayed (the checkpoint of boundary 8), each the same by chance at most 1/4
+    assert re.search(rf"world slippery \(env {ENVS}:GlobalRandomLineEnv\) did not replay its "
+                     r"episode: step [1-8]'s result differs from the recorded one",
+                     outcome["message"]), outcome
 
 
 def test_an_unpicklable_world_with_restore_snapshot_fails_at_once_naming_it(tmp: Path) -> None:

@@ -59,6 +59,22 @@ def boundary_effects(dsn: str, run: int) -> int:
     return int(row[0]) if row is not None else 0
 
 
+#: the checkpoint store's reads (flyd.state.checkpoints), as `db.read_retry` names them
+CHECKPOINT_READS = {"read checkpoints", "read head", "read run", "end backend"}
+
+
+def log_events(stderr: bytes) -> list[dict[str, object]]:
+    """The JSON log lines of `flyd run`'s stderr (FLYD_LOG_FORMAT=json)."""
+    events = []
+    for line in stderr.splitlines():
+        if line.startswith(b"{"):
+            try:
+                events.append(orjson.loads(line))
+            except orjson.JSONDecodeError:
+                continue
+    return events
+
+
 def latest_run(dsn: str) -> int | None:
     with psycopg.connect(dsn) as conn:
         row = conn.execute("SELECT max(run_id) FROM flyd.runs").fetchone()
@@ -67,7 +83,9 @@ def latest_run(dsn: str) -> int | None:
 
 def test_flyd_run_survives_repeated_bursts_of_backend_terminations(tmp: Path) -> None:
     """Issue items 1 and 2: the checkpoint store's reads, the lease store's commits and the
-    end-of-run poll all outlive their connections."""
+    end-of-run poll all outlive their connections. The bursts must end the checkpoint store's
+    own session (its application name) and a checkpoint read must log its retry: without the
+    read connection's reconnect the run fails."""
     dsn = _DSN[tmp]
     reference = clean_digest(tmp, STEPS)
     before = latest_run(dsn)  # the reference run: the bursts wait for the new run's own row
@@ -99,8 +117,13 @@ def test_flyd_run_survives_repeated_bursts_of_backend_terminations(tmp: Path) ->
             proc.wait()
     assert bursts >= 2, "the run ended before the blips were repeated"
     roles = {name.rsplit(":", 1)[-1] for name in blips.ended}
-    assert {"work", "heartbeat"} <= roles, f"the bursts ended no node session: {blips.ended}"
+    assert {"work", "heartbeat", "checkpoints"} <= roles, \
+        f"the bursts ended no node session, or not the checkpoint store's: {blips.ended}"
     assert b"Traceback" not in stderr, stderr.decode()[-3000:]
+    # a checkpoint read found its session ended and went on over a new one
+    retried = {event.get("what") for event in log_events(stderr)
+               if event.get("event") == "db.read_retry"}
+    assert retried & CHECKPOINT_READS, f"no checkpoint read crossed a blip: {retried}"
     assert proc.returncode == 0, stderr.decode()[-3000:]
     lines = stdout.decode().splitlines()
     assert len(lines) == 1, stdout

@@ -1,7 +1,8 @@
 """`flyd run --record FILE.gif` and `--plot FILE.png` (flyd.cli.pictures): real `flyd run`
 subprocesses on the synthetic composition (its `arena` view) and on the reaching example
 (`--spec examples/reaching/run.json --plugin-path <root>`, its `top-down` view), the files
-decoded (frame count, size, pixels that vary); usage errors before anything starts; the
+decoded (frame count, size, pixels that vary; the plot's lines against the totals `flyctl runs
+export` gives); usage errors before anything starts; the
 recorder's memory flat in the run's length.
 """
 
@@ -14,6 +15,7 @@ import sys
 import tracemalloc
 from pathlib import Path
 
+import orjson
 import pytest
 from PIL import Image, ImageSequence
 
@@ -21,6 +23,7 @@ from flyd.cli.pictures import MAX_POINTS, GifRecorder, RewardPlot
 from flyd.session.sample import BoundarySample, Frame
 from tests.cli import test_fly_arena as fly_arena
 from tests.cli import test_plugins_example as reaching
+from tests.cli.test_flyctl_runs import FLYCTL
 from tests.cli.test_run import ROOT, clean_digest, env_for, flyd_run
 from tests.cli.test_run import tmp as tmp
 
@@ -45,6 +48,73 @@ def check_png(path: Path) -> None:
         assert varies(png.convert("RGB"))
 
 
+# matplotlib's first two cycle colours (tab:blue, tab:orange): the plot's agents in sorted order
+LINE_COLOURS = ((0x1F, 0x77, 0xB4), (0xFF, 0x7F, 0x0E))
+
+
+def exported_totals(tmp: Path, run: int) -> dict[str, list[float]]:
+    """Each agent's cumulative reward at boundaries 1..n, from `flyctl runs export` (the effects
+    the run committed), not from the picture code."""
+    ran = subprocess.run([*FLYCTL, "runs", "export", str(run)], cwd=ROOT, env=env_for(tmp),
+                         capture_output=True, timeout=60, check=False)
+    assert ran.returncode == 0, ran.stderr
+    totals: dict[str, list[float]] = {}
+    for line in ran.stdout.splitlines():
+        doc = orjson.loads(line)
+        for agent_id, rewards in doc["rewards"].items():
+            seen = totals.setdefault(agent_id, [])
+            seen.append((seen[-1] if seen else 0.0) + sum(r["value"] for r in rewards))
+    return totals
+
+
+def line_heights(image: Image.Image, colour: tuple[int, int, int], top: int,
+                 bottom: int) -> dict[int, float]:
+    """The median row of `colour`'s pixels in each column between rows `top` and `bottom`."""
+    rows: dict[int, list[int]] = {}
+    pixels = image.load()
+    assert pixels is not None
+    for x in range(image.width):
+        for y in range(top, bottom):
+            if all(abs(a - b) <= 24 for a, b in zip(pixels[x, y], colour, strict=True)):
+                rows.setdefault(x, []).append(y)
+    return {x: sorted(ys)[len(ys) // 2] for x, ys in rows.items()}
+
+
+def check_plotted_lines(path: Path, totals: dict[str, list[float]]) -> None:
+    """The rewards panel draws each agent's cumulative reward: at each boundary the line's
+    height is one affine function of the exported total (the same for every agent), so empty
+    axes, a missing agent or a line of other data fail. Columns come from the axes' frame (x
+    from 0 to the last boundary); the legend's corner (boundaries below 8) is left out."""
+    with Image.open(path) as png:
+        image = png.convert("RGB")
+    half = image.height // 2
+    pixels = image.load()
+    assert pixels is not None
+    # the axes' frame: dark columns over most of the panel, at boundary 0 and at the last one
+    spines = [x for x in range(image.width)
+              if sum(max(pixels[x, y]) < 100 for y in range(half)) > half // 2]
+    assert len(spines) == 2, f"no axes frame in the rewards panel: {spines}"
+    steps = len(next(iter(totals.values())))
+    per_boundary = (spines[1] - spines[0]) / steps
+    points: list[tuple[float, float]] = []
+    for colour, agent_id in zip(LINE_COLOURS, sorted(totals), strict=False):
+        heights = line_heights(image, colour, 0, half)
+        assert heights, f"no line for {agent_id} in {path}"
+        for boundary in range(8, steps + 1):
+            x = round(spines[0] + boundary * per_boundary)
+            near = [heights[c] for c in (x - 1, x, x + 1) if c in heights]
+            assert near, f"{agent_id}'s line is missing at boundary {boundary}"
+            points.append((totals[agent_id][boundary - 1], sum(near) / len(near)))
+    n = len(points)
+    mean_v = sum(v for v, _ in points) / n
+    mean_y = sum(y for _, y in points) / n
+    slope = (sum((v - mean_v) * (y - mean_y) for v, y in points)
+             / sum((v - mean_v) ** 2 for v, _ in points))
+    assert slope < 0, "a larger total must be drawn higher"
+    worst = max(abs(mean_y + slope * (v - mean_v) - y) for v, y in points)
+    assert worst <= 3.0, f"the lines are not the exported totals (off by {worst:.1f} px)"
+
+
 def test_the_synthetic_arena_view_and_plot(tmp: Path) -> None:
     gif, png = tmp / "arena.gif", tmp / "arena.png"
     code, summary, stderr = flyd_run(tmp, "--steps", "40", "--mode", "thread", "--record",
@@ -59,6 +129,7 @@ def test_the_synthetic_arena_view_and_plot(tmp: Path) -> None:
     # the boundary marker column moves: consecutive frames differ
     assert all(a.tobytes() != b.tobytes() for a, b in itertools.pairwise(frames))
     check_png(png)
+    check_plotted_lines(png, exported_totals(tmp, summary["run"]))
     assert f"--record {gif}: 10 frames of 32x24" in stderr
     assert f"--plot {png}: 40 boundaries" in stderr
 

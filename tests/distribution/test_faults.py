@@ -519,19 +519,24 @@ def test_the_seed_line_names_the_commit_in_a_clone_and_in_a_worktree(tmp_path: P
 def test_progress_is_live_under_xdist(tmp: Path) -> None:
     """§7.3.7 under pytest-xdist, as `make faults` and `make test` run the suite: the suite's
     seed line first and once, each scenario's seed line and its progress, and tier 1's `[sim]`
-    lines reach the controlling pytest's stderr while the run goes on."""
-    selection = ["tests/distribution/test_faults.py::test_budget_expiry",
-                 "tests/distribution/test_sim.py::test_sim_crash_and_pause"]
+    lines reach the controlling pytest's stderr while their test still runs: when a line
+    arrives, the controller has not yet reported that test (its stdout is unbuffered and read at
+    that moment), and the scenario's node named by a `node a pid=` line is still alive."""
+    tests = {"[faults] budget_probe seed=": "test_faults.py::test_budget_expiry",
+             "[faults]   node a pid=": "test_faults.py::test_budget_expiry",
+             "[sim] seeds 3000..": "test_sim.py::test_sim_crash_and_pause"}
+    selection = sorted({f"tests/distribution/{test}" for test in tests.values()})
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("PYTEST_", RUN_ENV))}
-    out = (tmp / "stdout").open("wb")
+    stdout = tmp / "stdout"
+    out = stdout.open("wb")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "pytest", "-q", "-n", "2", "-p", "no:randomly", "-p",
+        [sys.executable, "-m", "pytest", "-v", "-n", "2", "-p", "no:randomly", "-p",
          "no:cacheprovider", "--basetemp", str(tmp / "base"), *selection],
-        cwd=ROOT, env={**env, "FLYD_FAULT_ARTIFACTS": str(tmp / "records")}, stdout=out,
-        stderr=subprocess.PIPE)
+        cwd=ROOT, env={**env, "FLYD_FAULT_ARTIFACTS": str(tmp / "records"),
+                       "PYTHONUNBUFFERED": "1"}, stdout=out, stderr=subprocess.PIPE)
     lines: list[str] = []
-    running_at: dict[str, bool] = {}
+    live: dict[str, bool] = {}
     try:
         assert proc.stderr is not None
         for raw in proc.stderr:
@@ -539,10 +544,16 @@ def test_progress_is_live_under_xdist(tmp: Path) -> None:
             if not line.startswith(("[faults]", "[sim]")):
                 continue
             lines.append(line)
-            for kind in ("[faults] budget_probe seed=", "[sim] seeds 3000.."):
-                if line.startswith(kind) and kind not in running_at:
-                    running_at[kind] = proc.poll() is None
-        assert proc.wait(timeout=180) == 0, (tmp / "stdout").read_text()[-3000:]
+            for kind, test in tests.items():
+                if line.startswith(kind) and kind not in live:
+                    reported = any(f"{verdict} tests/distribution/{test}" in
+                                   stdout.read_text(errors="replace")
+                                   for verdict in ("PASSED", "FAILED", "ERROR"))
+                    alive = True
+                    if kind.endswith("pid="):
+                        alive = psutil.pid_exists(int(line[len(kind):].split()[0]))
+                    live[kind] = not reported and alive
+        assert proc.wait(timeout=180) == 0, stdout.read_text()[-3000:]
     finally:
         out.close()
         if proc.poll() is None:
@@ -556,10 +567,11 @@ def test_progress_is_live_under_xdist(tmp: Path) -> None:
     probe = [line for line in lines if line.startswith("[faults] budget_probe")]
     assert probe[0] == f"[faults] budget_probe seed={seed} budget=1", probe
     assert any("budget expired" in line for line in probe[1:]), probe
-    assert any(line.startswith("[faults]   node a pid=") for line in lines)
     assert any(line.startswith("[sim] seeds 3000..3023: ok 24, failed 0") for line in lines)
-    assert running_at == {"[faults] budget_probe seed=": True, "[sim] seeds 3000..": True}, \
-        "the lines arrive while the run goes on"
+    assert all(f"PASSED tests/distribution/{test}" in stdout.read_text()
+               for test in tests.values()), "the tests were reported"
+    assert live == dict.fromkeys(tests, True), \
+        f"a line arrived after its test ended or its node exited: {live}"
 
 
 # ------------------------------------------------------------------------------------------

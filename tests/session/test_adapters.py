@@ -7,6 +7,7 @@ rewards and endings, and that nothing outside `workers/adapters` imports the opt
 from __future__ import annotations
 
 import hashlib
+import os
 import pickle
 import random
 import re
@@ -38,7 +39,7 @@ from workers.adapters.spaces import (
     to_space,
     typed,
 )
-from workers.datatypes import ButtonState, PortControl, PortSpec, check_port_control
+from workers.datatypes import AxisValue, ButtonState, PortControl, PortSpec, check_port_control
 from workers.domain import DomainError, Scope
 from workers.protocols import ControllerIntent, DecodedArray
 from workers.ticks import RationalNs
@@ -237,6 +238,34 @@ def test_an_env_that_diverges_after_restore_is_recovered_by_replay() -> None:
                start=2) != expected
 
 
+def test_a_snapshot_that_renders_another_picture_once_restored_is_replayed(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """`HomesickLineEnv` passes the in-process check; restored in another process (its pid
+    patched here) it drifts, its render shows it, and `auto` replays the record instead."""
+    world, models = line_world("HomesickLineEnv", render=True), policies()
+    world.reset("ep1", BINDINGS)
+    run(world, models, 2)
+    world.capture()
+    run(world, models, 4, start=2)
+    assert world.recovery.state == "snapshot"
+    saved = world.capture()
+    states = {agent: model.capture() for agent, model in models.items()}
+    expected = run(world, models, 5, start=6)
+    home = os.getpid()
+    monkeypatch.setattr(os, "getpid", lambda: home + 1)
+    twins = policies()
+    for agent, model in twins.items():
+        model.restore(states[agent])
+    twin = restored(saved, "HomesickLineEnv", render=True)
+    assert twin.recovery.state == "replay"
+    assert twin.recovery.reason == "its snapshot rendered another picture once restored"
+    assert run(twin, twins, 5, start=6) == expected
+    # without the picture the snapshot would have been installed, one cell off
+    drifted = restored(saved, "HomesickLineEnv")
+    assert drifted.recovery.state == "snapshot"
+    assert drifted.env.positions != twin.env.positions
+
+
 def test_an_unpicklable_env_is_recovered_by_replay_in_auto() -> None:
     world, saved = continues("UnpicklableLineEnv", 4)
     assert world.recovery.state == "replay" and "cannot be pickled" in world.recovery.reason
@@ -293,6 +322,40 @@ def test_every_call_into_the_env_runs_on_one_thread() -> None:
     twin = restored(saved, "ThreadLineEnv", render=True)
     twin.render("frame", 3)
     assert ThreadLineEnv.threads == {world.thread.ident(), twin.thread.ident()}
+
+
+def test_a_mujoco_env_renders_one_picture_whatever_thread_asks_and_after_a_restore(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """MuJoCo draws black frames when asked from a thread other than the one that made its
+    OpenGL context; the world's env thread makes every render the same. A capture made after
+    rendering (the renderer then holds a context) restores into a world that renders the
+    same picture."""
+    monkeypatch.setenv("MUJOCO_GL", "egl")
+
+    def pole() -> EnvWorld:
+        world = EnvWorld(world_id="pole", ports=("p1",), step=RationalNs.millis(40),
+                         observation_delay_steps=0, threads=1,
+                         config={"env": "gymnasium:make", "render": True, "seed": 1,
+                                 "kwargs": {"id": "InvertedPendulum-v5", "width": 64,
+                                            "height": 48}})
+        world.reset("ep1", (("p1", "balancer"),))
+        return world
+
+    world = pole()
+    push = PortControl("p1", (), (AxisValue("x0", 0.5),))
+    for _ in range(3):
+        world.apply([push])
+    here = world.render("frame", 3)
+    with ThreadPoolExecutor(1) as other:
+        there = other.submit(world.render, "frame", 3).result()
+    assert here == there
+    assert len(set(here[0::4])) > 8, "a black or blank frame"
+    twin = pole()
+    twin.restore(world.capture())
+    assert twin.render("frame", 3) == here
+    world.apply([push])
+    twin.apply([push])
+    assert twin.render("frame", 4) == world.render("frame", 4) != here
 
 
 def test_an_action_outside_its_space_fails_at_once_naming_the_agent_and_the_space() -> None:

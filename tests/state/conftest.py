@@ -56,14 +56,17 @@ COMPAT: dict[str, str] = {
 
 
 def make_capture(checkpoint_id: str, boundary: int, *, session_epoch: str = "e1",
-                 world: bytes | None = None, session_id: str = SESSION
+                 world: bytes | None = None, session_id: str = SESSION, helpers: int = 0
                  ) -> tuple[dict[str, Any], list[tuple[str, bytes]]]:
-    """A manifest that passes R7/R8 and its payloads in §2.5 order."""
+    """A manifest that passes R7/R8 and its payloads in §2.5 order, with `helpers` helper
+    payloads declared in `helperState`."""
+    helper_names = [f"helper-{i}" for i in range(helpers)]
     payloads = [
         ("world", world if world is not None else f"world@{boundary}".encode()),
         ("task-ledger", canonical({"boundary": boundary})),
         ("prior-inspection", b"{}"),
         ("coordinator-admission", b"{}"),
+        *((name, name.encode()) for name in helper_names),
     ]
     manifest: dict[str, Any] = {
         "envelopeVersion": 1,
@@ -77,7 +80,7 @@ def make_capture(checkpoint_id: str, boundary: int, *, session_epoch: str = "e1"
         "compatibility": dict(COMPAT),
         "agents": [],
         "environment": {"workerId": "arena", "payload": "world"},
-        "helperState": [],
+        "helperState": helper_names,
         "coordinator": {
             "taskLedger": "task-ledger", "priorInspection": "prior-inspection",
             "executorState": [], "admissionState": "coordinator-admission",

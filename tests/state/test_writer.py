@@ -144,13 +144,22 @@ async def test_the_byte_budget_is_checked_at_submit(mem_run: RunCtx) -> None:
 
 async def test_a_capture_with_more_payloads_than_an_envelope_holds_is_refused_at_submit(
         mem_run: RunCtx) -> None:
-    """state.md §2.1: an envelope holds `MAX_PAYLOADS` (1024) payloads; a capture with more can
-    never commit, so it is refused at submit (`UNSUPPORTED`/`none`, both counts) and nothing is
-    queued. The widest session, 256 agents, needs 516."""
-    assert 4 + 2 * 256 <= MAX_PAYLOADS == 1024
+    """state.md §2.1: an envelope holds `MAX_PAYLOADS` (1024) payloads: a capture of exactly
+    1024 commits and reads back whole; one with more can never commit, so it is refused at
+    submit (`UNSUPPORTED`/`none`, both counts) and nothing is queued. (The widest session, 256
+    agents, needs 516: tests/cli/test_wide_runs.py checkpoints it.)"""
     writer = CheckpointWriter(mem_run.store, mem_run.path, WriterConfig())
     async with running(writer) as s:
         s.step()
+        manifest, full = make_capture("ck-full", s.boundary, helpers=MAX_PAYLOADS - 4)
+        assert len(full) == 1024
+        ticket = writer.submit(writer.reserve(), CaptureSubmission(
+            "ck-full", s.boundary, "e1", "ep-1", manifest, full, replaceable=False))
+        assert await s.await_durable(ticket, 5) == Committed("ck-full", s.boundary)
+        head = await mem_run.store.head(mem_run.run_id)
+        assert head is not None
+        read = await mem_run.store.read(head)
+        assert read.checkpoint_id == "ck-full" and read.payloads == tuple(full)
         manifest, payloads = make_capture("ck-wide", s.boundary)
         extra = [(f"helper-{i}", b"x") for i in range(MAX_PAYLOADS + 1 - len(payloads))]
         with pytest.raises(EnvelopeTooLarge) as info:
@@ -163,7 +172,7 @@ async def test_a_capture_with_more_payloads_than_an_envelope_holds_is_refused_at
         assert err.message == ("checkpoint of 1025 payloads exceeds the envelope's 1024 "
                                "(4 plus 2 per agent)")
         assert writer.outstanding() == 0 and writer.stats.rejected == 1
-        assert writer.stats.queued == 0
+        assert writer.stats.queued == 1 and writer.stats.committed == 1  # ck-full alone
 
 
 # 38

@@ -300,7 +300,6 @@ class ParallelEnvWorld:
         self.steps = 0
         self.episode = 0
         self.ended = 0  # episodes that ended
-        self.live_agents: frozenset[str] = frozenset()
         self.reset_env()
         self.recovery.admit(self.env)
         self.views: tuple[ViewDescriptor, ...] = ()
@@ -315,9 +314,9 @@ class ParallelEnvWorld:
         """The environment, from the config's callable and kwargs."""
         return self.builder()
 
-    def live(self) -> frozenset[str]:
-        """The env's live agents (on the env thread; `live_agents` keeps the last answer)."""
-        return frozenset(str(a) for a in self.env.agents)
+    def live(self) -> set[str]:
+        """The env's live agents (on the env thread; `alive` keeps them for other threads)."""
+        return {str(a) for a in self.env.agents}
 
     def done(self) -> bool:
         """Every episode the world runs has ended."""
@@ -328,12 +327,13 @@ class ParallelEnvWorld:
         seed = episode_seed(self.seed, self.episode)
         observations, _ = self.env.reset(seed=seed)
         self.recovery.reset(seed)
+        #: the live agents as of the env's last reset or step, read without a call into it
+        self.alive = self.live()
         for port, agent in self.env_agents.items():
             self.observations[port] = observations[agent]
             if rewards:
                 self.rewards[port] = 0.0
             self.terminated[port] = self.truncated[port] = False
-        self.live_agents = self.live()
 
     def frame(self, env: Any = None) -> Any:
         """The render of `env` (the world's own by default) as an H×W×3|4 uint8 array."""
@@ -394,15 +394,15 @@ class ParallelEnvWorld:
                                                 rewards.get(agent, 0.0))
             self.terminated[port] = bool(terminations.get(agent, False))
             self.truncated[port] = bool(truncations.get(agent, False))
-        self.live_agents = self.live()
-        if not self.live_agents:
+        self.alive = self.live()
+        if not self.alive:
             self.ended += 1
             if not self.done():
                 self.episode += 1
                 self.reset_env(rewards=False)
 
     def inspection(self, boundary: int) -> TypedValue:
-        live = self.live_agents  # as the last reset, step or restore left it: no thread hop
+        live = self.alive
         # by column, agents in port order: no key repeated per agent, so 256 agents fit the
         # 32 KiB of a typed value
         done = self.done()
@@ -425,7 +425,7 @@ class ParallelEnvWorld:
                                                  self.observations[port_id])
         value: dict[str, Any] = {
             "step": self.steps, "episode": self.episode, "done": self.done(),
-            "active": self.names[port_id] in self.live_agents and not self.done(),
+            "active": self.names[port_id] in self.alive and not self.done(),
             "reward": self.rewards[port_id], "terminated": self.terminated[port_id],
             "truncated": self.truncated[port_id], "observation": observation}
         if boundary == 0:
@@ -504,7 +504,7 @@ class ParallelEnvWorld:
         self.truncated = dict(state["truncated"])
         self.steps = int(state["steps"])
         self.episode, self.ended = int(state["episode"]), int(state["ended"])
-        self.live_agents = self.live()
+        self.alive = self.live()
         close = getattr(previous, "close", None)
         if previous is not self.env and callable(close):
             close()

@@ -44,7 +44,7 @@ from workers.domain import DomainError, ErrorCode
 
 __all__ = ["CHECK_STEPS", "RESTORE_MODES", "EnvRecovery"]
 
-log = structlog.get_logger("workers.adapters.recovery")
+logger = structlog.get_logger("workers.adapters.recovery")
 
 RESTORE_MODES: Final = ("auto", "snapshot", "replay")
 #: steps the twin of the first capture is compared over
@@ -116,11 +116,11 @@ class EnvRecovery:
         self.twin_steps += 1
         if self.twin_steps >= CHECK_STEPS:
             self.state, self.twin = "snapshot", None
-            log.info("adapter.snapshot_trusted", world=self.what, steps=CHECK_STEPS)
+            logger.info("adapter.snapshot_trusted", world=self.what, steps=CHECK_STEPS)
 
     def _replay_from_now(self, reason: str) -> None:
         self.state, self.twin, self.reason = "replay", None, reason
-        log.warning("adapter.replaying", world=self.what, reason=reason)
+        logger.warning("adapter.replaying", world=self.what, reason=reason)
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -166,7 +166,7 @@ class EnvRecovery:
             if callable(close):
                 close()
             self.reason = "its snapshot rendered another picture once restored"
-            log.warning("adapter.replaying", world=self.what, reason=self.reason)
+            logger.warning("adapter.replaying", world=self.what, reason=self.reason)
             state = "replay"
         if not isinstance(log, EpisodeLog):
             raise DomainError.before(ErrorCode.INCOMPATIBLE_STATE,
