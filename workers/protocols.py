@@ -144,6 +144,8 @@ class AgentArray:
     dtype: str
     shape: tuple[int, ...]
     data: bytes
+    #: the SHA-256 of `data` when the world already has it (it is then not hashed again)
+    digest: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -196,8 +196,9 @@ def encode_observation(desc: dict[str, Any], value: Any) -> tuple[Any, list[Agen
                                           f"not fit its space's {d['shape']}")
             data = array.tobytes()
             ident = f"o{len(arrays)}"
-            arrays.append(AgentArray(ident, array.dtype.str, tuple(array.shape), data))
-            return {"array": ident, "digest": hashlib.sha256(data).hexdigest()}
+            digest = hashlib.sha256(data).hexdigest()
+            arrays.append(AgentArray(ident, array.dtype.str, tuple(array.shape), data, digest))
+            return {"array": ident, "digest": digest}
         if kind == "dict":
             return {k: walk(sub, v[k]) for k, sub in d["spaces"]}
         if kind == "tuple":
