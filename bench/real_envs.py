@@ -126,10 +126,10 @@ def plain_steps_per_s(env: Env, steps: int) -> float:
 # -------------------------------------------------------------------------------- flyd runs
 
 
-def spec_doc(env: Env, steps: int) -> dict[str, Any]:
+def spec_doc(env: Env, steps: int, model: str) -> dict[str, Any]:
     return {"sessionId": "bench", "steps": steps, "seed": 7, "mode": "process",
             "agents": [{"agentId": f"a{i:02d}", "portId": f"p{i:02d}",
-                        "model": "workers.adapters.pettingzoo:PolicyModel",
+                        "model": f"workers.adapters.pettingzoo:{model}",
                         "modelConfig": {"policy": POLICY}} for i in range(env.agents)],
             "world": {"worldId": "env", "impl": env.world,
                       "config": {"env": env.env, "kwargs": env.kwargs}},
@@ -168,10 +168,10 @@ def steps_per_s(tmp: Path, dsn: str, steps: int, make_args: Any, repeat: int) ->
     return statistics.median(rates)
 
 
-def flyd_args(tmp: Path, env: Env) -> Any:
+def flyd_args(tmp: Path, env: Env, model: str) -> Any:
     def make(steps: int) -> list[str]:
         path = tmp / f"spec-{steps}.json"
-        path.write_bytes(orjson.dumps(spec_doc(env, steps)))
+        path.write_bytes(orjson.dumps(spec_doc(env, steps, model)))
         return ["--spec", str(path)]
     return make
 
@@ -186,6 +186,9 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=1, help="pairs of runs per point (median)")
     ap.add_argument("--scale", type=float, default=1.0, help="multiplies the step counts")
     ap.add_argument("--env", action="append", help="only the envs whose name starts so")
+    ap.add_argument("--model", default="PolicyModel", choices=("PolicyModel",
+                                                               "InlinePolicyModel"),
+                    help="the agents' model (InlinePolicyModel: calls on the event loop)")
     args = ap.parse_args()
     envs = [e for e in ENVS if not args.env or any(e.name.startswith(p) for p in args.env)]
     tmp = Path(tempfile.mkdtemp(prefix="flyd-bench-", dir="/tmp"))
@@ -198,7 +201,8 @@ def main() -> None:
                 steps = max(20, int(env.steps * args.scale))
                 scaling.progress(f"{env.name}: plain loop, flyd and synthetic, {steps} steps")
                 plain = plain_steps_per_s(env, steps)
-                flyd = steps_per_s(tmp, dsn, steps, flyd_args(tmp, env), args.repeat)
+                flyd = steps_per_s(tmp, dsn, steps, flyd_args(tmp, env, args.model),
+                                   args.repeat)
                 if env.agents not in synthetic:
                     synthetic[env.agents] = steps_per_s(tmp, dsn, max(steps, 400),
                                                         synthetic_args(env.agents),
@@ -209,6 +213,7 @@ def main() -> None:
                     overheads[env.agents] = overhead
                 scaling.emit({
                     "bench": "real_envs", "env": env.name, "agents": env.agents,
+                    "model": args.model,
                     "plain_steps_per_s": round(plain, 1), "flyd_steps_per_s": round(flyd, 1),
                     "synthetic_steps_per_s": round(synthetic[env.agents], 1),
                     "overhead_ms_per_step": round(1000 * overhead, 3),
