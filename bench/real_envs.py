@@ -14,11 +14,11 @@ PettingZoo's pistonball with 4 agents and pixel observations):
   `workers.adapters.pettingzoo:random_policy` the flyd run's agents use, episodes reset when
   they end (as the adapter world does), timed over `steps` steps after one warm-up episode.
 - flyd: `flyd run --spec` (process mode, `--no-pace`, no checkpoints but the final one) of the
-  env with `PolicyModel` agents running that policy; the time per step is the difference of a
-  short and a long run's wall time over the difference of their advances, so the launch, the
-  bootstrap and the final capture cancel.
-- synthetic: the same two runs of `flyd run --agents a1..aN` (the synthetic arena and brains)
-  at the same agent count.
+  env with `PolicyModel` agents (`--model InlinePolicyModel`: its inline variant) running that
+  policy; the rate is the summary's `stepsPerSecond` (advances over the time from `Ready(0)` to
+  the last boundary), so the launch, the bootstrap and the final capture stay out.
+- synthetic: the same run of `flyd run --agents a1..aN` (the synthetic arena and brains) at the
+  same agent count.
 - `overhead_ms_per_step` = 1/flyd − 1/plain; `overhead_ratio` = overhead / (1/synthetic): the
   adapters' cost on top of the env, in units of a bare lockstep step. Targets: ≤ 1.3 per env;
   the 12-agent env's overhead ≤ 3× the 2-agent one's (`real_envs_scaling`).
@@ -158,14 +158,11 @@ def timed_run(tmp: Path, dsn: str, args: list[str]) -> tuple[float, int, dict[st
 
 
 def steps_per_s(tmp: Path, dsn: str, steps: int, make_args: Any, repeat: int) -> float:
-    """Steps/s from `repeat` pairs of a short and a long run (median of the pairs)."""
-    short = max(10, steps // 5)
-    rates = []
-    for _ in range(repeat):
-        wall_s, adv_s, _ = timed_run(tmp, dsn, make_args(short))
-        wall_l, adv_l, _ = timed_run(tmp, dsn, make_args(steps))
-        rates.append((adv_l - adv_s) / (wall_l - wall_s))
-    return statistics.median(rates)
+    """The summary's `stepsPerSecond` (advances over the time from `Ready(0)` to the last
+    boundary: the launch, the bootstrap and the final capture stay out), median of `repeat`
+    runs."""
+    return statistics.median(float(timed_run(tmp, dsn, make_args(steps))[2]["stepsPerSecond"])
+                             for _ in range(repeat))
 
 
 def flyd_args(tmp: Path, env: Env, model: str) -> Any:
