@@ -62,9 +62,26 @@ Decisions:
   one: `recovery.attempt_refunded`). Routers killed
   in a burst therefore never end a run "recovery attempts exhausted"; a router that does not
   come back within `durable_timeout_s` abandons the run locally, as before.
+- A hung part is a fault like a dead one (`flyd.node.parts`): an attempt that failed, and a
+  launch that failed, first has the node probe its router and fork server (`check_parts`); a
+  part that missed its probe is killed and replaced meanwhile, and the host's `parts_lost`
+  (router exits and fork servers lost) then tells the attempt was the node's fault: it is given
+  back (`recovery.attempt_interrupted`), and a failed launch hands the run back with refund
+  (`run.launch_refunded`). A node whose parts cannot be brought back (`parts_down`) hands each
+  run back with refund instead of spending its attempts (`run.handed_back`).
 - A recovery that cannot drain the writer within `durable_timeout_s` abandons the run locally
   (`recovery.abandoned_run`): the task returns without ending the run and the runtime
   relinquishes it; the next holder resumes from the head.
+- An output file the run writes as it goes (`flyd run --trace`, `--record`) that cannot be
+  written (`flyd.session.outputs.OutputWriteError`, e.g. `ENOSPC`) ends the run `failed` at
+  once with `{error: "output write failed", option, path, errno, message}` and logs
+  `run.output_failed`: no attempt can repair a full disk. The trace (`RunReport.trace`, shared
+  by the run's grants on this node) is cut back and marked where each grant and each recovery
+  resumes, and flushed before the final transaction, so a run cannot succeed with an unwritten
+  trace.
+- A task value that cannot be encoded fails the step as a plugin failure that repeats
+  (`flyd.session.task_output`); met while stepping, it ends the run at once like one met at
+  launch or bootstrap.
 - `outcome.recoveries` and `epochs` count this grant's recoveries and the raw epochs of the
   ledger's boundaries (committed ones read back from `flyd.effects`, pending ones from memory),
   followed by the current epoch when it is not the last of them.
@@ -99,6 +116,7 @@ from flyd.session.durability import (
     TooLarge,
 )
 from flyd.session.fence import SessionFailure
+from flyd.session.outputs import OutputWriteError, TraceFile
 from flyd.session.run_topic import (
     EndState,
     RunEnd,
@@ -190,6 +208,8 @@ class RunReport:
     world_progress: str | None = None
     counter: int | None = None
     records: RecordStream = field(default_factory=RecordStream)
+    #: the run's `--trace` file (`flyd run`), shared by its grants on this node
+    trace: TraceFile | None = None
     failures: list[dict[str, Any]] = field(default_factory=list)
     recoveries: list[dict[str, Any]] = field(default_factory=list)
     coordinator: Coordinator | None = None
@@ -221,10 +241,20 @@ class GrantHost(Protocol):
     def deadlines(self) -> Deadlines: ...
 
     @property
-    def router_exits(self) -> int:
-        """Router deaths so far (a recovery attempt that saw one is given back)."""
+    def parts_lost(self) -> int:
+        """The node's own parts lost so far, router exits and fork servers (a recovery attempt
+        that saw one is given back)."""
 
-    async def open_launcher(self, run_id: int, session_id: str) -> tuple[SessionNames, Launcher]:
+    async def check_parts(self) -> None:
+        """Probe the node's router and fork server now; a hung one is replaced before this
+        returns (bounded)."""
+
+    def parts_down(self) -> str | None:
+        """Why the node cannot launch runs now (a part it could not bring back), or None."""
+
+    async def open_launcher(self, run_id: int, session_id: str,
+                            agents_per_process: int | None = None
+                            ) -> tuple[SessionNames, Launcher]:
         """A launcher for the run under fresh session names (a new tag)."""
 
     @property
@@ -253,6 +283,11 @@ class GrantHost(Protocol):
 
     def recovered(self, report: RunReport, info: dict[str, Any]) -> None:
         """A recovery resumed the session."""
+
+
+class PartsDown(Exception):
+    """The node gave up a part of its own (its router, its fork server) while the grant
+    needed it: the run is handed back with refund."""
 
 
 class RunAbandoned(Exception):
@@ -294,7 +329,7 @@ class GrantSession:
         self.log = log.bind(run=scope.run_id, lease_epoch=scope.lease_epoch,
                             node=host.node_id)
         self.fired: set[str] = set(scope.grant.faults_fired)
-        self._router_exits_seen = host.router_exits  # router deaths answered so far
+        self._parts_lost_seen = host.parts_lost  # part losses answered so far
         self.budget = RecoveryBudget(config.recovery_max_attempts, config.recovery_backoff_s,
                                      config.recovery_backoff_max_s)
         self.max_epoch = 0
@@ -430,6 +465,13 @@ class GrantSession:
 
     async def _lifecycle(self, head: CheckpointRecord | None) -> None:
         try:
+            await self._session(head)
+        except OutputWriteError as exc:
+            await self._output_failed(exc)
+
+    async def _session(self, head: CheckpointRecord | None) -> None:
+        self._resume_trace(head.boundary if head is not None else 0, "grant")
+        try:
             await self._launch()
         except (DomainError, BusError) as exc:
             await self._launch_failed(exc)
@@ -459,12 +501,8 @@ class GrantSession:
                 ending = await self._step_to_end()
                 break
             except SessionFailure as exc:
-                if repeats(exc.error):
-                    # a participant's own deterministic refusal (a world's non-finite reward):
-                    # every attempt would step into it again
-                    latest = self._durability().head
-                    await self._permanent(exc.error, latest[0] if latest is not None else None,
-                                          exc.detail, exc.participant)
+                if repeats(exc.error):  # a task value that cannot be encoded, a world's bad reward
+                    await self._permanent(exc.error, None, exc.detail, exc.participant)
                     return
                 failure = exc
             except CheckpointTooLarge as exc:
@@ -475,9 +513,33 @@ class GrantSession:
                 return
         await self._end(ending)
 
+    def _resume_trace(self, boundary: int, cause: Literal["grant", "recovery"]) -> None:
+        """The trace resumes after `boundary` (`flyd.session.outputs.TraceFile`): what follows
+        it is cut, and a mark says where and why execution resumes. A grant's mark comes
+        before its launch (its epoch is not known yet); a recovery's names its new epoch."""
+        trace = self.report.trace
+        if trace is None:
+            return
+        mark = {"boundary": str(boundary), "cause": cause,
+                "leaseEpoch": str(self.scope.lease_epoch), "node": self.host.node_id}
+        if cause == "recovery":
+            mark["epoch"] = self._coordinator().epoch
+        trace.resume(boundary, mark)
+
+    def _flush_trace(self) -> None:
+        if self.report.trace is not None:
+            self.report.trace.flush()
+
+    async def _output_failed(self, exc: OutputWriteError) -> None:
+        """An output file could not be written: the run fails at once, naming it (no attempt
+        can repair a full disk)."""
+        self._rlog().error("run.output_failed", option=exc.option, path=str(exc.path),
+                           errno=exc.errno, message=exc.strerror)
+        await self._failed(exc.outcome())
+
     async def _launch(self) -> None:
-        self.names, self.launcher = await self.host.open_launcher(self.run_id,
-                                                                  self.spec.session_id)
+        self.names, self.launcher = await self.host.open_launcher(
+            self.run_id, self.spec.session_id, self.spec.agents_per_process)
         launched = await self.launcher.launch_composition(
             self.live_spec, ExecutionMode.from_label(self.spec.mode))
         self.report.workers = [worker_json(launched[w]) for w in self.spec.worker_ids()
@@ -492,6 +554,13 @@ class GrantSession:
                                    "mutation": "none", "message": exc.message}
         code, message = self.report.failure["code"], self.report.failure["message"]
         self.report.failures.append(self.report.failure)
+        if not launch_refusal_repeats(exc):
+            await self.host.check_parts()
+            down = self.host.parts_down()
+            if down is not None or self.host.parts_lost != self._parts_lost_seen:
+                await self._hand_back(down or "a router or fork server was lost during the "
+                                      "launch", code=code, message=message)
+                return
         await self._durability().writer.shutdown()
         if not launch_refusal_repeats(exc) and await self.scope.retry_later():
             self.log.warning("run.launch_failed", code=code, message=message, retry=True)
@@ -502,6 +571,14 @@ class GrantSession:
             await self._plugin_failed(self.report.failure)
             return
         await self._failed({"error": "launch failed", "failure": self.report.failure})
+
+    async def _hand_back(self, why: str, **fields: Any) -> None:
+        """The node's own part failed this grant, not the run: hand the run back with refund,
+        `claim_poll` from now, for this node once its parts are back or for another."""
+        self.log.warning("run.handed_back", reason=why, **fields)
+        await self._durability().writer.shutdown()
+        self.report.state = "released"
+        await self.scope.hand_back()
 
     async def _begin(self, head: CheckpointRecord | None) -> None:
         durability = self._durability()
@@ -548,17 +625,19 @@ class GrantSession:
                 raise health[0]
             raise asyncio.CancelledError
         result = stepper.result()
-        if isinstance(result, SessionFailure | CheckpointTooLarge | CaptureRefused):
+        if isinstance(result, SessionFailure | CheckpointTooLarge | CaptureRefused
+                      | OutputWriteError):
             raise result
         return result
 
     async def _steps_or_failure(self) -> (Ending | SessionFailure | CheckpointTooLarge
-                                          | CaptureRefused):
+                                          | CaptureRefused | OutputWriteError):
         """A failed epoch (or a forced capture that can never commit, or that a participant
-        refused) as a value, so it leaves the task group as itself."""
+        refused, or an output file that could not be written) as a value, so it leaves the
+        task group as itself."""
         try:
             return await self._steps()
-        except (SessionFailure, CheckpointTooLarge, CaptureRefused) as exc:
+        except (SessionFailure, CheckpointTooLarge, CaptureRefused, OutputWriteError) as exc:
             return exc
 
     async def _steps(self) -> Ending:
@@ -580,12 +659,17 @@ class GrantSession:
             started = time.monotonic()
             record, result = coordinator.effect_records()
             durability.record(step.boundary, coordinator.epoch, record, result)
-            report.records.append(durability.writer.pending.encoded(step.boundary))
+            data = durability.writer.pending.encoded(step.boundary)
+            report.records.append(data)
+            if report.trace is not None:
+                report.trace.append(step.boundary, data)
             self.host.progressed(report)
             if step.terminal or step.paused or step.boundary >= self.spec.steps:
                 break  # the final capture replaces a cadence capture due here (§9.1)
             await durability.after_boundary(coordinator, step.boundary)
             report.records.settle(durability.head_boundary - self._first_local())
+            if report.trace is not None:
+                report.trace.durable(durability.head_boundary)
             if self.budget.attempt and durability.head_boundary > done_at_start:
                 self.budget.committed()
         return "succeeded"
@@ -632,6 +716,10 @@ class GrantSession:
                 await self._attempt(attempt, last)
             except RunAbandoned:
                 raise
+            except PartsDown as exc:
+                self.budget.refund()
+                await self._hand_back(str(exc))
+                return True
             except (SessionFailure, DomainError) as exc:
                 error = exc.error if isinstance(exc, SessionFailure) else exc
                 if is_permanent(error):
@@ -645,14 +733,19 @@ class GrantSession:
                 last = exc if isinstance(exc, SessionFailure) else SessionFailure(
                     exc, self._coordinator().phase.label, "restore", None)
             else:
-                if router_death or self.host.router_exits != self._router_exits_seen:
+                if router_death or self.host.parts_lost != self._parts_lost_seen:
                     self.budget.refund()  # the failure recovered from was a router death
                     self._rlog().info("recovery.attempt_refunded", attempt=attempt,
-                                      reason="a router death")
-                self._router_exits_seen = self.host.router_exits
+                                      reason="a router or fork server lost")
+                self._parts_lost_seen = self.host.parts_lost
                 return False
-            if self._router_lost() or self.host.router_exits != self._router_exits_seen:
-                self._router_exits_seen = self.host.router_exits
+            await self.host.check_parts()
+            down = self.host.parts_down()
+            if down is not None:
+                await self._hand_back(down)
+                return True
+            if self._router_lost() or self.host.parts_lost != self._parts_lost_seen:
+                self._parts_lost_seen = self.host.parts_lost
                 self.budget.refund()
                 router_death = True
                 self._rlog().warning("recovery.attempt_interrupted", attempt=attempt,
@@ -676,6 +769,9 @@ class GrantSession:
         new launcher and coordinator client (new incarnations; the old expectations died with
         the old connections)."""
         if not await self.host.router_ready(self.config.durable_timeout_s):
+            down = self.host.parts_down()
+            if down is not None:
+                raise PartsDown(down)
             self._rlog().error("recovery.abandoned_run", reason="the router did not come back")
             raise RunAbandoned(f"run {self.run_id}: the router did not come back")
         old = self.launcher
@@ -684,8 +780,8 @@ class GrantSession:
             with contextlib.suppress(DomainError, BusError, TimeoutError):
                 async with asyncio.timeout(CLOSE_S):
                     await old.close()
-        self.names, self.launcher = await self.host.open_launcher(self.run_id,
-                                                                  self.spec.session_id)
+        self.names, self.launcher = await self.host.open_launcher(
+            self.run_id, self.spec.session_id, self.spec.agents_per_process)
         if self.topic is not None:
             self.topic = await declare_run_topic(self.host.node, self.run_id, CLOSE_S)
             self.report.topic = self.topic
@@ -750,6 +846,7 @@ class GrantSession:
             coordinator.resume()
         self.report.boundary = boundary
         self.report.records.rewind(max(0, boundary - self._first_local()))
+        self._resume_trace(boundary, "recovery")
         durability.restart(boundary, epoch)
         self.budget.resumed()
         self.host.recovered(self.report, {"participant": failure.participant,
@@ -778,13 +875,14 @@ class GrantSession:
                               new_incarnation=launched[wid].identity.incarnation_id,
                               reap="router-lost")
             return
+        olds = coordinator.refs()
+        replacements = await launcher.restart_all(spec.worker_ids(), spec.faults_of)
         for wid in spec.worker_ids():
-            old = coordinator.refs().get(wid)
-            replacement = await launcher.restart(wid, faults=spec.faults_of(wid))
-            coordinator.replace_participant(wid, replacement.worker_ref())
+            old = olds.get(wid)
+            coordinator.replace_participant(wid, replacements[wid].worker_ref())
             self._rlog().info("recovery.replaced", worker=wid,
                               old_incarnation=old.domain_incarnation if old else None,
-                              new_incarnation=replacement.identity.incarnation_id,
+                              new_incarnation=replacements[wid].identity.incarnation_id,
                               reap="killed")
 
     # ------------------------------------------------------------------ endings (§9.3)
@@ -815,6 +913,7 @@ class GrantSession:
     async def _final(self) -> None:
         durability = self._durability()
         coordinator = self._coordinator()
+        self._flush_trace()  # before the run can succeed: a write error still fails it
         while True:
             await self._writer_idle()
             boundary = self.report.boundary
@@ -848,6 +947,7 @@ class GrantSession:
         boundary = self.report.boundary
         _, epochs = await self._ledger(boundary)
         effects = durability.writer.pending.covering(durability.head_boundary, boundary)
+        self._flush_trace()
         self.report.state = "cancelled"
         await self.scope.finish("cancelled", {"boundary": boundary,
                                               "recoveries": self.budget.recoveries,

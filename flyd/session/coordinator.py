@@ -99,7 +99,6 @@ from flyd.session.calls import (
     Call,
     CallEngine,
     Deadlines,
-    as_domain_error,
     backend_failure,
     format_duration,
     identity_mismatch,
@@ -154,6 +153,7 @@ from flyd.session.run_topic import RunPublisher
 from flyd.session.runspec import RunSpec
 from flyd.session.slots import AgentSlot
 from flyd.session.stats import Metrics, ResolutionEnd, Stats
+from flyd.session.task_output import check_evaluation, task_error
 from flyd.session.trace import EpochRebase, TraceLog
 from flyd.state.checkpoints import CheckpointRecord, CheckpointStore
 from flyd.state.writer import (
@@ -543,7 +543,8 @@ class Coordinator:
         self._owed.setdefault(wid, []).append(world.request_id)
         audit.add("environment.initialize")
         # 3. task bootstrap
-        boot = bootstrap_task(self.task, observation, self.bindings(), self.agent_ids)
+        boot = bootstrap_task(self.task, observation, self.bindings(), self.agent_ids,
+                              self.spec.task.impl)
         self._progress = boot.progress
         self._last_event_ids = [e.id for e in boot.events]
         for agent_id in self.agent_ids:
@@ -735,12 +736,14 @@ class Coordinator:
                 if agent_id not in evaluation.outcomes or agent_id not in \
                         evaluation.next_contexts:
                     raise backend_failure(f"the task's evaluation misses {agent_id}")
+            check_evaluation(evaluation, self.spec.task.impl, self.agent_ids)
         except Exception as exc:
-            raise Blame(as_domain_error(exc), Detail.TASK_EVALUATE, None) from None
+            raise Blame(task_error(exc, self.spec.task.impl), Detail.TASK_EVALUATE,
+                        None) from None
         self.audit.add(f"evaluate:{k}")
         # D. Commit
         engine.move(Committing(k), Detail.STEP)
-        commits, telemetry = await self._commit(k, scope, new, evaluation)
+        commits, telemetry, inputs = await self._commit(k, scope, new, evaluation)
         # E. Ready(k+1)
         engine.move(Ready(k + 1), Detail.STEP)
         for agent_id in self.agent_ids:
@@ -765,7 +768,7 @@ class Coordinator:
         self._last_event_ids = [e.id for e in evaluation.events]
         behaviour, operational = transition_records(
             scope, self.agent_ids, self._slots, batch_id, self._controls_digest, new, evaluation,
-            commits, advance.request_id, wall)
+            commits, advance.request_id, wall, inputs)
         try:
             self.trace.record(behaviour, operational)
         except DomainError as exc:
@@ -790,8 +793,10 @@ class Coordinator:
         return StepReport(k + 1, paused, self.episode_request is not None)
 
     async def _commit(self, k: int, scope: Scope, new: WorldObservation, evaluation: Evaluation,
-                      ) -> tuple[dict[str, dict[str, Any]], dict[str, Telemetry]]:
-        """Commit every agent: the results and their parsed telemetry, by agent."""
+                      ) -> tuple[dict[str, dict[str, Any]], dict[str, Telemetry],
+                                 dict[str, str | None]]:
+        """Commit every agent: the results, their parsed telemetry and the digest of the
+        structured input each was sent (the behaviour record's `inputDigests`), by agent."""
         engine = self._calls
         calls: list[Call] = []
         # every agent receives the same views (one JSON value shared by every call) and its
@@ -801,6 +806,15 @@ class Coordinator:
                                     Mutation.APPLIED)
         except DomainError as exc:
             raise Blame(exc, Detail.COMMIT, self.world_id) from None
+        # the behaviour record's inputDigests: each agent's structured input as sent (its
+        # canonical bytes are kept on the value; a shared inspection is hashed once)
+        digests: dict[str, str | None] = {}
+        hashed: dict[int, str] = {}
+        for agent_id in self.agent_ids:
+            value = inputs.structured[agent_id]
+            if value is not None and id(value) not in hashed:
+                hashed[id(value)] = typed_digest(value)
+            digests[agent_id] = None if value is None else hashed[id(value)]
         for agent_id in self._agents_in_order():
             slot = self._slots[agent_id]
             outcome = evaluation.outcomes[agent_id]
@@ -856,7 +870,7 @@ class Coordinator:
             agent_id = self.injections.duplicate_commit
             call = next(c for c in calls if c.worker_id == agent_id)
             await duplicate(engine, call, out[agent_id], "duplicate-commit", self.injection_log)
-        return out, telemetry
+        return out, telemetry, digests
 
     # ------------------------------------------------------------------ publication (§6.9)
 
