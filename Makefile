@@ -42,6 +42,7 @@ bench: $(STAMP)
 	$(BIN)/python -P bench/request_cpu.py
 	$(BIN)/python -P bench/peers.py
 	$(BIN)/python -P bench/media.py
+	$(BIN)/python -P bench/real_envs.py
 	$(BIN)/python -P bench/agent_scaling.py --intervals 1
 	$(BIN)/python -P bench/checkpoints.py
 	$(BIN)/python -P bench/claims.py --claims 300

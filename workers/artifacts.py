@@ -144,9 +144,11 @@ class MediaSink:
             return
         self.enabled = True
 
-    def stage(self, content_type: str, data: bytes) -> MediaValue:
-        """A blob of `data`: inline when small or off, else a staged reference."""
-        digest = hashlib.sha256(data).hexdigest()
+    def stage(self, content_type: str, data: bytes, digest: str | None = None) -> MediaValue:
+        """A blob of `data`: inline when small or off, else a staged reference. `digest`:
+        the SHA-256 of `data` when the caller has it already."""
+        if digest is None:
+            digest = hashlib.sha256(data).hexdigest()
         if not self.enabled or len(data) <= self.threshold:
             return inline_media(content_type, data, digest)
         self._serial += 1

@@ -71,8 +71,8 @@ from workers.domain import (
 from workers.ticks import RationalNs
 
 __all__ = [
-    "AUDIO_CONTENT_TYPE",
     "ARRAY_CONTENT_TYPE",
+    "AUDIO_CONTENT_TYPE",
     "AUDIO_FORMAT",
     "MAX_ARRAYS",
     "MAX_TYPED_VALUE_BYTES",

@@ -69,9 +69,9 @@ from workers.canonical import controls_digest, digest_bytes, digest_of
 from workers.datatypes import (
     ARRAY_CONTENT_TYPE,
     AUDIO_CONTENT_TYPE,
+    VIEW_CONTENT_TYPE,
     AgentInput,
     ArrayValue,
-    VIEW_CONTENT_TYPE,
     AssetRef,
     AudioRef,
     EnvironmentDescriptor,
@@ -341,7 +341,8 @@ class EnvironmentEndpoint(Endpoint):
         for port, _agent in self.bindings:
             structured, arrays = self.world.agent_input(port, boundary)  # type: ignore[attr-defined]
             inputs.append(AgentInput(port, structured, tuple(
-                ArrayValue(a.id, a.dtype, a.shape, self.media.stage(ARRAY_CONTENT_TYPE, a.data))
+                ArrayValue(a.id, a.dtype, a.shape,
+                           self.media.stage(ARRAY_CONTENT_TYPE, a.data, a.digest))
                 for a in arrays)))
         return tuple(inputs)
 

@@ -88,18 +88,18 @@ from workers.domain import (
 from workers.ticks import RationalNs
 
 __all__ = [
+    "ARRAY_INPUT",
     "EXECUTOR_ATTRIBUTES",
     "MODEL_ATTRIBUTES",
-    "ARRAY_INPUT",
     "PER_AGENT_INPUT",
     "STRUCTURED_OBSERVATION",
     "TASK_ATTRIBUTES",
     "WORLD_ATTRIBUTES",
     "ActionExecutor",
+    "AgentArray",
     "AgentModel",
     "AgentOutcome",
     "Binding",
-    "AgentArray",
     "Bootstrap",
     "ControllerIntent",
     "DecodedArray",
@@ -144,6 +144,8 @@ class AgentArray:
     dtype: str
     shape: tuple[int, ...]
     data: bytes
+    #: the SHA-256 of `data` when the world already has it (it is then not hashed again)
+    digest: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

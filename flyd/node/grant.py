@@ -462,8 +462,8 @@ class GrantSession:
                 if repeats(exc.error):
                     # a participant's own deterministic refusal (a world's non-finite reward):
                     # every attempt would step into it again
-                    head = self._durability().head
-                    await self._permanent(exc.error, head[0] if head is not None else None,
+                    latest = self._durability().head
+                    await self._permanent(exc.error, latest[0] if latest is not None else None,
                                           exc.detail, exc.participant)
                     return
                 failure = exc

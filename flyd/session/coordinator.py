@@ -108,7 +108,6 @@ from flyd.session.capture import Capture, CaptureKind
 from flyd.session.capture import capture as capture_boundary
 from flyd.session.capture import save as save_capture
 from flyd.session.fence import Detail, SessionFailure, check_replacement
-from flyd.session.inputs import sensory_inputs
 from flyd.session.injections import (
     LOSS_POLLS,
     InjectionOutcome,
@@ -118,6 +117,7 @@ from flyd.session.injections import (
     kill_injection,
     lose_advance_result,
 )
+from flyd.session.inputs import sensory_inputs
 from flyd.session.media import Media
 from flyd.session.pacing import SYSTEM_CLOCK, Clock, Pacing
 from flyd.session.phase import (

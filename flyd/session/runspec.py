@@ -479,7 +479,7 @@ def _task(value: Any, path: str, world: WorldSpec) -> TaskSpec:
     adapter_world = world.impl in ADAPTER_WORLDS
     impl = _import_path(obj.get("impl", ADAPTER_TASK if adapter_world else DEFAULT_TASK),
                         _ptr(path, "impl"))
-    if adapter_world and impl == DEFAULT_TASK or not adapter_world and impl == ADAPTER_TASK:
+    if (adapter_world and impl == DEFAULT_TASK) or (not adapter_world and impl == ADAPTER_TASK):
         raise RunSpecError(_ptr(path, "impl"), f"task {impl} does not fit world {world.impl}: "
                                                f"an adapter world takes {ADAPTER_TASK} (the "
                                                "default when task.impl is left out)")

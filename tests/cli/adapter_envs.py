@@ -20,6 +20,7 @@
   (the velocity), terminated within 0.05 of its target.
 - `BadRewardLineEnv`: `LineEnv` whose rewards turn to `reward` (NaN by default) at step
   `atStep`.
+- `CrowdEnv`: `LineEnv` with `agents` walkers (a wide run).
 - `TimedLineEnv`: `LineEnv` with `metadata["render_fps"] = 25`; `DtSlideEnv`: `SlideEnv` with
   `dt = 0.02`.
 - `walk` (a function) and `StubbornPolicy` (a callable object with state) for `LineEnv`;
@@ -299,3 +300,11 @@ def roam(observation: np.ndarray, agent_id: str, rng: np.random.Generator) -> in
     """A pursuer of PettingZoo's `pursuit` moving at random (5 actions)."""
     assert observation.shape == (7, 7, 3)
     return int(rng.integers(0, 5))
+
+
+class CrowdEnv(LineEnv):
+    """`LineEnv` with `agents` walkers (a wide run)."""
+
+    def __init__(self, agents: int = 2, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.possible_agents = [f"walker_{i}" for i in range(agents)]

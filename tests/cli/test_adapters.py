@@ -386,9 +386,9 @@ def test_a_world_task_mismatch_is_refused_at_submit_naming_both(tmp: Path) -> No
     assert code == 2 and summary["error"]["code"] == "USAGE"
     message = summary["error"]["message"]
     assert "/task/impl" in message and "workers.synthetic:CounterTask" in message
-    assert PZ_WORLD in message
+    assert PZ_WORLD in message and message in err  # the same line on stderr
     reverse = {"steps": 5, "task": {"impl": "workers.adapters.pettingzoo:EnvTask"}}
-    code, summary, err = flyd_run(tmp, "--spec", write_spec(tmp, "reverse", reverse), *PLUGINS)
+    code, summary, _ = flyd_run(tmp, "--spec", write_spec(tmp, "reverse", reverse), *PLUGINS)
     assert code == 2 and "workers.synthetic:CounterArena" in summary["error"]["message"]
 
 

@@ -438,11 +438,11 @@ def test_the_task_rewards_live_agents_and_ends_the_episode_when_the_env_is_done(
         run(world, models, 1, start=k)
         new = world.inspection(k + 1)
         evaluation = task.evaluate_transition(Scope("demo", "e1", k), old, new, [])
-        for entry in new.value["agents"]:
-            rewards = evaluation.outcomes[entry["agentId"]].rewards
-            acted = any(a["agentId"] == entry["agentId"] and a["active"]
-                        for a in old.value["agents"])
-            assert [r.value for r in rewards] == ([entry["reward"]] if acted else [])
+        after, before = new.value, old.value
+        for i, agent in enumerate(after["agentIds"]):
+            rewards = evaluation.outcomes[agent].rewards
+            acted = before["active"][before["agentIds"].index(agent)]
+            assert [r.value for r in rewards] == ([after["rewards"][i]] if acted else [])
         old = new
         if evaluation.episode is not None:
             break
@@ -526,3 +526,25 @@ def test_episodes_reset_within_the_run_seeded_from_the_seed_and_episode() -> Non
         observations, _ = fresh.reset(seed=episode_seed(3, e))
         assert np.array_equal(observations["walker_0"], start)
     assert episode_seed(3, 0) == 3 and len({episode_seed(3, e) for e in range(50)}) == 50
+
+
+def test_the_inspection_of_256_agents_fits_a_typed_value() -> None:
+    """The task's inspection holds no observation, only a digest and a few scalars per agent,
+    by column: the widest run (256 agents) fits the 32 KiB of a typed value."""
+    ports = tuple(f"p{i:03d}" for i in range(256))
+    world = ParallelEnvWorld(world_id="crowd", ports=ports, step=RationalNs.millis(10),
+                             observation_delay_steps=0, threads=1,
+                             config={"env": f"{ENVS}:CrowdEnv", "kwargs": {"agents": 256}})
+    bindings = tuple((p, f"walker-{p}") for p in ports)
+    world.reset("ep1", bindings)
+    intents = {p: ControllerIntent.from_json(to_intent(world.action_spaces[p], 1)).for_port(p)
+               for p in ports}
+    world.apply([intents[p] for p in ports])
+    inspection = world.inspection(1)
+    assert len(inspection.value["rewards"]) == 256
+    assert len(inspection.canonical_bytes()) <= 32 * 1024
+    task = EnvTask(config={}, terminal="never", max_agents=256, epoch="e1")
+    task.bootstrap(world.inspection(0), bindings)
+    evaluation = task.evaluate_transition(Scope("demo", "e1", 0), world.inspection(0),
+                                          inspection, [])
+    assert all(len(evaluation.outcomes[a].rewards) == 1 for _, a in bindings)

@@ -6,9 +6,8 @@ names the offending field (its JSON Pointer `path`, also in the message).
 
 from __future__ import annotations
 
-import json
-
 import copy
+import json
 from typing import Any
 
 import pytest

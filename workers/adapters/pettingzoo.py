@@ -403,15 +403,19 @@ class ParallelEnvWorld:
 
     def inspection(self, boundary: int) -> TypedValue:
         live = self.alive
+        # by column, agents in port order: no key repeated per agent, so 256 agents fit the
+        # 32 KiB of a typed value
+        done = self.done()
         return typed(INSPECTION, {
             "boundary": boundary, "env": self.env_path, "steps": self.steps,
-            "episode": self.episode, "episodesDone": self.ended, "done": self.done(),
-            "agents": [{"agentId": self.agents.get(port),
-                        "active": self.names[port] in live and not self.done(),
-                        "reward": self.rewards[port], "terminated": self.terminated[port],
-                        "truncated": self.truncated[port],
-                        "observationDigest": observation_digest(self.observations[port])}
-                       for port in self.ports]})
+            "episode": self.episode, "episodesDone": self.ended, "done": done,
+            "agentIds": [self.agents.get(port) for port in self.ports],
+            "active": [self.names[port] in live and not done for port in self.ports],
+            "rewards": [self.rewards[port] for port in self.ports],
+            "terminated": [self.terminated[port] for port in self.ports],
+            "truncated": [self.truncated[port] for port in self.ports],
+            "observationDigests": [observation_digest(self.observations[port])
+                                   for port in self.ports]})
 
     def agent_input(self, port_id: str, boundary: int
                     ) -> tuple[TypedValue, Sequence[AgentArray]]:
@@ -515,6 +519,20 @@ class Spaces(NamedTuple):
 
     observation: Any
     action: Any
+
+
+def random_policy(observation: Any, agent_id: str, rng: np.random.Generator,
+                  spaces: Spaces) -> Any:
+    """A uniformly random action of the agent's action space, drawn from `rng` (so a run of
+    it is reproducible): a ready policy to try an env with (`workers.adapters.pettingzoo:
+    random_policy`)."""
+    space = spaces.action
+    if hasattr(space, "n"):  # Discrete
+        return int(space.start) + int(rng.integers(0, int(space.n)))
+    if hasattr(space, "low"):  # Box
+        return rng.uniform(space.low, space.high).astype(space.dtype)
+    return rng.integers(0, 2, size=space.shape).astype(np.int8)  # MultiBinary
+
 
 
 def _arity(policy: Callable[..., Any]) -> int:
@@ -715,12 +733,21 @@ def event_id(epoch: str, step: int, rule: str, ordinal: int) -> str:
     return "ev-" + digest_bytes(f"{epoch}\n{step}\n{rule}\n{ordinal}\n".encode())[:16]
 
 
+_COLUMNS: Final = {"agentIds": "agentId", "active": "active", "rewards": "reward",
+                   "terminated": "terminated", "truncated": "truncated",
+                   "observationDigests": "observationDigest"}
+
+
 def _agents(inspection: TypedValue, which: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The inspection and its agents, one `{agentId, active, reward, terminated, truncated,
+    observationDigest}` per port, from its columns."""
     value = expect(inspection, INSPECTION, f"the {which} inspection")
-    agents = value.get("agents") if isinstance(value, dict) else None
-    if not isinstance(agents, list) or not all(isinstance(a, dict) for a in agents):
+    columns = [value.get(c) if isinstance(value, dict) else None for c in _COLUMNS]
+    if not all(isinstance(c, list) for c in columns) \
+            or len({len(c) for c in columns if isinstance(c, list)}) != 1:
         raise DomainError.invalid(f"the {which} inspection has no agents")
-    return value, agents
+    return value, [dict(zip(_COLUMNS.values(), row, strict=True))
+                   for row in zip(*columns, strict=True)]
 
 
 class EnvTask:

@@ -67,8 +67,9 @@ def adapter_schema(name: str, version: int = 1) -> SchemaRef:
 
 
 INSPECTION: Final = adapter_schema("adapter.inspection.v2")
-"""The task's view of a boundary: `{boundary, env, steps, episode, episodesDone, done, agents:
-[{agentId, active, reward, terminated, truncated, observationDigest}]}`, agents in port order.
+"""The task's view of a boundary: `{boundary, env, steps, episode, episodesDone, done,
+agentIds, active, rewards, terminated, truncated, observationDigests}`, each of the last six a
+list by port, in port order (columns, so a key is not repeated per agent).
 No observations, only their digests (`workers.adapters.replay.observation_digest`, which the
 task's reward events carry into a run's export): the observations go to each agent alone
 (`INPUT`)."""
@@ -195,8 +196,9 @@ def encode_observation(desc: dict[str, Any], value: Any) -> tuple[Any, list[Agen
                                           f"not fit its space's {d['shape']}")
             data = array.tobytes()
             ident = f"o{len(arrays)}"
-            arrays.append(AgentArray(ident, array.dtype.str, tuple(array.shape), data))
-            return {"array": ident, "digest": hashlib.sha256(data).hexdigest()}
+            digest = hashlib.sha256(data).hexdigest()
+            arrays.append(AgentArray(ident, array.dtype.str, tuple(array.shape), data, digest))
+            return {"array": ident, "digest": digest}
         if kind == "dict":
             return {k: walk(sub, v[k]) for k, sub in d["spaces"]}
         if kind == "tuple":
@@ -214,7 +216,7 @@ def decode_observation(desc: dict[str, Any], value: Any,
     if kind == "discrete":
         return np.int64(value)
     if kind in ("box", "multi-binary", "multi-discrete"):
-        found = arrays.get(value.get("array")) if isinstance(value, dict) else None
+        found = arrays.get(str(value.get("array"))) if isinstance(value, dict) else None
         if found is None or np.dtype(found.dtype) != _leaf_dtype(desc) \
                 or list(found.shape) != list(desc["shape"]):
             raise DomainError.invalid(f"the input has no array {value!r} of dtype "
