@@ -39,8 +39,10 @@ bench: $(STAMP)
 	$(BIN)/python bench/bus.py
 	$(BIN)/python bench/step_rate.py
 	$(BIN)/python -P bench/step_cpu.py
+	$(BIN)/python -P bench/step_cpu.py --agents 2 8 32 --cadence 0 --agents-per-process 8
 	$(BIN)/python -P bench/request_cpu.py
 	$(BIN)/python -P bench/peers.py
+	$(BIN)/python -P bench/peers.py --agents 8 32 --agents-per-process 8
 	$(BIN)/python -P bench/media.py
 	$(BIN)/python -P bench/real_envs.py
 	$(BIN)/python -P bench/agent_scaling.py --intervals 1

@@ -69,10 +69,12 @@ def emit(line: dict[str, Any]) -> None:
     print(orjson.dumps(line).decode(), flush=True)
 
 
-def config_text(max_agents: int) -> str:
-    """The node configuration of the sweep: room for `max_agents` agents of one thread each."""
+def config_text(max_agents: int, agents_per_process: int = 1) -> str:
+    """The node configuration of the sweep: room for `max_agents` agents of one thread each,
+    `agents_per_process` agents per worker process (docs/launcher.md, "Agent hosts")."""
     threads = COORDINATOR_RESERVATION + 1 + max_agents
-    return f"[session]\nmax_agents = {max_agents}\n[node]\nthreads = {threads}\n"
+    return (f"[session]\nmax_agents = {max_agents}\nagents_per_process = {agents_per_process}\n"
+            f"[node]\nthreads = {threads}\n")
 
 
 @contextlib.contextmanager

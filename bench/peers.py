@@ -222,6 +222,8 @@ def main() -> None:
     ap.add_argument("--agents", type=int, nargs="+", default=list(AGENTS))
     ap.add_argument("--repeat", type=int, default=2, help="(flyd, peers) pairs per count")
     ap.add_argument("--scale", type=float, default=1.0, help="multiplies the run lengths")
+    ap.add_argument("--agents-per-process", type=int, default=1,
+                    help="flyd's agents per worker process (agent hosts)")
     args = ap.parse_args()
     if args.role:
         role, *rest = args.role
@@ -238,7 +240,8 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="flyd-bench-", dir="/tmp"))
     try:
         with scaling.scratch_database() as dsn:
-            (tmp / "flyd.toml").write_text(scaling.config_text(max(args.agents)))
+            (tmp / "flyd.toml").write_text(scaling.config_text(max(args.agents),
+                                                               args.agents_per_process))
             for agents in args.agents:
                 _, steps = step_cpu.lengths(agents, args.scale)
                 pairs: list[tuple[float, float]] = []
@@ -253,6 +256,7 @@ def main() -> None:
                 flyd_rate = statistics.median(p[0] for p in pairs)
                 peer_rate = statistics.median(p[1] for p in pairs)
                 scaling.emit({"bench": "peers", "agents": agents,
+                              "agents_per_process": args.agents_per_process,
                               "flyd_steps_per_s": round(flyd_rate, 1),
                               "peer_steps_per_s": round(peer_rate, 1),
                               "ratio": round(flyd_rate / peer_rate, 3),

@@ -334,6 +334,7 @@ KEYS: Final[dict[str, dict[str, Key]]] = {
         "max_agents": _int(4, 1, 256),
         "launcher": _choice("fork", "fork", "spawn"),
         "launch_concurrency": _int(8, 1, 256),
+        "agents_per_process": _int(1, 1, 256),
         "media_inline_max_bytes": _int(DEFAULT_MEDIA_INLINE_MAX_BYTES, 0,
                                        MAX_MEDIA_INLINE_MAX_BYTES),
         "probe_s": _num(2.0),
@@ -552,12 +553,15 @@ class Config:
 
     @property
     def launcher(self) -> LauncherSettings:
-        """`[session] launcher`, `launch_concurrency` and `media_inline_max_bytes`, typed."""
+        """`[session] launcher`, `launch_concurrency`, `media_inline_max_bytes` and
+        `agents_per_process`, typed."""
         return LauncherSettings(method=self.value("session", "launcher"),
                                 concurrency=int(self.value("session", "launch_concurrency")),
                                 plugin_paths=tuple(self.value("plugins", "paths")),
                                 media_inline_max_bytes=int(
-                                    self.value("session", "media_inline_max_bytes")))
+                                    self.value("session", "media_inline_max_bytes")),
+                                agents_per_process=int(
+                                    self.value("session", "agents_per_process")))
 
     @property
     def limits(self) -> Limits:

@@ -25,7 +25,8 @@ launch's environment variables set, and its command line (`/proc/<pid>/cmdline`)
 the `python -m workers.<role> <argv>` it stands for, so `ps`, psutil and every tool that finds
 workers by their command line sees a forked worker as a spawned one; then exactly what
 `python -m workers.<role>` runs, and `os._exit` with its code (nothing of the server's own state
-runs again in the child).
+runs again in the child). Role `host` (an agent host, `workers.host`) runs `python -m
+workers.host`'s main the same way.
 
 Command line: the kernel shows a process's argument area, which a process may overwrite in
 place but not grow; the node starts the server with `--room` and `ROOM` spaces so there is room
@@ -61,6 +62,8 @@ from typing import Any, Final, NoReturn
 
 import orjson
 
+from workers.host import HOST_MODULE, HOST_ROLE
+from workers.host import main as host_main
 from workers.launch import CRASHED_EXIT, MODULES, arm_die_with_parent
 
 __all__ = ["MAX_MESSAGE", "PRELOAD", "ROOM", "exit_code", "main", "set_cmdline", "warm"]
@@ -71,8 +74,10 @@ MAX_MESSAGE: Final = 1 << 20
 ROOM: Final = 4096
 #: what the server imports before it forks anything: both roles and their map, their shell, the
 #: bus client, the synthetic plugins (the defaults) and the event loop every worker runs
-PRELOAD: Final = ("uvloop", "workers.agent", "workers.environment", "workers.roles",
-                  "workers.synthetic")
+PRELOAD: Final = ("uvloop", "workers.agent", "workers.environment", "workers.host",
+                  "workers.roles", "workers.synthetic")
+#: the module each role a fork request may name runs
+ROLE_MODULES: Final[dict[str, str]] = {HOST_ROLE: HOST_MODULE, **dict(MODULES.items())}
 
 
 def exit_code(info: os.waitid_result) -> int:
@@ -139,7 +144,7 @@ class Server:
         fork is answered `forked` with an error, and the server goes on."""
         request = message.get("id")
         role, argv, env = message.get("role"), message.get("argv"), message.get("env")
-        if (role not in MODULES or len(fds) != 2 or not isinstance(argv, list)
+        if (role not in ROLE_MODULES or len(fds) != 2 or not isinstance(argv, list)
                 or not isinstance(env, dict)):
             self.send({"op": "forked", "id": request, "error": "malformed fork request"})
             return
@@ -220,15 +225,18 @@ def child(server_pid: int, role: str, argv: Sequence[str], env: dict[str, str], 
         os.dup2(output, 2)
         os.closerange(3, os.sysconf("SC_OPEN_MAX"))
         os.environ.update(env)
-        set_cmdline([sys.executable, "-m", MODULES[role], *argv])  # type: ignore[index]
+        set_cmdline([sys.executable, "-m", ROLE_MODULES[role], *argv])
         sys.stdin = os.fdopen(0, "r", closefd=False)
         sys.stdout = os.fdopen(1, "w", buffering=1, closefd=False)
         sys.stderr = os.fdopen(2, "w", buffering=1, closefd=False)
-        from workers.roles import endpoint_for
-        from workers.shell import main as worker_main
+        if role == HOST_ROLE:
+            code = host_main(list(argv))
+        else:
+            from workers.roles import endpoint_for
+            from workers.shell import main as worker_main
 
-        # the role's endpoint, as `python -m workers.<role>` gives it
-        code = worker_main(role, list(argv), endpoint_factory=endpoint_for)  # type: ignore[arg-type]
+            # the role's endpoint, as `python -m workers.<role>` gives it
+            code = worker_main(role, list(argv), endpoint_factory=endpoint_for)  # type: ignore[arg-type]
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else 1
     except BaseException:  # the child must end here, whatever happened

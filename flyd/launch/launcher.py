@@ -123,6 +123,7 @@ from flyd.launch.identities import (
 from flyd.launch.spawn import ChildProcess, ProcessInfo, process_info, settled_within
 from flyd.launch.spawner import Spawner
 from workers.domain import DomainError, ErrorCode, Mutation, format_request_id
+from workers.host import HostLaunch
 from workers.launch import (
     CRASHED_EXIT,
     DEFAULT_MEDIA_INLINE_MAX_BYTES,
@@ -159,6 +160,7 @@ __all__ = [
     "composition_plans",
     "connect_expected",
     "expect",
+    "host_groups",
     "start_error",
     "worker_launch",
 ]
@@ -419,6 +421,17 @@ def composition_plans(names: SessionNames, spec: Composition, *,
     return plans
 
 
+def host_groups(plans: Sequence[Plan], agents_per_process: int) -> list[list[Plan]]:
+    """The processes a launch of `plans` takes: every environment alone, the agents in plan
+    order in groups of at most `agents_per_process` (the last may be smaller). A group of one
+    is an ordinary worker process; a larger one is an agent host."""
+    groups: list[list[Plan]] = [[plan] for plan in plans if plan[0].role != "agent"]
+    agents = [plan for plan in plans if plan[0].role == "agent"]
+    size = max(1, agents_per_process)
+    groups += [agents[i:i + size] for i in range(0, len(agents), size)]
+    return groups
+
+
 # --------------------------------------------------------------------------------------------
 # bodies
 
@@ -601,6 +614,10 @@ class _Live:
     holder: str
     stopping: bool = False
     reported: bool = False
+    #: the agents sharing this one's host process, itself included (empty: not hosted)
+    host: tuple[str, ...] = ()
+    #: the worker whose kill ended this one's host
+    ended_with: str | None = None
 
 
 class Launcher:
@@ -624,6 +641,9 @@ class Launcher:
         self._endpoint_factory = endpoint_factory or endpoint_for
         self._owns_spawner = spawner is None
         self.spawner = spawner or Spawner(socket=socket, python=python)
+        #: agents per process in process mode (`[session] agents_per_process`; a run's spec may
+        #: set its own through `launch_composition`)
+        self.agents_per_process = self.spawner.settings.agents_per_process
         self._holds_reservation = holds_reservation
         self._owns_client = owns_client
         self._serial = 0
@@ -732,22 +752,28 @@ class Launcher:
         await expect(self.node, identity.client_id, pid, identity.incarnation_id,
                      identity.grants(), ttl=self.health.boot, timeout=self.health.fail)
 
+    async def _start_child(self, launch: WorkerLaunch | HostLaunch, threads: int, what: str,
+                           fields: Mapping[str, Any]) -> ChildProcess:
+        """A process for one worker or one agent host, blocked on its start gate."""
+        env = thread_environment(threads)
+        env["PYTHONUNBUFFERED"] = "1"
+        try:
+            return await self.spawner.start(launch, env=env, timeout=self.health.boot,
+                                            fields=fields)
+        except (OSError, ForkServerError, TimeoutError) as exc:
+            raise DomainError(ErrorCode.BACKEND_FAILURE,
+                              f"{what}: the worker process could not be started "
+                              f"({self.spawner.method}): {exc or type(exc).__name__}",
+                              Mutation.NONE) from None
+
     async def _start_body(self, identity: WorkerIdentity, launch: WorkerLaunch,
                           mode: ExecutionMode) -> _Body:
         wid = identity.worker_id
         if mode is ExecutionMode.PROCESS:
-            env = thread_environment(identity.worker_threads)
-            env["PYTHONUNBUFFERED"] = "1"
-            try:
-                child = await self.spawner.start(
-                    launch, env=env, timeout=self.health.boot,
-                    fields={"worker": wid, "incarnation": identity.incarnation_id,
-                            "session": identity.session_id})
-            except (OSError, ForkServerError, TimeoutError) as exc:
-                raise DomainError(ErrorCode.BACKEND_FAILURE,
-                                  f"{wid}: the worker process could not be started "
-                                  f"({self.spawner.method}): {exc or type(exc).__name__}",
-                                  Mutation.NONE) from None
+            child = await self._start_child(
+                launch, identity.worker_threads, wid,
+                {"worker": wid, "incarnation": identity.incarnation_id,
+                 "session": identity.session_id})
             body: _Body = _ProcessBody(child)
             self._starting[wid] = body
             await self._expect(identity, child.pid)
@@ -797,14 +823,17 @@ class Launcher:
             identity=identity, mode=mode, service_incarnation=service_incarnation,
             domain_incarnation=identity.incarnation_id,
             pid=body.pid if mode is ExecutionMode.PROCESS else None)
-        live = _Live(launched, body, holder)
-        self._workers[wid] = live
-        body.ended.add_done_callback(lambda f: self._body_ended(live, f))
+        self._register(_Live(launched, body, holder))
         log.info("launcher.launched", worker=wid, incarnation=identity.incarnation_id,
                  mode=mode.label(), pid=body.pid, service_incarnation=service_incarnation,
                  threads=identity.worker_threads,
                  ms=round((asyncio.get_running_loop().time() - started) * 1000, 1))
         return launched
+
+    def _register(self, live: _Live) -> None:
+        """A worker that answered `Worker.Hello` joins the table; its body's end is watched."""
+        self._workers[live.launched.worker_id] = live
+        live.body.ended.add_done_callback(lambda f: self._body_ended(live, f))
 
     async def launch_composition(self, spec: Composition,
                                  mode: ExecutionMode | None = None) -> dict[str, LaunchedWorker]:
@@ -819,22 +848,96 @@ class Launcher:
 
     async def launch_all(self, plans: list[Plan], mode: ExecutionMode) -> dict[str, LaunchedWorker]:
         """Launch several workers concurrently; on any failure the launched ones are killed
-        and the first failure is raised."""
+        and the first failure is raised. In process mode the agents share processes by
+        `agents_per_process` (`host_groups`)."""
         out: dict[str, LaunchedWorker] = {}
+        per_process = self.agents_per_process if mode is ExecutionMode.PROCESS else 1
 
-        async def one(identity: WorkerIdentity, settings: Settings, faults: Faults) -> None:
+        async def one(group: list[Plan]) -> None:
+            if len(group) > 1:
+                out.update(await self.launch_host(group))
+                return
+            ((identity, settings, faults),) = group
             out[identity.worker_id] = await self.launch(identity, settings, mode, faults=faults)
 
         try:
             async with asyncio.TaskGroup() as tg:
-                for identity, settings, faults in plans:
-                    tg.create_task(one(identity, settings, faults))
+                for group in host_groups(plans, per_process):
+                    tg.create_task(one(group))
         except BaseException as exc:
             for wid in list(out):
                 await self.kill(wid)
             if isinstance(exc, BaseExceptionGroup):
                 raise _first(exc) from None
             raise
+        return out
+
+    async def launch_host(self, plans: Sequence[Plan]) -> dict[str, LaunchedWorker]:
+        """Several agents in one process (`workers.host`), all or none: each agent keeps its
+        own identity, expectation, thread allocation and `Worker.Hello`; the process is one
+        failure domain (docs/launcher.md, "Agent hosts")."""
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        for identity, settings, _ in plans:
+            self._check_launch(identity, settings)
+        holders: dict[str, str] = {}
+        child: ChildProcess | None = None
+        try:
+            for identity, settings, faults in plans:
+                wid = identity.worker_id
+                holders[wid] = self.holder(wid)
+                self.budget.allocate(holders[wid], identity.worker_threads)
+                self._plans[wid] = _Plan(identity, settings, faults, ExecutionMode.PROCESS)
+            async with self.spawner.launch_slot():
+                parent = await self._parent_pid()
+                host = HostLaunch(tuple(
+                    self.worker_launch(identity, settings, faults, ExecutionMode.PROCESS, parent)
+                    for identity, settings, faults in plans))
+                first = plans[0][0]
+                child = await self._start_child(
+                    host, sum(identity.worker_threads for identity, _, _ in plans),
+                    ",".join(host.worker_ids),
+                    {"worker": ",".join(host.worker_ids), "incarnation": first.incarnation_id,
+                     "session": first.session_id})
+                bodies = {identity.worker_id: _ProcessBody(child) for identity, _, _ in plans}
+                self._starting.update(bodies)
+                async with asyncio.TaskGroup() as tg:
+                    for identity, _, _ in plans:
+                        tg.create_task(self._expect(identity, child.pid))
+                child.open_gate()
+                incarnations: dict[str, str] = {}
+
+                async def identify(identity: WorkerIdentity) -> None:
+                    wid = identity.worker_id
+                    incarnations[wid] = await self._identify(identity, bodies[wid])
+
+                async with asyncio.TaskGroup() as tg:
+                    for identity, _, _ in plans:
+                        tg.create_task(identify(identity))
+        except BaseException as exc:
+            for wid, holder in holders.items():
+                self._starting.pop(wid, None)
+                self.budget.release(holder)
+            if child is not None:
+                child.kill()
+                await child.close(KILL_WAIT_S if not self._abandoned else 0.0)
+            if isinstance(exc, BaseExceptionGroup):
+                raise _first(exc) from None
+            raise
+        out: dict[str, LaunchedWorker] = {}
+        for identity, _, _ in plans:
+            wid = identity.worker_id
+            body = self._starting.pop(wid)
+            launched = LaunchedWorker(
+                identity=identity, mode=ExecutionMode.PROCESS,
+                service_incarnation=incarnations[wid], domain_incarnation=identity.incarnation_id,
+                pid=child.pid)
+            self._register(_Live(launched, body, holders[wid], host=tuple(holders)))
+            out[wid] = launched
+        log.info("launcher.launched_host", workers=list(out), pid=child.pid,
+                 incarnations=[plan[0].incarnation_id for plan in plans],
+                 threads=sum(identity.worker_threads for identity, _, _ in plans),
+                 ms=round((loop.time() - started) * 1000, 1))
         return out
 
     # ------------------------------------------------------------------------- identify
@@ -1076,6 +1179,10 @@ class Launcher:
         live = self._remove(worker_id)
         if live is None:
             return AlreadyGone(worker_id)
+        for sibling in live.host:
+            other = self._workers.get(sibling)
+            if other is not None:
+                other.ended_with = worker_id
         self._sample_rss(live)
         await self._force(live)
         log.info("launcher.killed", worker=worker_id, exit_code=live.body.exit_code)
@@ -1092,6 +1199,25 @@ class Launcher:
         return await self.launch(plan.identity.next_generation(), settings or plan.settings,
                                  plan.mode, faults=plan.faults if faults is None else faults)
 
+    async def restart_all(self, worker_ids: Sequence[str],
+                          faults_of: Callable[[str], Faults]) -> dict[str, LaunchedWorker]:
+        """Kill every named worker, then launch their next generations together (as
+        `launch_all`: agents share hosts again as they did), each with `faults_of(id)`."""
+        plans: list[Plan] = []
+        modes: set[ExecutionMode] = set()
+        for wid in worker_ids:
+            plan = self._plans.get(wid)
+            if plan is None:
+                raise DomainError.before(ErrorCode.IDENTITY_MISMATCH,
+                                         f"{wid} was never launched by {self.client_id}")
+            plans.append((plan.identity.next_generation(), plan.settings, faults_of(wid)))
+            modes.add(plan.mode)
+        async with asyncio.TaskGroup() as tg:
+            for wid in worker_ids:
+                tg.create_task(self.kill(wid))
+        (mode,) = modes or {ExecutionMode.PROCESS}
+        return await self.launch_all(plans, mode)
+
     def kill_process_groups(self) -> list[int]:
         """SIGKILL every child process group now (synchronous; distribution.md §5.5 step 3).
         Returns the groups signalled; the bodies stay in the table until reaped or closed."""
@@ -1102,7 +1228,8 @@ class Launcher:
                 self._starting.values()):
             if isinstance(body, _ProcessBody):
                 body.abort()
-                groups.append(body.child.pgid)
+                if body.child.pgid not in groups:  # the agents of a host share one
+                    groups.append(body.child.pgid)
         return groups
 
     def abandon(self) -> list[int]:
@@ -1164,7 +1291,8 @@ class Launcher:
         if report is not None and self._workers.get(wid) is live and not live.reported:
             live.reported = True
             report(wid, DomainError(ErrorCode.BACKEND_FAILURE,
-                                    f"{wid} {live.body.describe_end()}", Mutation.UNKNOWN))
+                                    f"{wid} {live.body.describe_end()}{_host_note(live)}",
+                                    Mutation.UNKNOWN))
 
     async def supervise(self, report: Report) -> None:
         """Health-check every live worker every `probe` seconds and report failures and
@@ -1190,6 +1318,16 @@ class Launcher:
             if self._workers.get(worker_id) is live and not live.stopping and not live.reported:
                 live.reported = True
                 report(worker_id, exc)
+
+
+def _host_note(live: _Live) -> str:
+    """What a hosted agent's exit report adds: the host it shared, and whose kill ended it."""
+    if not live.host:
+        return ""
+    note = f" (its host process, pid {live.body.pid}, ran {', '.join(live.host)}"
+    if live.ended_with is not None:
+        note += f"; {live.ended_with} was killed"
+    return note + ")"
 
 
 def _first(group: BaseExceptionGroup[BaseException]) -> BaseException:

@@ -53,6 +53,7 @@ import structlog
 from flyd.cancel import raise_if_cancelled
 from flyd.launch.forkserver import ForkServer, ForkServerError
 from flyd.launch.spawn import ChildProcess, SpawnedChild, spawn_worker
+from workers.host import HostLaunch
 from workers.launch import DEFAULT_MEDIA_INLINE_MAX_BYTES, WorkerLaunch
 
 __all__ = ["LauncherSettings", "Spawner", "add_import_roots", "python_path"]
@@ -76,6 +77,9 @@ class LauncherSettings:
     #: `[session] media_inline_max_bytes`: every worker's threshold for media by reference
     #: (docs/topics.md §14.2); transport, so not part of the run spec
     media_inline_max_bytes: int = DEFAULT_MEDIA_INLINE_MAX_BYTES
+    #: `[session] agents_per_process`: agents per process-mode worker process (an agent host,
+    #: `workers.host`; docs/launcher.md, "Agent hosts"); 1 is one process per agent
+    agents_per_process: int = 1
 
 
 def add_import_roots(paths: Sequence[str]) -> None:
@@ -152,9 +156,10 @@ class Spawner:
             return (await self.fork_server()).pid
         return os.getpid()
 
-    async def start(self, launch: WorkerLaunch, *, env: Mapping[str, str],
+    async def start(self, launch: WorkerLaunch | HostLaunch, *, env: Mapping[str, str],
                     fields: Mapping[str, Any], timeout: float) -> ChildProcess:  # noqa: ASYNC109
-        """Start one worker process; it blocks on its start gate until `open_gate()`."""
+        """Start one worker process (one worker, or an agent host); it blocks on its start gate
+        until `open_gate()`."""
         if self.settings.method == "fork":
             server = await self.fork_server()
             return await server.fork(launch.role, launch.to_argv(), env, fields, timeout)

@@ -213,11 +213,16 @@ class GrantExecutor:
 
     # ------------------------------------------------------------------ for the grant session
 
-    async def open_launcher(self, run_id: int, session_id: str) -> tuple[SessionNames, Launcher]:
+    async def open_launcher(self, run_id: int, session_id: str,
+                            agents_per_process: int | None = None
+                            ) -> tuple[SessionNames, Launcher]:
+        """A session's launcher; a run spec's `agentsPerProcess` overrides the node's."""
         names = SessionNames(session_id=session_id, tag=self._tags.next(), node_id=self.node_id)
         launcher = await Launcher.open(names=names, socket=self.socket, node=self.node,
                                        budget=self.budget, health=self.health,
                                        max_agents=self.max_agents, spawner=self.spawner)
+        if agents_per_process is not None:
+            launcher.agents_per_process = agents_per_process
         self._launchers[run_id] = launcher
         return names, launcher
 

@@ -224,7 +224,9 @@ class GrantHost(Protocol):
     def router_exits(self) -> int:
         """Router deaths so far (a recovery attempt that saw one is given back)."""
 
-    async def open_launcher(self, run_id: int, session_id: str) -> tuple[SessionNames, Launcher]:
+    async def open_launcher(self, run_id: int, session_id: str,
+                            agents_per_process: int | None = None
+                            ) -> tuple[SessionNames, Launcher]:
         """A launcher for the run under fresh session names (a new tag)."""
 
     @property
@@ -476,8 +478,8 @@ class GrantSession:
         await self._end(ending)
 
     async def _launch(self) -> None:
-        self.names, self.launcher = await self.host.open_launcher(self.run_id,
-                                                                  self.spec.session_id)
+        self.names, self.launcher = await self.host.open_launcher(
+            self.run_id, self.spec.session_id, self.spec.agents_per_process)
         launched = await self.launcher.launch_composition(
             self.live_spec, ExecutionMode.from_label(self.spec.mode))
         self.report.workers = [worker_json(launched[w]) for w in self.spec.worker_ids()
@@ -684,8 +686,8 @@ class GrantSession:
             with contextlib.suppress(DomainError, BusError, TimeoutError):
                 async with asyncio.timeout(CLOSE_S):
                     await old.close()
-        self.names, self.launcher = await self.host.open_launcher(self.run_id,
-                                                                  self.spec.session_id)
+        self.names, self.launcher = await self.host.open_launcher(
+            self.run_id, self.spec.session_id, self.spec.agents_per_process)
         if self.topic is not None:
             self.topic = await declare_run_topic(self.host.node, self.run_id, CLOSE_S)
             self.report.topic = self.topic
@@ -778,13 +780,14 @@ class GrantSession:
                               new_incarnation=launched[wid].identity.incarnation_id,
                               reap="router-lost")
             return
+        olds = coordinator.refs()
+        replacements = await launcher.restart_all(spec.worker_ids(), spec.faults_of)
         for wid in spec.worker_ids():
-            old = coordinator.refs().get(wid)
-            replacement = await launcher.restart(wid, faults=spec.faults_of(wid))
-            coordinator.replace_participant(wid, replacement.worker_ref())
+            old = olds.get(wid)
+            coordinator.replace_participant(wid, replacements[wid].worker_ref())
             self._rlog().info("recovery.replaced", worker=wid,
                               old_incarnation=old.domain_incarnation if old else None,
-                              new_incarnation=replacement.identity.incarnation_id,
+                              new_incarnation=replacements[wid].identity.incarnation_id,
                               reap="killed")
 
     # ------------------------------------------------------------------ endings (§9.3)

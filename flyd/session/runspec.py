@@ -109,8 +109,8 @@ ADAPTER_WORLDS: Final = frozenset({"workers.adapters.pettingzoo:ParallelEnvWorld
 ADAPTER_TASK: Final = "workers.adapters.pettingzoo:EnvTask"
 
 TOP_KEYS: Final = ("specVersion", "sessionId", "episodeId", "steps", "seed", "mode", "dispatch",
-                   "pacing", "paceS", "exclusiveToSubmitter", "agents", "world", "task",
-                   "executor", "checkpoints", "injections", "startFrom")
+                   "pacing", "paceS", "exclusiveToSubmitter", "agentsPerProcess", "agents",
+                   "world", "task", "executor", "checkpoints", "injections", "startFrom")
 AGENT_KEYS: Final = ("agentId", "portId", "model", "modelConfig", "seed", "tick", "warmupTicks",
                      "threads", "faults")
 WORLD_KEYS: Final = ("worldId", "impl", "config", "step", "observationDelaySteps", "threads",
@@ -601,6 +601,9 @@ class RunSpec:
     pacing: str = "off"
     pace_s: float | None = None
     exclusive_to_submitter: bool = False
+    #: agents per process in process mode (docs/launcher.md, "Agent hosts"); None: the node's
+    #: `[session] agents_per_process`
+    agents_per_process: int | None = None
     agents: tuple[AgentSpec, ...] = field(default_factory=lambda: _default_agents())
     world: WorldSpec = WorldSpec()
     task: TaskSpec = TaskSpec()
@@ -642,6 +645,10 @@ class RunSpec:
                                          f"null; got {pace_s!r}")
         exclusive = _at("/exclusiveToSubmitter", parse_bool,
                         obj.get("exclusiveToSubmitter", False), "exclusiveToSubmitter")
+        per_process = obj.get("agentsPerProcess")
+        if per_process is not None:
+            per_process = _at("/agentsPerProcess", parse_int, per_process, "agentsPerProcess",
+                              1, MAX_AGENTS_LIMIT)
 
         if "agents" in obj:
             raw_agents = _list(obj["agents"], "/agents")
@@ -679,6 +686,7 @@ class RunSpec:
             pacing=_choice(obj.get("pacing", "off"), "/pacing", PACINGS),
             pace_s=pace_s,
             exclusive_to_submitter=exclusive,
+            agents_per_process=per_process,
             agents=tuple(sorted(agents, key=lambda a: a.agent_id)),
             world=world,
             task=task,
@@ -730,6 +738,10 @@ class RunSpec:
             "checkpoints": {key: checkpoints.get(key) for key in CHECKPOINT_KEYS},
             "injections": self.injections.to_json(),
             "startFrom": None if self.start_from is None else self.start_from.to_json(),
+            # an addition to §4.10's keys, present only when set: the normal form of every
+            # spec without it stays the same
+            **({} if self.agents_per_process is None
+               else {"agentsPerProcess": self.agents_per_process}),
         }
 
     # ------------------------------------------------------------------ derived facts

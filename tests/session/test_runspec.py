@@ -44,6 +44,15 @@ def refuse(doc: Any, path: str, **kwargs: Any) -> RunSpecError:
 # normalisation
 
 
+def test_agents_per_process_is_kept_when_set_and_refused_out_of_range() -> None:
+    """The agent-host key (docs/launcher.md, "Agent hosts"): absent from the normal form unless
+    set; 1..256 as a JSON integer."""
+    assert RunSpec.validate({"agentsPerProcess": 4}).to_json()["agentsPerProcess"] == 4
+    assert RunSpec.validate({"agentsPerProcess": None}).agents_per_process is None
+    for bad in (0, 257, "4", 2.0, True):
+        refuse({"agentsPerProcess": bad}, "/agentsPerProcess")
+
+
 def test_the_empty_spec_normalises_to_the_synthetic_defaults() -> None:
     doc = RunSpec.normalise({})
     assert doc == RunSpec().to_json()
