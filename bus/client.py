@@ -24,7 +24,7 @@ import mmap
 import os
 import types
 from collections import deque
-from collections.abc import Awaitable, Callable, Generator, Iterable
+from collections.abc import Awaitable, Callable, Generator, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final, cast
 
@@ -38,15 +38,18 @@ from bus.errors import (
     CallDeadlineExceeded,
     CallGone,
     InvalidEnvelope,
+    InvalidParams,
     MethodNotFound,
     QuotaExceeded,
     RouterLost,
     StoreFailure,
     VersionMismatch,
+    error_object,
     from_wire,
 )
 from bus.framing import PREFIX, FrameDecoder
 from bus.limits import MAX_CONSUME_BATCH, hello_keys
+from bus.ownership import Trust, check_socket_dir
 from bus.schema import NOTIFICATIONS, OPS, Validator, contract_digest, validator
 from bus.store import map_for_write, open_store_dir, read_sealed, write_whole
 
@@ -70,6 +73,12 @@ MAX_ID: Final = 2**53 - 1
 MAX_DROP_IDS: Final = 16
 
 Handler = Callable[["Request"], Awaitable["dict[str, Any] | Reply | None"]]
+#: a handler that completes without awaiting (wire.md §22.2): run on the reader, no task
+InlineHandler = Callable[["Request"], "dict[str, Any] | Reply | None"]
+#: the outcome member a service SDK answers with when it refuses a request's payload itself
+#: (wire.md §22.3): `{"bus.error": <error object>}`; the caller's SDK raises that error
+REFUSAL_KEY: Final = "bus.error"
+_REFUSAL_PREFIX: Final = b'{"bus.error":'
 RouteRemovedHook = Callable[[str, str, str], None]
 
 
@@ -115,6 +124,9 @@ class CallResult:
     responder: Identity
     outcome: dict[str, Any]
     attachments: tuple[Attachment, ...] = ()
+    #: the outcome's wire bytes as the responder wrote them (wire.md §22.1; None when the
+    #: router re-encoded it: minor < 3, or a frame in another member order)
+    outcome_bytes: bytes | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,6 +184,16 @@ def _ignore_outcome(fut: asyncio.Future[Any]) -> None:
         fut.exception()
 
 
+def _payload_bytes(payload: bytes) -> bytes:
+    """A payload given as wire bytes (a retry resends what it sent, wire.md §22.3). They get
+    the router's check, one well-formed JSON object, else InvalidEnvelope and nothing is sent;
+    §3's strictness inside them is the receiver's to check, as for any forwarded body."""
+    problem = codec.body_problem(payload) if payload[:1] == b"{" else "not a JSON object"
+    if problem is not None:
+        raise InvalidEnvelope(f"payload: {problem}", "not-dispatched")
+    return payload
+
+
 def new_incarnation() -> str:
     return "inc-" + os.urandom(16).hex()
 
@@ -199,10 +221,11 @@ class Validators:
 class Request:
     """A `bus.request` delivered to one of our services; answer it once."""
 
-    __slots__ = ("_answered", "_client", "attachments", "call_id", "caller", "delivery_id",
-                 "method", "payload", "service_incarnation", "target")
+    __slots__ = ("_answered", "_client", "_payload", "_payload_bytes", "attachments", "call_id",
+                 "caller", "delivery_id", "method", "service_incarnation", "target")
 
-    def __init__(self, client: BusClient, params: dict[str, Any]) -> None:
+    def __init__(self, client: BusClient, params: dict[str, Any],
+                 payload_bytes: bytes | None = None) -> None:
         self._client = client
         self.delivery_id: str = params["deliveryId"]
         self.call_id: int = params["callId"]
@@ -211,9 +234,33 @@ class Request:
         self.target: str = params["target"]
         self.service_incarnation: str = params["serviceIncarnation"]
         self.method: str = params["method"]
-        self.payload: dict[str, Any] = params["payload"]
+        # wire.md §22.3: the caller's bytes, and their value decoded strictly on first use
+        self._payload_bytes = payload_bytes
+        self._payload: dict[str, Any] | None = None if payload_bytes is not None \
+            else params["payload"]
         self.attachments = client._attachments(params)
         self._answered = False
+
+    @property
+    def payload_bytes(self) -> bytes:
+        """The payload exactly as the caller wrote it (what a body digest hashes)."""
+        if self._payload_bytes is None:
+            self._payload_bytes = codec.encode(self._payload)
+        return self._payload_bytes
+
+    @property
+    def payload(self) -> dict[str, Any]:
+        """The payload's value, decoded with §3's strictness on first use; raises
+        InvalidParams (`not-dispatched`) when the bytes break a rule."""
+        value = self._payload
+        if value is None:
+            assert self._payload_bytes is not None
+            try:
+                value = codec.decode(self._payload_bytes)
+            except BusError as exc:
+                raise InvalidParams(f"payload: {exc.message}", "not-dispatched") from None
+            self._payload = value
+        return value
 
     async def retain(self, ids: list[str] | None = None) -> list[Attachment]:
         """Keep attachments (all by default) beyond the handler (docs/topics.md §12)."""
@@ -228,10 +275,11 @@ class Request:
                     attachments: tuple[AttachmentRef, ...] = (),
                     transfer: bool = False) -> bool:
         """Send the reply; True when routed to an attached caller."""
-        params: dict[str, Any] = {"deliveryId": self.delivery_id, "outcome": outcome}
+        params: dict[str, Any] = {"deliveryId": self.delivery_id}
         if attachments:
             params["attachments"] = artifact_ids(attachments)
             params["transfer"] = transfer
+        params["outcome"] = outcome  # last: the router's split (wire.md §22.1)
         result = await self._client._command("bus.reply", params)
         self._answered = True
         return bool(result["routed"])
@@ -248,11 +296,15 @@ class Request:
 class Service:
     """A registration; as an async context manager it unregisters on exit."""
 
-    def __init__(self, client: BusClient, name: str, incarnation: str, handler: Handler) -> None:
+    def __init__(self, client: BusClient, name: str, incarnation: str, handler: Handler,
+                 inline: Mapping[str, InlineHandler] | None = None,
+                 decode_payload: bool = True) -> None:
         self._client = client
         self.name = name
         self.incarnation = incarnation
         self.handler = handler
+        self.inline: Mapping[str, InlineHandler] = inline or {}
+        self.decode_payload = decode_payload
 
     async def unregister(self) -> bool:
         self._client._services.pop(self.name, None)
@@ -563,7 +615,7 @@ class BusClient:
         self._pending: deque[tuple[int, str, asyncio.Future[dict[str, Any]]]] = deque()
         self._calls: dict[int, _CallState] = {}
         self._services: dict[str, Service] = {}
-        self._registering: dict[int, Handler] = {}
+        self._registering: dict[int, tuple[Handler, dict[str, InlineHandler], bool]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._lean = False  # the router announced minor >= 1 (wire.md §21.1)
         self._minor = 0
@@ -582,6 +634,8 @@ class BusClient:
         self.writes = 0
         self._reading = False
         self._flush_after_read = False
+        #: the body-carrying frame `_on_notification` is handling (wire.md §22.1)
+        self._body_frame: codec.BodyFrame | None = None
         self._drained: asyncio.Future[None] | None = None
         self._closed_with: BaseException | None = None
         self._closed = self._loop.create_future()
@@ -739,7 +793,7 @@ class BusClient:
         return codec.encode({"jsonrpc": "2.0", "id": rid, "method": method, "params": params},
                             self._max_envelope)
 
-    def _encode_call(self, rid: int, target: str, method: str, payload: dict[str, Any],
+    def _encode_call(self, rid: int, target: str, method: str, payload: dict[str, Any] | bytes,
                      expected_incarnation: str | None, lean: bool,
                      attachments: tuple[str, ...] = (), transfer: bool = False) -> bytes:
         """A `bus.call` frame, the notification form when `lean` (its callId is `rid`);
@@ -749,7 +803,7 @@ class BusClient:
         strings, ints and maybe a null, and the strict encoder would walk the whole value
         again just because that null might be a NaN."""
         params: dict[str, Any] = {"target": target, "expectedIncarnation": expected_incarnation,
-                                  "method": method, "payload": payload}
+                                  "method": method}
         if lean:
             params["callId"] = rid
         if attachments:
@@ -758,6 +812,9 @@ class BusClient:
         credits = self._credits[:MAX_CONSUME_BATCH] if self._lean else None
         if credits:
             params["consumed"] = credits
+        # last: the router's split (wire.md §22.1); given bytes are sent as they are
+        params["payload"] = orjson.Fragment(_payload_bytes(payload)) \
+            if isinstance(payload, bytes) else payload
         msg: dict[str, Any] = ({"jsonrpc": "2.0", "method": "bus.call", "params": params} if lean
                                else {"jsonrpc": "2.0", "id": rid, "method": "bus.call",
                                      "params": params})
@@ -765,7 +822,8 @@ class BusClient:
                 expected_incarnation is None or type(expected_incarnation) is str):
             body = codec.encode(msg, self._max_envelope)
         else:
-            params["payload"] = orjson.Fragment(codec.encode(payload))
+            if not isinstance(payload, bytes):
+                params["payload"] = orjson.Fragment(codec.encode(payload))
             body = codec.encode_trusted(msg, self._max_envelope)
         if credits:  # they leave with this frame
             del self._credits[:len(credits)]
@@ -870,8 +928,13 @@ class BusClient:
                 return
             if body is None:
                 return
+            raw: codec.BodyFrame | None = None
             try:
-                msg = codec.decode(body)
+                if b'"payload"' in body or b'"outcome"' in body:
+                    raw = codec.decode_body_frame(body)  # §22.1: the body stays bytes
+                    msg = raw.msg
+                else:
+                    msg = codec.decode(body)
             except BusError as exc:
                 self._violation(exc.message)
                 return
@@ -881,6 +944,7 @@ class BusClient:
             if "id" in msg:
                 self._on_response(msg)
             else:
+                self._body_frame = raw
                 self._on_notification(msg)
 
     def _on_response(self, msg: dict[str, Any]) -> None:
@@ -903,10 +967,10 @@ class BusClient:
         if method == "bus.register":
             # Bind the handler now: a request may follow in the same read, before the
             # awaiting register() resumes.
-            handler = self._registering.pop(msg["id"], None)
-            if handler is not None:
+            binding = self._registering.pop(msg["id"], None)
+            if binding is not None:
                 self._services[result["name"]] = Service(
-                    self, result["name"], result["serviceIncarnation"], handler)
+                    self, result["name"], result["serviceIncarnation"], *binding)
         elif method == "bus.subscribe":
             # Bind now: its first message may follow in the same read (docs/topics.md §4.2).
             sub = Subscription(self, result)
@@ -932,21 +996,24 @@ class BusClient:
             self._violation(f"{method}: {problem}")
             return
         assert isinstance(params, dict)
+        raw, self._body_frame = self._body_frame, None
+        body = None if raw is None else raw.body
+        if body is not None and method == "bus.message":
+            # a published payload is held to §3 by the router; read it whole, as before
+            try:
+                params["payload"] = codec.decode(body)
+            except BusError as exc:
+                self._violation(f"bus.message payload: {exc.message}")
+                return
+            body = None
         if method == "bus.result":
             state = self._calls.pop(params["callId"], None)
             if state is not None:
-                r = params["responder"]
-                result = CallResult(params["callId"], params["serviceIncarnation"],
-                                    self._identity(r), params["outcome"],
-                                    self._attachments(params))
-                if result.attachments and state.keep:
-                    self._keep(state, result)  # the retain leaves before the credit
-                else:
-                    _deliver(state, value=result)
+                self._on_result(state, params, body)
             # queued after the wake-up: the credit leaves with the caller's next request
             self._queue_result_credit(params["deliveryId"])
         elif method == "bus.request":
-            self._on_request(params)
+            self._on_request(params, body)
         elif method == "bus.callFailed":
             state = self._calls.pop(params["callId"], None)
             if state is not None:
@@ -970,6 +1037,33 @@ class BusClient:
                     log.exception("bus.client.route_removed_hook_failed")
         else:
             self._lost(from_wire(params["error"]))
+
+    def _on_result(self, state: _CallState, params: dict[str, Any], body: bytes | None) -> None:
+        """A call's `bus.result`: its outcome decoded strictly from the responder's bytes
+        (wire.md §22.3). A body that breaks §3 fails the call INVALID_PARAMS, `dispatched`
+        (a handler saw the request); a service SDK's refusal (`{"bus.error": ...}`) is
+        raised as that error."""
+        if body is None:
+            outcome = params["outcome"]
+        else:
+            try:
+                outcome = codec.decode(body)
+            except BusError as exc:
+                _deliver(state, InvalidParams(f"call {state.call_id}: the outcome is "
+                                              f"malformed: {exc.message}", "dispatched"))
+                return
+            if body.startswith(_REFUSAL_PREFIX) and len(outcome) == 1:
+                error = outcome[REFUSAL_KEY]
+                if self._v.error(error) is None:
+                    _deliver(state, from_wire(error))
+                    return
+        result = CallResult(params["callId"], params["serviceIncarnation"],
+                            self._identity(params["responder"]), outcome,
+                            self._attachments(params), body)
+        if result.attachments and state.keep:
+            self._keep(state, result)  # the retain leaves before the credit
+        else:
+            _deliver(state, value=result)
 
     def _attachments(self, params: dict[str, Any]) -> tuple[Attachment, ...]:
         wire = params.get("attachments")
@@ -1007,17 +1101,67 @@ class BusClient:
             found = self._identities[key] = Identity(*key)
         return found
 
-    def _on_request(self, params: dict[str, Any]) -> None:
+    def _on_request(self, params: dict[str, Any], body: bytes | None = None) -> None:
         svc = self._services.get(params["target"])
-        req = Request(self, params)
+        req = Request(self, params, body)
         if svc is None or svc.incarnation != req.service_incarnation:
             # Unregistered while the request was in flight: give the capability back.
             self._send_nowait("bus.release", {"deliveryId": req.delivery_id})
             self._queue_consumed(req.delivery_id)
             return
+        if body is not None and svc.decode_payload:
+            try:
+                req.payload  # noqa: B018 - decoded now, so a bad body reaches no handler
+            except InvalidParams as exc:
+                self._refuse(req, exc)
+                return
+        inline = svc.inline.get(req.method)
+        if inline is not None:
+            self._run_inline(inline, req)
+            return
         task = self._loop.create_task(self._run_handler(svc, req))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+    def _refuse(self, req: Request, error: BusError) -> None:
+        """wire.md §22.3: a request whose payload breaks §3 is refused before any handler saw
+        it; the caller's SDK raises `error` (INVALID_PARAMS, `not-dispatched`)."""
+        # the message may quote the payload (a duplicated key): it goes to the caller only
+        log.warning("bus.client.payload_refused", method=req.method, call_id=req.call_id,
+                    error=error.name)
+        self._reply_now(req, Reply({REFUSAL_KEY: error_object(error.name, error.message,
+                                                              "not-dispatched")}))
+
+    def _run_inline(self, handler: InlineHandler, req: Request) -> None:
+        """wire.md §22.2: an inline handler runs here, on the reader, in arrival order; its
+        reply joins the reader's next write. One that raises is released as a handler
+        exception is (§17)."""
+        try:
+            outcome = handler(req)
+        except Exception as exc:
+            log.warning("bus.client.handler_failed", method=req.method, call_id=req.call_id,
+                        error=type(exc).__name__)
+            outcome = None
+        if outcome is not None and not req.answered:
+            self._reply_now(req, outcome if isinstance(outcome, Reply) else Reply(outcome),
+                            inline=True)
+        if not req.answered:
+            req._answered = True
+            self._send_nowait("bus.release", {"deliveryId": req.delivery_id})
+            self._queue_consumed(req.delivery_id)
+
+    def _reply_now(self, req: Request, reply: Reply, *, inline: bool = False) -> None:
+        """Queue a reply without waiting for write credit (it answers a frame just read, as a
+        credit does); a reply refused locally (too large) is released instead."""
+        try:
+            if self._encode_reply(req, reply, inline):
+                return
+        except InvalidEnvelope as exc:
+            log.warning("bus.client.reply_refused", method=req.method, call_id=req.call_id,
+                        error=exc.message)
+            req._answered = True
+            self._send_nowait("bus.release", {"deliveryId": req.delivery_id})
+        self._queue_consumed(req.delivery_id)
 
     async def _run_handler(self, svc: Service, req: Request) -> None:
         consumed = False
@@ -1067,28 +1211,34 @@ class BusClient:
         if self._drained is not None and not self._drained.done():
             await self._drained
             self._check_open()
-        outcome = reply.outcome
-        extra: dict[str, Any] = {}
-        if reply.attachments:
-            extra = {"attachments": artifact_ids(reply.attachments), "transfer": reply.transfer}
         try:
-            if self._lean:
-                # only the handler's outcome needs the strict encoder; the router issued the
-                # delivery id (a checked string)
-                body = codec.encode_trusted({"jsonrpc": "2.0", "method": "bus.reply", "params": {
-                    "deliveryId": req.delivery_id,
-                    "outcome": orjson.Fragment(codec.encode(outcome)), "consumed": True,
-                    **extra}},
-                    self._max_envelope)
-                self._write(body)
-                req._answered = True
-                return True
-            fut = self._send_nowait("bus.reply", {"deliveryId": req.delivery_id,
-                                                  "outcome": outcome, **extra})
+            return self._encode_reply(req, reply)
         except InvalidEnvelope as exc:
             log.warning("bus.client.reply_refused", method=req.method, call_id=req.call_id,
                         error=exc.message)
             return False
+
+    def _encode_reply(self, req: Request, reply: Reply, inline: bool = False) -> bool:
+        """Queue `bus.reply` for `reply` (InvalidEnvelope, nothing sent, when it cannot be
+        encoded or is too large); True when it also returned the delivery (lean
+        `consumed: true`). The outcome goes last, for the router's split (wire.md §22.1)."""
+        params: dict[str, Any] = {"deliveryId": req.delivery_id}
+        if reply.attachments:
+            params["attachments"] = artifact_ids(reply.attachments)
+            params["transfer"] = reply.transfer
+        if self._lean:
+            params["consumed"] = True
+            if inline and self._minor >= 3:
+                params["inline"] = True
+            # only the handler's outcome needs the strict encoder; the router issued the
+            # delivery id (a checked string)
+            params["outcome"] = orjson.Fragment(codec.encode(reply.outcome))
+            self._write(codec.encode_trusted(
+                {"jsonrpc": "2.0", "method": "bus.reply", "params": params}, self._max_envelope))
+            req._answered = True
+            return True
+        params["outcome"] = reply.outcome
+        fut = self._send_nowait("bus.reply", params)
         req._answered = True
         fut.add_done_callback(lambda f: self._reply_answered(req, f))
         return False
@@ -1120,12 +1270,19 @@ class BusClient:
 
     # API ---------------------------------------------------------------------------------
     async def register(self, name: str, handler: Handler, *, max_queued: int = 16,
-                       max_in_flight: int = 4) -> Service:
+                       max_in_flight: int = 4,
+                       inline: Mapping[str, InlineHandler] | None = None,
+                       decode_payload: bool = True) -> Service:
+        """Register `name`. `inline` maps methods to handlers that complete without awaiting
+        (wire.md §22.2): they run on the reader, no task per request. With `decode_payload`
+        False a handler decodes `req.payload_bytes` itself (a typed decoder; `req.payload`
+        still decodes strictly on first use) and answers a bad body as it sees fit."""
         ids: list[int] = []
+        binding = (handler, dict(inline or {}), decode_payload)
 
         def bind(rid: int) -> None:
             ids.append(rid)
-            self._registering[rid] = handler
+            self._registering[rid] = binding
 
         try:
             result = await self._command("bus.register", {
@@ -1136,7 +1293,7 @@ class BusClient:
                 self._registering.pop(rid, None)
         return self._services[result["name"]]
 
-    def _admit(self, target: str, method: str, payload: dict[str, Any],
+    def _admit(self, target: str, method: str, payload: dict[str, Any] | bytes,
                expected_incarnation: str | None, *, lean: bool = False,
                attachments: tuple[str, ...] = (), transfer: bool = False,
                keep: bool = True) -> _CallState:
@@ -1164,7 +1321,7 @@ class BusClient:
             _settle(state.admitted, exc)
             _deliver(state, exc)
 
-    async def start_call(self, target: str, method: str, payload: dict[str, Any], *,
+    async def start_call(self, target: str, method: str, payload: dict[str, Any] | bytes, *,
                          expected_incarnation: str | None = None) -> PendingCall:
         """Admit a call and return its handle (raises the refusal's BusError)."""
         if self._drained is not None and not self._drained.done():
@@ -1174,7 +1331,7 @@ class BusClient:
         await state.admitted
         return PendingCall(self, state)
 
-    async def call(self, target: str, method: str, payload: dict[str, Any], *,
+    async def call(self, target: str, method: str, payload: dict[str, Any] | bytes, *,
                    timeout: float | None,  # noqa: ASYNC109 - the SDK contract (wire.md §17)
                    expected_incarnation: str | None = None,
                    attachments: tuple[AttachmentRef, ...] = (), transfer: bool = False,
@@ -1463,14 +1620,18 @@ class _Connect:
     def __init__(self, path: str, client_id: str, client_incarnation: str | None,
                  supported_majors: tuple[int, ...], timeout: float | None,
                  on_route_removed: RouteRemovedHook | None,
-                 on_publish_failed: PublishFailedHook | None = None) -> None:
+                 on_publish_failed: PublishFailedHook | None = None,
+                 socket_gid: int | None = None) -> None:
         self._args = (path, client_id, client_incarnation, supported_majors, timeout,
                       on_route_removed)
         self._on_publish_failed = on_publish_failed
+        self._socket_gid = socket_gid
         self._client: BusClient | None = None
 
     async def _open(self) -> BusClient:
         path, client_id, incarnation, majors, timeout, hook = self._args
+        # wire.md §13: a socket in a directory another user controls may be an impostor's
+        check_socket_dir(path, Trust.client(self._socket_gid))
         loop = asyncio.get_running_loop()
         client = BusClient(path, client_id, incarnation or new_incarnation(), hook,
                            self._on_publish_failed)
@@ -1505,7 +1666,10 @@ class _Connect:
 def connect(path: str, *, client_id: str, client_incarnation: str | None = None,
             supported_majors: tuple[int, ...] = (1,), timeout: float | None = 5.0,
             on_route_removed: RouteRemovedHook | None = None,
-            on_publish_failed: PublishFailedHook | None = None) -> _Connect:
-    """Open a connection and complete `bus.hello` (wire.md §17)."""
+            on_publish_failed: PublishFailedHook | None = None,
+            socket_gid: int | None = None) -> _Connect:
+    """Open a connection and complete `bus.hello` (wire.md §17). The socket's directory must be
+    one no other user controls (`bus.ownership.Trust.client`; `socket_gid` is the configured
+    `[bus] socket_group`), else `UnsafeDirectory` (NOT_AUTHORIZED) before any connect."""
     return _Connect(path, client_id, client_incarnation, tuple(supported_majors), timeout,
-                    on_route_removed, on_publish_failed)
+                    on_route_removed, on_publish_failed, socket_gid)

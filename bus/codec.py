@@ -17,6 +17,7 @@ import re
 from enum import Enum
 from typing import Any, Final
 
+import msgspec
 import orjson
 
 from bus.errors import InvalidEnvelope, ParseError
@@ -433,3 +434,132 @@ def _has_lone_surrogate(text: str) -> bool:
     except UnicodeEncodeError:
         return True
     return False
+
+
+# --- frames that carry a body (wire.md §22) ---------------------------------------------------
+
+
+class _BodyMembers(msgspec.Struct):
+    payload: msgspec.Raw | msgspec.UnsetType = msgspec.UNSET
+    outcome: msgspec.Raw | msgspec.UnsetType = msgspec.UNSET
+
+
+class _BodyShape(msgspec.Struct):
+    params: _BodyMembers | msgspec.UnsetType = msgspec.UNSET
+
+
+# finds where a frame's body lies; validates the whole frame's syntax while it skips the body
+_body_shape: Final = msgspec.json.Decoder(_BodyShape)
+_BODY_KEYS: Final = {"payload": re.compile(rb'"payload"[ \t\n\r]*:[ \t\n\r]*'),
+                     "outcome": re.compile(rb'"outcome"[ \t\n\r]*:[ \t\n\r]*')}
+# a malformed body is looked for after at most this many occurrences of its key
+_BODY_CANDIDATES: Final = 4
+PLACEHOLDER: Final = b"{}"
+
+
+class BodyFrame:
+    """A frame whose `params` carries a body member (`payload` or `outcome`), read in the
+    fast path's split: `msg` is the frame strictly decoded (§3) with that member's value
+    replaced by `{}` (when `body` is not None), and `body` the member's wire bytes, untouched.
+
+    `problem` is None when the body is one well-formed JSON object (syntax and UTF-8: what
+    the router forwards); else it says why not (the envelope around it is still sound).
+    A frame read whole (`body` None) is a frame without the member, or one whose body is not
+    an object: its `msg` holds the decoded value as always.
+    """
+
+    __slots__ = ("body", "key", "msg", "problem")
+
+    def __init__(self, msg: Any, body: bytes | None, problem: str | None,
+                 key: str = "payload") -> None:
+        self.msg = msg
+        self.body = body
+        self.problem = problem
+        self.key = key
+
+
+def decode_body_frame(data: bytes) -> BodyFrame:
+    """Read a frame that may carry a body member (`payload`, else `outcome`: wire.md §22.1)
+    without parsing the body into a value; raises ParseError when the frame around the body
+    is not strict JSON.
+
+    The body's bytes are found in one compiled pass over the frame (msgspec validates the
+    syntax of what it skips). Only the envelope, with the body replaced by `{}`, goes through
+    `decode`: the body's own strictness (duplicate keys, number ranges, depth) is its
+    receiver's to check (`decode(body)`). When the body is the last member of `params` and
+    `params` the last member of the frame (the SDK and the router write every frame so) the
+    split costs one slice; any other member order is still read, whole and strictly.
+    """
+    try:
+        shape = _body_shape.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
+        return _malformed_body_frame(data)
+    members = shape.params
+    if members is msgspec.UNSET:
+        return BodyFrame(decode(data), None, None)
+    key = "payload"
+    raw = members.payload
+    if raw is msgspec.UNSET:
+        key = "outcome"
+        raw = members.outcome
+        if raw is msgspec.UNSET:
+            return BodyFrame(decode(data), None, None)
+    body = bytes(raw)
+    if body[:1] != b"{":  # the op's schema refuses it, naming the member
+        return BodyFrame(decode(data), None, None)
+    end = len(data) - 2
+    start = end - len(body)
+    if data.endswith(b"}}") and data.startswith(body, start) and data[start - 1:start] == b":":
+        msg = decode(data[:start] + PLACEHOLDER + data[end:])
+    else:
+        msg = decode(data)
+    return BodyFrame(msg, body, None if body.isascii() else _utf8_problem(body), key)
+
+
+def _utf8_problem(body: bytes) -> str | None:
+    try:
+        body.decode("utf-8")
+    except UnicodeDecodeError as err:
+        return f"invalid UTF-8 at byte {err.start}: {err.reason}"
+    return None
+
+
+def _malformed_body_frame(data: bytes) -> BodyFrame:
+    """The frame is not well-formed JSON. When the fault lies inside the body alone (the body
+    last, as the SDK writes it, and the envelope around it strict), the frame is sound and only
+    the body is refused; otherwise the frame is malformed (ParseError, as `decode` words it)."""
+    try:
+        return BodyFrame(decode(data), None, None)
+    except ParseError as exc:
+        failure = exc
+    if not data.endswith(b"}}"):
+        raise failure
+    for key, pattern in _BODY_KEYS.items():
+        for n, match in enumerate(pattern.finditer(data)):
+            if n == _BODY_CANDIDATES:
+                break
+            start = match.end()
+            try:
+                msg = decode(data[:start] + PLACEHOLDER + data[-2:])
+            except ParseError:
+                continue
+            params = msg.get("params") if type(msg) is dict else None
+            if type(params) is dict and params.get(key) == {}:
+                body = data[start:-2]
+                return BodyFrame(msg, body, body_problem(body) or "not one JSON value", key)
+    raise failure
+
+
+def body_problem(body: bytes) -> str | None:
+    """Why `body` is not one well-formed JSON value (syntax, UTF-8), or None when it is: the
+    check the router makes on a body it forwards (wire.md §22.1), not §3's strictness."""
+    try:
+        _any_raw.decode(body)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        return f"not one JSON value: {exc}"
+    except RecursionError:
+        return "not one JSON value: nested too deep to read"
+    return None if body.isascii() else _utf8_problem(body)
+
+
+_any_raw: Final = msgspec.json.Decoder(msgspec.Raw)

@@ -202,10 +202,10 @@ def result_frame(call_id: int, service_incarnation: str, responder: Any, outcome
         "callId": call_id,
         "serviceIncarnation": service_incarnation,
         "responder": responder,
-        "outcome": outcome,
     }
     if attachments is not None:
         params["attachments"] = attachments
+    params["outcome"] = outcome  # last: the receiver's split (wire.md §22.1)
     return orjson.dumps({"jsonrpc": "2.0", "method": "bus.result", "params": params})
 
 

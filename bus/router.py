@@ -80,6 +80,7 @@ from bus.limits import (
     Limits,
     message_frame,
 )
+from bus.ownership import Trust, UnsafeDirectory, check_dir, make_dirs
 from bus.policy import Grants, Policy, any_matches, covered_by_delegate, substitute
 from bus.schema import Validator, contract_digest, validator
 from bus.sockets import probe_socket
@@ -254,6 +255,10 @@ class Router:
         self._ledger: Ledger[_Conn] = Ledger()
         self._dirty: list[_Conn] = []
         self._flush_scheduled = False
+        # the body member of the frame in hand, as the sender wrote it (wire.md §22.1)
+        self._body: bytes | None = None
+        self._body_key = "payload"
+        self._body_problem: str | None = None
         self._allowed_uids = (
             config.allowed_uids if config.allowed_uids is not None else (os.geteuid(),)
         )
@@ -265,7 +270,7 @@ class Router:
             "closes": {}, "framesIn": 0, "framesOut": 0, "bytesIn": 0, "bytesOut": 0,
             "leanCalls": 0, "leanReplies": 0, "leanConsumed": 0, "creditsCarried": 0,
             "published": 0, "publishRefused": 0, "leanPublishes": 0, "messagesDelivered": 0,
-            "sealsRefused": 0,
+            "sealsRefused": 0, "bodiesForwardedRaw": 0, "inlineReplies": 0,
         }
         lim = self.limits
         self._topics: TopicTable[_Conn] = TopicTable(
@@ -405,13 +410,18 @@ class Router:
         store.remove()
 
     def _prepare_path(self, path: str) -> None:
-        parent = os.path.dirname(path) or "."
-        if not os.path.isdir(parent):
-            mode = 0o750 if self._group_gid is not None else 0o700
-            os.makedirs(parent, mode=mode, exist_ok=True)
-            os.chmod(parent, mode)  # the umask may have narrowed makedirs' mode
-            if self._group_gid is not None:
-                os.chown(parent, -1, self._group_gid)
+        """The socket's directory is created (0700, 0750 with a group) or must be one nobody
+        else controls (`bus.ownership`); a stale socket in it is removed, a live one refused."""
+        parent = os.path.dirname(os.path.abspath(path))
+        try:
+            make_dirs(parent, 0o750 if self._group_gid is not None else 0o700, self._group_gid)
+        except OSError as exc:
+            raise RouterStartError(f"cannot create the socket directory {parent}: "
+                                   f"{exc.strerror or exc}") from exc
+        try:
+            check_dir(parent, Trust.own(self._group_gid))
+        except UnsafeDirectory as exc:
+            raise RouterStartError(f"socket {path}: {exc.message}") from exc
         try:
             st = os.lstat(path)
         except FileNotFoundError:
@@ -564,7 +574,14 @@ class Router:
         counters["framesIn"] += 1
         counters["bytesIn"] += len(body) + 4
         try:
-            msg = codec.decode(body)
+            if b'"payload"' in body or b'"outcome"' in body:
+                # §22.1: the body is carried as its wire bytes, the rest checked as always
+                read = codec.decode_body_frame(body)
+                msg = read.msg
+                self._body, self._body_key, self._body_problem = read.body, read.key, read.problem
+            else:
+                msg = codec.decode(body)
+                self._body = self._body_problem = None
         except BusError as exc:
             self._close(conn, "PARSE_ERROR", exc.message)
             return
@@ -613,7 +630,7 @@ class Router:
             self._respond_error(conn, rid, "METHOD_NOT_FOUND",
                                 f"{method[:128]!r} is not a bus v1 operation", "not-dispatched")
             return
-        problem = op[0](params)
+        problem = op[0](params) or self._body_refused(strict=method == "bus.publish")
         if problem is not None:
             self._respond_error(conn, rid, "INVALID_PARAMS", f"{method}: {problem}",
                                 "not-dispatched")
@@ -663,7 +680,7 @@ class Router:
             return
         counters = self.counters
         counters["leanCalls"] += 1
-        problem = self._call_params(p)
+        problem = self._call_params(p) or self._body_refused()
         try:
             if problem is not None:
                 raise InvalidParams(f"bus.call: {problem}")
@@ -692,7 +709,7 @@ class Router:
                         "issued on this connection")
             return
         self.counters["leanReplies"] += 1
-        problem = self._reply_params(p)
+        problem = self._reply_params(p) or self._body_refused()
         try:
             if problem is not None:
                 raise InvalidParams(f"bus.reply: {problem}")
@@ -718,6 +735,29 @@ class Router:
             self._close(conn, "INVALID_REQUEST", exc.message)
             return
         self.counters["leanConsumed"] += 1
+
+    # bodies (wire.md §22.1) -----------------------------------------------------------------
+    def _body_refused(self, *, strict: bool = False) -> str | None:
+        """Check 7's last part for a frame whose body member is not one well-formed JSON
+        value: INVALID_PARAMS naming it (the envelope around it was sound). A published
+        payload (`strict`) reaches subscribers that never answer, so the router holds it to
+        §3 itself, as before minor 3."""
+        if self._body_problem is not None:
+            return f"{self._body_key} is {self._body_problem}"
+        if strict and self._body is not None:
+            try:
+                codec.decode(self._body)
+            except BusError as exc:
+                return f"{self._body_key}: {exc.message}"
+        return None
+
+    def _body_bytes(self, p: dict[str, Any], key: str) -> tuple[bytes, bool]:
+        """The wire bytes to forward for the body member `key` of the frame in hand, and
+        whether they are the sender's own (else re-encoded from a frame read whole)."""
+        body = self._body
+        if body is not None and self._body_key == key:
+            return body, True
+        return codec.encode_trusted(p[key]), False
 
     # outbound ---------------------------------------------------------------------------
     def _respond(self, conn: _Conn, rid: int, result: Any) -> None:
@@ -1092,7 +1132,7 @@ class Router:
             "routerId": self.router_id,
             "connectionId": conn.connection_id,
             "major": 1,
-            "minor": 2,
+            "minor": 3,
             "contractDigest": self._digest,
             "grants": grants.to_wire(),
             "limits": self.limits.hello(),
@@ -1162,7 +1202,7 @@ class Router:
         arts = self._attachable(conn, ids) if ids else ()
         if len(svc.queue) >= svc.max_queued:
             raise Backpressure(f"service {target} queue full ({svc.max_queued})")
-        payload = codec.encode_trusted(p["payload"])
+        payload, raw = self._body_bytes(p, "payload")
         size = len(payload)
         if self._ledger.queued_bytes + size > lim.maxQueuedCallBytes:
             raise Backpressure("router queued-call bytes budget exhausted")
@@ -1173,10 +1213,10 @@ class Router:
             "target": target,
             "serviceIncarnation": svc.incarnation,
             "method": p["method"],
-            "payload": orjson.Fragment(payload),
         }
         if arts:
             params["attachments"] = [a.wire() for a in arts]
+        params["payload"] = orjson.Fragment(payload)  # last: the receiver's split (§22.1)
         frame = orjson.dumps({"jsonrpc": "2.0", "method": "bus.request", "params": params})
         if len(frame) > lim.maxEnvelopeBytes:
             raise InvalidEnvelope(
@@ -1190,6 +1230,8 @@ class Router:
             if p.get("transfer"):
                 self._collect(self._art.transfer(conn, arts))
         self.counters["callsAdmitted"] += 1
+        if raw:
+            self.counters["bodiesForwardedRaw"] += 1
         self._mark(svc.owner)
         return {"callId": rid, "serviceIncarnation": svc.incarnation}
 
@@ -1209,7 +1251,7 @@ class Router:
         call = d.call
         ids = p.get("attachments")
         arts = self._attachable(conn, ids) if ids else ()
-        outcome = codec.encode_trusted(p["outcome"])
+        outcome, raw = self._body_bytes(p, "outcome")
         frame = limits.result_frame(call.call_id, call.service.incarnation, conn.identity,
                                     orjson.Fragment(outcome),
                                     [a.wire() for a in arts] if arts else None)
@@ -1240,7 +1282,12 @@ class Router:
         call.frame = frame
         call.caller.results.append(call)
         self._mark(call.caller)
-        self.counters["repliesRouted"] += 1
+        counters = self.counters
+        counters["repliesRouted"] += 1
+        if raw:
+            counters["bodiesForwardedRaw"] += 1
+        if p.get("inline") is True:
+            counters["inlineReplies"] += 1
         return {"routed": True}
 
     def _op_release(self, conn: _Conn, p: dict[str, Any], rid: int) -> dict[str, Any]:
@@ -1405,7 +1452,7 @@ class Router:
             self._close(conn, "INVALID_REQUEST", "a bus.publish notification needs a string topic")
             return
         self.counters["leanPublishes"] += 1
-        problem = self._publish_params(p)
+        problem = self._publish_params(p) or self._body_refused(strict=True)
         try:
             if problem is not None:
                 raise InvalidParams(f"bus.publish: {problem}")
@@ -1448,7 +1495,7 @@ class Router:
         name: str = p["topic"]
         if not any_matches(conn.grants.publish, name):
             raise NotAuthorized(f"no publish grant for {name}")
-        payload = codec.encode_trusted(p["payload"])
+        payload, _ = self._body_bytes(p, "payload")
         table = self._topics
         ids = p.get("attachments")
         arts: tuple[Artifact[_Conn], ...] = ()

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import Final, TypeVar
 
 from bus.errors import ArtifactGone, ArtifactMismatch, ArtifactUnsealed, StoreFailure
+from bus.ownership import Trust, dir_problem
 
 __all__ = [
     "DEFAULT_ROOT",
@@ -152,13 +153,9 @@ class Store:
             raise StoreStartError(f"cannot create {parent}: {exc.strerror}") from exc
         finally:
             os.umask(old)
-        st = os.lstat(parent)
-        if not stat.S_ISDIR(st.st_mode):
-            raise StoreStartError(f"{parent} is not a directory (a symlink is refused)")
-        if st.st_uid != os.geteuid() or stat.S_IMODE(st.st_mode) != 0o700:
-            raise StoreStartError(f"{parent} must be owned by uid {os.geteuid()} with mode "
-                                  f"0700 (it is uid {st.st_uid}, mode "
-                                  f"{stat.S_IMODE(st.st_mode):04o})")
+        problem = dir_problem(os.lstat(parent), Trust.own(private=True))
+        if problem is not None:
+            raise StoreStartError(f"refusing directory {parent}: {problem}")
         try:
             parent_fd = os.open(parent, DIR_FLAGS)
         except OSError as exc:
@@ -346,10 +343,10 @@ def open_store_dir(path: str) -> int:
         fd = os.open(path, DIR_FLAGS)
     except OSError as exc:
         raise StoreFailure(f"cannot open the store directory {path}: {exc.strerror}") from exc
-    st = os.fstat(fd)
-    if st.st_uid != os.geteuid() or stat.S_IMODE(st.st_mode) != 0o700:
+    problem = dir_problem(os.fstat(fd), Trust.own(private=True))
+    if problem is not None:
         os.close(fd)
-        raise StoreFailure(f"{path} is not a 0700 directory of uid {os.geteuid()}")
+        raise StoreFailure(f"refusing directory {path}: {problem}")
     return fd
 
 

@@ -30,6 +30,8 @@ Decisions where the spec is silent:
   working directory and adds to the file's list instead of replacing it (source `flag` then).
   Every entry must be an existing directory. The node puts them first on its own `sys.path`
   and on its workers' `PYTHONPATH` (`flyd.launch.spawner`).
+- `[node] metrics` (`--metrics`, `flyd serve` only): `HOST:PORT`, `[IPV6]:PORT` or a bare
+  `PORT`, which listens on 127.0.0.1; absent, no metrics are served (docs/operations.md).
 - `[node] log_level`'s default follows the effective `log_format`: `warning` for the console
   renderer, `info` for JSON lines (`flyd.logs.default_level`), so `flyd config show` prints the
   level a command would use.
@@ -63,6 +65,8 @@ from flyd.durations import (
 from flyd.errors import ConfigError
 from flyd.launch.spawner import LauncherSettings
 from flyd.logs import LogFlags, LogSettings, default_level
+from flyd.node.metrics_http import MetricsAddress, MetricsAddressError
+from flyd.pgtext import bad_strings, text_problem
 from workers.launch import DEFAULT_MEDIA_INLINE_MAX_BYTES, MAX_MEDIA_INLINE_MAX_BYTES
 
 if TYPE_CHECKING:
@@ -123,13 +127,25 @@ def validate_node_name(name: object, where: str = "--node-name") -> str:
 
 
 def load_toml(path: Path) -> dict[str, Any]:
+    """The file's tables; a file that cannot be read, is not UTF-8 or not TOML, or holds a
+    string PostgreSQL text cannot (`flyd.pgtext`) is a `ConfigError` naming it."""
     try:
         with path.open("rb") as fh:
-            data = tomllib.load(fh)
+            raw = fh.read()
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read: {exc.strerror}") from exc
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not UTF-8 text: byte {raw[exc.start]:#04x} at offset "
+                          f"{exc.start}") from None
+    try:
+        data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: not valid TOML: {exc}") from exc
+    for pointer, problem in bad_strings(data):
+        section, _, rest = pointer.lstrip("/").partition("/")
+        raise ConfigError(f"{path}: [{section}] {rest.replace('/', '.')}: {problem}")
     for section in data:
         if section not in KNOWN_SECTIONS:
             raise ConfigError(f"{path}: unknown section [{section}]")
@@ -268,6 +284,14 @@ def _choice(default: str | None, *choices: str, env: str | None = None,
                choices=choices)
 
 
+def _is_metrics_address(text: str) -> bool:
+    try:
+        MetricsAddress.parse(text)
+    except MetricsAddressError:
+        return False
+    return True
+
+
 KEYS: Final[dict[str, dict[str, Key]]] = {
     "node": {
         "name": Key("str", None, lambda v: NODE_NAME_RE.fullmatch(v) is not None,
@@ -281,6 +305,8 @@ KEYS: Final[dict[str, dict[str, Key]]] = {
                               flag="--log-format"),
         "log_level": _choice("info", "debug", "info", "warning", "error", env="FLYD_LOG_LEVEL",
                              flag="-v/-q"),
+        "metrics": Key("str", None, _is_metrics_address, "HOST:PORT, [IPV6]:PORT or PORT "
+                       "(0..65535; a bare port is on 127.0.0.1)", flag="--metrics"),
     },
     "bus": {
         "socket": Key("path", None, lambda v: len(os.fsencode(v)) <= SUN_PATH_MAX,
@@ -432,6 +458,10 @@ def _check(section: str, name: str, value: Any, where: str) -> Any:
         if key.kind == "choice":
             expected += f" {key.rule}"
         raise ConfigError(f"{where}: [{section}] {name} must be {expected}; got {value!r}")
+    for text in (value if key.kind == "dirs" else [value]):
+        problem = text_problem(text) if isinstance(text, str) else None
+        if problem is not None:
+            raise ConfigError(f"{where}: [{section}] {name} {problem}")
     if key.kind == "dsn":
         _check_dsn(value, where)
     if key.check is not None and not key.check(value):
@@ -547,6 +577,15 @@ class Config:
         return {key: s.value for key, s in self._settings[name].items()}
 
     @property
+    def socket_gid(self) -> int | None:
+        """The gid of `[bus] socket_group` (checked to exist at load), or None: the group that
+        may share the socket's directory (wire.md §13, `bus.ownership`)."""
+        import grp
+
+        group = self.value("bus", "socket_group")
+        return None if group is None else grp.getgrnam(group).gr_gid
+
+    @property
     def leases(self) -> LeaseParams:
         """The validated lease parameters (distribution.md §4.2, §4.3)."""
         return self._leases
@@ -562,6 +601,12 @@ class Config:
                                     self.value("session", "media_inline_max_bytes")),
                                 agents_per_process=int(
                                     self.value("session", "agents_per_process")))
+
+    @property
+    def metrics(self) -> MetricsAddress | None:
+        """`[node] metrics`, typed: where `flyd serve` serves its metrics, or None."""
+        value = self.value("node", "metrics")
+        return None if value is None else MetricsAddress.parse(value)
 
     @property
     def limits(self) -> Limits:

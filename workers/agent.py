@@ -587,6 +587,10 @@ class AgentParticipant:
         """An agent's activation carries no media."""
         return observation
 
+    def observation_digests(self, boundary: int) -> None:
+        """An agent observes nothing of its own (state.md §6.5: `observationDigests` null)."""
+        return None
+
     def install(self, staged: StagedAgent, scope: Scope) -> None:
         e = self.endpoint
         e.model, e.accumulator = staged.model, staged.accumulator

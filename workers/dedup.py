@@ -47,7 +47,16 @@ Eviction never re-enables execution: the watermarks decide.
 Violations of the protocol by the caller (completing a ticket that is not the active one,
 adopting an epoch twice) raise `DomainError` `INTERNAL`/`none`; the cache is then unchanged.
 
+Body digest (wire.md §22.3): `wire_digest(method, payload_bytes)`, the SHA-256 of the method
+and the request's payload exactly as the caller wrote it (the router forwards those bytes
+untouched). A retry resends the bytes it sent, so it matches; the same value spelled otherwise
+under the same id is a mismatch (CONFLICT), as a different body always was. Nothing is parsed or
+re-encoded for it.
+
 Resolved ambiguities:
+- The digest covers the whole payload (requestId, scope, params) and the method: the key
+  already holds the scope and the id is compared on its own, so the payload's other members
+  change nothing, and hashing the bytes the bus delivered needs no search for `params`.
 - An unrecorded execution (rule 1) still raises H: it was admitted for execution, and the
   caller's serials only grow. It never touches W or A's rule.
 - W is raised at admission (rule 6) and an `abandon` does not lower it ("begun").
@@ -60,6 +69,7 @@ Resolved ambiguities:
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import StrEnum
@@ -91,11 +101,20 @@ __all__ = [
     "StepKey",
     "Ticket",
     "class_of",
+    "wire_digest",
 ]
 
 O = TypeVar("O")  # noqa: E741 - the stored outcome type, as in the spec's Record(…, outcome)
 
 MAX_UNACKNOWLEDGED: Final = 16
+
+
+def wire_digest(method: str, payload: bytes) -> str:
+    """The result cache's body digest: SHA-256 of `<method>\n<payload wire bytes>`."""
+    h = hashlib.sha256(method.encode())
+    h.update(b"\n")
+    h.update(payload)
+    return h.hexdigest()
 
 
 class OpClass(StrEnum):

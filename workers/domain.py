@@ -134,6 +134,7 @@ class ErrorCode(StrEnum):
     INCOMPATIBLE_STATE = "INCOMPATIBLE_STATE"
     BACKEND_FAILURE = "BACKEND_FAILURE"
     INTERNAL = "INTERNAL"
+    RESTORE_DIVERGED = "RESTORE_DIVERGED"
 
 
 class Mutation(StrEnum):
@@ -172,6 +173,10 @@ CODES: Final[dict[ErrorCode, CodeRule]] = {
     ErrorCode.INCOMPATIBLE_STATE: CodeRule(13, "none"),
     ErrorCode.BACKEND_FAILURE: CodeRule(14, "explicit"),
     ErrorCode.INTERNAL: CodeRule(15, "explicit"),
+    # a restored world observes other than its checkpoint recorded (session.md §6.12 amendment
+    # 2026-12-07): found after activation, so the state was installed (`unknown` from the
+    # coordinator); a world that checks itself while staging may say `none`
+    ErrorCode.RESTORE_DIVERGED: CodeRule(16, "explicit"),
 }
 
 BEFORE_MUTATION: Final[frozenset[ErrorCode]] = frozenset(

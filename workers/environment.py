@@ -49,7 +49,14 @@ Resolved ambiguities:
   launch's settings, resets it to the checkpoint's episode and bindings and restores the saved
   world into it (the staging copy); activation swaps it in with the recorded frames and audio
   positions. The first chunk of each audio stream after an activation is marked
-  `discontinuity`.
+  `discontinuity`. The activation also reports `observationDigests` (session.md §6.12,
+  amendment 2026-12-07): each view's frame of k rendered again from the restored world, for the
+  coordinator to compare with its record (a delayed view, served from an older frame, is
+  compared by the world itself with the checkpoint's frame of k:
+  `WorldParticipant.observation_digests`). A world
+  whose `restore` (staging) or `render` (activation) raises `RESTORE_DIVERGED` itself is
+  answered with that code, not `INCOMPATIBLE_STATE` or `BACKEND_FAILURE`: the checkpoint is
+  fine, the world's state did not come back.
 """
 
 from __future__ import annotations
@@ -76,6 +83,7 @@ from workers.datatypes import (
     AudioRef,
     EnvironmentDescriptor,
     PortControl,
+    ViewDescriptor,
     ViewRef,
     WorldObservation,
     check_controls,
@@ -673,6 +681,10 @@ class WorldParticipant:
             world.reset(episode, bindings)
             world.restore(blob)
         except DomainError as exc:
+            if exc.code == ErrorCode.RESTORE_DIVERGED:
+                # the world found its own state would not come back (e.g. a replay checked
+                # against its record): that, not an incompatible checkpoint
+                raise DomainError.before(ErrorCode.RESTORE_DIVERGED, exc.message) from None
             raise incompatible(f"the world refuses the state: {exc.message}") from None
         except Exception as exc:
             raise incompatible(f"the world refuses the state: {type(exc).__name__}") from None
@@ -733,6 +745,55 @@ class WorldParticipant:
             agent_inputs=e.agent_inputs(k))
         return observation.to_json()
 
+    def observation_digests(self, boundary: int) -> list[dict[str, str]]:
+        """What the restored world observes now, in the behaviour record's form (state.md
+        §6.5, `observationDigests`): per declared view, by view id, the step and digest of the
+        frame served at `boundary`. Every view's frame of `boundary` is rendered again from the
+        restored world, not read from the checkpoint. An undelayed view serves that frame, so
+        its digest goes to the coordinator, which compares it with its record. A delayed view
+        serves a frame of an earlier boundary that only the checkpoint holds (reported as
+        recorded); its frame of `boundary` is in the checkpoint too, but not in the
+        coordinator's record, so this world compares the two itself: a difference is
+        `RESTORE_DIVERGED`. Model thread; renders once more, changes nothing."""
+        e = self.endpoint
+        entries: list[dict[str, str]] = []
+        for spec in sorted(e.descriptor.views, key=lambda v: v.view_id):
+            pipeline = e.pipelines[spec.view_id]
+            now = self._render_again(spec, boundary)
+            produced, served = pipeline.served(boundary)
+            if produced == boundary:
+                served = now
+            else:
+                recorded = next(data for step, data in pipeline.frames if step == boundary)
+                if now != recorded:
+                    raise DomainError(
+                        ErrorCode.RESTORE_DIVERGED,
+                        f"view {spec.view_id}: frame {boundary} rendered again by the restored "
+                        f"world has digest {digest_bytes(now)}; the checkpoint's frame "
+                        f"{boundary} has digest {digest_bytes(recorded)}", Mutation.UNKNOWN)
+            entries.append({"viewId": spec.view_id, "producedStep": format_u64(produced),
+                            "digest": digest_bytes(served)})
+        return entries
+
+    def _render_again(self, spec: ViewDescriptor, boundary: int) -> bytes:
+        """`world.render` of the restored world; a failure or a frame of the wrong size is
+        `BACKEND_FAILURE`/`unknown` (the state was installed)."""
+        e = self.endpoint
+        try:
+            frame = e.world.render(spec.view_id, boundary)
+        except DomainError:
+            raise
+        except Exception as exc:
+            fault = PluginFault.of(exc, e.settings.world, PluginStage.CALL)
+            raise DomainError(ErrorCode.BACKEND_FAILURE,
+                              f"rendering view {spec.view_id} of the restored world failed: "
+                              f"{fault.summary()}", Mutation.UNKNOWN, fault) from None
+        if not isinstance(frame, bytes | bytearray) or len(frame) != spec.byte_length:
+            raise DomainError(ErrorCode.BACKEND_FAILURE,
+                              f"view {spec.view_id} of the restored world rendered a frame of "
+                              f"the wrong size; the descriptor requires {spec.byte_length} "
+                              "bytes", Mutation.UNKNOWN)
+        return bytes(frame)
 
 if __name__ == "__main__":
     sys.exit(main("environment", sys.argv[1:], endpoint_factory=EnvironmentEndpoint))

@@ -17,6 +17,8 @@ Protocol: one `SOCK_SEQPACKET` socket (one JSON object per packet), the node's e
     server → node  {"op": "forked", "id": N, "pid": P} | {"op": "forked", "id": N, "error": TEXT}
     server → node  {"op": "exited", "pid": P, "code": C}   C: the exit code, or −signal
     node → server  {"op": "reap", "pid": P}
+    node → server  {"op": "ping", "id": N}    server → node  {"op": "pong", "id": N}
+                   (the node's liveness probe: a server that stops answering is replaced)
 
 The child (between the fork and the worker's `main`): a new session and process group
 (pgid = pid), `PR_SET_PDEATHSIG(SIGKILL)` towards this server (which itself dies with the node),
@@ -130,6 +132,8 @@ class Server:
             op = message.get("op")
             if op == "fork":
                 self.fork(message, fds)
+            elif op == "ping":
+                self.send({"op": "pong", "id": message.get("id")})
             elif op == "reap" and message.get("pid") in self.zombies:
                 self.zombies.discard(message["pid"])
                 with contextlib.suppress(ChildProcessError):

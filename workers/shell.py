@@ -29,18 +29,19 @@ retrying a bus `CONFLICT` every 5 ms for up to 30 s (then exit 4); serve until `
 was answered (exit 0) or the connection is lost (exit 3). The shell never reconnects.
 
 Request pipeline (§2.2), for each delivered request in arrival order: the SDK starts one task per
-`bus.request` in arrival order, and everything up to admission runs synchronously at the start
-of that task, so admission order is arrival order. 1 parse (§1.3) → `INVALID_ARGUMENT`; 2 method
-table → `UNSUPPORTED`; 3 class, StepMutation with scope null → `INVALID_ARGUMENT`; 3b caller ∉
-`--callers` ∪ {supervisor} → `IDENTITY_MISMATCH`; 4 ReadOnly → answered at once from the status
-cell (never waits for the endpoint lock); 5 admission by the `ResultCache` with
-`body_digest(method, scope, params)`: Replay (the stored outcome JSON, a fresh bus reply),
-Refuse, or Execute (`activeRequestId`, the endpoint handler behind the endpoint lock in the
-request's own task); 6 a success or an error with mutation ≠ `none` is stored in the cache
-before the reply (`lastCompletedRequestId`; mutation ≠ `none` makes the worker `failed`), an
-error with `none` abandons the key; `activeRequestId` is cleared either way. The endpoint lock
-is released before the reply is sent (the SDK sends the returned outcome), so it is never held
-across bus I/O.
+`bus.request` in arrival order, and everything up to admission runs synchronously at the start of
+that task, so admission order is arrival order; `Worker.Hello`, `Worker.Status` and
+`Worker.Acknowledge` never await and run inline on the SDK's reader (wire.md §22.2). 1 parse (§1.3)
+→ `INVALID_ARGUMENT`; 2 method table → `UNSUPPORTED`; 3 class, StepMutation with scope null →
+`INVALID_ARGUMENT`; 3b caller ∉ `--callers` ∪ {supervisor} → `IDENTITY_MISMATCH`; 4 ReadOnly →
+answered at once from the status cell (never waits for the endpoint lock); 5 admission by the
+`ResultCache` with `wire_digest(method, payload bytes)` (wire.md §22.3: the bytes the caller sent):
+Replay (the stored outcome JSON, a fresh bus reply), Refuse, or Execute (`activeRequestId`, the
+endpoint handler behind the endpoint lock in the request's own task); 6 a success or an error with
+mutation ≠ `none` is stored in the cache before the reply (`lastCompletedRequestId`; mutation ≠
+`none` makes the worker `failed`), an error with `none` abandons the key; `activeRequestId` is
+cleared either way. The endpoint lock is released before the reply is sent (the SDK sends the
+returned outcome), so it is never held across bus I/O.
 
 Resolved ambiguities:
 - The effective caller set is `--callers` plus the supervisor (its `Worker.Shutdown` must get
@@ -106,7 +107,16 @@ from bus.schema import Validator, compile_schema
 from workers.artifacts import open_attached
 from workers.canonical import digest_bytes, digest_of, parse_strict
 from workers.datatypes import Attached
-from workers.dedup import Execute, OpClass, Refuse, Replay, ResultCache, Ticket, class_of
+from workers.dedup import (
+    Execute,
+    OpClass,
+    Refuse,
+    Replay,
+    ResultCache,
+    Ticket,
+    class_of,
+    wire_digest,
+)
 from workers.domain import (
     DomainError,
     ErrorCode,
@@ -182,6 +192,10 @@ SCHEMA_ROOT: Final = Path(_schemas_package.__file__).resolve().parent
 METHOD_SCHEMAS: Final = SCHEMA_ROOT / "session" / "methods"
 
 WORKER_METHODS: Final = ("Worker.Hello", "Worker.Status", "Worker.Acknowledge", "Worker.Shutdown")
+#: methods whose whole pipeline completes without awaiting: the SDK runs them inline on its
+#: reader (wire.md §22.2). The step mutations await the endpoint lock, the model thread, media
+#: seals and delay faults, and Shutdown awaits its own reply: they keep a task each.
+INLINE_METHODS: Final = ("Worker.Hello", "Worker.Status", "Worker.Acknowledge")
 
 T = TypeVar("T")
 
@@ -572,7 +586,8 @@ class WorkerShell:
                 async with asyncio.timeout(BUS_OP_TIMEOUT_S):
                     service = await client.register(
                         self.launch.service, self._on_request, max_queued=MAX_QUEUED,
-                        max_in_flight=MAX_IN_FLIGHT)
+                        max_in_flight=MAX_IN_FLIGHT,
+                        inline=dict.fromkeys(INLINE_METHODS, self._on_read_only))
             except BusError as exc:
                 if exc.name == "CONFLICT" and loop.time() + REGISTER_RETRY_S <= deadline:
                     await asyncio.sleep(REGISTER_RETRY_S)
@@ -640,9 +655,8 @@ class WorkerShell:
         assert result is not None
         return Outcome.success(request, self.worker_id, self.incarnation_id, result).to_json()
 
-    async def _on_request(self, req: bus_client.Request,
-                          ) -> dict[str, Any] | bus_client.Reply | None:
-        """The SDK handler: everything up to admission runs before the first await."""
+    def _front(self, req: bus_client.Request) -> dict[str, Any] | tuple[Call, OpClass]:
+        """Steps 1–3b of §2.2, synchronous: an outcome to answer at once, or the call."""
         method = req.method
         try:
             request = parse_request(req.payload)
@@ -667,10 +681,30 @@ class WorkerShell:
                 f"{caller} is not a caller of session {self.launch.session_id}"))
         attached = {} if not req.attachments or self.client is None \
             else open_attached(self.client, req.attachments)
-        call = Call(method, request, caller, attached)
+        return Call(method, request, caller, attached), op
+
+    def _on_read_only(self, req: bus_client.Request) -> dict[str, Any]:
+        """The inline handler (wire.md §22.2) of the read-only methods that never await
+        (`INLINE_METHODS`): §2.2 steps 1–4 on the SDK's reader, no task per request."""
+        front = self._front(req)
+        if isinstance(front, dict):
+            return front
+        call, op = front
+        assert op == OpClass.READ_ONLY
+        return self._read_only_now(call)
+
+    async def _on_request(self, req: bus_client.Request,
+                          ) -> dict[str, Any] | bus_client.Reply | None:
+        """The SDK handler: everything up to admission runs before the first await."""
+        front = self._front(req)
+        if isinstance(front, dict):
+            return front
+        call, op = front
+        method = call.method
+        request = call.request
         if op == OpClass.READ_ONLY:
             return await self._read_only(call, req)
-        digest = request.digest(method)
+        digest = wire_digest(method, req.payload_bytes)
         if op == OpClass.STEP_MUTATION:
             assert request.scope is not None
             admission = self.cache.admit_step(request.scope, method, request.request_id, digest)
@@ -744,12 +778,27 @@ class WorkerShell:
 
     # Worker.* (§2.5–§2.8) ----------------------------------------------------------------------
 
-    async def _read_only(self, call: Call, req: bus_client.Request) -> dict[str, Any] | None:
+    def _read_only_now(self, call: Call) -> dict[str, Any]:
+        """Hello, Status or Acknowledge (§2.5–§2.7): answered from the status cell at once."""
         try:
-            if call.method == "Worker.Shutdown":
-                result = self._shutdown_check(call)
-            else:
-                result = self.READ_ONLY_HANDLERS[call.method](self, call)
+            result = self.READ_ONLY_HANDLERS[call.method](self, call)
+        except DomainError as exc:
+            outcome = self._outcome(call.request, error=exc)
+        except Exception as exc:  # a bug in a read-only handler: it changed nothing
+            self._log.exception("worker.read_only_crashed", method=call.method)
+            outcome = self._outcome(call.request, error=DomainError(
+                ErrorCode.INTERNAL, f"{call.method} failed: {type(exc).__name__}",
+                Mutation.NONE))
+        else:
+            outcome = self._outcome(call.request, result=result)
+        self.read_only_history.append((call.method, outcome))
+        return outcome
+
+    async def _read_only(self, call: Call, req: bus_client.Request) -> dict[str, Any] | None:
+        if call.method != "Worker.Shutdown":
+            return self._read_only_now(call)
+        try:
+            result = self._shutdown_check(call)
         except DomainError as exc:
             outcome = self._outcome(call.request, error=exc)
             self.read_only_history.append((call.method, outcome))
@@ -763,8 +812,6 @@ class WorkerShell:
             return outcome
         outcome = self._outcome(call.request, result=result)
         self.read_only_history.append((call.method, outcome))
-        if call.method != "Worker.Shutdown":
-            return outcome
         # Shutdown: reply, wait until the reply was written, then end the serve loop
         self.status.state = WorkerState.STOPPING
         try:

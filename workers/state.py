@@ -18,7 +18,11 @@ Rules (state machine of the staged slot, in the style of h11's `_state.py`):
    §6.4.
 3. `State.ActivateRestore` empties the slot into the live state (`staged-restore → restoring →
    ready`), adopts the proposed epoch and adds the token to the incarnation's activated set; the
-   token can never activate again. Checks in the order of §6.5.
+   token can never activate again. Checks in the order of §6.5. Its result also carries
+   `observationDigests` (`Participant.observation_digests`: the environment's views as its
+   restored world renders them now; null for an agent), which the coordinator compares with
+   the checkpoint (session.md §6.12, amendment 2026-12-07). A `RESTORE_DIVERGED` raised while
+   installing keeps its code; any other failure there is `BACKEND_FAILURE`/`unknown`.
    `fail_activate_restore` keeps the slot and makes the worker `failed`.
 4. `TRANSITIONS` lists the status edges each method may take; every move goes through `_move`,
    which refuses any other edge as `INTERNAL` (a bug in this module, never a caller's error).
@@ -236,6 +240,12 @@ class Participant(Protocol[S]):
         (docs/topics.md §14.2 rule 7; on the loop)."""
         ...
 
+    def observation_digests(self, boundary: int) -> list[dict[str, str]] | None:
+        """After `install`: what the restored state observes now, per view in the behaviour
+        record's form, for the coordinator to compare with the checkpoint (the environment's
+        views; None for an agent). Model thread."""
+        ...
+
 
 @dataclass(frozen=True)
 class StagedRestore(Generic[S]):
@@ -402,10 +412,15 @@ class StateService(Generic[S]):
         endpoint.shell.cache.adopt_epoch(scope.epoch)
         _move(status, method, WorkerState.RESTORING)
         try:
-            observation = await endpoint.run_model(
-                method, lambda: participant.install(staged.state, scope))
+            observation, current = await endpoint.run_model(
+                method, lambda: (participant.install(staged.state, scope),
+                                 participant.observation_digests(scope.step)))
             observation = await participant.seal_media(call, observation)
         except DomainError as exc:
+            if exc.code == ErrorCode.RESTORE_DIVERGED:
+                # a world that finds its restored state diverged says so under its own code
+                raise DomainError(exc.code, f"{method}: {exc.message}", Mutation.UNKNOWN) \
+                    from None
             raise DomainError(ErrorCode.BACKEND_FAILURE, f"{method}: {exc.code}: {exc.message}",
                               Mutation.UNKNOWN) from None
         self.activated.add(token)
@@ -414,7 +429,7 @@ class StateService(Generic[S]):
         status.current_scope = scope
         # 7
         return {"checkpointId": staged.checkpoint_id, "committedStep": format_u64(scope.step),
-                "observation": observation}
+                "observation": observation, "observationDigests": current}
 
 
 def _payload_bytes(blob: MediaBlob) -> bytes:

@@ -81,6 +81,7 @@ import uvloop
 
 from bus.client import BusClient, connect
 from bus.errors import BusError, CallDeadlineExceeded, RouterLost
+from bus.ownership import UnsafeDirectory
 from flyd.cli.common import CtlOptions
 from flyd.cli.run import RunOptions, RunUsageError, build_spec, read_spec_file
 from flyd.config import Config, load_config, redact_dsn, redact_dsn_text
@@ -332,7 +333,10 @@ async def _bus(opts: CtlOptions, config: Config) -> AsyncIterator[_Bus]:
     """Connect as `ctl-<pid>-<8 hex>`; no router → `CONFIG`, a refusal → its bus name (exit 2)."""
     socket = str(config.value("bus", "socket"))
     try:
-        client = await connect(socket, client_id=ctl_client_id(), timeout=CONNECT_S)
+        client = await connect(socket, client_id=ctl_client_id(), timeout=CONNECT_S,
+                               socket_gid=config.socket_gid)
+    except UnsafeDirectory as exc:
+        raise CtlError(exc.name, f"socket {socket}: {exc.message}", EXIT_CONFIG) from None
     except RouterLost as exc:
         raise CtlError("CONFIG", f"no router on {socket}: {exc.message}") from None
     except BusError as exc:
@@ -374,7 +378,8 @@ def _status_lines(doc: dict[str, Any]) -> list[str]:
         lines.append(f"node {n['nodeId']}  state {n['state']}  pid {n['pid']}  runs "
                      f"{n.get('runs') or []}  leases [{leases}]  threads "
                      f"{threads.get('used', '-')}/{threads.get('total', '-')}  heartbeat "
-                     f"{n.get('lastHeartbeat') or '-'}  database {n.get('dsn') or '-'}")
+                     f"{n.get('lastHeartbeat') or '-'}  database {n.get('dsn') or '-'}"
+                     + (f"  reason {n['reason']}" if n.get("reason") else ""))
     rows = [[r["run"], w["workerId"], w["role"], w["pid"], w["incarnationId"],
              w["state"] if w["alive"] else "dead", w["step"], w["threads"],
              _seconds(w["uptimeMs"])]
@@ -432,7 +437,8 @@ async def _database_status(opts: CtlOptions, config: Config) -> dict[str, Any]:
             "runs": [r["run"] for r in mine],
             "leases": [{"run": r["run"], "leaseEpoch": r["leaseEpoch"],
                         "leaseExpiresAt": r["leaseExpiresAt"]} for r in mine],
-            "lastHeartbeat": n["heartbeatAt"], "dsn": redact_dsn(dsn)})
+            "lastHeartbeat": n["heartbeatAt"], "dsn": redact_dsn(dsn),
+            "reason": n["reason"]})
     runs = [{"run": r["run"], "state": r["state"], "leaseEpoch": r["leaseEpoch"],
              "ownerNode": r["ownerNode"], "epoch": None, "phase": None,
              "boundary": r["boundary"] or 0, "recoveries": None, "workers": []}
@@ -972,11 +978,13 @@ def _read_envelope(path: Path) -> tuple[bytes, Envelope]:
 
 async def checkpoints_import(opts: CtlOptions, path: Path, run: RunOptions, key: str | None,
                              max_attempts: int | None, *, spec_file: Path | None = None,
-                             steps_given: bool = True) -> Result:
+                             steps_given: bool = True, trust: bool = False) -> Result:
     """Submit a new run starting from the file's checkpoint, with the composition that wrote
-    it (module decisions); `--steps` (counted from 0) must exceed its boundary."""
+    it (module decisions); `--steps` (counted from 0) must exceed its boundary. A file with
+    pickled payloads that this database did not write is refused unless `trust`."""
     from flyd.session.imported import Mismatch, Unchecked, mismatch, rebuild
     from flyd.state.envelope import EnvelopeError
+    from flyd.state.pickled import pickled_payloads
 
     config = _config(opts)
     try:
@@ -984,6 +992,16 @@ async def checkpoints_import(opts: CtlOptions, path: Path, run: RunOptions, key:
     except EnvelopeError as exc:
         raise CtlError(str(exc.code), exc.message) from None
     boundary = int(envelope.manifest["sourceScope"]["step"])
+    pickled = [] if trust else pickled_payloads(envelope.payloads)
+    source: dict[str, Any] | None = None
+    if pickled or spec_file is None:
+        async with _database(resolve_dsn(opts, config)) as conn:
+            source = await _source_spec(conn, hashlib.sha256(data).digest())
+    if pickled and source is None:
+        raise CtlError("USAGE", f"{path}: refusing to import: restoring it would unpickle "
+                                f"{', '.join(pickled)}, and unpickling runs whatever code the "
+                                "file's author chose; it was not written by this database's "
+                                "nodes. Pass --trust if you trust where the file came from")
     if spec_file is not None:
         try:
             base = read_spec_file(spec_file)
@@ -991,8 +1009,6 @@ async def checkpoints_import(opts: CtlOptions, path: Path, run: RunOptions, key:
             raise CtlError(exc.code, exc.message) from None
         origin = f"--spec {spec_file}"
     else:
-        async with _database(resolve_dsn(opts, config)) as conn:
-            source = await _source_spec(conn, hashlib.sha256(data).digest())
         base = rebuild(envelope.manifest, source)
         origin = "the checkpoint's composition" + (" (from the run that wrote it)"
                                                     if source is not None else "")

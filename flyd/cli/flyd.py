@@ -183,6 +183,9 @@ def run_cmd(steps: int, agents: str | None, mode: str | None, seed: int | None,
 @click.option("--router/--no-router", default=None,
               help="Spawn the router as a child (default) or use one managed separately.")
 @click.option("--lease-ttl", type=float, help="Lease TTL in seconds (default 15).")
+@click.option("--metrics", metavar="ADDR",
+              help="Serve Prometheus metrics at http://ADDR/metrics (HOST:PORT, or PORT on "
+                   "127.0.0.1; default [node] metrics, else none; docs/operations.md).")
 @click.option("--json", "as_json", is_flag=True, help="Errors as JSON on stdout.")
 @click.option("--sim-clock", type=click.Path(path_type=Path), hidden=True)
 @click.option("--time-scale", type=float, default=1.0, hidden=True)
@@ -191,8 +194,9 @@ def run_cmd(steps: int, agents: str | None, mode: str | None, seed: int | None,
 @global_options
 def serve_cmd(dsn: str | None, socket_path: str | None, state_dir: Path | None,
               node_name: str | None, capacity: int | None, router: bool | None,
-              lease_ttl: float | None, as_json: bool, sim_clock: Path | None,
-              time_scale: float, clock_rate: float, plugin_paths: tuple[Path, ...],
+              lease_ttl: float | None, metrics: str | None, as_json: bool,
+              sim_clock: Path | None, time_scale: float, clock_rate: float,
+              plugin_paths: tuple[Path, ...],
               config_file: Path | None,
               log_format: str | None, verbose: int, quiet: int) -> None:
     """Run the node service: claim, execute and finish runs from the queue until drained."""
@@ -204,7 +208,7 @@ def serve_cmd(dsn: str | None, socket_path: str | None, state_dir: Path | None,
                         router=router, lease_ttl=lease_ttl, as_json=as_json,
                         log=log, sim_clock=sim_clock,
                         time_scale=time_scale, clock_rate=clock_rate,
-                        plugin_paths=plugin_paths)
+                        plugin_paths=plugin_paths, metrics=metrics)
     sys.exit(uvloop.run(serve(opts)))
 
 
@@ -291,19 +295,21 @@ def config_group() -> None:
 @click.option("--capacity", type=int, help="As `flyd serve --capacity`.")
 @click.option("--router/--no-router", default=None, help="As `flyd serve --router`.")
 @click.option("--lease-ttl", type=float, help="As `flyd serve --lease-ttl`.")
+@click.option("--metrics", metavar="ADDR", help="As `flyd serve --metrics`.")
 @click.option("--json", "as_json", is_flag=True, help="Print the configuration as JSON.")
 @global_options
 def config_show_cmd(dsn: str | None, socket_path: str | None, state_dir: str | None,
                     node_name: str | None, capacity: int | None, router: bool | None,
-                    lease_ttl: float | None, as_json: bool, config_file: Path | None,
-                    log_format: str | None, verbose: int, quiet: int) -> None:
+                    lease_ttl: float | None, metrics: str | None, as_json: bool,
+                    config_file: Path | None, log_format: str | None, verbose: int,
+                    quiet: int) -> None:
     """Print the effective configuration: every key with its value and source (`serve`'s
     flags are accepted, so the output is what `flyd serve` with them would use)."""
     log = log_flags(log_format, verbose, quiet)
     flags: dict[str, object] = {
         "database.dsn": dsn, "bus.socket": socket_path, "node.state_dir": state_dir,
         "node.name": node_name, "node.capacity": capacity, "node.router": router,
-        "leases.ttl_s": lease_ttl,
+        "leases.ttl_s": lease_ttl, "node.metrics": metrics,
     }
     try:
         config = _load_cli_config(config_file, log, flags)
@@ -504,13 +510,15 @@ def ctl_checkpoints_export_cmd(run_id: int, checkpoint_id: str | None, out: Path
 @run_spec_options
 @click.option("--key", help="Idempotency key of the submitted run.")
 @click.option("--max-attempts", type=int, help="Grant attempts (default [leases] max_attempts).")
+@click.option("--trust", is_flag=True, help="Import a file with pickled payloads that this "
+              "database did not write: restoring unpickles them, which runs any code in them.")
 @ctl_options()
 def ctl_checkpoints_import_cmd(file: Path, steps: int | None, spec_file: Path | None,
                                agents: str | None, mode: str | None,
                                seed: int | None, checkpoint_every: int | None,
                                dispatch: str | None, pace: bool | None,
                                faults: tuple[str, ...], key: str | None,
-                               max_attempts: int | None, call: CtlCall) -> None:
+                               max_attempts: int | None, trust: bool, call: CtlCall) -> None:
     """Submit a new run that starts from the file's checkpoint, with the composition that
     wrote it (or --spec FILE, checked against the checkpoint)."""
     from flyd.cli import flyctl
@@ -524,7 +532,7 @@ def ctl_checkpoints_import_cmd(file: Path, steps: int | None, spec_file: Path | 
         "checkpoints import", call.as_json,
         lambda: flyctl.checkpoints_import(call.options, file, run, key, max_attempts,
                                           spec_file=spec_file,
-                                          steps_given=steps is not None)))
+                                          steps_given=steps is not None, trust=trust)))
 
 
 @ctl_checkpoints_group.command("verify", cls=_JsonErrors)

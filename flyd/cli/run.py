@@ -95,6 +95,7 @@ from flyd.outcome import describe, failure_of, traceback_of
 from flyd.session.runspec import (
     DEFAULT_MAX_AGENTS,
     MAX_AGENTS_LIMIT,
+    MAX_SPEC_BYTES,
     FaultSpecError,
     RunSpec,
     RunSpecError,
@@ -238,9 +239,13 @@ def _options_doc(opts: RunOptions) -> dict[str, Any]:
 def read_spec_file(path: Path) -> dict[str, Any]:
     """The JSON object of a `--spec` file; `RunUsageError` naming the file otherwise."""
     try:
-        raw = path.read_bytes()
+        with path.open("rb") as fh:
+            raw = fh.read(MAX_SPEC_BYTES + 1)
     except OSError as exc:
         raise RunUsageError("USAGE", f"--spec {path}: cannot read: {exc.strerror}") from None
+    if len(raw) > MAX_SPEC_BYTES:
+        raise RunUsageError("USAGE", f"--spec {path}: a run spec file is at most "
+                                     f"{MAX_SPEC_BYTES} bytes (1 MiB)")
     try:
         doc = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:

@@ -10,6 +10,9 @@ it and is never claimed here.
 Errors before serving (bad configuration, unreachable DSN, a router that does not come up, a
 malformed `$NOTIFY_SOCKET`) exit 2 with code `CONFIG`, as JSON on stdout under `--json`.
 
+With `--metrics ADDR` (or `[node] metrics`) the node serves Prometheus metrics on ADDR
+(`flyd.node.metrics`, docs/operations.md); an address that cannot be bound exits 2.
+
 Under systemd (cli.md §5.2, §10; `flyd.node.sdnotify`), while serving:
 - `READY=1` (with the first `STATUS=`) once `node.start()` returned, i.e. the router accepts and
   the database is migrated. It is sent from the status task's first step, which runs only after
@@ -19,7 +22,10 @@ Under systemd (cli.md §5.2, §10; `flyd.node.sdnotify`), while serving:
   steps the node's sessions took since the previous line, per second), `draining: ...` once a
   drain started.
 - `WATCHDOG=1` every half `WATCHDOG_USEC` from a task on the event loop, so a blocked loop misses
-  its pings and systemd restarts the node.
+  its pings and systemd restarts the node. No ping is sent while the node holds its claims
+  because a part of its own (router, fork server) could not be brought back
+  (`NodeProcess.impaired`): the node cannot launch runs, and a restart of the whole unit is
+  the remedy left; the `STATUS=` line then reads `impaired: <reason>`.
 - `STOPPING=1` once, when the first drain request arrives (SIGTERM, SIGINT, `Control.Drain`:
   `NodeProcess.drain_listeners`), i.e. at step 1 of distribution.md §5.8.
 The notification variables are removed from the environment at start, so the router and the
@@ -74,13 +80,14 @@ class ServeOptions:
     time_scale: float = 1.0
     clock_rate: float = 1.0
     plugin_paths: tuple[Path, ...] = ()
+    metrics: str | None = None
 
     def flags(self) -> dict[str, Any]:
         return {"database.dsn": self.dsn, "bus.socket": self.socket,
                 "node.state_dir": self.state_dir, "node.name": self.node_name,
                 "node.capacity": self.capacity, "node.router": self.router,
                 "leases.ttl_s": self.lease_ttl, "node.log_format": self.log.format,
-                "plugins.paths": self.plugin_paths or None}
+                "plugins.paths": self.plugin_paths or None, "node.metrics": self.metrics}
 
 
 def _error(opts: ServeOptions, message: str) -> int:
@@ -111,7 +118,8 @@ async def serve(opts: ServeOptions) -> int:
         threads=int(config.value("node", "threads")),
         router=bool(config.value("node", "router")), router_quiet=logging.router_quiet,
         socket_origin=config.origin("bus", "socket"),
-        sim_clock=opts.sim_clock, time_scale=opts.time_scale, clock_rate=opts.clock_rate)
+        sim_clock=opts.sim_clock, time_scale=opts.time_scale, clock_rate=opts.clock_rate,
+        metrics=config.metrics)
     node = NodeProcess(setup)
     try:
         try:
@@ -155,6 +163,9 @@ class ServiceNotes:
         rate = (self.steps - self._counted) / max(now - self._since, 1e-3)
         self._counted, self._since = self.steps, now
         held = len(self.node.runtime.held()) if self.node.runtime is not None else 0
+        impaired = self.node.impaired()
+        if impaired is not None and not self.stopping:
+            return f"impaired: {impaired}; {held}/{self.node.setup.capacity} runs held"
         state = "draining" if self.stopping else "serving"
         return (f"{state}: {held}/{self.node.setup.capacity} runs held, "
                 f"{rate:.1f} steps/s")
@@ -167,9 +178,11 @@ class ServiceNotes:
             self.notifier.send(STATUS=self.summary())
 
     async def watchdog(self, interval: float) -> None:
-        """`WATCHDOG=1` every `interval` from the event loop (lifetime task)."""
+        """`WATCHDOG=1` every `interval` from the event loop while the node is not impaired
+        (lifetime task)."""
         while True:
-            self.notifier.send(WATCHDOG=1)
+            if self.node.impaired() is None:
+                self.notifier.send(WATCHDOG=1)
             await asyncio.sleep(interval)
 
 

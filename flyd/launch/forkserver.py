@@ -17,6 +17,10 @@ Decisions:
   every child still known here is settled as killed (−9), waiting forks fail, and the spawner
   starts a new server for the next launch.
 - A fork answer that arrives after its launch gave up is killed at once.
+- `ping` is the node's liveness probe (`flyd.node.parts`): a server that does not answer within
+  the node's deadline is hung; `kill()` ends it (SIGKILL reaches a stopped process too) and the
+  spawner starts another, as for a server that died. `on_lost` hears a loss the node did not
+  ask for (the server's end closed), so a run's failure can be traced to it.
 - A fork request over `MAX_REQUEST` bytes (its argv carries the model or world config) fails
   that launch alone, before anything is sent: a larger packet would not fit the socket's
   buffer, and an exec'd worker could not take such an argument either (Linux limits one to
@@ -33,7 +37,7 @@ import os
 import signal
 import socket
 import subprocess
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Executor
 from typing import Any, Final
 
@@ -69,7 +73,7 @@ class ForkServer:
     """One running fork server and the children it forked for this node."""
 
     def __init__(self, sock: socket.socket, popen: subprocess.Popen[bytes],
-                 start_timeout: float) -> None:
+                 start_timeout: float, on_lost: Callable[[], None] | None = None) -> None:
         self._loop = asyncio.get_running_loop()
         self._sock = sock
         self._popen = popen
@@ -84,16 +88,19 @@ class ForkServer:
         self._outbox: collections.deque[tuple[bytes, list[int]]] = collections.deque()
         self._writing = False
         self._serial = 0
+        self._on_lost = on_lost
         self.closed = False
 
     @classmethod
     async def start(cls, *, python: str, socket_path: str, executor: Executor,
                     timeout: float,  # noqa: ASYNC109
-                    env: Mapping[str, str] | None = None) -> ForkServer:
+                    env: Mapping[str, str] | None = None,
+                    on_lost: Callable[[], None] | None = None) -> ForkServer:
         """Spawn `python -m workers.forkserver` on `executor`'s thread (which must live as long
         as the node: the server's death signal follows it). The server is returned before it is
         ready: `until_ready()` waits for its `ready`, due within `timeout` seconds of now. `env`
-        is its whole environment (None: the node's), which every worker it forks inherits. A
+        is its whole environment (None: the node's), which every worker it forks inherits;
+        `on_lost` is called when the server's end closes without `close()`. A
         caller cancelled while the process starts still gets the server, with its task's
         cancellation left pending (`flyd.cancel.raise_if_cancelled`)."""
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -122,7 +129,7 @@ class ForkServer:
         finally:
             theirs.close()
         ours.setblocking(False)
-        server = cls(ours, popen, timeout)
+        server = cls(ours, popen, timeout, on_lost)
         loop.add_reader(ours.fileno(), server._on_readable)
         return server
 
@@ -154,6 +161,8 @@ class ForkServer:
                 data = b""
             if not data:
                 self._lost()
+                if self._on_lost is not None:
+                    self._on_lost()
                 return
             message = orjson.loads(data)
             op = message.get("op")
@@ -161,12 +170,12 @@ class ForkServer:
                 if not self._ready.done():
                     self._ready.set_result(None)
                     log.info("forkserver.started", pid=self.pid)
-            elif op == "forked":
-                self._on_forked(message)
+            elif op in ("forked", "pong"):
+                self._on_answer(message)
             elif op == "exited":
                 self._on_exited(int(message["pid"]), int(message["code"]))
 
-    def _on_forked(self, message: dict[str, Any]) -> None:
+    def _on_answer(self, message: dict[str, Any]) -> None:
         waiter = self._pending.pop(message.get("id", -1), None)
         if waiter is not None and not waiter.done():
             waiter.set_result(message)
@@ -270,6 +279,32 @@ class ForkServer:
             child.kill()
             raise
         return child
+
+    # ------------------------------------------------------------------ liveness
+
+    @property
+    def ready(self) -> bool:
+        """Started and not lost: a server that can be probed."""
+        return (not self.closed and self._ready.done() and not self._ready.cancelled()
+                and self._ready.exception() is None)
+
+    async def ping(self) -> None:
+        """One liveness round trip (unbounded: the caller bounds it); `ForkServerError` when
+        the server is gone."""
+        self._serial += 1
+        request = self._serial
+        waiter: asyncio.Future[dict[str, Any]] = self._loop.create_future()
+        self._pending[request] = waiter
+        try:
+            self._send({"op": "ping", "id": request})
+            await waiter
+        finally:
+            self._pending.pop(request, None)
+
+    def kill(self) -> None:
+        """SIGKILL the server process (hung or not); `close()` then reaps it."""
+        with contextlib.suppress(ProcessLookupError):
+            self._popen.kill()
 
     # ------------------------------------------------------------------ close
 

@@ -24,6 +24,11 @@ Decisions:
   not to the launch that asked first: a launch cancelled meanwhile (a lost lease must end its
   scope within K, on a host where the server's imports take seconds) stops waiting, and the
   next launch waits for the same server.
+- A hung fork server is the node's to notice (`flyd.node.parts` probes `server` with
+  `ForkServer.ping`); `replace_server()` kills it and starts another. `losses` counts servers
+  lost while in use, replaced or died on their own: a run whose workers died with one is given
+  its attempt back; so is one whose launch met a server that could not start (within
+  `SERVER_START_S`: its imports are not a liveness probe's business).
 - In fork mode a worker's `--parent-pid` is the fork server's pid; the server itself dies with
   the node, so nothing a node started outlives it either way.
 - The environment of a forked worker is the server's (the node's at the server's start) plus
@@ -115,6 +120,8 @@ class Spawner:
         self._server: ForkServer | None = None
         self._server_lock = asyncio.Lock()
         self._closed = False
+        #: fork servers lost while in use (module docstring)
+        self.losses = 0
 
     @property
     def method(self) -> str:
@@ -144,11 +151,35 @@ class Spawner:
                 env = python_path(self.settings.plugin_paths, os.environ)
                 self._server = await ForkServer.start(
                     python=self.python, socket_path=self.socket, executor=self._thread,
-                    timeout=SERVER_START_S, env={**os.environ, **env} if env else None)
+                    timeout=SERVER_START_S, env={**os.environ, **env} if env else None,
+                    on_lost=self._lost)
                 raise_if_cancelled()
             server = self._server
-        await server.until_ready()
+        try:
+            await server.until_ready()
+        except ForkServerError:
+            self.losses += 1  # a server that could not start failed the launch, not the run
+            raise
         return server
+
+    @property
+    def server(self) -> ForkServer | None:
+        """The fork server started last (None before the first process launch)."""
+        return self._server
+
+    def _lost(self) -> None:
+        self.losses += 1
+
+    async def replace_server(self) -> ForkServer:
+        """Kill the current fork server (its workers die with it) and start another."""
+        async with self._server_lock:
+            old, self._server = self._server, None
+        if old is not None:
+            if not old.closed:
+                self.losses += 1
+            old.kill()
+            await old.close(1.0)
+        return await self.fork_server()
 
     async def parent_pid(self) -> int:
         """The pid a process worker's `--parent-pid` names: the fork server's or ours."""

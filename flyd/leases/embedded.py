@@ -25,6 +25,10 @@ Decisions where the spec is silent:
 - Several processes may start on one fresh state dir at once (two `flyd run`): creating
   database `flyd` tolerates losing that race to another process (`_create_database`); the
   migrations already serialise on their advisory lock.
+- A server that does not start says why: pgserver keeps the failing command's stderr in its own
+  log records only, so they are captured while it starts, with the tail of `<pg>/log`, and the
+  first line naming a full disk, then a permission, then any PostgreSQL error is the cause
+  (`start_failure_cause`).
 - `embedded_dsn_if_running` reads `postmaster.pid` only; it never starts or connects to anything
   (`flyctl`, cli.md §7.1).
 """
@@ -32,6 +36,8 @@ Decisions where the spec is silent:
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 import os
 import pwd
 import subprocess
@@ -49,6 +55,11 @@ ROOT_USER: Final = "pgserver"
 START_TIMEOUT_S: Final = 60.0
 STOP_TIMEOUT_S: Final = 30.0
 _FLYD_EXISTS: Final = "SELECT 1 FROM pg_database WHERE datname = 'flyd'"
+MAX_CAUSE_CHARS: Final = 300
+#: what a start failure's output is searched for, in this order (the first match is the cause)
+_CAUSES: Final = (("No space left on device", "ENOSPC", "Disk quota exceeded"),
+                  ("Permission denied", "Operation not permitted", "Read-only file system"),
+                  ("FATAL:", "PANIC:", "initdb: error:", "pg_ctl: ", "could not "))
 _ADVICE: Final = ("run flyd as a dedicated non-root user, or point [database] dsn (FLYD_DSN, "
                   "--dsn) at an external PostgreSQL")
 
@@ -131,13 +142,55 @@ def _verify_owner(pgdata: Path, postmaster_pid: int) -> None:
                             f"{_ADVICE}")
 
 
+class _Captured(logging.Handler):
+    """pgserver's own log records while it starts: the failing command's stderr is only there
+    (its `CalledProcessError` carries none)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.ERROR)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        with contextlib.suppress(Exception):  # a record that cannot be formatted adds nothing
+            self.lines.extend(record.getMessage().splitlines())
+
+
+def start_failure_cause(lines: list[str]) -> str:
+    """The line that says why the server did not start, first by the causes an operator can
+    act on (disk full, permissions), then any PostgreSQL error line; "" when none does."""
+    texts = [line.strip() for line in lines if line.strip()]
+    for words in _CAUSES:
+        for line in texts:
+            if any(word in line for word in words):
+                return line[:MAX_CAUSE_CHARS]
+    return ""
+
+
 def _get_server(pgserver: Any, pgdata: Path) -> Any:
+    captured = _Captured()
+    logger = logging.getLogger("pgserver")
+    level = logger.level
+    logger.addHandler(captured)
+    if logger.getEffectiveLevel() > logging.ERROR:  # `-q`: still see why it failed
+        logger.setLevel(logging.ERROR)
     try:
         return pgserver.get_server(pgdata, cleanup_mode="stop")
-    except (subprocess.CalledProcessError, OSError) as exc:
-        detail = exc.stderr if isinstance(exc, subprocess.CalledProcessError) else exc
-        raise EmbeddedError(f"embedded PostgreSQL under {pgdata} did not start ({detail}); "
-                            f"{_ADVICE}") from exc
+    except (subprocess.CalledProcessError, subprocess.TimeoutExpired, OSError) as exc:
+        lines = list(captured.lines)
+        with contextlib.suppress(OSError):
+            lines.extend((pgdata / "log").read_text(errors="replace").splitlines()[-50:])
+        if isinstance(exc, OSError):
+            lines.insert(0, str(exc))
+        cause = start_failure_cause(lines) or (
+            f"{type(exc).__name__}: exit status {exc.returncode}"
+            if isinstance(exc, subprocess.CalledProcessError) else str(exc))
+        advice = (f"free space on the file system of {pgdata}, or point [database] dsn at an "
+                  "external PostgreSQL" if any(w in cause for w in _CAUSES[0]) else _ADVICE)
+        raise EmbeddedError(f"embedded PostgreSQL under {pgdata} did not start: {cause}; "
+                            f"{advice}") from exc
+    finally:
+        logger.removeHandler(captured)
+        logger.setLevel(level)
 
 
 def _create_database(admin_uri: str) -> None:

@@ -107,8 +107,8 @@ def behaviour(rows: list[dict[str, Any]]) -> tuple[str, list[str]]:
 async def nodes(conn: Conn) -> list[dict[str, Any]]:
     """The node registry with liveness judged by the database clock."""
     return [_camel(r) for r in await _rows(conn, """
-        SELECT node_id, node_name, host, pid, version, capacity, held, state, started_at,
-               heartbeat_at,
+        SELECT node_id, node_name, host, pid, version, capacity, held, state, reason,
+               started_at, heartbeat_at,
                extract(epoch FROM flyd.app_now() - heartbeat_at)::float8 AS silent_for_s
           FROM flyd.nodes ORDER BY node_id""", {})]
 

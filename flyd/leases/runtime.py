@@ -60,6 +60,10 @@ Decisions where the spec is silent:
   sets `drain_hurry` on every scope (release now, no checkpoint) and cuts the remaining drain
   window to at most B.
 - The reaper reaps at most `REAP_BATCH` runs per tick.
+- `stats` (`flyd.leases.stats.LeaseStats`) counts what the node's metrics export: each
+  acknowledged renewal's latency (send to reply, lease clock), abandoned renewals, each
+  `lease_lost` by reason, and each committed group commit that carried a checkpoint (first send
+  to committed reply, lease clock) with its envelope's bytes.
 - The heartbeat (before applying a renewal's reply) and the resolver of an unknown commit
   outcome (after every await, `_lost_on_wake`) apply the watchdog's `expire_due` first:
   whichever task wakes first after a pause or a stretch off the CPU, a hold whose safe_until
@@ -97,8 +101,10 @@ from flyd.leases.core import (
     StartScope,
     StopForCancel,
 )
+from flyd.leases.fit import ThreadRoom
 from flyd.leases.params import LeaseParams
 from flyd.leases.resolve import Decision, decide
+from flyd.leases.stats import LeaseStats
 from flyd.leases.stores.contract import (
     Backend,
     Checkpoint,
@@ -215,6 +221,11 @@ class GrantScope:
         await self.release(refund=False, backoff_s=self._rt.params.claim_poll_s)
         return True
 
+    async def hand_back(self) -> None:
+        """Hand the run back with refund, `claim_poll` from now: the grant failed for the
+        node's own reasons (a part it could not keep up), not the run's."""
+        await self.release(refund=True, backoff_s=self._rt.params.claim_poll_s)
+
     async def mark_faults_fired(self, faults: Sequence[str]) -> tuple[str, ...]:
         """§3.11: the merged set; a grant no longer live is a loss (`LeaseLost`)."""
         return await self._rt.mark_faults(self, tuple(faults))
@@ -239,7 +250,7 @@ class NodeRuntime:
     def __init__(self, *, params: LeaseParams, store: Store, clock: LeaseClock,
                  executor: GrantHandler,
                  groups: ProcessGroups, node: NodeInfo, capacity: int = 1,
-                 only: int | None = None,
+                 only: int | None = None, threads: ThreadRoom | None = None,
                  listen: Callable[[], AsyncIterator[int]] | None = None,
                  seed: int | None = None,
                  log: structlog.typing.FilteringBoundLogger | None = None,
@@ -252,12 +263,15 @@ class NodeRuntime:
         self._node = node
         self._node_id = node.node_id
         self._only = only
+        self._threads = threads
         self._listen = listen
         self._rng = random.Random(seed)
         base = log if log is not None else structlog.get_logger("flyd.leases.runtime")
         self._log = base.bind(node=node.node_id)
         self._events = events
         self._core = LeaseCore(params, node.node_id, capacity)
+        #: renewal latency, losses and checkpoint commits, for the node's metrics
+        self.stats = LeaseStats()
         self._scopes: dict[tuple[int, int], GrantScope] = {}
         self._grants: dict[tuple[int, int], Grant] = {}
         self._seen: set[tuple[int, int]] = set()
@@ -273,6 +287,8 @@ class NodeRuntime:
         self._stop_requested = False
         self._stopping = False
         self._exit_code = 0
+        #: why claims are held (`hold_claims`), None while the node claims
+        self.claims_held: str | None = None
 
     # -- views -------------------------------------------------------------------------------
     @property
@@ -311,6 +327,26 @@ class NodeRuntime:
                 self._drain_deadline = min(self._drain_deadline, hurry)
             self._changed.set()
         self._control.set()
+
+    def hold_claims(self, reason: str | None) -> None:
+        """Stop claiming, for `reason` (the node cannot launch runs: a part of its own could
+        not be brought back), or claim again (None). While held, every held run is asked to
+        drain (its grant hands it back with refund) and the registry shows the node
+        `draining`; unlike `drain()`, the node keeps running and resumes when told."""
+        if reason == self.claims_held:
+            return
+        was, self.claims_held = self.claims_held, reason
+        self._event("claims_held" if reason is not None else "claims_resumed",
+                    level="warning" if reason is not None else "info", reason=reason)
+        if reason is not None:
+            for sc in self._scopes.values():
+                sc.drain_requested.set()
+        else:
+            self._claim_wake.set()
+        if (was is None) != (reason is None) and self._tg is not None \
+                and not (self._drains or self._stopping):
+            self._tg.create_task(self._set_state("draining" if reason is not None
+                                                 else "active", reason))
 
     def stop(self) -> None:
         """Immediate stop without drain semantics: holds are fenced locally, not released."""
@@ -384,7 +420,7 @@ class NodeRuntime:
     async def _drain(self) -> None:
         """§5.8 steps 1–3; step 4 (`stopped`) follows in `run`."""
         self._event("drain_started")
-        await self._set_state("draining")
+        await self._set_state("draining", self.claims_held)
         try:
             async with asyncio.timeout(self._p.drain_timeout_s):
                 await self._claim_lock.acquire()
@@ -422,10 +458,10 @@ class NodeRuntime:
             self._changed.clear()
             await self._wait_for(self._changed, min(end, self._clock.now() + p.watchdog_tick_s))
 
-    async def _set_state(self, state: NodeState) -> None:
+    async def _set_state(self, state: NodeState, reason: str | None = None) -> None:
         try:
             async with asyncio.timeout(self._p.R):
-                await self._store.set_node_state(self._node_id, state)
+                await self._store.set_node_state(self._node_id, state, reason)
         except Exception as exc:  # the registry is status only
             self._event("node_state_unknown", level="warning", state=state, error=repr(exc))
 
@@ -496,6 +532,7 @@ class NodeRuntime:
     def _on_lost(self, run_id: int, epoch: int, reason: Reason) -> None:
         """Steps 2–4 of §5.5 (the core did step 1), then the cleanup task."""
         self._event("lease_lost", run=run_id, epoch=epoch, reason=reason)
+        self.stats.losses[reason] += 1
         sc = self._scopes.get((run_id, epoch))
         if sc is not None:
             for callback in sc._fence_callbacks:
@@ -587,11 +624,14 @@ class NodeRuntime:
                     rows = await self._store.renew(self._node_id, held, p.T)
             except Exception as exc:  # unknown renewal (§5.6): nothing
                 self._event("renew_unknown", error=repr(exc))
+                self.stats.renew_unknown += 1
                 actions = self._core.on_renew_unknown(batch)
                 abandoned = True
             else:
+                replied = self._clock.now()
+                self.stats.renew.observe(replied - t_send)
                 # a hold past safe_until is lost before the reply is applied (module docstring)
-                self._perform(self._core.expire_due(self._clock.now()))
+                self._perform(self._core.expire_due(replied))
                 got = [RenewRow(r.run_id, r.lease_epoch, r.cancel_requested) for r in rows]
                 self._event("renewed", level="debug", t_send=t_send,
                             runs=[[r.run_id, r.epoch] for r in got])
@@ -655,15 +695,21 @@ class NodeRuntime:
         """One claim (3.3) of up to `n` grants; an unknown outcome runs the own-grant sweep.
         True when the batch came back full and capacity is left (claim again at once)."""
         p = self._p
+        if self.claims_held is not None:
+            return False
         n = min(self._core.free_capacity(self._clock.now()), p.claim_batch)
         if self._only is not None:
             n = min(n, 1)
         if n <= 0:
             return False
+        fit = None
+        if self._threads is not None:  # claims fit first (flyd.leases.fit)
+            held = [sc.grant.spec for sc in self._scopes.values()]
+            fit = self._threads.fit([*held, *(g.spec for g in self._grants.values())])
         t_send = self._clock.now()
         try:
             async with asyncio.timeout(p.commit_timeout_s):
-                grants = await self._store.claim(self._node_id, n, p.T, self._only)
+                grants = await self._store.claim(self._node_id, n, p.T, self._only, fit)
         except Transient as exc:
             self._event("claim_failed", level="warning", error=repr(exc))
             return False
@@ -820,7 +866,8 @@ class NodeRuntime:
         extra = commit_allowance_s(rows, size)
         budget, bound = self._p.commit_budget_s + extra, self._p.commit_timeout_s + extra
         self._live(sc)
-        self._core.check(run, epoch, self._clock.now(), budget)
+        began = self._clock.now()
+        self._core.check(run, epoch, began, budget)
         self._core.begin(run, kind)
         while True:
             self._event("write_begin", level="debug", run=run, epoch=epoch, kind=kind,
@@ -877,6 +924,9 @@ class NodeRuntime:
                 self._raise_if_lost(run, epoch, kind, None)
                 self._event("write_result", level="debug", run=run, epoch=epoch, kind=kind,
                             result="committed", finished=done.finished)
+            if checkpoint is not None:
+                self.stats.checkpoint_commit.observe(self._clock.now() - began)
+                self.stats.checkpoint_bytes += len(checkpoint.envelope)
             self._committed(sc, effects, checkpoint)
             self._perform(self._core.end(run, kind, "committed"))
             if finish is not None:

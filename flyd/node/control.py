@@ -31,6 +31,8 @@ Decisions where the spec is silent:
 - Status: the node's `state` and `lastHeartbeat` come from its `flyd.nodes` row (read with a short
   deadline); without an answer, `state` is what this process knows (`starting` before the lease
   runtime exists, `draining` after a Drain, else `active`) and `lastHeartbeat` is null.
+  `reason` says why a node holds its claims (a router or fork server it could not bring back;
+  its `state` is then `draining`), null otherwise.
 - Status: every live worker gets one `Worker.Status` bounded by `[session] health_fail_s`, all
   concurrently; no answer → `alive: false` with `state` and `step` null. `step` is the step of the
   worker's current scope. `uptimeMs` is the age of the worker's own process (process mode) and
@@ -145,6 +147,9 @@ class NodeView(Protocol):
 
     def drain(self) -> None:
         """Start the node's own drain (as SIGTERM does)."""
+
+    def impaired(self) -> str | None:
+        """Why the node holds its claims (a part of its own it could not bring back)."""
 
 
 def _ms(seconds: float) -> int:
@@ -263,6 +268,9 @@ class ControlService:
         row = await self._node_row()
         if row is not None:
             state, heartbeat = str(row["state"]), row["heartbeatAt"]
+        impaired = node.impaired()
+        if impaired is not None and state == "active":
+            state = "draining"  # its registry write may not have landed yet
         budget = self.node.budget
         me = psutil.Process(os.getpid())
         return {
@@ -275,6 +283,7 @@ class ControlService:
                        for run, (epoch, left) in sorted(held.items())],
             "lastHeartbeat": heartbeat,
             "dsn": redact_dsn(self.node.dsn) if self.node.dsn else None,
+            "reason": impaired,
         }
 
     async def _node_row(self) -> dict[str, Any] | None:

@@ -13,8 +13,10 @@ Sequence per grant:
    `flyd.runs` is refused at path "" on the first claim, not coerced or retried), and a
    `startFrom` whose checkpoint the run has no head for (a spec inserted without
    `flyctl checkpoints import`) is refused at `/startFrom` rather than started from 0.
-2. Fit the composition into the node's thread budget; a run that does not fit is released with
-   refund and `backoff = claim_poll` and `run_does_not_fit` is logged with both numbers.
+2. Fit the composition into the node's thread budget. The claim already took only runs that
+   fit (`flyd.leases.fit`), so this is a safety net for a spec the claim's reading of `threads`
+   counts differently: such a run is released with refund and `backoff = claim_poll` and
+   `run_does_not_fit` is logged with both numbers.
 3. The grant session runs it (`flyd.node.grant`); afterwards the workers are reaped and the
    session's clients closed, whatever happened.
 
@@ -29,6 +31,9 @@ Decisions:
   after the end, sets `keep_reports`.
 - `on_boundary` (`flyd run --record`, `--plot`) gets a `BoundarySample` of each committed
   transition, built from the coordinator only while it is set (`flyd.session.sample`).
+- `totals` (`GrantTotals`) keeps what the node's metrics need of grants whose reports are
+  gone: their steps, their end states, recoveries by cause. It is updated once per grant end and
+  once per recovery, never per step (a live grant's steps are read from its report).
 - A report's behaviour records are a `RecordStream`: only those beyond the durable head are
   held; the rest went to `trace_path` (`flyd run --trace`), if set, and into a running digest.
 """
@@ -36,8 +41,10 @@ Decisions:
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
@@ -50,9 +57,10 @@ from flyd.launch.health import HealthPolicy
 from flyd.launch.identities import SessionNames, SessionTags
 from flyd.launch.launcher import Launcher, connect_expected
 from flyd.launch.spawn import groups_running
-from flyd.launch.spawner import Spawner
+from flyd.launch.spawner import SERVER_START_S, Spawner
 from flyd.leases.runtime import GrantScope
 from flyd.node.grant import GrantSession, LedgerReader, RunAbandoned, RunReport, writer_config
+from flyd.node.parts import PartsWatch
 from flyd.session.coordinator import Deadlines
 from flyd.session.run_topic import RunPublisher
 from flyd.session.runspec import DEFAULT_MAX_AGENTS, RunSpec, RunSpecError
@@ -62,12 +70,29 @@ from flyd.state.checkpoints import CheckpointStore
 from flyd.state.writer import EventRing, WriterConfig
 from workers.domain import DomainError
 
-__all__ = ["GrantExecutor"]
+__all__ = ["GrantExecutor", "GrantTotals"]
 
 log = structlog.get_logger("flyd.node.executor")
 
 REAP_S: Final = 10.0
 WORLD_READ_S: Final = 2.0
+
+
+@dataclass
+class GrantTotals:
+    """What this node's grants did, kept after their reports are dropped (the node's metrics):
+    steps of ended grants, grants ended by state, recoveries by the failure's code."""
+
+    steps: int = 0
+    states: collections.Counter[str] = field(default_factory=collections.Counter)
+    recoveries: collections.Counter[str] = field(default_factory=collections.Counter)
+
+    def ended(self, report: RunReport) -> None:
+        """Count a grant whose execution ended; a grant that neither finished nor released
+        its run (a lost lease, an abandoned session) counts as `lost` or `released`."""
+        self.steps += report.advances
+        self.states[report.state or ("lost" if report.lost_reason is not None
+                                     else "released")] += 1
 
 
 class GrantExecutor:
@@ -103,6 +128,9 @@ class GrantExecutor:
         self._router_up = asyncio.Event()
         self.router_exits = 0
         self._router_up.set()
+        #: the liveness watch of the node's router and fork server (set while serving)
+        self.watch: PartsWatch | None = None
+        self._parts_down = asyncio.Event()
         self.reports: dict[int, RunReport] = {}
         self.keep_reports = False
         self.trace_path: Path | None = None
@@ -110,10 +138,15 @@ class GrantExecutor:
         self._groups: dict[int, set[int]] = {}
         self._clients: dict[int, BusClient] = {}
         self._tags = SessionTags()
+        self.totals = GrantTotals()
 
     def launcher(self, run_id: int) -> Launcher | None:
         """The launcher of a run this node is executing (the control service's view)."""
         return self._launchers.get(run_id)
+
+    def worker_count(self) -> int:
+        """The live workers of every run this node is executing (the metrics' view)."""
+        return sum(len(launcher.workers()) for launcher in self._launchers.values())
 
     # ------------------------------------------------------------------ ProcessGroups
 
@@ -142,6 +175,7 @@ class GrantExecutor:
             await self._execute(scope, report)
         finally:
             report.ended.set()
+            self.totals.ended(report)
             if not self.keep_reports and self.reports.get(scope.run_id) is report:
                 del self.reports[scope.run_id]
 
@@ -201,14 +235,43 @@ class GrantExecutor:
         self.node = node
         self._router_up.set()
 
+    @property
+    def parts_lost(self) -> int:
+        """The node's own parts lost so far: router exits and fork servers lost in use (hung
+        and replaced, or dead). A run's attempt that saw one is given back."""
+        return self.router_exits + (self.spawner.losses if self.spawner is not None else 0)
+
+    async def check_parts(self) -> None:
+        """Probe the router and the fork server now and wait until each answered, or was
+        replaced and answered, or was given up (bounded by two probe deadlines and a start)."""
+        if self.watch is not None:
+            await self.watch.check(2 * self.health.fail + SERVER_START_S)
+
+    def parts_down(self) -> str | None:
+        """Why this node cannot launch runs now (a part given up); None when it can."""
+        return None if self.watch is None else self.watch.reason
+
+    def parts_changed(self, reason: str | None) -> None:
+        """The watch gave a part up (`reason`) or has every part back (None): a session
+        waiting for the router stops waiting when it was given up."""
+        if reason is None:
+            self._parts_down.clear()
+        else:
+            self._parts_down.set()
+
     async def router_ready(self, timeout_s: float) -> bool:
-        """Wait until the node's connection is open (bounded); False when it stayed down. A
-        closed connection means the router is gone even before its supervisor noticed."""
+        """Wait until the node's connection is open (bounded); False when it stayed down, or
+        the router was given up meanwhile. A closed connection means the router is gone even
+        before its supervisor noticed."""
         if self.node.closed:
             self._router_up.clear()
         with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(timeout_s):
-                await self._router_up.wait()
+            async with asyncio.timeout(timeout_s), asyncio.TaskGroup() as tg:
+                up = tg.create_task(self._router_up.wait())
+                down = tg.create_task(self._parts_down.wait())
+                await asyncio.wait((up, down), return_when=asyncio.FIRST_COMPLETED)
+                up.cancel()
+                down.cancel()
         return self._router_up.is_set() and not self.node.closed
 
     # ------------------------------------------------------------------ for the grant session
@@ -252,6 +315,7 @@ class GrantExecutor:
 
     def recovered(self, report: RunReport, info: dict[str, Any]) -> None:
         report.recoveries.append(info)
+        self.totals.recoveries[str(info["code"])] += 1
         if self.on_recovery is not None:
             self.on_recovery(report, info)
 

@@ -62,6 +62,13 @@ Decisions:
   one: `recovery.attempt_refunded`). Routers killed
   in a burst therefore never end a run "recovery attempts exhausted"; a router that does not
   come back within `durable_timeout_s` abandons the run locally, as before.
+- A hung part is a fault like a dead one (`flyd.node.parts`): an attempt that failed, and a
+  launch that failed, first has the node probe its router and fork server (`check_parts`); a
+  part that missed its probe is killed and replaced meanwhile, and the host's `parts_lost`
+  (router exits and fork servers lost) then tells the attempt was the node's fault: it is given
+  back (`recovery.attempt_interrupted`), and a failed launch hands the run back with refund
+  (`run.launch_refunded`). A node whose parts cannot be brought back (`parts_down`) hands each
+  run back with refund instead of spending its attempts (`run.handed_back`).
 - A recovery that cannot drain the writer within `durable_timeout_s` abandons the run locally
   (`recovery.abandoned_run`): the task returns without ending the run and the runtime
   relinquishes it; the next holder resumes from the head.
@@ -221,8 +228,16 @@ class GrantHost(Protocol):
     def deadlines(self) -> Deadlines: ...
 
     @property
-    def router_exits(self) -> int:
-        """Router deaths so far (a recovery attempt that saw one is given back)."""
+    def parts_lost(self) -> int:
+        """The node's own parts lost so far, router exits and fork servers (a recovery attempt
+        that saw one is given back)."""
+
+    async def check_parts(self) -> None:
+        """Probe the node's router and fork server now; a hung one is replaced before this
+        returns (bounded)."""
+
+    def parts_down(self) -> str | None:
+        """Why the node cannot launch runs now (a part it could not bring back), or None."""
 
     async def open_launcher(self, run_id: int, session_id: str,
                             agents_per_process: int | None = None
@@ -255,6 +270,11 @@ class GrantHost(Protocol):
 
     def recovered(self, report: RunReport, info: dict[str, Any]) -> None:
         """A recovery resumed the session."""
+
+
+class PartsDown(Exception):
+    """The node gave up a part of its own (its router, its fork server) while the grant
+    needed it: the run is handed back with refund."""
 
 
 class RunAbandoned(Exception):
@@ -296,7 +316,7 @@ class GrantSession:
         self.log = log.bind(run=scope.run_id, lease_epoch=scope.lease_epoch,
                             node=host.node_id)
         self.fired: set[str] = set(scope.grant.faults_fired)
-        self._router_exits_seen = host.router_exits  # router deaths answered so far
+        self._parts_lost_seen = host.parts_lost  # part losses answered so far
         self.budget = RecoveryBudget(config.recovery_max_attempts, config.recovery_backoff_s,
                                      config.recovery_backoff_max_s)
         self.max_epoch = 0
@@ -494,6 +514,13 @@ class GrantSession:
                                    "mutation": "none", "message": exc.message}
         code, message = self.report.failure["code"], self.report.failure["message"]
         self.report.failures.append(self.report.failure)
+        if not launch_refusal_repeats(exc):
+            await self.host.check_parts()
+            down = self.host.parts_down()
+            if down is not None or self.host.parts_lost != self._parts_lost_seen:
+                await self._hand_back(down or "a router or fork server was lost during the "
+                                      "launch", code=code, message=message)
+                return
         await self._durability().writer.shutdown()
         if not launch_refusal_repeats(exc) and await self.scope.retry_later():
             self.log.warning("run.launch_failed", code=code, message=message, retry=True)
@@ -504,6 +531,14 @@ class GrantSession:
             await self._plugin_failed(self.report.failure)
             return
         await self._failed({"error": "launch failed", "failure": self.report.failure})
+
+    async def _hand_back(self, why: str, **fields: Any) -> None:
+        """The node's own part failed this grant, not the run: hand the run back with refund,
+        `claim_poll` from now, for this node once its parts are back or for another."""
+        self.log.warning("run.handed_back", reason=why, **fields)
+        await self._durability().writer.shutdown()
+        self.report.state = "released"
+        await self.scope.hand_back()
 
     async def _begin(self, head: CheckpointRecord | None) -> None:
         durability = self._durability()
@@ -634,6 +669,10 @@ class GrantSession:
                 await self._attempt(attempt, last)
             except RunAbandoned:
                 raise
+            except PartsDown as exc:
+                self.budget.refund()
+                await self._hand_back(str(exc))
+                return True
             except (SessionFailure, DomainError) as exc:
                 error = exc.error if isinstance(exc, SessionFailure) else exc
                 if is_permanent(error):
@@ -647,14 +686,19 @@ class GrantSession:
                 last = exc if isinstance(exc, SessionFailure) else SessionFailure(
                     exc, self._coordinator().phase.label, "restore", None)
             else:
-                if router_death or self.host.router_exits != self._router_exits_seen:
+                if router_death or self.host.parts_lost != self._parts_lost_seen:
                     self.budget.refund()  # the failure recovered from was a router death
                     self._rlog().info("recovery.attempt_refunded", attempt=attempt,
-                                      reason="a router death")
-                self._router_exits_seen = self.host.router_exits
+                                      reason="a router or fork server lost")
+                self._parts_lost_seen = self.host.parts_lost
                 return False
-            if self._router_lost() or self.host.router_exits != self._router_exits_seen:
-                self._router_exits_seen = self.host.router_exits
+            await self.host.check_parts()
+            down = self.host.parts_down()
+            if down is not None:
+                await self._hand_back(down)
+                return True
+            if self._router_lost() or self.host.parts_lost != self._parts_lost_seen:
+                self._parts_lost_seen = self.host.parts_lost
                 self.budget.refund()
                 router_death = True
                 self._rlog().warning("recovery.attempt_interrupted", attempt=attempt,
@@ -678,6 +722,9 @@ class GrantSession:
         new launcher and coordinator client (new incarnations; the old expectations died with
         the old connections)."""
         if not await self.host.router_ready(self.config.durable_timeout_s):
+            down = self.host.parts_down()
+            if down is not None:
+                raise PartsDown(down)
             self._rlog().error("recovery.abandoned_run", reason="the router did not come back")
             raise RunAbandoned(f"run {self.run_id}: the router did not come back")
         old = self.launcher

@@ -11,8 +11,16 @@ configured (§5.9) → migrations → router child on the socket (cli.md §5.1; 
 connects to a router managed separately) → node connection `node.<node_id>` → `PgStore` →
 `GrantExecutor`.
 serve: `NodeRuntime(...).run()` until drained or stopped; SIGTERM/SIGINT drain (a second one
-skips the checkpoints, §5.8).
-close: store, node connection, router (SIGTERM, SIGKILL after 5 s), embedded server.
+skips the checkpoints, §5.8). Beside it, the router's supervisor and the parts watch
+(`flyd.node.parts`): a router or fork server that misses its liveness probe is killed and
+replaced like a dead one; a part that cannot be brought back holds the node's claims
+(`NodeRuntime.hold_claims`: it stops claiming and hands its runs back, `flyctl status` shows
+`draining` with the reason) until the part answers again.
+close: metrics endpoint, control service, store, node connection, router (SIGTERM, SIGKILL
+after 5 s), embedded server.
+metrics: with `setup.metrics` (`flyd serve --metrics`), the Prometheus endpoint of
+`flyd.node.metrics` listens once everything above is up; a port that cannot be bound is a
+start error (exit 2).
 
 Decisions:
 - The thread budget is the configured `[node] threads` for `flyd serve`; `flyd run`, which holds
@@ -45,6 +53,7 @@ import structlog
 
 from bus.client import BusClient, connect
 from bus.errors import BusError
+from bus.ownership import Trust, UnsafeDirectory, check_dir, make_dirs
 from flyd.config import Config
 from flyd.launch.budget import ThreadBudget
 from flyd.launch.health import HealthPolicy
@@ -55,12 +64,16 @@ from flyd.leases import queries
 from flyd.leases.clock import BootClock, LeaseClock, SimFileClock
 from flyd.leases.core import LeasePhase
 from flyd.leases.embedded import EmbeddedPostgres
+from flyd.leases.fit import ThreadRoom
 from flyd.leases.migrate import migrate
 from flyd.leases.runtime import NodeRuntime
 from flyd.leases.stores.contract import NodeInfo
 from flyd.leases.stores.pg import DbSettings, PgStore
 from flyd.node.control import ControlService, RunView
 from flyd.node.executor import GrantExecutor
+from flyd.node.metrics import CONTENT_TYPE, NodeMetrics
+from flyd.node.metrics_http import MetricsAddress, MetricsEndpoint
+from flyd.node.parts import ForkServerPart, Part, PartsWatch, RouterPart
 from flyd.node.router_child import RouterChild, RouterChildError, check_socket_path
 from flyd.session.coordinator import Deadlines
 from flyd.state.checkpoints import PgCheckpointStore
@@ -106,6 +119,8 @@ class NodeSetup:
     sim_clock: Path | None = None
     time_scale: float = 1.0
     clock_rate: float = 1.0
+    #: where to serve the metrics (`flyd serve --metrics`); None: not served
+    metrics: MetricsAddress | None = None
 
     @property
     def dsn(self) -> str | None:
@@ -203,6 +218,9 @@ class ControlView:
     def drain(self) -> None:
         self._node.drain()
 
+    def impaired(self) -> str | None:
+        return self._node.impaired()
+
 
 class NodeProcess:
     """One node's parts, owned for an orderly start and a bounded teardown."""
@@ -223,18 +241,36 @@ class NodeProcess:
         self.checkpoints: PgCheckpointStore | None = None
         self.runtime: NodeRuntime | None = None
         self.control: ControlService | None = None
+        self.metrics: MetricsEndpoint | None = None
         self.drain_listeners: list[Callable[[], None]] = []
         self.spawner: Spawner | None = None
+        self.watch: PartsWatch | None = None
         self.budget = ThreadBudget.for_this_machine(
             setup.capacity, threads=setup.threads,
             coordinator_reservation=int(setup.config.value("node", "coordinator_reservation")))
 
     # ------------------------------------------------------------------ start
 
+    def _prepare_socket_dir(self) -> None:
+        """Before anything starts: the socket's directory is created 0700 (0750 with a socket
+        group) or must be one no other user controls (wire.md §13); else exit 2 naming it."""
+        setup, gid = self.setup, self.setup.config.socket_gid
+        parent = os.path.dirname(os.path.abspath(setup.socket))
+        try:
+            make_dirs(parent, 0o750 if gid is not None else 0o700, gid)
+            check_dir(parent, Trust.own(gid))
+        except UnsafeDirectory as exc:
+            raise NodeStartError(f"{setup.socket_origin}: [bus] socket {setup.socket}: "
+                                 f"{exc.message}") from None
+        except OSError as exc:
+            raise NodeStartError(f"{setup.socket_origin}: [bus] socket {setup.socket}: cannot "
+                                 f"create {parent}: {exc.strerror or exc}") from None
+
     async def start(self) -> None:
         setup = self.setup
         if setup.router:
             check_socket_path(setup.socket, setup.socket_origin)
+            self._prepare_socket_dir()
         setup.state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         if setup.dsn is None:
             self.embedded = EmbeddedPostgres()
@@ -243,7 +279,6 @@ class NodeProcess:
             self.dsn = setup.dsn
         await migrate(self.dsn, sim_clock=setup.sim_clock is not None)
         if setup.router:
-            os.makedirs(os.path.dirname(setup.socket) or ".", exist_ok=True)
             self.router = RouterChild(self.directory, setup.socket)
             bus: Mapping[str, Any] = {k: v for k, v in setup.config.section("bus").items()
                                       if v is not None}
@@ -251,7 +286,8 @@ class NodeProcess:
                                     max_agents=int(setup.config.value("session", "max_agents")),
                                     quiet=setup.router_quiet)
         try:
-            self.client = await connect(setup.socket, client_id=node_client_id(setup.node_id))
+            self.client = await connect(setup.socket, client_id=node_client_id(setup.node_id),
+                                        socket_gid=setup.config.socket_gid)
         except (BusError, OSError) as exc:
             raise NodeStartError(f"cannot connect to the router on {setup.socket}: "
                                  f"{exc}") from None
@@ -278,6 +314,21 @@ class NodeProcess:
             spawner=self.spawner)
         self.control = ControlService(ControlView(self))
         await self.control.start()
+        if setup.metrics is not None:
+            await self.serve_metrics(setup.metrics)
+
+    async def serve_metrics(self, address: MetricsAddress) -> None:
+        """Listen for scrapes (docs/operations.md); the endpoint closes with the node."""
+        metrics = NodeMetrics(self, node_id=self.setup.node_id, node_name=self.setup.node_name,
+                              version=VERSION)
+        self.metrics = MetricsEndpoint(address, metrics.render, CONTENT_TYPE)
+        try:
+            bound = await self.metrics.start()
+        except OSError as exc:
+            self.metrics = None
+            raise NodeStartError(f"cannot serve metrics on {address}: "
+                                 f"{exc.strerror or exc}") from None
+        log.info("metrics.listening", address=str(bound), host=bound.host, port=bound.port)
 
     def writer_defaults(self) -> WriterConfig:
         """`[checkpoints]` of the configuration (a run spec's `checkpoints` overrides it);
@@ -310,6 +361,7 @@ class NodeProcess:
         self.runtime = NodeRuntime(
             params=self.params, store=self.store, clock=self.clock(), executor=self.executor,
             groups=self.executor, node=self.info(), capacity=self.setup.capacity, only=only,
+            threads=ThreadRoom(self.budget.total, self.budget.coordinator_reservation),
             listen=self.store.listen,
             log=log.bind(node=self.setup.node_id))
         return self.runtime
@@ -327,14 +379,42 @@ class NodeProcess:
                 loop.remove_signal_handler(sig)
 
     async def run_runtime(self, runtime: NodeRuntime) -> int:
-        """The lease runtime with the router's supervisor beside it; the supervisor ends with
-        the runtime."""
+        """The lease runtime with the router's supervisor and the parts watch beside it; both
+        end with the runtime."""
+        self.watch = self.make_watch(runtime)
+        if self.executor is not None:
+            self.executor.watch = self.watch
         async with asyncio.TaskGroup() as tg:
-            supervisor = tg.create_task(self.supervise_router())
+            helpers = [tg.create_task(self.supervise_router()), tg.create_task(self.watch.run())]
             try:
                 return await runtime.run()
             finally:
-                supervisor.cancel()
+                for task in helpers:
+                    task.cancel()
+
+    def make_watch(self, runtime: NodeRuntime) -> PartsWatch:
+        """The liveness watch of this node's router (unless `--no-router`) and fork server, on
+        the `[session]` health budgets; a part given up holds the runtime's claims."""
+        parts: list[Part] = []
+        router = self.router
+        if router is not None:
+            parts.append(RouterPart(lambda: router.process, lambda: self.client))
+        if self.spawner is not None:
+            parts.append(ForkServerPart(self.spawner))
+        health = HealthPolicy.from_config(self.setup.config.section("session"))
+        executor = self.executor
+
+        def on_change(reason: str | None) -> None:
+            runtime.hold_claims(reason)
+            if executor is not None:
+                executor.parts_changed(reason)
+
+        return PartsWatch(parts, period=health.probe, deadline=health.fail,
+                          on_change=on_change)
+
+    def impaired(self) -> str | None:
+        """Why the node holds its claims (a part given up), None when it does not."""
+        return None if self.watch is None else self.watch.reason
 
     # ------------------------------------------------------------------ router supervision
 
@@ -354,6 +434,8 @@ class NodeProcess:
             code = await process.exited  # lifetime wait: the router's exit ends it
             if self.executor is not None:
                 self.executor.router_lost()
+            if self.watch is not None:
+                self.watch.lost("router", f"the router exited with code {code}")
             if time.monotonic() - started >= ROUTER_STABLE_S:
                 backoff = ROUTER_BACKOFF_S
             log.warning("router.exited", code=code, restart_in_s=backoff)
@@ -363,8 +445,20 @@ class NodeProcess:
                 await self._restart_router(router)
             except (RouterChildError, BusError, OSError) as exc:
                 log.error("router.restart_failed", error=str(exc))
+                if self.watch is not None and not self._killed_starting(router):
+                    self.watch.replace_failed("router", str(exc))
                 continue
             log.info("router.restarted", socket=self.setup.socket, pid=router.pid)
+            if self.watch is not None:
+                self.watch.replaced("router")
+
+    @staticmethod
+    def _killed_starting(router: RouterChild) -> bool:
+        """The new router was killed by a signal while it started (an operator's `kill`): a
+        loss like any other, not a router that cannot be brought back."""
+        process = router.process
+        return (process is not None and process.exited.done()
+                and process.exited.result() < 0)
 
     async def _restart_router(self, router: RouterChild) -> None:
         setup = self.setup
@@ -379,7 +473,8 @@ class NodeProcess:
             with contextlib.suppress(Exception):
                 async with asyncio.timeout(CLOSE_S):
                     await old.close()
-        self.client = await connect(setup.socket, client_id=node_client_id(setup.node_id))
+        self.client = await connect(setup.socket, client_id=node_client_id(setup.node_id),
+                                    socket_gid=setup.config.socket_gid)
         if self.control is not None:
             self.control.service = None
             await self.control.start()
@@ -400,6 +495,9 @@ class NodeProcess:
     async def close(self) -> None:
         """Control service, store, node connection, router, embedded server; every step
         bounded."""
+        metrics, self.metrics = self.metrics, None
+        if metrics is not None:
+            await metrics.close()
         control, self.control = self.control, None
         if control is not None:
             await control.close()

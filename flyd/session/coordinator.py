@@ -740,7 +740,7 @@ class Coordinator:
         self.audit.add(f"evaluate:{k}")
         # D. Commit
         engine.move(Committing(k), Detail.STEP)
-        commits, telemetry = await self._commit(k, scope, new, evaluation)
+        commits, telemetry, inputs = await self._commit(k, scope, new, evaluation)
         # E. Ready(k+1)
         engine.move(Ready(k + 1), Detail.STEP)
         for agent_id in self.agent_ids:
@@ -765,7 +765,7 @@ class Coordinator:
         self._last_event_ids = [e.id for e in evaluation.events]
         behaviour, operational = transition_records(
             scope, self.agent_ids, self._slots, batch_id, self._controls_digest, new, evaluation,
-            commits, advance.request_id, wall)
+            commits, advance.request_id, wall, inputs)
         try:
             self.trace.record(behaviour, operational)
         except DomainError as exc:
@@ -790,8 +790,10 @@ class Coordinator:
         return StepReport(k + 1, paused, self.episode_request is not None)
 
     async def _commit(self, k: int, scope: Scope, new: WorldObservation, evaluation: Evaluation,
-                      ) -> tuple[dict[str, dict[str, Any]], dict[str, Telemetry]]:
-        """Commit every agent: the results and their parsed telemetry, by agent."""
+                      ) -> tuple[dict[str, dict[str, Any]], dict[str, Telemetry],
+                                 dict[str, str | None]]:
+        """Commit every agent: the results, their parsed telemetry and the digest of the
+        structured input each was sent (the behaviour record's `inputDigests`), by agent."""
         engine = self._calls
         calls: list[Call] = []
         # every agent receives the same views (one JSON value shared by every call) and its
@@ -801,6 +803,11 @@ class Coordinator:
                                     Mutation.APPLIED)
         except DomainError as exc:
             raise Blame(exc, Detail.COMMIT, self.world_id) from None
+        # the behaviour record's inputDigests: a shared inspection keeps its canonical bytes on
+        # it, so one hash serves every agent that got it
+        digests: dict[str, str | None] = {
+            agent: None if value is None else typed_digest(value)
+            for agent, value in inputs.structured.items()}
         for agent_id in self._agents_in_order():
             slot = self._slots[agent_id]
             outcome = evaluation.outcomes[agent_id]
@@ -856,7 +863,7 @@ class Coordinator:
             agent_id = self.injections.duplicate_commit
             call = next(c for c in calls if c.worker_id == agent_id)
             await duplicate(engine, call, out[agent_id], "duplicate-commit", self.injection_log)
-        return out, telemetry
+        return out, telemetry, digests
 
     # ------------------------------------------------------------------ publication (§6.9)
 

@@ -35,6 +35,15 @@ Rules:
 - Install, after `→ Restoring(k)`: import, stage (environment first, then
   agents by id, one at a time), validate the coordinator ledgers (§7.3), activate (same order),
   check the results, acknowledge, install the coordinator state, publish, `→ Paused(k)`.
+- Verified restore (session.md §6.12, amendment 2026-12-07): the environment's activation
+  reports `observationDigests`, its views as its restored world renders them now, in the
+  behaviour record's form; they and the restored inspection are compared with the checkpoint's
+  record of boundary k (the prior inspection ledger, whose views are exactly the last
+  behaviour record's `observationBoundaries`). The first difference (views by id, then the
+  inspection) fails the install `RESTORE_DIVERGED`, naming the world and the view: a restored
+  world that does not observe what its checkpoint recorded never runs on silently. A served
+  observation that is not the recorded one stays a `BACKEND_FAILURE` (the world broke the
+  protocol; its state is not what is in question).
 - A failure after `Restoring(k)` is `InstallAborted`, on which the coordinator fails the epoch
   (audit `fail:restore[:<participant>]`), keeping the refusing participant's code and naming
   it (a worker id or `coordinator`). Tainted (`InstallAborted.tainted`, `Install.tainted`):
@@ -447,6 +456,9 @@ async def _ask(install: Install, worker: str, call: Call) -> dict[str, Any]:
     except DomainError as exc:
         if exc.mutation != Mutation.NONE or isinstance(outcome, Expired):
             install.uncertain.add(worker)
+        if exc.code == ErrorCode.RESTORE_DIVERGED:  # the world found it itself: name them
+            raise _diverged(install, worker, exc.message.removeprefix(f"{call.method}: "),
+                            call.method, exc.mutation) from None
         raise _Abort(exc, worker) from None
 
 
@@ -606,14 +618,61 @@ def _check_results(install: Install, ledgers: _Ledgers) -> WorldObservation:
         if worker != target.world_id:
             if result.get("observation") is not None:
                 raise fail("returned an observation")
+            if result.get("observationDigests") is not None:
+                raise fail("returned observationDigests")
             continue
         try:
             observation = WorldObservation.from_json(result.get("observation"))
         except DomainError as exc:
             raise fail(f"returned no observation: {exc.message}") from None
         _check_observation(observation, descriptor, install, ledgers, fail)
+        _check_current(result.get("observationDigests"), observation, descriptor, install,
+                       ledgers, fail)
     assert observation is not None
     return observation
+
+
+def _diverged(install: Install, world: str, what: str,
+              method: str = "State.ActivateRestore",
+              mutation: Mutation = Mutation.UNKNOWN) -> _Abort:
+    """`RESTORE_DIVERGED` naming the world and what differs (session.md §6.12 amendment)."""
+    return _Abort(DomainError(
+        ErrorCode.RESTORE_DIVERGED,
+        f"{method}: restored world {world} diverged from checkpoint "
+        f"{install.env.checkpoint_id} at boundary {install.k}: {what}", mutation), world)
+
+
+def _check_current(reported: Any, observation: WorldObservation,
+                   descriptor: EnvironmentDescriptor, install: Install, ledgers: _Ledgers,
+                   fail: Callable[[str], _Abort]) -> None:
+    """Verified restore: what the restored world observes now (`observationDigests`, its
+    views rendered from the restored state) and its inspection (the agents' structured input)
+    against the checkpoint's record of boundary k (the prior inspection, whose views are the
+    last behaviour record's `observationBoundaries`). The first difference, views by id first,
+    fails the install `RESTORE_DIVERGED`; a malformed report is the world's `BACKEND_FAILURE`."""
+    world = install.target.world_id
+    declared = sorted(v.view_id for v in descriptor.views)
+    if not isinstance(reported, list) or not all(
+            isinstance(e, dict) and set(e) == {"viewId", "producedStep", "digest"}
+            for e in reported):
+        raise fail("returned no observationDigests [{viewId, producedStep, digest}]")
+    if [e["viewId"] for e in reported] != declared:
+        raise fail(f"returned observationDigests of views "
+                   f"{[e['viewId'] for e in reported]}, not the declared views {declared}")
+    recorded = {v["viewId"]: v for v in ledgers.inspection["views"]}
+    for entry in reported:
+        want = recorded[entry["viewId"]]
+        if entry["producedStep"] != want["producedStep"] or entry["digest"] != want["digest"]:
+            raise _diverged(install, world,
+                            f"view {entry['viewId']} is frame {entry['producedStep']} with "
+                            f"digest {entry['digest']}; the checkpoint recorded frame "
+                            f"{want['producedStep']} with digest {want['digest']}")
+    recorded_input = TypedValue.from_json(ledgers.inspection["inspection"])
+    if observation.inspection.canonical_bytes() != recorded_input.canonical_bytes():
+        raise _diverged(install, world,
+                        f"its inspection (the agents' structured input) has digest "
+                        f"{typed_digest(observation.inspection)}; the checkpoint recorded "
+                        f"{typed_digest(recorded_input)}")
 
 
 def _check_observation(observation: WorldObservation, descriptor: EnvironmentDescriptor,
@@ -625,9 +684,6 @@ def _check_observation(observation: WorldObservation, descriptor: EnvironmentDes
     if observation.world_time != RationalNs.from_json(install.manifest["worldTime"]):
         raise fail(f"restored world time {observation.world_time}, the checkpoint's is "
                    f"{install.manifest['worldTime']}")
-    if canonical(observation.inspection.to_json()) != canonical(
-            ledgers.inspection["inspection"]):
-        raise fail("restored an inspection other than the recorded one")
     if observation.audio:
         raise fail("returned audio with the restored observation")
     recorded = {v["viewId"]: v for v in ledgers.inspection["views"]}

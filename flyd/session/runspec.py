@@ -47,7 +47,10 @@ from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Final, TypeVar
 
+import orjson
+
 from flyd.durations import DURATION_RULE, MAX_DURATION_S, is_duration_s
+from flyd.pgtext import bad_strings, text_problem
 from workers.canonical import canonical
 from workers.composition import derive_seed
 from workers.domain import (
@@ -81,12 +84,19 @@ __all__ = [
     "StartFrom",
     "TaskSpec",
     "WorldSpec",
+    "check_storable",
     "is_import_path",
     "parse_fault",
     "parse_faults",
 ]
 
 SPEC_VERSION: Final = 1
+#: a spec's compact JSON encoding (UTF-8) is at most this many bytes (docs/configuration.md)
+MAX_SPEC_BYTES: Final = 1 << 20
+#: object keys in the whole document, every nested config included
+MAX_SPEC_KEYS: Final = 65_536
+#: nesting of objects and arrays
+MAX_SPEC_DEPTH: Final = 64
 DEFAULT_MAX_AGENTS: Final = 4
 MAX_AGENTS_LIMIT: Final = 256
 MAX_THREADS: Final = 256
@@ -150,6 +160,43 @@ _IMPORT_PATH: Final = re.compile(
 _U64_TEXT: Final = re.compile(r"0|[1-9][0-9]{0,19}")
 
 T = TypeVar("T")
+
+
+# --------------------------------------------------------------------------------------------
+# Size and text: refused before any field is read, the same at submit and at claim
+
+
+def check_storable(doc: Any) -> None:
+    """`RunSpecError` for a document PostgreSQL cannot store as given (a string with NUL or a
+    lone surrogate, `flyd.pgtext`) or over the limits: `MAX_SPEC_DEPTH`, `MAX_SPEC_KEYS`,
+    `MAX_SPEC_BYTES`. The walk stops at the first limit, so a document of millions of keys
+    costs no more than one at the limit."""
+    keys = 0
+    stack: list[tuple[Any, int, str]] = [(doc, 0, "")]
+    while stack:
+        value, depth, path = stack.pop()
+        if isinstance(value, dict | list):
+            if depth >= MAX_SPEC_DEPTH:
+                where = path if text_problem(path) is None else ""
+                raise RunSpecError(where, f"nested deeper than {MAX_SPEC_DEPTH} levels")
+            if isinstance(value, dict):
+                keys += len(value)
+                if keys > MAX_SPEC_KEYS:
+                    raise RunSpecError("", f"a run spec has at most {MAX_SPEC_KEYS} object keys "
+                                           "in all")
+                items: Iterable[tuple[Any, Any]] = value.items()
+            else:
+                items = enumerate(value)
+            stack.extend((item, depth + 1, _ptr(path, key)) for key, item in items)
+    for path, problem in bad_strings(doc):
+        raise RunSpecError(path, problem)
+    try:
+        size = len(orjson.dumps(doc))
+    except (orjson.JSONEncodeError, TypeError):
+        return  # not JSON at all: the field rules name what is wrong
+    if size > MAX_SPEC_BYTES:
+        raise RunSpecError("", f"a run spec is at most {MAX_SPEC_BYTES} bytes of JSON "
+                               f"({MAX_SPEC_BYTES >> 20} MiB); this one is {size}")
 
 
 # --------------------------------------------------------------------------------------------
@@ -624,6 +671,7 @@ class RunSpec:
         claiming node only) refuses import paths whose module cannot be found.
         """
         limit = _at("", parse_int, max_agents, "max_agents", 1, MAX_AGENTS_LIMIT)
+        check_storable(doc)
         obj = _object(doc, "", TOP_KEYS)
         version = obj.get("specVersion", SPEC_VERSION)
         if isinstance(version, bool) or version != SPEC_VERSION or not isinstance(version, int):

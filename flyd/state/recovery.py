@@ -24,6 +24,11 @@ Rules:
   import, `BACKEND_FAILURE` for a constructor), the flag whether trying again can help.
   A plugin's exception in a later call (`stage: call`) is retried: a restore from the head may
   not reach the same inputs. Everything else is retried.
+- `RESTORE_DIVERGED` (a restored world that does not observe what its checkpoint recorded,
+  session.md §6.12 amendment 2026-12-07) fails the attempt and is retried, never continued:
+  the checkpoint itself is sound, and a world may restore differently on the next attempt (an
+  adapter falling back to replay). Once the attempts are spent the run ends `recovery attempts
+  exhausted` with it as `lastFailure`, naming the world and the view.
 - A durable capture a participant refused with the epoch intact is no session failure (the
   session could step on), so it never starts a recovery. One refused `UNSUPPORTED`
   (`capture_repeats`: its state does not fit one bus frame, an env that cannot be pickled, a

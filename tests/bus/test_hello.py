@@ -83,7 +83,7 @@ async def test_hello_result_shape(router, raw, sdk) -> None:
     assert set(result) == {"routerId", "connectionId", "major", "minor", "contractDigest",
                            "grants", "limits", "store"}
     assert result["major"] == 1 and type(result["major"]) is int
-    assert result["minor"] == 2 and type(result["minor"]) is int  # docs/topics.md §1: minor 2
+    assert result["minor"] == 3 and type(result["minor"]) is int  # wire.md §22.4: minor 3
     assert re.fullmatch(r"router-[0-9a-f]{16}", result["routerId"])
     assert result["routerId"] == r.router_id
     assert re.fullmatch(r"conn-\d+", result["connectionId"])

@@ -139,8 +139,8 @@ async def test_hello_announces_minor_1(router: Any, raw: Any) -> None:
     r = await router()
     c = await raw(r)
     result = (await c.hello("m1"))["result"]
-    # minor 2 (docs/topics.md §1) keeps every rule of minor 1
-    assert result["major"] == 1 and result["minor"] == 2
+    # minor 2 (docs/topics.md §1) and minor 3 (wire.md §22) keep every rule of minor 1
+    assert result["major"] == 1 and result["minor"] == 3
 
     async with MinorZeroRouter() as stub:
         async with connect(stub.path, client_id="m0-caller") as bus:

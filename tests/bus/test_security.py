@@ -441,14 +441,22 @@ async def test_payload_never_logged(router: Any, raw: Any, sdk: Any, settle: Any
             await caller.call("svc.none", "None.Run", payload, timeout=5)
         assert await echo_svc.unregister() is True
 
-        # a raw client whose malformed payload (duplicate key) names the marker
+        # a raw client whose malformed payload (duplicate key) names the marker: since minor 3
+        # the router forwards the body and the service's SDK refuses it (wire.md §22.1)
         bad = await raw(r)
         await ok_hello(bad, "bad-1")
         body = ('{"jsonrpc":"2.0","id":2,"method":"bus.call","params":{"target":"svc.boom",'
                 '"expectedIncarnation":null,"method":"Boom.Run","payload":{"'
                 + marker + '":1,"' + marker + '":2}}}').encode()
         await bad.send_body(body)
-        await bad.expect_closing("PARSE_ERROR")
+        bad.next_id = 3
+        assert "result" in await bad.recv_response(2)
+        refused = await bad.recv_notification("bus.result")
+        assert refused["outcome"]["bus.error"]["data"] == {"name": "INVALID_PARAMS",
+                                                          "dispatch": "not-dispatched"}
+        assert (await bad.call("bus.consumed", {"deliveryIds": [refused["deliveryId"]]}))[
+            "result"] == {"released": 1}
+        await bad.close()
         await caller.close()
         await settle(r, lambda s: s["calls"] == 0 and s["clients"] == 1)
 

@@ -26,6 +26,7 @@ COUNTER_KEYS = {
     "published", "publishRefused", "leanPublishes", "messagesDelivered", "messagesReplaced",
     "messagesDropped",  # docs/topics.md §10
     "artifactsAllocated", "artifactsSealed", "artifactsCollected", "sealsRefused",
+    "bodiesForwardedRaw", "inlineReplies",  # §22.4
 }
 CANCEL_KEYS = {"cancelled-before-dispatch", "execution-unknown", "completed", "call-gone"}
 DETAIL_KEYS = {

@@ -221,6 +221,8 @@ def test_invalid_queued_specs_fail_with_their_reason_and_the_node_keeps_serving(
         (store_submit(site.dsn, {**spec_json(10), "stepz": "10"}), "/stepz", "unknown key"),
         (store_submit(site.dsn, {**spec_json(10), "world": {"impl": "nomodule.x:World"}}),
          "/world/impl", "cannot be found"),
+        (_insert_raw(site, {**spec_json(10), "world": {"config": {"blob": "x" * (1 << 20)}}}),
+         "", "at most 1048576 bytes"),
     ]
     node = serve(site, "n1")
     deadline = time.monotonic() + 90
@@ -453,3 +455,139 @@ def test_a_socket_path_over_sun_path_is_refused_before_anything_starts(site: Sit
     code, doc, _ = _run(site, _flyd("config", "show", "--socket", fits, "--json"))
     assert code == 0 and doc is not None
     assert doc["settings"]["bus.socket"] == {"value": fits, "source": "flag"}
+
+
+# --------------------------------------------------------------------------------------------
+# text PostgreSQL cannot hold, unreadable files, oversize specs (docs/configuration.md, "Limits
+# on input")
+
+
+def test_nul_and_non_utf8_strings_exit_2_naming_their_key(site: Site) -> None:
+    """A NUL (U+0000) or a lone surrogate in a config value or any spec string passed every
+    check and failed inside PostgreSQL (`flyd run` died with a traceback): refused before
+    anything starts, naming the key or JSON Pointer."""
+    config = site.path / "flyd.toml"
+    config.write_text('[node]\nstate_dir = "/tmp/a\\u0000b"\n')
+    sock = ["--socket", site.socket]
+    for argv in (_flyd("run", "--steps", "10", "--config", str(config), "--json", *sock),
+                 _flyd("serve", "--config", str(config), "--json", *sock),
+                 [*FLYCTL, "runs", "submit", "--config", str(config), "--json"]):
+        message = _refused(site, argv, "CONFIG", str(config), "[node] state_dir", "NUL")
+        assert "\x00" not in message
+    spec = site.path / "spec.json"
+    spec.write_text(json.dumps({"world": {"config": {"note": "a\x00b"}}}))
+    for argv in (_flyd("run", "--spec", str(spec), "--steps", "10", "--json", *sock),
+                 [*FLYCTL, "runs", "submit", "--spec", str(spec), "--json"]):
+        _refused(site, argv, "USAGE", "/world/config/note", "NUL")
+    # undecodable bytes in the environment arrive as lone surrogates
+    for argv in (_flyd("run", "--steps", "10", "--json", *sock),
+                 [*FLYCTL, "runs", "submit", "--json"]):
+        _refused(site, argv, "CONFIG", "environment FLYD_STATE_DIR", "not UTF-8",
+                 env=site.env(FLYD_STATE_DIR=str(site.path / "st\udcffate")))
+    _untouched(site, "flyd.toml", "spec.json")
+
+
+def test_a_config_file_that_is_not_utf8_or_unreadable_exits_2_naming_it(site: Site) -> None:
+    """A Latin-1 config file crashed every command with a `UnicodeDecodeError` traceback."""
+    latin = site.path / "latin.toml"
+    latin.write_bytes(b"[node]\nname = \"caf\xe9\"\n")
+    folder = site.path / "folder.toml"
+    folder.mkdir()
+    sock = ["--socket", site.socket]
+    for config, words in ((latin, ("not UTF-8", "0xe9", "offset 18")),
+                          (folder, ("cannot read", "Is a directory"))):
+        for argv in (_flyd("run", "--steps", "10", "--config", str(config), "--json", *sock),
+                     _flyd("serve", "--config", str(config), "--json", *sock),
+                     [*FLYCTL, "status", "--config", str(config), "--json"],
+                     [*FLYCTL, "runs", "submit", "--json"]):
+            env = site.env(FLYD_CONFIG=str(config)) if "--config" not in argv else None
+            _refused(site, argv, "CONFIG", str(config), *words, env=env)
+        code, doc, stderr = _run(site, _flyd("router", "--config", str(config), *sock),
+                                 timeout=30)
+        assert (code, doc) == (2, None) and str(config) in stderr and words[0] in stderr, stderr
+    _untouched(site, "latin.toml", "folder.toml")
+
+
+def test_an_oversize_spec_exits_2_naming_its_limit(site: Site) -> None:
+    """A 50 MB spec was accepted at submit and failed at launch after 3 grants; one of 2.5 M
+    keys timed out. A spec is at most 1 MiB of JSON and 65536 object keys (docs), refused at
+    submit naming the limit; a stored one that exceeds it fails on its first claim (the queued
+    specs test covers the claim)."""
+    big = site.path / "big.json"
+    big.write_text(json.dumps({"world": {"config": {"blob": "x" * (3 << 19)}}}))
+    keys = site.path / "keys.json"
+    keys.write_text(json.dumps({"world": {"config": {f"k{i}": 0 for i in range(70_000)}}}))
+    assert keys.stat().st_size < 1 << 20
+    sock = ["--socket", site.socket]
+    for spec, words in ((big, "at most 1048576 bytes"), (keys, "at most 65536 object keys")):
+        for argv in (_flyd("run", "--spec", str(spec), "--steps", "10", "--json", *sock),
+                     [*FLYCTL, "runs", "submit", "--spec", str(spec), "--json"]):
+            _refused(site, argv, "USAGE", words)
+    _untouched(site, "big.json", "keys.json")
+
+
+def test_an_embedded_server_that_cannot_start_names_its_cause(site: Site) -> None:
+    """A state dir on a full file system: the embedded PostgreSQL's start failure said
+    `did not start (None)`; it names the disk now (exit 2, `CONFIG`)."""
+    mount = site.path / "small"
+    mount.mkdir(mode=0o700)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m,mode=0700", "tmpfs", str(mount)],
+                   check=True)
+    try:
+        env = {k: v for k, v in site.env(FLYD_STATE_DIR=str(mount / "state")).items()
+               if k != "FLYD_DSN"}
+        message = _refused(site, _flyd("run", "--steps", "10", "--json", "--socket",
+                                       site.socket), "CONFIG", str(mount / "state" / "pg"),
+                           "No space left on device", "free space", env=env)
+        assert "(None)" not in message
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
+    mount.rmdir()
+
+
+def _pickled_envelope(path: Path) -> Path:
+    """The fixture's checkpoint with its world state replaced by a pickle: what an adapter
+    that pickles (pettingzoo, gymnasium) writes, from somewhere else."""
+    import hashlib
+    import pickle
+
+    from flyd.state.envelope import decode, encode
+    from workers.state import plugin_blob
+
+    envelope = decode(base64.b64decode(json.loads(FIXTURE.read_text())["envelope"]))
+    payloads = []
+    for name, body in envelope.payloads:
+        if name == "world":
+            doc = orjson.loads(body)
+            doc["world"] = plugin_blob(pickle.dumps({"env": "anything"}))
+            body = orjson.dumps(doc, option=orjson.OPT_SORT_KEYS)
+        payloads.append((name, body))
+    manifest = dict(envelope.manifest)
+    manifest["payloads"] = [{"name": name, "byteLength": str(len(body)),
+                             "digest": hashlib.sha256(body).hexdigest()}
+                            for name, body in payloads]
+    path.write_bytes(encode(manifest, payloads))
+    return path
+
+
+def test_import_of_a_foreign_pickled_envelope_needs_trust(site: Site) -> None:
+    """`flyctl checkpoints import` unpickled whatever a file held (at restore): a file with
+    pickled payloads that this database did not write is refused, saying why, unless
+    `--trust`; a file without pickles imports as before."""
+    foreign = _pickled_envelope(site.path / "foreign.flysess")
+    verify = _run(site, [*FLYCTL, "checkpoints", "verify", str(foreign), "--json"])
+    assert verify[0] == 0 and verify[1] == {"ok": True, "check": None, "reason": None}, verify
+    message = _refused(site, [*FLYCTL, "checkpoints", "import", str(foreign), "--steps", "10",
+                              "--json"], "USAGE", str(foreign), "world/world", "unpickle",
+                       "--trust")
+    assert "not written by this database" in message
+    assert _rows(site) == (0, 0)
+    code, doc, stderr = _run(site, [*FLYCTL, "checkpoints", "import", str(foreign), "--steps",
+                                    "10", "--trust", "--json"])
+    assert code == 0 and doc is not None and doc["boundary"] == 2, (doc, stderr)
+    assert _rows(site) == (1, 1)
+    plain = site.path / "plain.flysess"
+    plain.write_bytes(base64.b64decode(json.loads(FIXTURE.read_text())["envelope"]))
+    code, doc, stderr = _run(site, [*FLYCTL, "checkpoints", "import", str(plain), "--steps",
+                                    "10", "--json"])
+    assert code == 0 and doc is not None, (doc, stderr)

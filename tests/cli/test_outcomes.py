@@ -56,6 +56,13 @@ KINDS: list[tuple[str, dict[str, Any], dict[str, Any], list[str]]] = [
                                                      "code": "INVALID_ARGUMENT",
                                                      "message": "unknown id req-9999"}}, {},
      ["after 3 attempts", "acknowledge of arena", "INVALID_ARGUMENT", "req-9999"]),
+    ("recovery attempts exhausted (restore diverged)", {
+        "error": "recovery attempts exhausted", "attempts": 3,
+        "lastFailure": {"detail": "restore", "participant": "arena", "code": "RESTORE_DIVERGED",
+                        "message": "State.ActivateRestore: restored world arena diverged from "
+                                   "checkpoint ck-e1-4 at boundary 4: view arena is frame 4"}},
+     {}, ["after 3 attempts", "restore of arena", "RESTORE_DIVERGED",
+          "restored world arena diverged", "view arena"]),
     ("checkpoint capture refused", {"error": "checkpoint capture refused", "failure": {
         "detail": "capture", "participant": "arena", "code": "UNSUPPORTED", "mutation": "none",
         "message": "checkpoint payload of 69155 bytes does not fit one bus frame (limit 65536)",

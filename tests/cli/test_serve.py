@@ -78,30 +78,34 @@ def log_events(tmp: Path, name: str, event: str) -> list[dict[str, Any]]:
     return out
 
 
-def test_a_run_that_does_not_fit_is_released_not_failed(db_dsn: str, tmp: Path) -> None:
+def test_a_run_that_does_not_fit_is_left_pending_not_claimed(db_dsn: str, tmp: Path) -> None:
+    """cli.md §11 test 14 under claims-fit-first (flyd.leases.fit): a node with `[node] threads
+    = 4` and a 3-agent run (need 5) used to claim it, log `run_does_not_fit` and release it
+    with refund, bumping its lease epoch on every claim poll. Now it never claims it: the run
+    stays `pending` at epoch 0 with no attempt while the same node claims and finishes a later
+    run that fits (so it did claim past it); a node with 8 threads then takes it at epoch 1."""
     run = submit(db_dsn, spec_json(20, agents=3))
+    fits = submit(db_dsn, spec_json(20, agents=1))
     small = start_node(tmp, "small", db_dsn, config="[node]\nthreads = 4\n")
     big = None
     try:
-        wait_for("the small node to release the run",
-                 lambda: bool(query(db_dsn, "SELECT 1 FROM flyd.run_attempts "
-                                            "WHERE run_id = %s AND end_reason = 'released'",
-                                    run)), 60)
-        state, attempt, _ = run_state(db_dsn, run)
-        assert (state, attempt) == ("pending", 0)
-        refusals = log_events(tmp, "small", "run_does_not_fit")
-        assert refusals and refusals[0]["need"] == 5 and refusals[0]["total"] == 4
-        assert not log_events(tmp, "small", "finished")
+        wait_for("the small node to finish the run that fits",
+                 lambda: run_state(db_dsn, fits)[0] in ("succeeded", "failed", "cancelled"), 60)
+        assert run_state(db_dsn, fits)[0] == "succeeded"
+        rows = query(db_dsn, "SELECT state::text, lease_epoch, attempt FROM flyd.runs "
+                             "WHERE run_id = %s", run)
+        assert rows == [("pending", 0, 0)]
+        assert query(db_dsn, "SELECT 1 FROM flyd.run_attempts WHERE run_id = %s", run) == []
+        assert not log_events(tmp, "small", "run_does_not_fit")
         big = start_node(tmp, "big", db_dsn, config="[node]\nthreads = 8\n")
         wait_for("the big node to finish the run",
                  lambda: run_state(db_dsn, run)[0] in ("succeeded", "failed", "cancelled"), 120)
-        final, _, outcome = run_state(db_dsn, run)
-        assert final == "succeeded", outcome
-        owners = query(db_dsn, "SELECT n.node_name, a.end_reason FROM flyd.run_attempts a "
-                               "JOIN flyd.nodes n USING (node_id) WHERE a.run_id = %s "
-                               "ORDER BY a.lease_epoch", run)
-        assert owners[-1] == ("big", "finished")
-        assert {o for o in owners[:-1]} == {("small", "released")}
+        final, attempt, outcome = run_state(db_dsn, run)
+        assert (final, attempt) == ("succeeded", 1), outcome
+        owners = query(db_dsn, "SELECT n.node_name, a.lease_epoch, a.end_reason "
+                               "FROM flyd.run_attempts a JOIN flyd.nodes n USING (node_id) "
+                               "WHERE a.run_id = %s ORDER BY a.lease_epoch", run)
+        assert owners == [("big", 1, "finished")]
     finally:
         codes = [stop(small)] + ([stop(big)] if big is not None else [])
     assert all(code == 0 for code in codes)

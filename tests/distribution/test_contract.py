@@ -29,6 +29,7 @@ import psycopg
 import pytest
 
 from flyd.leases.clock import ManualClock
+from flyd.leases.fit import WORKER_THREADS_SQL, Fit, worker_threads
 from flyd.leases.params import LeaseParams
 from flyd.leases.resolve import decide
 from flyd.leases.stores import pg as pgstore
@@ -408,6 +409,47 @@ async def test_contract_claim_once_and_reclaim_after_expiry(h: Harness) -> None:
     assert sorted(norm(await h.store.reap(4)), key=lambda x: x["run_id"]) == [
         {"run_id": r1, "lease_epoch": 3, "state": "failed"},
         {"run_id": r2, "lease_epoch": 3, "state": "failed"}]
+
+
+async def test_contract_claim_takes_only_runs_that_fit(h: Harness) -> None:
+    """Claims fit first (flyd.leases.fit): a run whose threads exceed the room is skipped, not
+    granted and released, so its epoch and attempt stay 0; a batch stops where the needs add
+    up beyond the room; a later run that fits is taken past one that does not."""
+    specs = [{"world": {"threads": 1}, "agents": [{"threads": 4}, {"threads": 4}]},  # 9
+             {},                                            # world 1 + two default agents
+             {"agents": [{"threads": 2}]},                  # 3
+             {"world": {"threads": "x"}}]                   # malformed: counts 0 + 2
+    r1, r2, r3, r4 = [(await h.store.submit(None, spec, 3)).run_id for spec in specs]
+    grants = await h.store.claim(A, 4, 5.0, fit=Fit(room=7, per_run=1))
+    assert [(g.run_id, g.lease_epoch) for g in grants] == [(r2, 1)]   # r3 would make 8 > 7
+    grants = await h.store.claim(A, 4, 5.0, fit=Fit(room=3, per_run=1))
+    assert [(g.run_id, g.lease_epoch) for g in grants] == [(r4, 1)]
+    assert await h.store.claim(A, 4, 5.0, fit=Fit(room=3, per_run=1)) == []
+    runs = {r["run_id"]: r for r in (await h.dump())["runs"]}
+    assert [(runs[r]["state"], runs[r]["lease_epoch"], runs[r]["attempt"]) for r in (r1, r3)] \
+        == [("pending", 0, 0), ("pending", 0, 0)]
+    assert {a["run_id"] for a in (await h.dump())["run_attempts"]} == {r2, r4}
+    # without a fit (or with room) the rest is claimable as before
+    assert [g.run_id for g in await h.store.claim(B, 4, 5.0, fit=Fit(room=14, per_run=1))] \
+        == [r1, r3]
+
+
+async def test_worker_threads_sql_agrees_with_python(db_dsn: str) -> None:
+    """The claim's SQL reading of a spec's threads is `worker_threads`, on valid, partial and
+    malformed documents alike."""
+    docs: list[Any] = [
+        {}, {"world": {}}, {"world": {"threads": 3}}, {"world": None}, {"world": []},
+        {"world": {"threads": 2.5}}, {"world": {"threads": True}}, {"world": {"threads": -1}},
+        {"world": {"threads": 10_000_000}}, {"agents": []}, {"agents": None},
+        {"agents": [{}, {"threads": 7}, "x", {"threads": "2"}]}, {"agents": {"a": 1}},
+        [], "spec", 5, None, {"world": {"threads": 256}, "agents": [{"threads": 256}] * 3},
+    ]
+    async with await psycopg.AsyncConnection.connect(db_dsn, autocommit=True) as conn:
+        for doc in docs:
+            cur = await conn.execute(f"SELECT {WORKER_THREADS_SQL} FROM (SELECT %s::jsonb "
+                                     "AS spec) AS t", (json.dumps(doc),))
+            row = await cur.fetchone()
+            assert row is not None and row[0] == worker_threads(doc), doc
 
 
 async def test_contract_renew_missing_means_lost(h: Harness) -> None:

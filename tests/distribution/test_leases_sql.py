@@ -139,7 +139,11 @@ async def test_migrations_apply_and_are_idempotent(empty_db_dsn: str) -> None:
     async with await connect(empty_db_dsn) as conn:
         version = await apply_migrations(conn)
         shipped = shipped_migrations()
-        assert version == shipped[-1].version == 5
+        assert version == shipped[-1].version == 6
+        cur = await conn.execute("SELECT 1 FROM information_schema.columns WHERE "
+                                 "table_schema = 'flyd' AND table_name = 'nodes' "
+                                 "AND column_name = 'reason'")
+        assert await cur.fetchall() == [(1,)], "0006: the registry says why a node drains"
         cur = await conn.execute("SELECT version, name, sha256 FROM flyd.schema_migrations")
         rows = sorted(await cur.fetchall())
         assert rows == [(m.version, m.name, m.sha256) for m in shipped]

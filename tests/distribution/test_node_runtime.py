@@ -90,9 +90,10 @@ class Store(MemStore):
         if self.reconnect_down:
             raise Transient("connection refused")
 
-    async def set_node_state(self, node_id: str, state: NodeState) -> None:
+    async def set_node_state(self, node_id: str, state: NodeState,
+                             reason: str | None = None) -> None:
         self.node_states.append(state)
-        await super().set_node_state(node_id, state)
+        await super().set_node_state(node_id, state, reason)
 
     async def claim(self, node_id: str, n: int, ttl_s: float,
                     only: int | None = None) -> list[Grant]:

@@ -1,15 +1,24 @@
-"""Test 32: the golden run through the coordinator matches §4.8's reference numbers."""
+"""Test 32: the golden run through the coordinator matches §4.8's reference numbers, and its
+behaviour records (session.md §6.12, record v2 of the amendment of 2026-12-07) the golden
+behaviour digest."""
 
 from __future__ import annotations
 
+import base64
+import hashlib
 from typing import Any
 
 import pytest
 
 from flyd.session.coordinator import Publication
 from tests.session.harness import Fixture, SessionHarness
+from workers.canonical import digest_of
 
 pytestmark = pytest.mark.timeout(60)
+
+# digest_of the golden run's three behaviour records (v2: each view's content digest, each
+# agent's structured-input digest, the rewards digest); byte-identical from here on
+GOLDEN_BEHAVIOUR_DIGEST = "c87ba56343ce399bc709bc34a1a5dd65f523063d8e5fc995efbb5af41bd08392"
 
 # k -> {agent: (inc, dec, bias)}, counter after k, ticks, remainder
 GOLDEN = [
@@ -64,6 +73,15 @@ async def test_the_golden_run_matches_the_reference_numbers() -> None:
             for agent in behaviour[k]["agents"]:
                 assert agent["ticksAdvanced"] == ticks
                 assert agent["remainder"] == remainder
+            # each view's digest is that of the bytes the agents were sent
+            assert behaviour[k]["observationBoundaries"] == [
+                {"viewId": v["viewId"], "producedStep": v["producedStep"],
+                 "digest": hashlib.sha256(base64.b64decode(v["pixels"]["data"])).hexdigest()}
+                for v in snap["media"]["views"]]
+            # the arena offers no structured input
+            assert behaviour[k]["inputDigests"] == [{"agentId": a, "digest": None}
+                                                    for a in ("fly-a", "fly-b")]
+        assert digest_of(behaviour) == GOLDEN_BEHAVIOUR_DIGEST
         assert c.observation is not None
         last_chunk = c.observation.audio[0]
         assert last_chunk.first_sample + last_chunk.sample_frames == 2400

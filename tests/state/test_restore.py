@@ -35,6 +35,7 @@ from workers.canonical import canonical, digest_bytes, parse_strict
 from workers.domain import DomainError, ErrorCode, Mutation
 from workers.faults import Faults
 from workers.state import StateService
+from workers.synthetic import CounterArena
 from workers.synthetic.profile import graph
 
 pytestmark = pytest.mark.timeout(90)
@@ -543,6 +544,60 @@ async def test_a_restored_observation_must_match_the_prior_inspection(
         assert "activated:fly-b" in c.audit        # it failed at step 6
         assert c.tainted() == ["arena", "fly-a", "fly-b"]
         assert isinstance(c.phase, Failed) and c.fenced
+
+
+# verified restore (session.md §6.12, amendment 2026-12-07) --------------------------------------
+
+
+async def test_a_restored_world_that_renders_another_view_fails_restore_diverged(
+        claimed_run: RunCtx, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The restored world serves the recorded frame (so §7.2 step 6's served-view check
+    passes) but renders another one from its restored state: its `observationDigests` differ
+    from the checkpoint's record, the install fails `RESTORE_DIVERGED` naming the world and the
+    view, after activation, everyone tainted; the recorded bytes alone never hid it."""
+    restore, render = CounterArena.restore, CounterArena.render
+
+    def restored(self: CounterArena, payload: bytes) -> None:
+        restore(self, payload)
+        self.forgetful = True  # type: ignore[attr-defined]
+
+    def rendered(self: CounterArena, view_id: str, boundary: int) -> bytes:
+        frame = render(self, view_id, boundary)
+        return frame[:-1] + b"\x00" if getattr(self, "forgetful", False) else frame
+
+    monkeypatch.setattr(CounterArena, "restore", restored)
+    monkeypatch.setattr(CounterArena, "render", rendered)
+    async with StateHarness.start(claimed_run) as s:
+        c = s.coordinator
+        await failed_and_replaced(s)
+        failure = await refused_restore(c, "ckpt-1", "e2")
+        assert failure.code == ErrorCode.RESTORE_DIVERGED and failure.participant == "arena"
+        assert ("restored world arena diverged from checkpoint ckpt-1 at boundary 2: view "
+                "arena is frame 2 with digest") in failure.message
+        assert "activated:fly-b" in c.audit        # found after every activation
+        assert c.tainted() == ["arena", "fly-a", "fly-b"]
+        assert isinstance(c.phase, Failed) and c.fenced
+
+
+async def test_a_world_that_finds_its_own_restore_diverged_keeps_the_code(
+        claimed_run: RunCtx, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A world that checks itself while staging (a replay against its record, say) raises
+    `RESTORE_DIVERGED`: the install fails with that code, not `INCOMPATIBLE_STATE` (the
+    checkpoint is fine, and a recovery attempt may succeed another way), naming the world;
+    nobody activated, nobody tainted."""
+    def refusing(self: CounterArena, payload: bytes) -> None:
+        raise DomainError.before(ErrorCode.RESTORE_DIVERGED, "replayed frame 2 differs")
+
+    monkeypatch.setattr(CounterArena, "restore", refusing)
+    async with StateHarness.start(claimed_run) as s:
+        c = s.coordinator
+        await failed_and_replaced(s)
+        failure = await refused_restore(c, "ckpt-1", "e2")
+        assert failure.code == ErrorCode.RESTORE_DIVERGED and failure.participant == "arena"
+        assert failure.message == ("State.StageRestore: restored world arena diverged from "
+                                   "checkpoint ckpt-1 at boundary 2: replayed frame 2 differs")
+        assert not [line for line in c.audit if line.startswith("activated:")]
+        assert c.tainted() == []
 
 
 # 75 -------------------------------------------------------------------------------------------

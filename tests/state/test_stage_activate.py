@@ -235,7 +235,8 @@ async def test_the_restore_token_vector_and_incarnation_binding() -> None:
         await refused(activate(h, "fly-a", TARGET, old["restoreToken"], ref),
                       ErrorCode.IDENTITY_MISMATCH, contains="kept")
         result = await activate(h, "fly-a", TARGET, new["restoreToken"], ref)
-        assert result == {"checkpointId": "ckpt-1", "committedStep": "2", "observation": None}
+        assert result == {"checkpointId": "ckpt-1", "committedStep": "2", "observation": None,
+                          "observationDigests": None}
 
 
 # 54 -------------------------------------------------------------------------------------------
@@ -370,4 +371,8 @@ async def test_the_restored_observation_is_the_recorded_one() -> None:
         (before,) = recorded.sensory_views
         assert view.produced_step == 2
         assert view.pixels == before.pixels  # the recorded bytes, byte for byte
+        # a delayed view serves a frame only the checkpoint holds: reported as recorded
+        assert results["arena"]["observationDigests"] == [
+            {"viewId": view.view_id, "producedStep": "2", "digest": before.pixels.digest}]
+        assert results["fly-a"]["observationDigests"] is None
 

@@ -27,6 +27,8 @@ from typing import Any, Final, Literal, Protocol
 
 import orjson
 
+from flyd.leases.fit import Fit
+
 RunState = Literal["pending", "running", "succeeded", "failed", "cancelled"]
 TerminalState = Literal["succeeded", "failed", "cancelled"]
 TERMINAL: Final = frozenset({"succeeded", "failed", "cancelled"})
@@ -356,16 +358,19 @@ class Store(Protocol):
     async def register_node(self, node: NodeInfo) -> None:
         """§3.1: insert or re-activate the registry row."""
 
-    async def set_node_state(self, node_id: str, state: NodeState) -> None:
-        """§3.1 / §5.8: `draining`, or `stopped` (which also sets `held = 0`)."""
+    async def set_node_state(self, node_id: str, state: NodeState,
+                             reason: str | None = None) -> None:
+        """§3.1 / §5.8: `draining`, or `stopped` (which also sets `held = 0`); `reason` says
+        why a node holds its claims (status only; None clears it)."""
 
     async def submit(self, key: str | None, spec: Mapping[str, Any],
                      max_attempts: int) -> Submitted:
         """§3.2 (idempotent by key; repeats once when racing an insert of the same key)."""
 
     async def claim(self, node_id: str, n: int, ttl_s: float,
-                    only: int | None = None) -> list[Grant]:
-        """§3.3: up to `n` grants; `only` restricts to one run (exclusive runs)."""
+                    only: int | None = None, fit: Fit | None = None) -> list[Grant]:
+        """§3.3: up to `n` grants; `only` restricts to one run (exclusive runs); with `fit`,
+        only runs whose need fits its room, together (`flyd.leases.fit`)."""
 
     async def renew(self, node_id: str, holds: Sequence[Held], ttl_s: float) -> list[Renewed]:
         """§3.4: exactly the pairs still held come back."""

@@ -57,6 +57,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any, Final
 
+from flyd.leases.fit import Fit, fitting
 from flyd.leases.params import LeaseParams
 from flyd.leases.stores.contract import (
     TERMINAL,
@@ -143,6 +144,7 @@ class NodeRow:
     state: str
     started_at: float
     heartbeat_at: float
+    reason: str | None = None
 
 
 @dataclass(slots=True)
@@ -328,13 +330,16 @@ class MemStore:
                 started_at=now, heartbeat_at=now)
         else:
             row.state = "active"
+            row.reason = None
             row.heartbeat_at = now
 
-    async def set_node_state(self, node_id: str, state: NodeState) -> None:
+    async def set_node_state(self, node_id: str, state: NodeState,
+                             reason: str | None = None) -> None:
         self._tick()
         row = self._nodes.get(node_id)
         if row is not None:
             row.state = state
+            row.reason = reason
             if state == "stopped":
                 row.held = 0
 
@@ -377,7 +382,7 @@ class MemStore:
         return isinstance(spec, dict) and spec.get("exclusiveToSubmitter") is True
 
     async def claim(self, node_id: str, n: int, ttl_s: float,
-                    only: int | None = None) -> list[Grant]:
+                    only: int | None = None, fit: Fit | None = None) -> list[Grant]:
         now = self._tick()
         if n < 0:
             raise Transient("LIMIT must not be negative")
@@ -398,9 +403,13 @@ class MemStore:
                     continue
             elif run_id != only:
                 continue
+            if fit is not None and fit.need(r.spec) > fit.room:
+                continue
             if self._key_share_locked(run_id) or self._row_locked(run_id):
                 continue
             picked.append((r, r.state, r.lease_expires_at))
+        if fit is not None:
+            picked = picked[:fitting((fit.need(r.spec) for r, _, _ in picked), fit.room)]
         grants: list[Grant] = []
         for r, prev_state, prev_expiry in picked:
             r.state = "running"

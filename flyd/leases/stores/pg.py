@@ -98,6 +98,7 @@ from psycopg.types.json import Jsonb
 from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
 from flyd.errors import ConfigError
+from flyd.leases.fit import WORKER_THREADS_SQL, Fit
 from flyd.leases.params import LeaseParams
 from flyd.leases.stores.contract import (
     Backend,
@@ -342,12 +343,14 @@ def _bound_s(seconds: float, scale: float) -> float:
 REGISTER_NODE: Final = """
 INSERT INTO flyd.nodes (node_id, node_name, host, pid, version, capacity)
 VALUES (%(node)s, %(name)s, %(host)s, %(pid)s, %(version)s, %(capacity)s)
-ON CONFLICT (node_id) DO UPDATE SET state = 'active', heartbeat_at = flyd.app_now()
+ON CONFLICT (node_id) DO UPDATE SET state = 'active', reason = NULL,
+                                    heartbeat_at = flyd.app_now()
 """
 
 SET_NODE_STATE: Final = """
 UPDATE flyd.nodes
-   SET state = %(state)s, held = CASE WHEN %(state)s = 'stopped' THEN 0 ELSE held END
+   SET state = %(state)s, held = CASE WHEN %(state)s = 'stopped' THEN 0 ELSE held END,
+       reason = %(reason)s
  WHERE node_id = %(node)s
 """
 
@@ -395,10 +398,11 @@ WITH RECURSIVE expired AS MATERIALIZED (
     FROM candidate c
    WHERE c.run_id IS NOT NULL
 ), picked AS MATERIALIZED (
-  SELECT l.run_id, l.prev_state, l.prev_expiry
+  SELECT l.run_id, l.prev_state, l.prev_expiry, l.need
     FROM candidate c
    CROSS JOIN LATERAL (
-     SELECT run_id, state AS prev_state, lease_expires_at AS prev_expiry
+     SELECT run_id, state AS prev_state, lease_expires_at AS prev_expiry,
+            %(per_run)s::bigint + @NEED@ AS need
        FROM flyd.runs
       WHERE run_id = c.run_id
         AND ((state = 'pending' AND not_before <= flyd.app_now()
@@ -408,21 +412,26 @@ WITH RECURSIVE expired AS MATERIALIZED (
         AND CASE WHEN %(only)s::bigint IS NULL
                  THEN NOT coalesce(spec -> 'exclusiveToSubmitter' = 'true'::jsonb, false)
                  ELSE run_id = %(only)s::bigint END
+        AND (%(room)s::bigint IS NULL OR %(per_run)s::bigint + @NEED@ <= %(room)s::bigint)
       FOR UPDATE SKIP LOCKED) l
    LIMIT %(n)s
+), fitted AS (
+  SELECT q.run_id, q.prev_state, q.prev_expiry
+    FROM (SELECT p.*, sum(p.need) OVER (ORDER BY p.run_id) AS used FROM picked p) q
+   WHERE %(room)s::bigint IS NULL OR q.used <= %(room)s::bigint
 ), granted AS (
   UPDATE flyd.runs r
      SET state = 'running', lease_epoch = r.lease_epoch + 1, attempt = r.attempt + 1,
          owner_node = %(node)s,
          lease_expires_at = flyd.app_now() + make_interval(secs => %(ttl)s)
-    FROM picked p
+    FROM fitted p
    WHERE r.run_id = p.run_id
   RETURNING r.run_id, r.lease_epoch, r.lease_expires_at, r.attempt, r.cancel_requested, r.spec,
             r.faults_fired, r.max_attempts
 ), closed AS (
   UPDATE flyd.run_attempts a
      SET ended_at = p.prev_expiry, end_reason = 'expired'
-    FROM picked p JOIN granted g USING (run_id)
+    FROM fitted p JOIN granted g USING (run_id)
    WHERE p.prev_state = 'running' AND a.run_id = g.run_id AND a.lease_epoch = g.lease_epoch - 1
 ), opened AS (
   INSERT INTO flyd.run_attempts (run_id, lease_epoch, node_id, granted_at)
@@ -431,7 +440,7 @@ WITH RECURSIVE expired AS MATERIALIZED (
 SELECT g.run_id, g.lease_epoch, g.lease_expires_at, g.attempt, g.cancel_requested, g.spec,
        g.faults_fired, h.high_water, h.boundary, g.max_attempts
   FROM granted g JOIN flyd.run_heads h USING (run_id);
-"""
+""".replace("@NEED@", WORKER_THREADS_SQL)
 
 RENEW: Final = """
 WITH beat AS (
@@ -808,8 +817,10 @@ class PgStore:
             "node": node.node_id, "name": node.node_name, "host": node.host, "pid": node.pid,
             "version": node.version, "capacity": node.capacity})
 
-    async def set_node_state(self, node_id: str, state: NodeState) -> None:
-        await self._fetchall("set node state", SET_NODE_STATE, {"node": node_id, "state": state})
+    async def set_node_state(self, node_id: str, state: NodeState,
+                             reason: str | None = None) -> None:
+        await self._fetchall("set node state", SET_NODE_STATE,
+                             {"node": node_id, "state": state, "reason": reason})
 
     async def prune_nodes(self) -> int:
         async def op(conn: ClosingConnection) -> int:
@@ -832,9 +843,11 @@ class PgStore:
 
     # -- §3.3 ------------------------------------------------------------------------------
     async def claim(self, node_id: str, n: int, ttl_s: float,
-                    only: int | None = None) -> list[Grant]:
+                    only: int | None = None, fit: Fit | None = None) -> list[Grant]:
         rows = await self._fetchall("claim", CLAIM, {
-            "node": node_id, "n": n, "ttl": float(ttl_s), "only": only})
+            "node": node_id, "n": n, "ttl": float(ttl_s), "only": only,
+            "room": fit.room if fit is not None else None,
+            "per_run": fit.per_run if fit is not None else 0})
         return [Grant(run_id=int(r[0]), lease_epoch=int(r[1]), lease_expires_at=r[2],
                       attempt=int(r[3]), cancel_requested=bool(r[4]), spec=r[5],
                       faults_fired=tuple(r[6]), high_water=r[7], boundary=int(r[8]),

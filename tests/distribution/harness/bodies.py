@@ -563,8 +563,11 @@ class Cluster:
         # -v: debug, for the heartbeat and write events the oracle reads from the log
         argv += ["--log-format", "json", "-v", "--capacity", str(self.workload.capacity)]
         config = self.tmp / "leases.toml"
+        text = self.ctx.scenario.node_config
         if self.params.kill_bound_s != LeaseParams().kill_bound_s:
-            config.write_text(f"[leases]\nkill_bound_s = {self.params.kill_bound_s!r}\n")
+            text += f"[leases]\nkill_bound_s = {self.params.kill_bound_s!r}\n"
+        if text:
+            config.write_text(text)
             argv += ["--config", str(config)]
         env = {k: v for k, v in os.environ.items()
                if k not in ("FLYD_SOCKET", "FLYD_DSN", "FLYD_CONFIG", "FLYD_NODE_NAME",

@@ -61,11 +61,21 @@ Decisions where the spec is silent:
   longer than that (in sim time) merely to schedule a resumed process.
 - graceful_drain: every hold of A is released within D of SIGTERM on A's clock; the exit is
   only required to come (code 0), its real-time bound is test 59's.
+- hangs (issue 34, beyond §7.3.5): once A runs workers (its fork server is up: one stopped
+  while it starts is bounded by its start, not by the probe), its router and fork server get SIGSTOP
+  at one sim instant and never SIGCONT. The body waits (≤ `dwell_s`) until A logged
+  `part.replaced` for both; its evidence (`process.hangs`) holds the stopped pids, whether each
+  is gone, the parts A replaced after the stop and A's charged recovery attempts
+  (`recovery.attempt_failed`, `recovery.exhausted`). Must hold: every stopped part is gone,
+  both were replaced, A charged no recovery attempt, and every run succeeded with
+  `attempt = 1` (no grant charged beyond its first). Vacuity: the parts replaced after the
+  stop (both, or 0).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
 import os
 import pwd
@@ -96,7 +106,14 @@ from tests.distribution.harness.runner import (
     ScenarioContext,
     processes_with_marker,
 )
-from tests.distribution.harness.scenarios import NodeSignal, OnMatch, ServerFault, Span
+from tests.distribution.harness.scenarios import (
+    Fault,
+    NodeSignal,
+    OnMatch,
+    PartSignal,
+    ServerFault,
+    Span,
+)
 
 PG_USER: Final = "pgserver"
 PG_TOOL_S: Final = 120.0
@@ -1115,7 +1132,121 @@ def graceful_drain(ctx: ScenarioContext) -> None:
                           "B resumes from it": _drained})
 
 
+# ------------------------------------------------------------------------------------------
+# hangs
+
+HANG_PARTS: Final = ("router", "fork server")
+CHARGED: Final = ("recovery.attempt_failed", "recovery.exhausted")
+
+
+def _part(proc: psutil.Process) -> str | None:
+    """Which of a node's own parts `proc` is (None: a worker or anything else)."""
+    try:
+        argv = proc.cmdline()
+    except psutil.Error:
+        return None
+    if "workers.forkserver" in argv:
+        return "fork server"
+    if "router" in argv and "flyd" in argv:
+        return "router"
+    return None
+
+
+def _children(pid: int) -> list[psutil.Process]:
+    """The node's direct children: its router and fork server are; a worker the fork server
+    has just forked still shows the server's command line, but is its grandchild."""
+    try:
+        return psutil.Process(pid).children()
+    except psutil.Error:
+        return []
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return True
+
+
+class HangsCluster(ProcessCluster):
+    """`ProcessCluster` that also applies `PartSignal` faults."""
+
+    def _actions(self, fault: Fault, start: float) -> list[tuple[float, Callable[[], None]]]:
+        if isinstance(fault, PartSignal):
+            return [(start + fault.at.seconds(self.params),
+                     functools.partial(self._part_signal, fault))]
+        return super()._actions(fault, start)
+
+    def _part_signal(self, fault: PartSignal) -> None:
+        inc = self.current[fault.node]
+        pids = [p.pid for p in _children(inc.proc.pid) if _part(p) == fault.part]
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, getattr(signal, f"SIG{fault.signal}"))
+        self.log("part_signal", node=fault.node, node_id=inc.node_id, part=fault.part,
+                 signal=fault.signal, pids=pids)
+
+    def replaced_after(self, name: str, line: int) -> set[str]:
+        """Parts node `name` logged `part.replaced` for from its log line `line` on."""
+        return {str(ln.get("part")) for ln in list(self.current[name].lines)[line:]
+                if ln.get("event") == "part.replaced"}
+
+
+def _hangs_must(h: dict[str, Any]) -> list[str]:
+    ev = h["log"]["process"].get("hangs")
+    if ev is None:
+        return ["no hangs evidence recorded"]
+    out = [f"the stopped {part} (pid {pid}) is still there"
+           for part, pids in ev["stopped"].items() for pid in pids if pid in ev["alive"]]
+    out += [f"A did not replace its {part}" for part in HANG_PARTS
+            if part not in ev["replaced"]]
+    out += [f"A charged a recovery attempt: {line}" for line in ev["charged"]]
+    runs = _runs(h)
+    out += [f"run {r}: {runs[r]['state']} at attempt {runs[r]['attempt']}: "
+            f"{runs[r].get('outcome')}" for r in h["log"]["spawned"]
+            if runs[r]["state"] != "succeeded" or int(runs[r]["attempt"]) != 1]
+    return out
+
+
+def _hangs_replaced(h: Mapping[str, Any], _facts: Mapping[str, int]) -> int:
+    ev = h["log"]["process"].get("hangs")
+    if ev is None or set(ev["stopped"]) != set(HANG_PARTS) or \
+            not all(ev["stopped"].values()):
+        return 0
+    replaced = [p for p in HANG_PARTS if p in ev["replaced"]]
+    return len(replaced) if len(replaced) == len(HANG_PARTS) else 0
+
+
+def hangs(ctx: ScenarioContext) -> None:
+    with HangsCluster(ctx, _workload(ctx)) as cluster:
+        cluster.start()
+        cluster.await_mid_run()
+        a = cluster.current["a"]
+        cluster.wait("A to run workers from its fork server",
+                     lambda: any(_role(p) == "worker" and _part(p) is None
+                                 for p in _tree(a.proc.pid))
+                     and set(HANG_PARTS) <= {_part(p) for p in _children(a.proc.pid)},
+                     cluster.dwell_s())
+        start = len(a.lines)  # nothing was replaced before: every later line is after the stop
+        cluster.fault_phase(cluster.now())
+        stopped = {str(f["part"]): list(f["pids"]) for f in cluster.logged("part_signal")}
+        cluster.wait("A to replace its stopped parts",
+                     lambda: set(HANG_PARTS) <= cluster.replaced_after("a", start),
+                     cluster.dwell_s())
+        cluster.liveness_phase()
+        cluster.process["hangs"] = {
+            "stopped": stopped,
+            "alive": [pid for pids in stopped.values() for pid in pids if not _gone(pid)],
+            "replaced": sorted(cluster.replaced_after("a", start)),
+            "charged": [f"{ln.get('event')} run {ln.get('run')}: {ln.get('message')}"
+                        for ln in list(a.lines) if ln.get("event") in CHARGED]}
+        cluster.conclude({"A kills and replaces its stopped router and fork server; every run "
+                          "succeeds on its first charged grant; A charges no recovery attempt":
+                          _hangs_must})
+
+
 BODIES.update({
+    "hangs": hangs,
     "pause": pause,
     "node_loss": node_loss,
     "kill_finish_committed": kill_finish_committed,
@@ -1142,4 +1273,5 @@ VACUITY.update({
     "X had max_attempts grants": _x_grants,
     "≥ 1 cancel applied": _cancel_applied,
     "≥ 1 refunded release": _drain_refunds,
+    "A's stopped router and fork server replaced": _hangs_replaced,
 })

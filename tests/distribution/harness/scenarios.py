@@ -11,9 +11,14 @@ Rules:
   are fractions of the default R). `at` counts from the fault phase's start, which the
   driver places mid-run (every node holds at least one run); `lasts` is how long a link fault
   stays before its heal (None: until the liveness phase heals everything).
-- A fault is one of `LinkFault`, `NodeSignal`, `ServerFault`, `ClockRate`, `CancelRun`,
-  `OnMatch` (an action list fired when a node's link carries a protocol message containing a
-  text: the kill_finish_* triggers). `swizzle` draws its schedule from the scenario seed.
+- A fault is one of `LinkFault`, `NodeSignal`, `PartSignal` (a signal to one of a node's own
+  parts, its router or its fork server: the hangs row), `ServerFault`, `ClockRate`,
+  `CancelRun`, `OnMatch` (an action list fired when a node's link carries a protocol message
+  containing a text: the kill_finish_* triggers).
+- `hangs` is a row beyond §7.3.5 (issue 34: hangs are faults): A's router and fork server are
+  SIGSTOPped mid-run and never resumed; A must kill and replace both on its liveness probe
+  (`[session] health_probe_s`/`health_fail_s`, short in this row: `HANGS_CONFIG`) and every
+  run must succeed on its first charged grant. `swizzle` draws its schedule from the scenario seed.
 - latency_near_ttl's "≥ 1 acknowledged renewal with gap ≥ 0.7·G" is `observed` (counted and
   reported in the verdicts, not required): with 0.3–0.7·R each way a round trip averages R, an
   abandoned renewal closes the heartbeat session, and a late renewal then needs a reconnect
@@ -94,6 +99,17 @@ class NodeSignal:
 
 
 @dataclass(frozen=True, slots=True)
+class PartSignal:
+    """`signal` to node `node`'s `part`, its router child or its fork server (found in the
+    node's process tree at that instant)."""
+
+    at: Span
+    node: str
+    part: Literal["router", "fork server"]
+    signal: Literal["STOP", "CONT", "KILL"]
+
+
+@dataclass(frozen=True, slots=True)
 class ServerFault:
     """`burst` groups the rounds of one blip (db_blips): its vacuity fact is per burst."""
 
@@ -131,7 +147,7 @@ class OnMatch:
     then: tuple[LinkFault | NodeSignal, ...]
 
 
-Fault = LinkFault | NodeSignal | ServerFault | ClockRate | CancelRun | OnMatch
+Fault = LinkFault | NodeSignal | PartSignal | ServerFault | ClockRate | CancelRun | OnMatch
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,6 +163,8 @@ class Scenario:
     fence_removed: bool = False
     inverted: bool = False
     rerun_k: str | None = None
+    #: extra TOML for every node's configuration file
+    node_config: str = ""
     # Facts counted and reported with the verdicts but not required (see latency_near_ttl).
     observed: tuple[str, ...] = ()
 
@@ -159,6 +177,10 @@ class Scenario:
     @property
     def pytest_k(self) -> str:
         return self.rerun_k or self.id
+
+
+#: hangs: a probe every 0.5 s real, 2 s for its answer (the node's call deadline)
+HANGS_CONFIG: Final = "[session]\nhealth_probe_s = 0.5\nhealth_fail_s = 2.0\n"
 
 
 def _partition(mode: Mode) -> tuple[Fault, ...]:
@@ -295,6 +317,13 @@ REGISTRY: Final[tuple[Scenario, ...]] = (
              "A commits a checkpoint, releases with refund, exits 0; B resumes from it",
              ("≥ 1 refunded release",),
              runs=3, budget_s=PROCESS_BUDGET_S),
+    Scenario("hangs",
+             (PartSignal(Span(0), "a", "router", "STOP"),
+              PartSignal(Span(0), "a", "fork server", "STOP")),
+             "A kills and replaces its stopped router and fork server; every run succeeds "
+             "on its first charged grant; A charges no recovery attempt",
+             ("A's stopped router and fork server replaced",),
+             runs=3, budget_s=PROCESS_BUDGET_S, node_config=HANGS_CONFIG),
     Scenario("swizzle", (), "all invariants", ("≥ 1 reclaim",), generate=_swizzle,
              runs=4, budget_s=LINK_BUDGET_S),
     Scenario("canary_fence_removed", _partition(HOLD),
@@ -339,6 +368,9 @@ def describe_fault(fault: Fault, params: LeaseParams) -> dict[str, object]:
     if isinstance(fault, NodeSignal):
         return {"kind": "signal", "at": fault.at.seconds(params), "node": fault.node,
                 "signal": fault.signal, "restart": fault.restart}
+    if isinstance(fault, PartSignal):
+        return {"kind": "part_signal", "at": fault.at.seconds(params), "node": fault.node,
+                "part": fault.part, "signal": fault.signal}
     if isinstance(fault, ServerFault):
         return {"kind": "server", "at": fault.at.seconds(params), "what": fault.kind,
                 "burst": fault.burst}

@@ -241,8 +241,10 @@ class SimStore:
     async def register_node(self, node: NodeInfo) -> None:
         await self._call("register_node", lambda: self._mem.register_node(node))
 
-    async def set_node_state(self, node_id: str, state: NodeState) -> None:
-        await self._call("set_node_state", lambda: self._mem.set_node_state(node_id, state))
+    async def set_node_state(self, node_id: str, state: NodeState,
+                             reason: str | None = None) -> None:
+        await self._call("set_node_state",
+                         lambda: self._mem.set_node_state(node_id, state, reason))
 
     async def submit(self, key: str | None, spec: Mapping[str, Any],
                      max_attempts: int) -> Submitted:
