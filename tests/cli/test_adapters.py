@@ -252,9 +252,10 @@ def test_an_env_that_diverges_across_restore_ends_restore_diverged(tmp: Path) ->
     assert failure["code"] == "RESTORE_DIVERGED" and failure["participant"] == "drift", summary
 
 
-def test_an_env_that_replays_differently_ends_the_run_naming_the_world(tmp: Path) -> None:
+def test_an_env_that_replays_differently_ends_restore_diverged_naming_the_world(tmp: Path) -> None:
     """Its walkers slip by the process-wide `random`: `auto`'s check sees the twin differ and
-    replays; the new process's replay differs from the record, and the run ends at once."""
+    replays; every new process's replay differs from the record (`RESTORE_DIVERGED`), never a
+    continuation, until the attempts are exhausted."""
     spec = env_spec(tmp, "slippery", [("walker-a", f"{ENVS}:walk"),
                                       ("walker-b", f"{ENVS}:walk")],
                     {"impl": PARALLEL, "config": {"env": f"{ENVS}:GlobalRandomLineEnv",
@@ -264,12 +265,13 @@ def test_an_env_that_replays_differently_ends_the_run_naming_the_world(tmp: Path
     assert code != 0 and summary["state"] == "failed", summary
     assert summary["failures"][0]["participant"] == "slippery"  # the kill happened
     assert summary["recoveries"] == 0
-    outcome = summary["outcome"]
-    assert outcome["code"] == "INCOMPATIBLE_STATE", outcome
+    assert summary["outcome"]["error"] == "recovery attempts exhausted", summary["outcome"]
+    failure = summary["failures"][-1]
+    assert failure["code"] == "RESTORE_DIVERGED" and failure["participant"] == "slippery"
     # the steps up to the checkpoint replayed, each the same by chance at most 1/4
     assert re.search(rf"world slippery \(env {ENVS}:GlobalRandomLineEnv\) did not replay its "
                      r"episode: step [1-9][0-9]*'s result differs from the recorded one",
-                     outcome["message"]), outcome
+                     failure["message"]), failure
 
 
 def test_an_unpicklable_world_with_restore_snapshot_fails_at_once_naming_it(tmp: Path) -> None:
