@@ -26,6 +26,8 @@ Rules:
   A `plugin failed` outcome names the plugin's import path, the stage, the worker, what failed
   and the exception with its message: `plugin failed: pkg.mod:Model (construct) of ant-1 at
   Agent.Initialize: ValueError: bad gain 42`.
+- An `output write failed` outcome names the option, the path and the errno: `output write
+  failed: --trace /mnt/full/trace.jsonl: ENOSPC (No space left on device)`.
 - `traceback_of(failure)` is the plugin fault's last frames (innermost last), from the outcome's
   `plugin`, or from the `plugin` of its `failure`, `lastFailure` or `lastCaptureRefusal` (a
   launch failure, exhausted attempts); `flyd run` prints them on stderr and `flyctl runs show`
@@ -124,6 +126,9 @@ def describe(failure: Mapping[str, Any]) -> str:
             why.append(f"last grant {grant.get('leaseEpoch')} on {grant.get('nodeId')} "
                        f"ended {grant.get('endReason')}")
         return "attempts exhausted" + (f" ({'; '.join(why)})" if why else "")
+    if error == "output write failed":
+        return (f"output write failed: {failure.get('option')} {failure.get('path')}: "
+                f"{failure.get('errno')} ({failure.get('message')})")
     if error == "invalid run spec":
         return f"invalid run spec at {failure.get('path')}: {failure.get('reason')}"
     if error == "launch failed":

@@ -24,9 +24,11 @@ Decisions:
   task's progress (its `counter`; `flyd.session.sample.progress_number`), when it has one. It
   keeps at most `MAX_POINTS` points per line however long the run: past that, every other
   point is dropped and then only every second boundary kept (the stride doubles).
-- A world without views gives no GIF: the file is removed and stderr says why. A picture that
-  cannot be written mid-run stops that picture only (the run goes on); stderr names the error.
-  Neither changes the exit code, which is the run's.
+- A world without views gives no GIF: the file is removed and stderr says why. A GIF frame
+  that cannot be written mid-run (a full disk) fails the run at once, as a `--trace` write
+  does (`flyd.session.outputs.OutputWriteError`, raised into the session through
+  `on_boundary`); what fails after the run (the GIF's trailer, the plot, drawn at the end) can
+  only be named on stderr. Neither changes the exit code, which is the run's.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Final
 
+from flyd.session.outputs import OutputWriteError
 from flyd.session.sample import BoundarySample, Frame
 
 __all__ = ["EXTRA", "GifRecorder", "Pictures", "RewardPlot", "missing_extra"]
@@ -198,7 +201,9 @@ class Pictures:
             try:
                 self.gif.add(sample.boundary, sample.frame)
             except OSError as exc:
+                assert self.gif_path is not None
                 self._gif_failed(f"cannot write: {exc.strerror or exc}")
+                raise OutputWriteError("--record", self.gif_path, exc) from None
 
     def _gif_failed(self, reason: str) -> None:
         assert self.gif is not None

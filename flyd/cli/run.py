@@ -32,7 +32,12 @@ Decisions:
   when the world cannot answer; `counter` is the task's progress counter.
 - `--trace PATH` writes the behaviour records (canonical JSON, one line each), also for a
   failed run; the file is created (truncated) before anything starts, so an unwritable path is
-  `USAGE` (exit 2).
+  `USAGE` (exit 2). A re-granted or recovered run appends to it: each grant's first line and
+  each recovery's is a mark `{"resume": {boundary, cause, leaseEpoch, node[, epoch]}}`, and the
+  records of re-executed transitions replace those they repeat, so every boundary is there
+  once (`flyd.session.outputs.TraceFile`). A write error during the run (a full disk) fails
+  the run at once (`{error: "output write failed", option, path, errno, message}`); the
+  summary is printed as always.
 - `--record FILE.gif` (`--record-every K`) and `--plot FILE.png` draw pictures of the committed
   boundaries (`flyd.cli.pictures`): the same `USAGE` rule for their paths, and a missing
   `flyd[pictures]` extra is `USAGE` naming it. What they wrote (or why not) is printed on
@@ -546,8 +551,10 @@ async def _run_node(opts: RunOptions, spec: RunSpec, config: Config, setup: Node
     finally:
         signals.remove()
         await node.close()
-    if report is not None:
-        report.records.close()
+    if report is not None and report.trace is not None:
+        error = report.trace.close()
+        if error is not None:
+            print(f"flyd run: {error}", file=sys.stderr, flush=True)
     summary = _summary(spec, run_id, row, report, ledger, checkpoints,
                        time.monotonic() - started)
     _print_summary(opts, summary)

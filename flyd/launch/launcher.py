@@ -35,7 +35,11 @@ Execution modes (§7.1), all over the Unix socket:
 - `IN_PROCESS`: a task on the node's loop, owned by the launcher.
 
 Task and thread ownership: every body (child, thread, task) is owned by the launcher's table from
-spawn to reap; `close()` kills the ones left. Every wait is bounded (`asyncio.timeout`): calls by
+spawn to reap; `close()` kills the ones left. What a process worker starts carries the
+worker's scope (`FLYD_SCOPE=<launcher scope>/<worker id>`); reaping or killing a worker also
+kills what it started, detached processes included, which the node adopts as child subreaper
+(`flyd.launch.orphans`), and killing the process groups and `close()` kill what any of them
+started. Every wait is bounded (`asyncio.timeout`): calls by
 the health policy, exits by `probe` (reap) or `KILL_WAIT_S` (after SIGKILL / cancel).
 
 Resolved ambiguities:
@@ -99,6 +103,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Final, Protocol
 
+import psutil
 import structlog
 
 from bus.client import BusClient, CallResult, PublishFailedHook, connect
@@ -120,6 +125,7 @@ from flyd.launch.identities import (
     WorkerRef,
     new_client_incarnation,
 )
+from flyd.launch.orphans import SCOPE_VAR, reap, sweep
 from flyd.launch.spawn import ChildProcess, ProcessInfo, process_info, settled_within
 from flyd.launch.spawner import Spawner
 from workers.domain import DomainError, ErrorCode, Mutation, format_request_id
@@ -653,6 +659,9 @@ class Launcher:
         self._report: Report | None = None
         self._closed = False
         self._abandoned = False
+        #: `FLYD_SCOPE` of this launcher's process workers (`flyd.launch.orphans`)
+        self.scope = f"{names.node_id}.{names.tag}"
+        self._orphans: list[psutil.Process] = []
 
     @classmethod
     async def open(cls, *, names: SessionNames, socket: str, node: BusClient,
@@ -753,10 +762,12 @@ class Launcher:
                      identity.grants(), ttl=self.health.boot, timeout=self.health.fail)
 
     async def _start_child(self, launch: WorkerLaunch | HostLaunch, threads: int, what: str,
-                           fields: Mapping[str, Any]) -> ChildProcess:
-        """A process for one worker or one agent host, blocked on its start gate."""
+                           fields: Mapping[str, Any], scope: str) -> ChildProcess:
+        """A process for one worker or one agent host, blocked on its start gate; `scope` is
+        its `FLYD_SCOPE` (`flyd.launch.orphans`)."""
         env = thread_environment(threads)
         env["PYTHONUNBUFFERED"] = "1"
+        env[SCOPE_VAR] = scope
         try:
             return await self.spawner.start(launch, env=env, timeout=self.health.boot,
                                             fields=fields)
@@ -773,7 +784,7 @@ class Launcher:
             child = await self._start_child(
                 launch, identity.worker_threads, wid,
                 {"worker": wid, "incarnation": identity.incarnation_id,
-                 "session": identity.session_id})
+                 "session": identity.session_id}, self._worker_scope(wid))
             body: _Body = _ProcessBody(child)
             self._starting[wid] = body
             await self._expect(identity, child.pid)
@@ -898,7 +909,8 @@ class Launcher:
                     host, sum(identity.worker_threads for identity, _, _ in plans),
                     ",".join(host.worker_ids),
                     {"worker": ",".join(host.worker_ids), "incarnation": first.incarnation_id,
-                     "session": first.session_id})
+                     "session": first.session_id},
+                    self._worker_scope(",".join(host.worker_ids)))
                 bodies = {identity.worker_id: _ProcessBody(child) for identity, _, _ in plans}
                 self._starting.update(bodies)
                 async with asyncio.TaskGroup() as tg:
@@ -1135,9 +1147,10 @@ class Launcher:
         await live.body.dispose(wait_s)
         return ended
 
-    async def reap(self, worker_id: str, reason: str) -> ReapOutcome:
+    async def reap(self, worker_id: str, reason: str, *, sweep: bool = True) -> ReapOutcome:
         """`Worker.Shutdown {reason}` bounded by `probe`, then wait ≤ `probe` for the end;
-        else stop by force (§7.6)."""
+        else stop by force (§7.6). Then what the worker started is killed, unless `sweep` is
+        False (the caller sweeps the whole session once)."""
         live = self._workers.get(worker_id)
         if live is None:
             return AlreadyGone(worker_id)
@@ -1158,24 +1171,29 @@ class Launcher:
         else:
             await self._force(live)
             outcome = Terminated(worker_id, live.body.exit_code)
+        if sweep:
+            self._sweep(worker_id)
         log.info("launcher.reaped", worker=worker_id, reason=reason, outcome=outcome.label,
                  exit_code=live.body.exit_code, peak_rss_kib=live.launched.peak_rss_kib)
         return outcome
 
     async def reap_all(self, reason: str) -> dict[str, ReapOutcome]:
-        """Reap every live worker concurrently."""
+        """Reap every live worker concurrently, then kill what any of them started (one pass
+        over the node's descendants, not one per worker)."""
         out: dict[str, ReapOutcome] = {}
 
         async def one(wid: str) -> None:
-            out[wid] = await self.reap(wid, reason)
+            out[wid] = await self.reap(wid, reason, sweep=False)
 
         async with asyncio.TaskGroup() as tg:
             for wid in list(self._workers):
                 tg.create_task(one(wid))
+        self._sweep()
         return out
 
-    async def kill(self, worker_id: str) -> Terminated | AlreadyGone:
-        """No request: remove, release, SIGKILL the group (or abort and cancel) and wait."""
+    async def kill(self, worker_id: str, *, sweep: bool = True) -> Terminated | AlreadyGone:
+        """No request: remove, release, SIGKILL the group (or abort and cancel) and wait; then
+        kill what the worker started, unless `sweep` is False."""
         live = self._remove(worker_id)
         if live is None:
             return AlreadyGone(worker_id)
@@ -1185,6 +1203,8 @@ class Launcher:
                 other.ended_with = worker_id
         self._sample_rss(live)
         await self._force(live)
+        if sweep:
+            self._sweep(worker_id)
         log.info("launcher.killed", worker=worker_id, exit_code=live.body.exit_code)
         return Terminated(worker_id, live.body.exit_code)
 
@@ -1224,13 +1244,26 @@ class Launcher:
         for live in self._workers.values():
             live.stopping = True  # an exit now is ours, not a failure to report
         groups: list[int] = []
-        for body in [live.body for live in self._workers.values()] + list(
-                self._starting.values()):
-            if isinstance(body, _ProcessBody):
-                body.abort()
-                if body.child.pgid not in groups:  # the agents of a host share one
-                    groups.append(body.child.pgid)
+        for body in self._process_bodies():
+            body.abort()
+            if body.child.pgid not in groups:  # the agents of a host share one
+                groups.append(body.child.pgid)
+        self._sweep()
         return groups
+
+    def _process_bodies(self) -> list[_ProcessBody]:
+        return [body for body in [live.body for live in self._workers.values()]
+                + list(self._starting.values()) if isinstance(body, _ProcessBody)]
+
+    def _worker_scope(self, worker_id: str) -> str:
+        return f"{self.scope}/{worker_id}"
+
+    def _sweep(self, worker_id: str | None = None) -> None:
+        """SIGKILL what one worker (else every worker of the session) started and left behind
+        (`flyd.launch.orphans`); the workers themselves are their bodies' to reap."""
+        scope = self.scope if worker_id is None else self._worker_scope(worker_id)
+        self._orphans.extend(sweep(scope, spare={b.pid for b in self._process_bodies()},
+                                   deep=worker_id is None))
 
     def abandon(self) -> list[int]:
         """The run's lease is lost: `kill_process_groups()`, and no process exit is waited for
@@ -1245,9 +1278,15 @@ class Launcher:
         self._closed = True
         async with asyncio.TaskGroup() as tg:
             for wid in list(self._workers):
-                tg.create_task(self.kill(wid))
+                tg.create_task(self.kill(wid, sweep=False))
             for body in list(self._starting.values()):
                 body.abort()
+        self._sweep()
+        orphans, self._orphans = self._orphans, []
+        wait = 0.0 if self._abandoned else KILL_WAIT_S  # a lost lease waits for no exit
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(wait + 1):
+                await asyncio.to_thread(reap, orphans, wait)
         if self._holds_reservation:
             self.budget.close_session(self.names.tag)
             self._holds_reservation = False

@@ -35,7 +35,9 @@ Decisions:
   gone: their steps, their end states, recoveries by cause. It is updated once per grant end and
   once per recovery, never per step (a live grant's steps are read from its report).
 - A report's behaviour records are a `RecordStream`: only those beyond the durable head are
-  held; the rest went to `trace_path` (`flyd run --trace`), if set, and into a running digest.
+  held; the rest went into a running digest. With `trace_path` (`flyd run --trace`) every
+  record also goes to that file, through one `TraceFile` per run that all the run's grants on
+  this node share, so a re-granted run appends to it (`flyd.session.outputs`).
 """
 
 from __future__ import annotations
@@ -62,6 +64,7 @@ from flyd.leases.runtime import GrantScope
 from flyd.node.grant import GrantSession, LedgerReader, RunAbandoned, RunReport, writer_config
 from flyd.node.parts import PartsWatch
 from flyd.session.coordinator import Deadlines
+from flyd.session.outputs import TraceFile
 from flyd.session.run_topic import RunPublisher
 from flyd.session.runspec import DEFAULT_MAX_AGENTS, RunSpec, RunSpecError
 from flyd.session.sample import BoundarySample, boundary_sample
@@ -133,7 +136,9 @@ class GrantExecutor:
         self._parts_down = asyncio.Event()
         self.reports: dict[int, RunReport] = {}
         self.keep_reports = False
+        #: `flyd run --trace`: the file every run's grants write (`TraceFile`)
         self.trace_path: Path | None = None
+        self._trace_files: dict[int, TraceFile] = {}
         self._launchers: dict[int, Launcher] = {}
         self._groups: dict[int, set[int]] = {}
         self._clients: dict[int, BusClient] = {}
@@ -168,8 +173,8 @@ class GrantExecutor:
     # ------------------------------------------------------------------ Executor
 
     async def execute(self, scope: GrantScope) -> None:
-        report = RunReport(scope.run_id, scope.lease_epoch,
-                           records=RecordStream(self.trace_path))
+        report = RunReport(scope.run_id, scope.lease_epoch, records=RecordStream(),
+                           trace=self._trace_file(scope.run_id))
         self.reports[scope.run_id] = report
         try:
             await self._execute(scope, report)
@@ -178,6 +183,12 @@ class GrantExecutor:
             self.totals.ended(report)
             if not self.keep_reports and self.reports.get(scope.run_id) is report:
                 del self.reports[scope.run_id]
+
+    def _trace_file(self, run_id: int) -> TraceFile | None:
+        """The run's `--trace` file, one for all its grants on this node."""
+        if self.trace_path is None:
+            return None
+        return self._trace_files.setdefault(run_id, TraceFile(self.trace_path))
 
     async def _execute(self, scope: GrantScope, report: RunReport) -> None:
         bound = log.bind(run=scope.run_id, lease_epoch=scope.lease_epoch, node=self.node_id)

@@ -72,6 +72,16 @@ Decisions:
 - A recovery that cannot drain the writer within `durable_timeout_s` abandons the run locally
   (`recovery.abandoned_run`): the task returns without ending the run and the runtime
   relinquishes it; the next holder resumes from the head.
+- An output file the run writes as it goes (`flyd run --trace`, `--record`) that cannot be
+  written (`flyd.session.outputs.OutputWriteError`, e.g. `ENOSPC`) ends the run `failed` at
+  once with `{error: "output write failed", option, path, errno, message}` and logs
+  `run.output_failed`: no attempt can repair a full disk. The trace (`RunReport.trace`, shared
+  by the run's grants on this node) is cut back and marked where each grant and each recovery
+  resumes, and flushed before the final transaction, so a run cannot succeed with an unwritten
+  trace.
+- A task value that cannot be encoded fails the step as a plugin failure that repeats
+  (`flyd.session.task_output`); met while stepping, it ends the run at once like one met at
+  launch or bootstrap.
 - `outcome.recoveries` and `epochs` count this grant's recoveries and the raw epochs of the
   ledger's boundaries (committed ones read back from `flyd.effects`, pending ones from memory),
   followed by the current epoch when it is not the last of them.
@@ -106,6 +116,7 @@ from flyd.session.durability import (
     TooLarge,
 )
 from flyd.session.fence import SessionFailure
+from flyd.session.outputs import OutputWriteError, TraceFile
 from flyd.session.run_topic import (
     EndState,
     RunEnd,
@@ -197,6 +208,8 @@ class RunReport:
     world_progress: str | None = None
     counter: int | None = None
     records: RecordStream = field(default_factory=RecordStream)
+    #: the run's `--trace` file (`flyd run`), shared by its grants on this node
+    trace: TraceFile | None = None
     failures: list[dict[str, Any]] = field(default_factory=list)
     recoveries: list[dict[str, Any]] = field(default_factory=list)
     coordinator: Coordinator | None = None
@@ -452,6 +465,13 @@ class GrantSession:
 
     async def _lifecycle(self, head: CheckpointRecord | None) -> None:
         try:
+            await self._session(head)
+        except OutputWriteError as exc:
+            await self._output_failed(exc)
+
+    async def _session(self, head: CheckpointRecord | None) -> None:
+        self._resume_trace(head.boundary if head is not None else 0, "grant")
+        try:
             await self._launch()
         except (DomainError, BusError) as exc:
             await self._launch_failed(exc)
@@ -482,8 +502,8 @@ class GrantSession:
                 break
             except SessionFailure as exc:
                 if repeats(exc.error):
-                    # a participant's own deterministic refusal (a world's non-finite reward):
-                    # every attempt would step into it again
+                    # a participant's own deterministic refusal (a world's non-finite reward, a
+                    # task value that cannot be encoded): every attempt would step into it again
                     latest = self._durability().head
                     await self._permanent(exc.error, latest[0] if latest is not None else None,
                                           exc.detail, exc.participant)
@@ -496,6 +516,30 @@ class GrantSession:
                 await self._capture_refused(exc.refusal)
                 return
         await self._end(ending)
+
+    def _resume_trace(self, boundary: int, cause: Literal["grant", "recovery"]) -> None:
+        """The trace resumes after `boundary` (`flyd.session.outputs.TraceFile`): what follows
+        it is cut, and a mark says where and why execution resumes. A grant's mark comes
+        before its launch (its epoch is not known yet); a recovery's names its new epoch."""
+        trace = self.report.trace
+        if trace is None:
+            return
+        mark = {"boundary": str(boundary), "cause": cause,
+                "leaseEpoch": str(self.scope.lease_epoch), "node": self.host.node_id}
+        if cause == "recovery":
+            mark["epoch"] = self._coordinator().epoch
+        trace.resume(boundary, mark)
+
+    def _flush_trace(self) -> None:
+        if self.report.trace is not None:
+            self.report.trace.flush()
+
+    async def _output_failed(self, exc: OutputWriteError) -> None:
+        """An output file could not be written: the run fails at once, naming it (no attempt
+        can repair a full disk)."""
+        self._rlog().error("run.output_failed", option=exc.option, path=str(exc.path),
+                           errno=exc.errno, message=exc.strerror)
+        await self._failed(exc.outcome())
 
     async def _launch(self) -> None:
         self.names, self.launcher = await self.host.open_launcher(
@@ -585,17 +629,19 @@ class GrantSession:
                 raise health[0]
             raise asyncio.CancelledError
         result = stepper.result()
-        if isinstance(result, SessionFailure | CheckpointTooLarge | CaptureRefused):
+        if isinstance(result, SessionFailure | CheckpointTooLarge | CaptureRefused
+                      | OutputWriteError):
             raise result
         return result
 
     async def _steps_or_failure(self) -> (Ending | SessionFailure | CheckpointTooLarge
-                                          | CaptureRefused):
+                                          | CaptureRefused | OutputWriteError):
         """A failed epoch (or a forced capture that can never commit, or that a participant
-        refused) as a value, so it leaves the task group as itself."""
+        refused, or an output file that could not be written) as a value, so it leaves the
+        task group as itself."""
         try:
             return await self._steps()
-        except (SessionFailure, CheckpointTooLarge, CaptureRefused) as exc:
+        except (SessionFailure, CheckpointTooLarge, CaptureRefused, OutputWriteError) as exc:
             return exc
 
     async def _steps(self) -> Ending:
@@ -617,12 +663,17 @@ class GrantSession:
             started = time.monotonic()
             record, result = coordinator.effect_records()
             durability.record(step.boundary, coordinator.epoch, record, result)
-            report.records.append(durability.writer.pending.encoded(step.boundary))
+            data = durability.writer.pending.encoded(step.boundary)
+            report.records.append(data)
+            if report.trace is not None:
+                report.trace.append(step.boundary, data)
             self.host.progressed(report)
             if step.terminal or step.paused or step.boundary >= self.spec.steps:
                 break  # the final capture replaces a cadence capture due here (§9.1)
             await durability.after_boundary(coordinator, step.boundary)
             report.records.settle(durability.head_boundary - self._first_local())
+            if report.trace is not None:
+                report.trace.durable(durability.head_boundary)
             if self.budget.attempt and durability.head_boundary > done_at_start:
                 self.budget.committed()
         return "succeeded"
@@ -799,6 +850,7 @@ class GrantSession:
             coordinator.resume()
         self.report.boundary = boundary
         self.report.records.rewind(max(0, boundary - self._first_local()))
+        self._resume_trace(boundary, "recovery")
         durability.restart(boundary, epoch)
         self.budget.resumed()
         self.host.recovered(self.report, {"participant": failure.participant,
@@ -865,6 +917,7 @@ class GrantSession:
     async def _final(self) -> None:
         durability = self._durability()
         coordinator = self._coordinator()
+        self._flush_trace()  # before the run can succeed: a write error still fails it
         while True:
             await self._writer_idle()
             boundary = self.report.boundary
@@ -898,6 +951,7 @@ class GrantSession:
         boundary = self.report.boundary
         _, epochs = await self._ledger(boundary)
         effects = durability.writer.pending.covering(durability.head_boundary, boundary)
+        self._flush_trace()
         self.report.state = "cancelled"
         await self.scope.finish("cancelled", {"boundary": boundary,
                                               "recoveries": self.budget.recoveries,

@@ -59,6 +59,7 @@ from flyd.launch.budget import ThreadBudget
 from flyd.launch.health import HealthPolicy
 from flyd.launch.identities import node_client_id
 from flyd.launch.launcher import Launcher
+from flyd.launch.orphans import become_subreaper
 from flyd.launch.spawner import Spawner, add_import_roots
 from flyd.leases import queries
 from flyd.leases.clock import BootClock, LeaseClock, SimFileClock
@@ -268,6 +269,8 @@ class NodeProcess:
 
     async def start(self) -> None:
         setup = self.setup
+        if not become_subreaper():  # orphans of workers' processes come here (docs/launcher.md)
+            log.warning("node.no_subreaper", detail="prctl(PR_SET_CHILD_SUBREAPER) failed")
         if setup.router:
             check_socket_path(setup.socket, setup.socket_origin)
             self._prepare_socket_dir()

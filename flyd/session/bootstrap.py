@@ -34,7 +34,6 @@ from flyd.session.calls import (
     Blame,
     Call,
     CallEngine,
-    as_domain_error,
     backend_failure,
     identity_mismatch,
 )
@@ -44,6 +43,7 @@ from flyd.session.inputs import sensory_inputs
 from flyd.session.media import Media, check_views
 from flyd.session.runspec import RunSpec
 from flyd.session.slots import AgentSlot
+from flyd.session.task_output import task_error
 from workers.artifacts import open_attached
 from workers.composition import config_asset
 from workers.datatypes import EnvironmentDescriptor, Graph, Telemetry, WorldObservation
@@ -147,7 +147,10 @@ def _world_start(calls: CallEngine, call: Call, result: dict[str, Any],
 
 
 def bootstrap_task(task: Task, observation: WorldObservation,
-                   bindings: Sequence[tuple[str, str]], agent_ids: Sequence[str]) -> Bootstrap:
+                   bindings: Sequence[tuple[str, str]], agent_ids: Sequence[str],
+                   plugin: str) -> Bootstrap:
+    """The task's bootstrap, checked; `plugin` is the task's import path, named when a value
+    it built cannot be encoded (`flyd.session.task_output`)."""
     try:
         boot = task.bootstrap(observation.inspection, bindings)
         for event in boot.events:
@@ -158,7 +161,7 @@ def bootstrap_task(task: Task, observation: WorldObservation,
             if agent_id not in boot.contexts:
                 raise backend_failure(f"the task gives {agent_id} no decision context")
     except Exception as exc:
-        raise Blame(as_domain_error(exc), Detail.TASK_BOOTSTRAP, None) from None
+        raise Blame(task_error(exc, plugin), Detail.TASK_BOOTSTRAP, None) from None
     return boot
 
 

@@ -99,7 +99,6 @@ from flyd.session.calls import (
     Call,
     CallEngine,
     Deadlines,
-    as_domain_error,
     backend_failure,
     format_duration,
     identity_mismatch,
@@ -154,6 +153,7 @@ from flyd.session.run_topic import RunPublisher
 from flyd.session.runspec import RunSpec
 from flyd.session.slots import AgentSlot
 from flyd.session.stats import Metrics, ResolutionEnd, Stats
+from flyd.session.task_output import check_evaluation, task_error
 from flyd.session.trace import EpochRebase, TraceLog
 from flyd.state.checkpoints import CheckpointRecord, CheckpointStore
 from flyd.state.writer import (
@@ -543,7 +543,8 @@ class Coordinator:
         self._owed.setdefault(wid, []).append(world.request_id)
         audit.add("environment.initialize")
         # 3. task bootstrap
-        boot = bootstrap_task(self.task, observation, self.bindings(), self.agent_ids)
+        boot = bootstrap_task(self.task, observation, self.bindings(), self.agent_ids,
+                              self.spec.task.impl)
         self._progress = boot.progress
         self._last_event_ids = [e.id for e in boot.events]
         for agent_id in self.agent_ids:
@@ -735,8 +736,10 @@ class Coordinator:
                 if agent_id not in evaluation.outcomes or agent_id not in \
                         evaluation.next_contexts:
                     raise backend_failure(f"the task's evaluation misses {agent_id}")
+            check_evaluation(evaluation, self.spec.task.impl, self.agent_ids)
         except Exception as exc:
-            raise Blame(as_domain_error(exc), Detail.TASK_EVALUATE, None) from None
+            raise Blame(task_error(exc, self.spec.task.impl), Detail.TASK_EVALUATE,
+                        None) from None
         self.audit.add(f"evaluate:{k}")
         # D. Commit
         engine.move(Committing(k), Detail.STEP)

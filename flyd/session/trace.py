@@ -24,7 +24,6 @@ import copy
 import hashlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Protocol
 
 from workers.canonical import canonical
@@ -143,15 +142,13 @@ class TraceLog:
 
 
 class RecordStream:
-    """One grant's behaviour records (`flyd run --trace`, a failed run's digest) in bounded
-    memory: the records not yet durable stay here (a recovery may drop them, `rewind`); once
-    the head covers them (`settle`) they are written to the trace file, if any, and folded into
-    a running SHA-256 of the canonical JSON list, then forgotten. `digest()` equals
-    `digest_of(all records)`; `close()` writes the rest."""
+    """One grant's behaviour records (a failed run's digest) in bounded memory: the records
+    not yet durable stay here (a recovery may drop them, `rewind`); once the head covers them
+    (`settle`) they are folded into a running SHA-256 of the canonical JSON list, then
+    forgotten. `digest()` equals `digest_of(all records)`. (`flyd run --trace` writes them
+    through `flyd.session.outputs.TraceFile`.)"""
 
-    def __init__(self, path: Path | None = None) -> None:
-        self._path = path
-        self._opened = False
+    def __init__(self) -> None:
         self._tail: list[bytes] = []
         self._settled = 0
         self._hash = hashlib.sha256(b"[")
@@ -164,7 +161,7 @@ class RecordStream:
         self._tail.append(data)
 
     def settle(self, count: int) -> None:
-        """The first `count` records are durable: write and fold them."""
+        """The first `count` records are durable: fold them."""
         n = min(count - self._settled, len(self._tail))
         if n <= 0:
             return
@@ -172,10 +169,6 @@ class RecordStream:
         for data in done:
             self._hash.update(b"," + data if self._settled else data)
             self._settled += 1
-        if self._path is not None:
-            with self._path.open("ab" if self._opened else "wb") as fh:
-                fh.writelines(data + b"\n" for data in done)
-            self._opened = True
 
     def rewind(self, count: int) -> None:
         """Keep the first `count` records (a recovery restored boundary `first + count`)."""
@@ -189,13 +182,6 @@ class RecordStream:
             h.update(b"," + data if self._settled or i else data)
         h.update(b"]")
         return h.hexdigest()
-
-    def close(self) -> None:
-        """Write the records not yet written (a run's end, whatever it was)."""
-        self.settle(len(self))
-        if self._path is not None and not self._opened:
-            self._path.write_bytes(b"")
-            self._opened = True
 
 
 class EpochRebase:

@@ -139,8 +139,10 @@ def test_flyd_run_prints_the_summary(tmp: Path) -> None:
     assert summary["state"] == "succeeded" and summary["boundary"] == 120
     assert summary["epochs"] == ["e1"] and summary["recoveries"] == 0
     assert summary["checkpoints"] == 2, "cadence 60: one at 60, the final one at 120"
-    records = [orjson.loads(line) for line in trace.read_bytes().splitlines()]
-    assert len(records) == 120
+    lines = [orjson.loads(line) for line in trace.read_bytes().splitlines()]
+    assert lines[0]["resume"]["boundary"] == "0" and lines[0]["resume"]["cause"] == "grant"
+    records = lines[1:]
+    assert len(records) == 120 and not any("resume" in r for r in records)
     assert [r["scope"]["step"] for r in records[:2]] == ["0", "1"]
     from workers.canonical import digest_of
 
