@@ -14,11 +14,11 @@ PettingZoo's pistonball with 4 agents and pixel observations):
   `workers.adapters.pettingzoo:random_policy` the flyd run's agents use, episodes reset when
   they end (as the adapter world does), timed over `steps` steps after one warm-up episode.
 - flyd: `flyd run --spec` (process mode, `--no-pace`, no checkpoints but the final one) of the
-  env with `PolicyModel` agents running that policy; the time per step is the difference of a
-  short and a long run's wall time over the difference of their advances, so the launch, the
-  bootstrap and the final capture cancel.
-- synthetic: the same two runs of `flyd run --agents a1..aN` (the synthetic arena and brains)
-  at the same agent count.
+  env with `PolicyModel` agents (`--model InlinePolicyModel`: its inline variant) running that
+  policy; the rate is the summary's `stepsPerSecond` (advances over the time from `Ready(0)` to
+  the last boundary), so the launch, the bootstrap and the final capture stay out.
+- synthetic: the same run of `flyd run --agents a1..aN` (the synthetic arena and brains) at the
+  same agent count.
 - `overhead_ms_per_step` = 1/flyd − 1/plain; `overhead_ratio` = overhead / (1/synthetic): the
   adapters' cost on top of the env, in units of a bare lockstep step. Targets: ≤ 1.3 per env;
   the 12-agent env's overhead ≤ 3× the 2-agent one's (`real_envs_scaling`).
@@ -126,10 +126,10 @@ def plain_steps_per_s(env: Env, steps: int) -> float:
 # -------------------------------------------------------------------------------- flyd runs
 
 
-def spec_doc(env: Env, steps: int) -> dict[str, Any]:
+def spec_doc(env: Env, steps: int, model: str) -> dict[str, Any]:
     return {"sessionId": "bench", "steps": steps, "seed": 7, "mode": "process",
             "agents": [{"agentId": f"a{i:02d}", "portId": f"p{i:02d}",
-                        "model": "workers.adapters.pettingzoo:PolicyModel",
+                        "model": f"workers.adapters.pettingzoo:{model}",
                         "modelConfig": {"policy": POLICY}} for i in range(env.agents)],
             "world": {"worldId": "env", "impl": env.world,
                       "config": {"env": env.env, "kwargs": env.kwargs}},
@@ -158,20 +158,17 @@ def timed_run(tmp: Path, dsn: str, args: list[str]) -> tuple[float, int, dict[st
 
 
 def steps_per_s(tmp: Path, dsn: str, steps: int, make_args: Any, repeat: int) -> float:
-    """Steps/s from `repeat` pairs of a short and a long run (median of the pairs)."""
-    short = max(10, steps // 5)
-    rates = []
-    for _ in range(repeat):
-        wall_s, adv_s, _ = timed_run(tmp, dsn, make_args(short))
-        wall_l, adv_l, _ = timed_run(tmp, dsn, make_args(steps))
-        rates.append((adv_l - adv_s) / (wall_l - wall_s))
-    return statistics.median(rates)
+    """The summary's `stepsPerSecond` (advances over the time from `Ready(0)` to the last
+    boundary: the launch, the bootstrap and the final capture stay out), median of `repeat`
+    runs."""
+    return statistics.median(float(timed_run(tmp, dsn, make_args(steps))[2]["stepsPerSecond"])
+                             for _ in range(repeat))
 
 
-def flyd_args(tmp: Path, env: Env) -> Any:
+def flyd_args(tmp: Path, env: Env, model: str) -> Any:
     def make(steps: int) -> list[str]:
         path = tmp / f"spec-{steps}.json"
-        path.write_bytes(orjson.dumps(spec_doc(env, steps)))
+        path.write_bytes(orjson.dumps(spec_doc(env, steps, model)))
         return ["--spec", str(path)]
     return make
 
@@ -186,6 +183,9 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=1, help="pairs of runs per point (median)")
     ap.add_argument("--scale", type=float, default=1.0, help="multiplies the step counts")
     ap.add_argument("--env", action="append", help="only the envs whose name starts so")
+    ap.add_argument("--model", default="PolicyModel", choices=("PolicyModel",
+                                                               "InlinePolicyModel"),
+                    help="the agents' model (InlinePolicyModel: calls on the event loop)")
     args = ap.parse_args()
     envs = [e for e in ENVS if not args.env or any(e.name.startswith(p) for p in args.env)]
     tmp = Path(tempfile.mkdtemp(prefix="flyd-bench-", dir="/tmp"))
@@ -198,7 +198,8 @@ def main() -> None:
                 steps = max(20, int(env.steps * args.scale))
                 scaling.progress(f"{env.name}: plain loop, flyd and synthetic, {steps} steps")
                 plain = plain_steps_per_s(env, steps)
-                flyd = steps_per_s(tmp, dsn, steps, flyd_args(tmp, env), args.repeat)
+                flyd = steps_per_s(tmp, dsn, steps, flyd_args(tmp, env, args.model),
+                                   args.repeat)
                 if env.agents not in synthetic:
                     synthetic[env.agents] = steps_per_s(tmp, dsn, max(steps, 400),
                                                         synthetic_args(env.agents),
@@ -209,6 +210,7 @@ def main() -> None:
                     overheads[env.agents] = overhead
                 scaling.emit({
                     "bench": "real_envs", "env": env.name, "agents": env.agents,
+                    "model": args.model,
                     "plain_steps_per_s": round(plain, 1), "flyd_steps_per_s": round(flyd, 1),
                     "synthetic_steps_per_s": round(synthetic[env.agents], 1),
                     "overhead_ms_per_step": round(1000 * overhead, 3),

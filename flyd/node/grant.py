@@ -501,12 +501,8 @@ class GrantSession:
                 ending = await self._step_to_end()
                 break
             except SessionFailure as exc:
-                if repeats(exc.error):
-                    # a participant's own deterministic refusal (a world's non-finite reward, a
-                    # task value that cannot be encoded): every attempt would step into it again
-                    latest = self._durability().head
-                    await self._permanent(exc.error, latest[0] if latest is not None else None,
-                                          exc.detail, exc.participant)
+                if repeats(exc.error):  # a task value that cannot be encoded, a world's bad reward
+                    await self._permanent(exc.error, None, exc.detail, exc.participant)
                     return
                 failure = exc
             except CheckpointTooLarge as exc:

@@ -806,11 +806,15 @@ class Coordinator:
                                     Mutation.APPLIED)
         except DomainError as exc:
             raise Blame(exc, Detail.COMMIT, self.world_id) from None
-        # the behaviour record's inputDigests: a shared inspection keeps its canonical bytes on
-        # it, so one hash serves every agent that got it
-        digests: dict[str, str | None] = {
-            agent: None if value is None else typed_digest(value)
-            for agent, value in inputs.structured.items()}
+        # the behaviour record's inputDigests: each agent's structured input as sent (its
+        # canonical bytes are kept on the value; a shared inspection is hashed once)
+        digests: dict[str, str | None] = {}
+        hashed: dict[int, str] = {}
+        for agent_id in self.agent_ids:
+            value = inputs.structured[agent_id]
+            if value is not None and id(value) not in hashed:
+                hashed[id(value)] = typed_digest(value)
+            digests[agent_id] = None if value is None else hashed[id(value)]
         for agent_id in self._agents_in_order():
             slot = self._slots[agent_id]
             outcome = evaluation.outcomes[agent_id]

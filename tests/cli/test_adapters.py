@@ -415,3 +415,20 @@ def test_episodes_reset_within_a_run_and_recover_across_a_reset(tmp: Path) -> No
     assert code == 0 and killed["recoveries"] == 1, killed
     assert killed["boundary"] == summary["boundary"]
     assert killed["behaviourDigest"] == summary["behaviourDigest"]
+
+
+def test_an_inline_policy_model_behaves_as_the_policy_model(tmp: Path) -> None:
+    """`InlinePolicyModel` only moves the calls onto the worker's event loop: the same spec
+    gives the same behaviour digest."""
+    digests = []
+    for model in ("PolicyModel", "InlinePolicyModel"):
+        doc = {"sessionId": "inline", "steps": 25, "seed": 5,
+               "agents": [{**a, "model": f"workers.adapters.pettingzoo:{model}"}
+                          for a in agents("walker", 2, "walk")],
+               "world": {"worldId": "line", "impl": PZ_WORLD,
+                         "config": {"env": f"{ENVS}:LineEnv", "seed": 2}}}
+        code, summary, _ = flyd_run(tmp, "--spec", write_spec(tmp, model, doc), *PLUGINS,
+                                    "--mode", "process")
+        assert code == 0 and summary["state"] == "succeeded", summary
+        digests.append(summary["behaviourDigest"])
+    assert digests[0] == digests[1]
