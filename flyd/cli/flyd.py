@@ -33,6 +33,7 @@ from flyd.cli.common import (
 )
 from flyd.config import Config, load_config, router_config
 from flyd.errors import ConfigError
+from flyd.pgtext import text_problem
 
 EXIT_FAILED = 1
 EXIT_CONFIG = 2
@@ -97,18 +98,31 @@ def demo_cmd(calls: int, as_json: bool, config_file: Path | None, log_format: st
 
 
 class _JsonErrors(click.Command):
-    """A command whose usage errors are JSON (`USAGE`, exit 2) when `--json` is given."""
+    """A command whose usage errors are JSON (`USAGE`, exit 2) when `--json` is given. A string
+    argument or option that PostgreSQL text cannot hold (a NUL, or undecodable bytes, which
+    arrive as lone surrogates: `flyd.pgtext`) is such an error, named, before anything runs."""
 
     def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
         as_json = "--json" in args
         try:
-            return super().parse_args(ctx, args)
+            rest = super().parse_args(ctx, args)
+            _check_text(self, ctx)
+            return rest
         except click.UsageError as exc:
             if not as_json:
                 raise
             click.echo(orjson.dumps({"error": {"code": "USAGE",
                                                "message": exc.format_message()}}).decode())
             ctx.exit(EXIT_CONFIG)
+
+
+def _check_text(command: click.Command, ctx: click.Context) -> None:
+    for param in command.params:
+        value = ctx.params.get(param.name or "")
+        for text in value if isinstance(value, tuple | list) else (value,):
+            problem = text_problem(text) if isinstance(text, str) else None
+            if problem is not None:
+                raise click.BadParameter(problem, ctx=ctx, param=param)
 
 
 @flyd_main.command("run", cls=_JsonErrors)

@@ -67,8 +67,9 @@ Decisions:
   part that missed its probe is killed and replaced meanwhile, and the host's `parts_lost`
   (router exits and fork servers lost) then tells the attempt was the node's fault: it is given
   back (`recovery.attempt_interrupted`), and a failed launch hands the run back with refund
-  (`run.launch_refunded`). A node whose parts cannot be brought back (`parts_down`) hands each
-  run back with refund instead of spending its attempts (`run.handed_back`).
+  (`run.handed_back`). A node whose parts cannot be brought back (`parts_down`) hands each
+  run back with refund instead of spending its attempts (`run.handed_back`, also from a
+  grant waiting for a router that was given up).
 - A recovery that cannot drain the writer within `durable_timeout_s` abandons the run locally
   (`recovery.abandoned_run`): the task returns without ending the run and the runtime
   relinquishes it; the next holder resumes from the head.

@@ -251,7 +251,10 @@ class PartsWatch:
             await part.replace()
         except (ForkServerError, OSError, TimeoutError) as exc:
             self._apply(part, core.replace_failed(self._loop.time(), str(exc) or repr(exc)))
-            await self._sleep(min(RETRY_MAX_S, core.period * 2 ** min(core.failures, 6)))
+            retry_at = self._loop.time() + min(RETRY_MAX_S,
+                                               core.period * 2 ** min(core.failures, 6))
+            while (left := retry_at - self._loop.time()) > 0:  # other changes wake the sleep
+                await self._sleep(left)
             return
         core.replaced(self._loop.time())
         log.info("part.replaced", part=part.name)

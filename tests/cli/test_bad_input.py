@@ -479,12 +479,20 @@ def test_nul_and_non_utf8_strings_exit_2_naming_their_key(site: Site) -> None:
     for argv in (_flyd("run", "--spec", str(spec), "--steps", "10", "--json", *sock),
                  [*FLYCTL, "runs", "submit", "--spec", str(spec), "--json"]):
         _refused(site, argv, "USAGE", "/world/config/note", "NUL")
-    # undecodable bytes in the environment arrive as lone surrogates
+    # undecodable bytes in argv and the environment arrive as lone surrogates
+    envelope = site.path / "good.flysess"
+    envelope.write_bytes(base64.b64decode(json.loads(FIXTURE.read_text())["envelope"]))
+    for argv in ([*FLYCTL, "runs", "submit", "--key", "k\udcff", "--json"],
+                 [*FLYCTL, "checkpoints", "import", str(envelope), "--steps", "10", "--key",
+                  "k\udcff", "--json"]):
+        _refused(site, argv, "USAGE", "--key", "not UTF-8")
+    _refused(site, [*FLYCTL, "checkpoints", "verify", "--run", "1", "--id", "ck\udcff",
+                    "--json"], "USAGE", "--id", "not UTF-8")
     for argv in (_flyd("run", "--steps", "10", "--json", *sock),
                  [*FLYCTL, "runs", "submit", "--json"]):
         _refused(site, argv, "CONFIG", "environment FLYD_STATE_DIR", "not UTF-8",
                  env=site.env(FLYD_STATE_DIR=str(site.path / "st\udcffate")))
-    _untouched(site, "flyd.toml", "spec.json")
+    _untouched(site, "flyd.toml", "spec.json", "good.flysess")
 
 
 def test_a_config_file_that_is_not_utf8_or_unreadable_exits_2_naming_it(site: Site) -> None:
@@ -529,6 +537,8 @@ def test_an_oversize_spec_exits_2_naming_its_limit(site: Site) -> None:
 def test_an_embedded_server_that_cannot_start_names_its_cause(site: Site) -> None:
     """A state dir on a full file system: the embedded PostgreSQL's start failure said
     `did not start (None)`; it names the disk now (exit 2, `CONFIG`)."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root")
     mount = site.path / "small"
     mount.mkdir(mode=0o700)
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m,mode=0700", "tmpfs", str(mount)],

@@ -5,6 +5,8 @@ health_fail_s`, short here) misses its liveness probe, is killed and replaced li
 and the run it held succeeds with the clean behaviour digest and no attempt spent. A node whose
 router cannot be brought back stops claiming, hands its run back with refund, says why in
 `flyctl status` and stops its systemd watchdog pings; once the router is back it claims again.
+A fork server that cannot be started again (a `sitecustomize` on its plugin path that exits)
+is given up the same way, and `flyctl status` (the router answers) names it.
 """
 
 from __future__ import annotations
@@ -212,3 +214,42 @@ def test_a_node_whose_router_cannot_be_brought_back_stops_claiming_and_says_why(
     finally:
         assert stop(node) == 0
         manager.close()
+
+
+def test_a_node_whose_fork_server_cannot_be_brought_back_says_why_in_flyctl_status(
+        db_dsn: str, tmp: Path) -> None:
+    plugins = tmp / "plugins"
+    plugins.mkdir()
+    config = HEALTH + f"[plugins]\npaths = [{str(plugins)!r}]\n"
+    run = submit(db_dsn, _spec())
+    node = start_node(tmp, "n", db_dsn, config=config)
+    try:
+        stopped = _stop_part(tmp, db_dsn, run, "-m", "workers.forkserver")
+        # A fork server started from now on (plugin roots lead its PYTHONPATH) cannot start.
+        (plugins / "sitecustomize.py").write_text("raise SystemExit(3)\n")
+        wait_for("the fork server to be given up",
+                 lambda: bool(log_events(tmp, "n", "part.given_up")), 90)
+        assert not _alive(stopped)
+        [given_up] = log_events(tmp, "n", "part.given_up")
+        assert given_up["part"] == "fork server"
+        wait_for("the run handed back with refund", lambda: run_state(db_dsn, run)[:2] == (
+            "pending", 0), 60)
+        shown = _status(tmp, db_dsn)
+        assert shown["source"] == "control", "the router answers"
+        [row] = shown["nodes"]
+        assert row["state"] == "draining", row
+        assert row["reason"].startswith("the fork server could not be brought back"), row
+        human = subprocess.run([*FLYCTL, "status", "--socket", str(tmp / "n" / "bus.sock"),
+                                "--dsn", db_dsn], cwd=ROOT, capture_output=True, timeout=60,
+                               check=False)
+        assert f"reason {row['reason']}" in human.stdout.decode()
+        (plugins / "sitecustomize.py").unlink()
+        wait_for("the fork server back",
+                 lambda: bool(log_events(tmp, "n", "part.recovered")), 60)
+        wait_for("the run to end", lambda: run_state(db_dsn, run)[0] not in (
+            "pending", "running"), 150)
+        state, attempt, outcome = run_state(db_dsn, run)
+        assert state == "succeeded" and attempt == 1, (outcome, node_log(tmp, "n")[-3000:])
+        assert _status(tmp, db_dsn)["nodes"][0]["reason"] is None
+    finally:
+        assert stop(node) == 0

@@ -78,12 +78,15 @@ def log_events(tmp: Path, name: str, event: str) -> list[dict[str, Any]]:
     return out
 
 
-def test_a_run_that_does_not_fit_is_left_pending_not_claimed(db_dsn: str, tmp: Path) -> None:
-    """cli.md §11 test 14 under claims-fit-first (flyd.leases.fit): a node with `[node] threads
-    = 4` and a 3-agent run (need 5) used to claim it, log `run_does_not_fit` and release it
-    with refund, bumping its lease epoch on every claim poll. Now it never claims it: the run
-    stays `pending` at epoch 0 with no attempt while the same node claims and finishes a later
-    run that fits (so it did claim past it); a node with 8 threads then takes it at epoch 1."""
+def test_a_run_that_does_not_fit_is_released_not_failed(db_dsn: str, tmp: Path) -> None:
+    """cli.md §11 test 14 under claims-fit-first (flyd.leases.fit; docs/configuration.md): a
+    node with `[node] threads = 4` and a 3-agent run (need 5) used to claim it, log
+    `run_does_not_fit` and release it with refund, bumping its lease epoch on every claim poll.
+    Now the claim passes it over: it is never granted, so it is neither failed nor charged an
+    attempt, and stays `pending` at epoch 0 while the same node claims and finishes a later run
+    that fits (so it did claim past it); a node with 8 threads then takes it at epoch 1 and it
+    succeeds. The test keeps the spec's name: what it proves (not failed, attempt unchanged,
+    still pending, taken by a larger node) is the spec's, without the release."""
     run = submit(db_dsn, spec_json(20, agents=3))
     fits = submit(db_dsn, spec_json(20, agents=1))
     small = start_node(tmp, "small", db_dsn, config="[node]\nthreads = 4\n")

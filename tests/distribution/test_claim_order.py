@@ -109,7 +109,8 @@ async def test_claim_grants_what_the_spec_statement_grants(db: Conn, db_dsn: str
         compared = 0
         for only in (None, *rng.sample(runs, 10)):
             for n in (1, 3, 8, 100):
-                params = {"only": only, "n": n, "node": "n2", "ttl": 15.0}
+                params = {"only": only, "n": n, "node": "n2", "ttl": 15.0, "room": None,
+                          "per_run": 0}
                 want = await outcome(db_dsn, SPEC_CLAIM, params)
                 grants, attempts = await outcome(db_dsn, CLAIM, params)
                 # CLAIM also returns each run's max_attempts (every run here has 3)
@@ -141,7 +142,7 @@ async def test_claim_does_not_visit_held_runs(db: Conn, db_dsn: str) -> None:
     await db.execute(
         "INSERT INTO flyd.runs (spec) SELECT '{}'::jsonb FROM generate_series(1, 3000)")
     await db.execute("VACUUM ANALYZE flyd.runs")
-    params = {"only": None, "n": 4, "node": "n2", "ttl": 15.0}
+    params = {"only": None, "n": 4, "node": "n2", "ttl": 15.0, "room": None, "per_run": 0}
     read = {}
     for name, query in (("spec", SPEC_CLAIM), ("sent", CLAIM)):
         async with await psycopg.AsyncConnection.connect(db_dsn) as conn:
@@ -167,7 +168,7 @@ async def test_claim_skips_no_run_for_a_malformed_exclusivity_flag(db: Conn, db_
         row = await cur.fetchone()
         assert row is not None
         ids[name] = int(row[0])
-    params = {"only": None, "n": 10, "node": "n2", "ttl": 15.0}
+    params = {"only": None, "n": 10, "node": "n2", "ttl": 15.0, "room": None, "per_run": 0}
     try:
         await outcome(db_dsn, SPEC_CLAIM, params)
     except psycopg.errors.InvalidTextRepresentation:

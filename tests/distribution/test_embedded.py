@@ -19,7 +19,7 @@ import psycopg
 import pytest
 from psycopg.conninfo import make_conninfo
 
-from flyd.leases.embedded import EmbeddedPostgres, embedded_dsn_if_running
+from flyd.leases.embedded import EmbeddedPostgres, embedded_dsn_if_running, start_failure_cause
 
 
 def _postmasters(pgdata: Path) -> list[psutil.Process]:
@@ -158,3 +158,16 @@ def test_two_flyd_runs_on_a_fresh_state_dir_both_create_the_database(state_dir: 
                 proc.wait()
         asyncio.run(embedded.stop())
     assert _postmasters(state_dir / "pg") == []
+
+
+def test_a_start_failure_names_the_line_that_says_why() -> None:
+    """`start_failure_cause` picks, from pgserver's captured error lines and the server log, a
+    full disk first, then a permission, then any PostgreSQL error; nothing useful gives ""."""
+    lines = ["pg_ctl: could not start server", "Examine the log output.",
+             "2026-01-01 FATAL:  could not open file \"global/pg_filenode.map\": Permission denied",
+             "initdb: error: could not write to file \"x\": No space left on device"]
+    assert start_failure_cause(lines) == lines[3]
+    assert start_failure_cause(lines[:3]) == lines[2]
+    assert start_failure_cause(lines[:2]) == lines[0]
+    assert start_failure_cause(["", "  ", "waiting for server to start"]) == ""
+    assert len(start_failure_cause(["FATAL: " + "x" * 1000])) == 300

@@ -17,6 +17,7 @@ import pytest
 
 from flyd.leases.clock import ManualClock
 from flyd.leases.core import LeaseLost
+from flyd.leases.fit import Fit
 from flyd.leases.params import LeaseParams
 from flyd.leases.runtime import GrantScope as Scope
 from flyd.leases.runtime import NodeRuntime
@@ -96,9 +97,9 @@ class Store(MemStore):
         await super().set_node_state(node_id, state, reason)
 
     async def claim(self, node_id: str, n: int, ttl_s: float,
-                    only: int | None = None) -> list[Grant]:
+                    only: int | None = None, fit: Fit | None = None) -> list[Grant]:
         self.claims.append((n, only))
-        grants = await super().claim(node_id, n, ttl_s, only)
+        grants = await super().claim(node_id, n, ttl_s, only, fit)
         if self.claim_reply_lost:
             self.claim_reply_lost = False
             raise UnknownOutcome("claim reply lost", None)

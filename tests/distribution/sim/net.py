@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Final, Literal
 
+from flyd.leases.fit import Fit
 from flyd.leases.stores.contract import (
     Backend,
     Cancelled,
@@ -253,9 +254,9 @@ class SimStore:
         return result
 
     async def claim(self, node_id: str, n: int, ttl_s: float,
-                    only: int | None = None) -> list[Grant]:
+                    only: int | None = None, fit: Fit | None = None) -> list[Grant]:
         result: list[Grant] = await self._call(
-            "claim", lambda: self._mem.claim(node_id, n, ttl_s, only),
+            "claim", lambda: self._mem.claim(node_id, n, ttl_s, only, fit),
             lambda gs: {"rows": [[g.run_id, g.lease_epoch, self._tap.sec(g.lease_expires_at),
                                   g.attempt] for g in gs]})
         return result
