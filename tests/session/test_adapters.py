@@ -294,7 +294,7 @@ def test_snapshot_refuses_an_unpicklable_env_when_the_world_starts() -> None:
         line_world(restore="always")
 
 
-def test_a_replay_that_differs_from_the_record_is_refused_naming_the_step() -> None:
+def test_a_replay_that_differs_from_the_record_is_restore_diverged_naming_the_step() -> None:
     world, models = line_world("GlobalRandomLineEnv", restore="replay"), policies()
     world.reset("ep1", BINDINGS)
     random.seed(1)
@@ -303,7 +303,7 @@ def test_a_replay_that_differs_from_the_record_is_refused_naming_the_step() -> N
     random.seed(2)
     with pytest.raises(DomainError) as info:
         restored(saved, "GlobalRandomLineEnv", restore="replay")
-    assert info.value.code == "INCOMPATIBLE_STATE"
+    assert info.value.code == "RESTORE_DIVERGED"
     assert re.search(r"did not replay its episode: step \d+'s result differs from the "
                      r"recorded one; the env is not deterministic", info.value.message)
 

@@ -152,7 +152,8 @@ class EnvRecovery:
 
     def restore(self, part: Mapping[str, Any], env: Any, picture: Picture) -> Any:
         """The env of a capture's part: unpickled, or `env` (freshly built) replayed. Raises
-        `INCOMPATIBLE_STATE` naming the first step that replays differently."""
+        `RESTORE_DIVERGED` naming the first step that replays differently: the checkpoint is
+        sound, the env did not come back (session.md §6.12, the world's own verification)."""
         state, snapshot, log = part["state"], part["env"], part["log"]
         if state == "snapshot":
             restored = loads(snapshot)
@@ -174,7 +175,7 @@ class EnvRecovery:
         done = replay(env, log)
         if done.diverged is not None:
             raise DomainError.before(
-                ErrorCode.INCOMPATIBLE_STATE,
+                ErrorCode.RESTORE_DIVERGED,
                 f"{self.what} did not replay its episode: {done.reason}; the env is not "
                 "deterministic given its seed and actions, so it cannot be recovered")
         self.log, self.twin = log.copy(), None

@@ -71,8 +71,7 @@ def dumps(env: Any) -> bytes:
     buffer = io.BytesIO()
     try:
         _EnvPickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(env)
-    except (pickle.PicklingError, TypeError, AttributeError, ValueError,
-            NotImplementedError, RecursionError) as exc:
+    except Exception as exc:  # an object's own __reduce__/__getstate__ may raise anything
         raise Unpicklable(f"{type(exc).__name__}: {exc}") from None
     return buffer.getvalue()
 
