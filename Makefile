@@ -44,6 +44,7 @@ bench: $(STAMP)
 	$(BIN)/python -P bench/peers.py
 	$(BIN)/python -P bench/peers.py --agents 8 32 --agents-per-process 8
 	$(BIN)/python -P bench/media.py
+	$(BIN)/python -P bench/real_envs.py
 	$(BIN)/python -P bench/agent_scaling.py --intervals 1
 	$(BIN)/python -P bench/checkpoints.py
 	$(BIN)/python -P bench/claims.py --claims 300

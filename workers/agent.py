@@ -52,6 +52,7 @@ from workers.datatypes import (
     Stimulus,
     Telemetry,
     TypedValue,
+    decode_array,
     decode_media,
 )
 from workers.domain import (
@@ -66,7 +67,14 @@ from workers.domain import (
 )
 from workers.faults import Role
 from workers.launch import WorkerLaunch
-from workers.protocols import MODEL_ATTRIBUTES, AgentModel, DecodedView, check_plugin
+from workers.protocols import (
+    ARRAY_INPUT,
+    MODEL_ATTRIBUTES,
+    AgentModel,
+    DecodedArray,
+    DecodedView,
+    check_plugin,
+)
 from workers.shell import Call, Endpoint, WorkerState, check_params, load_plugin, main
 from workers.state import (
     StateService,
@@ -176,8 +184,19 @@ class AgentEndpoint(Endpoint):
             views.append(DecodedView(view.view_id, view.produced_step, data))
         return views
 
-    def _encode(self, views: Sequence[DecodedView], structured: TypedValue | None) -> Any:
-        return self.model_class.encode(views, structured)
+    def _encode(self, views: Sequence[DecodedView], sensory: SensoryInput, what: str,
+                attached: Mapping[str, Attached]) -> Any:
+        """`encode(views, structured)`, or with the input's decoded arrays for a model that
+        lists `ARRAY_INPUT`; arrays sent to any other model are refused."""
+        if ARRAY_INPUT not in self.extras():
+            if sensory.arrays:
+                raise DomainError.invalid(f"{what}: the input carries arrays; model "
+                                          f"{self.settings.model} does not list {ARRAY_INPUT}")
+            return self.model_class.encode(views, sensory.structured)
+        arrays = tuple(DecodedArray(a.id, a.dtype, a.shape,
+                                    decode_array(a, Mutation.NONE, attached))
+                       for a in sensory.arrays)
+        return self.model_class.encode(views, sensory.structured, arrays)  # type: ignore[call-arg]
 
     def _telemetry(self, model: AgentModel, accumulator: TickAccumulator) -> Telemetry:
         return model.telemetry(accumulator.brain_ticks())
@@ -235,8 +254,8 @@ class AgentEndpoint(Endpoint):
         if initial.boundary != 0:
             raise DomainError.invalid(f"{method}: initialInput.boundary must be 0; got "
                                       f"{initial.boundary}")
-        encoded = self._encode(self._decode(initial, method, call.attached),
-                               initial.structured)
+        encoded = self._encode(self._decode(initial, method, call.attached), initial, method,
+                               call.attached)
         # 8: apply, on a fresh model (the endpoint changes only once it all worked)
         settings = self.settings
         warmup = settings.warmup_ticks
@@ -386,8 +405,8 @@ class AgentEndpoint(Endpoint):
         next_context = TypedValue.from_json(p["nextDecisionContext"],
                                             "params.nextDecisionContext")
         self.model_class.check_context(next_context)
-        encoded = self._encode(self._decode(next_input, method, call.attached),
-                               next_input.structured)
+        encoded = self._encode(self._decode(next_input, method, call.attached), next_input,
+                               method, call.attached)
         # 4: apply
         model, accumulator = self._live()
         self.status.state = WorkerState.COMMITTING

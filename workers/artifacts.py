@@ -47,6 +47,7 @@ import structlog
 from bus.client import Allocation, Attachment, BusClient
 from bus.errors import BusError
 from workers.datatypes import (
+    ArrayValue,
     ArtifactBlob,
     Attached,
     AudioRef,
@@ -143,9 +144,11 @@ class MediaSink:
             return
         self.enabled = True
 
-    def stage(self, content_type: str, data: bytes) -> MediaValue:
-        """A blob of `data`: inline when small or off, else a staged reference."""
-        digest = hashlib.sha256(data).hexdigest()
+    def stage(self, content_type: str, data: bytes, digest: str | None = None) -> MediaValue:
+        """A blob of `data`: inline when small or off, else a staged reference. `digest`:
+        the SHA-256 of `data` when the caller has it already."""
+        if digest is None:
+            digest = hashlib.sha256(data).hexdigest()
         if not self.enabled or len(data) <= self.threshold:
             return inline_media(content_type, data, digest)
         self._serial += 1
@@ -262,10 +265,14 @@ class MediaSink:
 
         views = tuple(replace(v, pixels=resolve(v.pixels)) for v in observation.sensory_views)
         audio = tuple(replace(a, samples=resolve(a.samples)) for a in observation.audio)
+        inputs = None if observation.agent_inputs is None else tuple(
+            replace(i, arrays=tuple(replace(a, bytes=resolve(a.bytes)) for a in i.arrays))
+            for i in observation.agent_inputs)
         # the reply attaches its fresh blobs and the kept frames it names, never a rendered
         # frame only a later boundary will serve
         named = {b.artifact_id for b in (*(v.pixels for v in views),
-                                         *(a.samples for a in audio))
+                                         *(a.samples for a in audio),
+                                         *(a.bytes for i in inputs or () for a in i.arrays))
                  if isinstance(b, ArtifactBlob)}
         attached = {done[k].artifact_id: done[k] for k in keys
                     if k in done and (k not in keys_of or done[k].artifact_id in named)}
@@ -273,7 +280,8 @@ class MediaSink:
             att = self._kept.get(k)
             if att is not None and att.artifact_id in named:
                 attached.setdefault(att.artifact_id, att)
-        return replace(observation, sensory_views=views, audio=audio), tuple(attached.values())
+        return replace(observation, sensory_views=views, audio=audio, agent_inputs=inputs), \
+            tuple(attached.values())
 
     def _refill(self, staged: Iterable[_Staged]) -> list[int]:
         """The lengths to allocate so the spares match this reply's blobs, one per blob;
@@ -304,12 +312,15 @@ def any_by_reference(observation: WorldObservation) -> bool:
     """Whether some view or chunk of the observation travels by reference (the others are
     then at most the threshold each)."""
     return any(isinstance(v.pixels, ArtifactBlob) for v in observation.sensory_views) or \
-        any(isinstance(a.samples, ArtifactBlob) for a in observation.audio)
+        any(isinstance(a.samples, ArtifactBlob) for a in observation.audio) or \
+        any(isinstance(a.bytes, ArtifactBlob) for i in observation.agent_inputs or ()
+            for a in i.arrays)
 
 
-def referenced_artifacts(views: Iterable[ViewRef], audio: Iterable[AudioRef] = ()) -> list[str]:
-    """The artifact ids the by-reference blobs of `views` and `audio` name, once each, in
-    order."""
+def referenced_artifacts(views: Iterable[ViewRef], audio: Iterable[AudioRef] = (),
+                         arrays: Iterable[ArrayValue] = ()) -> list[str]:
+    """The artifact ids the by-reference blobs of `views`, `audio` and `arrays` name, once
+    each, in order."""
     ids: dict[str, None] = {}
     for v in views:
         if isinstance(v.pixels, ArtifactBlob):
@@ -317,6 +328,9 @@ def referenced_artifacts(views: Iterable[ViewRef], audio: Iterable[AudioRef] = (
     for a in audio:
         if isinstance(a.samples, ArtifactBlob):
             ids[a.samples.artifact_id] = None
+    for arr in arrays:
+        if isinstance(arr.bytes, ArtifactBlob):
+            ids[arr.bytes.artifact_id] = None
     return list(ids)
 
 

@@ -44,6 +44,7 @@ import base64
 import binascii
 import hashlib
 import math
+import re
 import sys
 from array import array
 from collections.abc import Mapping, Sequence
@@ -70,11 +71,15 @@ from workers.domain import (
 from workers.ticks import RationalNs
 
 __all__ = [
+    "ARRAY_CONTENT_TYPE",
     "AUDIO_CONTENT_TYPE",
     "AUDIO_FORMAT",
+    "MAX_ARRAYS",
     "MAX_TYPED_VALUE_BYTES",
     "VIEW_CONTENT_TYPE",
     "VIEW_FORMAT",
+    "AgentInput",
+    "ArrayValue",
     "ArtifactBlob",
     "AssetRef",
     "Attached",
@@ -104,6 +109,7 @@ __all__ = [
     "WorldObservation",
     "check_controls",
     "check_port_control",
+    "decode_array",
     "decode_audio",
     "decode_media",
     "decode_view",
@@ -117,6 +123,15 @@ VIEW_FORMAT: Final = "rgba8"
 VIEW_CONTENT_TYPE: Final = "image/x-rgba8"
 AUDIO_FORMAT: Final = "f32le-interleaved"
 AUDIO_CONTENT_TYPE: Final = "audio/x-f32le"
+#: a numeric array's bytes: C order, in the byte order and item size its `dtype` names
+ARRAY_CONTENT_TYPE: Final = "application/x-flyd-array"
+#: arrays per agent input (a `Dict`/`Tuple` observation of that many numeric leaves)
+MAX_ARRAYS: Final = 64
+#: agent inputs of one observation (the most agents a run binds)
+MAX_AGENT_INPUTS: Final = 256
+#: numpy's dtype strings of fixed-size numbers: byte order, kind (bool, int, uint, float),
+#: item size
+_DTYPE: Final = re.compile(r"[<>|](b1|[iu](1|2|4|8)|f(2|4|8))")
 AXIS_RANGES: Final[dict[str, tuple[float, float]]] = {
     "bipolar": (-1.0, 1.0),
     "unipolar": (0.0, 1.0),
@@ -653,14 +668,71 @@ def decode_audio(
 
 
 @dataclass(frozen=True, slots=True)
+class ArrayValue:
+    """A numeric array as binary (docs/adapters.md): `dtype` (numpy's dtype string, byte order
+    first), `shape`, and the C-order bytes as media (`ARRAY_CONTENT_TYPE`, inline base64 or by
+    reference), digested over those bytes. `id` names it inside its input's structured value."""
+
+    id: str
+    dtype: str
+    shape: tuple[int, ...]
+    bytes: MediaValue
+
+    @classmethod
+    def from_json(cls, value: Any, what: str = "array") -> ArrayValue:
+        v = _object(value, ("id", "dtype", "shape", "bytes"), what)
+        dtype = parse_string(v["dtype"], f"{what}.dtype")
+        if _DTYPE.fullmatch(dtype) is None:
+            raise DomainError.invalid(f"{what}.dtype {short(dtype)} is not a numeric dtype "
+                                      "(<f4, |u1, <i8, |b1, ...)")
+        shape = tuple(parse_int(n, f"{what}.shape[{i}]", 0, 2**31 - 1)
+                      for i, n in enumerate(_list(v["shape"], f"{what}.shape", 8)))
+        return cls(parse_id(v["id"], f"{what}.id"), dtype, shape,
+                   parse_media(v["bytes"], f"{what}.bytes"))
+
+    def byte_length(self) -> int:
+        """What the bytes must measure: item size times the elements."""
+        return int(self.dtype[2:]) * math.prod(self.shape)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"id": self.id, "dtype": self.dtype, "shape": list(self.shape),
+                "bytes": self.bytes.to_json()}
+
+
+def decode_array(array_value: ArrayValue, mutation: Mutation | str = Mutation.NONE,
+                 attached: Mapping[str, Attached] | None = None) -> bytes:
+    """The array's bytes after the media checks, of exactly `byte_length()` bytes."""
+    name = f"array {array_value.id}"
+    data = decode_media(array_value.bytes, ARRAY_CONTENT_TYPE, name, mutation, attached)
+    if len(data) != array_value.byte_length():
+        raise _buffer_invalid(f"{name} has {len(data)} bytes; {array_value.dtype} of shape "
+                              f"{list(array_value.shape)} needs {array_value.byte_length()}",
+                              mutation)
+    return data
+
+
+def _arrays(value: Any, what: str) -> tuple[ArrayValue, ...]:
+    arrays = tuple(ArrayValue.from_json(item, f"{what}[{i}]")
+                   for i, item in enumerate(_list(value, what, MAX_ARRAYS)))
+    _unique([a.id for a in arrays], what)
+    return arrays
+
+
+@dataclass(frozen=True, slots=True)
 class SensoryInput:
+    """An agent's input of a boundary. `arrays` (the binary arrays its structured value names)
+    travels only when there are some: an input without arrays is byte-identical to v1's."""
+
     boundary: int
     views: tuple[ViewRef, ...]
     structured: TypedValue | None
+    arrays: tuple[ArrayValue, ...] = ()
 
     @classmethod
     def from_json(cls, value: Any, what: str = "input") -> SensoryInput:
-        v = _object(value, ("boundary", "views", "structured"), what)
+        keys = ("boundary", "views", "structured")
+        v = _object(value, (*keys, "arrays") if isinstance(value, dict) and "arrays" in value
+                    else keys, what)
         views = tuple(
             ViewRef.from_json(item, f"{what}.views[{i}]")
             for i, item in enumerate(_list(v["views"], f"{what}.views", 8))
@@ -671,14 +743,42 @@ class SensoryInput:
             parse_u64(v["boundary"], f"{what}.boundary"),
             views,
             None if structured is None else TypedValue.from_json(structured, f"{what}.structured"),
+            _arrays(v["arrays"], f"{what}.arrays") if "arrays" in v else (),
         )
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        doc = {
             "boundary": format_u64(self.boundary),
             "views": [view.to_json() for view in self.views],
             "structured": None if self.structured is None else self.structured.to_json(),
         }
+        if self.arrays:
+            doc["arrays"] = [a.to_json() for a in self.arrays]
+        return doc
+
+
+@dataclass(frozen=True, slots=True)
+class AgentInput:
+    """What a world with per-agent inputs gives the agent on one port: its own structured value
+    and the arrays it names (`workers.protocols.PER_AGENT_INPUT`)."""
+
+    port_id: str
+    structured: TypedValue | None
+    arrays: tuple[ArrayValue, ...]
+
+    @classmethod
+    def from_json(cls, value: Any, what: str = "agentInput") -> AgentInput:
+        v = _object(value, ("portId", "structured", "arrays"), what)
+        structured = v["structured"]
+        return cls(parse_id(v["portId"], f"{what}.portId"),
+                   None if structured is None else
+                   TypedValue.from_json(structured, f"{what}.structured"),
+                   _arrays(v["arrays"], f"{what}.arrays"))
+
+    def to_json(self) -> dict[str, Any]:
+        return {"portId": self.port_id,
+                "structured": None if self.structured is None else self.structured.to_json(),
+                "arrays": [a.to_json() for a in self.arrays]}
 
 
 # --------------------------------------------------------------------------------------------
@@ -1093,11 +1193,16 @@ class WorldObservation:
     inspection: TypedValue
     broadcast_views: tuple[str, ...]
     audio: tuple[AudioRef, ...]
+    #: per-agent inputs, by port, of a world that offers them (absent from the JSON otherwise,
+    #: so every other world's observation is byte-identical to v1's)
+    agent_inputs: tuple[AgentInput, ...] | None = None
 
     @classmethod
     def from_json(cls, value: Any, what: str = "observation") -> WorldObservation:
-        keys = ("boundary", "worldTime", "engineFrame", "sensoryViews", "inspection",
-                "broadcastViews", "audio")
+        keys: tuple[str, ...] = ("boundary", "worldTime", "engineFrame", "sensoryViews",
+                                 "inspection", "broadcastViews", "audio")
+        if isinstance(value, dict) and "agentInputs" in value:
+            keys = (*keys, "agentInputs")
         v = _object(value, keys, what)
         views = tuple(
             ViewRef.from_json(item, f"{what}.sensoryViews[{i}]")
@@ -1125,10 +1230,12 @@ class WorldObservation:
             inspection=TypedValue.from_json(v["inspection"], f"{what}.inspection"),
             broadcast_views=broadcast,
             audio=audio,
+            agent_inputs=_agent_inputs(v["agentInputs"], f"{what}.agentInputs")
+            if "agentInputs" in v else None,
         )
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        doc = {
             "boundary": format_u64(self.boundary),
             "worldTime": self.world_time.to_json(),
             "engineFrame": self.engine_frame,
@@ -1137,3 +1244,20 @@ class WorldObservation:
             "broadcastViews": list(self.broadcast_views),
             "audio": [chunk.to_json() for chunk in self.audio],
         }
+        if self.agent_inputs is not None:
+            doc["agentInputs"] = [a.to_json() for a in self.agent_inputs]
+        return doc
+
+    def agent_input(self, port_id: str) -> AgentInput | None:
+        """The input of the agent on `port_id`, when the world gives per-agent inputs."""
+        for item in self.agent_inputs or ():
+            if item.port_id == port_id:
+                return item
+        return None
+
+
+def _agent_inputs(value: Any, what: str) -> tuple[AgentInput, ...]:
+    inputs = tuple(AgentInput.from_json(item, f"{what}[{i}]")
+                   for i, item in enumerate(_list(value, what, MAX_AGENT_INPUTS)))
+    _unique([a.port_id for a in inputs], what)
+    return inputs

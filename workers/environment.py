@@ -74,8 +74,11 @@ from typing import Any, ClassVar, Final, TypeVar
 from workers.artifacts import MediaSink
 from workers.canonical import controls_digest, digest_bytes, digest_of
 from workers.datatypes import (
+    ARRAY_CONTENT_TYPE,
     AUDIO_CONTENT_TYPE,
     VIEW_CONTENT_TYPE,
+    AgentInput,
+    ArrayValue,
     AssetRef,
     AudioRef,
     EnvironmentDescriptor,
@@ -96,7 +99,7 @@ from workers.domain import (
 )
 from workers.faults import Role
 from workers.launch import WorkerLaunch
-from workers.protocols import WORLD_ATTRIBUTES, World, check_plugin
+from workers.protocols import PER_AGENT_INPUT, WORLD_ATTRIBUTES, World, check_plugin
 from workers.shell import Call, Endpoint, WorkerState, check_params, load_plugin, main
 from workers.state import (
     StateService,
@@ -253,14 +256,18 @@ class EnvironmentEndpoint(Endpoint):
     # helpers ----------------------------------------------------------------------------------
 
     async def _world(self, what: str, fn: Callable[[], T], mutation: Mutation) -> T:
-        """A world call; any failure is `BACKEND_FAILURE` with `mutation`."""
+        """A world call; any failure is `BACKEND_FAILURE` with `mutation` (carrying the world's
+        `PluginFault` when it says the failure repeats)."""
         try:
             return await self.run_model(what, fn)
         except DomainError as exc:
+            # a world's own fault that repeats (a deterministic refusal) keeps its data, so
+            # the run ends at once instead of being retried
+            fault = exc.data if exc.data is not None and exc.data.repeats else None
             if exc.code == ErrorCode.BACKEND_FAILURE and exc.mutation != Mutation.NONE:
-                raise DomainError(exc.code, exc.message, mutation) from None
+                raise DomainError(exc.code, exc.message, mutation, fault) from None
             raise DomainError(ErrorCode.BACKEND_FAILURE, f"{what}: {exc.code}: {exc.message}",
-                              mutation) from None
+                              mutation, fault) from None
         except Exception as exc:
             fault = PluginFault.of(exc, self.settings.world, PluginStage.CALL)
             raise DomainError(ErrorCode.BACKEND_FAILURE, f"{what} failed: {fault.summary()}",
@@ -330,7 +337,22 @@ class EnvironmentEndpoint(Endpoint):
             inspection=self.world.inspection(boundary),
             broadcast_views=tuple(v.view_id for v in views),
             audio=tuple(chunks),
+            agent_inputs=self.agent_inputs(boundary),
         )
+
+    def agent_inputs(self, boundary: int) -> tuple[AgentInput, ...] | None:
+        """Each bound port's own input, its arrays staged like media (inline when small, by
+        reference above the threshold), for a world that offers per-agent inputs."""
+        if PER_AGENT_INPUT not in self.extras():
+            return None
+        inputs: list[AgentInput] = []
+        for port, _agent in self.bindings:
+            structured, arrays = self.world.agent_input(port, boundary)  # type: ignore[attr-defined]
+            inputs.append(AgentInput(port, structured, tuple(
+                ArrayValue(a.id, a.dtype, a.shape,
+                           self.media.stage(ARRAY_CONTENT_TYPE, a.data, a.digest))
+                for a in arrays)))
+        return tuple(inputs)
 
     def _check_capturable(self, method: str) -> None:
         """`UNSUPPORTED` before anything changes when even the smallest capture of this world
@@ -719,7 +741,8 @@ class WorldParticipant:
             boundary=k, world_time=staged.world_time,
             engine_frame=None if engine_frame is None else str(engine_frame(k)),
             sensory_views=tuple(views), inspection=e.world.inspection(k),
-            broadcast_views=tuple(v.view_id for v in views), audio=())
+            broadcast_views=tuple(v.view_id for v in views), audio=(),
+            agent_inputs=e.agent_inputs(k))
         return observation.to_json()
 
     def observation_digests(self, boundary: int) -> list[dict[str, str]]:

@@ -33,6 +33,12 @@ Resolved ambiguities:
   sensory input of b (`Agent.Initialize.initialInput`, `Agent.Commit.nextInput`); the model's
   `encode(views, structured)` receives it. Without the capability `structured` is null, as
   before. The inspection is not delayed like views (`observationDelaySteps`).
+- Per-agent input: a world listing `PER_AGENT_INPUT` also has
+  `agent_input(port_id, boundary) -> tuple[TypedValue | None, Sequence[AgentArray]]`; each
+  agent then receives only its own port's value and arrays (the inspection stays the task's).
+  The arrays travel as binary (`workers.datatypes.ArrayValue`: inline up to the launch's
+  `media_inline_max_bytes`, by reference above it) and reach a model listing `ARRAY_INPUT` as
+  `encode(views, structured, arrays)`, in the order the world gave them.
 - Required attributes (`MODEL_ATTRIBUTES`, `WORLD_ATTRIBUTES`, `TASK_ATTRIBUTES`,
   `EXECUTOR_ATTRIBUTES`) are checked when a worker starts (model, world) or the coordinator is
   built (task, executor): `check_plugin` raises `PluginContractError` naming the class and the
@@ -82,17 +88,21 @@ from workers.domain import (
 from workers.ticks import RationalNs
 
 __all__ = [
+    "ARRAY_INPUT",
     "EXECUTOR_ATTRIBUTES",
     "MODEL_ATTRIBUTES",
+    "PER_AGENT_INPUT",
     "STRUCTURED_OBSERVATION",
     "TASK_ATTRIBUTES",
     "WORLD_ATTRIBUTES",
     "ActionExecutor",
+    "AgentArray",
     "AgentModel",
     "AgentOutcome",
     "Binding",
     "Bootstrap",
     "ControllerIntent",
+    "DecodedArray",
     "DecodedView",
     "EpisodeRequest",
     "Evaluation",
@@ -105,6 +115,12 @@ __all__ = [
 
 STRUCTURED_OBSERVATION: Final = "structured-observation-v1"
 """A world capability: its inspection is every agent's structured sensory input."""
+PER_AGENT_INPUT: Final = "per-agent-input-v1"
+"""A world capability: each agent's structured input is its own, from the world's
+`agent_input(port_id, boundary)` (an `AgentInput` of the observation), not the inspection."""
+ARRAY_INPUT: Final = "array-input-v1"
+"""A model capability: its `encode(views, structured, arrays)` takes the input's binary
+arrays (`DecodedArray`s); a model without it refuses an input that carries arrays."""
 
 Binding = tuple[str, str]
 """`(portId, agentId)`."""
@@ -117,6 +133,29 @@ class DecodedView:
     view_id: str
     produced_step: int
     pixels: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class AgentArray:
+    """A numeric array a world gives an agent: numpy's dtype string, the shape and the C-order
+    bytes (`workers.datatypes.ArrayValue` once staged)."""
+
+    id: str
+    dtype: str
+    shape: tuple[int, ...]
+    data: bytes
+    #: the SHA-256 of `data` when the world already has it (it is then not hashed again)
+    digest: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class DecodedArray:
+    """An input's array whose bytes passed `decode_array`."""
+
+    id: str
+    dtype: str
+    shape: tuple[int, ...]
+    data: bytes
 
 
 @dataclass(frozen=True, slots=True)

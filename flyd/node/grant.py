@@ -502,7 +502,7 @@ class GrantSession:
                 ending = await self._step_to_end()
                 break
             except SessionFailure as exc:
-                if repeats(exc.error):  # e.g. a task value that cannot be encoded
+                if repeats(exc.error):  # a task value that cannot be encoded, a world's bad reward
                     await self._permanent(exc.error, None, exc.detail, exc.participant)
                     return
                 failure = exc

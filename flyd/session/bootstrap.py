@@ -39,11 +39,12 @@ from flyd.session.calls import (
 )
 from flyd.session.fence import Detail
 from flyd.session.injections import InjectionOutcome
+from flyd.session.inputs import sensory_inputs
 from flyd.session.media import Media, check_views
 from flyd.session.runspec import RunSpec
 from flyd.session.slots import AgentSlot
 from flyd.session.task_output import task_error
-from workers.artifacts import open_attached, referenced_artifacts
+from workers.artifacts import open_attached
 from workers.composition import config_asset
 from workers.datatypes import EnvironmentDescriptor, Graph, Telemetry, WorldObservation
 from workers.domain import DomainError, ErrorCode, Mutation, Scope, parse_u64
@@ -169,15 +170,17 @@ async def initialize_agent(calls: CallEngine, scope: Scope, agent_id: str, slot:
     """`Agent.Initialize` of one agent, its slot filled; the request id owed an acknowledgement.
     `structured`: O[0]'s inspection is the agent's structured input (the world offers it)."""
     assert slot.context is not None
+    try:
+        inputs = sensory_inputs(observation, [(slot.spec.port_id, agent_id)], structured, 0,
+                                Mutation.UNKNOWN)
+    except DomainError as exc:
+        raise Blame(exc, "Agent.Initialize", None) from None
     call = calls.new_call(agent_id, "Agent.Initialize", scope, {
         "agentId": agent_id, "profile": slot.profile, "seed": slot.seed,
-        "initialInput": {"boundary": "0",
-                         "views": [v.to_json() for v in observation.sensory_views],
-                         "structured": (observation.inspection.to_json() if structured
-                                        else None)},
+        "initialInput": inputs.json[agent_id],
         "initialDecisionContext": slot.context.to_json(),
         "workerThreads": slot.spec.threads},
-        attachments=referenced_artifacts(observation.sensory_views))
+        attachments=inputs.attachments[agent_id])
     result = await calls.blamed(call)
     try:
         if result.get("committedStep") != "0":

@@ -116,6 +116,7 @@ from flyd.session.injections import (
     kill_injection,
     lose_advance_result,
 )
+from flyd.session.inputs import sensory_inputs
 from flyd.session.media import Media
 from flyd.session.pacing import SYSTEM_CLOCK, Clock, Pacing
 from flyd.session.phase import (
@@ -798,25 +799,33 @@ class Coordinator:
         structured input each was sent (the behaviour record's `inputDigests`), by agent."""
         engine = self._calls
         calls: list[Call] = []
-        # every agent receives the same views: one JSON value shared by every call
-        views = [v.to_json() for v in new.sensory_views]
-        attachments = referenced_artifacts(new.sensory_views)
-        structured = new.inspection.to_json() if self.structured_input else None
-        # the inspection's canonical bytes are kept on it: one hash, shared like the value
-        structured_digest = typed_digest(new.inspection) if self.structured_input else None
-        inputs: dict[str, str | None] = {a: structured_digest for a in self.agent_ids}
+        # every agent receives the same views (one JSON value shared by every call) and its
+        # own structured input (flyd.session.inputs)
+        try:
+            inputs = sensory_inputs(new, self.bindings(), self.structured_input, k + 1,
+                                    Mutation.APPLIED)
+        except DomainError as exc:
+            raise Blame(exc, Detail.COMMIT, self.world_id) from None
+        # the behaviour record's inputDigests: each agent's structured input as sent (its
+        # canonical bytes are kept on the value; a shared inspection is hashed once)
+        digests: dict[str, str | None] = {}
+        hashed: dict[int, str] = {}
+        for agent_id in self.agent_ids:
+            value = inputs.structured[agent_id]
+            if value is not None and id(value) not in hashed:
+                hashed[id(value)] = typed_digest(value)
+            digests[agent_id] = None if value is None else hashed[id(value)]
         for agent_id in self._agents_in_order():
             slot = self._slots[agent_id]
             outcome = evaluation.outcomes[agent_id]
             assert slot.prepare_request is not None
             calls.append(engine.new_call(agent_id, "Agent.Commit", scope, {
                 "agentId": agent_id, "preparedRequestId": slot.prepare_request,
-                "nextInput": {"boundary": str(k + 1), "views": views,
-                              "structured": structured},
+                "nextInput": inputs.json[agent_id],
                 "nextDecisionContext": evaluation.next_contexts[agent_id].to_json(),
                 "rewards": [r.to_json() for r in outcome.rewards],
                 "taskStimulations": [s.to_json() for s in outcome.stimulations]},
-                attachments=attachments))
+                attachments=inputs.attachments[agent_id]))
         results: dict[str, dict[str, Any] | DomainError] = {}
         telemetry: dict[str, Telemetry] = {}
 
@@ -861,7 +870,7 @@ class Coordinator:
             agent_id = self.injections.duplicate_commit
             call = next(c for c in calls if c.worker_id == agent_id)
             await duplicate(engine, call, out[agent_id], "duplicate-commit", self.injection_log)
-        return out, telemetry, inputs
+        return out, telemetry, digests
 
     # ------------------------------------------------------------------ publication (§6.9)
 

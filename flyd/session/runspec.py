@@ -112,6 +112,11 @@ DEFAULT_EXECUTOR: Final = "workers.synthetic:IdentityExecutor"
 DEFAULT_TICK: Final = RationalNs(1_000_000, 1)
 DEFAULT_STEP: Final = RationalNs(50_000_000, 3)
 DEFAULT_AGENTS: Final = (("fly-a", "p1", 7), ("fly-b", "p2", 11))
+#: the adapters' worlds and their task (docs/adapters.md): an adapter world's default task is
+#: `ADAPTER_TASK`, and the two do not pair with any other world or the synthetic task
+ADAPTER_WORLDS: Final = frozenset({"workers.adapters.pettingzoo:ParallelEnvWorld",
+                                   "workers.adapters.gymnasium:EnvWorld"})
+ADAPTER_TASK: Final = "workers.adapters.pettingzoo:EnvTask"
 
 TOP_KEYS: Final = ("specVersion", "sessionId", "episodeId", "steps", "seed", "mode", "dispatch",
                    "pacing", "paceS", "exclusiveToSubmitter", "agentsPerProcess", "agents",
@@ -278,7 +283,17 @@ def _config(value: Any, path: str) -> dict[str, Any]:
     return value
 
 
+def spec_u64(value: Any, what: str = "value") -> int:
+    """A U64 of the spec: the canonical decimal string, or a JSON integer ≥ 0 (what a person
+    writes: `"steps": 50`); the normalised spec writes it back as the string."""
+    if type(value) is int and value >= 0:
+        value = str(value)
+    return parse_u64(value, what)
+
+
 def _duration(value: Any, path: str, what: str) -> RationalNs:
+    if isinstance(value, dict):
+        value = {k: str(v) if type(v) is int and v >= 0 else v for k, v in value.items()}
     duration = _at(path, RationalNs.from_json, value, what)
     if duration.numerator == 0:
         raise RunSpecError(path, f"{what} must be greater than zero")
@@ -428,7 +443,7 @@ def _knob_value(obj: Mapping[str, Any], path: str, knob: Knob,
         at_where = _ptr(path, at_camel)
         ms = None if raw is None else _at(where, parse_int, raw, camel, 0, MAX_SAFE)
         at_raw = obj.get(at_camel)
-        at = None if at_raw is None else _at(at_where, parse_u64, at_raw, at_camel)
+        at = None if at_raw is None else _at(at_where, spec_u64, at_raw, at_camel)
         if at is not None:
             if ms is None:
                 raise RunSpecError(at_where, f"{at_camel} is set without {camel}")
@@ -438,7 +453,7 @@ def _knob_value(obj: Mapping[str, Any], path: str, knob: Knob,
         return {knob.name: None}
     if knob.kind == "request_id":
         return {knob.name: _at(where, parse_request_id, raw, camel)}
-    number = _at(where, parse_u64, raw, camel)
+    number = _at(where, spec_u64, raw, camel)
     if knob.kind == "step":
         bounds.step(number, where, camel)
     else:
@@ -460,7 +475,7 @@ def _agent(value: Any, path: str, bounds: _Bounds) -> AgentSpec:
         seed=None if seed is None else _at(_ptr(path, "seed"), parse_i32, seed, "seed"),
         tick=(_duration(obj["tick"], _ptr(path, "tick"), "tick") if "tick" in obj
               else DEFAULT_TICK),
-        warmup_ticks=_at(_ptr(path, "warmupTicks"), parse_u64, obj.get("warmupTicks", "10"),
+        warmup_ticks=_at(_ptr(path, "warmupTicks"), spec_u64, obj.get("warmupTicks", "10"),
                          "warmupTicks"),
         threads=_at(_ptr(path, "threads"), parse_int, obj.get("threads", 1), "threads", 1,
                     MAX_THREADS),
@@ -475,7 +490,7 @@ def _world(value: Any, path: str, bounds: _Bounds) -> WorldSpec:
         impl=_import_path(obj.get("impl", DEFAULT_WORLD), _ptr(path, "impl")),
         config=_config(obj.get("config", {}), _ptr(path, "config")),
         step=(_duration(obj["step"], _ptr(path, "step"), "step") if "step" in obj
-              else DEFAULT_STEP),
+              else _natural_step(obj, path)),
         observation_delay_steps=_at(_ptr(path, "observationDelaySteps"), parse_int,
                                     obj.get("observationDelaySteps", 0),
                                     "observationDelaySteps", 0, MAX_OBSERVATION_DELAY),
@@ -485,9 +500,36 @@ def _world(value: Any, path: str, bounds: _Bounds) -> WorldSpec:
     )
 
 
-def _task(value: Any, path: str) -> TaskSpec:
+def _natural_step(obj: Mapping[str, Any], path: str) -> RationalNs:
+    """The step of a world whose class knows its own (`natural_step(config)`: an adapter
+    world's env `dt` or render rate), else `DEFAULT_STEP`. Only the adapters' worlds are asked,
+    so validating any other spec imports nothing."""
+    impl = obj.get("impl", DEFAULT_WORLD)
+    if impl not in ADAPTER_WORLDS:
+        return DEFAULT_STEP
+    module, _, name = str(impl).partition(":")
+    try:
+        natural = getattr(importlib.import_module(module), name).natural_step
+        step = natural(_config(obj.get("config", {}), _ptr(path, "config")))
+    except RunSpecError:
+        raise
+    except DomainError as exc:
+        raise RunSpecError(_ptr(path, "config"), exc.message) from None
+    except ImportError as exc:
+        raise RunSpecError(_ptr(path, "impl"), f"{impl}: {type(exc).__name__}: {exc} (install "
+                                               "the pettingzoo extra)") from None
+    return DEFAULT_STEP if step is None else step
+
+
+def _task(value: Any, path: str, world: WorldSpec) -> TaskSpec:
     obj = _object(value, path, TASK_KEYS)
-    impl = _import_path(obj.get("impl", DEFAULT_TASK), _ptr(path, "impl"))
+    adapter_world = world.impl in ADAPTER_WORLDS
+    impl = _import_path(obj.get("impl", ADAPTER_TASK if adapter_world else DEFAULT_TASK),
+                        _ptr(path, "impl"))
+    if (adapter_world and impl == DEFAULT_TASK) or (not adapter_world and impl == ADAPTER_TASK):
+        raise RunSpecError(_ptr(path, "impl"), f"task {impl} does not fit world {world.impl}: "
+                                               f"an adapter world takes {ADAPTER_TASK} (the "
+                                               "default when task.impl is left out)")
     terminal = obj.get("terminal", "never")
     where = _ptr(path, "terminal")
     if impl == DEFAULT_TASK:
@@ -544,7 +586,7 @@ def _injections(value: Any, path: str, workers: Collection[str],
         if worker not in workers:
             raise RunSpecError(_ptr(where, "worker"),
                                f"kill names {worker}, which is no worker of the composition")
-        step = _at(_ptr(where, "step"), parse_u64, entry["step"], "step")
+        step = _at(_ptr(where, "step"), spec_u64, entry["step"], "step")
         bounds.step(step, _ptr(where, "step"), "step")
         kill = KillAt(step, worker)
         if kill in kills:
@@ -554,7 +596,7 @@ def _injections(value: Any, path: str, workers: Collection[str],
     lose_path = _ptr(path, "loseAdvanceResultAt")
     for i, item in enumerate(_list(obj.get("loseAdvanceResultAt", []), lose_path)):
         where = _ptr(lose_path, i)
-        step = _at(where, parse_u64, item, "loseAdvanceResultAt")
+        step = _at(where, spec_u64, item, "loseAdvanceResultAt")
         bounds.step(step, where, "loseAdvanceResultAt")
         if step in losses:
             raise RunSpecError(where, f"lose-advance-result@{step} is given twice")
@@ -635,7 +677,7 @@ class RunSpec:
         if isinstance(version, bool) or version != SPEC_VERSION or not isinstance(version, int):
             raise RunSpecError("/specVersion", f"only specVersion {SPEC_VERSION} is supported; "
                                                f"got {version!r}")
-        steps = _at("/steps", parse_u64, obj.get("steps", "600"), "steps")
+        steps = _at("/steps", spec_u64, obj.get("steps", "600"), "steps")
         if steps < 1:
             raise RunSpecError("/steps", "steps must be at least 1")
         start_from = _start_from(obj.get("startFrom"), "/startFrom")
@@ -679,14 +721,14 @@ class RunSpec:
         if world.world_id in seen_ids:
             raise RunSpecError("/world/worldId",
                                f"world id {world.world_id} is also an agent id")
-        task = _task(obj.get("task", {}), "/task")
+        task = _task(obj.get("task", {}), "/task", world)
         workers = [*seen_ids, world.world_id]
         spec = cls(
             spec_version=SPEC_VERSION,
             session_id=_at("/sessionId", parse_id, obj.get("sessionId", "demo"), "sessionId"),
             episode_id=_at("/episodeId", parse_id, obj.get("episodeId", "ep1"), "episodeId"),
             steps=steps,
-            seed=_at("/seed", parse_u64, obj.get("seed", "7"), "seed"),
+            seed=_at("/seed", spec_u64, obj.get("seed", "7"), "seed"),
             mode=_choice(obj.get("mode", "process"), "/mode", MODES),
             dispatch=_choice(obj.get("dispatch", "concurrent"), "/dispatch", DISPATCHES),
             pacing=_choice(obj.get("pacing", "off"), "/pacing", PACINGS),

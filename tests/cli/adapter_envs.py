@@ -7,20 +7,38 @@
   truncated after `maxSteps`. Starts and targets come from the env's seeded `np_random`.
   `render_mode="rgb_array"` draws a strip with one coloured cell per walker and target.
 - `UnpicklableLineEnv`: the same, holding a lock, so it cannot be pickled.
+- `EzLineEnv`: the same, inheriting `gymnasium.utils.EzPickle` as most published envs do (a
+  plain pickle of it is a fresh, never-reset env).
+- `DriftingLineEnv`: the same, but an unpickled copy has every walker one cell further right:
+  deliberately not the env that was pickled.
+- `HomesickLineEnv`: the same, but a copy unpickled in another process than the one that made
+  the env has every walker one cell further right (a copy in the same process is exact).
+- `GlobalRandomLineEnv`: the same, but its walkers slip at random by the process-wide
+  `random` module, so neither its pickle nor a replay from its seed continues it.
+- `ThreadLineEnv`: the same, noting the thread of every call into it (`threads`).
 - `SlideEnv`: a Gymnasium `Env` of one agent on `[-1, 1]` with a `Box(-1, 1, (1,))` action
   (the velocity), terminated within 0.05 of its target.
+- `BadRewardLineEnv`: `LineEnv` whose rewards turn to `reward` (NaN by default) at step
+  `atStep`.
+- `CrowdEnv`: `LineEnv` with `agents` walkers (a wide run).
+- `TimedLineEnv`: `LineEnv` with `metadata["render_fps"] = 25`; `DtSlideEnv`: `SlideEnv` with
+  `dt = 0.02`.
 - `walk` (a function) and `StubbornPolicy` (a callable object with state) for `LineEnv`;
-  `slide` for `SlideEnv`.
+  `slide` for `SlideEnv`; `pistons` and `spread` (four-argument policies) for PettingZoo's
+  pistonball and MPE2's simple_spread, checking the observation each receives is its own.
 """
 
 from __future__ import annotations
 
+import os
+import random
 import threading
 from typing import Any
 
 import gymnasium
 import numpy as np
 from gymnasium import spaces
+from gymnasium.utils import EzPickle
 from pettingzoo import ParallelEnv
 
 CELL = 4
@@ -94,6 +112,61 @@ class UnpicklableLineEnv(LineEnv):
         self.lock = threading.Lock()
 
 
+class EzLineEnv(LineEnv, EzPickle):
+    def __init__(self, size: int = 16, maxSteps: int = 30,
+                 render_mode: str | None = None) -> None:
+        LineEnv.__init__(self, size, maxSteps, render_mode)
+        EzPickle.__init__(self, size, maxSteps, render_mode)
+
+
+class DriftingLineEnv(LineEnv):
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self.positions = {a: min(self.size, p + 1) for a, p in self.positions.items()}
+
+
+class HomesickLineEnv(LineEnv):
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.home = os.getpid()
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        if self.home != os.getpid():
+            self.positions = {a: min(self.size, p + 1) for a, p in self.positions.items()}
+
+
+class GlobalRandomLineEnv(LineEnv):
+    def step(self, actions: dict[str, Any]) -> tuple[dict[str, Any], ...]:
+        slips = {a: random.random() < 0.5 for a in self.agents}
+        return super().step({a: 1 if slips[a] else actions[a] for a in actions})
+
+
+class ThreadLineEnv(LineEnv):
+    threads: set[int] = set()
+
+    def __init__(self, **kwargs: Any) -> None:
+        ThreadLineEnv.threads.add(threading.get_ident())
+        super().__init__(**kwargs)
+
+    def reset(self, seed: int | None = None, options: Any = None
+              ) -> tuple[dict[str, Any], dict[str, Any]]:
+        ThreadLineEnv.threads.add(threading.get_ident())
+        return super().reset(seed, options)
+
+    def step(self, actions: dict[str, Any]) -> tuple[dict[str, Any], ...]:
+        ThreadLineEnv.threads.add(threading.get_ident())
+        return super().step(actions)
+
+    def render(self) -> np.ndarray:
+        ThreadLineEnv.threads.add(threading.get_ident())
+        return super().render()
+
+    def __getstate__(self) -> dict[str, Any]:
+        ThreadLineEnv.threads.add(threading.get_ident())
+        return self.__dict__
+
+
 def walk(observation: np.ndarray, agent_id: str, rng: np.random.Generator) -> int:
     """Toward the target, with a random step one time in four."""
     assert observation.dtype == np.float32 and observation.shape == (2,)
@@ -159,3 +232,79 @@ def slide(observation: np.ndarray, agent_id: str, rng: np.random.Generator) -> n
     assert agent_id == "agent" and observation.shape == (2,)
     x, target = observation
     return np.array([np.clip((target - x) * 5, -1, 1)], dtype=np.float32)
+
+
+class BadRewardLineEnv(LineEnv):
+    def __init__(self, atStep: int = 3, reward: float = float("nan"), **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.at_step = atStep
+        self.bad = reward
+
+    def step(self, actions: dict[str, Any]) -> tuple[dict[str, Any], ...]:
+        observations, rewards, terminations, truncations, infos = super().step(actions)
+        if self.steps >= self.at_step:
+            rewards = dict.fromkeys(rewards, self.bad)
+        return observations, rewards, terminations, truncations, infos
+
+
+class TimedLineEnv(LineEnv):
+    metadata = {"name": "timed_line_v0", "render_modes": ["rgb_array"], "render_fps": 25}
+
+
+class DtSlideEnv(SlideEnv):
+    dt = 0.02
+
+
+def pistons(observation: np.ndarray, agent_id: str, rng: np.random.Generator,
+            spaces: Any) -> np.ndarray:
+    """A random piston move; the observation is this piston's own picture."""
+    assert observation.dtype == np.uint8 and observation.shape == spaces.observation.shape
+    assert observation.ndim == 3 and agent_id.startswith("piston_")
+    low, high = spaces.action.low, spaces.action.high
+    return rng.uniform(low, high).astype(spaces.action.dtype)
+
+
+def spread(observation: np.ndarray, agent_id: str, rng: np.random.Generator,
+           spaces: Any) -> int:
+    """A random move of one of many particles; its observation is its own vector."""
+    assert observation.shape == spaces.observation.shape and agent_id.startswith("agent_")
+    return int(rng.integers(0, spaces.action.n))
+
+
+def last_action(observation: np.ndarray, agent_id: str, rng: np.random.Generator,
+                spaces: Any) -> int:
+    """The last action of a `Discrete` space, from the spaces the policy is given."""
+    assert observation.shape == spaces.observation.shape
+    return int(spaces.action.n) - 1
+
+
+def first_action(observation: np.ndarray, agent_id: str) -> int:
+    """A policy of the two-argument form."""
+    return 0
+
+
+def wild(observation: np.ndarray, agent_id: str, rng: np.random.Generator) -> int:
+    """An action outside `LineEnv`'s `Discrete(3)` once the walker is past cell 2."""
+    return 7 if observation[0] > 2 else 2
+
+
+def balance(observation: np.ndarray, agent_id: str, rng: np.random.Generator) -> np.ndarray:
+    """Keeps MuJoCo's `InvertedPendulum-v5` pole up (a linear feedback on its 4 observations),
+    with a little noise from `rng`."""
+    gains = np.array([1.0, 30.0, 2.0, 4.0])
+    force = float(gains @ observation) + float(rng.normal(0.0, 0.05))
+    return np.array([np.clip(force, -3.0, 3.0)], dtype=np.float32)
+
+
+def roam(observation: np.ndarray, agent_id: str, rng: np.random.Generator) -> int:
+    """A pursuer of PettingZoo's `pursuit` moving at random (5 actions)."""
+    assert observation.shape == (7, 7, 3)
+    return int(rng.integers(0, 5))
+
+
+class CrowdEnv(LineEnv):
+    """`LineEnv` with `agents` walkers (a wide run)."""
+
+    def __init__(self, agents: int = 2, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.possible_agents = [f"walker_{i}" for i in range(agents)]

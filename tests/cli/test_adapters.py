@@ -11,13 +11,18 @@ the tests' environments and policies from there.
 from __future__ import annotations
 
 import json
+import re
+import subprocess
 from pathlib import Path
 from typing import Any
 
+import orjson
 import pytest
 
-from tests.cli.test_run import ROOT, flyd_run
+from tests.cli.test_flyctl_runs import FLYCTL
+from tests.cli.test_run import ROOT, env_for, flyd_run
 from tests.cli.test_run import tmp as tmp
+from tests.cli.test_wide_runs import events
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -39,7 +44,7 @@ def line_spec(tmp: Path, **world: Any) -> str:
              "modelConfig": {"policy": f"{ENVS}:stubborn"}}],
         "world": {"worldId": "line", "impl": "workers.adapters.pettingzoo:ParallelEnvWorld",
                   "config": {"env": f"{ENVS}:LineEnv", "kwargs": {"size": 16},
-                             "render": True, "seed": 3, **world}},
+                             "render": True, "seed": 3, "episodes": 1, **world}},
         "task": {"impl": "workers.adapters.pettingzoo:EnvTask", "config": {},
                  "terminal": "never"},
         "checkpoints": {"everySteps": 5},
@@ -57,7 +62,8 @@ def slide_spec(tmp: Path) -> str:
                     "model": "workers.adapters.pettingzoo:PolicyModel",
                     "modelConfig": {"policy": f"{ENVS}:slide"}}],
         "world": {"worldId": "track", "impl": "workers.adapters.gymnasium:EnvWorld",
-                  "config": {"env": f"{ENVS}:SlideEnv", "render": True, "seed": 11}},
+                  "config": {"env": f"{ENVS}:SlideEnv", "render": True, "seed": 11,
+                             "episodes": 1}},
         "task": {"impl": "workers.adapters.pettingzoo:EnvTask", "config": {},
                  "terminal": "done"},
         "checkpoints": {"everySteps": 3},
@@ -117,3 +123,312 @@ def test_a_gymnasium_env_is_a_world_of_one_agent_and_its_end_ends_the_episode(
     assert code == 0 and killed["state"] == "succeeded", killed
     assert killed["recoveries"] == 1 and killed["boundary"] == summary["boundary"]
     assert killed["behaviourDigest"] == summary["behaviourDigest"]
+
+
+# --------------------------------------------------------------------------------------------
+# exact recovery of published envs, compared by export (docs/adapters.md, "Checkpoints")
+
+_EXPORTS: dict[str, list[dict[str, Any]]] = {}
+
+
+def export(tmp: Path, run: int) -> list[dict[str, Any]]:
+    """`flyctl runs export RUN`: one result line per committed boundary."""
+    out = subprocess.run([*FLYCTL, "runs", "export", str(run)], cwd=ROOT, env=env_for(tmp),
+                         capture_output=True, timeout=60, check=False)
+    assert out.returncode == 0, out.stderr
+    return [orjson.loads(line) for line in out.stdout.splitlines()]
+
+
+def env_spec(tmp: Path, name: str, agents: list[tuple[str, str]], world: dict[str, Any],
+             steps: int) -> str:
+    """A spec of the adapters: `agents` are `(agentId, policy)`, one port each, in order."""
+    doc = {
+        "sessionId": name, "steps": str(steps), "seed": "7",
+        "agents": [{"agentId": agent, "portId": f"p{i + 1}",
+                    "model": "workers.adapters.pettingzoo:PolicyModel",
+                    "modelConfig": {"policy": policy}} for i, (agent, policy) in
+                   enumerate(agents)],
+        "world": {"worldId": name, **world},
+        "task": {"impl": "workers.adapters.pettingzoo:EnvTask", "config": {},
+                 "terminal": "never"},
+        "checkpoints": {"everySteps": 4},
+    }
+    path = tmp / f"{name}.json"
+    path.write_text(json.dumps(doc))
+    return str(path)
+
+
+PARALLEL = "workers.adapters.pettingzoo:ParallelEnvWorld"
+#: the kill's step: after the checkpoints of boundaries 4, 8 and 12 (`everySteps` 4), so one of
+#: them has committed even on a loaded machine
+KILL_AT = 13
+# The published envs restore from snapshots only (`restore: snapshot`): the default `auto`
+# would replay an env whose snapshot does not continue, which would hide a pickle that lost
+# state (a plain pickle of these envs is a fresh env: the test fails with it).
+SPECS: dict[str, tuple[list[tuple[str, str]], dict[str, Any], int]] = {
+    # MuJoCo (gymnasium[mujoco]): InvertedPendulumEnv inherits EzPickle
+    "pole": ([("balancer", f"{ENVS}:balance")],
+             {"impl": "workers.adapters.gymnasium:EnvWorld",
+              "config": {"env": "gymnasium:make", "kwargs": {"id": "InvertedPendulum-v5"},
+                         "seed": 3, "restore": "snapshot"}}, 24),
+    # PettingZoo's sisl pursuit: 8 pursuers; its raw_env inherits EzPickle
+    "pursuit": ([(f"pursuer-{i}", f"{ENVS}:roam") for i in range(8)],
+                {"impl": PARALLEL,
+                 "config": {"env": "pettingzoo.sisl.pursuit_v5:parallel_env",
+                            "kwargs": {"max_cycles": 100}, "seed": 5,
+                            "restore": "snapshot"}}, 16),
+    # an env whose snapshot restores differently in another process: the default `auto`
+    # trusts it in-process, sees the difference in its render at the restore, and replays
+    "homesick": ([("walker-a", f"{ENVS}:walk"), ("walker-b", f"{ENVS}:walk")],
+                 {"impl": PARALLEL, "config": {"env": f"{ENVS}:HomesickLineEnv",
+                                               "render": True, "seed": 3}}, 20),
+    # an env that cannot be pickled: recovered by replay in the default `auto`
+    "unpicklable": ([("walker-a", f"{ENVS}:walk"), ("walker-b", f"{ENVS}:walk")],
+                    {"impl": PARALLEL, "config": {"env": f"{ENVS}:UnpicklableLineEnv",
+                                                  "seed": 3}}, 20),
+}
+
+
+def exported_run(tmp: Path, name: str, *args: str
+                 ) -> tuple[dict[str, Any], list[dict[str, Any]], str]:
+    agents, world, steps = SPECS[name]
+    config = tmp / "wide.toml"
+    config.write_text(f"[session]\nmax_agents = {max(4, len(agents))}\n")
+    code, summary, err = flyd_run(tmp, "--spec", env_spec(tmp, name, agents, world, steps),
+                                  *PLUGINS, "--mode", "process", "--config", str(config),
+                                  *args, timeout=150)
+    assert code == 0 and summary["state"] == "succeeded", (summary["failures"], summary["outcome"])
+    assert summary["boundary"] == steps
+    return summary, export(tmp, summary["run"]), err
+
+
+def undisturbed_export(tmp: Path, name: str) -> list[dict[str, Any]]:
+    if name not in _EXPORTS:
+        summary, lines, _ = exported_run(tmp, name)
+        assert summary["recoveries"] == 0
+        _EXPORTS[name] = lines
+    return _EXPORTS[name]
+
+
+def observation_digests(line: dict[str, Any]) -> dict[str, str]:
+    return {e["agentId"]: e["payload"]["value"]["observationDigest"] for e in line["events"]
+            if e["kindId"] == "adapter.reward"}
+
+
+@pytest.mark.parametrize("name, victim", [
+    ("pole", "pole"), ("pole", "balancer"), ("pursuit", "pursuit"), ("pursuit", "pursuer-3"),
+    ("unpicklable", "unpicklable"), ("homesick", "homesick")])
+def test_a_published_env_killed_mid_run_exports_the_lines_of_an_undisturbed_run(
+        tmp: Path, name: str, victim: str) -> None:
+    clean = undisturbed_export(tmp, name)
+    summary, lines, err = exported_run(tmp, name, "--fault", f"kill:{victim}@{KILL_AT}")
+    # the fault happened: one recovery, after the named worker was lost, from a checkpoint
+    assert summary["recoveries"] == 1 and summary["epochs"] == ["e1", "e2"], summary
+    assert [f["participant"] for f in summary["failures"]] == [victim]
+    (resumed,) = events(err, "recovery.resumed")
+    assert 0 < int(str(resumed["boundary"])) <= KILL_AT, "not restored from a checkpoint"
+    assert len(lines) == len(clean) == SPECS[name][2]
+    for mine, theirs in zip(lines, clean, strict=True):
+        assert mine["rewards"] == theirs["rewards"], mine["boundary"]
+        assert observation_digests(mine) == observation_digests(theirs), mine["boundary"]
+        assert mine == theirs
+    # not a vacuous comparison: the observations changed along the run
+    assert len({str(observation_digests(line)) for line in clean}) > len(clean) // 2
+
+
+def test_an_env_that_diverges_across_restore_ends_restore_diverged(tmp: Path) -> None:
+    """`restore: snapshot` trusts the pickle; the restored world reports what it renders and
+    the coordinator finds it differs from the checkpoint's record (`auto` replays this env:
+    the test above)."""
+    spec = env_spec(tmp, "drift", [("walker-a", f"{ENVS}:walk"), ("walker-b", f"{ENVS}:walk")],
+                    {"impl": PARALLEL, "config": {"env": f"{ENVS}:HomesickLineEnv",
+                                                  "render": True, "restore": "snapshot",
+                                                  "seed": 3}}, 20)
+    code, summary, _ = flyd_run(tmp, "--spec", spec, *PLUGINS, "--mode", "process",
+                                "--fault", f"kill:drift@{KILL_AT}")
+    assert code != 0 and summary["state"] == "failed", summary
+    assert summary["failures"][0]["participant"] == "drift"  # the kill happened
+    failure = summary["failures"][-1]
+    assert failure["code"] == "RESTORE_DIVERGED" and failure["participant"] == "drift", summary
+
+
+def test_an_env_that_replays_differently_ends_restore_diverged_naming_the_world(tmp: Path) -> None:
+    """Its walkers slip by the process-wide `random`: `auto`'s check sees the twin differ and
+    replays; every new process's replay differs from the record (`RESTORE_DIVERGED`), never a
+    continuation, until the attempts are exhausted."""
+    spec = env_spec(tmp, "slippery", [("walker-a", f"{ENVS}:walk"),
+                                      ("walker-b", f"{ENVS}:walk")],
+                    {"impl": PARALLEL, "config": {"env": f"{ENVS}:GlobalRandomLineEnv",
+                                                  "seed": 3}}, 20)
+    code, summary, _ = flyd_run(tmp, "--spec", spec, *PLUGINS, "--mode", "process",
+                                "--fault", f"kill:slippery@{KILL_AT}")
+    assert code != 0 and summary["state"] == "failed", summary
+    assert summary["failures"][0]["participant"] == "slippery"  # the kill happened
+    assert summary["recoveries"] == 0
+    assert summary["outcome"]["error"] == "recovery attempts exhausted", summary["outcome"]
+    failure = summary["failures"][-1]
+    assert failure["code"] == "RESTORE_DIVERGED" and failure["participant"] == "slippery"
+    # the steps up to the checkpoint replayed, each the same by chance at most 1/4
+    assert re.search(rf"world slippery \(env {ENVS}:GlobalRandomLineEnv\) did not replay its "
+                     r"episode: step [1-9][0-9]*'s result differs from the recorded one",
+                     failure["message"]), failure
+
+
+def test_an_unpicklable_world_with_restore_snapshot_fails_at_once_naming_it(tmp: Path) -> None:
+    spec = env_spec(tmp, "stuck", [("walker-a", f"{ENVS}:walk"), ("walker-b", f"{ENVS}:walk")],
+                    {"impl": PARALLEL, "config": {"env": f"{ENVS}:UnpicklableLineEnv",
+                                                  "restore": "snapshot"}}, 20)
+    code, summary, _ = flyd_run(tmp, "--spec", spec, *PLUGINS, "--mode", "process")
+    assert code != 0 and summary["state"] == "failed", summary
+    assert summary["recoveries"] == 0 and len(summary["failures"]) == 1, summary
+    (failure,) = summary["failures"]
+    assert failure["code"] == "INVALID_ARGUMENT"
+    assert f"world stuck (env {ENVS}:UnpicklableLineEnv) cannot be pickled" \
+        in failure["message"]
+    assert "set restore to auto or replay" in failure["message"]
+
+
+def test_an_action_outside_its_space_ends_the_run_at_once_naming_agent_and_space(
+        tmp: Path) -> None:
+    spec = env_spec(tmp, "wild", [("walker-a", f"{ENVS}:wild"), ("walker-b", f"{ENVS}:walk")],
+                    {"impl": PARALLEL, "config": {"env": f"{ENVS}:LineEnv", "seed": 3}}, 30)
+    code, summary, _ = flyd_run(tmp, "--spec", spec, *PLUGINS, "--mode", "process")
+    assert code != 0 and summary["state"] == "failed", summary
+    assert summary["recoveries"] == 0 and len(summary["failures"]) == 1, summary
+    (failure,) = summary["failures"]
+    assert failure["participant"] == "walker-a"
+    assert "policy tests.cli.adapter_envs:wild returned 7, outside its action space " \
+           "Discrete(3, start=0)" in failure["message"]
+
+
+# --------------------------------------------------------------------------------------------
+# per-agent binary observations, well-known envs, friction (docs/adapters.md)
+
+POLICY_MODEL = "workers.adapters.pettingzoo:PolicyModel"
+PZ_WORLD = "workers.adapters.pettingzoo:ParallelEnvWorld"
+
+
+def write_spec(tmp: Path, name: str, doc: dict[str, Any]) -> str:
+    path = tmp / f"{name}.json"
+    path.write_text(json.dumps(doc))
+    return str(path)
+
+
+def agents(prefix: str, count: int, policy: str) -> list[dict[str, Any]]:
+    return [{"agentId": f"{prefix}-{i:02d}", "portId": f"p{i:02d}", "model": POLICY_MODEL,
+             "modelConfig": {"policy": f"{ENVS}:{policy}"}} for i in range(count)]
+
+
+def test_a_pettingzoo_env_with_pixel_observations_runs(tmp: Path) -> None:
+    """PettingZoo's pistonball: each piston's observation is its own 457×120×3 picture (164 KB,
+    far over the 32 KiB a typed value may hold, so it travels as a binary array by reference);
+    the spec gives no task (the adapter world's EnvTask runs) and integer steps and seed."""
+    doc = {"sessionId": "pistons", "steps": 12, "seed": 3,
+           "agents": agents("piston", 4, "pistons"),
+           "world": {"worldId": "pistonball", "impl": PZ_WORLD,
+                     "config": {"env": "pettingzoo.butterfly.pistonball_v6:parallel_env",
+                                "kwargs": {"n_pistons": 4}, "seed": 1}}}
+    code, summary, err = flyd_run(tmp, "--spec", write_spec(tmp, "pistons", doc), *PLUGINS,
+                                  "--mode", "process", timeout=150)
+    assert code == 0 and summary["state"] == "succeeded", (summary, err[-2000:])
+    assert summary["boundary"] == summary["steps"] == 12
+    assert summary["counter"] == 12  # the env's own steps: the EnvTask's progress counter
+    assert summary["recoveries"] == 0
+
+
+def test_a_64_agent_pettingzoo_run_in_process_mode_succeeds(tmp: Path) -> None:
+    """MPE2's simple_spread with 64 particles, one agent process each: every agent receives
+    only its own observation, so the step's messages grow with the agents, not their square."""
+    doc = {"sessionId": "spread", "steps": 3, "seed": 3, "mode": "process",
+           "agents": agents("particle", 64, "spread"),
+           "world": {"worldId": "spread", "impl": PZ_WORLD,
+                     "config": {"env": "mpe2.simple_spread_v3:parallel_env",
+                                "kwargs": {"N": 64, "max_cycles": 25}, "seed": 2}},
+           "checkpoints": {"everySteps": 0}}
+    config = tmp / "wide.toml"
+    config.write_text("[session]\nmax_agents = 64\n[leases]\nttl_s = 12\n")
+    code, summary, err = flyd_run(tmp, "--spec", write_spec(tmp, "spread", doc), *PLUGINS,
+                                  "--config", str(config), timeout=170)
+    assert code == 0 and summary["state"] == "succeeded", (summary, err[-2000:])
+    assert summary["mode"] == "process" and summary["boundary"] == 3
+    assert len(summary["workers"]) == 65 and summary["counter"] == 3
+
+
+def test_a_non_finite_reward_ends_the_run_at_once_naming_the_env_and_the_task(
+        tmp: Path) -> None:
+    doc = {"sessionId": "nan", "steps": 20, "agents": agents("walker", 2, "walk"),
+           "world": {"worldId": "line", "impl": PZ_WORLD,
+                     "config": {"env": f"{ENVS}:BadRewardLineEnv", "kwargs": {"atStep": 4}}},
+           "checkpoints": {"recoveryMaxAttempts": 3}}
+    code, summary, _ = flyd_run(tmp, "--spec", write_spec(tmp, "nan", doc), *PLUGINS,
+                                "--mode", "process")
+    assert code != 0 and summary["state"] == "failed", summary
+    outcome = summary["outcome"]
+    assert outcome["error"] == "plugin failed"
+    message = outcome["failure"]["message"]
+    assert f"env {ENVS}:BadRewardLineEnv" in message and "reward is nan" in message
+    assert "workers.adapters.pettingzoo:EnvTask" in message
+    assert outcome["failure"]["participant"] == "line"
+    # no retry: one epoch, no recovery, the failure at the step the env gave it
+    assert summary["recoveries"] == 0 and summary["epochs"] == ["e1"]
+    assert summary["boundary"] == 3
+
+    doc["world"]["config"]["kwargs"] = {"atStep": 2, "reward": -5e13}
+    code, summary, _ = flyd_run(tmp, "--spec", write_spec(tmp, "huge", doc), *PLUGINS,
+                                "--mode", "thread")
+    assert code != 0 and summary["recoveries"] == 0 and summary["boundary"] == 1, summary
+    assert "reward is -5e+13" in summary["outcome"]["failure"]["message"], summary
+
+
+def test_a_world_task_mismatch_is_refused_at_submit_naming_both(tmp: Path) -> None:
+    doc = {"steps": 5, "agents": agents("walker", 2, "walk"),
+           "world": {"worldId": "line", "impl": PZ_WORLD, "config": {"env": f"{ENVS}:LineEnv"}},
+           "task": {"impl": "workers.synthetic:CounterTask"}}
+    code, summary, err = flyd_run(tmp, "--spec", write_spec(tmp, "mismatch", doc), *PLUGINS)
+    assert code == 2 and summary["error"]["code"] == "USAGE"
+    message = summary["error"]["message"]
+    assert "/task/impl" in message and "workers.synthetic:CounterTask" in message
+    assert PZ_WORLD in message and message in err  # the same line on stderr
+    reverse = {"steps": 5, "task": {"impl": "workers.adapters.pettingzoo:EnvTask"}}
+    code, summary, _ = flyd_run(tmp, "--spec", write_spec(tmp, "reverse", reverse), *PLUGINS)
+    assert code == 2 and "workers.synthetic:CounterArena" in summary["error"]["message"]
+
+
+def test_episodes_reset_within_a_run_and_recover_across_a_reset(tmp: Path) -> None:
+    """`episodes: 3` on a short line: the env resets twice within the run (each reset seeded
+    from the world seed and the episode number) and terminal `done` ends the run with the third
+    episode; a world killed after the first reset recovers with the clean digest."""
+    doc = {"sessionId": "episodes", "steps": 200, "seed": 5,
+           "agents": agents("walker", 2, "walk"),
+           "world": {"worldId": "line", "impl": PZ_WORLD,
+                     "config": {"env": f"{ENVS}:TimedLineEnv",
+                                "kwargs": {"size": 8, "maxSteps": 7}, "seed": 4,
+                                "episodes": 3}},
+           "task": {"terminal": "done"}, "checkpoints": {"everySteps": 4}}
+    spec = write_spec(tmp, "episodes", doc)
+    code, summary, err = flyd_run(tmp, "--spec", spec, *PLUGINS, "--mode", "thread")
+    assert code == 0 and summary["state"] == "succeeded", (summary, err[-2000:])
+    # three episodes of at most 7 steps each, and more than one episode's worth
+    assert 7 < summary["boundary"] <= 21 and summary["counter"] == summary["boundary"]
+    code, killed, _ = flyd_run(tmp, "--spec", spec, *PLUGINS, "--mode", "process",
+                               "--fault", f"kill:line@{summary['boundary'] - 3}")
+    assert code == 0 and killed["recoveries"] == 1, killed
+    assert killed["boundary"] == summary["boundary"]
+    assert killed["behaviourDigest"] == summary["behaviourDigest"]
+
+
+def test_an_inline_policy_model_behaves_as_the_policy_model(tmp: Path) -> None:
+    """`InlinePolicyModel` only moves the calls onto the worker's event loop: the same spec
+    gives the same behaviour digest."""
+    digests = []
+    for model in ("PolicyModel", "InlinePolicyModel"):
+        doc = {"sessionId": "inline", "steps": 25, "seed": 5,
+               "agents": [{**a, "model": f"workers.adapters.pettingzoo:{model}"}
+                          for a in agents("walker", 2, "walk")],
+               "world": {"worldId": "line", "impl": PZ_WORLD,
+                         "config": {"env": f"{ENVS}:LineEnv", "seed": 2}}}
+        code, summary, _ = flyd_run(tmp, "--spec", write_spec(tmp, model, doc), *PLUGINS,
+                                    "--mode", "process")
+        assert code == 0 and summary["state"] == "succeeded", summary
+        digests.append(summary["behaviourDigest"])
+    assert digests[0] == digests[1]

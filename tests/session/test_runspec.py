@@ -7,6 +7,7 @@ names the offending field (its JSON Pointer `path`, also in the message).
 from __future__ import annotations
 
 import copy
+import json
 from typing import Any
 
 import pytest
@@ -217,11 +218,11 @@ CASES: list[tuple[str, Any, str]] = [
     ("specVersion float", {"specVersion": 1.0}, "/specVersion"),
     ("sessionId upper", {"sessionId": "Demo"}, "/sessionId"),
     ("episodeId empty", {"episodeId": ""}, "/episodeId"),
-    ("steps integer", {"steps": 600}, "/steps"),
+    ("steps negative integer", {"steps": -600}, "/steps"),
     ("steps zero", {"steps": "0"}, "/steps"),
     ("steps leading zero", {"steps": "01"}, "/steps"),
     ("steps too large", {"steps": "18446744073709551616"}, "/steps"),
-    ("seed integer", {"seed": 7}, "/seed"),
+    ("seed float", {"seed": 7.0}, "/seed"),
     ("seed negative", {"seed": "-1"}, "/seed"),
     ("mode alias", {"mode": "inprocess"}, "/mode"),
     ("dispatch", {"dispatch": "parallel"}, "/dispatch"),
@@ -251,8 +252,8 @@ CASES: list[tuple[str, Any, str]] = [
     ("tick zero", two(tick={"numerator": "0", "denominator": "1"}), "/agents/0/tick"),
     ("tick unreduced", two(tick={"numerator": "6", "denominator": "4"}), "/agents/0/tick"),
     ("tick shape", two(tick={"numerator": "1"}), "/agents/0/tick"),
-    ("tick integers", two(tick={"numerator": 1, "denominator": 1}), "/agents/0/tick"),
-    ("warmupTicks integer", two(warmupTicks=10), "/agents/0/warmupTicks"),
+    ("tick negative integers", two(tick={"numerator": -1, "denominator": 1}), "/agents/0/tick"),
+    ("warmupTicks negative", two(warmupTicks=-10), "/agents/0/warmupTicks"),
     ("threads zero", two(threads=0), "/agents/0/threads"),
     ("threads 257", two(threads=257), "/agents/0/threads"),
     ("threads string", two(threads="1"), "/agents/0/threads"),
@@ -316,7 +317,7 @@ CASES: list[tuple[str, Any, str]] = [
      "/injections/kill/0/step"),
     ("kill unknown worker", {"injections": {"kill": [{"worker": "fly-z", "step": "1"}]}},
      "/injections/kill/0/worker"),
-    ("kill step integer", {"injections": {"kill": [{"worker": "fly-a", "step": 1}]}},
+    ("kill step bool", {"injections": {"kill": [{"worker": "fly-a", "step": True}]}},
      "/injections/kill/0/step"),
     ("kill step beyond", {"steps": "3", "injections": {"kill": [{"worker": "fly-a",
                                                                  "step": "3"}]}},
@@ -326,7 +327,7 @@ CASES: list[tuple[str, Any, str]] = [
      "/injections/kill/1"),
     ("lose not list", {"injections": {"loseAdvanceResultAt": "1"}},
      "/injections/loseAdvanceResultAt"),
-    ("lose integer", {"injections": {"loseAdvanceResultAt": [1]}},
+    ("lose negative", {"injections": {"loseAdvanceResultAt": [-1]}},
      "/injections/loseAdvanceResultAt/0"),
     ("lose beyond", {"steps": "2", "injections": {"loseAdvanceResultAt": ["0", "2"]}},
      "/injections/loseAdvanceResultAt/1"),
@@ -353,7 +354,7 @@ CASES: list[tuple[str, Any, str]] = [
     ("delay string", two(faults={"commitDelayMs": "5"}), "/agents/0/faults/commitDelayMs"),
     ("at step without delay", two(faults={"prepareDelayAtStep": "1"}),
      "/agents/0/faults/prepareDelayAtStep"),
-    ("at step integer", two(faults={"commitDelayMs": 5, "commitDelayAtStep": 1}),
+    ("at step float", two(faults={"commitDelayMs": 5, "commitDelayAtStep": 1.0}),
      "/agents/0/faults/commitDelayAtStep"),
     ("at step beyond", {"steps": "4", **two(faults={"prepareDelayMs": 5,
                                                     "prepareDelayAtStep": "4"})},
@@ -362,13 +363,13 @@ CASES: list[tuple[str, Any, str]] = [
      "/world/faults/advanceDelayAtStep"),
     ("fail commit beyond", {"steps": "600", **two(faults={"failCommitAtStep": "600"})},
      "/agents/0/faults/failCommitAtStep"),
-    ("fail commit integer", two(faults={"failCommitAtStep": 1}),
+    ("fail commit negative", two(faults={"failCommitAtStep": -1}),
      "/agents/0/faults/failCommitAtStep"),
     ("boundary zero", {"world": {"faults": {"omitViewAtBoundary": "0"}}},
      "/world/faults/omitViewAtBoundary"),
     ("boundary beyond", {"steps": "3", "world": {"faults": {"staleViewAtBoundary": "4"}}},
      "/world/faults/staleViewAtBoundary"),
-    ("boundary integer", {"world": {"faults": {"truncatedViewAtBoundary": 1}}},
+    ("boundary bool", {"world": {"faults": {"truncatedViewAtBoundary": True}}},
      "/world/faults/truncatedViewAtBoundary"),
     ("audio boundary zero", {"world": {"faults": {"omitAudioAtBoundary": "0"}}},
      "/world/faults/omitAudioAtBoundary"),
@@ -431,3 +432,21 @@ def test_step_addressed_faults_fire_once_and_standing_faults_stay() -> None:
     assert later.injections.kill == ()
     assert later.without_fired(["nothing"]) == later
     RunSpec.validate(later.to_json())
+
+
+def test_integers_are_accepted_wherever_the_spec_takes_a_u64_string() -> None:
+    """What a person writes (`"steps": 50`) is the U64 it names; the normalised spec writes
+    the canonical strings back, so it is the spec of the string form exactly."""
+    written = {"steps": 50, "seed": 7,
+               "agents": [agent(tick={"numerator": 1000000, "denominator": 1}, warmupTicks=3,
+                                faults={"failCommitAtStep": 4}), agent("fly-b", "p2")],
+               "world": {"step": {"numerator": 20000000, "denominator": 1},
+                         "faults": {"truncatedViewAtBoundary": 2}},
+               "injections": {"kill": [{"worker": "fly-a", "step": 9}],
+                              "loseAdvanceResultAt": [3]}}
+    strings = json.loads(json.dumps(written), parse_int=str)
+    assert strings["steps"] == "50"
+    normal = RunSpec.normalise(written)
+    assert normal == RunSpec.normalise(strings)
+    assert normal["steps"] == "50" and normal["seed"] == "7"
+    assert normal["injections"]["kill"] == [{"worker": "fly-a", "step": "9"}]

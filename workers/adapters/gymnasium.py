@@ -4,9 +4,10 @@
 (`{"env": "module:callable", "kwargs": {…}, "render": bool, "seed": int}`; `env` may be
 `gymnasium:make` with `kwargs` `{"id": "CartPole-v1"}`) and behaves the same way: the env is
 wrapped as a parallel env of one agent named `agent`, so the run binds exactly one agent, the
-`PolicyModel` and `EnvTask` of that module drive it unchanged, and the episode is done when the
-env terminates or is truncated (its later controls are ignored). Checkpoints pickle the wrapped
-env; an env that cannot be pickled fails its capture naming it.
+`PolicyModel` and `EnvTask` of that module drive it unchanged, and an episode ends when the
+env terminates or is truncated (the next one starts at once, as for a parallel env).
+Checkpoints and recovery are the parallel world's (`restore: auto | snapshot | replay`,
+`workers.adapters.recovery`), applied to the wrapped env.
 """
 
 from __future__ import annotations
@@ -44,6 +45,15 @@ class SingleAgentParallel:
         return ({AGENT: observation}, {AGENT: reward}, {AGENT: terminated},
                 {AGENT: truncated}, {AGENT: info})
 
+    @property
+    def unwrapped(self) -> Any:
+        """The Gymnasium env's own (its `dt` sets the world's step)."""
+        return self.env.unwrapped
+
+    @property
+    def metadata(self) -> Any:
+        return getattr(self.env, "metadata", {})
+
     def render(self) -> Any:
         return self.env.render()
 
@@ -56,5 +66,6 @@ class EnvWorld(ParallelEnvWorld):
 
     backend: ClassVar[str] = "gymnasium-env-v1"
 
-    def build(self) -> Any:
-        return SingleAgentParallel(super().build())
+    @classmethod
+    def wrap(cls, env: Any) -> Any:
+        return SingleAgentParallel(env)

@@ -2,61 +2,85 @@
 task that turns the environment's rewards and endings into flyd's (docs/adapters.md).
 
 - `ParallelEnvWorld` (world config `{"env": "module:callable", "kwargs": {…}, "render": bool,
-  "seed": int}`): `env(**kwargs)` builds the environment. The run's ports bind to the env's
-  `possible_agents` in order (the i-th agent of the run spec drives the i-th env agent; the
-  counts must be equal). `reset` resets the env with `seed` (default 0), so every episode and
-  every run of a spec is the same. `apply` maps each live agent's port controls to its action
+  "seed": int, "episodes": int, "restore": "auto" | "snapshot" | "replay"}`): `env(**kwargs)`
+  builds the environment. The run's ports bind to the env's `possible_agents` in order (the i-th
+  agent of the run spec drives the i-th env agent; the counts must be equal). `reset` resets the
+  env with the episode's seed (`seed`, default 0, for episode 0; `episode_seed(seed, e)` for
+  episode e). `apply` maps each live agent's port controls to its action
   (`workers.adapters.spaces`) and steps the env once; the controls of agents that are no longer
-  live are ignored, and once no agent is live the env is done and `apply` leaves it alone. The
-  inspection (every agent's last observation, reward, termination and truncation, and the
-  spaces) is each agent's structured input. With `render` true the env is built with
-  `render_mode="rgb_array"` and its render is the world's view `frame`.
+  live are ignored. When no agent is live the episode has ended: the env is reset at once for the
+  next episode, up to `episodes` (unbounded when left out: episodes follow each other until the
+  run's step count), after which it is done and `apply` leaves it alone. The world offers
+  `per-agent-input-v1`: each agent receives only its own observation (binary arrays), reward and
+  endings (`adapter.input.v1`), its spaces once at boundary 0; the inspection
+  (`adapter.inspection.v2`, rewards and endings, no observations) is the task's. With `render`
+  true the env is built with `render_mode="rgb_array"` and its render is the world's view `frame`.
+  The world's step follows the env (`natural_step`: its `dt`, else `1 / metadata["render_fps"]`)
+  unless the run spec sets one.
 - `PolicyModel` (model config `{"policy": "module:callable"}`): when its input arrives it calls
-  `policy(observation, env_agent, rng)` once, with the observation as the env gave it, the env's
-  name of the agent and a numpy `Generator` seeded by the agent's seed, and decides the
-  controls that make the world take the returned action (`arena.decision.v1`, so the default
-  `IdentityExecutor` applies it). A policy that is a plain function keeps no state; any other
-  callable object is copied per agent and its state is part of the agent's checkpoint.
+  `policy(observation, env_agent, rng, spaces)` once (a policy taking two or three positional
+  arguments gets the first two or three), with the observation as the env gave it, the env's
+  name of the agent, a numpy `Generator` seeded by the agent's seed and the agent's
+  `Spaces(observation, action)`, and decides the controls that make the world take the
+  returned action (`arena.decision.v1`, so the default `IdentityExecutor` applies it). A policy
+  that is a plain function keeps no state; any other callable object is copied per agent and
+  its state is part of the agent's checkpoint.
 - `EnvTask` (task config `{}`, terminal `never`, `done` or `after:N`): each live agent's env
-  reward of a transition is its flyd reward; `done` ends the episode when every env agent has
-  terminated or been truncated.
+  reward of a transition is its flyd reward; `done` ends the episode when every episode the
+  world runs has ended.
 
-Checkpoints pickle the env (and a stateful policy). An env that cannot be pickled fails its
-capture with `UNSUPPORTED` naming the env, and so does the run at its first checkpoint: such an
-env cannot be recovered. Restoring unpickles a checkpoint the node wrote itself; never restore
-a checkpoint from a source you do not trust.
+A reward that is not finite or lies outside ±`MAX_REWARD` fails the step at once, naming the
+env, the agent and the task, as a failure that repeats (the run ends without a retry: the same
+env gives the same reward again).
+
+Checkpoints hold the env's whole state or its episode's actions, as the world config's
+`restore` (`auto`, the default, `snapshot` or `replay`) says: `workers.adapters.recovery`; the
+world's capture is compressed. Every call into the env runs on the world's own env thread
+(`workers.adapters.thread`). An action outside its space ends the run at once, naming the agent
+and the space. Restoring unpickles a checkpoint the node wrote itself; never restore a
+checkpoint from a source you do not trust.
 """
 
 from __future__ import annotations
 
 import copy
+import hashlib
 import importlib
+import inspect
+import math
 import pickle
 import re
 import types
+import zlib
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Executor
-from typing import Any, ClassVar, Final
+from typing import Any, ClassVar, Final, NamedTuple
 
 import numpy as np
 
+from workers.adapters.recovery import EnvRecovery
+from workers.adapters.replay import observation_digest
 from workers.adapters.spaces import (
     CONTEXT,
     EPISODE,
     EVENT,
+    INPUT,
     INSPECTION,
     PROGRESS,
     controller,
+    decode_observation,
     describe,
+    encode_observation,
     expect,
-    from_json,
     neutral,
+    space_text,
     to_action,
     to_intent,
-    to_json,
+    to_space,
     typed,
     unsupported,
 )
+from workers.adapters.thread import EnvThread
 from workers.canonical import canonical, digest_bytes, parse_strict
 from workers.composition import config_asset
 from workers.datatypes import (
@@ -74,11 +98,26 @@ from workers.datatypes import (
     TypedValue,
     ViewDescriptor,
 )
-from workers.domain import DomainError, Scope, parse_bool, parse_finite, parse_id, parse_int
+from workers.domain import (
+    DomainError,
+    ErrorCode,
+    Mutation,
+    PluginFault,
+    PluginStage,
+    Scope,
+    clip_message,
+    parse_bool,
+    parse_finite,
+    parse_id,
+    parse_int,
+)
 from workers.protocols import (
-    STRUCTURED_OBSERVATION,
+    ARRAY_INPUT,
+    PER_AGENT_INPUT,
+    AgentArray,
     AgentOutcome,
     Bootstrap,
+    DecodedArray,
     DecodedView,
     EpisodeRequest,
     Evaluation,
@@ -88,10 +127,13 @@ from workers.synthetic.schemas import DECISION
 from workers.ticks import RationalNs
 
 VIEW_ID: Final = "frame"
-WORLD_FORMAT: Final = "adapter-world-v1"
-MODEL_FORMAT: Final = "adapter-policy-v1"
+WORLD_FORMAT: Final = "adapter-world-v3"
+MODEL_FORMAT: Final = "adapter-policy-v2"
 TASK_FORMAT: Final = "adapter-task-v1"
-WORLD_KEYS: Final = frozenset({"env", "kwargs", "render", "seed"})
+TASK_PATH: Final = "workers.adapters.pettingzoo:EnvTask"
+WORLD_KEYS: Final = frozenset({"env", "kwargs", "render", "seed", "episodes", "restore"})
+#: the largest reward magnitude an env may give (beyond it sums lose every unit digit)
+MAX_REWARD: Final = 1e12
 _IMPORT_PATH: Final = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*")
 _TERMINAL: Final = re.compile(r"after:(0|[1-9][0-9]{0,15})")
 
@@ -112,8 +154,42 @@ def load_callable(path: Any, what: str) -> Callable[..., Any]:
     return obj  # type: ignore[no-any-return]
 
 
-def _float(value: Any, what: str) -> float:
-    return parse_finite(float(value), what)
+def episode_seed(seed: int, episode: int) -> int:
+    """The reset seed of episode `episode` of a run whose world seed is `seed`: `seed` itself
+    for episode 0 (a one-episode run resets as before), else 63 bits of
+    `SHA-256("<seed>\\n<episode>\\n")`, so every episode differs and a recovered run
+    resets exactly as the undisturbed one."""
+    if episode == 0:
+        return seed
+    digest = hashlib.sha256(f"{seed}\n{episode}\n".encode()).digest()
+    return int.from_bytes(digest[:8], "big") >> 1
+
+
+def step_of(seconds: float, what: str) -> RationalNs:
+    """A step of `seconds` (> 0, finite) as exact nanoseconds, rounded to the nanosecond."""
+    if not isinstance(seconds, int | float) or not math.isfinite(seconds) or seconds <= 0:
+        raise DomainError.invalid(f"{what} must be a positive number of seconds; got "
+                                  f"{seconds!r}")
+    return RationalNs.of(max(1, round(seconds * 1e9)), 1)
+
+
+def bad_reward(env_path: str, agent: str, value: Any) -> DomainError:
+    """A reward the task cannot take: a failure that repeats, so the run ends at once."""
+    shown = f"{value:g}" if isinstance(value, float) else repr(value)
+    message = (f"env {env_path}: agent {agent}'s reward is {shown}; task {TASK_PATH} takes "
+               f"finite rewards within ±{MAX_REWARD:g} (fix the env's reward)")
+    return DomainError(ErrorCode.BACKEND_FAILURE, message, Mutation.APPLIED,
+                       PluginFault(env_path, PluginStage.CALL, "ValueError", message, (), True))
+
+
+def checked_reward(env_path: str, agent: str, value: Any) -> float:
+    try:
+        reward = float(value)
+    except (TypeError, ValueError):
+        raise bad_reward(env_path, agent, value) from None
+    if not math.isfinite(reward) or abs(reward) > MAX_REWARD:
+        raise bad_reward(env_path, agent, reward)
+    return reward
 
 
 # ============================================================================================
@@ -123,9 +199,63 @@ def _float(value: Any, what: str) -> float:
 class ParallelEnvWorld:
     """A PettingZoo `ParallelEnv`, one port per env agent, in order."""
 
-    capabilities: ClassVar[tuple[str, ...]] = (STRUCTURED_OBSERVATION,)
+    capabilities: ClassVar[tuple[str, ...]] = (PER_AGENT_INPUT,)
     inline_calls: ClassVar[bool] = False  # an env step may take long; the model thread runs it
     backend: ClassVar[str] = "pettingzoo-parallel-env-v1"
+
+    @classmethod
+    def natural_step(cls, config: Mapping[str, Any]) -> RationalNs | None:
+        """The env's own step: its `dt` (the unwrapped env's, as MuJoCo envs give it), else
+        `1 / metadata["render_fps"]`; None when it has neither. Builds the env once."""
+        env = cls.check_config(config)[0]()
+        try:
+            dt = getattr(getattr(env, "unwrapped", env), "dt", None)
+            if dt is not None:
+                return step_of(dt, f"env {config.get('env')} dt")
+            fps = (getattr(env, "metadata", None) or {}).get("render_fps")
+            if fps is not None:
+                if isinstance(fps, bool) or not isinstance(fps, int | float) or fps <= 0:
+                    raise DomainError.invalid(f"env {config.get('env')} metadata render_fps "
+                                              f"{fps!r} is not a positive rate")
+                return RationalNs.of(10**9, int(fps)) if float(fps).is_integer() \
+                    else step_of(1.0 / fps, f"env {config.get('env')} 1/render_fps")
+            return None
+        finally:
+            close = getattr(env, "close", None)
+            if callable(close):
+                close()
+
+    @classmethod
+    def check_config(cls, config: Mapping[str, Any]) -> tuple[Callable[[], Any], str]:
+        """A builder of the env the config names, and its import path."""
+        extra = set(config) - WORLD_KEYS
+        if extra:
+            raise DomainError.invalid(f"world config: unknown keys {sorted(extra)} (known: "
+                                      f"{sorted(WORLD_KEYS)})")
+        env_path = str(config.get("env"))
+        make = load_callable(config.get("env"), "world config env")
+        kwargs = config.get("kwargs", {})
+        if not isinstance(kwargs, dict):
+            raise DomainError.invalid("world config kwargs must be an object")
+        if parse_bool(config.get("render", False), "world config render") \
+                and "render_mode" not in kwargs:
+            kwargs = {**kwargs, "render_mode": "rgb_array"}
+
+        def build() -> Any:
+            try:
+                return cls.wrap(make(**kwargs))
+            except DomainError:
+                raise
+            except Exception as exc:
+                raise DomainError.invalid(f"env {env_path}: building it failed: "
+                                          f"{type(exc).__name__}: {exc}") from None
+
+        return build, env_path
+
+    @classmethod
+    def wrap(cls, env: Any) -> Any:
+        """The env as the world steps it (a parallel env; the Gymnasium world wraps)."""
+        return env
 
     def __init__(self, *, world_id: str, ports: Sequence[str], step: RationalNs,
                  observation_delay_steps: int, threads: int,
@@ -135,20 +265,20 @@ class ParallelEnvWorld:
         self.ports = tuple(ports)
         self.step = step
         self.config = dict(config)
-        extra = set(self.config) - WORLD_KEYS
-        if extra:
-            raise DomainError.invalid(f"world config: unknown keys {sorted(extra)} (known: "
-                                      f"{sorted(WORLD_KEYS)})")
-        self.env_path = str(self.config.get("env"))
-        self.make = load_callable(self.config.get("env"), "world config env")
-        kwargs = self.config.get("kwargs", {})
-        if not isinstance(kwargs, dict):
-            raise DomainError.invalid("world config kwargs must be an object")
+        self.builder, self.env_path = self.check_config(self.config)
         self.render_view = parse_bool(self.config.get("render", False), "world config render")
-        if self.render_view and "render_mode" not in kwargs:
-            kwargs = {**kwargs, "render_mode": "rgb_array"}
-        self.kwargs = kwargs
         self.seed = parse_int(self.config.get("seed", 0), "world config seed", 0, 2**63 - 1)
+        episodes = self.config.get("episodes")
+        self.episodes: int | None = None if episodes is None else \
+            parse_int(episodes, "world config episodes", 1, 2**53 - 1)
+        self.recovery = EnvRecovery(str(self.config.get("restore", "auto")),
+                                    f"world {world_id} (env {self.env_path})")
+        #: every call into the env runs on this thread (workers.adapters.thread)
+        self.thread = EnvThread(f"{world_id}-env")
+        self.thread.call(self._start, observation_delay_steps)
+
+    def _start(self, observation_delay_steps: int) -> None:
+        """Build the env, bind the ports, reset it and size the view (on the env thread)."""
         self.env: Any = self.build()
         names = [str(a) for a in self.env.possible_agents]
         if len(names) != len(self.ports):
@@ -168,7 +298,10 @@ class ParallelEnvWorld:
         self.terminated: dict[str, bool] = {}
         self.truncated: dict[str, bool] = {}
         self.steps = 0
+        self.episode = 0
+        self.ended = 0  # episodes that ended
         self.reset_env()
+        self.recovery.admit(self.env)
         self.views: tuple[ViewDescriptor, ...] = ()
         if self.render_view:
             height, width = self.frame().shape[:2]
@@ -179,27 +312,32 @@ class ParallelEnvWorld:
 
     def build(self) -> Any:
         """The environment, from the config's callable and kwargs."""
-        try:
-            return self.make(**self.kwargs)
-        except DomainError:
-            raise
-        except Exception as exc:
-            raise DomainError.invalid(f"env {self.env_path}: building it failed: "
-                                      f"{type(exc).__name__}: {exc}") from None
+        return self.builder()
 
     def live(self) -> set[str]:
+        """The env's live agents (on the env thread; `alive` keeps them for other threads)."""
         return {str(a) for a in self.env.agents}
 
-    def reset_env(self) -> None:
-        observations, _ = self.env.reset(seed=self.seed)
-        self.steps = 0
+    def done(self) -> bool:
+        """Every episode the world runs has ended."""
+        return self.episodes is not None and self.ended >= self.episodes
+
+    def reset_env(self, *, rewards: bool = True) -> None:
+        """Reset the env for `self.episode` with that episode's seed."""
+        seed = episode_seed(self.seed, self.episode)
+        observations, _ = self.env.reset(seed=seed)
+        self.recovery.reset(seed)
+        #: the live agents as of the env's last reset or step, read without a call into it
+        self.alive = self.live()
         for port, agent in self.env_agents.items():
-            self.observations[port] = to_json(self.observation_spaces[port], observations[agent])
-            self.rewards[port] = 0.0
+            self.observations[port] = observations[agent]
+            if rewards:
+                self.rewards[port] = 0.0
             self.terminated[port] = self.truncated[port] = False
 
-    def frame(self) -> Any:
-        frame = np.asarray(self.env.render())
+    def frame(self, env: Any = None) -> Any:
+        """The render of `env` (the world's own by default) as an H×W×3|4 uint8 array."""
+        frame = np.asarray((self.env if env is None else env).render())
         if frame.ndim != 3 or frame.shape[2] not in (3, 4) or frame.dtype != np.uint8:
             raise DomainError.invalid(f"env {self.env_path}: render() must return an rgb_array "
                                       f"(H×W×3 uint8); got {frame.dtype} {frame.shape}")
@@ -228,42 +366,78 @@ class ParallelEnvWorld:
 
     def reset(self, episode_id: str, bindings: Sequence[tuple[str, str]]) -> None:
         self.agents = {port: agent for port, agent in bindings}
-        self.reset_env()
+        self.steps = self.episode = self.ended = 0
+        self.thread.call(self.reset_env)
 
     def apply(self, controls: Sequence[PortControl]) -> None:
-        live = self.live()
-        if not live:
+        self.thread.call(self._apply, controls)
+
+    def _apply(self, controls: Sequence[PortControl]) -> None:
+        if self.done():
+            for port in self.ports:
+                self.rewards[port] = 0.0
             return
+        live = self.live()
         actions = {self.env_agents[c.port_id]: to_action(self.action_spaces[c.port_id], c)
                    for c in controls if self.names[c.port_id] in live}
-        observations, rewards, terminations, truncations, _ = self.env.step(actions)
+        result = self.env.step(actions)
+        self.recovery.stepped(actions, result)
+        observations, rewards, terminations, truncations, _ = result
         self.steps += 1
         for port, agent in self.env_agents.items():
             if self.names[port] not in live:
                 self.rewards[port] = 0.0
                 continue
             if agent in observations:
-                self.observations[port] = to_json(self.observation_spaces[port],
-                                                  observations[agent])
-            self.rewards[port] = _float(rewards.get(agent, 0.0), f"{agent}'s reward")
+                self.observations[port] = observations[agent]
+            self.rewards[port] = checked_reward(self.env_path, self.names[port],
+                                                rewards.get(agent, 0.0))
             self.terminated[port] = bool(terminations.get(agent, False))
             self.truncated[port] = bool(truncations.get(agent, False))
+        self.alive = self.live()
+        if not self.alive:
+            self.ended += 1
+            if not self.done():
+                self.episode += 1
+                self.reset_env(rewards=False)
 
     def inspection(self, boundary: int) -> TypedValue:
-        live = self.live()
+        live = self.alive
+        # by column, agents in port order: no key repeated per agent, so 256 agents fit the
+        # 32 KiB of a typed value
+        done = self.done()
         return typed(INSPECTION, {
-            "boundary": boundary, "env": self.env_path, "steps": self.steps, "done": not live,
-            "agents": [{"portId": port, "agentId": self.agents.get(port),
-                        "envAgent": self.names[port], "active": self.names[port] in live,
-                        "observation": self.observations[port], "reward": self.rewards[port],
-                        "terminated": self.terminated[port], "truncated": self.truncated[port],
-                        "observationSpace": self.observation_spaces[port],
-                        "actionSpace": self.action_spaces[port]} for port in self.ports]})
+            "boundary": boundary, "env": self.env_path, "steps": self.steps,
+            "episode": self.episode, "episodesDone": self.ended, "done": done,
+            "agentIds": [self.agents.get(port) for port in self.ports],
+            "active": [self.names[port] in live and not done for port in self.ports],
+            "rewards": [self.rewards[port] for port in self.ports],
+            "terminated": [self.terminated[port] for port in self.ports],
+            "truncated": [self.truncated[port] for port in self.ports],
+            "observationDigests": [observation_digest(self.observations[port])
+                                   for port in self.ports]})
+
+    def agent_input(self, port_id: str, boundary: int
+                    ) -> tuple[TypedValue, Sequence[AgentArray]]:
+        """The agent on `port_id`'s own input: its observation (binary arrays), reward and
+        endings; its spaces at boundary 0 only."""
+        observation, arrays = encode_observation(self.observation_spaces[port_id],
+                                                 self.observations[port_id])
+        value: dict[str, Any] = {
+            "step": self.steps, "episode": self.episode, "done": self.done(),
+            "active": self.names[port_id] in self.alive and not self.done(),
+            "reward": self.rewards[port_id], "terminated": self.terminated[port_id],
+            "truncated": self.truncated[port_id], "observation": observation}
+        if boundary == 0:
+            value["spaces"] = {"agent": self.names[port_id],
+                               "observation": self.observation_spaces[port_id],
+                               "action": self.action_spaces[port_id]}
+        return typed(INPUT, value), arrays
 
     def render(self, view_id: str, boundary: int) -> bytes:
         if not self.views or view_id != VIEW_ID:
             raise DomainError.invalid(f"env {self.env_path} has no view {view_id}")
-        frame = self.frame()
+        frame = self.thread.call(self.frame)
         view = self.views[0]
         if frame.shape[:2] != (view.height, view.width):
             raise DomainError.invalid(f"env {self.env_path}: a frame of {frame.shape[1]}×"
@@ -279,42 +453,60 @@ class ParallelEnvWorld:
 
     # ------------------------------------------------------------------ checkpoint
 
+    def picture(self) -> Callable[[Any], str] | None:
+        """The digest of an env's render, for a world that renders."""
+        if not self.render_view:
+            return None
+        return lambda env: observation_digest(self.frame(env))
+
     def capture(self) -> bytes:
-        state = {"format": WORLD_FORMAT, "env": self.env, "agents": self.agents,
-                 "observations": self.observations, "rewards": self.rewards,
-                 "terminated": self.terminated, "truncated": self.truncated,
-                 "steps": self.steps}
-        try:
-            return pickle.dumps(state, protocol=pickle.HIGHEST_PROTOCOL)
-        except Exception as exc:
-            raise unsupported(f"env {self.env_path} cannot be pickled, so its world cannot be "
-                              f"checkpointed or recovered: {type(exc).__name__}: {exc}") \
-                from None
+        """The world's state and its env's (`workers.adapters.recovery`: a snapshot, or the
+        episode's record to replay), made on the env thread."""
+        return self.thread.call(self._capture)
+
+    def _capture(self) -> bytes:
+        state = {"format": WORLD_FORMAT, "env": self.recovery.capture(self.env, self.picture()),
+                 "agents": self.agents, "observations": self.observations,
+                 "rewards": self.rewards, "terminated": self.terminated,
+                 "truncated": self.truncated, "steps": self.steps, "episode": self.episode,
+                 "ended": self.ended}
+        # compressed: an env's pickle holds its screens and the last observations (a pixel
+        # env's 2 MB shrink to tens of KB), and a capture must fit one bus frame
+        return zlib.compress(pickle.dumps(state, protocol=pickle.HIGHEST_PROTOCOL), 1)
 
     def restore(self, payload: bytes) -> None:
-        """Install a `capture()`: all or nothing, `INCOMPATIBLE_STATE` when it does not fit."""
+        """Install a `capture()`: all or nothing, `INCOMPATIBLE_STATE` when it does not fit
+        (or its episode does not replay exactly)."""
+        self.thread.call(self._restore, payload)
+
+    def _restore(self, payload: bytes) -> None:
         try:
-            state = pickle.loads(payload)
+            state = pickle.loads(zlib.decompress(payload))
         except Exception as exc:
             raise DomainError.before("INCOMPATIBLE_STATE", f"env {self.env_path} state: "
                                      f"{type(exc).__name__}") from None
         keys = {"format", "env", "agents", "observations", "rewards", "terminated",
-                "truncated", "steps"}
+                "truncated", "steps", "episode", "ended"}
         if not isinstance(state, dict) or set(state) != keys \
                 or state["format"] != WORLD_FORMAT \
+                or not isinstance(state["env"], dict) \
+                or set(state["env"]) != {"state", "env", "log", "frame"} \
                 or any(set(state[k]) != set(self.ports) for k in
                        ("observations", "rewards", "terminated", "truncated")):
             raise DomainError.before("INCOMPATIBLE_STATE", f"env {self.env_path} state: not a "
                                      f"{WORLD_FORMAT} state of ports {list(self.ports)}")
-        previous, self.env = self.env, state["env"]
+        previous = self.env
+        self.env = self.recovery.restore(state["env"], previous, self.picture())
         self.agents = dict(state["agents"])
         self.observations = dict(state["observations"])
         self.rewards = dict(state["rewards"])
         self.terminated = dict(state["terminated"])
         self.truncated = dict(state["truncated"])
         self.steps = int(state["steps"])
+        self.episode, self.ended = int(state["episode"]), int(state["ended"])
+        self.alive = self.live()
         close = getattr(previous, "close", None)
-        if callable(close):
+        if previous is not self.env and callable(close):
             close()
 
 
@@ -322,22 +514,48 @@ class ParallelEnvWorld:
 # the policy model
 
 
-def _own(structured: Any, agent_id: str) -> dict[str, Any]:
-    agents = structured.get("agents") if isinstance(structured, dict) else None
-    mine = next((a for a in agents or () if isinstance(a, dict) and a.get("agentId") == agent_id),
-                None)
-    if mine is None:
-        raise DomainError.invalid(f"the world's inspection shows no env agent bound to "
-                                  f"{agent_id}")
-    return mine
+class Spaces(NamedTuple):
+    """An agent's spaces as gymnasium spaces (the policy's fourth argument)."""
+
+    observation: Any
+    action: Any
+
+
+def random_policy(observation: Any, agent_id: str, rng: np.random.Generator,
+                  spaces: Spaces) -> Any:
+    """A uniformly random action of the agent's action space, drawn from `rng` (so a run of
+    it is reproducible): a ready policy to try an env with (`workers.adapters.pettingzoo:
+    random_policy`)."""
+    space = spaces.action
+    if hasattr(space, "n"):  # Discrete
+        return int(space.start) + int(rng.integers(0, int(space.n)))
+    if hasattr(space, "low"):  # Box
+        return rng.uniform(space.low, space.high).astype(space.dtype)
+    return rng.integers(0, 2, size=space.shape).astype(np.int8)  # MultiBinary
+
+
+
+def _arity(policy: Callable[..., Any]) -> int:
+    """How many positional arguments the policy takes, 2..4 (4 when it takes `*args`)."""
+    try:
+        params = inspect.signature(policy).parameters.values()
+    except (TypeError, ValueError):
+        return 4
+    if any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in params):
+        return 4
+    positional = [p for p in params if p.kind in (inspect.Parameter.POSITIONAL_ONLY,
+                                                   inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+    if len(positional) < 2:
+        raise DomainError.invalid("a policy takes (observation, agent_id[, rng[, spaces]])")
+    return min(4, len(positional))
 
 
 class PolicyModel:
     """Calls a policy once per input and presses the controls of the action it returns."""
 
-    capabilities: ClassVar[tuple[str, ...]] = ()
+    capabilities: ClassVar[tuple[str, ...]] = (ARRAY_INPUT,)
     inline_calls: ClassVar[bool] = False  # a policy may take long; the model thread runs it
-    model_version: ClassVar[str] = "adapter-policy-v1"
+    model_version: ClassVar[str] = "adapter-policy-v2"
     plasticity_version: ClassVar[str] = "adapter-policy-none-v1"
 
     @classmethod
@@ -362,11 +580,14 @@ class PolicyModel:
             raise DomainError.invalid("an adapter context is {step}")
 
     @classmethod
-    def encode(cls, views: Sequence[DecodedView], structured: TypedValue | None) -> Any:
+    def encode(cls, views: Sequence[DecodedView], structured: TypedValue | None,
+               arrays: Sequence[DecodedArray] = ()) -> Any:
         if structured is None:
-            raise DomainError.invalid("the policy model needs structured input (an adapter "
-                                      "world's inspection)")
-        return expect(structured, INSPECTION, "the structured input")
+            raise DomainError.invalid("the policy model needs an adapter world's input")
+        value = expect(structured, INPUT, "the structured input")
+        if not isinstance(value, dict):
+            raise DomainError.invalid("an adapter input is an object")
+        return value, {a.id: a for a in arrays}
 
     def __init__(self, *, agent_id: str, seed: int, threads: int, executor: Executor,
                  config: Mapping[str, Any]) -> None:
@@ -377,7 +598,10 @@ class PolicyModel:
         policy = load_callable(config["policy"], "model config policy")
         self.stateful = not isinstance(policy, types.FunctionType | types.BuiltinFunctionType)
         self.policy = copy.deepcopy(policy) if self.stateful else policy
+        self.arity = _arity(self.policy)
         self.rng = np.random.default_rng(seed & 0xFFFFFFFF)
+        self.spaces: dict[str, Any] | None = None  # described, from the boundary-0 input
+        self.built: Spaces | None = None
         self.intent: dict[str, Any] = {"buttons": [], "axes": []}
         self.ticks = 0
         self.learning = False
@@ -385,22 +609,53 @@ class PolicyModel:
         self.total = 0.0
         self._mutations = 0
 
+    def gym_spaces(self) -> Spaces:
+        """The agent's spaces as gymnasium spaces, rebuilt once from their descriptions."""
+        if self.built is None:
+            assert self.spaces is not None
+            self.built = Spaces(to_space(self.spaces["observation"]),
+                                to_space(self.spaces["action"]))
+        return self.built
+
     def install_input(self, encoded: Any) -> None:
-        mine = _own(encoded, self.agent_id)
-        space = mine["actionSpace"]
-        if mine["active"] and not encoded.get("done"):
-            observation = from_json(mine["observationSpace"], mine["observation"])
+        value, arrays = encoded
+        if "spaces" in value:
+            self.spaces, self.built = dict(value["spaces"]), None
+        if self.spaces is None:
+            raise DomainError.invalid(f"agent {self.agent_id} has no spaces: they come with "
+                                      "the world's first input")
+        action_space = self.spaces["action"]
+        if value.get("active") and not value.get("done"):
+            observation = decode_observation(self.spaces["observation"], value["observation"],
+                                             arrays)
+            args: tuple[Any, ...] = (observation, self.spaces["agent"], self.rng,
+                                     self.gym_spaces())
             try:
-                action = self.policy(observation, mine["envAgent"], self.rng)
+                action = self.policy(*args[:self.arity])
             except DomainError:
                 raise
             except Exception as exc:
                 raise DomainError.invalid(f"policy {self.policy_path} failed: "
                                           f"{type(exc).__name__}: {exc}") from None
-            self.intent = to_intent(space, action)
+            try:
+                self.intent = to_intent(action_space, action)
+            except DomainError as exc:
+                raise self._outside(action, action_space, exc.message) from None
         else:
-            self.intent = neutral(space)
+            self.intent = neutral(action_space)
         self._mutations += 1
+
+    def _outside(self, action: Any, space: Mapping[str, Any], why: str) -> DomainError:
+        """An action outside its space: the same policy returns it again on every attempt,
+        so the failure repeats (the run ends at once) and names the agent and the space."""
+        assert self.spaces is not None
+        message = (f"agent {self.agent_id} (env agent {self.spaces['agent']}): policy "
+                   f"{self.policy_path} returned {np.asarray(action).tolist()!r}, outside its "
+                   f"action space {space_text(space)} ({why}); make the policy return actions "
+                   "of that space")
+        fault = PluginFault(self.policy_path, PluginStage.CALL, "ActionOutsideSpace",
+                            clip_message(message), (), True)
+        return DomainError(ErrorCode.BACKEND_FAILURE, message, Mutation.UNKNOWN, fault)
 
     def advance(self, ticks: int) -> None:
         self.ticks += ticks
@@ -431,6 +686,7 @@ class PolicyModel:
     def capture(self) -> bytes:
         state = {"format": MODEL_FORMAT, "policy": self.policy if self.stateful else None,
                  "rng": self.rng.bit_generator.state, "intent": self.intent,
+                 "spaces": self.spaces,
                  "ticks": self.ticks, "learning": self.learning, "signal": self.signal,
                  "total": self.total, "mutations": self._mutations}
         try:
@@ -450,6 +706,7 @@ class PolicyModel:
             rng = np.random.default_rng()
             rng.bit_generator.state = state["rng"]
             intent = dict(state["intent"])
+            described = state["spaces"]
             ticks, mutations = int(state["ticks"]), int(state["mutations"])
             learning, signal = bool(state["learning"]), float(state["signal"])
             total = float(state["total"])
@@ -459,7 +716,17 @@ class PolicyModel:
         if self.stateful:
             self.policy = state["policy"]
         self.rng, self.intent, self.ticks, self._mutations = rng, intent, ticks, mutations
+        self.spaces, self.built = described, None
         self.learning, self.signal, self.total = learning, signal, total
+
+
+class InlinePolicyModel(PolicyModel):
+    """`PolicyModel` whose calls run on the agent worker's event loop instead of its model
+    thread: for a policy that answers in well under a millisecond (a lookup, a small linear
+    map), it saves two thread hand-offs a step. A slow policy here holds the worker's loop (its
+    replies to health probes included), so keep `PolicyModel` for anything heavier."""
+
+    inline_calls: ClassVar[bool] = True
 
 
 # ============================================================================================
@@ -475,16 +742,26 @@ def event_id(epoch: str, step: int, rule: str, ordinal: int) -> str:
     return "ev-" + digest_bytes(f"{epoch}\n{step}\n{rule}\n{ordinal}\n".encode())[:16]
 
 
+_COLUMNS: Final = {"agentIds": "agentId", "active": "active", "rewards": "reward",
+                   "terminated": "terminated", "truncated": "truncated",
+                   "observationDigests": "observationDigest"}
+
+
 def _agents(inspection: TypedValue, which: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The inspection and its agents, one `{agentId, active, reward, terminated, truncated,
+    observationDigest}` per port, from its columns."""
     value = expect(inspection, INSPECTION, f"the {which} inspection")
-    agents = value.get("agents") if isinstance(value, dict) else None
-    if not isinstance(agents, list) or not all(isinstance(a, dict) for a in agents):
+    columns = [value.get(c) if isinstance(value, dict) else None for c in _COLUMNS]
+    if not all(isinstance(c, list) for c in columns) \
+            or len({len(c) for c in columns if isinstance(c, list)}) != 1:
         raise DomainError.invalid(f"the {which} inspection has no agents")
-    return value, agents
+    return value, [dict(zip(_COLUMNS.values(), row, strict=True))
+                   for row in zip(*columns, strict=True)]
 
 
 class EnvTask:
-    """The env's rewards as flyd rewards; the env's end as the episode's."""
+    """The env's rewards as flyd rewards; the end of the world's last episode as the run's
+    episode end (terminal `done`)."""
 
     def __init__(self, *, config: Mapping[str, Any], terminal: str, max_agents: int,
                  epoch: str) -> None:
@@ -523,7 +800,7 @@ class EnvTask:
         step = scope.step + 1
         before, old_agents = _agents(old, "old")
         after, new_agents = _agents(new, "new")
-        acted = {a.get("portId") for a in old_agents if a.get("active")} \
+        acted = {a.get("agentId") for a in old_agents if a.get("active")} \
             if not before.get("done") else set()
         rewards: dict[str, list[Reward]] = {agent: [] for agent in self.returns}
         events: list[TaskEvent] = []
@@ -532,20 +809,24 @@ class EnvTask:
             agent = entry.get("agentId")
             if agent not in rewards:
                 raise DomainError.before("IDENTITY_MISMATCH",
-                                         f"port {entry.get('portId')} has no bound agent")
-            if entry.get("portId") not in acted:
+                                         f"the inspection's agent {ordinal} is not bound")
+            if agent not in acted:
                 continue
             value = parse_finite(entry.get("reward"), "reward")
             ident = event_id(scope.epoch, step, "reward", ordinal)
             events.append(TaskEvent(ident, "adapter.reward", step, agent, typed(EVENT, {
                 "reward": value, "terminated": bool(entry.get("terminated")),
-                "truncated": bool(entry.get("truncated"))})))
+                "truncated": bool(entry.get("truncated")),
+                "observationDigest": entry.get("observationDigest")})))
             rewards[agent].append(Reward(ident, "env", value))
             returns[agent] += value
         done = bool(after.get("done"))
-        if done and not self.done:
+        if after.get("episodesDone") != before.get("episodesDone"):
             events.append(TaskEvent(event_id(scope.epoch, step, "done", 0), "adapter.done",
-                                    step, None, typed(EVENT, {"steps": after.get("steps")})))
+                                    step, None, typed(EVENT, {
+                                        "steps": after.get("steps"),
+                                        "episodesDone": after.get("episodesDone"),
+                                        "done": done})))
         self.transitions += 1
         self.env_steps = parse_int(after.get("steps"), "steps", 0, 2**53 - 1)
         self.done = done

@@ -1,15 +1,21 @@
-"""Gymnasium spaces as flyd values: observations as JSON, actions as port controls.
+"""Gymnasium spaces as flyd values: observations as binary arrays, actions as port controls.
 
 Why: a PettingZoo or Gymnasium environment speaks numpy values in `gymnasium.spaces`; flyd's
-agents receive JSON (the world's inspection, as structured input) and act through a port's
+agents receive a structured value (JSON) with binary arrays beside it and act through a port's
 buttons and axes. This module is the one place that translates, both ways, so the world (which
 turns controls into actions) and the policy model (which turns actions into controls) agree.
 
-Observations: a space is described as JSON (`describe`) and every observation is written as
-JSON (`to_json`) and read back as the value the environment gave (`from_json`): a `Box`,
-`MultiBinary` or `MultiDiscrete` value as a nested list (read back as a numpy array of the
-space's dtype and shape), a `Discrete` one as an integer, `Dict` and `Tuple` recursively.
-Floats must be finite.
+Spaces are described as JSON once (`describe`, sent to each agent at bootstrap) and rebuilt
+as gymnasium spaces on the agent's side (`to_space`).
+
+Observations (`encode_observation`, `decode_observation`): every `Box`, `MultiBinary` and
+`MultiDiscrete` leaf travels as one binary array (numpy's dtype string, shape, C-order bytes;
+`workers.datatypes.ArrayValue`), named in the structured value as `{"array": "o<i>", "digest":
+<SHA-256 of its bytes>}` (leaves numbered in order, `Dict` keys in the space's order); a
+`Discrete` leaf is a JSON integer; `Dict` and `Tuple` recursively. No number of an array is
+written as JSON, so an observation's size is bounded by the transport, not by the 32 KiB of a
+typed value. The agent reads each array back as a read-only numpy array of the space's dtype
+and shape.
 
 Actions (`controller`, `to_action`, `to_intent`):
 - `Discrete(n, start)` ↔ n buttons `a0`..`a<n-1>` (n ≤ 32): the action is `start + i` for
@@ -18,14 +24,17 @@ Actions (`controller`, `to_action`, `to_intent`):
 - `MultiBinary(shape)` ↔ one button per element, `b0`.. in row-major order (≤ 32).
 - `Box` of a floating dtype with finite bounds ↔ one bipolar axis per element, `x0`.. in
   row-major order (≤ 16): axis value v ∈ [-1, 1] is the action `low + (v + 1)/2 · (high − low)`,
-  neutral 0 (the middle of the box); an action maps back by the inverse, clamped to [-1, 1].
+  neutral 0 (the middle of the box); an action maps back by the inverse. An action outside
+  its space (a `Discrete` value out of range, a `Box` element outside its bounds) is refused.
 - Every other action space (integer boxes, unbounded boxes, `MultiDiscrete`, `Dict`, `Tuple`,
   …) is `UNSUPPORTED`, refused when the world starts.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
+from collections.abc import Mapping
 from typing import Any, Final
 
 import numpy as np
@@ -42,9 +51,13 @@ from workers.datatypes import (
     TypedValue,
 )
 from workers.domain import DomainError, parse_finite
+from workers.protocols import AgentArray, DecodedArray
 
 MAX_BUTTONS: Final = 32
 MAX_AXES: Final = 16
+#: an observation box's bounds listed per element up to this many (beyond, and not uniform,
+#: they are sent as unbounded: the bootstrap input stays a small typed value)
+MAX_BOUNDS: Final = 256
 
 
 def adapter_schema(name: str, version: int = 1) -> SchemaRef:
@@ -53,9 +66,17 @@ def adapter_schema(name: str, version: int = 1) -> SchemaRef:
                                                  .encode()))
 
 
-INSPECTION: Final = adapter_schema("adapter.inspection.v1")
-"""`{boundary, env, steps, done, agents: [{portId, agentId, envAgent, active, observation,
-reward, terminated, truncated, observationSpace, actionSpace}]}`, agents in port order."""
+INSPECTION: Final = adapter_schema("adapter.inspection.v2")
+"""The task's view of a boundary: `{boundary, env, steps, episode, episodesDone, done,
+agentIds, active, rewards, terminated, truncated, observationDigests}`, each of the last six a
+list by port, in port order (columns, so a key is not repeated per agent).
+No observations, only their digests (`workers.adapters.replay.observation_digest`, which the
+task's reward events carry into a run's export): the observations go to each agent alone
+(`INPUT`)."""
+INPUT: Final = adapter_schema("adapter.input.v1")
+"""One agent's structured input: `{step, episode, active, done, reward, terminated, truncated,
+observation}` (`observation` as `encode_observation` writes it) and, at boundary 0 only,
+`spaces: {agent, observation, action}` (the env's name of the agent and its spaces)."""
 CONTEXT: Final = adapter_schema("adapter.context.v1")
 """`{step}`: the boundary a decision is made at."""
 PROGRESS: Final = adapter_schema("adapter.progress.v1")
@@ -80,65 +101,132 @@ def unsupported(message: str) -> DomainError:
 
 # ---------------------------------------------------------------------------------- describe
 
+def _bound(values: Any) -> Any:
+    """A box bound as JSON: one number when uniform, else the flat list; None for ±inf."""
+    flat = [None if not math.isfinite(v) else v for v in np.asarray(values).ravel().tolist()]
+    if len(set(flat)) == 1:
+        return flat[0]
+    return flat if len(flat) <= MAX_BOUNDS else None
+
+
 def describe(space: spaces.Space[Any], *, bounds: bool = False) -> dict[str, Any]:
-    """The JSON description of a space (with a box's finite bounds when `bounds`)."""
+    """The JSON description of a space. With `bounds` (an action space) a box's bounds must be
+    finite and are listed per element; otherwise they are one number when uniform (a pixel
+    box's 0..255), the flat list else, null for an infinite one."""
     if isinstance(space, spaces.Discrete):
         return {"kind": "discrete", "n": int(space.n), "start": int(space.start)}
     if isinstance(space, spaces.Box):
-        doc: dict[str, Any] = {"kind": "box", "shape": list(space.shape),
-                               "dtype": str(space.dtype)}
+        dtype = np.dtype(space.dtype)
+        if _DTYPE_KINDS.get(dtype.kind) is None:
+            raise unsupported(f"a Box of dtype {dtype} is not supported (bool, int, uint, "
+                              "float are)")
+        doc: dict[str, Any] = {"kind": "box", "shape": list(space.shape), "dtype": dtype.str}
         if bounds:
             low, high = space.low.ravel().tolist(), space.high.ravel().tolist()
             if not all(math.isfinite(v) for v in low + high):
                 raise unsupported(f"a Box action space needs finite bounds; got {space}")
             doc["low"], doc["high"] = low, high
+        else:
+            doc["low"], doc["high"] = _bound(space.low), _bound(space.high)
         return doc
     if isinstance(space, spaces.MultiBinary):
         return {"kind": "multi-binary", "shape": list(space.shape)}
     if isinstance(space, spaces.MultiDiscrete):
-        return {"kind": "multi-discrete", "shape": list(space.shape), "dtype": str(space.dtype)}
+        return {"kind": "multi-discrete", "shape": list(space.shape),
+                "dtype": np.dtype(space.dtype).str, "nvec": np.asarray(space.nvec).ravel()
+                .tolist()}
     if isinstance(space, spaces.Dict):
-        return {"kind": "dict", "spaces": {str(k): describe(s, bounds=bounds)
-                                           for k, s in space.spaces.items()}}
+        return {"kind": "dict", "spaces": [[str(k), describe(s, bounds=bounds)]
+                                           for k, s in space.spaces.items()]}
     if isinstance(space, spaces.Tuple):
         return {"kind": "tuple", "spaces": [describe(s, bounds=bounds) for s in space.spaces]}
     raise unsupported(f"the space {space} is not supported (Discrete, Box, MultiBinary, "
                       "MultiDiscrete, Dict, Tuple are)")
 
 
-# ---------------------------------------------------------------------------------- observations
+_DTYPE_KINDS: Final = {"b": "bool", "i": "int", "u": "uint", "f": "float"}
 
-def to_json(desc: dict[str, Any], value: Any) -> Any:
-    """An observation of the described space as JSON (floats must be finite)."""
+
+def _unbound(value: Any, default: float, shape: list[int]) -> Any:
+    if isinstance(value, list):
+        return np.asarray([default if v is None else v for v in value]).reshape(shape)
+    return default if value is None else value
+
+
+def to_space(desc: dict[str, Any]) -> spaces.Space[Any]:
+    """The gymnasium space `describe` described (a policy's `spaces`)."""
     kind = desc["kind"]
     if kind == "discrete":
-        return int(value)
-    if kind in ("box", "multi-binary", "multi-discrete"):
-        array = np.asarray(value)
-        if array.dtype.kind == "f" and not np.all(np.isfinite(array)):
-            raise DomainError.invalid("an observation holds a non-finite number")
-        return array.tolist()
+        return spaces.Discrete(desc["n"], start=desc["start"])
+    if kind == "box":
+        shape = list(desc["shape"])
+        return spaces.Box(_unbound(desc["low"], -np.inf, shape),
+                          _unbound(desc["high"], np.inf, shape), tuple(shape),
+                          np.dtype(desc["dtype"]))
+    if kind == "multi-binary":
+        return spaces.MultiBinary(desc["shape"])
+    if kind == "multi-discrete":
+        return spaces.MultiDiscrete(np.asarray(desc["nvec"]).reshape(desc["shape"]),
+                                    dtype=np.dtype(desc["dtype"]))
     if kind == "dict":
-        return {k: to_json(d, value[k]) for k, d in desc["spaces"].items()}
+        return spaces.Dict({k: to_space(d) for k, d in desc["spaces"]})
     if kind == "tuple":
-        return [to_json(d, v) for d, v in zip(desc["spaces"], value, strict=True)]
+        return spaces.Tuple([to_space(d) for d in desc["spaces"]])
     raise DomainError.invalid(f"unknown space kind {kind!r}")
 
 
-def from_json(desc: dict[str, Any], value: Any) -> Any:
-    """The observation `to_json` wrote, as the environment gave it (numpy arrays of the
-    space's dtype and shape, an integer for `Discrete`)."""
+# ---------------------------------------------------------------------------------- observations
+
+def _leaf_dtype(desc: dict[str, Any]) -> np.dtype[Any]:
+    return np.dtype(np.int8) if desc["kind"] == "multi-binary" else np.dtype(desc["dtype"])
+
+
+def encode_observation(desc: dict[str, Any], value: Any) -> tuple[Any, list[AgentArray]]:
+    """An observation of the described space: its structured JSON and its binary arrays."""
+    arrays: list[AgentArray] = []
+
+    def walk(d: dict[str, Any], v: Any) -> Any:
+        kind = d["kind"]
+        if kind == "discrete":
+            return int(v)
+        if kind in ("box", "multi-binary", "multi-discrete"):
+            array = np.ascontiguousarray(v, dtype=_leaf_dtype(d))
+            if list(array.shape) != list(d["shape"]):
+                raise DomainError.invalid(f"an observation of shape {list(array.shape)} does "
+                                          f"not fit its space's {d['shape']}")
+            data = array.tobytes()
+            ident = f"o{len(arrays)}"
+            digest = hashlib.sha256(data).hexdigest()
+            arrays.append(AgentArray(ident, array.dtype.str, tuple(array.shape), data, digest))
+            return {"array": ident, "digest": digest}
+        if kind == "dict":
+            return {k: walk(sub, v[k]) for k, sub in d["spaces"]}
+        if kind == "tuple":
+            return [walk(sub, item) for sub, item in zip(d["spaces"], v, strict=True)]
+        raise DomainError.invalid(f"unknown space kind {kind!r}")
+
+    return walk(desc, value), arrays
+
+
+def decode_observation(desc: dict[str, Any], value: Any,
+                       arrays: Mapping[str, DecodedArray]) -> Any:
+    """The observation `encode_observation` wrote, as the environment gave it (read-only
+    numpy arrays of the space's dtype and shape, a `numpy.int64` for `Discrete`)."""
     kind = desc["kind"]
     if kind == "discrete":
         return np.int64(value)
-    if kind == "box" or kind == "multi-discrete":
-        return np.asarray(value, dtype=np.dtype(desc["dtype"])).reshape(desc["shape"])
-    if kind == "multi-binary":
-        return np.asarray(value, dtype=np.int8).reshape(desc["shape"])
+    if kind in ("box", "multi-binary", "multi-discrete"):
+        found = arrays.get(str(value.get("array"))) if isinstance(value, dict) else None
+        if found is None or np.dtype(found.dtype) != _leaf_dtype(desc) \
+                or list(found.shape) != list(desc["shape"]):
+            raise DomainError.invalid(f"the input has no array {value!r} of dtype "
+                                      f"{_leaf_dtype(desc).str} and shape {desc['shape']}")
+        return np.frombuffer(found.data, dtype=found.dtype).reshape(found.shape)
     if kind == "dict":
-        return {k: from_json(d, value[k]) for k, d in desc["spaces"].items()}
+        return {k: decode_observation(d, value[k], arrays) for k, d in desc["spaces"]}
     if kind == "tuple":
-        return tuple(from_json(d, v) for d, v in zip(desc["spaces"], value, strict=True))
+        return tuple(decode_observation(d, v, arrays)
+                     for d, v in zip(desc["spaces"], value, strict=True))
     raise DomainError.invalid(f"unknown space kind {kind!r}")
 
 
@@ -214,9 +302,25 @@ def to_intent(desc: dict[str, Any], action: Any) -> dict[str, Any]:
     axes = []
     for i, (value, lo, hi) in enumerate(zip(values, desc["low"], desc["high"], strict=True)):
         v = parse_finite(value, f"action[{i}]")
+        if not lo <= v <= hi:
+            raise DomainError.invalid(f"action[{i}] = {v} lies outside [{lo}, {hi}]")
         unit = 0.0 if hi == lo else 2.0 * (v - lo) / (hi - lo) - 1.0
         axes.append({"id": f"x{i}", "value": min(1.0, max(-1.0, unit))})
     return {"buttons": [], "axes": axes}
+
+
+def space_text(desc: Mapping[str, Any]) -> str:
+    """A described space as Gymnasium prints it, near enough to recognise it."""
+    kind = str(desc["kind"])
+    if kind == "discrete":
+        return f"Discrete({desc['n']}, start={desc['start']})"
+    if kind == "box":
+        bounds = f"{min(desc['low'])}, {max(desc['high'])}, " if "low" in desc else ""
+        return f"Box({bounds}{tuple(desc['shape'])}, {desc['dtype']})"
+    if kind in ("multi-binary", "multi-discrete"):
+        return f"{'MultiBinary' if kind == 'multi-binary' else 'MultiDiscrete'}" \
+               f"({tuple(desc['shape'])})"
+    return kind
 
 
 def neutral(desc: dict[str, Any]) -> dict[str, Any]:
