@@ -17,6 +17,8 @@ is asserted anywhere). Round trips are sequential (one outstanding call); throug
 concurrent callers on one connection. CPU per call is user + system CPU of all three processes
 over both parts (steadier than wall time on a shared host). The SDK speaks bus minor 1 to the
 router, so the router path moves the same four frames per call as the floor (wire.md §21).
+`--inline`: the echo service answers from an inline handler (wire.md §22.2), with no task per
+request.
 Progress goes to stderr.
 """
 
@@ -181,12 +183,16 @@ async def client_floor(path: str, n: int) -> dict[str, Any]:
 
 # ---------------------------------------------------------------------------------------------
 # router processes
-async def echo_router(path: str) -> None:
-    async def handler(req: Request) -> dict[str, Any]:
+async def echo_router(path: str, inline: bool) -> None:
+    def echo(req: Request) -> dict[str, Any]:
         return {"type": "result", "result": req.payload}
 
+    async def handler(req: Request) -> dict[str, Any]:
+        return echo(req)
+
     async with connect(path, client_id="bench.echo") as bus:
-        await bus.register("bench.echo", handler, max_queued=16, max_in_flight=16)
+        await bus.register("bench.echo", handler, max_queued=16, max_in_flight=16,
+                           inline={"Bench.Echo": echo} if inline else None)
         await bus.wait_closed()
 
 
@@ -285,7 +291,7 @@ def measure_floor(tmp: str, n: int) -> dict[str, Any]:
         _stop(*(p for p in (echo, fwd) if p is not None))
 
 
-def measure_router(tmp: str, n: int) -> dict[str, Any]:
+def measure_router(tmp: str, n: int, inline: bool) -> dict[str, Any]:
     path = os.path.join(tmp, "bus.sock")
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
@@ -293,7 +299,8 @@ def measure_router(tmp: str, n: int) -> dict[str, Any]:
     echo: subprocess.Popen[bytes] | None = None
     try:
         _wait_socket(path, router)
-        echo = _spawn(__file__, "--role", "echo-router", "--socket", path)
+        echo = _spawn(__file__, "--role", "echo-router", "--socket", path,
+                      *(["--inline"] if inline else []))
         deadline = time.monotonic() + 15
         result: dict[str, Any] | None = None
         while result is None:
@@ -314,6 +321,8 @@ def main() -> None:
     ap.add_argument("--socket")
     ap.add_argument("--out", help="a client role writes its JSON result here")
     ap.add_argument("-n", type=int, default=4000)
+    ap.add_argument("--inline", action="store_true",
+                    help="the echo service answers with an inline handler (wire.md §22.2)")
     ap.add_argument("--repeat", type=int, default=3,
                     help="floor/router pairs, run alternately; the medians over pairs are printed")
     args = ap.parse_args()
@@ -321,7 +330,7 @@ def main() -> None:
         "forwarder": lambda: forwarder(args.socket),
         "echo-floor": lambda: echo_floor(args.socket),
         "client-floor": lambda: client_floor(args.socket, args.n),
-        "echo-router": lambda: echo_router(args.socket),
+        "echo-router": lambda: echo_router(args.socket, args.inline),
         "client-router": lambda: client_router(args.socket, args.n),
     }
     if args.role:
@@ -338,7 +347,7 @@ def main() -> None:
             progress(f"pair {rep}/{args.repeat}: floor (forwarder + echo + client), {args.n} calls")
             floors.append(measure_floor(tmp, args.n))
             progress(f"pair {rep}/{args.repeat}: router (flyd router + SDK echo + SDK client)")
-            routers.append(measure_router(tmp, args.n))
+            routers.append(measure_router(tmp, args.n, args.inline))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     floor_rtts = [statistics.median(f["rtts"]) * 1e6 for f in floors]

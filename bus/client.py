@@ -78,7 +78,6 @@ InlineHandler = Callable[["Request"], "dict[str, Any] | Reply | None"]
 #: the outcome member a service SDK answers with when it refuses a request's payload itself
 #: (wire.md §22.3): `{"bus.error": <error object>}`; the caller's SDK raises that error
 REFUSAL_KEY: Final = "bus.error"
-_REFUSAL_PREFIX: Final = b'{"bus.error":'
 RouteRemovedHook = Callable[[str, str, str], None]
 
 
@@ -124,9 +123,14 @@ class CallResult:
     responder: Identity
     outcome: dict[str, Any]
     attachments: tuple[Attachment, ...] = ()
-    #: the outcome's wire bytes as the responder wrote them (wire.md §22.1; None when the
-    #: router re-encoded it: minor < 3, or a frame in another member order)
-    outcome_bytes: bytes | None = None
+    frame: bytes = field(default=b"", repr=False, compare=False)  # the bus.result frame
+
+    @property
+    def outcome_bytes(self) -> bytes:
+        """The outcome as the responder wrote it (wire.md §22.1; against a router of minor
+        < 3, as that router re-encoded it), found in the frame on each use."""
+        found = codec.body_bytes(self.frame, "outcome")
+        return found if found is not None else codec.encode(self.outcome)
 
 
 @dataclass(frozen=True, slots=True)
@@ -221,11 +225,10 @@ class Validators:
 class Request:
     """A `bus.request` delivered to one of our services; answer it once."""
 
-    __slots__ = ("_answered", "_client", "_payload", "_payload_bytes", "attachments", "call_id",
-                 "caller", "delivery_id", "method", "service_incarnation", "target")
+    __slots__ = ("_answered", "_client", "_frame", "_payload_bytes", "attachments", "call_id",
+                 "caller", "delivery_id", "method", "payload", "service_incarnation", "target")
 
-    def __init__(self, client: BusClient, params: dict[str, Any],
-                 payload_bytes: bytes | None = None) -> None:
+    def __init__(self, client: BusClient, params: dict[str, Any], frame: bytes = b"") -> None:
         self._client = client
         self.delivery_id: str = params["deliveryId"]
         self.call_id: int = params["callId"]
@@ -234,33 +237,21 @@ class Request:
         self.target: str = params["target"]
         self.service_incarnation: str = params["serviceIncarnation"]
         self.method: str = params["method"]
-        # wire.md §22.3: the caller's bytes, and their value decoded strictly on first use
-        self._payload_bytes = payload_bytes
-        self._payload: dict[str, Any] | None = None if payload_bytes is not None \
-            else params["payload"]
+        #: the value, decoded with §3's strictness; its wire bytes are `payload_bytes`
+        self.payload: dict[str, Any] = params["payload"]
+        self._frame = frame
+        self._payload_bytes: bytes | None = None
         self.attachments = client._attachments(params)
         self._answered = False
 
     @property
     def payload_bytes(self) -> bytes:
-        """The payload exactly as the caller wrote it (what a body digest hashes)."""
+        """The payload exactly as the caller wrote it (wire.md §22.3: what a body digest
+        hashes), found in the frame on first use."""
         if self._payload_bytes is None:
-            self._payload_bytes = codec.encode(self._payload)
+            found = codec.body_bytes(self._frame, "payload")
+            self._payload_bytes = found if found is not None else codec.encode(self.payload)
         return self._payload_bytes
-
-    @property
-    def payload(self) -> dict[str, Any]:
-        """The payload's value, decoded with §3's strictness on first use; raises
-        InvalidParams (`not-dispatched`) when the bytes break a rule."""
-        value = self._payload
-        if value is None:
-            assert self._payload_bytes is not None
-            try:
-                value = codec.decode(self._payload_bytes)
-            except BusError as exc:
-                raise InvalidParams(f"payload: {exc.message}", "not-dispatched") from None
-            self._payload = value
-        return value
 
     async def retain(self, ids: list[str] | None = None) -> list[Attachment]:
         """Keep attachments (all by default) beyond the handler (docs/topics.md §12)."""
@@ -297,14 +288,12 @@ class Service:
     """A registration; as an async context manager it unregisters on exit."""
 
     def __init__(self, client: BusClient, name: str, incarnation: str, handler: Handler,
-                 inline: Mapping[str, InlineHandler] | None = None,
-                 decode_payload: bool = True) -> None:
+                 inline: Mapping[str, InlineHandler] | None = None) -> None:
         self._client = client
         self.name = name
         self.incarnation = incarnation
         self.handler = handler
         self.inline: Mapping[str, InlineHandler] = inline or {}
-        self.decode_payload = decode_payload
 
     async def unregister(self) -> bool:
         self._client._services.pop(self.name, None)
@@ -615,7 +604,7 @@ class BusClient:
         self._pending: deque[tuple[int, str, asyncio.Future[dict[str, Any]]]] = deque()
         self._calls: dict[int, _CallState] = {}
         self._services: dict[str, Service] = {}
-        self._registering: dict[int, tuple[Handler, dict[str, InlineHandler], bool]] = {}
+        self._registering: dict[int, tuple[Handler, dict[str, InlineHandler]]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._lean = False  # the router announced minor >= 1 (wire.md §21.1)
         self._minor = 0
@@ -634,8 +623,9 @@ class BusClient:
         self.writes = 0
         self._reading = False
         self._flush_after_read = False
-        #: the body-carrying frame `_on_notification` is handling (wire.md §22.1)
-        self._body_frame: codec.BodyFrame | None = None
+        #: the frame `_on_notification` is handling, and why its body breaks §3 (wire.md §22.1)
+        self._frame = b""
+        self._bad_body: str | None = None
         self._drained: asyncio.Future[None] | None = None
         self._closed_with: BaseException | None = None
         self._closed = self._loop.create_future()
@@ -928,24 +918,45 @@ class BusClient:
                 return
             if body is None:
                 return
-            raw: codec.BodyFrame | None = None
+            bad: str | None = None
             try:
-                if b'"payload"' in body or b'"outcome"' in body:
-                    raw = codec.decode_body_frame(body)  # §22.1: the body stays bytes
-                    msg = raw.msg
-                else:
-                    msg = codec.decode(body)
+                msg = codec.decode(body)
             except BusError as exc:
-                self._violation(exc.message)
-                return
+                # §22.1: the router forwards bodies it only checked for being well-formed, so
+                # a body may break §3 inside a sound frame: that call's fault, not the router's
+                split = self._split(body)
+                if split is None:
+                    self._violation(exc.message)
+                    return
+                msg, bad = split
             if type(msg) is not dict or msg.get("jsonrpc") != "2.0":
                 self._violation("not a JSON-RPC 2.0 object")
                 return
             if "id" in msg:
                 self._on_response(msg)
             else:
-                self._body_frame = raw
+                self._frame, self._bad_body = body, bad
                 self._on_notification(msg)
+
+    @staticmethod
+    def _split(frame: bytes) -> tuple[Any, str] | None:
+        """A frame that is not strict JSON as a whole: (its envelope, why its body breaks §3)
+        when the envelope is sound and only the body is at fault, else None."""
+        if b'"payload"' not in frame and b'"outcome"' not in frame:
+            return None
+        try:
+            read = codec.decode_body_frame(frame)
+        except BusError:
+            return None
+        if read.body is None:
+            return None
+        if read.problem is not None:
+            return read.msg, read.problem
+        try:
+            codec.decode(read.body)
+        except BusError as exc:
+            return read.msg, exc.message
+        return None
 
     def _on_response(self, msg: dict[str, Any]) -> None:
         problem = self._v.response(msg)
@@ -996,24 +1007,19 @@ class BusClient:
             self._violation(f"{method}: {problem}")
             return
         assert isinstance(params, dict)
-        raw, self._body_frame = self._body_frame, None
-        body = None if raw is None else raw.body
-        if body is not None and method == "bus.message":
-            # a published payload is held to §3 by the router; read it whole, as before
-            try:
-                params["payload"] = codec.decode(body)
-            except BusError as exc:
-                self._violation(f"bus.message payload: {exc.message}")
-                return
-            body = None
+        frame, bad = self._frame, self._bad_body
+        self._frame, self._bad_body = b"", None
+        if bad is not None and method not in ("bus.result", "bus.request"):
+            self._violation(f"{method}: {bad}")  # a published payload is held to §3 by the router
+            return
         if method == "bus.result":
             state = self._calls.pop(params["callId"], None)
             if state is not None:
-                self._on_result(state, params, body)
+                self._on_result(state, params, frame, bad)
             # queued after the wake-up: the credit leaves with the caller's next request
             self._queue_result_credit(params["deliveryId"])
         elif method == "bus.request":
-            self._on_request(params, body)
+            self._on_request(params, frame, bad)
         elif method == "bus.callFailed":
             state = self._calls.pop(params["callId"], None)
             if state is not None:
@@ -1038,28 +1044,24 @@ class BusClient:
         else:
             self._lost(from_wire(params["error"]))
 
-    def _on_result(self, state: _CallState, params: dict[str, Any], body: bytes | None) -> None:
-        """A call's `bus.result`: its outcome decoded strictly from the responder's bytes
-        (wire.md §22.3). A body that breaks §3 fails the call INVALID_PARAMS, `dispatched`
-        (a handler saw the request); a service SDK's refusal (`{"bus.error": ...}`) is
-        raised as that error."""
-        if body is None:
-            outcome = params["outcome"]
-        else:
-            try:
-                outcome = codec.decode(body)
-            except BusError as exc:
-                _deliver(state, InvalidParams(f"call {state.call_id}: the outcome is "
-                                              f"malformed: {exc.message}", "dispatched"))
+    def _on_result(self, state: _CallState, params: dict[str, Any], frame: bytes,
+                   bad: str | None) -> None:
+        """A call's `bus.result`. An outcome that breaks §3 (wire.md §22.3) fails the call
+        INVALID_PARAMS, `dispatched` (a handler saw the request); a service SDK's refusal
+        (`{"bus.error": ...}`) is raised as that error."""
+        if bad is not None:
+            _deliver(state, InvalidParams(f"call {state.call_id}: the outcome is malformed: "
+                                          f"{bad}", "dispatched"))
+            return
+        outcome = params["outcome"]
+        if len(outcome) == 1 and REFUSAL_KEY in outcome:
+            error = outcome[REFUSAL_KEY]
+            if self._v.error(error) is None:
+                _deliver(state, from_wire(error))
                 return
-            if body.startswith(_REFUSAL_PREFIX) and len(outcome) == 1:
-                error = outcome[REFUSAL_KEY]
-                if self._v.error(error) is None:
-                    _deliver(state, from_wire(error))
-                    return
         result = CallResult(params["callId"], params["serviceIncarnation"],
                             self._identity(params["responder"]), outcome,
-                            self._attachments(params), body)
+                            self._attachments(params), frame)
         if result.attachments and state.keep:
             self._keep(state, result)  # the retain leaves before the credit
         else:
@@ -1101,20 +1103,18 @@ class BusClient:
             found = self._identities[key] = Identity(*key)
         return found
 
-    def _on_request(self, params: dict[str, Any], body: bytes | None = None) -> None:
+    def _on_request(self, params: dict[str, Any], frame: bytes = b"",
+                    bad: str | None = None) -> None:
         svc = self._services.get(params["target"])
-        req = Request(self, params, body)
+        req = Request(self, params, frame)
         if svc is None or svc.incarnation != req.service_incarnation:
             # Unregistered while the request was in flight: give the capability back.
             self._send_nowait("bus.release", {"deliveryId": req.delivery_id})
             self._queue_consumed(req.delivery_id)
             return
-        if body is not None and svc.decode_payload:
-            try:
-                req.payload  # noqa: B018 - decoded now, so a bad body reaches no handler
-            except InvalidParams as exc:
-                self._refuse(req, exc)
-                return
+        if bad is not None:  # wire.md §22.3: no handler sees it
+            self._refuse(req, InvalidParams(f"payload: {bad}", "not-dispatched"))
+            return
         inline = svc.inline.get(req.method)
         if inline is not None:
             self._run_inline(inline, req)
@@ -1271,14 +1271,11 @@ class BusClient:
     # API ---------------------------------------------------------------------------------
     async def register(self, name: str, handler: Handler, *, max_queued: int = 16,
                        max_in_flight: int = 4,
-                       inline: Mapping[str, InlineHandler] | None = None,
-                       decode_payload: bool = True) -> Service:
+                       inline: Mapping[str, InlineHandler] | None = None) -> Service:
         """Register `name`. `inline` maps methods to handlers that complete without awaiting
-        (wire.md §22.2): they run on the reader, no task per request. With `decode_payload`
-        False a handler decodes `req.payload_bytes` itself (a typed decoder; `req.payload`
-        still decodes strictly on first use) and answers a bad body as it sees fit."""
+        (wire.md §22.2): they run on the reader, no task per request."""
         ids: list[int] = []
-        binding = (handler, dict(inline or {}), decode_payload)
+        binding = (handler, dict(inline or {}))
 
         def bind(rid: int) -> None:
             ids.append(rid)

@@ -516,6 +516,20 @@ def decode_body_frame(data: bytes) -> BodyFrame:
     return BodyFrame(msg, body, None if body.isascii() else _utf8_problem(body), key)
 
 
+def body_bytes(data: bytes, key: str) -> bytes | None:
+    """The wire bytes of the body member `params.<key>` of a well-formed frame, found by the
+    compiled pass without building a value; None when it has none."""
+    try:
+        shape = _body_shape.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
+        return None
+    members = shape.params
+    if members is msgspec.UNSET:
+        return None
+    raw = getattr(members, key, msgspec.UNSET)
+    return None if raw is msgspec.UNSET else bytes(raw)
+
+
 def _utf8_problem(body: bytes) -> str | None:
     try:
         body.decode("utf-8")
