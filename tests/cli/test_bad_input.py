@@ -212,7 +212,7 @@ def test_invalid_queued_specs_fail_with_their_reason_and_the_node_keeps_serving(
         (_insert_raw(site, "hello"), "", "must be an object"),
         (_insert_raw(site, []), "", "must be an object"),
         (_insert_raw(site, None), "", "must be an object"),
-        (_insert_raw(site, {"steps": 10}), "/steps", "U64 string"),
+        (_insert_raw(site, {"steps": -1}), "/steps", "U64 string"),
         (_insert_raw(site, {**spec_json(10), "startFrom": ghost}), "/startFrom",
          "checkpoint ck-e1-5 is not stored"),
         (_insert_raw(site, {**spec_json(10), "agents": [
