@@ -341,6 +341,8 @@ class GrantSession:
         self.ring = EventRing()
         self.started = time.monotonic()
         self.generation = 1
+        #: the boundary the current epoch began stepping from (a resume, a restart or the grant)
+        self._stepped_from = 0
         self.fresh_launcher = False
         #: the run topic (docs/topics.md §14.1), declared when the session starts; None leaves
         #: the run unwatched
@@ -646,7 +648,7 @@ class GrantSession:
         durability = self._durability()
         report = self.report
         started = time.monotonic()
-        done_at_start = report.boundary
+        done_at_start = self._stepped_from = report.boundary
         while report.boundary < self.spec.steps:
             if self.scope.cancel_requested.is_set():
                 return "cancelled"
@@ -699,6 +701,10 @@ class GrantSession:
         """Recover until the session steps again (False) or the run ended here (True)."""
         last = failure
         router_death = False  # `last` is a router death an interrupted attempt ran into
+        if self.budget.attempt and self._durability().head_boundary > self._stepped_from:
+            # a commit landed after the resume though no boundary of this epoch saw it: the
+            # failure follows a durable commit, so the attempts count from one again
+            self.budget.committed()
         while True:
             attempt = self.budget.start()
             if isinstance(attempt, Exhausted):
