@@ -32,8 +32,8 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import importlib.util
 import os
+import runpy
 import shutil
 import statistics
 import subprocess
@@ -42,7 +42,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import ModuleType
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -54,16 +54,10 @@ TARGET = 1.3
 SCALING_TARGET = 3.0
 
 
-def sibling(name: str) -> ModuleType:
-    """bench/<name>.py by path (the bench runs with -P: `bench/bus.py` would shadow `bus`)."""
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "bench" / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-scaling = sibling("agent_scaling")
+# bench/step_cpu.py by path (the bench runs with -P: `bench/bus.py` would shadow `bus`); it
+# loads its own siblings, so that loader is written once, there.
+scaling = SimpleNamespace(**runpy.run_path(str(ROOT / "bench" / "step_cpu.py"),
+                                           run_name="bench_step_cpu")).scaling
 
 
 @dataclass(frozen=True)
