@@ -271,11 +271,6 @@ class Envelope:
 # Layout: pack / unpack (R1–R6)
 
 
-def _u32(data: bytes, at: int) -> int:
-    value: int = struct.unpack_from("<I", data, at)[0]
-    return value
-
-
 def _zero(data: bytes, start: int, end: int) -> int | None:
     """The offset of the first non-zero byte in [start, end), or None."""
     for index in range(start, end):

@@ -1,0 +1,43 @@
+"""`AdminMemStore`: a `MemStore` that also takes raw writes outside the store protocol, as an
+operator's SQL would, so the tests of the triggers run against the in-memory store too.
+
+Why a test double: production code never writes outside the protocol, so these writes are no
+part of `MemStore`; they keep what PostgreSQL's triggers keep (LF003: a terminal run stays
+final unless it is an intervention; LF004: checkpoint rows are immutable). As a subclass it
+uses the store's own tables; it is one of the named places in the tests that read a production
+class's private members (tests/test_layout.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from flyd.leases.stores.contract import TERMINAL, LedgerImmutable, TerminalFinal
+from flyd.leases.stores.mem import MemStore
+
+__all__ = ["AdminMemStore"]
+
+
+class AdminMemStore(MemStore):
+    """`MemStore` plus the raw `UPDATE`s the trigger tests send."""
+
+    def admin_update_run(self, run_id: int, *, intervention: bool = False,
+                         **changes: Any) -> None:
+        """A raw `UPDATE flyd.runs` (`runs_terminal_is_final`, LF003)."""
+        self._tick()
+        r = self._runs.get(run_id)
+        if r is None:
+            return
+        self._wait_for_row(run_id)
+        if (r.state in TERMINAL and not intervention
+                and (changes.get("state", r.state) != r.state
+                     or changes.get("lease_epoch", r.lease_epoch) != r.lease_epoch)):
+            raise TerminalFinal(f"run {run_id} is terminal ({r.state})")
+        for name, value in changes.items():
+            setattr(r, name, value)
+
+    def admin_update_checkpoint(self, run_id: int, checkpoint_id: str) -> None:
+        """A raw `UPDATE flyd.checkpoints` of any column (LF004)."""
+        self._tick()
+        if (run_id, checkpoint_id) in self._checkpoints:
+            raise LedgerImmutable("UPDATE on flyd.checkpoints is not allowed")
