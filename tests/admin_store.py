@@ -1,5 +1,8 @@
 """`AdminMemStore`: a `MemStore` that also takes raw writes outside the store protocol, as an
-operator's SQL would, so the tests of the triggers run against the in-memory store too.
+operator's SQL would, so the tests of the triggers run against the in-memory store too, and
+the faults and views the contract tests and the simulator use: every backend with an open
+commit killed at once (`terminate_backends`, as `pg_terminate_backend` over all sessions) and
+the open commits themselves.
 
 Why a test double: production code never writes outside the protocol, so these writes are no
 part of `MemStore`; they keep what PostgreSQL's triggers keep (LF003: a terminal run stays
@@ -13,7 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 from flyd.leases.stores.contract import TERMINAL, LedgerImmutable, TerminalFinal
-from flyd.leases.stores.mem import MemStore
+from flyd.leases.stores.mem import MemStore, OpenCommit
 
 __all__ = ["AdminMemStore"]
 
@@ -41,3 +44,16 @@ class AdminMemStore(MemStore):
         self._tick()
         if (run_id, checkpoint_id) in self._checkpoints:
             raise LedgerImmutable("UPDATE on flyd.checkpoints is not allowed")
+
+    def open_commits(self) -> list[OpenCommit]:
+        """Commits whose statements ran and whose COMMIT has not come, by backend pid."""
+        self._tick()
+        return [self._open[pid] for pid in sorted(self._open)]
+
+    def terminate_backends(self) -> int:
+        """Kill every session with an open commit (a backend-kill fault); returns how many."""
+        self._tick()
+        victims = [self._open[pid] for pid in sorted(self._open)]
+        for h in victims:
+            self._end(h, "terminated")
+        return len(victims)

@@ -238,8 +238,6 @@ TEST_ONLY: Final = frozenset({
     "flyd/leases/params.py:LeaseParams.from_sections",
     "flyd/leases/params.py:LeaseParams.short_ttl",
     "flyd/leases/params.py:LeaseParams.with_ttl",
-    "flyd/leases/stores/mem.py:MemStore.open_commits",
-    "flyd/leases/stores/mem.py:MemStore.terminate_backends",
     "flyd/node/sdnotify.py:notify",
     "flyd/session/audit.py:AuditLog.index_of",
     "flyd/session/durability.py:TooLarge.is_durable",

@@ -27,8 +27,8 @@ Rules reproduced from the migrations and statements:
   update that run, or a second open commit on the same run's head, effect keys or checkpoint ids,
   would wait in PostgreSQL; here it raises `Transient` at once (the lock timeout, with no wait).
 - An open commit idle for `idle_in_transaction_timeout_s` or longer (`<= 0` disables) is aborted,
-  checked lazily whenever the store is used; `terminate_backends()` and `end_backend()` abort
-  open commits as a backend kill does. A later `commit()` of an aborted one raises `Transient`:
+  checked lazily whenever the store is used; `end_backend()` aborts an open commit as a
+  backend kill does. A later `commit()` of an aborted one raises `Transient`:
   the server reported the session's end (25P03/57P01), nothing committed.
 - Raw writes outside the protocol are no part of the store: the tests of the triggers write
   through a test double (tests/admin_store.py) that keeps LF003 and LF004 as the triggers do.
@@ -739,14 +739,6 @@ class MemStore:
         if h is not None and h.backend == backend:
             self._end(h, "terminated")
 
-    def terminate_backends(self) -> int:
-        """Kill every session with an open commit (a backend-kill fault); returns how many."""
-        self._tick()
-        victims = [self._open[pid] for pid in sorted(self._open)]
-        for h in victims:
-            self._end(h, "terminated")
-        return len(victims)
-
     # ----------------------------------------------------------------------------------------
     # operator requeue
 
@@ -767,12 +759,7 @@ class MemStore:
         return True
 
     # ----------------------------------------------------------------------------------------
-    # admin views and raw writes (tests, oracle)
-
-    def open_commits(self) -> list[OpenCommit]:
-        """Commits whose statements ran and whose COMMIT has not come, by backend pid."""
-        self._tick()
-        return [self._open[pid] for pid in sorted(self._open)]
+    # the tables, as a dump reads them
 
     def dump(self) -> dict[str, list[dict[str, Any]]]:
         """Every table as rows ordered by primary key, instants as timestamps."""
