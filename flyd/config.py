@@ -15,6 +15,10 @@ Rules:
   accepts. NaN, infinities, negative and absurd values are refused naming the key.
 - `--lease-ttl` / `FLYD_LEASE_TTL` / `[leases] ttl_s` set T only: H follows T/5 unless
   `[leases] heartbeat_interval_s` is set (distribution.md §4.2).
+- Read once, typed: `load_config` builds `Settings` (one typed value per section) beside the
+  key table; the node and the commands read those, and no module but this one reads a key by its
+  section's name. The key table (`Config.value`, `source`, `origin`) serves `flyd config show`
+  and error messages.
 
 Decisions where the spec is silent:
 - "Given explicitly" for the `<name>` subdirectory rule of §2.2 means a node name from the file,
