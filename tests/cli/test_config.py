@@ -221,3 +221,27 @@ def test_run_spec_durations_share_the_bound(where: str, key: str) -> None:
     RunSpec.validate(ok)
     with pytest.raises(ConfigError, match="durable_timeout_s"):
         CheckpointSettings(durable_timeout_s=1e308)
+
+
+def test_the_settings_are_typed_once_from_every_level(tmp_path: Path) -> None:
+    """`Config.settings` carries each section typed, after precedence: what the node and the
+    commands read instead of the key table."""
+    cfg = tmp_path / "flyd.toml"
+    cfg.write_text('[session]\nprobe_s = 4\nhealth_fail_s = 7\npacing = "realtime"\n'
+                   '[checkpoints]\nevery_steps = 30\ndurable_timeout_s = 9\n'
+                   '[database]\nlock_timeout_ms = 700\n[bus.limits]\nmax_clients = 99\n')
+    config = load_config(cfg, {"bus.socket": str(tmp_path / "b.sock"), "node.capacity": 2},
+                         {"FLYD_STATE_DIR": str(tmp_path / "s")})
+    settings = config.settings
+    assert settings.session.deadlines.probe == 4.0 and settings.session.deadlines.durable == 9.0
+    assert settings.session.health.fail == 7.0 and settings.session.realtime
+    assert settings.checkpoints.every_steps == 30
+    assert settings.checkpoints.max_pending_effects is None  # derived from the run's cadence
+    assert settings.database.dsn is None and settings.database.connection.lock_timeout_ms == 700
+    assert settings.bus.limits.maxClients == 99 and settings.bus.policy is None
+    assert (settings.bus.socket, settings.bus.socket_origin) == (str(tmp_path / "b.sock"),
+                                                                 "flag --socket")
+    assert settings.node.capacity == 2 and settings.node.state_dir == tmp_path / "s"
+    default = load_config(None, {}, {}).settings
+    assert not default.bus.socket_given and default.bus.socket_origin == "default"
+    assert default.checkpoints == CheckpointSettings()
