@@ -133,7 +133,7 @@ from workers.synthetic.schemas import DECISION
 from workers.ticks import RationalNs
 
 VIEW_ID: Final = "frame"
-WORLD_FORMAT: Final = "adapter-world-v3"
+WORLD_FORMAT: Final = "adapter-world-v4"
 MODEL_FORMAT: Final = "adapter-policy-v2"
 TASK_FORMAT: Final = "adapter-task-v1"
 TASK_PATH: Final = "workers.adapters.pettingzoo:EnvTask"
@@ -307,6 +307,8 @@ class ParallelEnvWorld:
         self.controls = {p: controller(d) for p, d in self.action_spaces.items()}
         self.agents: dict[str, str] = {}
         self.observations: dict[str, Any] = {}
+        #: each port's `observation_digest` of its observation, taken when it arrived
+        self.digests: dict[str, str] = {}
         self.rewards: dict[str, float] = {}
         self.terminated: dict[str, bool] = {}
         self.truncated: dict[str, bool] = {}
@@ -345,6 +347,7 @@ class ParallelEnvWorld:
         self.alive = self.live()
         for port, agent in self.env_agents.items():
             self.observations[port] = observations[agent]
+            self.digests[port] = observation_digest(observations[agent])
             if rewards:
                 self.rewards[port] = 0.0
             self.terminated[port] = self.truncated[port] = False
@@ -400,8 +403,10 @@ class ParallelEnvWorld:
                    for c in controls if self.names[c.port_id] in live}
         self.drawn = None
         result = self.env.step(actions)
-        self.recovery.stepped(actions, result)
         observations, rewards, terminations, truncations, _ = result
+        # each observation hashed once, for the inspection and the recovery's record
+        observed = {agent: observation_digest(o) for agent, o in observations.items()}
+        self.recovery.stepped(actions, result, observed)
         self.steps += 1
         for port, agent in self.env_agents.items():
             if self.names[port] not in live:
@@ -409,6 +414,7 @@ class ParallelEnvWorld:
                 continue
             if agent in observations:
                 self.observations[port] = observations[agent]
+                self.digests[port] = observed[agent]
             self.rewards[port] = checked_reward(self.env_path, self.names[port],
                                                 rewards.get(agent, 0.0))
             self.terminated[port] = bool(terminations.get(agent, False))
@@ -433,8 +439,7 @@ class ParallelEnvWorld:
             "rewards": [self.rewards[port] for port in self.ports],
             "terminated": [self.terminated[port] for port in self.ports],
             "truncated": [self.truncated[port] for port in self.ports],
-            "observationDigests": [observation_digest(self.observations[port])
-                                   for port in self.ports]})
+            "observationDigests": [self.digests[port] for port in self.ports]})
 
     def agent_input(self, port_id: str, boundary: int
                     ) -> tuple[TypedValue, Sequence[AgentArray]]:
@@ -526,6 +531,7 @@ class ParallelEnvWorld:
         self.env = self.recovery.restore(state["env"], previous, self.picture())
         self.agents = dict(state["agents"])
         self.observations = dict(state["observations"])
+        self.digests = {p: observation_digest(o) for p, o in self.observations.items()}
         self.rewards = dict(state["rewards"])
         self.terminated = dict(state["terminated"])
         self.truncated = dict(state["truncated"])

@@ -99,9 +99,12 @@ class EnvRecovery:
         if self.state == "checking":
             self.state, self.twin = "unchecked", None
 
-    def stepped(self, actions: Mapping[str, Any], result: StepResult) -> None:
-        """The live env stepped with `actions` and returned `result`."""
-        digest = step_digest(result) if self.log is not None or self.twin is not None else ""
+    def stepped(self, actions: Mapping[str, Any], result: StepResult,
+                observed: Mapping[Any, str]) -> None:
+        """The live env stepped with `actions` and returned `result`, whose observations'
+        digests are `observed`."""
+        digest = step_digest(result, observed) \
+            if self.log is not None or self.twin is not None else ""
         if self.log is not None:
             self.log.record(actions, digest)
         if self.state != "checking":
