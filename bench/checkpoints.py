@@ -6,7 +6,7 @@ Prints JSON lines:
    "floor_steps_per_s":..,"ratio":..}
 
 `checkpoint_commit`: a durable commit of a 1, 16 and 64 MiB envelope through the production path
-(`PgCheckpointStore.commit` over the lease layer's fenced group commit on a claimed run), median
+(`CheckpointStore.commit` over the lease layer's fenced group commit on a claimed run), median
 of 9, 5 and 3 commits alternated with the floor's; the floor is an INSERT of the same bytes
 into a bytea column in one transaction from psycopg, in the same run. `ratio` = mb_per_s /
 floor_mb_per_s (target ≥ 0.8).
@@ -41,7 +41,7 @@ from psycopg.conninfo import make_conninfo
 from flyd.leases.migrate import migrate
 from flyd.leases.params import LeaseParams
 from flyd.leases.stores.pg import DbSettings, PgStore
-from flyd.state.checkpoints import CommitJob, DirectCommitPath, PgCheckpointStore
+from flyd.state.checkpoints import CheckpointStore, CommitJob, DirectCommitPath
 from flyd.state.compat import STATE_FORMAT_ID
 from flyd.state.envelope import encode
 from workers.types.canonical import canonical, digest_bytes, digest_of
@@ -94,44 +94,41 @@ async def bench_commit(dsn: str) -> None:
         run = (await lease.submit(None, spec, 3)).run_id
         [grant] = await lease.claim(NODE, 1, 3600.0)
         path = DirectCommitPath(lease, run, grant.lease_epoch, NODE)
-        store = PgCheckpointStore(dsn, timeout_s=120.0)
+        store = CheckpointStore(lease)
         boundary = 0
-        try:
-            async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
-                await conn.execute("CREATE TABLE bench_floor (id bigserial PRIMARY KEY, "
-                                   "data bytea NOT NULL)")
-                await conn.execute("ALTER TABLE bench_floor ALTER COLUMN data "
-                                   "SET STORAGE EXTERNAL")
-                for mb, repeats in ((1, 9), (16, 5), (64, 3)):
-                    world = os.urandom(mb * MIB)
-                    ours: list[float] = []
-                    floor: list[float] = []
-                    for _ in range(repeats):
-                        boundary += 1
-                        cid = f"ck-e1-{boundary}"
-                        data = envelope(cid, boundary, world)
-                        job = CommitJob(run_id=run, lease_epoch=grant.lease_epoch,
-                                        checkpoint_id=cid, session_id="bench",
-                                        session_epoch="e1", episode_id="ep-1",
-                                        boundary=boundary,
-                                        compatibility_digest=digest_of(COMPAT), envelope=data,
-                                        envelope_digest=hashlib.sha256(data).digest())
-                        t0 = time.perf_counter()
-                        await store.commit(job, path)
-                        ours.append(time.perf_counter() - t0)
-                        t0 = time.perf_counter()
-                        async with conn.transaction():
-                            await conn.execute("INSERT INTO bench_floor (data) VALUES (%s)",
-                                               (data,))
-                        floor.append(time.perf_counter() - t0)
-                    size = len(data) / MIB
-                    rate = size / statistics.median(ours)
-                    floor_rate = size / statistics.median(floor)
-                    emit({"bench": "checkpoint_commit", "mb": mb,
-                          "mb_per_s": round(rate, 1), "floor_mb_per_s": round(floor_rate, 1),
-                          "ratio": round(rate / floor_rate, 3)})
-        finally:
-            await store.close()
+        async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
+            await conn.execute("CREATE TABLE bench_floor (id bigserial PRIMARY KEY, "
+                               "data bytea NOT NULL)")
+            await conn.execute("ALTER TABLE bench_floor ALTER COLUMN data "
+                               "SET STORAGE EXTERNAL")
+            for mb, repeats in ((1, 9), (16, 5), (64, 3)):
+                world = os.urandom(mb * MIB)
+                ours: list[float] = []
+                floor: list[float] = []
+                for _ in range(repeats):
+                    boundary += 1
+                    cid = f"ck-e1-{boundary}"
+                    data = envelope(cid, boundary, world)
+                    job = CommitJob(run_id=run, lease_epoch=grant.lease_epoch,
+                                    checkpoint_id=cid, session_id="bench",
+                                    session_epoch="e1", episode_id="ep-1",
+                                    boundary=boundary,
+                                    compatibility_digest=digest_of(COMPAT), envelope=data,
+                                    envelope_digest=hashlib.sha256(data).digest())
+                    t0 = time.perf_counter()
+                    await store.commit(job, path)
+                    ours.append(time.perf_counter() - t0)
+                    t0 = time.perf_counter()
+                    async with conn.transaction():
+                        await conn.execute("INSERT INTO bench_floor (data) VALUES (%s)",
+                                           (data,))
+                    floor.append(time.perf_counter() - t0)
+                size = len(data) / MIB
+                rate = size / statistics.median(ours)
+                floor_rate = size / statistics.median(floor)
+                emit({"bench": "checkpoint_commit", "mb": mb,
+                      "mb_per_s": round(rate, 1), "floor_mb_per_s": round(floor_rate, 1),
+                      "ratio": round(rate / floor_rate, 3)})
 
 
 def steps_per_s(dsn: str, every: int, steps: int) -> float:

@@ -257,7 +257,6 @@ TEST_ONLY: Final = frozenset({
     "flyd/session/runspec.py:RunSpec.normalise",
     "flyd/session/trace.py:TraceLog.phases",
     "flyd/state/checkpoints.py:DirectCommitPath",
-    "flyd/state/checkpoints.py:MemoryCheckpointStore",
     "flyd/state/envelope.py:Layout.manifest_text",
     "flyd/state/writer.py:Committed.is_durable",
     "flyd/state/writer.py:DeadlineExpired.is_durable",

@@ -98,7 +98,7 @@ from workers.types.domain import DomainError, ErrorCode, format_request_id
 from workers.types.rpc import check_outcome
 
 if TYPE_CHECKING:
-    from flyd.state.checkpoints import PgCheckpointStore
+    from flyd.state.checkpoints import CheckpointStore
     from flyd.state.envelope import Envelope
 
 __all__ = [
@@ -901,17 +901,11 @@ async def runs_requeue(opts: CtlOptions, run_id: int) -> Result:
 
 
 @contextlib.asynccontextmanager
-async def _checkpoints(opts: CtlOptions, config: Config) -> AsyncIterator[PgCheckpointStore]:
-    from flyd.state.checkpoints import PgCheckpointStore
+async def _checkpoints(opts: CtlOptions, config: Config) -> AsyncIterator[CheckpointStore]:
+    from flyd.state.checkpoints import CheckpointStore
 
-    dsn = resolve_dsn(opts, config)
-    async with _database(dsn):
-        pass  # reachable, so that an unreachable DSN is `CONFIG` like everywhere else
-    store = PgCheckpointStore(dsn)
-    try:
-        yield store
-    finally:
-        await store.close()
+    async with _store(opts, config) as store:
+        yield CheckpointStore(store)
 
 
 def _refused(exc: DomainError) -> CtlError:

@@ -45,8 +45,8 @@ Decisions:
   spec sets none, and refuses one that does not divide K (docs/adapters.md, "Which boundaries
   render"). What they wrote (or why not) is printed on stderr at the end, in both output modes.
 - The end-of-run poll and the summary's reads use a connection of their own that reconnects
-  (`flyd.leases.reconnect`): a PostgreSQL blip that ends it is retried, never a crash that
-  would leave the run `running`. A poll that still fails after `POLL_READ_S` is logged
+  (the lease store's `ReadConnection`): a PostgreSQL blip that ends it is retried, never a
+  crash that would leave the run `running`. A poll that still fails after `POLL_READ_S` is logged
   (`run.poll_failed`) and tried again at the next poll; the cancel request of a SIGINT is sent
   again at each poll until it is acknowledged. When the summary's ledger reads still fail after
   `SUMMARY_READ_S`, the summary is built from what this node saw (`run.summary_read_failed`).
@@ -91,9 +91,8 @@ from flyd.launch.identities import new_node_id
 from flyd.launch.spawner import add_import_roots
 from flyd.leases import queries
 from flyd.leases.migrate import MigrationError
-from flyd.leases.reconnect import ReadConnection
 from flyd.leases.stores.contract import TERMINAL, StoreError
-from flyd.leases.stores.pg import ClosingConnection
+from flyd.leases.stores.pg import ClosingConnection, ReadConnection
 from flyd.logs import LogFlags
 from flyd.node.grant import RunReport
 from flyd.node.process import NodeProcess, NodeSetup, NodeStartError

@@ -75,7 +75,7 @@ from flyd.node.metrics import CONTENT_TYPE, NodeMetrics
 from flyd.node.metrics_http import MetricsAddress, MetricsEndpoint
 from flyd.node.parts import ForkServerPart, Part, PartsWatch, RouterPart
 from flyd.node.router_child import RouterChild, RouterChildError, check_socket_path
-from flyd.state.checkpoints import PgCheckpointStore
+from flyd.state.checkpoints import CheckpointStore
 
 __all__ = ["NodeProcess", "NodeSetup", "NodeStartError"]
 
@@ -227,7 +227,7 @@ class NodeProcess:
         self.client: BusClient | None = None
         self.store: PgStore | None = None
         self.executor: GrantExecutor | None = None
-        self.checkpoints: PgCheckpointStore | None = None
+        self.checkpoints: CheckpointStore | None = None
         self.runtime: NodeRuntime | None = None
         self.control: ControlService | None = None
         self.metrics: MetricsEndpoint | None = None
@@ -285,8 +285,7 @@ class NodeProcess:
         self.store = PgStore(self.dsn, setup.node_id, settings, self.params,
                              capacity=setup.capacity)
         await self.store.open()
-        self.checkpoints = PgCheckpointStore(
-            self.dsn, application_name=f"flyd:{setup.node_id}:checkpoints")
+        self.checkpoints = CheckpointStore(self.store)
         session = setup.settings.session
         add_import_roots(session.launcher.plugin_paths)
         self.spawner = Spawner(session.launcher, socket=setup.socket)
@@ -477,11 +476,7 @@ class NodeProcess:
         control, self.control = self.control, None
         if control is not None:
             await control.close()
-        checkpoints, self.checkpoints = self.checkpoints, None
-        if checkpoints is not None:
-            with contextlib.suppress(Exception):
-                async with asyncio.timeout(CLOSE_S):
-                    await checkpoints.close()
+        self.checkpoints = None  # its connections are the lease store's, closed next
         store, self.store = self.store, None
         if store is not None:
             with contextlib.suppress(Exception):

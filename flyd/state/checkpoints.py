@@ -43,17 +43,13 @@ Decisions where the spec is silent:
 - `effect_duplicate` / `effect_conflict` are logged (structlog, level error) by the store when
   the path reports them; the path has already failed the run (the node's `Scope` does, and so
   does `DirectCommitPath`).
-- `PgCheckpointStore` uses one connection of its own (autocommit, opened lazily, closed after
-  any failure) for reads, the §3.10 read and ending a backend, and a connection per import;
-  every call is bounded by `timeout_s`. Those statements are idempotent, so while the session
-  is lost (a PostgreSQL blip ended it, `flyd.leases.reconnect`) a call reconnects and repeats
-  its statement within that bound: a connection left stale by a blip never fails a grant's
-  first head read or a recovery's read. Database failures are `BACKEND_FAILURE`/`unknown`.
-  Its connections are the lease store's `ClosingConnection`: a call cancelled mid-query (its
-  bound, or a lost lease cancelling the grant) closes the socket at once instead of waiting up
-  to 10 s for a server-side cancel that an unreachable server never answers.
-- `MemoryCheckpointStore` reads the in-memory lease store's tables through `MemStore.dump()`;
-  it has no `import_envelope` (the in-memory lease store has no lease-epoch-0 write path).
+- `CheckpointStore` reads and imports through the lease `Store` (`read_checkpoints`,
+  `read_head`, `read_run`, `end_backend`, `import_checkpoint`), which owns connections and SQL:
+  `PgStore` reads checkpoints on its own `:checkpoints` session and repeats a read on a new
+  connection while the session is lost (a PostgreSQL blip ended it), within its bound, so a
+  connection left stale by a blip never fails a grant's first head read or a recovery's read;
+  `MemStore` reads its tables. A lease store failure on a read or an import is
+  `BACKEND_FAILURE`/`unknown`; an import refused by the fence is `CommitFailure` "fenced".
 - An import inserts the row with node id `import`; the run's spec gains
   `startFrom: {checkpointId, envelopeDigest}`.
 """
@@ -63,7 +59,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import os
-from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -71,16 +66,12 @@ from functools import partial
 from pathlib import Path
 from typing import Any, Final, Protocol, TypeVar
 
-import psycopg
 import structlog
-from psycopg.types.json import Jsonb
 
 from flyd.cancel import raise_if_cancelled
 from flyd.leases.core import LeaseLost
-from flyd.leases.reconnect import ReadConnection
 from flyd.leases.resolve import decide
 from flyd.leases.runtime import finish_effect
-from flyd.leases.stores import pg as sql
 from flyd.leases.stores.contract import (
     Backend,
     Checkpoint,
@@ -91,15 +82,17 @@ from flyd.leases.stores.contract import (
     Fenced,
     Finish,
     HeadRegression,
+    Import,
     LedgerImmutable,
     RunRead,
     Store,
+    StoredCheckpoint,
+    StoreError,
     TerminalFinal,
     TerminalState,
     Transient,
     UnknownOutcome,
 )
-from flyd.leases.stores.mem import MemStore
 from flyd.state.effects import epoch_number
 from flyd.state.envelope import MAX_ENVELOPE_BYTES, Envelope, EnvelopeError, decode
 from workers.types.canonical import digest_of
@@ -115,16 +108,12 @@ __all__ = [
     "DirectCommitPath",
     "FinishRun",
     "IntegrityError",
-    "MemoryCheckpointStore",
-    "PgCheckpointStore",
     "verify_file",
     "write_file",
 ]
 
 log = structlog.get_logger("flyd.state.checkpoints")
 
-IMPORT_NODE: Final = "import"
-DEFAULT_TIMEOUT_S: Final = 5.0
 DEFAULT_KEEP: Final = 3
 RESOLVE_S: Final = 30.0
 RESOLVE_BACKOFF_S: Final = 0.05
@@ -234,11 +223,6 @@ class CommitFailure(DomainError):
         super().__init__(code, message, mutation)
 
 
-def _backend_failure(what: str, exc: BaseException) -> DomainError:
-    return DomainError(ErrorCode.BACKEND_FAILURE, f"{what}: {type(exc).__name__}: {exc}",
-                       Mutation.UNKNOWN)
-
-
 # --------------------------------------------------------------------------------------------
 # Commit paths
 
@@ -318,12 +302,6 @@ class DirectCommitPath:
 # Shared logic
 
 
-@dataclass(frozen=True, slots=True)
-class _Row:
-    record: CheckpointRecord
-    envelope: bytes | None
-
-
 def write_file(path: Path, data: bytes) -> None:
     """`FILE.tmp` beside FILE, fsync, rename, fsync the directory (§4.7); blocking."""
     tmp = path.with_name(path.name + ".tmp")
@@ -357,43 +335,41 @@ def _manifest_row(env: Envelope) -> tuple[str, str, int, str, str]:
             str(m["episodeId"]), digest_of(m["compatibility"]))
 
 
-class _Base(ABC):
-    """§4.2–§4.7 over the backend primitives each store implements."""
+class CheckpointStore:
+    """§4.2–§4.7 over a lease `Store` (`PgStore` in production, `MemStore` in tests), which
+    owns the connections, the reconnect and the SQL; this class owns what the rows mean."""
 
-    def __init__(self) -> None:
+    def __init__(self, store: Store) -> None:
+        self.store = store
         self.commits = 0
 
     # -- primitives ----------------------------------------------------------------------
-    @abstractmethod
     async def _rows(self, run_id: int, checkpoint_id: str | None, *,
-                    with_envelope: bool) -> list[_Row]:
+                    with_envelope: bool) -> list[StoredCheckpoint]:
         """Rows of a run (one id, or all) newest first, with or without the bytes."""
+        return await _answered("read checkpoints", self.store.read_checkpoints(
+            run_id, checkpoint_id, with_envelope=with_envelope))
 
-    @abstractmethod
-    async def _head_id(self, run_id: int) -> str | None:
-        """`run_heads.high_water` of the run."""
-
-    @abstractmethod
     async def _read_run(self, run_id: int, lease_epoch: int,
                         checkpoint_id: str) -> RunRead | None:
-        """distribution.md §3.10's read."""
+        return await _answered("read run", self.store.read_run(run_id, lease_epoch,
+                                                               checkpoint_id))
 
-    @abstractmethod
     async def _end_backend(self, backend: Backend) -> None:
-        """distribution.md §3.10: terminate the session that ran a commit."""
+        await _answered("end backend", self.store.end_backend(backend))
 
     # -- reads ---------------------------------------------------------------------------
     async def lookup(self, run_id: int, checkpoint_id: str) -> CheckpointRecord | None:
         rows = await self._rows(run_id, checkpoint_id, with_envelope=False)
-        return rows[0].record if rows else None
+        return _record(rows[0]) if rows else None
 
     async def head(self, run_id: int) -> CheckpointRecord | None:
-        head = await self._head_id(run_id)
+        head = await _answered("read head", self.store.read_head(run_id))
         return None if head is None else await self.lookup(run_id, head)
 
     async def list(self, run_id: int) -> list[CheckpointRecord]:
         """Newest first by (boundary, committed_at, checkpoint_id); no bytes."""
-        return [r.record for r in await self._rows(run_id, None, with_envelope=False)]
+        return [_record(r) for r in await self._rows(run_id, None, with_envelope=False)]
 
     async def select(self, run_id: int, checkpoint_id: str | None = None, *,
                      for_restore: bool = False) -> CheckpointRecord:
@@ -427,7 +403,7 @@ class _Base(ABC):
         if not rows or rows[0].envelope is None:
             raise IntegrityError("S1", run, cid, "the generation no longer exists "
                                  "(rotated away or never stored)")
-        row, data = rows[0].record, rows[0].envelope
+        row, data = _record(rows[0]), rows[0].envelope
         if len(data) != row.byte_length:
             raise IntegrityError("S2", run, cid, f"the envelope has {len(data)} bytes; "
                                  f"byte_length says {row.byte_length}")
@@ -587,125 +563,13 @@ class _Base(ABC):
                  checkpoint_id=job.checkpoint_id, decision=decision)
         return decision
 
-
-class CheckpointStore(Protocol):
-    """§4.2's async API; `PgCheckpointStore` and `MemoryCheckpointStore` implement it."""
-
-    commits: int
-
-    async def commit(self, job: CommitJob, path: CommitPath,
-                     faults: CommitFaults | None = None) -> CheckpointRecord: ...
-
-    async def lookup(self, run_id: int, checkpoint_id: str) -> CheckpointRecord | None: ...
-
-    async def head(self, run_id: int) -> CheckpointRecord | None: ...
-
-    async def select(self, run_id: int, checkpoint_id: str | None = None, *,
-                     for_restore: bool = False) -> CheckpointRecord: ...
-
-    async def read(self, record: CheckpointRecord) -> Envelope: ...
-
-    async def read_bytes(self, record: CheckpointRecord) -> tuple[bytes, Envelope]: ...
-
-    async def list(self, run_id: int) -> list[CheckpointRecord]: ...
-
-    async def export(self, run_id: int, path: Path,
-                     checkpoint_id: str | None = None) -> CheckpointRecord: ...
-
-    async def verify_stored(self, run_id: int, checkpoint_id: str | None = None
-                            ) -> CheckpointRecord: ...
-
-
-# --------------------------------------------------------------------------------------------
-# PostgreSQL
-
-ROWS: Final = """
-SELECT c.run_id, c.checkpoint_id, c.lease_epoch, c.node_id, c.session_id, c.session_epoch,
-       c.episode_id, c.boundary, c.compatibility_digest, c.envelope_digest, c.byte_length,
-       c.committed_at, coalesce(h.high_water = c.checkpoint_id, false) AS is_head
-  FROM flyd.checkpoints c LEFT JOIN flyd.run_heads h USING (run_id)
- WHERE c.run_id = %(run)s AND (%(ckpt)s::text IS NULL OR c.checkpoint_id = %(ckpt)s::text)
- ORDER BY c.boundary DESC, c.committed_at DESC, c.checkpoint_id DESC
-"""
-
-ROWS_WITH_ENVELOPE: Final = ROWS.replace("AS is_head\n", "AS is_head, c.envelope\n")
-
-HEAD_ID: Final = "SELECT high_water FROM flyd.run_heads WHERE run_id = %(run)s"
-
-IMPORT_HEAD: Final = """
-UPDATE flyd.run_heads SET high_water = %(ckpt)s, boundary = %(boundary)s, lease_epoch = 0
- WHERE run_id = %(run)s
-"""
-
-
-def _record(r: Sequence[Any]) -> CheckpointRecord:
-    return CheckpointRecord(
-        run_id=int(r[0]), checkpoint_id=str(r[1]), lease_epoch=int(r[2]), node_id=str(r[3]),
-        session_id=str(r[4]), session_epoch=f"e{int(r[5])}", episode_id=str(r[6]),
-        boundary=int(r[7]), compatibility_digest=str(r[8]), envelope_digest=bytes(r[9]).hex(),
-        byte_length=int(r[10]), committed_at=r[11], is_head=bool(r[12]))
-
-
-class PgCheckpointStore(_Base):
-    """The checkpoint store on the distribution schema (module rules)."""
-
-    def __init__(self, dsn: str, *, timeout_s: float = DEFAULT_TIMEOUT_S,
-                 application_name: str | None = None) -> None:
-        super().__init__()
-        self._dsn = dsn
-        self._timeout_s = timeout_s
-        self._reads = ReadConnection(dsn, within_s=timeout_s,
-                                     application_name=application_name)
-
-    async def close(self) -> None:
-        await self._reads.close()
-
-    async def _fetch(self, what: str, query: str, params: Mapping[str, Any], *,
-                     binary: bool = False) -> list[Any]:
-        """An idempotent statement (every caller's is a read, or ends a backend), repeated on
-        a new connection while the session is lost, within `timeout_s` (module rules)."""
-        async def op(conn: sql.ClosingConnection) -> list[Any]:
-            cur = await conn.execute(query, params, binary=binary)
-            return await cur.fetchall() if cur.description is not None else []
-
-        try:
-            return await self._reads.read(op, what)
-        except (psycopg.Error, TimeoutError, OSError) as exc:
-            raise _backend_failure(what, exc) from exc
-
-    async def _rows(self, run_id: int, checkpoint_id: str | None, *,
-                    with_envelope: bool) -> list[_Row]:
-        query = ROWS_WITH_ENVELOPE if with_envelope else ROWS
-        rows = await self._fetch("read checkpoints", query,
-                                 {"run": run_id, "ckpt": checkpoint_id}, binary=with_envelope)
-        return [_Row(_record(r), bytes(r[13]) if with_envelope else None) for r in rows]
-
-    async def _head_id(self, run_id: int) -> str | None:
-        rows = await self._fetch("read head", HEAD_ID, {"run": run_id})
-        return None if not rows or rows[0][0] is None else str(rows[0][0])
-
-    async def _read_run(self, run_id: int, lease_epoch: int,
-                        checkpoint_id: str) -> RunRead | None:
-        rows = await self._fetch("read run", sql.READ_RUN, {
-            "run": run_id, "epoch": lease_epoch, "ckpt": checkpoint_id})
-        if not rows:
-            return None
-        r = rows[0]
-        return RunRead(state=r[0], lease_epoch=int(r[1]), owner_node=r[2], live=bool(r[3]),
-                       high_water=r[4], boundary=int(r[5]), checkpoint_committed=bool(r[6]))
-
-    async def _end_backend(self, backend: Backend) -> None:
-        await self._fetch("end backend", sql.END_BACKEND, {
-            "pid": backend.pid, "backend_start": backend.backend_start,
-            "wait_ms": max(50, round(self._timeout_s * 500))})
-
     async def import_envelope(self, data: bytes, *, spec: Mapping[str, Any] | None = None,
                               run_id: int | None = None, submit_key: str | None = None,
                               max_attempts: int = 3, keep: int = 3) -> CheckpointRecord:
-        """§4.7 import: R1–R8, then one transaction: submit the run (unless `run_id` names a
-        pending one), insert the row at lease epoch 0, move the head, rotate. The fence
-        refuses lease epoch 0 once the run has been granted (LF001 → `CommitFailure`
-        "fenced")."""
+        """§4.7 import: R1–R8, then the lease store's one transaction: submit the run (unless
+        `run_id` names a pending one), insert the row at lease epoch 0, move the head,
+        rotate. The fence refuses lease epoch 0 once the run has been granted
+        (`CommitFailure` "fenced")."""
         if len(data) > MAX_ENVELOPE_BYTES:
             raise DomainError(ErrorCode.UNSUPPORTED, f"an envelope of {len(data)} bytes; at "
                               f"most {MAX_ENVELOPE_BYTES} are allowed", Mutation.NONE)
@@ -715,84 +579,41 @@ class PgCheckpointStore(_Base):
         digest = hashlib.sha256(data).digest()
         run_spec = {**dict(spec or {}),
                     "startFrom": {"checkpointId": cid, "envelopeDigest": digest.hex()}}
+        checkpoint = Checkpoint(checkpoint_id=cid, session_id=session_id,
+                                session_epoch=epoch_number(epoch), episode_id=episode_id,
+                                boundary=boundary, compatibility_digest=compat,
+                                envelope_digest=digest, envelope=data)
         try:
-            async with asyncio.timeout(self._timeout_s):
-                conn = await sql.ClosingConnection.connect(self._dsn, autocommit=True)
-                async with conn:
-                    async with conn.transaction():
-                        run = run_id
-                        if run is None:
-                            cur = await conn.execute(sql.SUBMIT, {
-                                "key": submit_key, "spec": Jsonb(run_spec),
-                                "max_attempts": max_attempts})
-                            row = await cur.fetchone()
-                            if row is None or not row[1]:
-                                raise DomainError(ErrorCode.CONFLICT, f"submit key "
-                                                  f"{submit_key!r} is already used",
-                                                  Mutation.NONE)
-                            run = int(row[0])
-                        base = {"run": run, "epoch": 0, "node": IMPORT_NODE, "ckpt": cid}
-                        await conn.execute(sql.INSERT_CHECKPOINT, {
-                            **base, "session_id": session_id,
-                            "session_epoch": epoch_number(epoch), "episode_id": episode_id,
-                            "boundary": boundary, "compat": compat, "env_digest": digest,
-                            "byte_length": len(data), "envelope": data})
-                        await conn.execute(IMPORT_HEAD, {**base, "boundary": boundary})
-                        await conn.execute(sql.ROTATE, {**base, "keep": keep})
-        except psycopg.Error as exc:
-            if exc.sqlstate == "LF001":
-                raise CommitFailure("fenced", f"import of {cid}: {exc}") from exc
-            raise _backend_failure("import", exc) from exc
-        except (TimeoutError, OSError) as exc:
-            raise _backend_failure("import", exc) from exc
+            run = await self.store.import_checkpoint(Import(
+                checkpoint, run_spec, run_id=run_id, submit_key=submit_key,
+                max_attempts=max_attempts, keep=keep))
+        except Fenced as exc:
+            raise CommitFailure("fenced", f"import of {cid}: {exc.message}") from exc
+        except StoreError as exc:
+            raise DomainError(ErrorCode.BACKEND_FAILURE, exc.message, Mutation.UNKNOWN) from exc
+        if run is None:
+            raise DomainError(ErrorCode.CONFLICT, f"submit key {submit_key!r} is already used",
+                              Mutation.NONE)
         record = await self.lookup(run, cid)
         if record is None:
             raise DomainError(ErrorCode.INTERNAL, f"imported {cid} not found", Mutation.UNKNOWN)
         return record
 
 
-# --------------------------------------------------------------------------------------------
-# Memory
+async def _answered(what: str, call: Awaitable[T]) -> T:
+    """A lease store read, its failure a `BACKEND_FAILURE` with unknown mutation (module
+    rules): the retry of the reads after a commit keys on that code."""
+    try:
+        return await call
+    except StoreError as exc:
+        message = exc.message if exc.message.startswith(what) else f"{what}: {exc.message}"
+        raise DomainError(ErrorCode.BACKEND_FAILURE, message, Mutation.UNKNOWN) from exc
 
 
-class MemoryCheckpointStore(_Base):
-    """The same rules over `MemStore`'s tables (§4.8); the lease store enforces fence, head,
-    rotation and ledger rules, exactly as the triggers do on PostgreSQL."""
-
-    def __init__(self, mem: MemStore) -> None:
-        super().__init__()
-        self.mem = mem
-
-    async def _rows(self, run_id: int, checkpoint_id: str | None, *,
-                    with_envelope: bool) -> list[_Row]:
-        tables = self.mem.dump()
-        head = await self._head_id(run_id)
-        out: list[_Row] = []
-        for c in tables["checkpoints"]:
-            if c["run_id"] != run_id or checkpoint_id not in (None, c["checkpoint_id"]):
-                continue
-            rec = CheckpointRecord(
-                run_id=run_id, checkpoint_id=c["checkpoint_id"], lease_epoch=c["lease_epoch"],
-                node_id=c["node_id"], session_id=c["session_id"],
-                session_epoch=f"e{c['session_epoch']}", episode_id=c["episode_id"],
-                boundary=c["boundary"], compatibility_digest=c["compatibility_digest"],
-                envelope_digest=bytes(c["envelope_digest"]).hex(),
-                byte_length=c["byte_length"], committed_at=c["committed_at"],
-                is_head=c["checkpoint_id"] == head)
-            out.append(_Row(rec, bytes(c["envelope"]) if with_envelope else None))
-        out.sort(key=lambda r: (r.record.boundary, r.record.committed_at,
-                                r.record.checkpoint_id), reverse=True)
-        return out
-
-    async def _head_id(self, run_id: int) -> str | None:
-        for h in self.mem.dump()["run_heads"]:
-            if h["run_id"] == run_id:
-                return None if h["high_water"] is None else str(h["high_water"])
-        return None
-
-    async def _read_run(self, run_id: int, lease_epoch: int,
-                        checkpoint_id: str) -> RunRead | None:
-        return await self.mem.read_run(run_id, lease_epoch, checkpoint_id)
-
-    async def _end_backend(self, backend: Backend) -> None:
-        await self.mem.end_backend(backend)
+def _record(r: StoredCheckpoint) -> CheckpointRecord:
+    return CheckpointRecord(
+        run_id=r.run_id, checkpoint_id=r.checkpoint_id, lease_epoch=r.lease_epoch,
+        node_id=r.node_id, session_id=r.session_id, session_epoch=f"e{r.session_epoch}",
+        episode_id=r.episode_id, boundary=r.boundary,
+        compatibility_digest=r.compatibility_digest, envelope_digest=r.envelope_digest.hex(),
+        byte_length=r.byte_length, committed_at=r.committed_at, is_head=r.is_head)

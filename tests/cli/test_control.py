@@ -31,7 +31,7 @@ from flyd.leases.params import LeaseParams
 from flyd.leases.stores import pg as pgstore
 from flyd.leases.stores.contract import Commit, Effect
 from flyd.node.control_protocol import METHODS, control_validator
-from flyd.state.checkpoints import DirectCommitPath, PgCheckpointStore
+from flyd.state.checkpoints import CheckpointStore, DirectCommitPath
 from tests.cli.test_flyctl_runs import ROOT, Site, flyctl, serve, submit, wait_state
 from tests.cli.test_flyctl_runs import site as site
 from tests.state.conftest import NODE, make_job
@@ -310,14 +310,13 @@ async def _stored_generation(dsn: str) -> int:
     `e2` at boundary 5 (the store's own commit path)."""
     lease = pgstore.PgStore(dsn, NODE, pgstore.DbSettings(), LeaseParams())
     await lease.open()
-    store = PgCheckpointStore(dsn)
+    store = CheckpointStore(lease)
     try:
         run_id = (await lease.submit(None, {}, 3)).run_id
         [grant] = await lease.claim(NODE, 1, 3600.0)
         await store.commit(make_job(run_id, grant.lease_epoch, "ck-5", 5, session_epoch="e2"),
                            DirectCommitPath(lease, run_id, grant.lease_epoch, NODE))
     finally:
-        await store.close()
         await lease.close()
     return run_id
 

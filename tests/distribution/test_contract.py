@@ -44,6 +44,7 @@ from flyd.leases.stores.contract import (
     Finish,
     HeadRegression,
     Held,
+    Import,
     NodeInfo,
     Store,
     StoreError,
@@ -528,6 +529,63 @@ async def test_contract_fenced_writes(h: Harness) -> None:
     dump = await h.dump()
     assert dump["effects"] == [] and dump["checkpoints"] == []
     assert dump["run_heads"][0]["high_water"] is None
+
+
+async def test_contract_checkpoint_rows_and_head(h: Harness) -> None:
+    """`read_checkpoints` newest first, `is_head` from the head, bytes only when asked;
+    `read_head` is the head's id; an unknown run or id reads as nothing."""
+    r, other = await submit(h, 2)
+    assert await h.store.read_head(r) is None
+    assert await h.store.read_checkpoints(r, None, with_envelope=True) == []
+    (g,) = await h.store.claim(A, 1, 10.0, only=r)
+    for k in (1, 2):
+        await h.store.commit(Commit(r, g.lease_epoch, A, effects=(eff(k),),
+                                    checkpoint=ckpt(f"a{k}", k)))
+    assert await h.store.read_head(r) == "a2"
+    rows = await h.store.read_checkpoints(r, None, with_envelope=False)
+    assert [(c.checkpoint_id, c.is_head, c.boundary) for c in rows] == [
+        ("a2", True, 2), ("a1", False, 1)]
+    first = ckpt("a1", 1)
+    (row,) = await h.store.read_checkpoints(r, "a1", with_envelope=True)
+    assert (row.run_id, row.lease_epoch, row.node_id, row.session_id, row.session_epoch,
+            row.episode_id, row.compatibility_digest, row.envelope_digest, row.byte_length,
+            row.envelope) == (r, g.lease_epoch, A, first.session_id, first.session_epoch,
+                              first.episode_id, first.compatibility_digest,
+                              first.envelope_digest, first.byte_length, first.envelope)
+    assert all(c.envelope is None for c in rows)
+    assert rows[0].committed_at >= rows[1].committed_at
+    assert await h.store.read_checkpoints(r, "nope", with_envelope=False) == []
+    assert await h.store.read_checkpoints(other, None, with_envelope=False) == []
+    assert await h.store.read_head(other + 100) is None
+
+
+async def test_contract_import_checkpoint(h: Harness) -> None:
+    """An import submits (or takes a pending run), inserts at lease epoch 0 as `import`, moves
+    the head and rotates; a used submit key is None; a granted run is `Fenced`, unchanged."""
+    spec = {"steps": 4, "startFrom": {"checkpointId": "i1"}}
+    run = await h.store.import_checkpoint(Import(ckpt("i1", 3), spec, submit_key="key-1"))
+    assert run is not None
+    (row,) = await h.store.read_checkpoints(run, None, with_envelope=True)
+    assert (row.checkpoint_id, row.lease_epoch, row.node_id, row.boundary, row.is_head,
+            row.envelope) == ("i1", 0, "import", 3, True, ckpt("i1", 3).envelope)
+    assert await h.store.read_head(run) == "i1"
+    dump = await h.dump()
+    (stored,) = [x for x in dump["runs"] if x["run_id"] == run]
+    assert (stored["state"], stored["lease_epoch"], stored["spec"]) == ("pending", 0, spec)
+    assert await h.store.import_checkpoint(Import(ckpt("i9", 1), spec,
+                                                  submit_key="key-1")) is None
+    assert await h.store.import_checkpoint(Import(ckpt("i2", 5), spec, run_id=run,
+                                                  keep=1)) == run
+    assert [c.checkpoint_id for c in await h.store.read_checkpoints(
+        run, None, with_envelope=False)] == ["i2"]
+    (g,) = await h.store.claim(A, 1, 10.0, only=run)
+    with pytest.raises(Fenced) as info:
+        await h.store.import_checkpoint(Import(ckpt("i3", 6), spec, run_id=run))
+    assert info.value.code == "LF001"
+    assert await h.store.read_head(run) == "i2"
+    assert [c.checkpoint_id for c in await h.store.read_checkpoints(
+        run, None, with_envelope=False)] == ["i2"]
+    assert g.lease_epoch == 1
 
 
 async def test_contract_lock_semantics(h: Harness) -> None:

@@ -27,11 +27,10 @@ from flyd.leases.params import LeaseParams
 from flyd.leases.stores import pg as pgstore
 from flyd.leases.stores.contract import Checkpoint, Commit, Effect, LedgerImmutable, Store
 from flyd.state.checkpoints import (
+    CheckpointStore,
     CommitJob,
     DirectCommitPath,
     FinishRun,
-    MemoryCheckpointStore,
-    PgCheckpointStore,
 )
 from flyd.state.compat import STATE_FORMAT_ID
 from flyd.state.envelope import encode
@@ -121,7 +120,7 @@ def make_job(run_id: int, lease_epoch: int, checkpoint_id: str, boundary: int, *
 class RunCtx:
     kind: str
     lease: Store
-    store: MemoryCheckpointStore | PgCheckpointStore
+    store: CheckpointStore
     run_id: int
     lease_epoch: int
     path: DirectCommitPath
@@ -211,7 +210,7 @@ async def _pg_ctx(db_dsn: str) -> AsyncIterator[RunCtx]:
     await admin.execute("INSERT INTO flyd.sim_clock (t) VALUES (%s)", (BASE,))
     lease = pgstore.PgStore(db_dsn, NODE, pgstore.DbSettings(), LeaseParams())
     await lease.open()
-    store = PgCheckpointStore(db_dsn)
+    store = CheckpointStore(lease)
     try:
         run_id = (await lease.submit(None, {}, 3)).run_id
         [grant] = await lease.claim(NODE, 1, TTL)
@@ -220,7 +219,6 @@ async def _pg_ctx(db_dsn: str) -> AsyncIterator[RunCtx]:
                      path=DirectCommitPath(lease, run_id, grant.lease_epoch, NODE),
                      dsn=db_dsn, admin=admin)
     finally:
-        await store.close()
         await lease.close()
         await admin.close()
 
@@ -230,7 +228,7 @@ async def _mem_ctx() -> AsyncIterator[RunCtx]:
     mem = AdminMemStore(clock.now, idle_in_transaction_timeout_s=0, epoch_base=BASE)
     run_id = (await mem.submit(None, {}, 3)).run_id
     [grant] = await mem.claim(NODE, 1, TTL)
-    yield RunCtx(kind="mem", lease=mem, store=MemoryCheckpointStore(mem), run_id=run_id,
+    yield RunCtx(kind="mem", lease=mem, store=CheckpointStore(mem), run_id=run_id,
                  lease_epoch=grant.lease_epoch,
                  path=DirectCommitPath(mem, run_id, grant.lease_epoch, NODE), mem=mem,
                  clock=clock)

@@ -10,9 +10,8 @@ import psycopg
 import pytest
 
 from flyd.leases.params import LeaseParams
-from flyd.leases.reconnect import ReadConnection
 from flyd.leases.stores.contract import Commit, Effect, Held, Transient
-from flyd.leases.stores.pg import ClosingConnection
+from flyd.leases.stores.pg import ClosingConnection, ReadConnection
 from tests.state.conftest import NODE, RunCtx, make_job
 
 TERMINATE = """

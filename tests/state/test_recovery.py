@@ -56,7 +56,7 @@ import pytest
 from flyd.leases.params import LeaseParams
 from flyd.leases.stores.pg import DbSettings, PgStore
 from flyd.session.runspec import RunSpec
-from flyd.state.checkpoints import PgCheckpointStore
+from flyd.state.checkpoints import CheckpointStore
 from flyd.state.envelope import decode
 from tests.distribution.harness.clock import EPOCH, HarnessClock
 from tests.serve_nodes import node_log, processes_under, query, start_node, stop, wait_for
@@ -673,15 +673,13 @@ def test_a_drained_node_hands_over_without_an_abandoned_range(box: Box) -> None:
 
 async def _export_import(dsn: str, run: int, checkpoint_id: str, path: Path,
                          spec: dict[str, Any]) -> int:
-    store = PgCheckpointStore(dsn)
-    try:
+    async with PgStore(dsn, "import-000000000000", DbSettings(), LeaseParams()) as lease:
+        store = CheckpointStore(lease)
         record = await store.export(run, path, checkpoint_id)
         assert record.boundary == 20
         data = await asyncio.to_thread(path.read_bytes)
         imported = await store.import_envelope(data, spec=spec)
         return imported.run_id
-    finally:
-        await store.close()
 
 
 def test_an_imported_checkpoint_runs_to_the_same_end(box: Box) -> None:

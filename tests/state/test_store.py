@@ -23,7 +23,6 @@ from flyd.state.checkpoints import (
     DirectCommitPath,
     FinishRun,
     IntegrityError,
-    PgCheckpointStore,
     verify_file,
 )
 from flyd.state.envelope import EnvelopeError, encode
@@ -424,7 +423,6 @@ async def test_import_creates_a_pending_run_and_refuses_a_granted_one(claimed_ru
                                                                       tmp_path: Path) -> None:
     ctx = claimed_run
     store = ctx.store
-    assert isinstance(store, PgCheckpointStore)
     manifest, payloads = make_capture("ck-20", 20, session_epoch="e3")
     data = encode(manifest, payloads)
     record = await store.import_envelope(data, spec={"steps": 40})
@@ -447,7 +445,8 @@ async def test_import_creates_a_pending_run_and_refuses_a_granted_one(claimed_ru
         await store.import_envelope(data, run_id=ctx.run_id)
     cause = info.value.__cause__
     assert info.value.reason == "fenced"
-    assert isinstance(cause, psycopg.Error) and cause.sqlstate == "LF001"
+    assert isinstance(cause, Fenced)
+    assert isinstance(cause.__cause__, psycopg.Error) and cause.__cause__.sqlstate == "LF001"
     assert await stored_ids(ctx) == []
 
     corrupt = bytearray(data)

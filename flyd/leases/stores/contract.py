@@ -332,6 +332,44 @@ class RunRead:
 
 
 @dataclass(frozen=True, slots=True)
+class StoredCheckpoint:
+    """A `flyd.checkpoints` row and whether its run's head names it (state.md §4.2);
+    `envelope` is None unless the read asked for the bytes."""
+
+    run_id: int
+    checkpoint_id: str
+    lease_epoch: int
+    node_id: str
+    session_id: str
+    session_epoch: int
+    episode_id: str
+    boundary: int
+    compatibility_digest: str
+    envelope_digest: bytes
+    byte_length: int
+    committed_at: datetime
+    is_head: bool
+    envelope: bytes | None
+
+
+@dataclass(frozen=True, slots=True)
+class Import:
+    """state.md §4.7's import, one transaction: `checkpoint` at lease epoch 0 (node id
+    `import`) on the pending run `run_id`, or on a new run submitted with `submit_key`, `spec`
+    and `max_attempts`; the head moves to it and rotation keeps `keep`."""
+
+    checkpoint: Checkpoint
+    spec: Mapping[str, Any]
+    run_id: int | None = None
+    submit_key: str | None = None
+    max_attempts: int = 3
+    keep: int = 3
+
+
+IMPORT_NODE: Final = "import"
+
+
+@dataclass(frozen=True, slots=True)
 class Released:
     run_id: int
     lease_epoch: int
@@ -405,6 +443,18 @@ class Store(Protocol):
 
     async def end_backend(self, backend: Backend) -> None:
         """§3.10: terminate the server session that ran a commit of unknown outcome."""
+
+    async def read_checkpoints(self, run_id: int, checkpoint_id: str | None, *,
+                               with_envelope: bool) -> list[StoredCheckpoint]:
+        """The run's checkpoint rows (one id, or all), newest first by (boundary,
+        committed_at, checkpoint_id); the bytes only `with_envelope`."""
+
+    async def read_head(self, run_id: int) -> str | None:
+        """`run_heads.high_water` of the run (None without a head or without the run)."""
+
+    async def import_checkpoint(self, imp: Import) -> int | None:
+        """state.md §4.7: the run the checkpoint now heads; None when `imp.submit_key` is
+        already used. A run that has been granted is `Fenced`."""
 
     async def requeue(self, run_id: int, actor: str) -> bool:
         """Operator requeue of a `failed` run (logged intervention)."""

@@ -59,6 +59,7 @@ from typing import Any, Final
 from flyd.leases.fit import Fit, fitting
 from flyd.leases.params import LeaseParams
 from flyd.leases.stores.contract import (
+    IMPORT_NODE,
     Backend,
     Cancelled,
     Commit,
@@ -70,6 +71,7 @@ from flyd.leases.stores.contract import (
     Grant,
     HeadRegression,
     Held,
+    Import,
     NodeInfo,
     NodeState,
     Reaped,
@@ -78,6 +80,7 @@ from flyd.leases.stores.contract import (
     RunRead,
     RunState,
     SpecMismatch,
+    StoredCheckpoint,
     Submitted,
     TerminalState,
     Transient,
@@ -738,6 +741,68 @@ class MemStore:
         h = self._open.get(backend.pid)
         if h is not None and h.backend == backend:
             self._end(h, "terminated")
+
+    # ----------------------------------------------------------------------------------------
+    # checkpoint reads and import (state.md §4.2, §4.7)
+
+    async def read_checkpoints(self, run_id: int, checkpoint_id: str | None, *,
+                               with_envelope: bool) -> list[StoredCheckpoint]:
+        self._tick()
+        head = self._heads.get(run_id)
+        high_water = head.high_water if head is not None else None
+        rows = [StoredCheckpoint(
+            run_id=run_id, checkpoint_id=c.checkpoint_id, lease_epoch=c.lease_epoch,
+            node_id=c.node_id, session_id=c.session_id, session_epoch=c.session_epoch,
+            episode_id=c.episode_id, boundary=c.boundary,
+            compatibility_digest=c.compatibility_digest,
+            envelope_digest=bytes(c.envelope_digest), byte_length=c.byte_length,
+            committed_at=self.dt(c.committed_at), is_head=c.checkpoint_id == high_water,
+            envelope=bytes(c.envelope) if with_envelope else None)
+            for (rid, cid), c in sorted(self._checkpoints.items())
+            if rid == run_id and checkpoint_id in (None, cid)]
+        rows.sort(key=lambda r: (r.boundary, r.committed_at, r.checkpoint_id), reverse=True)
+        return rows
+
+    async def read_head(self, run_id: int) -> str | None:
+        self._tick()
+        head = self._heads.get(run_id)
+        return None if head is None else head.high_water
+
+    async def import_checkpoint(self, imp: Import) -> int | None:
+        """`flyd.fence_row`'s lease-epoch-0 rule: only a pending, never granted run; the
+        checks come first, so a refused import changes nothing (one transaction)."""
+        ck = imp.checkpoint
+        run_id = imp.run_id
+        if run_id is None:
+            if imp.submit_key is not None and imp.submit_key in self._by_key:
+                next(self._run_ids)  # ON CONFLICT DO NOTHING still draws an id
+                return None
+            if imp.max_attempts <= 0:
+                raise Transient("check violation: runs.max_attempts > 0")
+        else:
+            r = self._runs.get(run_id)
+            if r is None or r.lease_epoch != 0 or r.state != "pending":
+                raise Fenced(f"fenced: run {run_id} has been granted")
+            if (run_id, ck.checkpoint_id) in self._checkpoints:
+                raise Transient(f"duplicate key value violates unique constraint "
+                                f"checkpoints_pkey: ({run_id}, {ck.checkpoint_id})")
+            if imp.keep < 1:
+                raise Transient("LIMIT must not be negative")
+        if run_id is None:
+            run_id = (await self.submit(imp.submit_key, imp.spec, imp.max_attempts)).run_id
+        now = self._tick()
+        self._checkpoints[(run_id, ck.checkpoint_id)] = CheckpointRow(
+            run_id=run_id, checkpoint_id=ck.checkpoint_id, lease_epoch=0, node_id=IMPORT_NODE,
+            session_id=ck.session_id, session_epoch=ck.session_epoch,
+            episode_id=ck.episode_id, boundary=ck.boundary,
+            compatibility_digest=ck.compatibility_digest,
+            envelope_digest=bytes(ck.envelope_digest), byte_length=ck.byte_length,
+            envelope=bytes(ck.envelope), committed_at=now)
+        self._heads[run_id] = HeadRow(run_id=run_id, high_water=ck.checkpoint_id,
+                                      boundary=ck.boundary, lease_epoch=0)
+        for cid in self._rotation(run_id, ck.checkpoint_id, imp.keep):
+            self._checkpoints.pop((run_id, cid), None)
+        return run_id
 
     # ----------------------------------------------------------------------------------------
     # operator requeue

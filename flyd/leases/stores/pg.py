@@ -75,6 +75,24 @@ Decisions where the spec is silent:
   `finish_run` fences itself and answers `'already'` for a run already terminal in that state
   at that epoch (§3.5), which a fenced transaction could never report.
 - Operator requeue records `{"fromState": "failed", "leaseEpoch": e}` as its detail.
+
+Checkpoint reads (state.md §4.2) and reads that outlive their connection:
+- `read_checkpoints` and `read_head` run on a session of their own, `:checkpoints`, opened
+  lazily (the raw DSN with that application name, as an operator and the blip tests see it),
+  through a `ReadConnection` bounded by `CHECKPOINT_READ_S`: a PostgreSQL blip (a server
+  restart, a failover, an operator's `pg_terminate_backend`) ends every session at once, and a
+  long-lived connection simply reused afterwards would fail a grant's first head read or a
+  recovery's read although the database answers again a moment later. Their failures are
+  `Transient`. `import_checkpoint` is one work-pool transaction; the lease-epoch-0 fence
+  (`flyd.fence_row`) refuses a run that has been granted (LF001, `Fenced`).
+- `ReadConnection.read(op, what)` runs `op` on one long-lived autocommit connection (opened
+  lazily; closed after any failure, so the next use reconnects). While the session is lost
+  (`session_lost`) it reconnects and repeats `op`, `BACKOFF_S` doubling to `BACKOFF_MAX_S`
+  apart, logging `db.read_retry` with `what`, until `within_s` has passed since the read
+  began; then the last error stands. Each try is bounded by what is left of `within_s`; tries
+  are serialised by a lock, the backoff sleeps outside it. Only idempotent reads may be
+  passed: a write repeated after a lost reply could apply twice. A cancelled read never
+  retries, even when the cancellation came out of a try as another error (`flyd.cancel`).
 """
 
 from __future__ import annotations
@@ -89,6 +107,7 @@ from types import TracebackType
 from typing import Any, Final, Literal, Self, TypeVar, cast
 
 import psycopg
+import structlog
 from psycopg import waiting
 from psycopg.abc import PQGen
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
@@ -96,9 +115,11 @@ from psycopg.rows import TupleRow
 from psycopg.types.json import Jsonb
 from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
+from flyd.cancel import raise_if_cancelled
 from flyd.leases.fit import WORKER_THREADS_SQL, Fit
 from flyd.leases.params import LeaseParams
 from flyd.leases.stores.contract import (
+    IMPORT_NODE,
     Backend,
     Cancelled,
     Committed,
@@ -108,6 +129,7 @@ from flyd.leases.stores.contract import (
     Grant,
     HeadRegression,
     Held,
+    Import,
     LedgerImmutable,
     NodeInfo,
     NodeState,
@@ -117,6 +139,7 @@ from flyd.leases.stores.contract import (
     RunRead,
     RunState,
     SpecMismatch,
+    StoredCheckpoint,
     StoreError,
     Submitted,
     TerminalFinal,
@@ -129,7 +152,8 @@ from flyd.leases.stores.contract import (
 )
 from flyd.leases.stores.contract import Commit as CommitRequest
 
-__all__ = ["DbSettings", "PgStore", "Role", "classify", "conninfo", "session_lost"]
+__all__ = ["DbSettings", "PgStore", "ReadConnection", "Role", "classify", "conninfo",
+           "session_lost"]
 
 T = TypeVar("T")
 Role = Literal["work", "heartbeat", "listen"]
@@ -140,6 +164,12 @@ PIPELINE_MAX_BYTES: Final = 64 * 1024
 LOST_SESSION: Final = frozenset({"57P01", "57P02", "57P03"})
 EXPIRY_SLACK_S: Final = 0.01         # the listener's wake-up after a lease's expiry
 EFFECTS_PKEY: Final = "effects_pkey"
+#: `ReadConnection`'s retry backoff and the bound on a checkpoint read (module rules)
+BACKOFF_S: Final = 0.05
+BACKOFF_MAX_S: Final = 1.0
+CHECKPOINT_READ_S: Final = 5.0
+
+log = structlog.get_logger("flyd.leases.stores.pg")
 
 # --------------------------------------------------------------------------------------------
 # Settings and conninfo
@@ -297,6 +327,57 @@ async def _record_backend(conn: ClosingConnection) -> None:
     if row is None:
         raise psycopg.OperationalError("own backend missing from pg_stat_activity")
     conn.backend = Backend(pid=int(row[0]), backend_start=cast(datetime, row[1]))
+
+
+class ReadConnection:
+    """One lazily opened autocommit connection for idempotent reads (module rules)."""
+
+    def __init__(self, dsn: str, *, within_s: float, application_name: str | None = None
+                 ) -> None:
+        self._dsn = dsn
+        self.within_s = within_s
+        self._names: dict[str, Any] = {} if application_name is None else {
+            "application_name": application_name}
+        self._conn: ClosingConnection | None = None
+        self._lock = asyncio.Lock()
+
+    async def close(self) -> None:
+        """Close the connection, if open; a later `read` opens a new one."""
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            await conn.close()
+
+    async def read(self, op: Callable[[ClosingConnection], Awaitable[T]], what: str) -> T:
+        """`op`'s result, `op` repeated on a new connection while the session is lost, for at
+        most `within_s` (module rules); `what` names the read in the retry log."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.within_s
+        delay = BACKOFF_S
+        while True:
+            try:
+                async with asyncio.timeout_at(deadline):
+                    return await self._try(op)
+            except (psycopg.Error, TimeoutError, OSError) as exc:
+                raise_if_cancelled()
+                if not session_lost(exc) or loop.time() + delay >= deadline:
+                    raise
+                log.warning("db.read_retry", what=what, error=f"{type(exc).__name__}: {exc}",
+                            retry_in_s=delay)
+            await asyncio.sleep(delay)
+            delay = min(2 * delay, BACKOFF_MAX_S)
+
+    async def _try(self, op: Callable[[ClosingConnection], Awaitable[T]]) -> T:
+        async with self._lock:
+            conn = self._conn
+            if conn is None or conn.closed:
+                conn = self._conn = await ClosingConnection.connect(self._dsn, autocommit=True,
+                                                                    **self._names)
+            try:
+                return await op(conn)
+            except BaseException:
+                self._conn = None
+                await conn.close()
+                raise
 
 
 def _bound_s(seconds: float, scale: float) -> float:
@@ -558,6 +639,26 @@ SELECT r.state, r.lease_epoch, r.owner_node,
  WHERE r.run_id = %(run)s;
 """  # noqa: E501 (verbatim §3)
 
+# state.md §4.2's checkpoint reads and §4.7's import (not §3's)
+CHECKPOINT_ROWS: Final = """
+SELECT c.run_id, c.checkpoint_id, c.lease_epoch, c.node_id, c.session_id, c.session_epoch,
+       c.episode_id, c.boundary, c.compatibility_digest, c.envelope_digest, c.byte_length,
+       c.committed_at, coalesce(h.high_water = c.checkpoint_id, false) AS is_head
+  FROM flyd.checkpoints c LEFT JOIN flyd.run_heads h USING (run_id)
+ WHERE c.run_id = %(run)s AND (%(ckpt)s::text IS NULL OR c.checkpoint_id = %(ckpt)s::text)
+ ORDER BY c.boundary DESC, c.committed_at DESC, c.checkpoint_id DESC
+"""
+
+CHECKPOINT_ROWS_WITH_ENVELOPE: Final = CHECKPOINT_ROWS.replace(
+    "AS is_head\n", "AS is_head, c.envelope\n")
+
+HEAD_ID: Final = "SELECT high_water FROM flyd.run_heads WHERE run_id = %(run)s"
+
+IMPORT_HEAD: Final = """
+UPDATE flyd.run_heads SET high_water = %(ckpt)s, boundary = %(boundary)s, lease_epoch = 0
+ WHERE run_id = %(run)s
+"""
+
 MARK_FAULTS: Final = """
 UPDATE flyd.runs
    SET faults_fired = ARRAY(SELECT DISTINCT f FROM unnest(faults_fired || %(faults)s::text[]) AS f
@@ -624,6 +725,8 @@ class PgStore:
         self._heartbeat: ClosingConnection | None = None
         self._heartbeat_lock = asyncio.Lock()
         self._listeners: set[ClosingConnection] = set()
+        self._checkpoint_reads = ReadConnection(
+            dsn, within_s=CHECKPOINT_READ_S, application_name=f"flyd:{node_id}:checkpoints")
 
     # -- lifecycle -----------------------------------------------------------------------
     async def open(self) -> None:
@@ -640,6 +743,7 @@ class PgStore:
             await hb.close()
         for conn in list(self._listeners):
             await conn.close()
+        await self._checkpoint_reads.close()
         await self._pool.close(timeout=self._call_s)
 
     async def __aenter__(self) -> Self:
@@ -700,8 +804,9 @@ class PgStore:
             await conn.close()
 
     async def _call(self, what: str, op: Callable[[ClosingConnection], Awaitable[T]], *,
-                    writes: bool = True) -> T:
-        """One work-pool call under the client bound C, classified (module rules)."""
+                    writes: bool = True, allowance_s: float = 0.0) -> T:
+        """One work-pool call under the client bound C (plus a large write's scaled
+        `allowance_s`), classified (module rules)."""
         sent = False
         backend: Backend | None = None
 
@@ -713,7 +818,7 @@ class PgStore:
                 return await op(conn)
 
         try:
-            async with asyncio.timeout(self._call_s):
+            async with asyncio.timeout(self._call_s + allowance_s):
                 return await body()
         except (psycopg.Error, TimeoutError, PoolTimeout, OSError) as exc:
             raise classify(exc, sent=sent, backend=backend, what=what) from exc
@@ -972,6 +1077,70 @@ class PgStore:
         return RunRead(state=cast(RunState, str(r[0])), lease_epoch=int(r[1]), owner_node=r[2],
                        live=bool(r[3]), high_water=r[4], boundary=int(r[5]),
                        checkpoint_committed=bool(r[6]))
+
+    # -- checkpoints (state.md §4.2, §4.7) ---------------------------------------------------
+    async def _checkpoint_read(self, what: str, query: str, params: Mapping[str, Any], *,
+                               binary: bool = False) -> list[TupleRow]:
+        """A read on the `:checkpoints` session, repeated while the session is lost (module
+        rules)."""
+        async def op(conn: ClosingConnection) -> list[TupleRow]:
+            cur = await conn.execute(query, params, binary=binary)
+            return await cur.fetchall()
+
+        try:
+            return await self._checkpoint_reads.read(op, what)
+        except (psycopg.Error, TimeoutError, OSError) as exc:
+            raise classify(exc, sent=False, backend=None, what=what) from exc
+
+    async def read_checkpoints(self, run_id: int, checkpoint_id: str | None, *,
+                               with_envelope: bool) -> list[StoredCheckpoint]:
+        query = CHECKPOINT_ROWS_WITH_ENVELOPE if with_envelope else CHECKPOINT_ROWS
+        rows = await self._checkpoint_read("read checkpoints", query,
+                                           {"run": run_id, "ckpt": checkpoint_id},
+                                           binary=with_envelope)
+        return [StoredCheckpoint(
+            run_id=int(r[0]), checkpoint_id=str(r[1]), lease_epoch=int(r[2]),
+            node_id=str(r[3]), session_id=str(r[4]), session_epoch=int(r[5]),
+            episode_id=str(r[6]), boundary=int(r[7]), compatibility_digest=str(r[8]),
+            envelope_digest=bytes(r[9]), byte_length=int(r[10]),
+            committed_at=cast(datetime, r[11]), is_head=bool(r[12]),
+            envelope=bytes(r[13]) if with_envelope else None) for r in rows]
+
+    async def read_head(self, run_id: int) -> str | None:
+        rows = await self._checkpoint_read("read head", HEAD_ID, {"run": run_id})
+        return None if not rows or rows[0][0] is None else str(rows[0][0])
+
+    async def import_checkpoint(self, imp: Import) -> int | None:
+        ck = imp.checkpoint
+        allowance = commit_allowance_s(1, ck.byte_length)
+        scale = self._settings.time_scale
+
+        async def op(conn: ClosingConnection) -> int | None:
+            async with conn.transaction():
+                if allowance > 0:
+                    statement_ms = _scaled_ms(self._settings.statement_timeout_ms
+                                              + allowance * 1000, scale)
+                    await conn.execute(f"SET LOCAL statement_timeout = {statement_ms}")
+                run = imp.run_id
+                if run is None:
+                    cur = await conn.execute(SUBMIT, {
+                        "key": imp.submit_key, "spec": Jsonb(dict(imp.spec)),
+                        "max_attempts": imp.max_attempts})
+                    row = await cur.fetchone()
+                    if row is None or not row[1]:
+                        return None
+                    run = int(row[0])
+                base = {"run": run, "epoch": 0, "node": IMPORT_NODE, "ckpt": ck.checkpoint_id}
+                await conn.execute(INSERT_CHECKPOINT, {
+                    **base, "session_id": ck.session_id, "session_epoch": ck.session_epoch,
+                    "episode_id": ck.episode_id, "boundary": ck.boundary,
+                    "compat": ck.compatibility_digest, "env_digest": ck.envelope_digest,
+                    "byte_length": ck.byte_length, "envelope": ck.envelope})
+                await conn.execute(IMPORT_HEAD, {**base, "boundary": ck.boundary})
+                await conn.execute(ROTATE, {**base, "keep": imp.keep})
+            return run
+        return await self._call("import", op, allowance_s=_bound_s(allowance, scale)
+                                if allowance > 0 else 0.0)
 
     # -- §3.11 -----------------------------------------------------------------------------
     async def mark_faults_fired(self, run_id: int, lease_epoch: int, node_id: str,
