@@ -347,16 +347,15 @@ class CheckpointStore:
     async def _rows(self, run_id: int, checkpoint_id: str | None, *,
                     with_envelope: bool) -> list[StoredCheckpoint]:
         """Rows of a run (one id, or all) newest first, with or without the bytes."""
-        return await _answered("read checkpoints", self.store.read_checkpoints(
+        return await _answered(self.store.read_checkpoints(
             run_id, checkpoint_id, with_envelope=with_envelope))
 
     async def _read_run(self, run_id: int, lease_epoch: int,
                         checkpoint_id: str) -> RunRead | None:
-        return await _answered("read run", self.store.read_run(run_id, lease_epoch,
-                                                               checkpoint_id))
+        return await _answered(self.store.read_run(run_id, lease_epoch, checkpoint_id))
 
     async def _end_backend(self, backend: Backend) -> None:
-        await _answered("end backend", self.store.end_backend(backend))
+        await _answered(self.store.end_backend(backend))
 
     # -- reads ---------------------------------------------------------------------------
     async def lookup(self, run_id: int, checkpoint_id: str) -> CheckpointRecord | None:
@@ -364,7 +363,7 @@ class CheckpointStore:
         return _record(rows[0]) if rows else None
 
     async def head(self, run_id: int) -> CheckpointRecord | None:
-        head = await _answered("read head", self.store.read_head(run_id))
+        head = await _answered(self.store.read_head(run_id))
         return None if head is None else await self.lookup(run_id, head)
 
     async def list(self, run_id: int) -> list[CheckpointRecord]:
@@ -600,14 +599,14 @@ class CheckpointStore:
         return record
 
 
-async def _answered(what: str, call: Awaitable[T]) -> T:
+async def _answered(call: Awaitable[T]) -> T:
     """A lease store read, its failure a `BACKEND_FAILURE` with unknown mutation (module
-    rules): the retry of the reads after a commit keys on that code."""
+    rules; the store's message names the read): the retry of the reads after a commit keys
+    on that code."""
     try:
         return await call
     except StoreError as exc:
-        message = exc.message if exc.message.startswith(what) else f"{what}: {exc.message}"
-        raise DomainError(ErrorCode.BACKEND_FAILURE, message, Mutation.UNKNOWN) from exc
+        raise DomainError(ErrorCode.BACKEND_FAILURE, exc.message, Mutation.UNKNOWN) from exc
 
 
 def _record(r: StoredCheckpoint) -> CheckpointRecord:
