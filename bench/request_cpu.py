@@ -143,16 +143,17 @@ if OUT:
         import bus.client as client
         import flyd.session.calls as calls
         import flyd.session.coordinator as coordinator
+        import flyd.session.transition as transition
 
         timed(client._Protocol, "data_received", "frames_in")
         timed(client.BusClient, "_flush", "writes")
         timed(client.BusClient, "_admit", "call_out")
         timed(calls.CallEngine, "new_call", "new_call")
         timed(calls.CallEngine, "check_reply", "check_reply")
-        timed(coordinator.TypedValue, "from_json", "decision_parse")
-        timed(coordinator.Telemetry, "from_json", "telemetry_parse")
-        timed(coordinator, "controls_for", "controls")
-        timed(coordinator, "check_advance", "check_advance")
+        timed(transition.TypedValue, "from_json", "decision_parse")
+        timed(transition.Telemetry, "from_json", "telemetry_parse")
+        timed(transition, "controls_for", "controls")
+        timed(transition, "check_advance", "check_advance")
         timed(coordinator, "transition_records", "step")
         timed(coordinator.TraceLog, "record", "trace")
         timed(coordinator.Coordinator, "_append_effect", "effect")

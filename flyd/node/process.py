@@ -76,7 +76,7 @@ from flyd.node.metrics import CONTENT_TYPE, NodeMetrics
 from flyd.node.metrics_http import MetricsAddress, MetricsEndpoint
 from flyd.node.parts import ForkServerPart, Part, PartsWatch, RouterPart
 from flyd.node.router_child import RouterChild, RouterChildError, check_socket_path
-from flyd.session.coordinator import Deadlines
+from flyd.session.calls import Deadlines
 from flyd.state.checkpoints import PgCheckpointStore
 from flyd.state.writer import WriterConfig
 

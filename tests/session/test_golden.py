@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from flyd.session.coordinator import Publication
+from flyd.session.publication import Publication
 from tests.session.harness import Fixture, SessionHarness
 from workers.canonical import digest_of
 

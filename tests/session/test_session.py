@@ -8,9 +8,10 @@ import json
 import pytest
 
 from flyd.session.audit import AuditLog
-from flyd.session.coordinator import DispatchOrder, SessionFailure
+from flyd.session.fence import SessionFailure
 from flyd.session.phase import Paused, Phase, Ready
 from flyd.session.runspec import AgentSpec
+from flyd.session.transition import DispatchOrder
 from tests.session.harness import Fixture, SessionHarness, within
 from workers.faults import Faults
 

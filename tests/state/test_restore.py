@@ -327,7 +327,7 @@ async def test_a_restore_token_activates_only_once(mode: ExecutionMode,
                 ("fly-a", "Agent.Prepare",
                  prepare_params("fly-a", c.slots["fly-a"].context_digest))):
             with pytest.raises(DomainError) as info:
-                await c.probe_raw(worker, method, old, params)
+                await c.calls.probe(worker, method, old, params)
             assert info.value.code in (ErrorCode.STALE_EPOCH, ErrorCode.INVALID_ARGUMENT)
 
 
