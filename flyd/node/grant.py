@@ -109,7 +109,7 @@ from flyd.leases.queries import LedgerFold
 from flyd.leases.runtime import GrantScope
 from flyd.outcome import describe
 from flyd.session.calls import Deadlines
-from flyd.session.coordinator import Coordinator, History
+from flyd.session.coordinator import Coordinator
 from flyd.session.durability import (
     CaptureRefused,
     CheckpointTooLarge,
@@ -128,6 +128,7 @@ from flyd.session.run_topic import (
     end_run_topic,
 )
 from flyd.session.runspec import RunSpec
+from flyd.session.stepping import History
 from flyd.session.trace import RecordStream
 from flyd.session.transition import DispatchOrder
 from flyd.state.cadence import Cadence

@@ -1,29 +1,25 @@
-"""The session coordinator (session.md §6): the lockstep transaction, and the session's state
-between boundaries.
+"""The session coordinator (session.md §6): the session's state between boundaries, and the
+order of its phases.
 
 One `Coordinator` per session, an asyncio object on the node's loop with its own bus connection.
 The task and the action executor are local objects; agents and the world are bus services
-reached through pinned `WorkerRef`s. The coordinator holds the session's state and runs its
-phases; the parts with rules of their own are modules it calls, each with a public interface:
-every call and every failure of the epoch go through its `CallEngine` (`flyd.session.calls`:
-deadlines, `check_reply`, resolution, `fail`, §6.3, §6.4, §6.8); bootstrap's checks are
-`flyd.session.bootstrap` (§6.5), publication `flyd.session.publication` (§6.9), injections
-`flyd.session.injections` (§6.13), capture `flyd.session.capture` (state.md §5.7) and restore
-`flyd.session.restore` (state.md §7). Those modules read the coordinator's public side and return
-what they learnt; only the coordinator changes its own state. Every concurrent dispatch runs inside
-a `TaskGroup`.
+reached through pinned `WorkerRef`s. The parts with rules of their own are modules it calls:
+every call and every failure of the epoch go through its `CallEngine` (`calls`,
+`flyd.session.calls`, §6.3, §6.4, §6.8), bootstrap's checks are `flyd.session.bootstrap`
+(§6.5), one transition up to its commit `flyd.session.transition` (§6.6), publication
+`flyd.session.publication` (§6.9), injections the `Injections` hook (§6.13), capture
+`flyd.session.capture` (state.md §5.7) and restore `flyd.session.restore` (state.md §7). Those
+read the coordinator's public side and return what they learnt; the coordinator adopts it.
 
-API (§6.1):
+API (§6.1; probes go through `coordinator.calls`, see docs/coordinator.md):
 
-    coordinator = Coordinator(spec, client, refs, task=..., executor=..., deadlines=...,
-                              order=DispatchOrder.CONCURRENT, injections=Injections(),
-                              clock=SYSTEM_CLOCK, epoch="e1")
+    coordinator = Coordinator(spec, client, refs, task=..., executor=..., profiles=...,
+                              deadlines=..., order=DispatchOrder.CONCURRENT,
+                              injections=Injections(), clock=SYSTEM_CLOCK, epoch="e1")
     await coordinator.bootstrap()                 # -> Ready(0)
     report = await coordinator.step()             # StepReport{boundary, paused, terminal}
     reports = await coordinator.run(n)            # stops early after a paused report
     coordinator.pause_handle().request(); coordinator.resume()
-    await coordinator.worker_status(wid, ref=None); await coordinator.acknowledge_replies(wid, ids)
-    await coordinator.probe_raw(wid, method, scope, params, ref=None)
     capture = await coordinator.capture(checkpoint_id, kind="durable")   # state.md §5.7
     ticket = await coordinator.save(checkpoint_id); await coordinator.await_durable(ticket)
     coordinator.replace_participant(wid, ref); await coordinator.replace_client(client)
@@ -31,41 +27,30 @@ API (§6.1):
     coordinator.tainted(); coordinator.durable(); coordinator.reset()   # reset: UNSUPPORTED
 
 Resolved ambiguities (where §6 is silent):
-- The spec object is the run spec (`flyd.session.runspec.RunSpec`, the `SessionSpec` of §6.1); the
-  epoch is a constructor keyword (default `e1`). Agents' `workerThreads` are their spec
-  `threads` (the launcher allocates exactly that).
+- The spec object is the run spec (`RunSpec`, the `SessionSpec` of §6.1); the epoch is a
+  constructor keyword (default `e1`); each agent's model profile is handed in (`profiles`, by
+  agent id: the grant loads the model plugins, `flyd.node.grant.model_profiles`). Agents'
+  `workerThreads` are their spec `threads` (the launcher allocates exactly that).
 - `step()` at `Paused(k)` with a stored episode request raises `SessionFailure`
   (`INVALID_PHASE`/`none`, detail `episode`) *without* failing the epoch: §6.7 says the session
   stays paused until a reset. Without an episode request, a step from `Paused` fails the epoch
   (detail `step`), as does any step from a phase other than `Ready`.
-- Phase D failures (including an unresolved Commit) use detail `commit` (§6.6 D is more specific
-  than §6.8 step 3).
-- `Worker.Status` from the coordinator carries the committed scope of the session (null before
-  `Ready(0)` or while no boundary is committed).
-- `probe_raw` checks only the outcome's shape; identity checks are `worker_status`'s.
 - Snapshot `sequence` counts snapshots of the session from 0 (boundary 0's snapshot is 0).
-- The executor's `clock` argument is the world time of boundary k; every prepared decision
-  must have the executor's `decision_schema` (else `IDENTITY_MISMATCH`, blamed on the agent).
-- Structured input: when the world's `Worker.Hello` lists `structured-observation-v1`
-  (`workers.protocols.STRUCTURED_OBSERVATION`), the inspection of boundary b is every agent's
-  `structured` input of b (Initialize and Commit); otherwise it is null. The coordinator learns
-  it at bootstrap, which every restore of a node's coordinator follows.
+- Structured input (`structured-observation-v1` in the world's `Worker.Hello`) is learnt at
+  bootstrap, which every restore of a node's coordinator follows.
 - An exception that is not a `DomainError` inside the transaction (a plugin bug) is an
   `INTERNAL`/`unknown` failure of the phase's detail; anything unexpected that escapes a phase
   (a flyd bug) still fences the epoch, with detail `step`; so does a `step()`/`bootstrap()`
   cancelled away from a committed boundary (`BACKEND_FAILURE`/`unknown`, then the
-  cancellation propagates).
-- A `BACKEND_FAILURE` seen while the coordinator's own bus connection is closed gets detail
-  `router` (participant: the worker whose call was pending), since the cause is the lost
-  connection, not the worker.
+  cancellation propagates). A `BACKEND_FAILURE` seen while the coordinator's own connection is
+  closed gets detail `router` (participant: the worker whose call was pending).
 - `health_failure(worker_id, error)` is how a supervisor's report (§7.4) fails the epoch
-  (detail `health`); it returns the `SessionFailure` instead of raising it, since the caller is
-  the health loop, not a step.
-- `capture` returns the `Capture`; with a `StateContext` whose writer is set (`state=`), `save`
-  submits it (`flyd.session.capture.save`), `checkpoint` is `save` then `await_durable`, and every
-  committed transition appends its behaviour record, rebased onto `e1`, to the writer's
-  `PendingEffects` (state.md §9.2). `restore` takes the store and run from its arguments when
-  given, else from the `StateContext`.
+  (detail `health`); it returns the `SessionFailure` instead of raising it (its caller is the
+  health loop, not a step).
+- With a `StateContext` whose writer is set (`state=`), `save` submits the capture, `checkpoint`
+  is `save` then `await_durable`, and every committed transition appends its behaviour record,
+  rebased onto `e1`, to the writer's `PendingEffects` (state.md §9.2). `restore` takes the store
+  and run from its arguments when given, else from the `StateContext`.
 - Audio is checked by `AudioTimelines` (state.md §7.5): fresh at bootstrap, restored at an
   install; `audio_positions()` is its positions, as a capture records them.
 """
@@ -74,11 +59,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
-import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, replace
 from typing import Any, Final
 
 from bus.client import BusClient
@@ -91,34 +73,16 @@ from flyd.session.bootstrap import (
     initialize_agent,
     initialize_environment,
 )
-from flyd.session.calls import (
-    Blame,
-    CallEngine,
-    Deadlines,
-    backend_failure,
-)
+from flyd.session.calls import Blame, CallEngine, Deadlines, backend_failure
 from flyd.session.capture import Capture, CaptureKind
 from flyd.session.capture import capture as capture_boundary
 from flyd.session.capture import save as save_capture
 from flyd.session.fence import Detail, SessionFailure, check_replacement
 from flyd.session.injections import Injections
-from flyd.session.media import Media
+from flyd.session.media import HeldMedia, Media
 from flyd.session.pacing import SYSTEM_CLOCK, Clock, Pacing
-from flyd.session.phase import (
-    Failed,
-    Paused,
-    Phase,
-    PhaseMachine,
-    Ready,
-    Restoring,
-)
-from flyd.session.publication import (
-    AgentValues,
-    Feed,
-    check_publication,
-    descriptor_body,
-    snapshot_body,
-)
+from flyd.session.phase import Failed, Paused, Phase, PhaseMachine, Ready, Restoring
+from flyd.session.publication import AgentValues, Feed, Publisher, check_publication
 from flyd.session.records import result_record, transition_records
 from flyd.session.restore import (
     InstallAborted,
@@ -133,24 +97,13 @@ from flyd.session.run_topic import RunPublisher
 from flyd.session.runspec import RunSpec
 from flyd.session.slots import AgentSlot
 from flyd.session.stats import Metrics, Stats
+from flyd.session.stepping import History, PauseHandle, StepReport
 from flyd.session.trace import EpochRebase, TraceLog
 from flyd.session.transition import DispatchOrder, NextBoundary, Transition
 from flyd.state.checkpoints import CheckpointRecord, CheckpointStore
-from flyd.state.writer import (
-    CheckpointWriter,
-    Committed,
-    SaveOutcome,
-    SaveTicket,
-    audit_line,
-)
-from workers.artifacts import any_by_reference, referenced_artifacts
+from flyd.state.writer import CheckpointWriter, Committed, SaveOutcome, SaveTicket, audit_line
 from workers.canonical import typed_digest
-from workers.datatypes import (
-    EnvironmentDescriptor,
-    TypedValue,
-    ViewDescriptor,
-    WorldObservation,
-)
+from workers.datatypes import EnvironmentDescriptor, TypedValue, ViewDescriptor, WorldObservation
 from workers.domain import DomainError, ErrorCode, Mutation, Scope
 from workers.protocols import (
     STRUCTURED_OBSERVATION,
@@ -161,54 +114,10 @@ from workers.protocols import (
 )
 from workers.synthetic.audio import AudioTimelines
 
-__all__ = ["FIRST_EPOCH", "Coordinator", "History", "PauseHandle", "StepReport"]
+__all__ = ["FIRST_EPOCH", "Coordinator"]
 
 #: The epoch every ledger row is rebased onto (state.md §9.2).
 FIRST_EPOCH: Final = "e1"
-
-# --------------------------------------------------------------------------------------------
-# small value types
-
-
-@dataclass(frozen=True)
-class History:
-    """How much per-step history a coordinator keeps (all of it by default: a test reads the
-    whole session). A node's session passes bounds, so its memory does not grow with the run:
-    the newest `entries` audit entries, phase edges and latency samples; the newest
-    `transitions` traced transitions in full; the step and event count of the newest `horizon`
-    transitions (to reach back to the oldest boundary a recovery can restore)."""
-
-    entries: int | None = None
-    transitions: int | None = None
-    horizon: int | None = None
-
-
-@dataclass(frozen=True)
-class StepReport:
-    boundary: int
-    paused: bool
-    terminal: bool
-
-
-class PauseHandle:
-    """A pause request flag, settable from any task or thread."""
-
-    def __init__(self) -> None:
-        self._flag = threading.Event()
-
-    def request(self) -> None:
-        self._flag.set()
-
-    def is_set(self) -> bool:
-        return self._flag.is_set()
-
-    def clear(self) -> None:
-        self._flag.clear()
-
-
-# --------------------------------------------------------------------------------------------
-# the coordinator
-
 
 class Coordinator:
     """One session's coordinator (§6)."""
@@ -254,8 +163,8 @@ class Coordinator:
         self.trace = TraceLog(phase_source=self._machine.phase_path, keep=bound.transitions,
                               horizon=bound.horizon)
         self.snapshots = Feed()
-        #: the run topic's publisher (a node's run); None publishes nothing beyond the feed
-        self.publisher = publisher
+        #: the feed and, for a node's run (`publisher`), the run topic
+        self.publication = Publisher(self.snapshots, publisher, lambda: self.calls.client)
         if publisher is not None:
             publisher.bind(self.stats)
         self.episode_request: EpisodeRequest | None = None
@@ -264,19 +173,16 @@ class Coordinator:
         #: the task's verdict on the last committed transition (None before the first one and
         #: after a restore); kept by reference for observers of the run (`flyd.session.sample`)
         self.last_evaluation: Evaluation | None = None
-        self._media = Media()
-        self._pending_media = Media()
+        #: the committed boundary's decoded media and the in-flight transition's
+        self.media = HeldMedia(self.calls.drop)
         self._audio = AudioTimelines([])
         self._tainted: set[str] = set()
         self._replaced: set[str] = set()
         self._used_epochs: set[str] = {epoch}
         self._durable: tuple[str, int] | None = None
         self.events: list[dict[str, Any]] = []
-        self._owed: dict[str, list[str]] = {}
         self._progress: TypedValue | None = None
         self._last_transition: tuple[int, WorldObservation, Evaluation] | None = None
-        self._descriptor_revision = 0
-        self._snapshot_sequence = 0
         self._last_event_ids: list[str] = []
         self._slots: dict[str, AgentSlot] = {}
         #: the world offers its inspection as structured input (learnt at bootstrap)
@@ -324,11 +230,8 @@ class Coordinator:
         if self.descriptor is None or not self.descriptor.views:
             return None
         view = self.descriptor.views[0]
-        pixels = self._media.views.get(view.view_id)
+        pixels = self.media.committed.views.get(view.view_id)
         return None if pixels is None else (view, pixels)
-
-    def live_view_handles(self) -> int:
-        return self._media.count() + self._pending_media.count()
 
     @property
     def slots(self) -> Mapping[str, AgentSlot]:
@@ -337,7 +240,7 @@ class Coordinator:
 
     @property
     def descriptor_revision(self) -> int:
-        return self._descriptor_revision
+        return self.publication.revision
 
     def audio_positions(self) -> dict[str, int]:
         """Each declared stream's position (what a capture records)."""
@@ -371,15 +274,6 @@ class Coordinator:
         """The newest checkpoint known durable: `(checkpointId, boundary)`."""
         return self._durable
 
-    def status_json(self) -> dict[str, Any]:
-        """Phase, fence, stats, evaluations and metrics as camelCase JSON (§6.11)."""
-        last_failure = self.calls.last_failure
-        return {"phase": self._machine.phase.label, "fenced": self._machine.fenced,
-                "committedBoundary": self._machine.committed_boundary(),
-                "stats": self.stats.to_json(), "evaluations": self.task.evaluations(),
-                "metrics": self.metrics.to_json(),
-                "lastFailure": None if last_failure is None else str(last_failure)}
-
     def refs(self) -> dict[str, WorkerRef]:
         return dict(self.calls.refs)
 
@@ -392,27 +286,12 @@ class Coordinator:
     # ------------------------------------------------------------------ fence (§6.3)
 
     def _drop_uncommitted(self) -> None:
-        """What a failed epoch forgets (the call engine's `on_fail`): owed acknowledgements,
-        the in-flight transition and the decoded media."""
-        self._owed.clear()
+        """What a failed epoch forgets (the call engine's `on_fail`): the in-flight transition
+        and the decoded media."""
         for slot in self._slots.values():
-            slot.prepared = None
-            slot.decision = None
-            slot.prepare_request = None
-            slot.commit_request = None
-        self._set_media(committed=Media(), pending=Media())
+            slot.clear_in_flight()
+        self.media.replace(committed=Media(), pending=Media())
         self.calls.drop_received()
-
-    def _set_media(self, *, committed: Media | None = None, pending: Media | None = None) -> None:
-        """Replace the committed and/or the in-flight media, dropping the holds on artifacts
-        (docs/topics.md §14.2 rule 5) that neither of them keeps any more."""
-        old = (self._media, self._pending_media)
-        if committed is not None:
-            self._media = committed
-        if pending is not None:
-            self._pending_media = pending
-        keep = set(self._media.held) | set(self._pending_media.held)
-        self.calls.drop([a for media in old for a in media.held if a not in keep])
 
     def fence_now(self, message: str) -> None:
         """Close the fence from outside, synchronously (a lost lease, distribution.md §5.5
@@ -466,6 +345,7 @@ class Coordinator:
     async def _bootstrap(self) -> None:
         calls, audit, wid = self.calls, self.audit, self.world_id
         session_id = self.spec.session_id
+        owed: dict[str, list[str]] = {}  # the replies to acknowledge at step 5, by worker
         capabilities = await hello(calls, session_id, wid, "environment", "world-step-v1")
         self.structured_input = STRUCTURED_OBSERVATION in capabilities
         audit.add(f"hello:{wid}")
@@ -476,9 +356,9 @@ class Coordinator:
         world = await initialize_environment(calls, self.spec, self._scope(0), self.bindings())
         self.descriptor = world.descriptor
         self.observation = observation = world.observation
-        self._set_media(committed=world.media)
+        self.media.replace(committed=world.media)
         self._audio = AudioTimelines.fresh(world.descriptor)
-        self._owed.setdefault(wid, []).append(world.request_id)
+        owed.setdefault(wid, []).append(world.request_id)
         audit.add("environment.initialize")
         # 3. task bootstrap
         boot = bootstrap_task(self.task, observation, self.bindings(), self.agent_ids,
@@ -495,14 +375,13 @@ class Coordinator:
             request_id = await initialize_agent(calls, self._scope(0), agent_id,
                                                 self._slots[agent_id], observation,
                                                 self.structured_input)
-            self._owed.setdefault(agent_id, []).append(request_id)
+            owed.setdefault(agent_id, []).append(request_id)
             audit.add(f"agent.initialize:{agent_id}")
         self._replaced.clear()
         # 5. acknowledge
-        await acknowledge_lifecycle(calls, self._owed, [wid, *self.agent_ids],
+        await acknowledge_lifecycle(calls, owed, [wid, *self.agent_ids],
                                     self.injections.duplicate_lifecycle_acknowledge,
                                     self.injections.log)
-        self._owed.clear()
         audit.add("acknowledge.lifecycle")
         # 6. Ready(0)
         calls.move(Ready(0), Detail.STEP)
@@ -554,7 +433,7 @@ class Coordinator:
         wall = time.monotonic_ns()
         assert self._progress is not None
         done = await Transition(self, self.calls, k, progress=self._progress, audio=self._audio,
-                                stage_media=lambda media: self._set_media(pending=media)).run()
+                                stage_media=lambda media: self.media.replace(pending=media)).run()
         self._adopt_transition(done, wall)
         return self._end_of_step(k + 1, done.evaluation.episode)
 
@@ -579,7 +458,7 @@ class Coordinator:
                 bound.last_controls = control
         self.observation = new
         self.last_evaluation = evaluation
-        self._set_media(committed=self._pending_media, pending=Media())
+        self.media.replace(committed=self.media.pending, pending=Media())
         self._audio.advance(new.audio)
         self._progress = evaluation.progress
         self.stats.advances += 1
@@ -595,10 +474,7 @@ class Coordinator:
         self._append_effect()
         self._publish_snapshot(k + 1, observed=True)
         for slot in self._slots.values():
-            slot.prepared = None
-            slot.decision = None
-            slot.prepare_request = None
-            slot.commit_request = None
+            slot.clear_in_flight()
 
     def _end_of_step(self, boundary: int, episode: EpisodeRequest | None) -> StepReport:
         """F: a requested episode end is kept; it or a pause request pauses at `boundary`."""
@@ -616,49 +492,32 @@ class Coordinator:
 
     def _publish_descriptor(self) -> None:
         assert self.descriptor is not None
-        self._descriptor_revision += 1
-        body = descriptor_body(
-            self.spec.session_id, self.epoch, self._descriptor_revision, self.descriptor,
-            [(a, self._slots[a]) for a in self.agent_ids], self._progress)
-        self.snapshots.publish_descriptor(body)
-        if self.publisher is not None:
-            self.publisher.descriptor(self.calls.client, body)
+        self.publication.descriptor(self.spec.session_id, self.epoch, self.descriptor,
+                                    [(a, self._slots[a]) for a in self.agent_ids],
+                                    self._progress)
         self.audit.add("publish:descriptor")
 
     def _publish_snapshot(self, b: int, *, observed: bool = False) -> None:
         """Publish boundary `b`. `observed`: a transition's Phase C already checked this
-        observation's boundary and view steps (`_observe`), and the ports are bound at bootstrap,
-        so `check_publication` would repeat those checks; bootstrap and restore ask for it."""
-        assert self.observation is not None and self.descriptor is not None
+        observation's boundary and view steps, and the ports are bound at bootstrap, so
+        `check_publication` would repeat those checks; bootstrap and restore ask for it."""
+        observation, evaluation = self.observation, self.last_evaluation if observed else None
+        assert observation is not None and self.descriptor is not None
         try:
             if not observed:
-                check_publication(self.descriptor, self.observation,
+                check_publication(self.descriptor, observation,
                                   [self._slots[a].spec.port_id for a in self.agent_ids], b)
         except DomainError as exc:
             raise Blame(exc, Detail.PUBLISH, None) from None
         fresh = b > 0
-        # the boundary's values, all immutable: the body is built from them only when read
         agents: list[AgentValues] = [
             (agent_id, slot.telemetry, slot.last_decision if fresh else None,
              slot.last_controls if fresh else None)
             for agent_id, slot in ((a, self._slots[a]) for a in self.agent_ids)]
-        body = functools.partial(
-            snapshot_body, self._descriptor_revision, self._scope(b), self.spec.episode_id,
-            self._snapshot_sequence, self.observation, agents, self._progress,
-            tuple(self._last_event_ids))
-        self.snapshots.publish_snapshot_on_read(body)
-        self._snapshot_sequence += 1
-        if self.publisher is not None:
-            evaluation = self.last_evaluation if observed else None
-            # the snapshot rides along only when large media are by reference (run_topic)
-            by_reference = any_by_reference(self.observation)
-            self.publisher.boundary(
-                self.calls.client, b, self.observation.world_time,
-                {} if evaluation is None else
-                {a: evaluation.outcomes[a].rewards for a in self.agent_ids},
-                self._last_event_ids, body() if by_reference else None,
-                referenced_artifacts(self.observation.sensory_views, self.observation.audio)
-                if by_reference else ())
+        self.publication.snapshot(
+            self._scope(b), self.spec.episode_id, observation, agents, self._progress,
+            self._last_event_ids, lambda: {} if evaluation is None else
+            {a: evaluation.outcomes[a].rewards for a in self.agent_ids})
         self.audit.add(f"publish:{b}")
         self.stats.publications += 1
 
@@ -744,14 +603,7 @@ class Coordinator:
         """The group install of a stored generation (the head for None) into `proposed_epoch`
         (`flyd.session.restore`). `store` and `run_id` default to the session's `StateContext`;
         `guard` is the node's lease guard (precondition 4)."""
-        context = self.state
-        if store is not None and run_id is not None:
-            context = StateContext(store, run_id,
-                                   writer=None if context is None else context.writer,
-                                   guard=guard if guard is not None or context is None
-                                   else context.guard)
-        elif context is not None and guard is not None:
-            context = replace(context, guard=guard)
+        context = StateContext.of(self.state, store, run_id, guard)
         calls = self.calls
         if context is None:
             raise SessionFailure(DomainError.before(
@@ -777,7 +629,7 @@ class Coordinator:
         report = installed.report
         self.events.append(recovered(self.spec.session_id, old_epoch, report))
         self._publish_descriptor()
-        self.audit.add(f"descriptor-revision:{self._descriptor_revision}")
+        self.audit.add(f"descriptor-revision:{self.publication.revision}")
         self._publish_snapshot(k)
         calls.move(Paused(k), Detail.RESTORE)
         self.audit.add(f"restored:{report.checkpoint_id}@{k}:{proposed_epoch}")
@@ -803,7 +655,7 @@ class Coordinator:
         self._last_event_ids = []
         self.observation = installed.observation
         self.last_evaluation = None
-        self._set_media(committed=installed.media, pending=Media())
+        self.media.replace(committed=installed.media, pending=Media())
         self._audio = installed.audio
         self._durable = installed.durable
         self.epoch = installed.epoch

@@ -22,6 +22,9 @@ Rules:
   the committed step is k+1 and the decision context digest is the evaluation's. Every
   failure, an unresolved Commit included, uses detail `commit` (more specific than §6.8 step 3).
 - The executor's `clock` argument is the world time of boundary k.
+- Structured input: when the world's `Worker.Hello` listed `structured-observation-v1`
+  (`workers.protocols.STRUCTURED_OBSERVATION`), the inspection of boundary b is every agent's
+  `structured` input of b (Initialize and Commit); otherwise it is null.
 - Injections (§6.13) act through the session's `Injections` hook at the points the table names;
   the hook does nothing unless a test or a run spec's faults asked for it.
 """

@@ -202,7 +202,7 @@ async def test_one_shared_image_reaches_both_agents() -> None:
         assert rec.produced("fly-a") == [0, 1, 2, 3]
         assert [data for _, data in rec.sensed["fly-a"]] == [f for _, f in rec.renders]
         # one view and one chunk are held: O[3]'s decoded view and its audio chunk
-        assert c.live_view_handles() == 2
+        assert c.media.count() == 2
         assert c.observation is not None
         assert len(c.observation.sensory_views) == 1 and len(c.observation.audio) == 1
         last = snapshots_of(feed)[-1]

@@ -56,10 +56,11 @@ from flyd.launch.spawner import LauncherSettings, Spawner
 from flyd.node.grant import model_profiles
 from flyd.node.router_child import router_answers
 from flyd.session.calls import Deadlines
-from flyd.session.coordinator import Coordinator, StepReport
+from flyd.session.coordinator import Coordinator
 from flyd.session.injections import Injections
 from flyd.session.run_topic import RunPublisher
 from flyd.session.runspec import AgentSpec, RunSpec, TaskSpec
+from flyd.session.stepping import StepReport
 from flyd.session.transition import DispatchOrder
 from workers.domain import DomainError, Scope
 from workers.faults import Faults

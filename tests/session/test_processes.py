@@ -343,7 +343,7 @@ async def test_a_router_restart_during_a_world_advance_fences_the_epoch() -> Non
         assert failure.detail == "router"
         assert failure.mutation != "none"
         assert c.phase == Failed() and c.fenced
-        assert c.live_view_handles() == 0
+        assert c.media.count() == 0
         assert c.stats.advances == 0
         assert c.audit.index_of("publish:1") is None
         assert c.observation is not None and c.observation.boundary == 0
