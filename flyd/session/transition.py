@@ -120,6 +120,7 @@ class Transition:
         self.calls = calls
         self.k = k
         self.scope = Scope(session.spec.session_id, session.epoch, k)
+        self.batch_id = f"batch-{session.epoch}-{k}"
         self.descriptor = session.descriptor
         self.old = session.observation
         self.progress = progress
@@ -146,12 +147,8 @@ class Transition:
         evaluation = self.evaluate(new, controls)
         calls.move(Committing(k), Detail.STEP)
         commits, telemetry, digests = await self.commit(new, evaluation)
-        return NextBoundary(self.scope, self.batch_id, controls, digest, advance.request_id, new,
-                         evaluation, commits, telemetry, digests)
-
-    @property
-    def batch_id(self) -> str:
-        return f"batch-{self.session.epoch}-{self.k}"
+        return NextBoundary(self.scope, self.batch_id, controls, digest, advance.request_id,
+                            new, evaluation, commits, telemetry, digests)
 
     def agents_in_order(self) -> list[str]:
         if self.session.order is DispatchOrder.REVERSED:
