@@ -65,6 +65,7 @@ from typing import Any, Final
 
 from bus.client import BusClient
 from flyd.launch.identities import WorkerRef
+from flyd.session.audio import AudioTimelines
 from flyd.session.audit import AuditLog
 from flyd.session.bootstrap import (
     acknowledge_lifecycle,
@@ -102,9 +103,6 @@ from flyd.session.trace import EpochRebase, TraceLog
 from flyd.session.transition import DispatchOrder, NextBoundary, Transition
 from flyd.state.checkpoints import CheckpointRecord, CheckpointStore
 from flyd.state.writer import CheckpointWriter, Committed, SaveOutcome, SaveTicket, audit_line
-from workers.canonical import typed_digest
-from workers.datatypes import EnvironmentDescriptor, TypedValue, ViewDescriptor, WorldObservation
-from workers.domain import DomainError, ErrorCode, Mutation, Scope
 from workers.protocols import (
     STRUCTURED_OBSERVATION,
     ActionExecutor,
@@ -112,7 +110,14 @@ from workers.protocols import (
     Evaluation,
     Task,
 )
-from workers.synthetic.audio import AudioTimelines
+from workers.types.canonical import typed_digest
+from workers.types.datatypes import (
+    EnvironmentDescriptor,
+    TypedValue,
+    ViewDescriptor,
+    WorldObservation,
+)
+from workers.types.domain import DomainError, ErrorCode, Mutation, Scope
 
 __all__ = ["FIRST_EPOCH", "Coordinator"]
 

@@ -39,7 +39,8 @@ from flyd.session.slots import AgentSlot
 from flyd.state.envelope import SCHEDULER_ID
 from workers.artifacts import any_by_reference, referenced_artifacts
 from workers.composition import composition_digest
-from workers.datatypes import (
+from workers.types.contract import contract_digest
+from workers.types.datatypes import (
     AudioRef,
     EnvironmentDescriptor,
     PortControl,
@@ -49,8 +50,7 @@ from workers.datatypes import (
     ViewRef,
     WorldObservation,
 )
-from workers.domain import DomainError, ErrorCode, Scope
-from workers.shell import contract_digest
+from workers.types.domain import DomainError, ErrorCode, Scope
 
 __all__ = [
     "AgentValues",

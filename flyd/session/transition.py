@@ -38,6 +38,7 @@ from enum import Enum
 from typing import Any, Protocol
 
 from flyd.session.advance import check_advance, controls_for
+from flyd.session.audio import AudioTimelines
 from flyd.session.calls import Blame, Call, CallEngine, backend_failure, identity_mismatch
 from flyd.session.fence import Detail
 from flyd.session.injections import Injections
@@ -48,12 +49,11 @@ from flyd.session.stats import Stats
 from flyd.session.task_output import check_evaluation, task_error
 from flyd.session.view import SessionView
 from workers.artifacts import open_attached
-from workers.canonical import controls_digest, typed_digest
-from workers.datatypes import Graph, PortControl, Telemetry, TypedValue, WorldObservation
-from workers.domain import DomainError, Mutation, Scope
 from workers.protocols import ActionExecutor, Evaluation
-from workers.rpc import CallOutcome
-from workers.synthetic.audio import AudioTimelines
+from workers.types.canonical import controls_digest, typed_digest
+from workers.types.datatypes import Graph, PortControl, Telemetry, TypedValue, WorldObservation
+from workers.types.domain import DomainError, Mutation, Scope
+from workers.types.rpc import CallOutcome
 
 __all__ = ["DispatchOrder", "NextBoundary", "Transition", "TransitionSource"]
 

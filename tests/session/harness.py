@@ -62,12 +62,13 @@ from flyd.session.run_topic import RunPublisher
 from flyd.session.runspec import AgentSpec, RunSpec, TaskSpec
 from flyd.session.stepping import StepReport
 from flyd.session.transition import DispatchOrder
-from workers.domain import DomainError, Scope
+from workers.bodies import EndpointFactory
 from workers.faults import Faults
 from workers.launch import DEFAULT_MEDIA_INLINE_MAX_BYTES
-from workers.shell import EndpointFactory, load_plugin
+from workers.plugins import load_plugin
 from workers.synthetic.executor import IdentityExecutor
 from workers.synthetic.task import CounterTask
+from workers.types.domain import DomainError, Scope
 
 WAIT = 20.0
 T = TypeVar("T")

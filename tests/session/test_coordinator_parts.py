@@ -9,7 +9,7 @@ from flyd.session.audit import AuditLog
 from flyd.session.calls import format_duration
 from flyd.session.publication import Feed
 from flyd.session.trace import TraceLog
-from workers.domain import DomainError
+from workers.types.domain import DomainError
 
 
 def test_format_duration_picks_the_largest_whole_unit() -> None:

@@ -21,8 +21,8 @@ from flyd.session.phase import Failed
 from flyd.session.stats import ResolutionEnd
 from tests.session.harness import Fixture, SessionHarness, within, worker_status
 from tests.session.worker_rig import context_digest, prepare_params
-from workers.domain import DomainError, Scope
 from workers.faults import Faults
+from workers.types.domain import DomainError, Scope
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -30,8 +30,8 @@ from tests.session.harness import (
     worker_status,
 )
 from tests.session.worker_rig import agent_init_params, context_digest, prepare_params
-from workers.domain import DomainError, ErrorCode, Scope
 from workers.faults import Faults
+from workers.types.domain import DomainError, ErrorCode, Scope
 
 pytestmark = pytest.mark.timeout(60)
 
