@@ -15,11 +15,12 @@ API (§6.1; probes go through `coordinator.calls`, see docs/coordinator.md):
 
     coordinator = Coordinator(spec, client, refs, task=..., executor=..., profiles=...,
                               deadlines=..., order=DispatchOrder.CONCURRENT,
-                              injections=Injections(), clock=SYSTEM_CLOCK, epoch="e1")
+                              injections=Injections(), clock=SYSTEM_CLOCK, epoch="e1",
+                              pause=pause)
     await coordinator.bootstrap()                 # -> Ready(0)
     report = await coordinator.step()             # StepReport{boundary, paused, terminal}
     reports = await coordinator.run(n)            # stops early after a paused report
-    coordinator.pause_handle().request(); coordinator.resume()
+    pause.request(); coordinator.resume()         # pause: the PauseHandle handed in
     capture = await coordinator.capture(checkpoint_id, kind="durable")   # state.md §5.7
     ticket = await coordinator.save(checkpoint_id); await coordinator.await_durable(ticket)
     coordinator.replace_participant(wid, ref); await coordinator.replace_client(client)
@@ -30,7 +31,8 @@ Resolved ambiguities (where §6 is silent):
 - The spec object is the run spec (`RunSpec`, the `SessionSpec` of §6.1); the epoch is a
   constructor keyword (default `e1`); each agent's model profile is handed in (`profiles`, by
   agent id: the grant loads the model plugins, `flyd.node.grant.model_profiles`). Agents'
-  `workerThreads` are their spec `threads` (the launcher allocates exactly that).
+  `workerThreads` are their spec `threads` (the launcher allocates exactly that). The pause
+  request of §6.1 (`pause_handle()`) is a `PauseHandle` the caller hands in (`pause=`) and keeps.
 - `step()` at `Paused(k)` with a stored episode request raises `SessionFailure`
   (`INVALID_PHASE`/`none`, detail `episode`) *without* failing the epoch: §6.7 says the session
   stays paused until a reset. Without an episode request, a step from `Paused` fails the epoch
@@ -134,7 +136,8 @@ class Coordinator:
                  state: StateContext | None = None, epoch: str = "e1",
                  history: History | None = None,
                  publisher: RunPublisher | None = None,
-                 profiles: Mapping[str, dict[str, Any]]) -> None:
+                 profiles: Mapping[str, dict[str, Any]],
+                 pause: PauseHandle | None = None) -> None:
         self.spec = spec
         self.task = task
         self.executor = executor
@@ -151,7 +154,8 @@ class Coordinator:
                                      f"no worker reference for {', '.join(missing)}")
         bound = history or History()
         self._machine = PhaseMachine(log_limit=bound.entries)
-        self._pause = PauseHandle()
+        #: a pause request, honoured at the next boundary (§6.7); its caller holds the handle
+        self._pause = pause or PauseHandle()
         self._pacing: Pacing | None = None
         if spec.pace_s is not None:
             self._pacing = Pacing.fixed(spec.pace_s, clock)
@@ -281,9 +285,6 @@ class Coordinator:
 
     def refs(self) -> dict[str, WorkerRef]:
         return dict(self.calls.refs)
-
-    def pause_handle(self) -> PauseHandle:
-        return self._pause
 
     def disable_pacing(self) -> None:
         self._pacing = None

@@ -60,7 +60,7 @@ from flyd.session.coordinator import Coordinator
 from flyd.session.injections import Injections
 from flyd.session.run_topic import RunPublisher
 from flyd.session.runspec import AgentSpec, RunSpec, TaskSpec
-from flyd.session.stepping import StepReport
+from flyd.session.stepping import PauseHandle, StepReport
 from flyd.session.transition import DispatchOrder
 from workers.bodies import EndpointFactory
 from workers.faults import Faults
@@ -187,6 +187,8 @@ class SessionHarness:
         self.workers: dict[str, LaunchedWorker] = {}
         self.task: CounterTask | None = None
         self.publisher = None if fixture.run_id is None else RunPublisher(fixture.run_id)
+        #: the coordinators' pause request (§6.7): `h.pause.request()`
+        self.pause = PauseHandle()
         self.topic: Topic | None = None
 
     @classmethod
@@ -264,7 +266,8 @@ class SessionHarness:
         coordinator = Coordinator(
             self.spec, self.coordinator_client, self.refs(), task=self.task,
             profiles=model_profiles(self.spec), executor=executor, deadlines=fixture.deadlines,
-            order=fixture.order, injections=injections, epoch=epoch, publisher=self.publisher)
+            order=fixture.order, injections=injections, epoch=epoch, publisher=self.publisher,
+            pause=self.pause)
         if fixture.pacing == "off":
             coordinator.disable_pacing()
         return coordinator
