@@ -135,9 +135,10 @@ if OUT:
         timed(agent.AgentEndpoint, "commit", "commit", is_async=True)
         timed(environment.EnvironmentEndpoint, "advance", "advance", is_async=True)
     elif b"router" in CMDLINE:
+        import bus.connection as connection
         import bus.router as router
 
-        timed(router._Conn, "data_received", "frames_in")
+        timed(connection.Conn, "data_received", "frames_in")
         timed(router.Router, "_on_frame", "route")
     elif b"run" in CMDLINE:
         import bus.client as client
