@@ -103,7 +103,7 @@ class CallOps:
             out.count_error(exc.name)
             target = p.get("target")
             svc = self._registry.services.get(target) if type(target) is str else None
-            out.notify(conn, "bus.callFailed", {
+            out.notice(conn, "bus.callFailed", {
                 "callId": call_id,
                 "serviceIncarnation": None if svc is None else svc.incarnation,
                 "error": error_object(exc.name, exc.message, "not-dispatched"),
@@ -190,7 +190,7 @@ class CallOps:
             self.op_reply(conn, p, 0)
         except BusError as exc:
             out.count_error(exc.name)
-            out.notify(conn, "bus.replyFailed", {
+            out.notice(conn, "bus.replyFailed", {
                 "deliveryId": delivery_id,
                 "error": error_object(exc.name, exc.message, "not-dispatched"),
             })
@@ -350,7 +350,7 @@ class CallOps:
         out = self._out
         out.counters["callsFailed"] += 1
         out.count_error(name)
-        out.notify(call.caller, "bus.callFailed", {
+        out.notice(call.caller, "bus.callFailed", {
             "callId": call.call_id,
             "serviceIncarnation": call.service.incarnation,
             "error": error_object(name, message, dispatch),
@@ -378,7 +378,7 @@ class CallOps:
                 affected[call.caller.number] = call.caller
         notice = {"name": svc.name, "serviceIncarnation": svc.incarnation, "reason": reason}
         for caller in affected.values():
-            self._out.notify(caller, "bus.routeRemoved", notice)
+            self._out.notice(caller, "bus.routeRemoved", notice)
         queue, svc.queue = svc.queue, deque()
         for call in queue:
             self._call_failed(call, "NO_SERVICE", f"service {svc.name} was {reason} "

@@ -80,7 +80,8 @@ class Outbound:
             {"jsonrpc": "2.0", "id": rid, "error": error_object(name, message, dispatch)}
         ))
 
-    def notify(self, conn: Conn, method: str, params: dict[str, Any]) -> None:
+    def notice(self, conn: Conn, method: str, params: dict[str, Any]) -> None:
+        """A notification from the router (`bus.callFailed`, `bus.routeRemoved`, …)."""
         self.control(conn, orjson.dumps({"jsonrpc": "2.0", "method": method, "params": params}))
 
     def control(self, conn: Conn, body: bytes) -> None:

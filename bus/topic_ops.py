@@ -69,7 +69,7 @@ class TopicOps:
         except BusError as exc:
             out.count_error(exc.name)
             topic = self.table.topics.get(name)
-            out.notify(conn, "bus.publishFailed", {
+            out.notice(conn, "bus.publishFailed", {
                 "topic": name,
                 "topicIncarnation": None if topic is None else topic.incarnation,
                 "error": error_object(exc.name, exc.message, "not-dispatched"),
