@@ -16,9 +16,11 @@ handler, the router's `frames_in` contains `route`, the node's `check_advance` i
 `decision_parse` of the inspection):
 - workers: `frames_in` (`bus.client` reading and dispatching what arrived: decode, envelope
   checks, the handler task's creation), `writes` (the SDK's flush), `handler`
-  (`WorkerShell._on_request`, one whole request, session.md §2.2), its protocol stages `parse`,
-  `params_schema`, `digest`, `admit`, `complete`, `outcome` (`parse_request`, `check_params`,
-  the body digest, the result cache's admission and record, the outcome's JSON), and the
+  (`WorkerShell._on_request`, one whole request, session.md §2.2), its protocol stages `typed`,
+  `parse`, `params_schema`, `digest`, `admit`, `complete`, `outcome` (`parse_typed`: the request
+  and its params checked in one pass, wire.md §22.3; `parse_request` and `check_params`, which
+  run only where the typed pass has no structure or refused; the body digest, the result
+  cache's admission and record, the outcome's JSON), and the
   endpoint's `prepare`, `commit` or `advance` (each includes `params_schema`);
 - router: `frames_in` (a read: frames decoded, checked, routed and the writes they cause) and
   `route` (one frame, `Router._on_frame`);
@@ -124,9 +126,9 @@ if OUT:
         timed(client._Protocol, "data_received", "frames_in")
         timed(client.BusClient, "_flush", "writes")
         timed(shell.WorkerShell, "_on_request", "handler", is_async=True)
+        timed(shell, "parse_typed", "typed")
         timed(shell, "parse_request", "parse")
-        for module in (agent, environment):
-            timed(module, "check_params", "params_schema")
+        timed(shell, "check_params", "params_schema")
         timed(shell, "wire_digest", "digest")  # over the payload's wire bytes (wire.md §22.3)
         timed(shell.ResultCache, "admit_step", "admit")
         timed(shell.ResultCache, "complete", "complete")
@@ -200,6 +202,7 @@ def hot_us(samples: dict[str, Any]) -> dict[str, float]:
     from workers.dedup import wire_digest
     from workers.rpc import parse_request
     from workers.shell import check_params
+    from workers.typed import parse_typed
 
     def best_us(fn: Callable[[], object]) -> float:
         return min(timeit.repeat(fn, number=500, repeat=5)) / 500 * 1e6
@@ -212,6 +215,7 @@ def hot_us(samples: dict[str, Any]) -> dict[str, float]:
             samples)
         totals["params_schema"] += best_us(
             partial(check_params, method, request.params)) / len(samples)
+        totals["typed"] += best_us(partial(parse_typed, method, payload)) / len(samples)
     return {stage: round(us, 1) for stage, us in totals.items()}
 
 

@@ -75,7 +75,7 @@ from workers.protocols import (
     DecodedView,
     check_plugin,
 )
-from workers.shell import Call, Endpoint, WorkerState, check_params, load_plugin, main
+from workers.shell import Call, Endpoint, WorkerState, load_plugin, main
 from workers.state import (
     StateService,
     check_provenance,
@@ -226,7 +226,7 @@ class AgentEndpoint(Endpoint):
             raise _before(ErrorCode.FUTURE_STEP,
                           f"{method} names step {scope.step}; an agent starts at step 0")
         # 3: params schema, agent id
-        check_params(method, call.params)
+        call.check_params()
         p = call.params
         self._check_agent(method, p["agentId"])
         # 4: threads
@@ -328,7 +328,7 @@ class AgentEndpoint(Endpoint):
                           f"not ready")
         self.check_step(call, scope.step, k)
         # 2: params schema, interval, stimuli
-        check_params(method, call.params)
+        call.check_params()
         p = call.params
         interval = RationalNs.from_json(p["interval"], "params.interval")
         if interval.is_zero():
@@ -386,7 +386,7 @@ class AgentEndpoint(Endpoint):
                           f"not prepared")
         self.check_step(call, scope.step, k)
         # 2: params schema, identities
-        check_params(method, call.params)
+        call.check_params()
         p = call.params
         self._check_agent(method, p["agentId"])
         if p["preparedRequestId"] != self.prepared_request_id:

@@ -100,7 +100,7 @@ from workers.domain import (
 from workers.faults import Role
 from workers.launch import WorkerLaunch
 from workers.protocols import PER_AGENT_INPUT, WORLD_ATTRIBUTES, World, check_plugin
-from workers.shell import Call, Endpoint, WorkerState, check_params, load_plugin, main
+from workers.shell import Call, Endpoint, WorkerState, load_plugin, main
 from workers.state import (
     StateService,
     check_provenance,
@@ -425,7 +425,7 @@ class EnvironmentEndpoint(Endpoint):
             raise DomainError.before(ErrorCode.FUTURE_STEP,
                                      f"{method} names step {scope.step}; a world starts at 0")
         # 2: params schema, binding count
-        check_params(method, call.params)
+        call.check_params()
         p = call.params
         raw_bindings: list[list[str]] = p["portBindings"]
         if len(raw_bindings) > self.launch.max_agents:
@@ -487,7 +487,7 @@ class EnvironmentEndpoint(Endpoint):
         k = self.boundary
         self.check_step(call, scope.step, k)
         # 2: params schema, batch id
-        check_params(method, call.params)
+        call.check_params()
         p = call.params
         batch_id: str = p["batchId"]
         if batch_id in self.batches:
