@@ -45,7 +45,7 @@ Resolved ambiguities:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Final, Literal
 
 from bus.errors import ERROR_NAMES, BusError
@@ -228,6 +228,8 @@ class Outcome:
     scope: Scope | None
     result: dict[str, Any] | None = None
     error: DomainError | None = None
+    #: the result was checked against the method's result schema (`workers.typed.answer_typed`)
+    checked: bool = field(default=False, compare=False)
 
     def __post_init__(self) -> None:
         if (self.result is None) == (self.error is None):

@@ -41,13 +41,23 @@ import orjson
 import schemas as _schemas_package
 from bus.schema import Validator, compile_schema
 from workers.domain import Scope
-from workers.rpc import Request, holds_bus_key
+from workers.rpc import Answered, Outcome, Refused, Request, answer, holds_bus_key
 
-__all__ = ["METHODS", "METHOD_SCHEMAS", "REQUEST_SCHEMA", "check", "parse_typed", "structure"]
+__all__ = [
+    "METHODS",
+    "METHOD_SCHEMAS",
+    "OUTCOME_SCHEMA",
+    "REQUEST_SCHEMA",
+    "answer_typed",
+    "check",
+    "parse_typed",
+    "structure",
+]
 
 SESSION_SCHEMAS: Final = Path(_schemas_package.__file__).resolve().parent / "session"
 METHOD_SCHEMAS: Final = SESSION_SCHEMAS / "methods"
 REQUEST_SCHEMA: Final = SESSION_SCHEMAS / "request.json"
+OUTCOME_SCHEMA: Final = SESSION_SCHEMAS / "outcome.json"
 SCOPES_KEPT: Final = 64
 #: the methods with a params schema: only their names ever become a file path
 METHODS: Final = frozenset(path.name.removesuffix(".params.json")
@@ -341,3 +351,38 @@ def parse_typed(method: str, payload: Any) -> Request | None:
     scope = got.scope
     return Request(got.requestId, None if scope is None
                    else _scope(scope.sessionId, scope.epoch, scope.step), params)
+
+
+@functools.cache
+def _outcome_type(method: str) -> Any:
+    """A result outcome of `method` as one structure: the envelope as `outcome.json`'s
+    `ResultOutcome` states it, `result` as the method's result schema (None: no structure)."""
+    result, _ = _typed(method, "result")
+    if result is None:
+        return None
+    envelope = _Generator(_load(OUTCOME_SCHEMA), method.replace(".", "") + "Outcome")
+    fields = [("type", Literal["result"]),
+              ("requestId", envelope.type_of({"$ref": "#/$defs/OutcomeRequestId"})[0]),
+              ("workerId", envelope.type_of({"$ref": "#/$defs/Id"})[0]),
+              ("incarnationId", envelope.type_of({"$ref": "#/$defs/Id"})[0]),
+              ("scope", envelope.type_of({"$ref": "#/$defs/ScopeOrNull"})[0]),
+              ("result", result)]
+    return msgspec.defstruct(envelope.name, fields, kw_only=True, forbid_unknown_fields=True)
+
+
+def answer_typed(method: str, raw: Any) -> Answered | Refused:
+    """`rpc.answer` with a result outcome and its result checked in one pass (the outcome says
+    `checked`, so the caller skips the result schema); an error outcome, or one the structure
+    refuses, goes to `answer`, which words it."""
+    typed = _outcome_type(method) if method in METHODS else None
+    if typed is not None:
+        try:
+            got = msgspec.convert(raw, typed)
+        except msgspec.ValidationError:
+            return answer(method, raw)
+        scope = got.scope
+        return Answered(Outcome(got.requestId, got.workerId, got.incarnationId,
+                                None if scope is None
+                                else _scope(scope.sessionId, scope.epoch, scope.step),
+                                result=raw["result"], checked=True))
+    return answer(method, raw)

@@ -10,7 +10,9 @@ the same verdict from `parse_typed` as from the path it replaces.
 from __future__ import annotations
 
 import copy
+import json
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -26,9 +28,9 @@ from tests.session.worker_rig import (
     sensory,
 )
 from workers.domain import DomainError
-from workers.rpc import parse_request
-from workers.shell import check_params
-from workers.typed import METHOD_SCHEMAS, check, parse_typed, structure
+from workers.rpc import Answered, answer, parse_request
+from workers.shell import check_params, method_validator
+from workers.typed import METHOD_SCHEMAS, answer_typed, check, parse_typed, structure
 
 SCOPE = {"sessionId": "s1", "epoch": "e-1", "step": "3"}
 
@@ -49,6 +51,11 @@ ODD_VALUES: list[Any] = [
     None, True, 0, 1, -1, 1.5, 2**64, "", "x", "req-0", "a" * 65, "0" * 64, "1\n", [], {},
     {"callId": "c-1"},
 ]
+
+
+#: results recorded from a run (one of each method the node checks on the step path)
+RESULTS: dict[str, dict[str, Any]] = json.loads(
+    (Path(__file__).parent / "fixtures" / "step_results.json").read_text())
 
 
 def old_accepts(method: str, payload: Any) -> bool:
@@ -125,3 +132,27 @@ def test_check_agrees_on_params(method: str, params: dict[str, Any]) -> None:
         else:
             accepted = True
         assert check(method, "params", mutated) == accepted, mutated
+
+
+def old_answer(method: str, raw: Any) -> bool:
+    """Whether `answer` and the result schema (the node's `check_reply`) take the outcome."""
+    got = answer(method, raw)
+    if not isinstance(got, Answered):
+        return False
+    result = got.outcome.result
+    return result is None or method_validator(method, "result")(result) is None
+
+
+@pytest.mark.parametrize("method", sorted(RESULTS))
+def test_every_outcome_mutation_gets_the_verdict_of_the_validator(method: str) -> None:
+    outcome = {"type": "result", "requestId": "req-7", "workerId": "fly-a",
+               "incarnationId": "fly-a-inc-1", "scope": SCOPE, "result": RESULTS[method]}
+    got = answer_typed(method, outcome)
+    assert isinstance(got, Answered) and got.outcome.checked
+    assert got == answer(method, outcome)
+    for mutated in mutations(outcome):
+        typed = answer_typed(method, mutated)
+        accepted = isinstance(typed, Answered) and (
+            typed.outcome.checked or old_answer(method, mutated))
+        assert accepted == old_answer(method, mutated), mutated
+        assert typed == answer(method, mutated)
