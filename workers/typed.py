@@ -1,36 +1,42 @@
-"""Typed structures of the domain messages, generated from `schemas/session/methods/` at import
-(wire.md §22.3: a compiled decoder that validates while it converts; the schemas stay the one
-source).
+"""Typed structures of the domain messages, generated from `schemas/session/` at import
+(wire.md §22.3: the schemas stay the one source), and the step path's one-pass checks with them.
 
 Why: the compiled Python validator (`bus.schema.compile_schema`) walks a message with one Python
-call per keyword; `msgspec.convert` into a `Struct` checks the same shape in one C pass. Each
-method's `params`/`result` schema becomes a `msgspec.Struct` type tree:
+call per keyword, after `parse_request`/`rpc.answer` walked its envelope; `msgspec.convert` into
+a `Struct` checks envelope and body in one C pass. Each method's params/result schema becomes a
+`msgspec.Struct` type tree:
 
 - a closed object (`additionalProperties: false`) is a `Struct` refusing unknown fields; a
   required property is a required field, any other defaults to `UNSET`;
-- `string` with `pattern`/`minLength`/`maxLength`, `integer` and `number` with their bounds,
-  `boolean`, `null`, `array` with `items`/`minItems`/`maxItems`, `enum`/`const` of scalars and
-  `$ref` map onto the matching annotated types (`$` in a pattern matches only at the very end, as
-  `bus.schema` reads it; a number is `int | float`, so the value keeps its JSON type; an integer
-  never accepts a bool or a float);
-- `anyOf`/`oneOf` whose branches msgspec can tell apart by JSON type (in practice: null or X)
-  become a union.
+- `string` with `minLength`/`maxLength`, `integer` and `number` with their bounds, `boolean`,
+  `null`, `array` with `items`/`minItems`/`maxItems`, `enum`/`const` of scalars and `$ref` map
+  onto the matching annotated types (a number is `int | float`, so the value keeps its JSON
+  type; an integer never accepts a bool or a float); a value with no keyword is `Any`;
+- a property that is a string with a `pattern` is a plain `str`, its pattern checked after the
+  conversion against a memory of the strings that matched before (`$` matches only at the very
+  end, as `bus.schema` reads it): ids, digests and step numbers repeat from message to message,
+  and msgspec runs a pattern's expression every time (0.27 µs a string, most of a conversion);
+- `anyOf`/`oneOf` whose branches msgspec tells apart by JSON type (null or X) is a union; one
+  of closed objects whose shared properties have one schema (`Media`: a blob or a reference)
+  is one struct of all their properties and a check of which branches the present keys fit.
 
-A subschema outside that set (a union of two objects, `uniqueItems`, `if`, `propertyNames`, a
-free-form value, ...) stays on the slow path: its field is typed `Any` and the struct's
-`__post_init__` runs `bus.schema`'s compiled validator on that field alone. So every rule of the
-schema is checked, most of them in C, and nothing is restated by hand.
+Anything else (`uniqueItems`, `if`, `propertyNames`, ...) stays on the slow path: the field is
+typed `Any` and the struct's `__post_init__` runs `bus.schema`'s compiled validator on that field
+alone. So every rule of the schema is checked and nothing is restated by hand.
 
-The input is a value the SDK's strict decode produced (wire.md §3: duplicate keys, non-finite
-numbers, depth and integer ranges were refused there), so the conversion adds no second parse.
-`check` says only accept or refuse; the wording of a refusal stays the compiled validator's
-(`workers.shell.check_params`, `flyd.session.calls`), so messages are as before.
+The input is a tree the SDK's strict decode produced (wire.md §3: duplicate keys, non-finite
+numbers, depth and integer ranges were refused there, in the one pass over the frame's bytes),
+so the check adds no second parse. A refusal is not worded here: `parse_typed` and
+`answer_typed` return None/fall back, and `parse_request`, `check_params` and `rpc.answer` word
+it as before (the messages do not change). Bus-only keys (session.md §1.3) can only hide in a
+value typed `Any`; a structure without one needs no walk for them.
 """
 
 from __future__ import annotations
 
 import functools
 import keyword
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Final, Literal, Union
@@ -68,6 +74,10 @@ _KIND: Final[dict[str, str]] = {
     "string": "str", "integer": "int", "number": "num", "boolean": "bool", "null": "null",
     "array": "array", "object": "object",
 }
+
+
+#: a union of objects: each branch's (required keys, allowed keys), and whether exactly one fits
+_Variants = tuple[tuple[tuple[frozenset[str], frozenset[str]], ...], bool]
 
 
 class _Unsupported(Exception):
@@ -124,11 +134,12 @@ class _Generator:
 
     def type_of(self, schema: Any) -> tuple[Any, str]:
         """The msgspec type of `schema` and its JSON kind (for telling union branches apart)."""
-        if schema is True or schema == {}:
-            raise _Unsupported("any value")
         if not isinstance(schema, dict):
             raise _Unsupported("a boolean schema")
         keys = set(schema) - _ANNOTATIONS
+        if not keys:  # any JSON value: nothing to check, but a bus-only key could hide in it
+            self.open = True
+            return Any, "any"
         if "$ref" in keys:
             if keys != {"$ref"}:
                 raise _Unsupported("$ref beside other keywords")
@@ -137,6 +148,9 @@ class _Generator:
             if union in keys:
                 if keys != {union}:
                     raise _Unsupported(f"{union} beside other keywords")
+                merged = self.variants(schema[union], exclusive=union == "oneOf")
+                if merged is not None:
+                    return merged, "object"
                 return self.union([self.type_of(branch) for branch in schema[union]])
         if "enum" in keys or "const" in keys:
             return self.literal(schema, keys)
@@ -170,7 +184,8 @@ class _Generator:
         kinds = [kind for _, kind in branches]
         # msgspec tells union members apart by JSON type alone: one branch per kind (a number
         # overlaps an integer), so oneOf and anyOf mean the same here
-        if len(set(kinds)) != len(kinds) or ("num" in kinds and "int" in kinds):
+        if len(set(kinds)) != len(kinds) or ("num" in kinds and "int" in kinds) \
+                or "any" in kinds:
             raise _Unsupported("branches of one JSON type")
         return Union[tuple(t for t, _ in branches)], "union"  # noqa: UP007 (built at run time)
 
@@ -220,9 +235,53 @@ class _Generator:
         return self.annotated(list[item], {"min_length": schema.get("minItems"),
                                            "max_length": schema.get("maxItems")})
 
-    def struct(self, schema: Mapping[str, Any], keys: set[str]) -> type[msgspec.Struct]:
-        if keys - {"type", "properties", "required", "additionalProperties"} \
-                or schema.get("additionalProperties") is not False:
+    def resolve(self, schema: Any) -> Any:
+        """`schema` with its `$ref` chain followed (annotations aside)."""
+        seen = 0
+        while isinstance(schema, dict) and set(schema) - _ANNOTATIONS == {"$ref"} and seen < 8:
+            schema = self.defs.get(str(schema["$ref"]).removeprefix("#/$defs/"))
+            seen += 1
+        return schema
+
+    @staticmethod
+    def closed(schema: Any) -> bool:
+        return isinstance(schema, dict) and schema.get("type") == "object" \
+            and schema.get("additionalProperties") is False \
+            and not set(schema) - _ANNOTATIONS - {"type", "properties", "required",
+                                                 "additionalProperties"}
+
+    def variants(self, branches: list[Any], *, exclusive: bool) -> type[msgspec.Struct] | None:
+        """A union of closed objects whose shared properties have one schema (a blob or a
+        reference: `Media`) as one struct of every property, each optional, and a check of
+        which branches the present keys fit: exactly one (`oneOf`) or at least one (`anyOf`).
+        None when the branches are not of that form."""
+        resolved = [self.resolve(branch) for branch in branches]
+        if len(resolved) < 2 or not all(self.closed(one) for one in resolved):
+            return None
+        props: dict[str, Any] = {}
+        for one in resolved:
+            for name, sub in one.get("properties", {}).items():
+                if props.setdefault(name, sub) != sub:
+                    return None
+        rules = tuple((frozenset(one.get("required", ())), frozenset(one.get("properties", {})))
+                      for one in resolved)
+        return self.struct({"properties": props}, set(), variants=(rules, exclusive))
+
+    def pattern_of(self, schema: Any) -> _Pattern | None:
+        """A property that is a string with a pattern and nothing else: checked after the
+        conversion, against the strings that matched before (ids, digests and step numbers
+        repeat from one message to the next; msgspec would run the expression every time)."""
+        found = self.resolve(schema)
+        if not isinstance(found, dict) or set(found) - _ANNOTATIONS != {"type", "pattern"} \
+                or found["type"] != "string":
+            return None
+        return _pattern(str(found["pattern"]))
+
+    def struct(self, schema: Mapping[str, Any], keys: set[str],
+               variants: _Variants | None = None) -> type[msgspec.Struct]:
+        if variants is None and (keys - {"type", "properties", "required",
+                                         "additionalProperties"}
+                                 or schema.get("additionalProperties") is not False):
             raise _Unsupported("an open object or object keywords")
         required = set(schema.get("required", ()))
         props: dict[str, Any] = schema.get("properties", {})
@@ -235,7 +294,11 @@ class _Generator:
             attr = wire if wire.isidentifier() and not keyword.iskeyword(wire) \
                 and not wire.startswith("_") else f"f{index}"
             rename[attr] = wire
-            kind, check = self.field(sub)
+            pattern = self.pattern_of(sub)
+            kind: Any = str
+            check: Validator | None = pattern
+            if pattern is None:
+                kind, check = self.field(sub)
             if check is not None:
                 slow.append((attr, check))
             if wire in required:
@@ -243,13 +306,42 @@ class _Generator:
             else:
                 fields.append((attr, Union[kind, msgspec.UnsetType], msgspec.UNSET))  # noqa: UP007
         self.count += 1
-        namespace = {"__post_init__": _post_init(tuple(slow))} if slow else {}
+        namespace = {"__post_init__": _post_init(tuple(slow), rename, variants)} \
+            if slow or variants else {}
         return msgspec.defstruct(f"{self.name}{self.count}", fields, kw_only=True,
                                  forbid_unknown_fields=True, rename=rename, namespace=namespace)
 
 
-def _post_init(slow: tuple[tuple[str, Validator], ...]) -> Any:
-    """The check of the fields msgspec cannot state; a refusal names the field's path."""
+class _Pattern:
+    """A pattern's check with the strings it matched before (bounded: forgotten wholesale)."""
+
+    KEPT: Final = 4096
+
+    def __init__(self, pattern: str) -> None:
+        self.search = re.compile(_ecma(pattern)).search
+        self.pattern = pattern
+        self.matched: set[str] = set()
+
+    def __call__(self, value: str) -> str | None:
+        if value in self.matched:
+            return None
+        if self.search(value) is None:
+            return f"{value!r} does not match {self.pattern}"
+        if len(self.matched) >= self.KEPT:
+            self.matched.clear()
+        self.matched.add(value)
+        return None
+
+
+@functools.cache
+def _pattern(pattern: str) -> _Pattern:
+    return _Pattern(pattern)
+
+
+def _post_init(slow: tuple[tuple[str, Validator], ...], rename: Mapping[str, str],
+               variants: _Variants | None) -> Any:
+    """The checks msgspec cannot state: the fields typed `Any`, and which branch of a union of
+    objects the present keys fit; a refusal names the struct's path."""
 
     def post_init(self: msgspec.Struct) -> None:
         for attr, check in slow:
@@ -258,6 +350,13 @@ def _post_init(slow: tuple[tuple[str, Validator], ...]) -> Any:
                 problem = check(value)
                 if problem is not None:
                     raise ValueError(problem)
+        if variants is not None:
+            rules, exclusive = variants
+            present = frozenset(wire for attr, wire in rename.items()
+                                if getattr(self, attr) is not msgspec.UNSET)
+            fits = sum(1 for need, allowed in rules if need <= present <= allowed)
+            if fits == 0 or (exclusive and fits > 1):
+                raise ValueError(f"the keys {sorted(present)} fit {fits} of the branches")
 
     return post_init
 
