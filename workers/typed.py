@@ -28,8 +28,8 @@ The input is a tree the SDK's strict decode produced (wire.md §3: duplicate key
 numbers, depth and integer ranges were refused there, in the one pass over the frame's bytes),
 so the check adds no second parse. A refusal is not worded here: `parse_typed` and
 `answer_typed` return None/fall back, and `parse_request`, `check_params` and `rpc.answer` word
-it as before (the messages do not change). Bus-only keys (session.md §1.3) can only hide in a
-value typed `Any`; a structure without one needs no walk for them.
+it as before (the messages do not change). A bus-only key (session.md §1.3) can only hide in a
+params field typed `Any`: only those fields are searched for one, not the whole params.
 """
 
 from __future__ import annotations
@@ -47,7 +47,15 @@ import orjson
 import schemas as _schemas_package
 from bus.schema import Validator, compile_schema
 from workers.domain import Scope
-from workers.rpc import Answered, Outcome, Refused, Request, answer, holds_bus_key
+from workers.rpc import (
+    BUS_ONLY_KEYS,
+    Answered,
+    Outcome,
+    Refused,
+    Request,
+    answer,
+    holds_bus_key,
+)
 
 __all__ = [
     "METHODS",
@@ -55,7 +63,6 @@ __all__ = [
     "OUTCOME_SCHEMA",
     "REQUEST_SCHEMA",
     "answer_typed",
-    "check",
     "parse_typed",
     "structure",
 ]
@@ -110,15 +117,15 @@ def _ecma(pattern: str) -> str:
 class _Generator:
     """One schema file's types: `$defs` entries are generated once and shared."""
 
-    def __init__(self, root: Mapping[str, Any], name: str) -> None:
+    def __init__(self, root: Mapping[str, Any], name: str, *, bus_keys: bool = False) -> None:
         self.root = root
         self.name = name
+        #: a request's params: no bus-only key at any depth (session.md §1.3)
+        self.bus_keys = bus_keys
         self.defs: dict[str, Any] = dict(root.get("$defs", {}))
         self.done: dict[str, tuple[Any, str]] = {}
         self.busy: set[str] = set()
         self.count = 0
-        #: whether some field was left to the compiled validator (typed `Any`)
-        self.open = False
 
     def slow(self, schema: Any) -> Validator:
         return compile_schema({"$defs": self.defs, **schema} if isinstance(schema, dict)
@@ -129,17 +136,16 @@ class _Generator:
         try:
             return self.type_of(schema)[0], None
         except _Unsupported:
-            self.open = True
-            return Any, self.slow(schema)
+            check = self.slow(schema)
+            return Any, _no_bus_keys(check) if self.bus_keys else check
 
     def type_of(self, schema: Any) -> tuple[Any, str]:
         """The msgspec type of `schema` and its JSON kind (for telling union branches apart)."""
         if not isinstance(schema, dict):
             raise _Unsupported("a boolean schema")
         keys = set(schema) - _ANNOTATIONS
-        if not keys:  # any JSON value: nothing to check, but a bus-only key could hide in it
-            self.open = True
-            return Any, "any"
+        if not keys:  # any JSON value: a field of its own (a bus-only key may hide in it)
+            raise _Unsupported("any value")
         if "$ref" in keys:
             if keys != {"$ref"}:
                 raise _Unsupported("$ref beside other keywords")
@@ -184,8 +190,7 @@ class _Generator:
         kinds = [kind for _, kind in branches]
         # msgspec tells union members apart by JSON type alone: one branch per kind (a number
         # overlaps an integer), so oneOf and anyOf mean the same here
-        if len(set(kinds)) != len(kinds) or ("num" in kinds and "int" in kinds) \
-                or "any" in kinds:
+        if len(set(kinds)) != len(kinds) or ("num" in kinds and "int" in kinds):
             raise _Unsupported("branches of one JSON type")
         return Union[tuple(t for t, _ in branches)], "union"  # noqa: UP007 (built at run time)
 
@@ -287,6 +292,8 @@ class _Generator:
         props: dict[str, Any] = schema.get("properties", {})
         if not required <= set(props):
             raise _Unsupported("a required key without a property")
+        if self.bus_keys and not BUS_ONLY_KEYS.isdisjoint(props):
+            raise _Unsupported("a property named as a bus-only key")
         fields: list[tuple[str, Any, Any]] = []
         rename: dict[str, str] = {}
         slow: list[tuple[str, Validator]] = []
@@ -369,44 +376,34 @@ def _load(path: Path) -> dict[str, Any]:
 @functools.cache
 def structure(method: str, kind: str) -> Any:
     """The type of `schemas/session/methods/<method>.<kind>.json` (kind `params`|`result`), or
-    None when even its root is outside what msgspec states (then `check` is the validator's)."""
-    return _typed(method, kind)[0]
-
-
-def _typed(method: str, kind: str) -> tuple[Any, bool]:
-    """(the type or None, whether some field of it is checked by the compiled validator)."""
+    None when even its root is outside what msgspec states. A params structure also refuses
+    a bus-only key: no property is named so, and a field typed `Any` is searched for one."""
     schema = _load(METHOD_SCHEMAS / f"{method}.{kind}.json")
-    generator = _Generator(schema, method.replace(".", "") + kind.title())
+    generator = _Generator(schema, method.replace(".", "") + kind.title(),
+                           bus_keys=kind == "params")
     try:
-        made = generator.type_of({k: v for k, v in schema.items() if k != "$defs"})[0]
+        return generator.type_of({k: v for k, v in schema.items() if k != "$defs"})[0]
     except _Unsupported:
-        return None, True
-    return made, generator.open
+        return None
+
+
+def _no_bus_keys(check: Validator) -> Validator:
+    """`check`, and no bus-only key at any depth of the value."""
+
+    def checked(value: Any) -> str | None:
+        problem = check(value)
+        if problem is None and holds_bus_key(value):
+            return "a bus-only key in params"
+        return problem
+
+    return checked
 
 
 @functools.cache
-def _slow(method: str, kind: str) -> Validator:
-    return compile_schema(_load(METHOD_SCHEMAS / f"{method}.{kind}.json"))
-
-
-def check(method: str, kind: str, value: Any) -> bool:
-    """Whether `value` (a strictly decoded tree) matches the method's `kind` schema."""
-    typed = structure(method, kind)
-    if typed is None:
-        return _slow(method, kind)(value) is None
-    try:
-        msgspec.convert(value, typed)
-    except msgspec.ValidationError:
-        return False
-    return True
-
-
-@functools.cache
-def _request_type(method: str) -> tuple[Any, bool] | None:
+def _request_type(method: str) -> Any:
     """The request of `method` as one structure: `requestId` and `scope` as `request.json`
-    states them, `params` as the method's params schema; and whether its params hold a field
-    typed `Any` (only there can a bus-only key hide: every other object is closed)."""
-    params, open_ = _typed(method, "params")
+    states them, `params` as the method's params structure (None: it has none)."""
+    params = structure(method, "params")
     if params is None:
         return None
     envelope = _Generator(_load(REQUEST_SCHEMA), method.replace(".", "") + "Request")
@@ -415,7 +412,7 @@ def _request_type(method: str) -> tuple[Any, bool] | None:
     made = msgspec.defstruct(envelope.name, [("requestId", request_id), ("scope", scope),
                                              ("params", params)],
                              kw_only=True, forbid_unknown_fields=True)
-    return made, open_
+    return made
 
 
 _scopes: dict[tuple[str, str, str], Scope] = {}
@@ -439,24 +436,20 @@ def parse_typed(method: str, payload: Any) -> Request | None:
     typed = _request_type(method) if method in METHODS else None
     if typed is None:
         return None
-    kind, open_ = typed
     try:
-        got = msgspec.convert(payload, kind)
+        got = msgspec.convert(payload, typed)
     except msgspec.ValidationError:
-        return None
-    params = payload["params"]
-    if open_ and holds_bus_key(params):
         return None
     scope = got.scope
     return Request(got.requestId, None if scope is None
-                   else _scope(scope.sessionId, scope.epoch, scope.step), params)
+                   else _scope(scope.sessionId, scope.epoch, scope.step), payload["params"])
 
 
 @functools.cache
 def _outcome_type(method: str) -> Any:
     """A result outcome of `method` as one structure: the envelope as `outcome.json`'s
     `ResultOutcome` states it, `result` as the method's result schema (None: no structure)."""
-    result, _ = _typed(method, "result")
+    result = structure(method, "result")
     if result is None:
         return None
     envelope = _Generator(_load(OUTCOME_SCHEMA), method.replace(".", "") + "Outcome")
