@@ -207,10 +207,10 @@ def hot_us(samples: dict[str, Any]) -> dict[str, float]:
     method the role served (caches warm): microseconds per call, averaged over the methods."""
     from bus import codec
     from workers.dedup import wire_digest
-    from workers.rpc import parse_request
-    from workers.shell import check_params
+    from workers.types.contract import check_params
+    from workers.types.rpc import parse_request
     try:
-        from workers.typed import parse_typed
+        from workers.types.structures import parse_typed
     except ImportError:  # a tree before the typed decode
         parse_typed = None
 

@@ -46,7 +46,7 @@ import structlog
 
 from bus.client import Allocation, Attachment, BusClient
 from bus.errors import BusError
-from workers.datatypes import (
+from workers.types.datatypes import (
     ArrayValue,
     ArtifactBlob,
     Attached,

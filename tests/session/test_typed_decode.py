@@ -1,5 +1,5 @@
-"""The typed structures generated from schemas/ (`workers.typed`, wire.md §22.3) accept exactly
-what the compiled schema validator and `parse_request` accept.
+"""The typed structures generated from schemas/ (`workers.types.structures`, wire.md §22.3)
+accept exactly what the compiled schema validator and `parse_request` accept.
 
 The structures are made from the schema files at import, so they cannot drift from them; what
 this checks is the generator: every valid request of the step path, and every one-edit mutation
@@ -27,10 +27,10 @@ from tests.session.worker_rig import (
     prepare_params,
     sensory,
 )
-from workers.domain import DomainError
-from workers.rpc import Answered, answer, parse_request
-from workers.shell import check_params, method_validator
-from workers.typed import METHOD_SCHEMAS, answer_typed, parse_typed, structure
+from workers.types.contract import METHOD_SCHEMAS, check_params, method_validator
+from workers.types.domain import DomainError
+from workers.types.rpc import Answered, answer, parse_request
+from workers.types.structures import answer_typed, parse_typed, structure
 
 SCOPE = {"sessionId": "s1", "epoch": "e-1", "step": "3"}
 

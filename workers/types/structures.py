@@ -44,10 +44,10 @@ from typing import Annotated, Any, Final, Literal, Union
 import msgspec
 import orjson
 
-import schemas as _schemas_package
 from bus.schema import Validator, compile_schema
-from workers.domain import Scope
-from workers.rpc import (
+from workers.types.contract import METHOD_SCHEMAS
+from workers.types.domain import Scope
+from workers.types.rpc import (
     BUS_ONLY_KEYS,
     Answered,
     Outcome,
@@ -59,7 +59,6 @@ from workers.rpc import (
 
 __all__ = [
     "METHODS",
-    "METHOD_SCHEMAS",
     "OUTCOME_SCHEMA",
     "REQUEST_SCHEMA",
     "answer_typed",
@@ -67,10 +66,8 @@ __all__ = [
     "structure",
 ]
 
-SESSION_SCHEMAS: Final = Path(_schemas_package.__file__).resolve().parent / "session"
-METHOD_SCHEMAS: Final = SESSION_SCHEMAS / "methods"
-REQUEST_SCHEMA: Final = SESSION_SCHEMAS / "request.json"
-OUTCOME_SCHEMA: Final = SESSION_SCHEMAS / "outcome.json"
+REQUEST_SCHEMA: Final = METHOD_SCHEMAS.parent / "request.json"
+OUTCOME_SCHEMA: Final = METHOD_SCHEMAS.parent / "outcome.json"
 SCOPES_KEPT: Final = 64
 #: the methods with a params schema: only their names ever become a file path
 METHODS: Final = frozenset(path.name.removesuffix(".params.json")

@@ -49,8 +49,8 @@ from dataclasses import dataclass, field
 from typing import Any, Final, Literal
 
 from bus.errors import ERROR_NAMES, BusError
-from workers.canonical import body_digest
-from workers.domain import (
+from workers.types.canonical import body_digest
+from workers.types.domain import (
     DomainError,
     ErrorCode,
     Mutation,
@@ -228,7 +228,7 @@ class Outcome:
     scope: Scope | None
     result: dict[str, Any] | None = None
     error: DomainError | None = None
-    #: the result was checked against the method's result schema (`workers.typed.answer_typed`)
+    #: the result was checked against the method's result schema (`structures.answer_typed`)
     checked: bool = field(default=False, compare=False)
 
     def __post_init__(self) -> None:
