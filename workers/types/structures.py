@@ -44,7 +44,7 @@ from typing import Annotated, Any, Final, Literal, Union
 import msgspec
 import orjson
 
-from bus.schema import Validator, compile_schema
+from bus.schema import SchemaError, Validator, compile_schema
 from workers.types.contract import METHOD_SCHEMAS
 from workers.types.domain import Scope
 from workers.types.rpc import (
@@ -74,10 +74,6 @@ METHODS: Final = frozenset(path.name.removesuffix(".params.json")
                            for path in METHOD_SCHEMAS.glob("*.params.json"))
 
 _ANNOTATIONS: Final = frozenset({"title", "description", "$schema", "$comment", "examples"})
-_KIND: Final[dict[str, str]] = {
-    "string": "str", "integer": "int", "number": "num", "boolean": "bool", "null": "null",
-    "array": "array", "object": "object",
-}
 
 
 #: a union of objects: each branch's (required keys, allowed keys), and whether exactly one fits
@@ -115,7 +111,6 @@ class _Generator:
     """One schema file's types: `$defs` entries are generated once and shared."""
 
     def __init__(self, root: Mapping[str, Any], name: str, *, bus_keys: bool = False) -> None:
-        self.root = root
         self.name = name
         #: a request's params: no bus-only key at any depth (session.md §1.3)
         self.bus_keys = bus_keys
@@ -125,8 +120,10 @@ class _Generator:
         self.count = 0
 
     def slow(self, schema: Any) -> Validator:
-        return compile_schema({"$defs": self.defs, **schema} if isinstance(schema, dict)
-                              else {"$defs": self.defs, "allOf": [schema]})
+        """The compiled validator of a subschema, its `$ref`s resolved in this file's `$defs`."""
+        if not isinstance(schema, dict):
+            raise SchemaError(f"{self.name}: a boolean subschema")
+        return compile_schema({"$defs": self.defs, **schema})
 
     def field(self, schema: Any) -> tuple[Any, Validator | None]:
         """A field's type, and the validator to run on it when msgspec cannot state it."""
@@ -196,11 +193,12 @@ class _Generator:
         values = schema["enum"] if "enum" in keys else [schema["const"]]
         if keys - {"enum", "const", "type"} or not values:
             raise _Unsupported("enum with other keywords")
-        if all(isinstance(v, str) for v in values):
+        declared = schema.get("type", None)
+        if all(isinstance(v, str) for v in values) and declared in (None, "string"):
             return Literal[tuple(values)], "str"
-        if all(type(v) is int for v in values):
+        if all(type(v) is int for v in values) and declared in (None, "integer"):
             return Literal[tuple(values)], "int"
-        raise _Unsupported("an enum of mixed or non-scalar values")
+        raise _Unsupported("an enum of mixed or non-scalar values, or of another type")
 
     def scalar(self, kind: Any, schema: Mapping[str, Any], keys: set[str]) -> tuple[Any, str]:
         allowed = {"string": {"pattern", "minLength", "maxLength"},
