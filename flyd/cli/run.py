@@ -40,8 +40,10 @@ Decisions:
   summary is printed as always.
 - `--record FILE.gif` (`--record-every K`) and `--plot FILE.png` draw pictures of the committed
   boundaries (`flyd.cli.pictures`): the same `USAGE` rule for their paths, and a missing
-  `flyd[pictures]` extra is `USAGE` naming it. What they wrote (or why not) is printed on
-  stderr at the end, in both output modes.
+  `flyd[pictures]` extra is `USAGE` naming it. An adapter world that renders draws only the
+  frames the recording keeps: `--record-every K` sets its config's `render_every` to K when the
+  spec sets none, and refuses one that does not divide K (docs/adapters.md, "Which boundaries
+  render"). What they wrote (or why not) is printed on stderr at the end, in both output modes.
 - The end-of-run poll and the summary's reads use a connection of their own that reconnects
   (`flyd.leases.reconnect`): a PostgreSQL blip that ends it is retried, never a crash that
   would leave the run `running`. A poll that still fails after `POLL_READ_S` is logged
@@ -98,6 +100,7 @@ from flyd.node.process import NodeProcess, NodeSetup, NodeStartError
 from flyd.node.router_child import RouterChildError, choose_socket
 from flyd.outcome import describe, failure_of, traceback_of
 from flyd.session.runspec import (
+    ADAPTER_WORLDS,
     DEFAULT_MAX_AGENTS,
     MAX_AGENTS_LIMIT,
     MAX_SPEC_BYTES,
@@ -198,7 +201,7 @@ def build_spec(opts: RunOptions, max_agents: int = DEFAULT_MAX_AGENTS, *,
         doc = _options_doc(opts)
     else:
         doc = _file_doc(opts, check_imports)
-    doc = _with_shortcuts(doc, opts)
+    doc = _with_render_every(_with_shortcuts(doc, opts), opts)
     try:
         spec = RunSpec.validate(doc, max_agents=max_agents, check_imports=check_imports)
     except RunSpecError as exc:
@@ -341,6 +344,34 @@ def _with_shortcuts(doc: dict[str, Any], opts: RunOptions) -> dict[str, Any]:
         doc["world"]["impl"] = opts.world
     if world_config is not None:
         doc["world"]["config"] = world_config
+    return doc
+
+
+def _with_render_every(doc: dict[str, Any], opts: RunOptions) -> dict[str, Any]:
+    """`--record FILE --record-every K` renders an adapter world's view only at the boundaries
+    the recording keeps: its config gets `render_every: K` when it renders and sets none; a
+    `render_every` that does not divide K is refused (the recording would keep frames the env
+    did not draw at their boundary). The run's behaviour (its views) follows from the spec it
+    records, so the spec says so, not the recorder."""
+    world = doc.get("world")
+    if opts.record is None or not isinstance(world, dict) \
+            or world.get("impl") not in ADAPTER_WORLDS:
+        return doc
+    config = world.get("config")
+    if not isinstance(config, dict) or config.get("render") is not True:
+        return doc
+    every = config.get("render_every")
+    if every is None:
+        if opts.record_every == 1:
+            return doc
+        return {**doc, "world": {**world, "config": {**config, "render_every": opts.record_every}}}
+    if not isinstance(every, int) or isinstance(every, bool) or every < 1 \
+            or opts.record_every % every:
+        raise RunUsageError("USAGE", f"--record-every {opts.record_every}: the world config's "
+                                     f"render_every {every!r} does not divide it, so the "
+                                     "recording would keep frames the env did not draw; drop "
+                                     "render_every from the spec or make it divide "
+                                     f"{opts.record_every}")
     return doc
 
 
