@@ -85,7 +85,7 @@ import psycopg
 import structlog
 
 from flyd.cli.pictures import Pictures, frame_delay_ms, missing_extra
-from flyd.config import Config, load_config
+from flyd.config import Config, Settings, load_config
 from flyd.errors import ConfigError
 from flyd.launch.identities import new_node_id
 from flyd.launch.spawner import add_import_roots
@@ -171,19 +171,17 @@ class RunOptions:
     #: override the file
     given: frozenset[str] = frozenset()
 
-    def with_host_defaults(self, config: Config) -> RunOptions:
+    def with_host_defaults(self, settings: Settings) -> RunOptions:
         """cli.md §2.3: `[session] mode`, `dispatch`, `pacing` and the `[checkpoints]` cadence
         are the defaults of the run specs this host builds; an option given on the command
         line wins."""
-        pacing = config.value("session", "pacing") == "realtime"
+        session, checkpoints = settings.session, settings.checkpoints
         return dataclasses.replace(
-            self, mode=self.mode or str(config.value("session", "mode")),
-            dispatch=self.dispatch or str(config.value("session", "dispatch")),
-            pace=pacing if self.pace is None else self.pace,
-            checkpoint_every=(int(config.value("checkpoints", "every_steps"))
-                              if self.checkpoint_every is None else self.checkpoint_every),
-            checkpoint_seconds=(float(config.value("checkpoints", "every_seconds"))
-                                if self.checkpoint_seconds is None
+            self, mode=self.mode or session.mode, dispatch=self.dispatch or session.dispatch,
+            pace=session.realtime if self.pace is None else self.pace,
+            checkpoint_every=(checkpoints.every_steps if self.checkpoint_every is None
+                              else self.checkpoint_every),
+            checkpoint_seconds=(checkpoints.every_seconds if self.checkpoint_seconds is None
                                 else self.checkpoint_seconds))
 
 
@@ -388,21 +386,21 @@ def _shortcut_error(opts: RunOptions, exc: RunSpecError) -> str:
 
 def node_setup(opts: RunOptions, config: Config, spec: RunSpec) -> NodeSetup:
     """A capacity-1 node on the §4.1 socket whose budget fits the run."""
+    settings = config.settings
+    bus, node = settings.bus, settings.node
     forced = opts.socket
-    if forced is None and config.source("bus", "socket") in ("file", "env", "flag"):
-        forced = str(config.value("bus", "socket"))
+    if forced is None and bus.socket_given:
+        forced = bus.socket
     socket, private = choose_socket(forced)
-    origin = config.origin("bus", "socket") if forced else "default"
+    origin = bus.socket_origin if forced else "default"
     if private:
         print(f"flyd run: a router answers on the default socket; using the private socket "
               f"{socket}", file=sys.stderr)
     else:
         print(f"flyd run: router socket {socket}", file=sys.stderr)
-    name = str(config.value("node", "name"))
-    reservation = int(config.value("node", "coordinator_reservation"))
-    threads = max(int(config.value("node", "threads")), spec.thread_need(reservation))
-    return NodeSetup(config=config, node_id=new_node_id(name), node_name=name, socket=socket,
-                     state_dir=Path(str(config.value("node", "state_dir"))), capacity=1,
+    threads = max(node.threads, spec.thread_need(node.coordinator_reservation))
+    return NodeSetup(settings=settings, node_id=new_node_id(node.name), node_name=node.name,
+                     socket=socket, state_dir=node.state_dir, capacity=1,
                      threads=threads, router_quiet=config.log_settings(opts.log).router_quiet,
                      socket_origin=origin)
 
@@ -502,9 +500,9 @@ async def run_session(opts: RunOptions) -> int:
             "leases.ttl_s": opts.lease_ttl, "bus.socket": opts.socket,
             "node.log_format": opts.log.format, "plugins.paths": opts.plugin_paths or None})
         config.log_settings(opts.log).apply()
-        add_import_roots(config.launcher.plugin_paths)
-        opts = opts.with_host_defaults(config)
-        spec = build_spec(opts, int(config.value("session", "max_agents")))
+        add_import_roots(config.settings.session.launcher.plugin_paths)
+        opts = opts.with_host_defaults(config.settings)
+        spec = build_spec(opts, config.settings.session.max_agents)
         if opts.trace is not None:
             try:
                 opts.trace.write_bytes(b"")
@@ -518,7 +516,7 @@ async def run_session(opts: RunOptions) -> int:
     except RunUsageError as exc:
         return _error(opts, exc.code, exc.message)
     try:
-        return await _run_node(opts, spec, config, setup, pictures)
+        return await _run_node(opts, spec, setup, pictures)
     finally:
         if pictures is not None:
             for note in pictures.finish():
@@ -557,7 +555,7 @@ def _writable(option: str, path: Path) -> IO[bytes]:
         raise RunUsageError("USAGE", f"{option} {path}: cannot write: {exc.strerror}") from None
 
 
-async def _run_node(opts: RunOptions, spec: RunSpec, config: Config, setup: NodeSetup,
+async def _run_node(opts: RunOptions, spec: RunSpec, setup: NodeSetup,
                     pictures: Pictures | None) -> int:
     signals = _Signals()
     signals.install()
@@ -569,9 +567,9 @@ async def _run_node(opts: RunOptions, spec: RunSpec, config: Config, setup: Node
         except (NodeStartError, RouterChildError, ConfigError, MigrationError,
                 StoreError, psycopg.Error) as exc:
             return _error(opts, "CONFIG", getattr(exc, "message", None) or str(exc))
-        run_id, report, row = await _execute(node, spec, int(config.value(
-            "leases", "max_attempts")), signals, setup.config.leases.drain_timeout_s,
-            opts.trace, pictures)
+        leases = setup.settings.leases
+        run_id, report, row = await _execute(node, spec, leases.max_attempts, signals,
+                                             leases.drain_timeout_s, opts.trace, pictures)
         try:
             ledger = await _fold_ledger(node.dsn, run_id)
             checkpoints = await _count_checkpoints(node.dsn, run_id)
