@@ -208,10 +208,6 @@ _IMPORT_PATH = re.compile(r"\b[a-z_][a-z0-9_.]*:([A-Za-z_][A-Za-z0-9_]*)")
 #: moves its test-only members to test doubles and empties its part of this list
 PENDING_SPLITS: Final = frozenset({
     "bus/client.py:CallResult.outcome_bytes",
-    "bus/router.py:Router.remembered_incarnations",
-    "bus/router.py:Router.set_hash_hook",
-    "bus/router.py:Router.store_directory",
-    "bus/router.py:Router.transport_of",
 })
 
 #: what a plugin author or a run spec names and our code never calls
