@@ -120,6 +120,7 @@ from flyd.session.durability import (
 from flyd.session.fence import SessionFailure
 from flyd.session.injections import Injections
 from flyd.session.outputs import OutputWriteError, TraceFile
+from flyd.session.profiles import model_profiles
 from flyd.session.run_topic import (
     EndState,
     RunEnd,
@@ -159,7 +160,6 @@ __all__ = [
     "RunReport",
     "error_json",
     "launch_refusal_repeats",
-    "model_profiles",
     "worker_json",
     "writer_config",
 ]
@@ -1039,17 +1039,6 @@ class GrantSession:
                             "checkpointId": checkpoint_id})
 
 
-
-def model_profiles(spec: RunSpec) -> dict[str, dict[str, Any]]:
-    """Each agent's model profile (its `digest` is the profile digest every Prepare carries), by
-    agent id: the model plugins are loaded here, with the grant's other plugins, so that the
-    coordinator is handed values and loads nothing."""
-    profiles: dict[str, dict[str, Any]] = {}
-    for agent in spec.agents:
-        model = load_plugin(agent.model, "model")
-        profiles[agent.agent_id] = model.profile(agent.agent_id, agent.tick, agent.warmup_ticks,
-                                                 dict(agent.model_config)).to_json()
-    return profiles
 
 def error_json(error: DomainError, detail: str, participant: str | None) -> dict[str, Any]:
     """A failure as reports and outcomes show it; `plugin` is the error's plugin fault."""

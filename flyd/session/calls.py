@@ -352,6 +352,14 @@ class CallEngine:
                             Detail.ACKNOWLEDGE, worker_id)
         return acknowledged
 
+    async def status(self, worker_id: str, scope: Scope | None,
+                     ref: WorkerRef | None = None) -> dict[str, Any]:
+        """`Worker.Status` at `scope` through the full `check_reply`; any failure fails the
+        epoch (`guarded`)."""
+        call = self.new_call(worker_id, "Worker.Status", scope, {}, ref)
+        result: dict[str, Any] = await self.guarded(lambda: self.blamed(call))
+        return result
+
     async def probe(self, worker_id: str, method: str, scope: Scope | None,
                     params: dict[str, Any], ref: WorkerRef | None = None) -> dict[str, Any]:
         """One request with a fresh serial, its outcome's shape checked only (no identity

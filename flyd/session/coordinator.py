@@ -11,50 +11,18 @@ every call and every failure of the epoch go through its `CallEngine` (`calls`,
 `flyd.session.capture` (state.md §5.7) and restore `flyd.session.restore` (state.md §7). Those
 read the coordinator's public side and return what they learnt; the coordinator adopts it.
 
-API (§6.1; probes go through `coordinator.calls`, see docs/coordinator.md):
-
-    coordinator = Coordinator(spec, client, refs, task=..., executor=..., profiles=...,
-                              deadlines=..., order=DispatchOrder.CONCURRENT,
-                              injections=Injections(), clock=SYSTEM_CLOCK, epoch="e1",
-                              pause=pause)
-    await coordinator.bootstrap()                 # -> Ready(0)
-    report = await coordinator.step()             # StepReport{boundary, paused, terminal}
-    reports = await coordinator.run(n)            # stops early after a paused report
-    pause.request(); coordinator.resume()         # pause: the PauseHandle handed in
-    capture = await coordinator.capture(checkpoint_id, kind="durable")   # state.md §5.7
-    ticket = await coordinator.save(checkpoint_id); await coordinator.await_durable(ticket)
-    coordinator.replace_participant(wid, ref); await coordinator.replace_client(client)
-    report = await coordinator.restore(checkpoint_id | None, "e2")      # state.md §7
-    coordinator.tainted(); coordinator.durable(); coordinator.reset()   # reset: UNSUPPORTED
-
-Resolved ambiguities (where §6 is silent):
-- The spec object is the run spec (`RunSpec`, the `SessionSpec` of §6.1); the epoch is a
-  constructor keyword (default `e1`); each agent's model profile is handed in (`profiles`, by
-  agent id: the grant loads the model plugins, `flyd.node.grant.model_profiles`). Agents'
-  `workerThreads` are their spec `threads` (the launcher allocates exactly that). The pause
-  request of §6.1 (`pause_handle()`) is a `PauseHandle` the caller hands in (`pause=`) and keeps.
+API (§6.1): `bootstrap()`, `step()`, `run(n)`, `pause_handle()`, `resume()`, the probes
+(`probe_raw`, `worker_status`, `acknowledge_replies`), `replace_participant`, `replace_client`,
+`set_deadlines`, `disable_pacing`; `capture`, `save`, `restore`, `reset` (state.md §5.7, §7).
+Each agent's model profile is handed in (`profiles`, read by the grant); without it the
+coordinator reads them itself (`flyd.session.profiles`). The decisions taken where §6 is silent
+are listed in docs/coordinator.md ("Decisions"); the ones a reader of this class needs:
 - `step()` at `Paused(k)` with a stored episode request raises `SessionFailure`
   (`INVALID_PHASE`/`none`, detail `episode`) *without* failing the epoch: §6.7 says the session
   stays paused until a reset. Without an episode request, a step from `Paused` fails the epoch
   (detail `step`), as does any step from a phase other than `Ready`.
-- Snapshot `sequence` counts snapshots of the session from 0 (boundary 0's snapshot is 0).
-- Structured input (`structured-observation-v1` in the world's `Worker.Hello`) is learnt at
-  bootstrap, which every restore of a node's coordinator follows.
-- An exception that is not a `DomainError` inside the transaction (a plugin bug) is an
-  `INTERNAL`/`unknown` failure of the phase's detail; anything unexpected that escapes a phase
-  (a flyd bug) still fences the epoch, with detail `step`; so does a `step()`/`bootstrap()`
-  cancelled away from a committed boundary (`BACKEND_FAILURE`/`unknown`, then the
-  cancellation propagates). A `BACKEND_FAILURE` seen while the coordinator's own connection is
-  closed gets detail `router` (participant: the worker whose call was pending).
-- `health_failure(worker_id, error)` is how a supervisor's report (§7.4) fails the epoch
-  (detail `health`); it returns the `SessionFailure` instead of raising it (its caller is the
-  health loop, not a step).
-- With a `StateContext` whose writer is set (`state=`), `save` submits the capture, `checkpoint`
-  is `save` then `await_durable`, and every committed transition appends its behaviour record,
-  rebased onto `e1`, to the writer's `PendingEffects` (state.md §9.2). `restore` takes the store
-  and run from its arguments when given, else from the `StateContext`.
-- Audio is checked by `AudioTimelines` (state.md §7.5): fresh at bootstrap, restored at an
-  install; `audio_positions()` is its positions, as a capture records them.
+- A `BACKEND_FAILURE` seen while the coordinator's own connection is closed gets detail `router`
+  (participant: the worker whose call was pending).
 """
 
 from __future__ import annotations
@@ -81,10 +49,11 @@ from flyd.session.capture import Capture, CaptureKind
 from flyd.session.capture import capture as capture_boundary
 from flyd.session.capture import save as save_capture
 from flyd.session.fence import Detail, SessionFailure, check_replacement
-from flyd.session.injections import Injections
+from flyd.session.injections import InjectionOutcome, Injections
 from flyd.session.media import HeldMedia, Media
 from flyd.session.pacing import SYSTEM_CLOCK, Clock, Pacing
 from flyd.session.phase import Failed, Paused, Phase, PhaseMachine, Ready, Restoring
+from flyd.session.profiles import model_profiles
 from flyd.session.publication import AgentValues, Feed, Publisher, check_publication
 from flyd.session.records import result_record, transition_records
 from flyd.session.restore import (
@@ -136,7 +105,7 @@ class Coordinator:
                  state: StateContext | None = None, epoch: str = "e1",
                  history: History | None = None,
                  publisher: RunPublisher | None = None,
-                 profiles: Mapping[str, dict[str, Any]],
+                 profiles: Mapping[str, dict[str, Any]] | None = None,
                  pause: PauseHandle | None = None) -> None:
         self.spec = spec
         self.task = task
@@ -196,6 +165,7 @@ class Coordinator:
         self._slots: dict[str, AgentSlot] = {}
         #: the world offers its inspection as structured input (learnt at bootstrap)
         self.structured_input = False
+        profiles = model_profiles(spec) if profiles is None else profiles
         for agent in spec.agents:
             self._slots[agent.agent_id] = AgentSlot(
                 spec=agent, profile=dict(profiles[agent.agent_id]),
@@ -288,6 +258,40 @@ class Coordinator:
 
     def disable_pacing(self) -> None:
         self._pacing = None
+
+    # ------------------------------------------------------------------ §6.1's probes and knobs
+
+    def pause_handle(self) -> PauseHandle:
+        """The pause request (§6.7), safe from any task or thread."""
+        return self._pause
+
+    def set_deadlines(self, deadlines: Deadlines) -> None:
+        self.calls.deadlines = deadlines
+
+    @property
+    def injection_log(self) -> list[InjectionOutcome]:
+        return self.injections.log
+
+    def live_view_handles(self) -> int:
+        return self.media.count()
+
+    async def worker_status(self, worker_id: str, ref: WorkerRef | None = None) -> dict[str, Any]:
+        """`Worker.Status` at the committed scope through the full `check_reply`; any failure
+        fails the epoch."""
+        boundary = self._machine.committed_boundary()
+        return await self.calls.status(worker_id, None if boundary is None
+                                       else self._scope(boundary), ref)
+
+    async def acknowledge_replies(self, worker_id: str, ids: list[str]) -> list[str]:
+        """`Worker.Acknowledge` with the subset rule of §6.5 step 5; any failure fails the
+        epoch."""
+        result: list[str] = await self.calls.guarded(lambda: self.calls.acknowledge(worker_id, ids))
+        return result
+
+    async def probe_raw(self, worker_id: str, method: str, scope: Scope | None,
+                        params: dict[str, Any], ref: WorkerRef | None = None) -> dict[str, Any]:
+        """One request with a fresh serial (`CallEngine.probe`); session state untouched."""
+        return await self.calls.probe(worker_id, method, scope, params, ref)
 
     # ------------------------------------------------------------------ fence (§6.3)
 
