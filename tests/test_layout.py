@@ -218,12 +218,13 @@ PLUGIN_API: Final = frozenset({
     "workers/synthetic/brain.py:FakeBrain.draw",
 })
 
-#: the coordinator's API that the design names (design/session.md §6.1, design/state.md §4.6):
-#: probes and knobs for harnesses and embedders, which flyd's own node does not call
+#: the API the design names (design/session.md §6.1, §7.4, design/state.md §4.6): probes and
+#: knobs for harnesses and embedders, which flyd's own node does not call
 SPEC_API: Final = frozenset({
-    f"flyd/session/coordinator.py:Coordinator.{name}" for name in (
+    *(f"flyd/session/coordinator.py:Coordinator.{name}" for name in (
         "acknowledge_replies", "injection_log", "live_view_handles", "pause_handle", "probe_raw",
-        "resolve_durable", "set_deadlines", "worker_status")
+        "resolve_durable", "set_deadlines", "worker_status")),
+    "flyd/launch/launcher.py:Launcher.set_health_policy",
 })
 
 #: members only the tests use, each to become a test double under tests/ (clocks, stores,
