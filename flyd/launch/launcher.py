@@ -691,6 +691,10 @@ class Launcher:
     def client_id(self) -> str:
         return self.client.client_id
 
+    def set_health_policy(self, policy: HealthPolicy) -> None:
+        """The supervisor's budgets from now on (design/session.md §7.4)."""
+        self.health = policy
+
     def workers(self) -> dict[str, LaunchedWorker]:
         """The live workers by id."""
         return {wid: live.launched for wid, live in self._workers.items()}

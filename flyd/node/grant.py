@@ -108,7 +108,8 @@ from flyd.launch.launcher import ExecutionMode, LaunchedWorker, Launcher, compos
 from flyd.leases.queries import LedgerFold
 from flyd.leases.runtime import GrantScope
 from flyd.outcome import describe
-from flyd.session.coordinator import Coordinator, Deadlines, DispatchOrder, History, Injections
+from flyd.session.calls import Deadlines
+from flyd.session.coordinator import Coordinator
 from flyd.session.durability import (
     CaptureRefused,
     CheckpointTooLarge,
@@ -117,7 +118,9 @@ from flyd.session.durability import (
     TooLarge,
 )
 from flyd.session.fence import SessionFailure
+from flyd.session.injections import Injections
 from flyd.session.outputs import OutputWriteError, TraceFile
+from flyd.session.profiles import model_profiles
 from flyd.session.run_topic import (
     EndState,
     RunEnd,
@@ -126,7 +129,9 @@ from flyd.session.run_topic import (
     end_run_topic,
 )
 from flyd.session.runspec import RunSpec
+from flyd.session.stepping import History
 from flyd.session.trace import RecordStream
+from flyd.session.transition import DispatchOrder
 from flyd.state.cadence import Cadence
 from flyd.state.checkpoints import CheckpointRecord, CheckpointStore, FinishRun
 from flyd.state.effects import epoch_number
@@ -397,6 +402,7 @@ class GrantSession:
         coordinator = Coordinator(
             self.spec, self.host.coordinator_client(self.run_id),
             {wid: w.worker_ref() for wid, w in launcher.workers().items()},
+            profiles=model_profiles(self.spec),
             task=task, executor=executor, deadlines=self.host.deadlines,
             order=DispatchOrder.from_label(spec.dispatch), injections=self._injections(),
             epoch=epoch, history=History(entries=HISTORY_ENTRIES,
@@ -1031,6 +1037,7 @@ class GrantSession:
                        checkpoint_id=checkpoint_id)
         await self._failed({"code": str(exc.code), "message": exc.message,
                             "checkpointId": checkpoint_id})
+
 
 
 def error_json(error: DomainError, detail: str, participant: str | None) -> dict[str, Any]:

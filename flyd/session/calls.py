@@ -84,7 +84,8 @@ from workers.types.domain import (
     Scope,
     format_request_id,
 )
-from workers.types.rpc import CallOutcome, Expired, Outcome, Refused, answer, from_bus_error
+from workers.types.rpc import CallOutcome, Expired, Outcome, Refused, from_bus_error
+from workers.types.structures import answer_typed
 
 __all__ = [
     "RESOLVE_PAUSE",
@@ -264,7 +265,7 @@ class CallEngine:
             self._metrics.observe(call.method, time.perf_counter() - started)
         if result.attachments:
             self._keep_received(call, result.attachments)
-        return answer(call.method, result.outcome)
+        return answer_typed(call.method, result.outcome)
 
     # ------------------------------------------------------------------ attachments (§14.2)
 
@@ -316,7 +317,7 @@ class CallEngine:
         if outcome.error is not None:
             raise outcome.error
         assert outcome.result is not None
-        problem = method_validator(method, "result")(outcome.result)
+        problem = None if outcome.checked else method_validator(method, "result")(outcome.result)
         if problem is not None:
             raise backend_failure(f"{method}: the result does not match its schema: {problem}")
         return outcome.result
@@ -350,6 +351,14 @@ class CallEngine:
                                               f"{rid}, which it was never asked about"),
                             Detail.ACKNOWLEDGE, worker_id)
         return acknowledged
+
+    async def status(self, worker_id: str, scope: Scope | None,
+                     ref: WorkerRef | None = None) -> dict[str, Any]:
+        """`Worker.Status` at `scope` through the full `check_reply`; any failure fails the
+        epoch (`guarded`)."""
+        call = self.new_call(worker_id, "Worker.Status", scope, {}, ref)
+        result: dict[str, Any] = await self.guarded(lambda: self.blamed(call))
+        return result
 
     async def probe(self, worker_id: str, method: str, scope: Scope | None,
                     params: dict[str, Any], ref: WorkerRef | None = None) -> dict[str, Any]:

@@ -28,7 +28,7 @@ from flyd.launch.identities import WorkerRef
 from flyd.launch.launcher import ExecutionMode, Launcher, connect_expected, start_error
 from flyd.launch.spawner import LauncherSettings, Spawner
 from flyd.session.audio import AudioTimeline, AudioTimelines
-from flyd.session.coordinator import SessionFailure
+from flyd.session.fence import SessionFailure
 from flyd.session.runspec import RunSpec
 from tests.session.harness import ALL_MODES, Fixture, SessionHarness
 from tests.session.worker_rig import agent_init_params, control, env_init_params

@@ -54,9 +54,14 @@ from flyd.launch.launcher import (
 )
 from flyd.launch.spawner import LauncherSettings, Spawner
 from flyd.node.router_child import router_answers
-from flyd.session.coordinator import Coordinator, Deadlines, DispatchOrder, Injections, StepReport
+from flyd.session.calls import Deadlines
+from flyd.session.coordinator import Coordinator
+from flyd.session.injections import Injections
+from flyd.session.profiles import model_profiles
 from flyd.session.run_topic import RunPublisher
 from flyd.session.runspec import AgentSpec, RunSpec, TaskSpec
+from flyd.session.stepping import PauseHandle, StepReport
+from flyd.session.transition import DispatchOrder
 from workers.bodies import EndpointFactory
 from workers.faults import Faults
 from workers.launch import DEFAULT_MEDIA_INLINE_MAX_BYTES
@@ -182,6 +187,8 @@ class SessionHarness:
         self.workers: dict[str, LaunchedWorker] = {}
         self.task: CounterTask | None = None
         self.publisher = None if fixture.run_id is None else RunPublisher(fixture.run_id)
+        #: the coordinators' pause request (§6.7): `h.pause.request()`
+        self.pause = PauseHandle()
         self.topic: Topic | None = None
 
     @classmethod
@@ -258,8 +265,9 @@ class SessionHarness:
             injections = replace(injections, kill=self.kill)
         coordinator = Coordinator(
             self.spec, self.coordinator_client, self.refs(), task=self.task,
-            executor=executor, deadlines=fixture.deadlines, order=fixture.order,
-            injections=injections, epoch=epoch, publisher=self.publisher)
+            profiles=model_profiles(self.spec), executor=executor, deadlines=fixture.deadlines,
+            order=fixture.order, injections=injections, epoch=epoch, publisher=self.publisher,
+            pause=self.pause)
         if fixture.pacing == "off":
             coordinator.disable_pacing()
         return coordinator

@@ -14,15 +14,11 @@ import pytest
 from bus.errors import BusError
 from flyd.launch.identities import WorkerRef
 from flyd.launch.launcher import ExecutionMode
-from flyd.session.coordinator import (
-    LOSS_POLLS,
-    Deadlines,
-    InjectionOutcome,
-    Injections,
-    ResolutionEnd,
-    SessionFailure,
-)
+from flyd.session.calls import Deadlines
+from flyd.session.fence import SessionFailure
+from flyd.session.injections import LOSS_POLLS, InjectionOutcome, Injections
 from flyd.session.phase import Failed
+from flyd.session.stats import ResolutionEnd
 from tests.session.harness import Fixture, SessionHarness, within
 from tests.session.worker_rig import context_digest, prepare_params
 from workers.faults import Faults

@@ -15,15 +15,18 @@ from bus.errors import BusError
 from flyd.launch.budget import ThreadBudget
 from flyd.launch.health import HealthPolicy
 from flyd.launch.launcher import AlreadyGone, ExecutionMode, Stopped, Terminated
-from flyd.session.coordinator import (
-    Deadlines,
-    DispatchOrder,
-    Injections,
-    ResolutionEnd,
-    SessionFailure,
-)
+from flyd.session.calls import Deadlines
+from flyd.session.fence import SessionFailure
+from flyd.session.injections import Injections
 from flyd.session.phase import Failed, Ready
-from tests.session.harness import ALL_MODES, Fixture, SessionHarness, within
+from flyd.session.stats import ResolutionEnd
+from flyd.session.transition import DispatchOrder
+from tests.session.harness import (
+    ALL_MODES,
+    Fixture,
+    SessionHarness,
+    within,
+)
 from tests.session.worker_rig import agent_init_params, context_digest, prepare_params
 from workers.faults import Faults
 from workers.types.domain import DomainError, ErrorCode, Scope

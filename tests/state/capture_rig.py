@@ -1,5 +1,5 @@
 """Shared pieces of the State.* tests (state.md §6): raw capture, stage and activate calls
-through the coordinator's `probe_raw`, and wrapper rewriting."""
+through the coordinator's call engine (`calls.probe`), and wrapper rewriting."""
 
 from __future__ import annotations
 

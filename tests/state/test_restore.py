@@ -398,7 +398,7 @@ async def test_a_capture_is_refused_anywhere_but_a_committed_boundary(
         assert not c.fenced and c.epoch == "e1" and s.writer.outstanding() == 0
         await s.bootstrap()
         await s.h.run(1)
-        c.pause_handle().request()
+        s.h.pause.request()
         await s.h.run(1)
         assert c.phase == Paused(2)
         assert await within(c.checkpoint("ckpt-1")) == Committed("ckpt-1", 2)

@@ -1,5 +1,6 @@
 """Tests 49–57: `State.StageRestore` and `State.ActivateRestore` on the workers, raw calls
-through `probe_raw` (state.md §6.4–§6.6), in-process."""
+through the coordinator's call engine (`calls.probe`, the spec's `probe_raw`; state.md
+§6.4–§6.6), in-process."""
 
 from __future__ import annotations
 
