@@ -14,15 +14,15 @@ role, the CPU per call and per step of one process of that role:
 Stages (some nest: a worker's `handler` contains its protocol stages and its endpoint's
 handler, the router's `frames_in` contains `route`, the node's `check_advance` its
 `decision_parse` of the inspection):
-- workers: `frames_in` (`bus.client` reading and dispatching what arrived: decode, envelope
-  checks, the handler task's creation), `writes` (the SDK's flush), `handler`
+- workers: `frames_in` (`bus.client_connection` reading and dispatching what arrived: decode,
+  envelope checks, the handler task's creation), `writes` (the SDK's flush), `handler`
   (`WorkerShell._on_request`, one whole request, session.md §2.2), its protocol stages `parse`,
   `params_schema`, `digest`, `admit`, `complete`, `outcome` (`parse_request`, `check_params`,
   the body digest, the result cache's admission and record, the outcome's JSON), and the
   endpoint's `prepare`, `commit` or `advance` (each includes `params_schema`);
 - router: `frames_in` (a read: frames decoded, checked, routed and the writes they cause) and
   `route` (one frame, `Router._on_frame`);
-- node: `frames_in`, `writes`, `new_call` (a call's request), `call_out` (`BusClient._admit`:
+- node: `frames_in`, `writes`, `new_call` (a call's request), `call_out` (`Calls._admit`:
   the call's frame), `check_reply` (a result's outcome and schema), `decision_parse` and
   `telemetry_parse` (a decision's and a commit telemetry's `from_json`), `controls`,
   `check_advance` (the world's observation), `step` (the transition's records), `trace`,
@@ -116,13 +116,13 @@ if OUT:
     atexit.register(dump)
     if b"workers.forkserver" in CMDLINE or b"workers.agent" in CMDLINE \
             or b"workers.environment" in CMDLINE:
-        import bus.client as client
+        import bus.client_connection as connection
         import workers.agent as agent
         import workers.environment as environment
         import workers.shell as shell
 
-        timed(client._Protocol, "data_received", "frames_in")
-        timed(client.BusClient, "_flush", "writes")
+        timed(connection.Connection, "data_received", "frames_in")
+        timed(connection.Connection, "_flush", "writes")
         timed(shell.WorkerShell, "_on_request", "handler", is_async=True)
         timed(shell, "parse_request", "parse")
         for module in (agent, environment):
@@ -140,13 +140,14 @@ if OUT:
         timed(router._Conn, "data_received", "frames_in")
         timed(router.Router, "_on_frame", "route")
     elif b"run" in CMDLINE:
-        import bus.client as client
+        import bus.client_calls as client_calls
+        import bus.client_connection as connection
         import flyd.session.calls as calls
         import flyd.session.coordinator as coordinator
 
-        timed(client._Protocol, "data_received", "frames_in")
-        timed(client.BusClient, "_flush", "writes")
-        timed(client.BusClient, "_admit", "call_out")
+        timed(connection.Connection, "data_received", "frames_in")
+        timed(connection.Connection, "_flush", "writes")
+        timed(client_calls.Calls, "_admit", "call_out")
         timed(calls.CallEngine, "new_call", "new_call")
         timed(calls.CallEngine, "check_reply", "check_reply")
         timed(coordinator.TypedValue, "from_json", "decision_parse")

@@ -27,7 +27,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Final
 
-from bus.client import PendingCall
+from bus.client_calls import PendingCall
 from bus.errors import BusError
 from flyd.session.calls import RESOLVE_PAUSE, Call, CallEngine
 from workers.canonical import canonical
