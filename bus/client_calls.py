@@ -425,7 +425,7 @@ class Calls:
         self._release_credits()
 
     def _release_credits(self) -> None:
-        self._conn.return_credits(self._credits)
+        self._conn.return_credit(*self._credits)
         self._credits.clear()
 
     def _lost(self, failure: RouterLost) -> None:

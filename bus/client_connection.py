@@ -311,7 +311,7 @@ class Connection(asyncio.Protocol):
         if not linger:
             self._schedule_flush()
         elif not self._flush_scheduled and self._linger_timer is None:
-            self._linger_timer = self.loop.call_later(LINGER_S, self._linger_due)
+            self._linger_timer = self.loop.call_later(LINGER_S, self._flush)
 
     def write(self, body: bytes) -> None:
         """Queue a frame; frames of one loop turn leave in one write (fewer wakeups)."""
@@ -319,19 +319,11 @@ class Connection(asyncio.Protocol):
         self._out.append(body)
         self._schedule_flush()
 
-    def return_credit(self, delivery_id: str) -> None:
-        """A consumed delivery: its credit goes out with the next flush, batched (at most
+    def return_credit(self, *delivery_ids: str) -> None:
+        """Consumed deliveries: their credits go out with the next flush, batched (at most
         MAX_CONSUME_BATCH per frame)."""
-        self._consume.append(delivery_id)
-        self._schedule_flush()
-
-    def return_credits(self, delivery_ids: list[str]) -> None:
         self._consume.extend(delivery_ids)
         self._schedule_flush()
-
-    def _linger_due(self) -> None:
-        self._linger_timer = None
-        self._flush()
 
     def _schedule_flush(self) -> None:
         if self._reading:
