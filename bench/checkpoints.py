@@ -44,8 +44,8 @@ from flyd.leases.stores.pg import DbSettings, PgStore
 from flyd.state.checkpoints import CommitJob, DirectCommitPath, PgCheckpointStore
 from flyd.state.compat import STATE_FORMAT_ID
 from flyd.state.envelope import encode
-from workers.canonical import canonical, digest_bytes, digest_of
-from workers.ticks import RationalNs
+from workers.types.canonical import canonical, digest_bytes, digest_of
+from workers.types.ticks import RationalNs
 
 ROOT = Path(__file__).resolve().parent.parent
 LOCAL = "postgresql://postgres@127.0.0.1:5432/postgres"

@@ -199,8 +199,8 @@ def hot_us(samples: dict[str, Any]) -> dict[str, float]:
     method the role served (caches warm): microseconds per call, averaged over the methods."""
     from bus import codec
     from workers.dedup import wire_digest
-    from workers.rpc import parse_request
-    from workers.shell import check_params
+    from workers.types.contract import check_params
+    from workers.types.rpc import parse_request
 
     def best_us(fn: Callable[[], object]) -> float:
         return min(timeit.repeat(fn, number=500, repeat=5)) / 500 * 1e6

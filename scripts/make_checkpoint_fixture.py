@@ -40,10 +40,10 @@ from flyd.state.envelope import (
     encode,
     payload_names,
 )
-from workers.canonical import canonical, digest_bytes
 from workers.composition import composition_digest
 from workers.synthetic.arena import CounterArena
-from workers.ticks import RationalNs
+from workers.types.canonical import canonical, digest_bytes
+from workers.types.ticks import RationalNs
 
 TARGET: Final = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / \
     "checkpoint-envelope.json"

@@ -97,8 +97,8 @@ from flyd.leases.params import LeaseParams  # noqa: E402
 from flyd.leases.stores.pg import DbSettings, PgStore  # noqa: E402
 from flyd.node.control_protocol import CONTROL_PREFIX, control_service  # noqa: E402
 from flyd.session.runspec import RunSpec  # noqa: E402
-from workers.domain import format_request_id  # noqa: E402
-from workers.rpc import check_outcome  # noqa: E402
+from workers.types.domain import format_request_id  # noqa: E402
+from workers.types.rpc import check_outcome  # noqa: E402
 
 LOCAL_DSN = "postgresql://postgres@127.0.0.1:5432/postgres"
 WORKERS = ("fly-a", "fly-b", "arena")

@@ -41,8 +41,33 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Final
 
-from workers.canonical import digest_of, typed_digest
-from workers.datatypes import (
+from workers.faults import Role
+from workers.launch import WorkerLaunch
+from workers.main import main
+from workers.plugins import load_plugin
+from workers.protocols import (
+    ARRAY_INPUT,
+    MODEL_ATTRIBUTES,
+    AgentModel,
+    DecodedArray,
+    DecodedView,
+    check_plugin,
+)
+from workers.shell import Call, Endpoint, WorkerState
+from workers.state import (
+    StateService,
+    check_provenance,
+    common_members,
+    decode_plugin_blob,
+    incompatible,
+    parse_digest_member,
+    parse_u64_member,
+    plugin_blob,
+    wrapper_object,
+)
+from workers.types.canonical import digest_of, typed_digest
+from workers.types.contract import check_params
+from workers.types.datatypes import (
     VIEW_CONTENT_TYPE,
     AssetRef,
     Attached,
@@ -55,7 +80,7 @@ from workers.datatypes import (
     decode_array,
     decode_media,
 )
-from workers.domain import (
+from workers.types.domain import (
     DomainError,
     ErrorCode,
     Mutation,
@@ -65,29 +90,7 @@ from workers.domain import (
     format_u64,
     parse_i32,
 )
-from workers.faults import Role
-from workers.launch import WorkerLaunch
-from workers.protocols import (
-    ARRAY_INPUT,
-    MODEL_ATTRIBUTES,
-    AgentModel,
-    DecodedArray,
-    DecodedView,
-    check_plugin,
-)
-from workers.shell import Call, Endpoint, WorkerState, check_params, load_plugin, main
-from workers.state import (
-    StateService,
-    check_provenance,
-    common_members,
-    decode_plugin_blob,
-    incompatible,
-    parse_digest_member,
-    parse_u64_member,
-    plugin_blob,
-    wrapper_object,
-)
-from workers.ticks import RationalNs, TickAccumulator
+from workers.types.ticks import RationalNs, TickAccumulator
 
 __all__ = ["AgentEndpoint", "AgentParticipant", "StagedAgent"]
 

@@ -47,7 +47,7 @@ import structlog
 from bus.client import BusClient
 from bus.client_artifacts import Allocation, Attachment
 from bus.errors import BusError
-from workers.datatypes import (
+from workers.types.datatypes import (
     ArrayValue,
     ArtifactBlob,
     Attached,

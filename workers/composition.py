@@ -10,9 +10,9 @@ import hashlib
 from collections.abc import Iterable, Mapping
 from typing import Any, Final
 
-from workers.canonical import canonical, digest_bytes
-from workers.datatypes import AssetRef
-from workers.domain import U64_MAX, DomainError
+from workers.types.canonical import canonical, digest_bytes
+from workers.types.datatypes import AssetRef
+from workers.types.domain import U64_MAX, DomainError
 
 CONFIG_FORMAT: Final = "fly-config-v1"
 SEED_DERIVATION: Final = "flyd/seed-derivation-v1"

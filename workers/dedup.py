@@ -75,7 +75,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Final, Generic, NamedTuple, TypeAlias, TypeVar
 
-from workers.domain import (
+from workers.types.domain import (
     DomainError,
     ErrorCode,
     Mutation,

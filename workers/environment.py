@@ -72,8 +72,27 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Final, TypeVar
 
 from workers.artifacts import MediaSink
-from workers.canonical import controls_digest, digest_bytes, digest_of
-from workers.datatypes import (
+from workers.faults import Role
+from workers.launch import WorkerLaunch
+from workers.main import main
+from workers.plugins import load_plugin
+from workers.protocols import PER_AGENT_INPUT, WORLD_ATTRIBUTES, World, check_plugin
+from workers.shell import Call, Endpoint, WorkerState
+from workers.state import (
+    StateService,
+    check_provenance,
+    common_members,
+    compatibility_block,
+    decode_plugin_blob,
+    incompatible,
+    parse_digest_member,
+    parse_u64_member,
+    plugin_blob,
+    wrapper_object,
+)
+from workers.types.canonical import controls_digest, digest_bytes, digest_of
+from workers.types.contract import check_params
+from workers.types.datatypes import (
     ARRAY_CONTENT_TYPE,
     AUDIO_CONTENT_TYPE,
     VIEW_CONTENT_TYPE,
@@ -88,7 +107,7 @@ from workers.datatypes import (
     WorldObservation,
     check_controls,
 )
-from workers.domain import (
+from workers.types.domain import (
     DomainError,
     ErrorCode,
     Mutation,
@@ -97,23 +116,7 @@ from workers.domain import (
     Scope,
     format_u64,
 )
-from workers.faults import Role
-from workers.launch import WorkerLaunch
-from workers.protocols import PER_AGENT_INPUT, WORLD_ATTRIBUTES, World, check_plugin
-from workers.shell import Call, Endpoint, WorkerState, check_params, load_plugin, main
-from workers.state import (
-    StateService,
-    check_provenance,
-    common_members,
-    compatibility_block,
-    decode_plugin_blob,
-    incompatible,
-    parse_digest_member,
-    parse_u64_member,
-    plugin_blob,
-    wrapper_object,
-)
-from workers.ticks import AudioBudget, RationalNs
+from workers.types.ticks import AudioBudget, RationalNs
 
 __all__ = ["EnvironmentEndpoint", "StagedWorld", "ViewPipeline", "WorldParticipant"]
 

@@ -191,13 +191,13 @@ class Server:
 def warm() -> None:
     """Fill the caches every worker fills at its start (the build and contract digests, every
     method schema compiled), so each child inherits them instead of computing them again."""
-    from workers import shell
+    from workers.types import contract
 
-    shell.build_digest()
-    shell.contract_digest()
-    for path in sorted(shell.METHOD_SCHEMAS.glob("*.json")):
+    contract.build_digest()
+    contract.contract_digest()
+    for path in sorted(contract.METHOD_SCHEMAS.glob("*.json")):
         method, kind, _ = path.name.rsplit(".", 2)
-        shell.method_validator(method, kind)
+        contract.method_validator(method, kind)
 
 
 def set_cmdline(argv: Sequence[str]) -> None:
@@ -236,8 +236,8 @@ def child(server_pid: int, role: str, argv: Sequence[str], env: dict[str, str], 
         if role == HOST_ROLE:
             code = host_main(list(argv))
         else:
+            from workers.main import main as worker_main
             from workers.roles import endpoint_for
-            from workers.shell import main as worker_main
 
             # the role's endpoint, as `python -m workers.<role>` gives it
             code = worker_main(role, list(argv), endpoint_factory=endpoint_for)  # type: ignore[arg-type]

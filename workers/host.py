@@ -35,7 +35,7 @@ from typing import Final
 import structlog
 
 from workers.agent import AgentEndpoint
-from workers.domain import DomainError
+from workers.bodies import start_endpoint
 from workers.launch import (
     REFUSED_LAUNCH,
     LaunchArgsError,
@@ -43,14 +43,9 @@ from workers.launch import (
     arm_die_with_parent,
     parse_worker_argv,
 )
-from workers.shell import (
-    EXIT_ARGS,
-    EXIT_GATE,
-    WorkerShell,
-    configure_logging,
-    read_start_gate,
-    start_endpoint,
-)
+from workers.main import configure_logging, read_start_gate
+from workers.shell import EXIT_ARGS, EXIT_GATE, WorkerShell
+from workers.types.domain import DomainError
 
 __all__ = ["HOST_MODULE", "HOST_ROLE", "HostLaunch", "main", "parse_host_argv"]
 

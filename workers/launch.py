@@ -56,7 +56,7 @@ Resolved ambiguities:
   §14.2) is written only when it is not the default 16384: media above it travel by reference.
 - `--parent-pid` is written only when set (process mode); a worker given one re-arms
   die-with-parent and exits 1 when its parent is already someone else.
-- JSON configs travel as canonical JSON (`workers.canonical.canonical`) and must be objects.
+- JSON configs travel as canonical JSON (`workers.types.canonical.canonical`) and must be objects.
 - Integers are canonical decimals (no sign, no leading zero); delays are 0..2^53−1 ms, steps
   and boundaries U64; `threads` and `max-agents` are 1..256 (`[session] max_agents` range).
 - The supervisor may always call the worker (`Worker.Shutdown` is its call), whether or not it
@@ -78,16 +78,16 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal, NoReturn
 
-from workers.canonical import canonical, parse_strict
-from workers.domain import (
+from workers.faults import KNOBS, Faults, Role
+from workers.types.canonical import canonical, parse_strict
+from workers.types.domain import (
     U64_MAX,
     DomainError,
     parse_id,
     parse_request_id,
     short,
 )
-from workers.faults import KNOBS, Faults, Role
-from workers.ticks import RationalNs
+from workers.types.ticks import RationalNs
 
 #: `[session] media_inline_max_bytes` (docs/topics.md §14.2): blobs above it travel by reference
 DEFAULT_MEDIA_INLINE_MAX_BYTES: Final = 16384

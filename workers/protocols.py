@@ -6,7 +6,7 @@ protocols. The worker shell owns dedup, phases, scope checks, clocks, media chec
 a plugin only implements the model. Models are not thread-safe: the shell calls them only under
 its endpoint lock.
 
-Values are the frozen dataclasses of `workers.datatypes` (§1.8); this module adds the records
+Values are the frozen dataclasses of `workers.types.datatypes` (§1.8); this module adds the records
 §4.1 names that are not wire types of §1.8: `DecodedView`, `ControllerIntent`, `TaskEvent`,
 `AgentOutcome`, `Bootstrap`, `Evaluation`, `EpisodeRequest`.
 
@@ -16,14 +16,15 @@ Resolved ambiguities:
 - `bindings` everywhere is a sequence of `(portId, agentId)` pairs, as in
   `Environment.Initialize.portBindings`.
 - `encode` receives `DecodedView`s: the view id, its producing step and the RGBA8 bytes that
-  `workers.datatypes.decode_view` returned.
+  `workers.types.datatypes.decode_view` returned.
 - A world's `engineFrame` is not part of `World`; a world may offer `engine_frame(boundary)`
   (the counter arena does), otherwise the shell reports null.
 - Model and world `config` objects are the run spec's `modelConfig` / `config` (JSON objects).
 - A task is built as `Task(config=task.config, terminal=task.terminal, max_agents=[session]
   max_agents, epoch=the session epoch)`. `terminal` is a string in the task's own grammar: the
   run spec checks it is a short string (and, for the synthetic `CounterTask`, its grammar
-  `never | counter:N | after:N`); any other task refuses a terminal it cannot parse in its
+  `never | counter:N | after:N` through the class's static `check_terminal(terminal)`, so the
+  spec needs no task's types); any other task refuses a terminal it cannot parse in its
   constructor with `DomainError.invalid`. Every task should accept `never`.
 - An executor is built as `ActionExecutor(config=executor.config)` and names the one schema its
   decisions must have (`decision_schema`); the coordinator checks every prepared decision
@@ -36,7 +37,7 @@ Resolved ambiguities:
 - Per-agent input: a world listing `PER_AGENT_INPUT` also has
   `agent_input(port_id, boundary) -> tuple[TypedValue | None, Sequence[AgentArray]]`; each
   agent then receives only its own port's value and arrays (the inspection stays the task's).
-  The arrays travel as binary (`workers.datatypes.ArrayValue`: inline up to the launch's
+  The arrays travel as binary (`workers.types.datatypes.ArrayValue`: inline up to the launch's
   `media_inline_max_bytes`, by reference above it) and reach a model listing `ARRAY_INPUT` as
   `encode(views, structured, arrays)`, in the order the world gave them.
 - Required attributes (`MODEL_ATTRIBUTES`, `WORLD_ATTRIBUTES`, `TASK_ATTRIBUTES`,
@@ -61,7 +62,7 @@ from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Any, ClassVar, Final, Protocol, runtime_checkable
 
-from workers.datatypes import (
+from workers.types.datatypes import (
     AssetRef,
     AxisValue,
     ButtonState,
@@ -74,7 +75,7 @@ from workers.datatypes import (
     Telemetry,
     TypedValue,
 )
-from workers.domain import (
+from workers.types.domain import (
     DomainError,
     ErrorCode,
     Mutation,
@@ -85,7 +86,7 @@ from workers.domain import (
     parse_id,
     parse_u64,
 )
-from workers.ticks import RationalNs
+from workers.types.ticks import RationalNs
 
 __all__ = [
     "ARRAY_INPUT",
@@ -138,7 +139,7 @@ class DecodedView:
 @dataclass(frozen=True, slots=True)
 class AgentArray:
     """A numeric array a world gives an agent: numpy's dtype string, the shape and the C-order
-    bytes (`workers.datatypes.ArrayValue` once staged)."""
+    bytes (`workers.types.datatypes.ArrayValue` once staged)."""
 
     id: str
     dtype: str

@@ -16,10 +16,11 @@ from __future__ import annotations
 from typing import Final
 
 from workers.agent import AgentEndpoint
+from workers.bodies import EndpointFactory
 from workers.environment import EnvironmentEndpoint
 from workers.faults import Role
 from workers.launch import WorkerLaunch
-from workers.shell import Endpoint, EndpointFactory
+from workers.shell import Endpoint
 
 __all__ = ["ENDPOINTS", "endpoint_for"]
 

@@ -12,16 +12,10 @@ API:
     Call                             one admitted request as an endpoint handler sees it
     Endpoint                         base class of the agent and environment endpoints
     WorkerShell(launch, endpoint)    `await shell.run(stop_event=None) -> exit code`
-    run_worker(launch, *, stop_event=None, endpoint_factory) -> int
-                                     thread / in-process body (§7.1)
-    start_endpoint(launch, endpoint_factory) -> Endpoint
-                                     the endpoint, a plugin's start-up exception as a
-                                     `DomainError` with its `PluginFault`
-    WorkerThread(launch, *, endpoint_factory, name=None, on_end=None)
-                                     thread mode: own uvloop loop; start/stop/cancel/join
-    main(role, argv, *, endpoint_factory) -> int       `python -m workers.<role>` (§7.5)
-    build_digest(), contract_digest()                 `Worker.Hello` identities (§2.5)
     EXIT_SHUTDOWN 0, EXIT_GATE 1, EXIT_ARGS 2, EXIT_LOST 3, EXIT_REGISTER 4
+
+The bodies that run a shell are `workers.bodies` (in-process and thread mode) and
+`workers.main` (the process); the contract's identities and schemas are `workers.types.contract`.
 
 Start (§2.1): (process mode) arm die-with-parent, read the start gate line `go` from stdin;
 connect with `clientIncarnation = incarnationId`; register `maxQueued 16, maxInFlight 8`,
@@ -68,15 +62,8 @@ Resolved ambiguities:
   modes) aborts the connection without unregistering and also returns 3. Cancelling the task of
   `run_worker` aborts the connection and re-raises the cancellation.
 - Requests that arrive while `stopping` are refused by the endpoints with `INVALID_PHASE`.
-- The start gate waits at most `GATE_TIMEOUT_S` for its line.
-- A process worker whose endpoint cannot be built (its model or world does not import, lacks
-  the class, or raises while it is built) logs `REFUSED_LAUNCH` with the refusal's wire `error`
-  object (its `PluginFault` as `data`) and exits 2, so the launcher names the reason rather
-  than the exit code alone.
 - The shell is the base layer of the roles: it imports no endpoint. Every body is given its
   `endpoint_factory`; `workers.roles.endpoint_for` is the one that maps a role to its endpoint.
-- Logging in process mode is configured here (JSON lines or console on stderr), not through
-  `flyd.logs`, because `workers` never imports `flyd`.
 """
 
 from __future__ import annotations
@@ -84,30 +71,19 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import functools
-import importlib
-import importlib.metadata
-import select
-import sys
-import threading
 from collections import deque
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
-from pathlib import Path
 from typing import Any, ClassVar, Final, TypeVar
 
 import structlog
 
-import schemas as _schemas_package
 from bus import client as bus_client
 from bus import client_artifacts, client_serving
 from bus.errors import BusError
 from bus.limits import MAX_ID, result_frame
-from bus.schema import Validator, compile_schema
 from workers.artifacts import open_attached
-from workers.canonical import digest_bytes, digest_of, parse_strict
-from workers.datatypes import Attached
 from workers.dedup import (
     Execute,
     OpClass,
@@ -118,29 +94,21 @@ from workers.dedup import (
     class_of,
     wire_digest,
 )
-from workers.domain import (
+from workers.faults import Role
+from workers.launch import WorkerLaunch
+from workers.types.contract import build_digest, check_params, contract_digest
+from workers.types.datatypes import Attached
+from workers.types.domain import (
     DomainError,
     ErrorCode,
     Mutation,
-    PluginFault,
-    PluginStage,
     Scope,
     format_u64,
     parse_id,
     parse_request_id,
     short,
 )
-from workers.faults import Role
-from workers.launch import (
-    REFUSED_LAUNCH,
-    START_GATE,
-    LaunchArgsError,
-    WorkerLaunch,
-    arm_die_with_parent,
-    build_parser,
-    parse_worker_argv,
-)
-from workers.rpc import Outcome, Request, parse_request, unparsable_outcome
+from workers.types.rpc import Outcome, Request, parse_request, unparsable_outcome
 
 __all__ = [
     "EXIT_ARGS",
@@ -152,19 +120,9 @@ __all__ = [
     "MAX_QUEUED",
     "Call",
     "Endpoint",
-    "EndpointFactory",
     "StatusCell",
     "WorkerShell",
     "WorkerState",
-    "WorkerThread",
-    "build_digest",
-    "check_params",
-    "contract_digest",
-    "load_plugin",
-    "main",
-    "method_validator",
-    "run_worker",
-    "start_endpoint",
 ]
 
 log = structlog.get_logger("workers.shell")
@@ -180,17 +138,12 @@ MAX_IN_FLIGHT: Final = 8
 REGISTER_RETRY_S: Final = 0.005
 REGISTER_BUDGET_S: Final = 30.0
 CONNECT_TIMEOUT_S: Final = 10.0
-GATE_TIMEOUT_S: Final = 60.0
 BUS_OP_TIMEOUT_S: Final = 5.0
 LOCK_WAIT_S: Final = 30.0
 MODEL_CALL_TIMEOUT_S: Final = 300.0
 READ_ONLY_HISTORY: Final = 16
 SUPPORTED_MAJOR: Final = 1
 SELECTED_MINOR: Final = 0
-CONTRACT_NAME: Final = "flyd-session-v1"
-PACKAGE: Final = "flyd"
-SCHEMA_ROOT: Final = Path(_schemas_package.__file__).resolve().parent
-METHOD_SCHEMAS: Final = SCHEMA_ROOT / "session" / "methods"
 
 WORKER_METHODS: Final = ("Worker.Hello", "Worker.Status", "Worker.Acknowledge", "Worker.Shutdown")
 #: methods whose whole pipeline completes without awaiting: the SDK runs them inline on its
@@ -199,88 +152,6 @@ WORKER_METHODS: Final = ("Worker.Hello", "Worker.Status", "Worker.Acknowledge", 
 INLINE_METHODS: Final = ("Worker.Hello", "Worker.Status", "Worker.Acknowledge")
 
 T = TypeVar("T")
-
-
-# --------------------------------------------------------------------------------------------
-# identities (§2.5)
-
-
-@functools.cache
-def build_digest() -> str:
-    """`digest_bytes("flyd-build-v1\\nversion=<package version>\\n")`."""
-    try:
-        version = importlib.metadata.version(PACKAGE)
-    except importlib.metadata.PackageNotFoundError:
-        version = "0+unknown"
-    return digest_bytes(f"flyd-build-v1\nversion={version}\n".encode())
-
-
-@functools.cache
-def contract_digest() -> str:
-    """`digest_of({"contract": "flyd-session-v1", "schemas": {path: digest_bytes(file)}})`
-    over every `*.json` under `schemas/` (paths relative to it, POSIX separators)."""
-    files = {
-        path.relative_to(SCHEMA_ROOT).as_posix(): digest_bytes(path.read_bytes())
-        for path in sorted(SCHEMA_ROOT.rglob("*.json"))
-    }
-    return digest_of({"contract": CONTRACT_NAME, "schemas": files})
-
-
-@functools.cache
-def method_validator(method: str, kind: str) -> Validator:
-    """The compiled schema `schemas/session/methods/<method>.<kind>.json` (kind params|result)."""
-    path = METHOD_SCHEMAS / f"{method}.{kind}.json"
-    schema = parse_strict(path.read_bytes())
-    if not isinstance(schema, dict):
-        raise DomainError(ErrorCode.INTERNAL, f"{path.name} is not a schema object",
-                          Mutation.NONE)
-    return compile_schema(schema)
-
-
-def load_plugin(path: str, what: str) -> type[Any]:
-    """The class named by an import path `package.module:Class`; else `INVALID_ARGUMENT`/`none`
-    with the `PluginFault` as data: an import that raises (anything, not only `ImportError`),
-    a missing attribute or a non-class fail the same way on every attempt."""
-    module_name, _, attribute = path.partition(":")
-    try:
-        obj: Any = importlib.import_module(module_name)
-    except Exception as exc:
-        fault = PluginFault.of(exc, path, PluginStage.IMPORT)
-        raise DomainError(ErrorCode.INVALID_ARGUMENT,
-                          f"{what} {path}: cannot import {module_name}: {fault.summary()}",
-                          Mutation.NONE, fault) from None
-    for part in attribute.split("."):
-        try:
-            obj = getattr(obj, part)
-        except AttributeError as exc:
-            raise DomainError(ErrorCode.INVALID_ARGUMENT,
-                              f"{what} {path}: {module_name} has no {attribute}", Mutation.NONE,
-                              PluginFault.of(exc, path, PluginStage.ATTRIBUTE)) from None
-    if not isinstance(obj, type):
-        message = f"{what} {path} is not a class"
-        raise DomainError(ErrorCode.INVALID_ARGUMENT, message, Mutation.NONE, PluginFault(
-            path, PluginStage.ATTRIBUTE, "TypeError", message, (), True))
-    return obj
-
-
-def construct_plugin(cls: type[T], path: str, what: str, **kwargs: Any) -> T:
-    """`cls(**kwargs)`; an exception from the constructor is `BACKEND_FAILURE`/`none` carrying
-    its `PluginFault` (stage `construct`): the same spec builds the same object, so it fails the
-    same way on every attempt."""
-    try:
-        return cls(**kwargs)
-    except Exception as exc:
-        fault = PluginFault.of(exc, path, PluginStage.CONSTRUCT)
-        raise DomainError(ErrorCode.BACKEND_FAILURE,
-                          f"{what} {path}: building the {what} failed: {fault.summary()}",
-                          Mutation.NONE, fault) from None
-
-
-def check_params(method: str, params: Mapping[str, Any]) -> None:
-    """Validate `params` against the method's schema: `INVALID_ARGUMENT`/`none`."""
-    problem = method_validator(method, "params")(params)
-    if problem is not None:
-        raise DomainError.invalid(f"{method} params: {problem}")
 
 
 # --------------------------------------------------------------------------------------------
@@ -888,186 +759,3 @@ class WorkerShell:
         "Worker.Status": _status,
         "Worker.Acknowledge": _acknowledge,
     }
-
-
-# --------------------------------------------------------------------------------------------
-# bodies: in-process, thread, process (§7.1)
-
-EndpointFactory = Callable[[WorkerLaunch], Endpoint]
-"""Builds a launch's endpoint: `workers.roles.endpoint_for`, or a test's or an owner's own."""
-
-
-async def run_worker(launch: WorkerLaunch, *, stop_event: asyncio.Event | None = None,
-                     endpoint_factory: EndpointFactory) -> int:
-    """Build the endpoint (its model/world class is imported and checked now; a refusal is
-    raised as `DomainError`), then serve on the running loop until Shutdown (0), a lost or
-    aborted connection (3) or a registration conflict (4). The thread and in-process body."""
-    endpoint = start_endpoint(launch, endpoint_factory)
-    return await WorkerShell(launch, endpoint).run(stop_event=stop_event)
-
-
-def start_endpoint(launch: WorkerLaunch, endpoint_factory: EndpointFactory) -> Endpoint:
-    """The launch's endpoint. Building it imports the model or world and runs its start-up
-    code (a world's constructor, a model's `profile`/`graph`); an exception from there is
-    `BACKEND_FAILURE`/`none` carrying its `PluginFault` (stage `construct`: a worker built from
-    the same launch fails the same way again), so the launcher can name it."""
-    try:
-        return endpoint_factory(launch)
-    except DomainError:
-        raise
-    except Exception as exc:
-        fault = PluginFault.of(exc, launch.plugin, PluginStage.CONSTRUCT)
-        raise DomainError(ErrorCode.BACKEND_FAILURE,
-                          f"{launch.worker_id}: starting {launch.plugin} failed: "
-                          f"{fault.summary()}", Mutation.NONE, fault) from None
-
-
-class WorkerThread:
-    """Thread mode (§7.1): `run_worker` on its own uvloop event loop in a dedicated OS thread.
-
-    `start()` returns at once. `stop()` aborts the connection (no reply, no unregister) and
-    `cancel()` cancels the worker's task; both are thread-safe and hold when called before the
-    loop runs (a cancelled body then never starts). `join(timeout) -> bool` is True when the
-    thread ended. At the end `exit_code` is the body's code, or None when the body raised
-    (`error`, e.g. a refused launch) or was cancelled (`cancelled`). `on_end(thread)` is the
-    thread's last act, so an owner on another loop learns of the end without polling.
-    """
-
-    def __init__(self, launch: WorkerLaunch, *, endpoint_factory: EndpointFactory,
-                 name: str | None = None,
-                 on_end: Callable[[WorkerThread], None] | None = None) -> None:
-        self.launch = launch
-        self.exit_code: int | None = None
-        self.error: BaseException | None = None
-        self.cancelled = False
-        self._factory = endpoint_factory
-        self._on_end = on_end
-        self._lock = threading.Lock()
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._task: asyncio.Task[Any] | None = None
-        self._stop: asyncio.Event | None = None
-        self._stop_requested = False
-        self._cancel_requested = False
-        self.thread = threading.Thread(target=self._main,
-                                       name=name or f"worker-{launch.worker_id}", daemon=True)
-
-    def start(self) -> None:
-        self.thread.start()
-
-    def _main(self) -> None:
-        import uvloop
-
-        try:
-            with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-                self.exit_code = runner.run(self._amain())
-        except asyncio.CancelledError:
-            self.cancelled = True
-        except BaseException as exc:  # a refused launch (DomainError) or a crash, for the owner
-            self.error = exc
-        finally:
-            if self._on_end is not None:
-                self._on_end(self)
-
-    async def _amain(self) -> int:
-        with self._lock:
-            if self._cancel_requested:
-                raise asyncio.CancelledError
-            self._loop = asyncio.get_running_loop()
-            self._task = asyncio.current_task()
-            self._stop = asyncio.Event()
-            if self._stop_requested:
-                self._stop.set()
-        return await run_worker(self.launch, stop_event=self._stop,
-                                endpoint_factory=self._factory)
-
-    @property
-    def loop(self) -> asyncio.AbstractEventLoop | None:
-        """The worker's event loop once it runs (an owner schedules onto it thread-safely)."""
-        return self._loop
-
-    def stop(self) -> None:
-        """Abort the worker's connection (thread-safe)."""
-        with self._lock:
-            self._stop_requested = True
-            loop, stop = self._loop, self._stop
-        if loop is not None and stop is not None:
-            with contextlib.suppress(RuntimeError):  # the thread's loop already closed
-                loop.call_soon_threadsafe(stop.set)
-
-    def cancel(self) -> None:
-        """Cancel the worker's task (thread-safe)."""
-        with self._lock:
-            self._cancel_requested = True
-            loop, task = self._loop, self._task
-        if loop is not None and task is not None:
-            with contextlib.suppress(RuntimeError):  # the thread's loop already closed
-                loop.call_soon_threadsafe(task.cancel)
-
-    def join(self, timeout: float) -> bool:
-        self.thread.join(timeout)
-        return not self.thread.is_alive()
-
-    @property
-    def alive(self) -> bool:
-        return self.thread.is_alive()
-
-
-def configure_logging(fmt: str) -> None:
-    """structlog to stderr: JSON lines (`json`) or the console renderer."""
-    import orjson
-
-    def dumps(obj: object, default: object = None) -> str:
-        return orjson.dumps(obj, default=str).decode()
-
-    renderer: Any = (structlog.processors.JSONRenderer(serializer=dumps) if fmt == "json"
-                     else structlog.dev.ConsoleRenderer(colors=False))
-    structlog.configure(
-        processors=[structlog.contextvars.merge_contextvars, structlog.processors.add_log_level,
-                    structlog.processors.TimeStamper(fmt="iso", utc=True, key="ts"),
-                    structlog.processors.format_exc_info, renderer],
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
-        cache_logger_on_first_use=False,
-    )
-
-
-def read_start_gate(stream: Any = None, timeout: float = GATE_TIMEOUT_S) -> bool:
-    """True when the first stdin line is exactly `go` (within `timeout`)."""
-    stream = sys.stdin.buffer if stream is None else stream
-    with contextlib.suppress(OSError, ValueError):
-        ready, _, _ = select.select([stream], [], [], timeout)
-        if not ready:
-            return False
-    line: bytes = stream.readline()
-    return line == START_GATE
-
-
-def main(role: Role, argv: Sequence[str] | None = None, *,
-         endpoint_factory: EndpointFactory) -> int:
-    """`python -m workers.agent|environment …` (§7.5): exit 0/1/2/3/4 as documented."""
-    args = list(sys.argv[1:] if argv is None else argv)
-    if args in (["--help"], ["-h"]):
-        build_parser(role).print_help()
-        return 0
-    try:
-        launch = parse_worker_argv(role, args)
-    except LaunchArgsError as exc:
-        print(exc.message, file=sys.stderr)
-        return EXIT_ARGS
-    arm_die_with_parent(launch.parent_pid)
-    configure_logging(launch.log_format)
-    if not read_start_gate():
-        log.error("worker.start_gate_closed", worker_id=launch.worker_id)
-        return EXIT_GATE
-    try:
-        endpoint = start_endpoint(launch, endpoint_factory)
-    except DomainError as exc:
-        log.error(REFUSED_LAUNCH, worker_id=launch.worker_id, message=exc.message,
-                  error=exc.to_json())
-        return EXIT_ARGS
-    import uvloop
-
-    async def body() -> int:
-        return await WorkerShell(launch, endpoint).run()
-
-    code: int = uvloop.run(body())
-    return code

@@ -53,9 +53,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Final, Generic, Protocol, TypeVar
 
-from workers.canonical import canonical, digest_bytes, digest_of, is_canonical, parse_strict
-from workers.datatypes import EnvironmentDescriptor, MediaBlob
-from workers.domain import (
+from workers.shell import Call, Endpoint, StatusCell, WorkerState
+from workers.types.canonical import canonical, digest_bytes, digest_of, is_canonical, parse_strict
+from workers.types.contract import check_params
+from workers.types.datatypes import EnvironmentDescriptor, MediaBlob
+from workers.types.domain import (
     DomainError,
     ErrorCode,
     Mutation,
@@ -64,7 +66,6 @@ from workers.domain import (
     parse_digest,
     parse_u64,
 )
-from workers.shell import Call, Endpoint, StatusCell, WorkerState, check_params
 
 __all__ = [
     "CHECKPOINT_CAPABILITY",

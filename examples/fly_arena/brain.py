@@ -33,8 +33,9 @@ import numpy as np
 import numpy.typing as npt
 
 from examples.fly_arena.schemas import CONTEXT, DECISION, INSPECTION, expect, settings, typed
-from workers.canonical import canonical, digest_bytes, parse_strict
-from workers.datatypes import (
+from workers.protocols import DecodedView
+from workers.types.canonical import canonical, digest_bytes, parse_strict
+from workers.types.datatypes import (
     AssetRef,
     Graph,
     Learning,
@@ -43,9 +44,15 @@ from workers.datatypes import (
     Telemetry,
     TypedValue,
 )
-from workers.domain import DomainError, parse_bool, parse_finite, parse_i32, parse_int, parse_u64
-from workers.protocols import DecodedView
-from workers.ticks import RationalNs
+from workers.types.domain import (
+    DomainError,
+    parse_bool,
+    parse_finite,
+    parse_i32,
+    parse_int,
+    parse_u64,
+)
+from workers.types.ticks import RationalNs
 
 Floats = npt.NDArray[np.float64]
 

@@ -14,10 +14,10 @@ from collections.abc import Mapping
 from typing import Any, ClassVar, Final
 
 from examples.fly_arena.schemas import DECISION, expect, settings
-from workers.datatypes import AxisValue, SchemaRef, TypedValue
-from workers.domain import DomainError, Scope, parse_finite
 from workers.protocols import ControllerIntent
-from workers.ticks import RationalNs
+from workers.types.datatypes import AxisValue, SchemaRef, TypedValue
+from workers.types.domain import DomainError, Scope, parse_finite
+from workers.types.ticks import RationalNs
 
 DEFAULTS: Final = {"maxSpeed": (1.0, 0.0, 1.0)}
 

@@ -37,10 +37,10 @@ from examples.fly_arena.schemas import (
     settings,
     typed,
 )
-from workers.canonical import canonical, digest_bytes, parse_strict
-from workers.datatypes import PortControl, Reward, Stimulus, TypedValue
-from workers.domain import DomainError, Scope, parse_finite, parse_int, parse_u64
 from workers.protocols import AgentOutcome, Bootstrap, EpisodeRequest, Evaluation, TaskEvent
+from workers.types.canonical import canonical, digest_bytes, parse_strict
+from workers.types.datatypes import PortControl, Reward, Stimulus, TypedValue
+from workers.types.domain import DomainError, Scope, parse_finite, parse_int, parse_u64
 
 CAPTURE_FORMAT: Final = "odour-task-v1"
 RULES: Final = ("bootstrap", "approach", "source")

@@ -43,9 +43,10 @@ import numpy as np
 import numpy.typing as npt
 
 from examples.fly_arena.schemas import CONTROLLER, INSPECTION, integral, pair, settings, typed
-from workers.canonical import canonical, digest_bytes, parse_strict
 from workers.composition import config_asset
-from workers.datatypes import (
+from workers.protocols import STRUCTURED_OBSERVATION
+from workers.types.canonical import canonical, digest_bytes, parse_strict
+from workers.types.datatypes import (
     AssetRef,
     AxisSpec,
     ControllerSchema,
@@ -56,9 +57,8 @@ from workers.datatypes import (
     TypedValue,
     ViewDescriptor,
 )
-from workers.domain import DomainError, parse_id, parse_int
-from workers.protocols import STRUCTURED_OBSERVATION
-from workers.ticks import RationalNs
+from workers.types.domain import DomainError, parse_id, parse_int
+from workers.types.ticks import RationalNs
 
 Floats = npt.NDArray[np.float64]
 

@@ -16,10 +16,10 @@ from collections.abc import Mapping
 from typing import Any, ClassVar, Final
 
 from examples.reaching.schemas import DECISION, expect, point, settings
-from workers.datatypes import AxisValue, SchemaRef, TypedValue
-from workers.domain import DomainError, Scope, parse_finite
 from workers.protocols import ControllerIntent
-from workers.ticks import RationalNs
+from workers.types.datatypes import AxisValue, SchemaRef, TypedValue
+from workers.types.domain import DomainError, Scope, parse_finite
+from workers.types.ticks import RationalNs
 
 DEFAULTS: Final = {"maxThrottle": (1.0, 0.0, 1.0)}
 

@@ -31,8 +31,9 @@ from examples.reaching.schemas import (
     settings,
     typed,
 )
-from workers.canonical import canonical, digest_bytes, parse_strict
-from workers.datatypes import (
+from workers.protocols import DecodedView
+from workers.types.canonical import canonical, digest_bytes, parse_strict
+from workers.types.datatypes import (
     AssetRef,
     Graph,
     Learning,
@@ -41,9 +42,15 @@ from workers.datatypes import (
     Telemetry,
     TypedValue,
 )
-from workers.domain import DomainError, parse_bool, parse_finite, parse_i32, parse_int, parse_u64
-from workers.protocols import DecodedView
-from workers.ticks import RationalNs
+from workers.types.domain import (
+    DomainError,
+    parse_bool,
+    parse_finite,
+    parse_i32,
+    parse_int,
+    parse_u64,
+)
+from workers.types.ticks import RationalNs
 
 CAPTURE_FORMAT: Final = "goal-seeker-v1"
 MASK64: Final = (1 << 64) - 1

@@ -11,9 +11,9 @@ from __future__ import annotations
 import math
 from typing import Any, Final
 
-from workers.canonical import digest_bytes
-from workers.datatypes import SchemaRef, TypedValue
-from workers.domain import DomainError, parse_finite
+from workers.types.canonical import digest_bytes
+from workers.types.datatypes import SchemaRef, TypedValue
+from workers.types.domain import DomainError, parse_finite
 
 
 def schema(name: str, version: int = 1) -> SchemaRef:

@@ -24,9 +24,10 @@ from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar, Final
 
 from examples.reaching.schemas import CONTROLLER, INSPECTION, distance, point, settings, typed
-from workers.canonical import canonical, digest_bytes, parse_strict
 from workers.composition import config_asset
-from workers.datatypes import (
+from workers.protocols import STRUCTURED_OBSERVATION
+from workers.types.canonical import canonical, digest_bytes, parse_strict
+from workers.types.datatypes import (
     AssetRef,
     AxisSpec,
     ControllerSchema,
@@ -37,9 +38,8 @@ from workers.datatypes import (
     TypedValue,
     ViewDescriptor,
 )
-from workers.domain import DomainError, parse_id, parse_int
-from workers.protocols import STRUCTURED_OBSERVATION
-from workers.ticks import RationalNs
+from workers.types.domain import DomainError, parse_id, parse_int
+from workers.types.ticks import RationalNs
 
 CAPTURE_FORMAT: Final = "point-world-v1"
 CONTROLS: Final = ControllerSchema(CONTROLLER, (), (AxisSpec("dx", "bipolar", 0.0),

@@ -93,9 +93,9 @@ from flyd.leases.stores.pg import DbSettings, PgStore
 from flyd.node.control_protocol import CONTROL_PREFIX, control_service, control_validator
 from flyd.outcome import describe, failure_of, traceback_of
 from flyd.session.runspec import DEFAULT_MAX_AGENTS, FaultSpecError, RunSpec, RunSpecError
-from workers.canonical import canonical
-from workers.domain import DomainError, ErrorCode, format_request_id
-from workers.rpc import check_outcome
+from workers.types.canonical import canonical
+from workers.types.domain import DomainError, ErrorCode, format_request_id
+from workers.types.rpc import check_outcome
 
 if TYPE_CHECKING:
     from flyd.state.checkpoints import PgCheckpointStore

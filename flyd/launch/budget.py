@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 from typing import Final
 
-from workers.domain import DomainError
+from workers.types.domain import DomainError
 
 DEFAULT_COORDINATOR_RESERVATION: Final = 1
 #: threads of the default composition besides the reservation: the world and two agents

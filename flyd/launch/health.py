@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
-from workers.domain import DomainError, ErrorCode, Mutation
+from workers.types.domain import DomainError, ErrorCode, Mutation
 
 __all__ = ["CONFIG_KEYS", "HealthPolicy", "format_seconds", "no_answer"]
 

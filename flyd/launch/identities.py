@@ -17,7 +17,7 @@ coordinator, the harness and the node agree byte for byte, and the default close
 
 Resolved ambiguities:
 - Tags and generations are validated at construction (`s1..s999999`, generations 1..9999, worker
-  ids by `workers.domain.parse_worker_id`, the run spec's rule too), so every derived name is
+  ids by `workers.types.domain.parse_worker_id`, the run spec's rule too), so every derived name is
   a valid bus Id (≤ 64 characters) and every service a valid service name.
 - `WorkerRef` (the coordinator's pinned reference, §6.1) lives here rather than in the
   coordinator because the launcher produces it (`LaunchedWorker.worker_ref()`) and imports go
@@ -33,7 +33,7 @@ from dataclasses import dataclass, replace
 from typing import Final, Literal
 
 from bus.client_identity import new_incarnation
-from workers.domain import MAX_WORKER_ID, DomainError, parse_id, parse_worker_id
+from workers.types.domain import MAX_WORKER_ID, DomainError, parse_id, parse_worker_id
 
 __all__ = [
     "MAX_GENERATION",

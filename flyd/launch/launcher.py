@@ -130,7 +130,7 @@ from flyd.launch.identities import (
 from flyd.launch.orphans import SCOPE_VAR, reap, sweep
 from flyd.launch.spawn import ChildProcess, ProcessInfo, process_info, settled_within
 from flyd.launch.spawner import Spawner
-from workers.domain import DomainError, ErrorCode, Mutation, format_request_id
+from workers.bodies import EndpointFactory, WorkerThread, run_worker
 from workers.host import HostLaunch
 from workers.launch import (
     CRASHED_EXIT,
@@ -143,9 +143,9 @@ from workers.launch import (
     thread_environment,
 )
 from workers.roles import endpoint_for
-from workers.rpc import Outcome, Refused, answer, from_bus_error
-from workers.shell import EndpointFactory, WorkerThread, run_worker
-from workers.ticks import RationalNs
+from workers.types.domain import DomainError, ErrorCode, Mutation, format_request_id
+from workers.types.rpc import Outcome, Refused, answer, from_bus_error
+from workers.types.ticks import RationalNs
 
 __all__ = [
     "IDENTIFY_RETRY_S",

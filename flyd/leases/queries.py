@@ -17,7 +17,7 @@ import psycopg
 from psycopg.rows import dict_row
 
 from flyd.leases.stores.contract import CanonicalPayload
-from workers.canonical import canonical, digest_of
+from workers.types.canonical import canonical, digest_of
 
 __all__ = ["LedgerFold", "attempts", "behaviour", "effects", "fold_ledger", "last_result",
            "list_runs", "nodes", "results", "run_row"]

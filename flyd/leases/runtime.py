@@ -127,7 +127,7 @@ from flyd.leases.stores.contract import (
     UnknownOutcome,
     commit_allowance_s,
 )
-from workers.canonical import canonical
+from workers.types.canonical import canonical
 
 LAG_PERIOD_S: Final = 0.1
 LAG_LOG_S: Final = 0.05

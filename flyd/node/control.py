@@ -67,8 +67,8 @@ from flyd.launch.budget import ThreadBudget
 from flyd.launch.launcher import Launcher
 from flyd.leases.core import FINAL, LeasePhase
 from flyd.node.control_protocol import control_service, control_validator
-from workers.domain import DomainError, ErrorCode, Mutation
-from workers.rpc import Outcome, parse_request, unparsable_outcome
+from workers.types.domain import DomainError, ErrorCode, Mutation
+from workers.types.rpc import Outcome, parse_request, unparsable_outcome
 
 __all__ = ["ControlService", "NodeView", "RunView"]
 

@@ -12,9 +12,9 @@ import functools
 from typing import Final
 
 from bus.schema import Validator, compile_schema
-from workers.canonical import parse_strict
-from workers.domain import DomainError, ErrorCode, Mutation
-from workers.shell import SCHEMA_ROOT
+from workers.types.canonical import parse_strict
+from workers.types.contract import SCHEMA_ROOT
+from workers.types.domain import DomainError, ErrorCode, Mutation
 
 __all__ = ["CONTROL_PREFIX", "CONTROL_SCHEMAS", "METHODS", "control_service", "control_validator"]
 

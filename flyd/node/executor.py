@@ -71,7 +71,7 @@ from flyd.session.sample import BoundarySample, boundary_sample
 from flyd.session.trace import RecordStream
 from flyd.state.checkpoints import CheckpointStore
 from flyd.state.writer import EventRing, WriterConfig
-from workers.domain import DomainError
+from workers.types.domain import DomainError
 
 __all__ = ["GrantExecutor", "GrantTotals"]
 

@@ -32,7 +32,7 @@ Sequence:
    cannot be imported, lacks its class or raises in its constructor), at launch, bootstrap or
    in a recovery attempt, ends the run `failed` at once, no recovery attempt spent, with
    `{error: "plugin failed", failure: {detail, participant, code, mutation, message}, plugin:
-   {plugin, stage, exception, message, frames, repeats}}` (`workers.domain.PluginFault`) and
+   {plugin, stage, exception, message, frames, repeats}}` (`workers.types.domain.PluginFault`) and
    logs `run.plugin_failed`. Every `failure` value of a report or an outcome carries the
    `plugin` key when its error had a plugin fault.
 4. End (§9.3): the target → a final durable capture carrying the remaining effects, `finish`
@@ -139,7 +139,7 @@ from flyd.state.recovery import (
     repeats,
 )
 from flyd.state.writer import CheckpointWriter, Committed, EventRing, WriterConfig
-from workers.domain import DomainError, ErrorCode
+from workers.plugins import construct_plugin, load_plugin
 from workers.protocols import (
     EXECUTOR_ATTRIBUTES,
     TASK_ATTRIBUTES,
@@ -147,7 +147,7 @@ from workers.protocols import (
     Task,
     check_plugin,
 )
-from workers.shell import construct_plugin, load_plugin
+from workers.types.domain import DomainError, ErrorCode
 
 __all__ = [
     "GrantHost",

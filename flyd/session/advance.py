@@ -21,11 +21,13 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from flyd.session.audio import AudioTimelines
 from flyd.session.calls import Blame, as_domain_error, backend_failure
 from flyd.session.fence import Detail
 from flyd.session.media import Media, check_audio, check_views
 from flyd.session.slots import AgentSlot
-from workers.datatypes import (
+from workers.protocols import ActionExecutor
+from workers.types.datatypes import (
     Attached,
     EnvironmentDescriptor,
     PortControl,
@@ -33,9 +35,7 @@ from workers.datatypes import (
     WorldObservation,
     check_controls,
 )
-from workers.domain import DomainError, Mutation, Scope
-from workers.protocols import ActionExecutor
-from workers.synthetic.audio import AudioTimelines
+from workers.types.domain import DomainError, Mutation, Scope
 
 __all__ = ["check_advance", "controls_for"]
 

@@ -46,11 +46,11 @@ from flyd.session.slots import AgentSlot
 from flyd.session.task_output import task_error
 from workers.artifacts import open_attached
 from workers.composition import config_asset
-from workers.datatypes import EnvironmentDescriptor, Graph, Telemetry, WorldObservation
-from workers.domain import DomainError, ErrorCode, Mutation, Scope, parse_u64
 from workers.protocols import Bootstrap, Task
-from workers.shell import contract_digest
-from workers.ticks import RationalNs
+from workers.types.contract import contract_digest
+from workers.types.datatypes import EnvironmentDescriptor, Graph, Telemetry, WorldObservation
+from workers.types.domain import DomainError, ErrorCode, Mutation, Scope, parse_u64
+from workers.types.ticks import RationalNs
 
 __all__ = [
     "WorldStart",

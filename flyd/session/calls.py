@@ -74,8 +74,9 @@ from flyd.session.audit import AuditLog
 from flyd.session.fence import Detail, SessionFailure, refuse_if_fenced
 from flyd.session.phase import Failed, Phase, PhaseMachine
 from flyd.session.stats import Metrics, ResolutionEnd, Stats
-from workers.canonical import canonical
-from workers.domain import (
+from workers.types.canonical import canonical
+from workers.types.contract import method_validator
+from workers.types.domain import (
     DomainError,
     ErrorCode,
     Mutation,
@@ -84,8 +85,7 @@ from workers.domain import (
     Scope,
     format_request_id,
 )
-from workers.rpc import CallOutcome, Expired, Outcome, Refused, answer, from_bus_error
-from workers.shell import method_validator
+from workers.types.rpc import CallOutcome, Expired, Outcome, Refused, answer, from_bus_error
 
 __all__ = [
     "RESOLVE_PAUSE",

@@ -70,14 +70,14 @@ from flyd.state.envelope import (
     validate_manifest,
 )
 from flyd.state.writer import CaptureSubmission, CheckpointWriter, SaveTicket
-from workers.canonical import canonical, digest_bytes, digest_of, parse_strict
 from workers.composition import composition_digest
-from workers.datatypes import MediaBlob, WorldObservation, decode_media
-from workers.domain import DomainError, ErrorCode, Mutation, Scope, format_u64
 from workers.protocols import ActionExecutor, EpisodeRequest
-from workers.rpc import Answered, Expired, Refused
-from workers.shell import contract_digest
 from workers.state import PAYLOAD_CONTENT_TYPE, PAYLOAD_VERSION
+from workers.types.canonical import canonical, digest_bytes, digest_of, parse_strict
+from workers.types.contract import contract_digest
+from workers.types.datatypes import MediaBlob, WorldObservation, decode_media
+from workers.types.domain import DomainError, ErrorCode, Mutation, Scope, format_u64
+from workers.types.rpc import Answered, Expired, Refused
 
 __all__ = ["Capture", "CaptureKind", "CaptureSource", "capture", "save", "validate_reply"]
 

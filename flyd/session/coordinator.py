@@ -85,6 +85,7 @@ from typing import Any, Final
 from bus.client import BusClient
 from flyd.launch.identities import WorkerRef
 from flyd.session.advance import check_advance, controls_for
+from flyd.session.audio import AudioTimelines
 from flyd.session.audit import AuditLog
 from flyd.session.bootstrap import (
     acknowledge_lifecycle,
@@ -164,16 +165,7 @@ from flyd.state.writer import (
     audit_line,
 )
 from workers.artifacts import any_by_reference, open_attached, referenced_artifacts
-from workers.canonical import controls_digest, typed_digest
-from workers.datatypes import (
-    EnvironmentDescriptor,
-    Graph,
-    Telemetry,
-    TypedValue,
-    ViewDescriptor,
-    WorldObservation,
-)
-from workers.domain import DomainError, ErrorCode, Mutation, Scope
+from workers.plugins import load_plugin
 from workers.protocols import (
     STRUCTURED_OBSERVATION,
     ActionExecutor,
@@ -181,9 +173,17 @@ from workers.protocols import (
     Evaluation,
     Task,
 )
-from workers.rpc import CallOutcome
-from workers.shell import load_plugin
-from workers.synthetic.audio import AudioTimelines
+from workers.types.canonical import controls_digest, typed_digest
+from workers.types.datatypes import (
+    EnvironmentDescriptor,
+    Graph,
+    Telemetry,
+    TypedValue,
+    ViewDescriptor,
+    WorldObservation,
+)
+from workers.types.domain import DomainError, ErrorCode, Mutation, Scope
+from workers.types.rpc import CallOutcome
 
 __all__ = [
     "FIRST_EPOCH",

@@ -52,7 +52,7 @@ from flyd.state.writer import (
     SaveOutcome,
     SaveTicket,
 )
-from workers.domain import DomainError, ErrorCode
+from workers.types.domain import DomainError, ErrorCode
 
 if TYPE_CHECKING:
     from flyd.session.coordinator import Coordinator

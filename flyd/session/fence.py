@@ -39,7 +39,7 @@ from typing import Final
 
 from flyd.session.phase import Phase, PhaseMachine, PhaseName
 from workers.dedup import METHOD_CLASSES
-from workers.domain import DomainError, ErrorCode, Mutation, is_id
+from workers.types.domain import DomainError, ErrorCode, Mutation, is_id
 
 __all__ = [
     "FENCED_MESSAGE",

@@ -38,9 +38,9 @@ from typing import Any, Final
 
 from flyd.session.runspec import MAX_AGENTS_LIMIT, AgentSpec, RunSpec, RunSpecError
 from flyd.state.compat import AGENT_IDENTITY_FIELDS, Compatibility
-from workers.datatypes import EnvironmentDescriptor
-from workers.domain import DomainError
-from workers.shell import load_plugin
+from workers.plugins import load_plugin
+from workers.types.datatypes import EnvironmentDescriptor
+from workers.types.domain import DomainError
 
 __all__ = ["Mismatch", "Unchecked", "mismatch", "rebuild"]
 

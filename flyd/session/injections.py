@@ -30,10 +30,10 @@ from typing import Any, Final
 from bus.client_calls import PendingCall
 from bus.errors import BusError
 from flyd.session.calls import RESOLVE_PAUSE, Call, CallEngine
-from workers.canonical import canonical
-from workers.datatypes import EnvironmentDescriptor, WorldObservation, decode_view
-from workers.domain import DomainError, ErrorCode, Mutation
-from workers.rpc import Answered, Expired, Refused, from_bus_error
+from workers.types.canonical import canonical
+from workers.types.datatypes import EnvironmentDescriptor, WorldObservation, decode_view
+from workers.types.domain import DomainError, ErrorCode, Mutation
+from workers.types.rpc import Answered, Expired, Refused, from_bus_error
 
 __all__ = [
     "LOSS_POLLS",

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from workers.artifacts import referenced_artifacts
-from workers.datatypes import AgentInput, TypedValue, WorldObservation
-from workers.domain import DomainError, ErrorCode, Mutation
+from workers.types.datatypes import AgentInput, TypedValue, WorldObservation
+from workers.types.domain import DomainError, ErrorCode, Mutation
 
 __all__ = ["Inputs", "sensory_inputs"]
 

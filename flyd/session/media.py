@@ -13,7 +13,7 @@ Rules:
   `unknown`), and the chunks continue their timelines (`AudioTimelines.check`).
 - By reference (docs/topics.md §14.2): `attached` are the result's attachments, opened; a
   by-reference blob decodes only from the attachment it names, of its length and digest
-  (`workers.datatypes.decode_media`). `Media.held` are the artifact ids the coordinator's
+  (`workers.types.datatypes.decode_media`). `Media.held` are the artifact ids the coordinator's
   connection holds for these media: whoever replaces a `Media` drops the ids the new one does
   not hold (`released`).
 """
@@ -23,15 +23,15 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from workers.datatypes import (
+from flyd.session.audio import AudioTimelines
+from workers.types.datatypes import (
     Attached,
     EnvironmentDescriptor,
     WorldObservation,
     decode_audio,
     decode_view,
 )
-from workers.domain import DomainError, ErrorCode, Mutation
-from workers.synthetic.audio import AudioTimelines
+from workers.types.domain import DomainError, ErrorCode, Mutation
 
 __all__ = ["Media", "check_audio", "check_views", "released"]
 

@@ -39,8 +39,8 @@ import os
 from pathlib import Path
 from typing import IO, Any
 
-from workers.canonical import canonical
-from workers.domain import DomainError, ErrorCode, Mutation
+from workers.types.canonical import canonical
+from workers.types.domain import DomainError, ErrorCode, Mutation
 
 __all__ = ["OutputWriteError", "TraceFile"]
 

@@ -28,8 +28,8 @@ import time
 from collections.abc import Callable
 from typing import Final, Protocol
 
-from workers.domain import DomainError, parse_finite
-from workers.ticks import RationalNs
+from workers.types.domain import DomainError, parse_finite
+from workers.types.ticks import RationalNs
 
 __all__ = ["SYSTEM_CLOCK", "Clock", "Pacing", "SystemClock"]
 

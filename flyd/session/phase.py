@@ -83,7 +83,7 @@ from dataclasses import dataclass
 from enum import Enum, StrEnum
 from typing import ClassVar, Final
 
-from workers.domain import U64_MAX, DomainError, ErrorCode, Mutation
+from workers.types.domain import U64_MAX, DomainError, ErrorCode, Mutation
 
 __all__ = [
     "EDGES",

@@ -32,7 +32,8 @@ from typing import Any
 from flyd.session.slots import AgentSlot
 from flyd.state.envelope import SCHEDULER_ID
 from workers.composition import composition_digest
-from workers.datatypes import (
+from workers.types.contract import contract_digest
+from workers.types.datatypes import (
     AudioRef,
     EnvironmentDescriptor,
     PortControl,
@@ -41,8 +42,7 @@ from workers.datatypes import (
     ViewRef,
     WorldObservation,
 )
-from workers.domain import DomainError, ErrorCode, Scope
-from workers.shell import contract_digest
+from workers.types.domain import DomainError, ErrorCode, Scope
 
 __all__ = [
     "AgentValues",

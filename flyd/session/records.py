@@ -32,10 +32,10 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from flyd.session.slots import AgentSlot
-from workers.canonical import digest_bytes, digest_of, format_number, typed_digest
-from workers.datatypes import WorldObservation
-from workers.domain import Scope, is_id
 from workers.protocols import Evaluation
+from workers.types.canonical import digest_bytes, digest_of, format_number, typed_digest
+from workers.types.datatypes import WorldObservation
+from workers.types.domain import Scope, is_id
 
 __all__ = ["observation_entries", "result_record", "rewards_digest", "transition_records"]
 

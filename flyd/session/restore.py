@@ -80,6 +80,7 @@ from typing import TYPE_CHECKING, Any, Final, Protocol
 
 import structlog
 
+from flyd.session.audio import AudioTimelines
 from flyd.session.calls import Call, CallEngine
 from flyd.session.fence import Detail, SessionFailure
 from flyd.session.media import Media, check_views
@@ -96,8 +97,10 @@ from flyd.state.envelope import (
     Envelope,
 )
 from workers.artifacts import open_attached
-from workers.canonical import canonical, digest_bytes, digest_of, parse_strict, typed_digest
-from workers.datatypes import (
+from workers.state import CHECKPOINT_CAPABILITY, PAYLOAD_CONTENT_TYPE, PAYLOAD_VERSION
+from workers.types.canonical import canonical, digest_bytes, digest_of, parse_strict, typed_digest
+from workers.types.contract import contract_digest
+from workers.types.datatypes import (
     Attached,
     EnvironmentDescriptor,
     Graph,
@@ -107,12 +110,9 @@ from workers.datatypes import (
     WorldObservation,
     decode_view,
 )
-from workers.domain import DomainError, ErrorCode, Mutation, Scope, is_id, parse_u64
-from workers.rpc import Expired
-from workers.shell import contract_digest
-from workers.state import CHECKPOINT_CAPABILITY, PAYLOAD_CONTENT_TYPE, PAYLOAD_VERSION
-from workers.synthetic.audio import AudioTimelines
-from workers.ticks import RationalNs
+from workers.types.domain import DomainError, ErrorCode, Mutation, Scope, is_id, parse_u64
+from workers.types.rpc import Expired
+from workers.types.ticks import RationalNs
 
 if TYPE_CHECKING:
     from flyd.state.writer import CheckpointWriter

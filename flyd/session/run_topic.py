@@ -46,8 +46,8 @@ from bus.client_topics import Topic
 from bus.errors import BusError
 from flyd.launch.identities import run_topic
 from flyd.session.stats import Stats
-from workers.datatypes import Reward
-from workers.ticks import RationalNs
+from workers.types.datatypes import Reward
+from workers.types.ticks import RationalNs
 
 __all__ = ["RATE_WINDOW_S", "EndState", "RunEnd", "RunPublisher", "declare_run_topic",
            "end_run_topic"]

@@ -28,9 +28,9 @@ Resolved ambiguities:
   declares exactly the agents' ports; a plugin world's descriptor is checked at bootstrap.
 - `terminal` is in the task's own grammar (`workers.protocols`): the spec checks it is a string
   of 1..200 printable ASCII characters, and for the synthetic task
-  (`workers.synthetic:CounterTask`) its grammar `workers.synthetic.task.Terminal` (`never`,
-  `counter:N` signed, `after:N` U64); another task refuses a terminal it cannot parse when it is
-  built.
+  (`workers.synthetic:CounterTask`) its grammar (`never`, `counter:N` signed, `after:N` U64),
+  asked of the task class's `check_terminal` so the spec imports no task's types; another task
+  refuses a terminal it cannot parse when it is built.
 - `executor` (`{impl, config}`, default `workers.synthetic:IdentityExecutor` and `{}`) names the
   `ActionExecutor` that turns decisions into controls; its `decision_schema` is the format every
   agent's decisions must have. The key is part of the normalised form like every other.
@@ -51,9 +51,10 @@ import orjson
 
 from flyd.durations import DURATION_RULE, MAX_DURATION_S, is_duration_s
 from flyd.pgtext import bad_strings, text_problem
-from workers.canonical import canonical
 from workers.composition import derive_seed
-from workers.domain import (
+from workers.faults import KNOBS, Faults, Knob, Role, camel_case, role_fields, role_knobs
+from workers.types.canonical import canonical
+from workers.types.domain import (
     DomainError,
     parse_bool,
     parse_digest,
@@ -64,9 +65,7 @@ from workers.domain import (
     parse_u64,
     parse_worker_id,
 )
-from workers.faults import KNOBS, Faults, Knob, Role, camel_case, role_fields, role_knobs
-from workers.synthetic.task import Terminal
-from workers.ticks import RationalNs
+from workers.types.ticks import RationalNs
 
 __all__ = [
     "DEFAULT_MAX_AGENTS",
@@ -533,12 +532,21 @@ def _task(value: Any, path: str, world: WorldSpec) -> TaskSpec:
     terminal = obj.get("terminal", "never")
     where = _ptr(path, "terminal")
     if impl == DEFAULT_TASK:
-        _at(where, Terminal.parse, terminal)
+        _at(where, _terminal_check(impl), terminal)
     elif not isinstance(terminal, str) or _TERMINAL.fullmatch(terminal) is None:
         raise RunSpecError(where, f"terminal must be 1..200 printable ASCII characters; got "
                                   f"{terminal!r}")
     return TaskSpec(impl=impl, config=_config(obj.get("config", {}), _ptr(path, "config")),
                     terminal=terminal)
+
+
+def _terminal_check(impl: str) -> Callable[[object], None]:
+    """The task class's own terminal check (`check_terminal`, workers.protocols). Only the
+    synthetic task is asked, as only the adapters' worlds are asked their step, so validating
+    another spec imports nothing."""
+    module, _, name = impl.partition(":")
+    check: Callable[[object], None] = getattr(importlib.import_module(module), name).check_terminal
+    return check
 
 
 def _executor(value: Any, path: str) -> ExecutorSpec:

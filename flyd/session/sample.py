@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from flyd.session.coordinator import Coordinator
-from workers.datatypes import TypedValue
+from workers.types.datatypes import TypedValue
 
 __all__ = ["BoundarySample", "Frame", "boundary_sample", "progress_number"]
 

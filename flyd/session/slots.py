@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from flyd.session.runspec import AgentSpec
-from workers.datatypes import Graph, PortControl, Telemetry, TypedValue
-from workers.ticks import RationalNs
+from workers.types.datatypes import Graph, PortControl, Telemetry, TypedValue
+from workers.types.ticks import RationalNs
 
 __all__ = ["AgentSlot"]
 

@@ -34,9 +34,9 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from flyd.session.calls import as_domain_error
-from workers.canonical import MAX_SAFE_INTEGER, canonical
-from workers.domain import DomainError, ErrorCode, Mutation, PluginFault, PluginStage
 from workers.protocols import AgentOutcome, Evaluation
+from workers.types.canonical import MAX_SAFE_INTEGER, canonical
+from workers.types.domain import DomainError, ErrorCode, Mutation, PluginFault, PluginStage
 
 __all__ = ["check_evaluation", "task_error", "value_fault"]
 

@@ -26,8 +26,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from workers.canonical import canonical
-from workers.domain import DomainError, ErrorCode, Mutation
+from workers.types.canonical import canonical
+from workers.types.domain import DomainError, ErrorCode, Mutation
 
 __all__ = ["EpochRebase", "Minter", "RecordStream", "TraceLog", "TransitionTrace", "compare"]
 

@@ -14,8 +14,8 @@ from flyd.session.audit import AuditLog
 from flyd.session.runspec import RunSpec
 from flyd.session.slots import AgentSlot
 from flyd.session.trace import TraceLog
-from workers.datatypes import EnvironmentDescriptor
 from workers.protocols import Task
+from workers.types.datatypes import EnvironmentDescriptor
 
 __all__ = ["SessionView"]
 

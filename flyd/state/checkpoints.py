@@ -102,8 +102,8 @@ from flyd.leases.stores.contract import (
 from flyd.leases.stores.mem import MemStore
 from flyd.state.effects import epoch_number
 from flyd.state.envelope import MAX_ENVELOPE_BYTES, Envelope, EnvelopeError, decode
-from workers.canonical import digest_of
-from workers.domain import DomainError, ErrorCode, Mutation
+from workers.types.canonical import digest_of
+from workers.types.domain import DomainError, ErrorCode, Mutation
 
 __all__ = [
     "CheckpointRecord",

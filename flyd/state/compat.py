@@ -48,9 +48,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
-from workers.canonical import digest_of
-from workers.datatypes import EnvironmentDescriptor
-from workers.domain import (
+from workers.types.canonical import digest_of
+from workers.types.datatypes import EnvironmentDescriptor
+from workers.types.domain import (
     DomainError,
     ErrorCode,
     parse_digest,

@@ -38,8 +38,8 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from flyd.leases.stores.contract import CanonicalPayload, Effect
-from workers.canonical import canonical
-from workers.domain import DomainError, ErrorCode, Mutation
+from workers.types.canonical import canonical
+from workers.types.domain import DomainError, ErrorCode, Mutation
 
 EPOCH_ID: Final = re.compile(r"e([1-9][0-9]*)")
 

@@ -65,8 +65,8 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from flyd.state.compat import STATE_FORMAT_ID, Compatibility
-from workers.canonical import canonical, digest_bytes, is_canonical, parse_strict, plain
-from workers.domain import (
+from workers.types.canonical import canonical, digest_bytes, is_canonical, parse_strict, plain
+from workers.types.domain import (
     DomainError,
     ErrorCode,
     Mutation,
@@ -78,7 +78,7 @@ from workers.domain import (
     parse_u64,
     short,
 )
-from workers.ticks import RationalNs
+from workers.types.ticks import RationalNs
 
 __all__ = [
     "ALIGNMENT",

@@ -42,7 +42,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from workers.domain import DomainError, ErrorCode
+from workers.types.domain import DomainError, ErrorCode
 
 __all__ = ["Exhausted", "RecoveryBudget", "capture_repeats", "is_permanent", "repeats"]
 

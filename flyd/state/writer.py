@@ -69,8 +69,8 @@ from flyd.state.checkpoints import (
 )
 from flyd.state.effects import PendingEffects
 from flyd.state.envelope import MAX_ENVELOPE_BYTES, MAX_PAYLOADS, encode
-from workers.canonical import digest_of
-from workers.domain import DomainError, ErrorCode, Mutation
+from workers.types.canonical import digest_of
+from workers.types.domain import DomainError, ErrorCode, Mutation
 
 __all__ = [
     "CaptureSubmission",

@@ -28,7 +28,7 @@ from flyd.outcome import describe, traceback_of
 from flyd.session.runspec import RunSpec
 from tests.cli.test_serve import log_events, run_state, submit
 from tests.serve_nodes import ROOT, process_dir, start_node, stop, wait_for
-from workers.domain import FAULT_FRAMES, FAULT_LINE
+from workers.types.domain import FAULT_FRAMES, FAULT_LINE
 
 pytestmark = pytest.mark.timeout(180)
 

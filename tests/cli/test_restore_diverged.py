@@ -32,7 +32,7 @@ from tests.cli.test_flyctl_runs import FLYCTL
 from tests.cli.test_run import ROOT, env_for, flyd_run
 from tests.cli.test_run import tmp as tmp
 from tests.cli.test_wide_runs import events
-from workers.canonical import digest_of
+from workers.types.canonical import digest_of
 
 pytestmark = pytest.mark.timeout(240)
 

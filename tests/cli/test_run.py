@@ -144,7 +144,7 @@ def test_flyd_run_prints_the_summary(tmp: Path) -> None:
     records = lines[1:]
     assert len(records) == 120 and not any("resume" in r for r in records)
     assert [r["scope"]["step"] for r in records[:2]] == ["0", "1"]
-    from workers.canonical import digest_of
+    from workers.types.canonical import digest_of
 
     assert digest_of(records) == summary["behaviourDigest"]
     import psycopg

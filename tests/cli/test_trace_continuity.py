@@ -28,7 +28,7 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from tests.cli.test_db_blips import boundary_effects, latest_run
 from tests.cli.test_run import _DSN, ROOT, clean_digest, env_for, flyd_run, leftovers
 from tests.cli.test_run import tmp as tmp
-from workers.canonical import digest_of
+from workers.types.canonical import digest_of
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -29,7 +29,7 @@ from flyd.leases.stores.contract import (
     commit_allowance_s,
 )
 from flyd.leases.stores.pg import PIPELINE_MAX_BYTES, DbSettings, PgStore
-from workers.canonical import canonical
+from workers.types.canonical import canonical
 
 pytestmark = pytest.mark.timeout(180)
 

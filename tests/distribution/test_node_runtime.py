@@ -38,7 +38,7 @@ from flyd.leases.stores.contract import (
     UnknownOutcome,
 )
 from flyd.leases.stores.mem import MemStore
-from workers.canonical import canonical
+from workers.types.canonical import canonical
 
 P = LeaseParams.short_ttl()
 NODE = "a-000000000001"

@@ -27,12 +27,20 @@ import pytest
 from flyd.launch.identities import WorkerRef
 from flyd.launch.launcher import ExecutionMode, Launcher, connect_expected, start_error
 from flyd.launch.spawner import LauncherSettings, Spawner
+from flyd.session.audio import AudioTimeline, AudioTimelines
 from flyd.session.coordinator import SessionFailure
 from flyd.session.runspec import RunSpec
 from tests.session.harness import ALL_MODES, Fixture, SessionHarness
 from tests.session.worker_rig import agent_init_params, control, env_init_params
 from workers.agent import AgentEndpoint
-from workers.datatypes import (
+from workers.environment import EnvironmentEndpoint
+from workers.faults import Faults
+from workers.launch import MAX_MEDIA_INLINE_MAX_BYTES, WorkerLaunch
+from workers.protocols import AgentModel, DecodedView
+from workers.roles import endpoint_for
+from workers.shell import Endpoint
+from workers.synthetic.arena import CounterArena
+from workers.types.datatypes import (
     AUDIO_CONTENT_TYPE,
     AudioRef,
     EnvironmentDescriptor,
@@ -42,16 +50,8 @@ from workers.datatypes import (
     decode_view,
     encode_media,
 )
-from workers.domain import DomainError, ErrorCode, Scope
-from workers.environment import EnvironmentEndpoint
-from workers.faults import Faults
-from workers.launch import MAX_MEDIA_INLINE_MAX_BYTES, WorkerLaunch
-from workers.protocols import AgentModel, DecodedView
-from workers.roles import endpoint_for
-from workers.shell import Endpoint
-from workers.synthetic.arena import CounterArena
-from workers.synthetic.audio import AudioTimeline, AudioTimelines
-from workers.ticks import RationalNs
+from workers.types.domain import DomainError, ErrorCode, Scope
+from workers.types.ticks import RationalNs
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -44,12 +44,13 @@ from tests.session.worker_rig import environment_launch
 from tests.state.conftest import RunCtx
 from tests.state.state_harness import StateHarness
 from workers.artifacts import MediaSink
-from workers.canonical import digest_of
-from workers.datatypes import ArtifactBlob, MediaValue, WorldObservation
+from workers.bodies import EndpointFactory
 from workers.environment import EnvironmentEndpoint
 from workers.launch import MAX_MEDIA_INLINE_MAX_BYTES, WorkerLaunch
 from workers.roles import endpoint_for
-from workers.shell import Endpoint, EndpointFactory
+from workers.shell import Endpoint
+from workers.types.canonical import digest_of
+from workers.types.datatypes import ArtifactBlob, MediaValue, WorldObservation
 
 LARGE = {"width": 256, "height": 256}
 VIEW_BYTES = 256 * 256 * 4

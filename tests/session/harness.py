@@ -58,12 +58,13 @@ from flyd.node.router_child import router_answers
 from flyd.session.coordinator import Coordinator, Deadlines, DispatchOrder, Injections, StepReport
 from flyd.session.run_topic import RunPublisher
 from flyd.session.runspec import AgentSpec, RunSpec, TaskSpec
-from workers.domain import DomainError
+from workers.bodies import EndpointFactory
 from workers.faults import Faults
 from workers.launch import DEFAULT_MEDIA_INLINE_MAX_BYTES
-from workers.shell import EndpointFactory, load_plugin
+from workers.plugins import load_plugin
 from workers.synthetic.executor import IdentityExecutor
 from workers.synthetic.task import CounterTask
+from workers.types.domain import DomainError
 
 WAIT = 20.0
 T = TypeVar("T")

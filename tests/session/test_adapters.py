@@ -39,10 +39,16 @@ from workers.adapters.spaces import (
     to_space,
     typed,
 )
-from workers.datatypes import AxisValue, ButtonState, PortControl, PortSpec, check_port_control
-from workers.domain import DomainError, Scope
 from workers.protocols import ControllerIntent, DecodedArray
-from workers.ticks import RationalNs
+from workers.types.datatypes import (
+    AxisValue,
+    ButtonState,
+    PortControl,
+    PortSpec,
+    check_port_control,
+)
+from workers.types.domain import DomainError, Scope
+from workers.types.ticks import RationalNs
 
 ROOT = Path(__file__).resolve().parents[2]
 ENVS = "tests.cli.adapter_envs"

@@ -29,14 +29,14 @@ from tests.session.worker_rig import (
     view_ref,
     wait_for,
 )
-from workers.canonical import typed_digest
-from workers.datatypes import TypedValue
 from workers.faults import Faults
-from workers.rpc import Request
 from workers.shell import Call, Endpoint
 from workers.synthetic.brain import FakeBrain
 from workers.synthetic.schemas import synthetic_schema
 from workers.synthetic.task import context
+from workers.types.canonical import typed_digest
+from workers.types.datatypes import TypedValue
+from workers.types.rpc import Request
 
 __all__ = ["rig"]
 
@@ -256,7 +256,7 @@ async def test_pre_step_stimulations_run_before_the_ticks(rig: Rig) -> None:
     reference = FakeBrain(agent_id="fly-a", seed=7, threads=1, config={})
     reference.install_input(0)
     reference.advance(10)
-    from workers.datatypes import Stimulus
+    from workers.types.datatypes import Stimulus
 
     reference.stimulate(Stimulus.from_json(MILESTONE))
     reference.stimulate(Stimulus.from_json({**MILESTONE, "durationMs": 2.5}))
@@ -343,7 +343,7 @@ async def test_the_handler_refuses_an_older_step_with_stale_step(rig: Rig) -> No
 
 
 def scope_obj(step: int) -> Any:
-    from workers.domain import Scope
+    from workers.types.domain import Scope
 
     return Scope("demo", "e1", step)
 

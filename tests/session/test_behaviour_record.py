@@ -20,8 +20,10 @@ from flyd.session.records import rewards_digest, transition_records
 from flyd.session.runspec import AgentSpec
 from flyd.session.slots import AgentSlot
 from flyd.session.trace import EpochRebase, compare
-from workers.canonical import canonical, digest_of, typed_digest
-from workers.datatypes import (
+from workers.protocols import AgentOutcome, Evaluation
+from workers.synthetic.task import CounterTask
+from workers.types.canonical import canonical, digest_of, typed_digest
+from workers.types.datatypes import (
     VIEW_CONTENT_TYPE,
     Reward,
     SchemaRef,
@@ -30,10 +32,8 @@ from workers.datatypes import (
     WorldObservation,
     encode_media,
 )
-from workers.domain import Scope
-from workers.protocols import AgentOutcome, Evaluation
-from workers.synthetic.task import CounterTask
-from workers.ticks import RationalNs
+from workers.types.domain import Scope
+from workers.types.ticks import RationalNs
 
 SCHEMA = SchemaRef("test.value.v1", 1, "0" * 64)
 AGENTS = ("fly-a", "fly-b")

@@ -26,8 +26,10 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from workers.canonical import MAX_DEPTH, MAX_SAFE_INTEGER, canonical, format_number
-from workers.datatypes import (
+from workers.synthetic.audio import AMPLITUDE, BASE_HZ, SAMPLE_RATE, STEP_HZ, TriangleSource
+from workers.synthetic.frame import render_frame
+from workers.types.canonical import MAX_DEPTH, MAX_SAFE_INTEGER, canonical, format_number
+from workers.types.datatypes import (
     AUDIO_CONTENT_TYPE,
     MAX_TYPED_VALUE_BYTES,
     AudioDescriptor,
@@ -39,12 +41,10 @@ from workers.datatypes import (
     decode_media,
     encode_media,
 )
-from workers.domain import DomainError, short
-from workers.synthetic.audio import AMPLITUDE, BASE_HZ, SAMPLE_RATE, STEP_HZ, TriangleSource
-from workers.synthetic.frame import render_frame
+from workers.types.domain import DomainError, short
 
 # --------------------------------------------------------------------------------------------
-# the reference canonical writer (workers/canonical.py before the orjson path), verbatim
+# the reference canonical writer (workers/types/canonical.py before the orjson path), verbatim
 
 
 def _refuse(message: str) -> DomainError:

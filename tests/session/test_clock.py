@@ -10,8 +10,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from flyd.session.pacing import Pacing
-from workers.domain import DomainError, ErrorCode, Mutation
-from workers.ticks import AudioBudget, RationalNs, TickAccumulator, divide_floor
+from workers.types.domain import DomainError, ErrorCode, Mutation
+from workers.types.ticks import AudioBudget, RationalNs, TickAccumulator, divide_floor
 
 STEP_60HZ = RationalNs(50000000, 3)
 TICK_1MS = RationalNs.millis(1)

@@ -8,7 +8,7 @@ import pytest
 from flyd.session.audit import AuditLog
 from flyd.session.coordinator import Feed, format_duration
 from flyd.session.trace import TraceLog
-from workers.domain import DomainError
+from workers.types.domain import DomainError
 
 
 def test_format_duration_picks_the_largest_whole_unit() -> None:

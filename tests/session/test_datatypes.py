@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from workers.canonical import digest_bytes, typed_digest
-from workers.datatypes import (
+from workers.types.canonical import digest_bytes, typed_digest
+from workers.types.datatypes import (
     AssetRef,
     AudioDescriptor,
     AudioRef,
@@ -34,8 +34,8 @@ from workers.datatypes import (
     decode_view,
     encode_media,
 )
-from workers.domain import DomainError, ErrorCode, Mutation
-from workers.ticks import RationalNs
+from workers.types.domain import DomainError, ErrorCode, Mutation
+from workers.types.ticks import RationalNs
 
 D = "ab" * 32
 SCHEMA: dict[str, Any] = {"id": "arena.inspection.v1", "version": 1, "digest": D}

@@ -16,7 +16,6 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from workers.canonical import body_digest
 from workers.dedup import (
     MAX_UNACKNOWLEDGED,
     Execute,
@@ -28,8 +27,9 @@ from workers.dedup import (
     Ticket,
     class_of,
 )
-from workers.domain import DomainError, ErrorCode, Mutation, Scope, format_request_id
-from workers.rpc import Outcome
+from workers.types.canonical import body_digest
+from workers.types.domain import DomainError, ErrorCode, Mutation, Scope, format_request_id
+from workers.types.rpc import Outcome
 
 SESSION = "demo"
 WORKER = "fly-a"

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from bus.errors import ERROR_CLASSES, ERROR_CODES, RouterLost
-from workers.canonical import (
+from workers.types.canonical import (
     body_digest,
     canonical,
     controls_digest,
@@ -21,7 +21,7 @@ from workers.canonical import (
     is_canonical,
     parse_strict,
 )
-from workers.domain import (
+from workers.types.domain import (
     BEFORE_MUTATION,
     CODES,
     FAULT_FRAMES,
@@ -39,7 +39,7 @@ from workers.domain import (
     parse_u64,
     serial,
 )
-from workers.rpc import (
+from workers.types.rpc import (
     Answered,
     Outcome,
     Refused,

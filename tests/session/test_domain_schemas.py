@@ -1,7 +1,7 @@
 """The domain request and outcome envelopes as JSON Schemas (schemas/session/, Draft 2020-12).
 
 The spec's §1 examples must validate, and the schemas must agree with the Python codec
-(`workers.rpc`) on what is and is not a well-formed request or outcome.
+(`workers.types.rpc`) on what is and is not a well-formed request or outcome.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 from jsonschema import Draft202012Validator
 
-from workers.domain import DomainError
-from workers.rpc import Answered, answer, parse_request
+from workers.types.domain import DomainError
+from workers.types.rpc import Answered, answer, parse_request
 
 ROOT = Path(__file__).resolve().parents[2] / "schemas" / "session"
 EXAMPLES: dict[str, Any] = json.loads(

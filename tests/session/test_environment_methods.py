@@ -24,17 +24,17 @@ from tests.session.worker_rig import (
     scope,
     wait_for,
 )
-from workers.canonical import controls_digest
 from workers.composition import config_asset
-from workers.datatypes import PortControl
-from workers.domain import DomainError, Scope
 from workers.faults import Faults
 from workers.roles import endpoint_for
-from workers.rpc import Request
 from workers.shell import Call, Endpoint
 from workers.synthetic import CounterArena
 from workers.synthetic.frame import render_frame
-from workers.ticks import RationalNs
+from workers.types.canonical import controls_digest
+from workers.types.datatypes import PortControl
+from workers.types.domain import DomainError, Scope
+from workers.types.rpc import Request
+from workers.types.ticks import RationalNs
 
 __all__ = ["rig"]
 
@@ -472,7 +472,7 @@ async def test_a_frame_of_the_wrong_size_is_a_render_failure(rig: Rig) -> None:
 
 
 async def test_a_world_declaring_other_ports_than_the_launch_is_refused(rig: Rig) -> None:
-    from workers.shell import run_worker
+    from workers.bodies import run_worker
 
     with pytest.raises(DomainError) as info:
         await run_worker(world_launch(rig, "SubsetPortArena"), endpoint_factory=endpoint_for)
@@ -480,7 +480,7 @@ async def test_a_world_declaring_other_ports_than_the_launch_is_refused(rig: Rig
 
 
 async def test_an_unknown_world_class_is_refused_at_launch(rig: Rig) -> None:
-    from workers.shell import run_worker
+    from workers.bodies import run_worker
 
     with pytest.raises(DomainError) as info:
         await run_worker(world_launch(rig, "NoSuchArena"), endpoint_factory=endpoint_for)

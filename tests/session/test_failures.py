@@ -25,8 +25,8 @@ from flyd.session.coordinator import (
 from flyd.session.phase import Failed
 from tests.session.harness import Fixture, SessionHarness, within
 from tests.session.worker_rig import context_digest, prepare_params
-from workers.domain import DomainError, Scope
 from workers.faults import Faults
+from workers.types.domain import DomainError, Scope
 
 pytestmark = pytest.mark.timeout(60)
 

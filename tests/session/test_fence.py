@@ -26,7 +26,7 @@ from flyd.session.phase import (
     Resetting,
     Restoring,
 )
-from workers.domain import DomainError, ErrorCode, Mutation
+from workers.types.domain import DomainError, ErrorCode, Mutation
 
 INJECTED = DomainError(
     ErrorCode.BACKEND_FAILURE,

@@ -12,10 +12,10 @@ import pytest
 
 from examples.fly_arena import FlyArena, FlyBrain, MotorExecutor, OdourTask
 from examples.fly_arena.schemas import CONTEXT, DECISION, typed
-from workers.datatypes import AxisValue, PortControl
-from workers.domain import DomainError, Scope
 from workers.protocols import DecodedView
-from workers.ticks import RationalNs
+from workers.types.datatypes import AxisValue, PortControl
+from workers.types.domain import DomainError, Scope
+from workers.types.ticks import RationalNs
 
 PORTS = ("p1", "p2", "p3")
 AGENTS = ("fly-1", "fly-2", "fly-3")

@@ -32,7 +32,7 @@ from flyd.launch.spawn import groups_running
 from flyd.launch.spawner import LauncherSettings, Spawner
 from flyd.session.runspec import AgentSpec, RunSpec
 from tests.session.conftest import children, fork_server
-from workers.domain import DomainError
+from workers.types.domain import DomainError
 
 if TYPE_CHECKING:
     from tests.session.conftest import LauncherFactory

@@ -12,7 +12,7 @@ import pytest
 
 from flyd.session.coordinator import Publication
 from tests.session.harness import Fixture, SessionHarness
-from workers.canonical import digest_of
+from workers.types.canonical import digest_of
 
 pytestmark = pytest.mark.timeout(60)
 

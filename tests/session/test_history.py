@@ -12,9 +12,9 @@ from flyd.session.audit import AuditLog
 from flyd.session.coordinator import Metrics
 from flyd.session.phase import PhaseMachine, Preparing, Ready
 from flyd.session.trace import RecordStream, TraceLog
-from workers.canonical import canonical, digest_of
-from workers.domain import DomainError
 from workers.environment import BatchSet
+from workers.types.canonical import canonical, digest_of
+from workers.types.domain import DomainError
 
 
 def behaviour(step: int, events: int) -> dict[str, Any]:

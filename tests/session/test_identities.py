@@ -36,8 +36,8 @@ from flyd.launch.identities import (
 from flyd.launch.launcher import connect_expected
 from flyd.node.grant import launch_refusal_repeats
 from flyd.session.runspec import RunSpec, RunSpecError
-from workers.domain import DomainError, ErrorCode, Mutation, is_id, parse_worker_id
 from workers.launch import AgentSettings, WorkerLaunch
+from workers.types.domain import DomainError, ErrorCode, Mutation, is_id, parse_worker_id
 
 if TYPE_CHECKING:
     from tests.session.conftest import Node

@@ -39,10 +39,10 @@ from flyd.launch.launcher import (
 from flyd.launch.spawner import LauncherSettings, Spawner
 from flyd.session.runspec import AgentSpec, FaultSpecError, KillAt, RunSpec
 from tests.session.conftest import children
-from workers.domain import DomainError
 from workers.faults import Faults, role_fields
 from workers.launch import WorkerLaunch, parse_worker_argv
 from workers.shell import Endpoint
+from workers.types.domain import DomainError
 
 if TYPE_CHECKING:
     from tests.session.conftest import LauncherFactory, Node

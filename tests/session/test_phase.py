@@ -38,7 +38,7 @@ from flyd.session.phase import (
     phase_of,
     step_of,
 )
-from workers.domain import U64_MAX, DomainError, ErrorCode, Mutation
+from workers.types.domain import U64_MAX, DomainError, ErrorCode, Mutation
 
 
 class Fail:

@@ -20,8 +20,6 @@ from flyd.session.runspec import RunSpec, RunSpecError
 from tests.session.harness import Fixture, SessionHarness, within
 from tests.session.worker_rig import agent_launch
 from workers.agent import AgentEndpoint
-from workers.datatypes import TypedValue
-from workers.domain import DomainError, Scope
 from workers.protocols import (
     EXECUTOR_ATTRIBUTES,
     MODEL_ATTRIBUTES,
@@ -37,7 +35,9 @@ from workers.protocols import (
 )
 from workers.synthetic import CounterTask, FakeBrain, IdentityExecutor
 from workers.synthetic.schemas import DECISION as ARENA_DECISION
-from workers.ticks import RationalNs
+from workers.types.datatypes import TypedValue
+from workers.types.domain import DomainError, Scope
+from workers.types.ticks import RationalNs
 
 ROOT = Path(__file__).resolve().parents[2]
 RUN_JSON = ROOT / "examples" / "reaching" / "run.json"

@@ -25,8 +25,8 @@ from flyd.session.coordinator import (
 from flyd.session.phase import Failed, Ready
 from tests.session.harness import ALL_MODES, Fixture, SessionHarness, within
 from tests.session.worker_rig import agent_init_params, context_digest, prepare_params
-from workers.domain import DomainError, ErrorCode, Scope
 from workers.faults import Faults
+from workers.types.domain import DomainError, ErrorCode, Scope
 
 pytestmark = pytest.mark.timeout(60)
 

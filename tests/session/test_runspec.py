@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 
 from flyd.session.runspec import RunSpec, RunSpecError
-from workers.canonical import canonical
 from workers.faults import Faults
+from workers.types.canonical import canonical
 
 DIGEST = "ab" * 32
 

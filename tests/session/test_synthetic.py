@@ -21,16 +21,7 @@ from tests.cli.test_flyctl_runs import Site, flyctl
 from tests.cli.test_flyctl_runs import site as site
 from tests.cli.test_spec_option import flyd_run
 from tests.session.harness import Fixture, SessionHarness
-from workers.canonical import typed_digest
 from workers.composition import composition_digest, config_asset, derive_seed
-from workers.datatypes import (
-    EnvironmentDescriptor,
-    PortControl,
-    Stimulus,
-    TypedValue,
-    check_controls,
-)
-from workers.domain import DomainError, Scope
 from workers.protocols import ActionExecutor, AgentModel, DecodedView, Task, World
 from workers.synthetic import (
     CounterArena,
@@ -52,7 +43,16 @@ from workers.synthetic.brain import initial_state
 from workers.synthetic.frame import FRAME_BYTES, ROW_STRIDE, render_frame
 from workers.synthetic.readout import decide, rotate_right
 from workers.synthetic.task import Terminal, context
-from workers.ticks import AudioBudget, RationalNs, TickAccumulator
+from workers.types.canonical import typed_digest
+from workers.types.datatypes import (
+    EnvironmentDescriptor,
+    PortControl,
+    Stimulus,
+    TypedValue,
+    check_controls,
+)
+from workers.types.domain import DomainError, Scope
+from workers.types.ticks import AudioBudget, RationalNs, TickAccumulator
 
 STEP_60HZ = RationalNs(50_000_000, 3)
 TICK_1MS = RationalNs(1_000_000, 1)

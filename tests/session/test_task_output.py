@@ -10,10 +10,10 @@ import pytest
 
 from flyd.session.task_output import check_evaluation, task_error
 from flyd.state.recovery import is_permanent
-from workers.datatypes import Reward, Stimulus, TypedValue
-from workers.domain import DomainError
 from workers.protocols import AgentOutcome, Evaluation
 from workers.synthetic.schemas import synthetic_schema
+from workers.types.datatypes import Reward, Stimulus, TypedValue
+from workers.types.domain import DomainError
 
 TASK = "pkg.tasks:Task"
 PROGRESS = synthetic_schema("arena.progress.v1")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from flyd.launch.budget import ThreadBudget, cpus
-from workers.domain import DomainError
+from workers.types.domain import DomainError
 
 
 def test_worker_threads_lie_within_the_budget() -> None:

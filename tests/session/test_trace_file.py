@@ -12,8 +12,8 @@ import orjson
 import pytest
 
 from flyd.session.outputs import OutputWriteError, TraceFile
-from workers.canonical import canonical
-from workers.domain import DomainError
+from workers.types.canonical import canonical
+from workers.types.domain import DomainError
 
 
 def record(k: int, epoch: str = "e1") -> bytes:

@@ -86,7 +86,7 @@ async def test_the_runtime_and_reference_validators_agree_on_real_traffic(rig: R
     import copy
 
     from tests.session.worker_rig import method_schema
-    from workers.shell import method_validator
+    from workers.types.contract import method_validator
 
     await rig.start(environment_launch(rig.socket))
     await rig.start(agent_launch(rig.socket, "fly-a", "p1"))

@@ -37,8 +37,7 @@ from tests.session.worker_rig import (
     wait_for,
 )
 from workers import shell as shell_module
-from workers.canonical import digest_bytes, digest_of
-from workers.domain import DomainError
+from workers.bodies import WorkerThread, run_worker
 from workers.faults import Faults, Role
 from workers.launch import REFUSED_LAUNCH, START_GATE, WorkerLaunch, die_with_parent
 from workers.roles import endpoint_for
@@ -51,11 +50,10 @@ from workers.shell import (
     Call,
     Endpoint,
     WorkerShell,
-    WorkerThread,
-    build_digest,
-    contract_digest,
-    run_worker,
 )
+from workers.types.canonical import digest_bytes, digest_of
+from workers.types.contract import build_digest, contract_digest
+from workers.types.domain import DomainError
 
 __all__ = ["rig"]
 
@@ -550,7 +548,7 @@ class CrashingAgent(Endpoint):
         raise RuntimeError("model exploded")
 
     async def wordy(self, call: Call) -> dict[str, Any]:
-        from workers.domain import DomainError
+        from workers.types.domain import DomainError
 
         raise DomainError.invalid("é" * 2000)
 
@@ -785,7 +783,7 @@ def every_fault_launches() -> list[WorkerLaunch]:
 
 
 def shell_module_step() -> Any:
-    from workers.ticks import RationalNs
+    from workers.types.ticks import RationalNs
 
     return RationalNs(1, 3)
 
@@ -858,7 +856,7 @@ def test_from_argv_needs_a_role_it_can_tell() -> None:
         "threads-257", "no-callers", "service-name", "session-id", "pid-0", "log-format"])
 def test_an_invalid_launch_is_refused_at_construction(change: dict[str, Any],
                                                       message: str) -> None:
-    from workers.domain import DomainError
+    from workers.types.domain import DomainError
 
     with pytest.raises(DomainError) as info:
         dataclasses.replace(agent_launch("/tmp/s.sock"), **change)

@@ -34,17 +34,18 @@ from bus.client_calls import CallResult
 from bus.errors import CallGone, NoService
 from bus.policy import Policy
 from bus.router import Router, RouterConfig
-from workers.canonical import typed_digest
+from workers.bodies import run_worker
 from workers.composition import config_asset
-from workers.datatypes import VIEW_CONTENT_TYPE, ViewRef, encode_media
 from workers.faults import Faults
 from workers.launch import AgentSettings, EnvironmentSettings, WorkerLaunch
 from workers.roles import endpoint_for
-from workers.shell import Endpoint, run_worker
+from workers.shell import Endpoint
 from workers.synthetic import FakeBrain
 from workers.synthetic.frame import render_frame
 from workers.synthetic.task import context
-from workers.ticks import RationalNs
+from workers.types.canonical import typed_digest
+from workers.types.datatypes import VIEW_CONTENT_TYPE, ViewRef, encode_media
+from workers.types.ticks import RationalNs
 
 ROOT = Path(__file__).resolve().parents[2] / "schemas" / "session"
 SESSION = "demo"
@@ -436,7 +437,7 @@ class Driver:
         self.transitions: list[Transition] = []
 
     async def bootstrap(self) -> dict[str, Any]:
-        from workers.datatypes import TypedValue
+        from workers.types.datatypes import TypedValue
 
         env = await self.rig.ok(self.world, "Environment.Initialize", env_init_params(
             [[port, agent] for agent, port, _ in sorted(self.agents)], self.world), scope(0))
@@ -457,8 +458,8 @@ class Driver:
         return env
 
     async def step(self) -> Transition:
-        from workers.datatypes import PortControl, TypedValue
-        from workers.domain import Scope
+        from workers.types.datatypes import PortControl, TypedValue
+        from workers.types.domain import Scope
 
         k = self.k
         prepared: dict[str, dict[str, Any]] = {}

@@ -13,10 +13,10 @@ import pytest
 from flyd.launch.identities import WorkerRef
 from flyd.session.runspec import RunSpec
 from tests.session.harness import Fixture, SessionHarness
-from workers.canonical import canonical, digest_bytes, digest_of, parse_strict
-from workers.datatypes import MediaBlob
-from workers.domain import DomainError, ErrorCode, Mutation, Scope
 from workers.state import PAYLOAD_CONTENT_TYPE
+from workers.types.canonical import canonical, digest_bytes, digest_of, parse_strict
+from workers.types.datatypes import MediaBlob
+from workers.types.domain import DomainError, ErrorCode, Mutation, Scope
 
 SESSION = "demo"
 

@@ -36,8 +36,8 @@ from flyd.state.checkpoints import (
 )
 from flyd.state.compat import STATE_FORMAT_ID
 from flyd.state.envelope import encode
-from workers.canonical import canonical, digest_bytes, digest_of
-from workers.ticks import RationalNs
+from workers.types.canonical import canonical, digest_bytes, digest_of
+from workers.types.ticks import RationalNs
 
 BASE = datetime(2030, 1, 1, tzinfo=UTC)
 NODE = "node-a-0000000000a1"

@@ -42,11 +42,11 @@ from flyd.state.envelope import decode, encode
 from flyd.state.writer import CheckpointWriter, Committed, WriterConfig, WriterFaults
 from tests.session.harness import WAIT, Fixture, SessionHarness, within
 from tests.state.conftest import NODE, RunCtx
-from workers.canonical import digest_bytes, digest_of
-from workers.domain import ErrorCode
 from workers.faults import Faults
 from workers.launch import AgentSettings
 from workers.synthetic.brain import FakeBrain
+from workers.types.canonical import digest_bytes, digest_of
+from workers.types.domain import ErrorCode
 
 Edit = Callable[[dict[str, Any], dict[str, bytes]], None]
 

@@ -36,8 +36,8 @@ from flyd.state.recovery import capture_repeats
 from flyd.state.writer import CheckpointWriter, Committed, WriterConfig, WriterFaults
 from tests.session.harness import Fixture, SessionHarness
 from tests.state.conftest import RunCtx, effect_rows, run_state
-from workers.domain import ErrorCode, Mutation
 from workers.faults import Faults
+from workers.types.domain import ErrorCode, Mutation
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -19,11 +19,11 @@ from flyd.state.envelope import decode, encode
 from tests.session.harness import Fixture, SessionHarness
 from tests.session.worker_rig import prepare_params
 from tests.state.capture_rig import DelayFixture, capture_raw, refused, scope
-from workers.canonical import canonical, digest_bytes, parse_strict
-from workers.domain import ErrorCode, Mutation, Scope
 from workers.faults import Faults
 from workers.state import StateService
 from workers.synthetic.arena import CounterArena
+from workers.types.canonical import canonical, digest_bytes, parse_strict
+from workers.types.domain import ErrorCode, Mutation, Scope
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -9,11 +9,11 @@ import pytest
 
 from flyd.state.compat import AGENT_IDENTITY_FIELDS, FIELDS, AgentIdentity, Compatibility
 from tests.session.worker_rig import Rig, environment_launch, rig, scope
-from workers.canonical import digest_bytes, digest_of
-from workers.datatypes import EnvironmentDescriptor
-from workers.domain import DomainError, ErrorCode, Mutation
 from workers.synthetic.arena import CounterArena
-from workers.ticks import RationalNs
+from workers.types.canonical import digest_bytes, digest_of
+from workers.types.datatypes import EnvironmentDescriptor
+from workers.types.domain import DomainError, ErrorCode, Mutation
+from workers.types.ticks import RationalNs
 
 __all__ = ["rig"]
 

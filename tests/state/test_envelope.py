@@ -28,8 +28,8 @@ from flyd.state.envelope import (
     unpack,
     validate_manifest,
 )
-from workers.canonical import canonical, digest_bytes, digest_of
-from workers.domain import DomainError, ErrorCode, Mutation
+from workers.types.canonical import canonical, digest_bytes, digest_of
+from workers.types.domain import DomainError, ErrorCode, Mutation
 
 ROOT = Path(__file__).resolve().parents[2]
 FIXTURE = ROOT / "tests" / "fixtures" / "checkpoint-envelope.json"

@@ -27,8 +27,8 @@ from flyd.state.envelope import (
     encode,
     pack,
 )
-from workers.canonical import canonical, digest_bytes
-from workers.domain import ErrorCode, Mutation
+from workers.types.canonical import canonical, digest_bytes
+from workers.types.domain import ErrorCode, Mutation
 
 FIXTURE = Path(__file__).resolve().parents[2] / "tests" / "fixtures" / "checkpoint-envelope.json"
 DOC: dict[str, Any] = json.loads(FIXTURE.read_text(encoding="utf-8"))

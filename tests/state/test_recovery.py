@@ -60,7 +60,7 @@ from flyd.state.checkpoints import PgCheckpointStore
 from flyd.state.envelope import decode
 from tests.distribution.harness.clock import EPOCH, HarnessClock
 from tests.serve_nodes import node_log, processes_under, query, start_node, stop, wait_for
-from workers.canonical import digest_of
+from workers.types.canonical import digest_of
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -31,12 +31,12 @@ from tests.session.worker_rig import prepare_params
 from tests.state.capture_rig import activate, scope
 from tests.state.conftest import RunCtx, effect_rows
 from tests.state.state_harness import StateHarness
-from workers.canonical import canonical, digest_bytes, parse_strict
-from workers.domain import DomainError, ErrorCode, Mutation
 from workers.faults import Faults
 from workers.state import StateService
 from workers.synthetic import CounterArena
 from workers.synthetic.profile import graph
+from workers.types.canonical import canonical, digest_bytes, parse_strict
+from workers.types.domain import DomainError, ErrorCode, Mutation
 
 pytestmark = pytest.mark.timeout(90)
 

@@ -21,11 +21,11 @@ from tests.state.capture_rig import (
     stage_params,
     wrapper_of,
 )
-from workers.canonical import parse_strict
-from workers.datatypes import WorldObservation
-from workers.domain import ErrorCode, Scope
 from workers.faults import Faults
 from workers.state import restore_token
+from workers.types.canonical import parse_strict
+from workers.types.datatypes import WorldObservation
+from workers.types.domain import ErrorCode, Scope
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -44,7 +44,7 @@ from tests.state.conftest import (
     make_job,
     run_state,
 )
-from workers.domain import DomainError, ErrorCode, Mutation
+from workers.types.domain import DomainError, ErrorCode, Mutation
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "checkpoint-envelope.json"
 

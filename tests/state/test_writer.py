@@ -34,7 +34,7 @@ from flyd.state.writer import (
     audit_line,
 )
 from tests.state.conftest import RunCtx, behaviour, effect_rows, make_capture
-from workers.domain import DomainError, ErrorCode, Mutation
+from workers.types.domain import DomainError, ErrorCode, Mutation
 
 EVENT_FIELDS = {"event", "run", "leaseEpoch", "checkpointId", "sessionId", "epoch", "episodeId",
                 "boundary", "byteLength"}

@@ -81,9 +81,22 @@ from workers.adapters.spaces import (
     unsupported,
 )
 from workers.adapters.thread import EnvThread
-from workers.canonical import canonical, digest_bytes, parse_strict
 from workers.composition import config_asset
-from workers.datatypes import (
+from workers.protocols import (
+    ARRAY_INPUT,
+    PER_AGENT_INPUT,
+    AgentArray,
+    AgentOutcome,
+    Bootstrap,
+    DecodedArray,
+    DecodedView,
+    EpisodeRequest,
+    Evaluation,
+    TaskEvent,
+)
+from workers.synthetic.schemas import DECISION
+from workers.types.canonical import canonical, digest_bytes, parse_strict
+from workers.types.datatypes import (
     AssetRef,
     EnvironmentDescriptor,
     Graph,
@@ -98,7 +111,7 @@ from workers.datatypes import (
     TypedValue,
     ViewDescriptor,
 )
-from workers.domain import (
+from workers.types.domain import (
     DomainError,
     ErrorCode,
     Mutation,
@@ -111,20 +124,7 @@ from workers.domain import (
     parse_id,
     parse_int,
 )
-from workers.protocols import (
-    ARRAY_INPUT,
-    PER_AGENT_INPUT,
-    AgentArray,
-    AgentOutcome,
-    Bootstrap,
-    DecodedArray,
-    DecodedView,
-    EpisodeRequest,
-    Evaluation,
-    TaskEvent,
-)
-from workers.synthetic.schemas import DECISION
-from workers.ticks import RationalNs
+from workers.types.ticks import RationalNs
 
 VIEW_ID: Final = "frame"
 WORLD_FORMAT: Final = "adapter-world-v3"

@@ -40,7 +40,7 @@ import structlog
 
 from workers.adapters.replay import EpisodeLog, StepResult, replay, step_digest
 from workers.adapters.snapshot import Unpicklable, dumps, loads
-from workers.domain import DomainError, ErrorCode
+from workers.types.domain import DomainError, ErrorCode
 
 __all__ = ["CHECK_STEPS", "RESTORE_MODES", "EnvRecovery"]
 

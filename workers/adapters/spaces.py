@@ -10,7 +10,7 @@ as gymnasium spaces on the agent's side (`to_space`).
 
 Observations (`encode_observation`, `decode_observation`): every `Box`, `MultiBinary` and
 `MultiDiscrete` leaf travels as one binary array (numpy's dtype string, shape, C-order bytes;
-`workers.datatypes.ArrayValue`), named in the structured value as `{"array": "o<i>", "digest":
+`workers.types.datatypes.ArrayValue`), named in the structured value as `{"array": "o<i>", "digest":
 <SHA-256 of its bytes>}` (leaves numbered in order, `Dict` keys in the space's order); a
 `Discrete` leaf is a JSON integer; `Dict` and `Tuple` recursively. No number of an array is
 written as JSON, so an observation's size is bounded by the transport, not by the 32 KiB of a
@@ -40,8 +40,9 @@ from typing import Any, Final
 import numpy as np
 from gymnasium import spaces
 
-from workers.canonical import canonical, digest_bytes
-from workers.datatypes import (
+from workers.protocols import AgentArray, DecodedArray
+from workers.types.canonical import canonical, digest_bytes
+from workers.types.datatypes import (
     AxisSpec,
     AxisValue,
     ButtonState,
@@ -50,8 +51,7 @@ from workers.datatypes import (
     SchemaRef,
     TypedValue,
 )
-from workers.domain import DomainError, parse_finite
-from workers.protocols import AgentArray, DecodedArray
+from workers.types.domain import DomainError, parse_finite
 
 MAX_BUTTONS: Final = 32
 MAX_AXES: Final = 16

@@ -20,9 +20,12 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar, Final
 
-from workers.canonical import canonical, digest_bytes, parse_strict
 from workers.composition import config_asset
-from workers.datatypes import (
+from workers.synthetic import frame as _frame
+from workers.synthetic.audio import CHANNELS, SAMPLE_RATE, TriangleSource
+from workers.synthetic.schemas import CONTROLLER, INSPECTION, typed
+from workers.types.canonical import canonical, digest_bytes, parse_strict
+from workers.types.datatypes import (
     AssetRef,
     AudioDescriptor,
     AxisSpec,
@@ -34,11 +37,8 @@ from workers.datatypes import (
     TypedValue,
     ViewDescriptor,
 )
-from workers.domain import DomainError, parse_id, parse_int
-from workers.synthetic import frame as _frame
-from workers.synthetic.audio import CHANNELS, SAMPLE_RATE, TriangleSource
-from workers.synthetic.schemas import CONTROLLER, INSPECTION, typed
-from workers.ticks import RationalNs
+from workers.types.domain import DomainError, parse_id, parse_int
+from workers.types.ticks import RationalNs
 
 VIEW_ID: Final = "arena"
 STREAM_ID: Final = "arena"

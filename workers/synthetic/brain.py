@@ -19,9 +19,12 @@ from concurrent.futures import Executor
 from hashlib import sha256
 from typing import Any, ClassVar, Final
 
-from workers.canonical import canonical, parse_strict
-from workers.datatypes import AssetRef, Graph, Learning, Stimulus, Telemetry, TypedValue
-from workers.domain import (
+from workers.protocols import DecodedView
+from workers.synthetic import profile as _profile
+from workers.synthetic import readout as _readout
+from workers.types.canonical import canonical, parse_strict
+from workers.types.datatypes import AssetRef, Graph, Learning, Stimulus, Telemetry, TypedValue
+from workers.types.domain import (
     DomainError,
     parse_bool,
     parse_finite,
@@ -29,10 +32,7 @@ from workers.domain import (
     parse_int,
     parse_u64,
 )
-from workers.protocols import DecodedView
-from workers.synthetic import profile as _profile
-from workers.synthetic import readout as _readout
-from workers.ticks import RationalNs
+from workers.types.ticks import RationalNs
 
 MASK64: Final = (1 << 64) - 1
 SEED_MIX: Final = 0x9E3779B97F4A7C15

@@ -12,11 +12,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
-from workers.datatypes import SchemaRef, TypedValue
-from workers.domain import DomainError, Scope
 from workers.protocols import ControllerIntent
 from workers.synthetic.schemas import DECISION, has_schema
-from workers.ticks import RationalNs
+from workers.types.datatypes import SchemaRef, TypedValue
+from workers.types.domain import DomainError, Scope
+from workers.types.ticks import RationalNs
 
 
 class IdentityExecutor:

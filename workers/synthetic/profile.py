@@ -11,11 +11,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Final
 
-from workers.canonical import digest_bytes
-from workers.datatypes import AssetRef, Graph
-from workers.domain import DomainError, parse_int
 from workers.synthetic.readout import RATE_ROLES
-from workers.ticks import RationalNs
+from workers.types.canonical import digest_bytes
+from workers.types.datatypes import AssetRef, Graph
+from workers.types.domain import DomainError, parse_int
+from workers.types.ticks import RationalNs
 
 PROFILE_FORMAT: Final = "fly-profile-v1"
 NEURON_COUNT: Final = 1024

@@ -10,10 +10,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Final
 
-from workers.datatypes import Learning, RateRole, Telemetry, TypedValue
-from workers.domain import DomainError, parse_int
 from workers.protocols import DecodedView
 from workers.synthetic.schemas import CONTEXT, DECISION, has_schema, typed
+from workers.types.datatypes import Learning, RateRole, Telemetry, TypedValue
+from workers.types.domain import DomainError, parse_int
 
 MASK64: Final = (1 << 64) - 1
 BUTTONS: Final = ("inc", "dec")

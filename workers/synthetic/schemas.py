@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import Any, Final
 
-from workers.canonical import digest_bytes
-from workers.datatypes import SchemaRef, TypedValue
+from workers.types.canonical import digest_bytes
+from workers.types.datatypes import SchemaRef, TypedValue
 
 
 def synthetic_schema(name: str, version: int = 1) -> SchemaRef:

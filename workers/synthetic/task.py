@@ -23,9 +23,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, Literal
 
-from workers.canonical import canonical, digest_bytes, parse_strict
-from workers.datatypes import PortControl, Reward, Stimulus, TypedValue
-from workers.domain import U64_MAX, DomainError, Scope, parse_finite, parse_int, parse_u64
 from workers.protocols import AgentOutcome, Bootstrap, EpisodeRequest, Evaluation, TaskEvent
 from workers.synthetic.arena import control_delta
 from workers.synthetic.schemas import (
@@ -37,6 +34,9 @@ from workers.synthetic.schemas import (
     has_schema,
     typed,
 )
+from workers.types.canonical import canonical, digest_bytes, parse_strict
+from workers.types.datatypes import PortControl, Reward, Stimulus, TypedValue
+from workers.types.domain import U64_MAX, DomainError, Scope, parse_finite, parse_int, parse_u64
 
 RULES: Final = ("bootstrap", "counter-delta", "milestone")
 MILESTONE_EVERY: Final = 5
@@ -121,6 +121,11 @@ class CounterTask:
         self.transitions = 0
         self.total_reward = 0.0
         self._evaluations = 0
+
+    @staticmethod
+    def check_terminal(terminal: object) -> None:
+        """The terminal grammar, for a run spec checked before the task is built."""
+        Terminal.parse(terminal)
 
     def _agents(self) -> list[str]:
         return sorted(set(self.ports.values()))

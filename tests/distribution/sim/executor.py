@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 from flyd.leases.core import LeaseLost
 from flyd.leases.runtime import GrantScope as Scope
 from flyd.leases.stores.contract import Checkpoint, Effect, StoreError, Transient
-from workers.canonical import canonical
+from workers.types.canonical import canonical
 
 if TYPE_CHECKING:
     from .world import Incarnation

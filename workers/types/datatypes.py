@@ -53,8 +53,8 @@ from typing import Any, Final, Literal, cast
 
 import orjson
 
-from workers.canonical import canonical, canonical_size, plain, typed_canonical
-from workers.domain import (
+from workers.types.canonical import canonical, canonical_size, plain, typed_canonical
+from workers.types.domain import (
     DomainError,
     ErrorCode,
     Mutation,
@@ -68,7 +68,7 @@ from workers.domain import (
     parse_u64,
     short,
 )
-from workers.ticks import RationalNs
+from workers.types.ticks import RationalNs
 
 __all__ = [
     "ARRAY_CONTENT_TYPE",

@@ -49,8 +49,8 @@ from dataclasses import dataclass
 from typing import Any, Final, Literal
 
 from bus.errors import ERROR_NAMES, BusError
-from workers.canonical import body_digest
-from workers.domain import (
+from workers.types.canonical import body_digest
+from workers.types.domain import (
     DomainError,
     ErrorCode,
     Mutation,

@@ -25,7 +25,7 @@ Error codes (§1.6), as data in `CODES`: number, mutation rule. Rules:
 - Codes 1-11 and 13 are *before-mutation* codes (`BEFORE_MUTATION`): a worker reply carrying
   one of them MUST say `none`. Local coordinator errors (mapped bus failures, Phase C media
   checks) may carry them with `unknown`, so `DomainError` itself does not enforce the rule; the
-  receiver of a worker reply does (`workers.rpc`).
+  receiver of a worker reply does (`workers.types.rpc`).
 - `RESULT_EXPIRED` is always `unknown` (a replay is gone; whether it ran is not knowable).
 - `BACKEND_FAILURE` and `INTERNAL` carry an explicit mutation.
 
@@ -45,9 +45,9 @@ exception); `flyd.state.recovery.is_permanent` reads it, so such a run is not re
 
 The spec's module map names this module as the home of the whole §1 surface (request and
 outcome codec, canonical JSON, digests, shared types). Each of those concepts lives in its own
-module (`workers.canonical`, `workers.rpc`, `workers.datatypes`, `workers.ticks`); they raise
-`DomainError`, so they import this one, and this one imports none of them: the dependency runs
-one way, from the §1 modules down to this leaf.
+module (`workers.types.canonical`, `workers.types.rpc`, `workers.types.datatypes`,
+`workers.types.ticks`); they raise `DomainError`, so they import this one, and this one
+imports none of them: the dependency runs one way, from the §1 modules down to this leaf.
 
 Resolved ambiguities:
 - `RequestId` parsing refuses `req-0` unless `allow_zero=True` (outcomes only, §1.4).

@@ -16,7 +16,7 @@ JSON value must have exactly one byte form. The form is RFC 8785 compatible:
    that Python's `repr` supplies.
 
 Values are dicts (any `Mapping` with str keys), lists/tuples, str, int, float, bool and None;
-an object with a `to_json()` method (the frozen dataclasses of `workers.datatypes`, `Scope`,
+an object with a `to_json()` method (the frozen dataclasses of `workers.types.datatypes`, `Scope`,
 `RationalNs`) is written as what that method returns. Nesting deeper than 128 is refused, as
 the strict parser refuses it. Every refusal is `DomainError` `INVALID_ARGUMENT`/`none`.
 
@@ -52,7 +52,7 @@ from typing import Any, Final
 
 import orjson
 
-from workers.domain import DomainError, Scope, short
+from workers.types.domain import DomainError, Scope, short
 
 __all__ = [
     "MAX_DEPTH",

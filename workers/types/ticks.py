@@ -47,7 +47,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Final
 
-from workers.domain import (
+from workers.types.domain import (
     U64_MAX,
     DomainError,
     ErrorCode,
