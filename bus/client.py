@@ -122,9 +122,10 @@ class BusClient:
                    keep_attachments: bool = True) -> CallResult:
         """One call with a required deadline (seconds, or None for none). The deadline
         covers the whole call, a wait for write credit included, so with a deadline `call`
-        returns or raises within `timeout` plus one cancel exchange (CANCEL_WAIT_S). A
-        result's attachments are retained before its credit leaves unless `keep_attachments`
-        is False (docs/topics.md §12); the caller drops them."""
+        returns or raises within `timeout` plus one cancel exchange
+        (`client_calls.CANCEL_WAIT_S`). A result's attachments are retained before its credit
+        leaves unless `keep_attachments` is False (docs/topics.md §12); the caller drops
+        them."""
         return await self._calls.call(target, method, payload, timeout=timeout,
                                       expected_incarnation=expected_incarnation,
                                       attachments=attachments, transfer=transfer,
@@ -166,9 +167,10 @@ class BusClient:
         """The notification form: one frame, no answer on success; a refusal reaches the
         `on_publish_failed` hook. Never waits for the transport to drain.
 
-        `linger`: the frame may wait up to LINGER_S for the next frame of this connection
-        and leave in its write (a publisher that sends calls right after, as a lockstep
-        coordinator does, then costs no write and no router wake-up of its own)."""
+        `linger`: the frame may wait up to `client_connection.LINGER_S` for the next frame
+        of this connection and leave in its write (a publisher that sends calls right after,
+        as a lockstep coordinator does, then costs no write and no router wake-up of its
+        own)."""
         self._topics.publish_nowait(topic, payload, expected_incarnation=expected_incarnation,
                                     attachments=attachments, transfer=transfer, linger=linger)
 

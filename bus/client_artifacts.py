@@ -41,8 +41,6 @@ class Attachment:
             await self.artifacts.drop([self.artifact_id])
 
 
-#: what `Allocation.seal()` returns: the sealed artifact, held by its allocator
-Artifact = Attachment
 #: an attachment as the SDK's calls take it: an artifact id or an `Attachment`
 AttachmentRef = str | Attachment
 
@@ -76,8 +74,9 @@ class Allocation:
         write_whole(self.artifacts.store_fd(), self.artifact_id, self.length, data)
 
     async def seal(self, digest: str | None = None) -> Attachment:
-        """Hash (unless `digest` is given), unmap, then `bus.seal`. A view still exported
-        keeps the mapping, so the seal is refused locally (BufferError), nothing sent."""
+        """Hash (unless `digest` is given), unmap, then `bus.seal`: the sealed artifact, held
+        by this client. A view still exported keeps the mapping, so the seal is refused
+        locally (BufferError), nothing sent."""
         if self._map is not None:
             if digest is None:
                 digest = hashlib.sha256(self._map).hexdigest()
