@@ -7,8 +7,11 @@ PettingZoo's pistonball with 4 agents and pixel observations):
 
   {"bench":"real_envs","env":..,"agents":N,"plain_steps_per_s":..,"flyd_steps_per_s":..,
    "synthetic_steps_per_s":..,"overhead_ms_per_step":..,"synthetic_ms_per_step":..,
-   "overhead_ratio":..,"target":1.3}
-  {"bench":"real_envs_scaling","agents":[2,12],"overhead_ms":[..,..],"ratio":..,"target":3.0}
+   "overhead_ratio":..,"target":1.3,
+   "plain_cpu_ms_per_step":..,"flyd_cpu_ms_per_step":..,"synthetic_cpu_ms_per_step":..,
+   "cpu_overhead_ratio":..}
+  {"bench":"real_envs_scaling","agents":[2,12],"overhead_ms":[..,..],"ratio":..,"target":3.0,
+   "cpu_overhead_ms":[..,..],"cpu_ratio":..}
 
 - plain: the env built and stepped in this process, every agent's action drawn by the same
   `workers.adapters.pettingzoo:random_policy` the flyd run's agents use, episodes reset when
@@ -22,6 +25,12 @@ PettingZoo's pistonball with 4 agents and pixel observations):
 - `overhead_ms_per_step` = 1/flyd − 1/plain; `overhead_ratio` = overhead / (1/synthetic): the
   adapters' cost on top of the env, in units of a bare lockstep step. Targets: ≤ 1.3 per env;
   the 12-agent env's overhead ≤ 3× the 2-agent one's (`real_envs_scaling`).
+- CPU: the same comparison in CPU time, which a loaded machine disturbs far less than wall
+  time. A run's CPU is that of `flyd run` and every process under it (each reaped by its
+  parent: `RUSAGE_CHILDREN`; PostgreSQL's own is not counted); per step it is the difference
+  between a run of `steps` and one of a quarter of them, over the steps between, so the
+  launch, the bootstrap and the final capture cancel out. The plain loop's is its process
+  time. `cpu_overhead_ratio` = (flyd − plain) / synthetic, per step.
 
 Runs against `FLYD_TEST_DSN`'s server (or 127.0.0.1:5432) in a database created and dropped
 here. Run it as `python -P bench/real_envs.py` (needs the pettingzoo extra). Progress goes to
@@ -33,6 +42,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import resource
 import runpy
 import shutil
 import statistics
@@ -87,7 +97,7 @@ ENVS = (
 # -------------------------------------------------------------------------------- plain loop
 
 
-def plain_steps_per_s(env: Env, steps: int) -> float:
+def plain_steps_per_s(env: Env, steps: int) -> Rate:
     """The env stepped in this process by the same policy, as the world would step it."""
     from workers.adapters.gymnasium import SingleAgentParallel
     from workers.adapters.pettingzoo import Spaces, episode_seed, load_callable, random_policy
@@ -111,10 +121,10 @@ def plain_steps_per_s(env: Env, steps: int) -> float:
 
     for _ in range(min(steps, 50)):
         step()
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     for _ in range(steps):
         step()
-    return steps / (time.perf_counter() - start)
+    return Rate(steps / (time.perf_counter() - start), (time.process_time() - cpu) / steps)
 
 
 # -------------------------------------------------------------------------------- flyd runs
@@ -130,9 +140,17 @@ def spec_doc(env: Env, steps: int, model: str) -> dict[str, Any]:
             "checkpoints": {"everySteps": 0}}
 
 
-def timed_run(tmp: Path, dsn: str, args: list[str]) -> tuple[float, int, dict[str, Any]]:
-    """One `flyd run` (process mode, unpaced): (wall seconds, advances, summary)."""
+def children_cpu() -> float:
+    """CPU seconds (user + system) of this process's reaped descendants so far."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def timed_run(tmp: Path, dsn: str, args: list[str]) -> tuple[float, float, dict[str, Any]]:
+    """One `flyd run` (process mode, unpaced): (wall seconds, CPU seconds of it and every
+    process under it, summary)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("FLYD_")}
+    cpu = children_cpu()
     start = time.perf_counter()
     out = subprocess.run(
         [sys.executable, "-m", "flyd", "run", "--json", "-q", "--log-format", "json",
@@ -141,6 +159,7 @@ def timed_run(tmp: Path, dsn: str, args: list[str]) -> tuple[float, int, dict[st
          "--plugin-path", str(ROOT), *args],
         cwd=ROOT, env=env, capture_output=True, check=False)
     wall = time.perf_counter() - start
+    cpu = children_cpu() - cpu
     try:
         summary: dict[str, Any] = orjson.loads(out.stdout)
     except orjson.JSONDecodeError:
@@ -148,15 +167,30 @@ def timed_run(tmp: Path, dsn: str, args: list[str]) -> tuple[float, int, dict[st
                            f"{out.stderr.decode(errors='replace')[-2000:]}") from None
     if summary.get("state") != "succeeded" or summary.get("recoveries"):
         raise RuntimeError(f"flyd run did not succeed cleanly: {summary}")
-    return wall, int(summary["advances"]), summary
+    return wall, cpu, summary
 
 
-def steps_per_s(tmp: Path, dsn: str, steps: int, make_args: Any, repeat: int) -> float:
+@dataclass(frozen=True)
+class Rate:
+    """A point's steps per second (wall) and CPU seconds per step."""
+
+    steps_per_s: float
+    cpu_per_step: float
+
+
+def measure(tmp: Path, dsn: str, steps: int, make_args: Any, repeat: int) -> Rate:
     """The summary's `stepsPerSecond` (advances over the time from `Ready(0)` to the last
-    boundary: the launch, the bootstrap and the final capture stay out), median of `repeat`
-    runs."""
-    return statistics.median(float(timed_run(tmp, dsn, make_args(steps))[2]["stepsPerSecond"])
-                             for _ in range(repeat))
+    boundary: the launch, the bootstrap and the final capture stay out) and the CPU per step
+    (a run of `steps` less one of `steps // 4`, over the steps between), medians of `repeat`
+    pairs of runs."""
+    short = max(1, steps // 4)
+    rates, cpus = [], []
+    for _ in range(repeat):
+        _, cpu_short, _ = timed_run(tmp, dsn, make_args(short))
+        _, cpu_long, summary = timed_run(tmp, dsn, make_args(steps))
+        rates.append(float(summary["stepsPerSecond"]))
+        cpus.append((cpu_long - cpu_short) / (steps - short))
+    return Rate(statistics.median(rates), statistics.median(cpus))
 
 
 def flyd_args(tmp: Path, env: Env, model: str) -> Any:
@@ -183,8 +217,8 @@ def main() -> None:
     args = ap.parse_args()
     envs = [e for e in ENVS if not args.env or any(e.name.startswith(p) for p in args.env)]
     tmp = Path(tempfile.mkdtemp(prefix="flyd-bench-", dir="/tmp"))
-    overheads: dict[int, float] = {}
-    synthetic: dict[int, float] = {}
+    overheads: dict[int, tuple[float, float]] = {}
+    synthetic: dict[int, Rate] = {}
     try:
         with scaling.scratch_database() as dsn:
             (tmp / "flyd.toml").write_text(scaling.config_text(max(e.agents for e in envs)))
@@ -192,32 +226,37 @@ def main() -> None:
                 steps = max(20, int(env.steps * args.scale))
                 scaling.progress(f"{env.name}: plain loop, flyd and synthetic, {steps} steps")
                 plain = plain_steps_per_s(env, steps)
-                flyd = steps_per_s(tmp, dsn, steps, flyd_args(tmp, env, args.model),
-                                   args.repeat)
+                flyd = measure(tmp, dsn, steps, flyd_args(tmp, env, args.model), args.repeat)
                 if env.agents not in synthetic:
-                    synthetic[env.agents] = steps_per_s(tmp, dsn, max(steps, 400),
-                                                        synthetic_args(env.agents),
-                                                        args.repeat)
-                overhead = 1.0 / flyd - 1.0 / plain
-                bare = 1.0 / synthetic[env.agents]
+                    synthetic[env.agents] = measure(tmp, dsn, max(steps, 400),
+                                                    synthetic_args(env.agents), args.repeat)
+                bare = synthetic[env.agents]
+                overhead = 1.0 / flyd.steps_per_s - 1.0 / plain.steps_per_s
+                cpu_overhead = flyd.cpu_per_step - plain.cpu_per_step
                 if env.name.startswith("simple_spread"):
-                    overheads[env.agents] = overhead
+                    overheads[env.agents] = (overhead, cpu_overhead)
                 scaling.emit({
                     "bench": "real_envs", "env": env.name, "agents": env.agents,
                     "model": args.model,
-                    "plain_steps_per_s": round(plain, 1), "flyd_steps_per_s": round(flyd, 1),
-                    "synthetic_steps_per_s": round(synthetic[env.agents], 1),
+                    "plain_steps_per_s": round(plain.steps_per_s, 1),
+                    "flyd_steps_per_s": round(flyd.steps_per_s, 1),
+                    "synthetic_steps_per_s": round(bare.steps_per_s, 1),
                     "overhead_ms_per_step": round(1000 * overhead, 3),
-                    "synthetic_ms_per_step": round(1000 * bare, 3),
-                    "overhead_ratio": round(overhead / bare, 3), "target": TARGET})
+                    "synthetic_ms_per_step": round(1000 / bare.steps_per_s, 3),
+                    "overhead_ratio": round(overhead * bare.steps_per_s, 3), "target": TARGET,
+                    "plain_cpu_ms_per_step": round(1000 * plain.cpu_per_step, 3),
+                    "flyd_cpu_ms_per_step": round(1000 * flyd.cpu_per_step, 3),
+                    "synthetic_cpu_ms_per_step": round(1000 * bare.cpu_per_step, 3),
+                    "cpu_overhead_ratio": round(cpu_overhead / bare.cpu_per_step, 3)})
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     if 2 in overheads and 12 in overheads:
+        (wall_2, cpu_2), (wall_12, cpu_12) = overheads[2], overheads[12]
         scaling.emit({"bench": "real_envs_scaling", "agents": [2, 12],
-                      "overhead_ms": [round(1000 * overheads[2], 3),
-                                      round(1000 * overheads[12], 3)],
-                      "ratio": round(overheads[12] / overheads[2], 3),
-                      "target": SCALING_TARGET})
+                      "overhead_ms": [round(1000 * wall_2, 3), round(1000 * wall_12, 3)],
+                      "ratio": round(wall_12 / wall_2, 3), "target": SCALING_TARGET,
+                      "cpu_overhead_ms": [round(1000 * cpu_2, 3), round(1000 * cpu_12, 3)],
+                      "cpu_ratio": round(cpu_12 / cpu_2, 3)})
 
 
 if __name__ == "__main__":

@@ -68,8 +68,3 @@ class FrameDecoder:
         data = bytes(self._buf)
         self._buf.clear()
         return data
-
-    @property
-    def mid_frame(self) -> bool:
-        """True when a prefix or body has started but not finished (a close now truncates)."""
-        return self._need >= 0 or len(self._buf) > 0

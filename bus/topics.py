@@ -367,9 +367,6 @@ class TopicTable(Generic[C]):
                 return sub
         return None
 
-    def has_reader(self, conn: C) -> bool:
-        return conn in self.readers
-
     def take(self, sub: Subscription[C]) -> tuple[Message, int] | Removal:
         """Hand the writer the subscription's next message (now a delivery: one credit
         spent; returns it with its `skipped`) or, drained and closing, its removal notice."""

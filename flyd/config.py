@@ -15,6 +15,10 @@ Rules:
   accepts. NaN, infinities, negative and absurd values are refused naming the key.
 - `--lease-ttl` / `FLYD_LEASE_TTL` / `[leases] ttl_s` set T only: H follows T/5 unless
   `[leases] heartbeat_interval_s` is set (distribution.md §4.2).
+- Read once, typed: `load_config` builds `Settings` (one typed value per section) beside the
+  key table; the node and the commands read those, and no module but this one reads a key by its
+  section's name. The key table (`Config.value`, `source`, `origin`) serves `flyd config show`
+  and error messages.
 
 Decisions where the spec is silent:
 - "Given explicitly" for the `<name>` subdirectory rule of §2.2 means a node name from the file,
@@ -63,6 +67,7 @@ from flyd.durations import (
     is_duration_s,
 )
 from flyd.errors import ConfigError
+from flyd.launch.health import HealthPolicy
 from flyd.launch.spawner import LauncherSettings
 from flyd.logs import LogFlags, LogSettings, default_level
 from flyd.node.metrics_http import MetricsAddress, MetricsAddressError
@@ -71,6 +76,9 @@ from workers.launch import DEFAULT_MEDIA_INLINE_MAX_BYTES, MAX_MEDIA_INLINE_MAX_
 
 if TYPE_CHECKING:
     from flyd.leases.params import LeaseParams
+    from flyd.leases.stores.pg import DbSettings
+    from flyd.session.calls import Deadlines
+    from flyd.state.writer import CheckpointSettings
 
 KNOWN_SECTIONS: Final = ("node", "bus", "database", "leases", "session", "checkpoints",
                          "plugins")
@@ -539,14 +547,96 @@ def resolve_config_file(config_file: Path | None, env: Mapping[str, str]) -> Pat
     return SYSTEM_CONFIG if SYSTEM_CONFIG.is_file() else None
 
 
-class Config:
-    """The effective configuration: every key of cli.md §2.3 with its value and source."""
+@dataclass(frozen=True, slots=True)
+class NodeSettings:
+    """`[node]`, typed; `log_format` and `log_level` are `Config.log_settings`, which `-v` and
+    `-q` shift."""
 
-    def __init__(self, settings: dict[str, dict[str, Setting]], config_file: Path | None,
+    name: str
+    capacity: int
+    threads: int
+    coordinator_reservation: int
+    state_dir: Path
+    router: bool
+    #: where `flyd serve` serves its metrics (docs/operations.md); None: not served
+    metrics: MetricsAddress | None
+
+
+@dataclass(frozen=True, slots=True)
+class BusSettings:
+    """`[bus]`, typed: the socket, where its path came from, and what the node's router child
+    is configured with (`flyd.node.router_child`)."""
+
+    socket: str
+    #: where the socket path came from, as errors name it: `flag --socket`, `environment
+    #: FLYD_SOCKET`, the config file's path, or `default`
+    socket_origin: str
+    socket_group: str | None
+    #: the gid of `socket_group` (checked to exist at load): the group that may share the
+    #: socket's directory (wire.md §13, `bus.ownership`)
+    socket_gid: int | None
+    allowed_uids: tuple[int, ...]
+    limits: Limits
+    #: `[bus.policy]`; None: the default policy (`Policy.default`), with the node's pid
+    policy: Policy | None
+    store: StoreSettings
+
+    @property
+    def socket_given(self) -> bool:
+        """The path was named (flag, environment or file): cli.md §4.1 uses it as given."""
+        return self.socket_origin != "default"
+
+
+@dataclass(frozen=True, slots=True)
+class DatabaseSettings:
+    """`[database]`, typed: the DSN (None: the node's embedded PostgreSQL)
+    and the settings of every connection the node opens."""
+
+    dsn: str | None
+    connection: DbSettings
+
+
+@dataclass(frozen=True, slots=True)
+class SessionSettings:
+    """`[session]`, typed: the defaults of the run specs this host builds (`mode`, `dispatch`,
+    `pacing`), the bound on agents, how workers are launched (`[plugins] paths` included) and
+    watched, and the coordinator's deadlines (`[checkpoints] durable_timeout_s` among them)."""
+
+    mode: Literal["process", "thread", "in-process"]
+    dispatch: Literal["concurrent", "sequential", "reversed"]
+    #: `pacing = "realtime"`
+    realtime: bool
+    max_agents: int
+    launcher: LauncherSettings
+    health: HealthPolicy
+    deadlines: Deadlines
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    """The effective configuration, typed: built once by `load_config`, read where the node is
+    assembled (`flyd.cli`, `flyd.node.process`) and handed down as these values."""
+
+    node: NodeSettings
+    bus: BusSettings
+    database: DatabaseSettings
+    #: `[leases]` and the three `[database]` keys the lease invariant reads, validated together
+    leases: LeaseParams
+    session: SessionSettings
+    #: the node's `[checkpoints]`; `max_pending_effects` None unless configured (its derived
+    #: default follows a run spec's own `every_steps`)
+    checkpoints: CheckpointSettings
+
+
+class Config:
+    """The effective configuration: every key of cli.md §2.3 with its value and source (for
+    `flyd config show` and error messages), and the same values typed (`settings`)."""
+
+    def __init__(self, table: dict[str, dict[str, Setting]], config_file: Path | None,
                  leases: LeaseParams) -> None:
-        self._settings = settings
+        self._settings = table
         self.config_file = config_file
-        self._leases = leases
+        self.settings = _typed_settings(self, leases)
 
     def setting(self, section: str, key: str) -> Setting:
         try:
@@ -572,51 +662,6 @@ class Config:
     def source(self, section: str, key: str) -> Source:
         return self.setting(section, key).source
 
-    def section(self, name: str) -> dict[str, Any]:
-        """The section's effective values (derived defaults included)."""
-        return {key: s.value for key, s in self._settings[name].items()}
-
-    @property
-    def socket_gid(self) -> int | None:
-        """The gid of `[bus] socket_group` (checked to exist at load), or None: the group that
-        may share the socket's directory (wire.md §13, `bus.ownership`)."""
-        import grp
-
-        group = self.value("bus", "socket_group")
-        return None if group is None else grp.getgrnam(group).gr_gid
-
-    @property
-    def leases(self) -> LeaseParams:
-        """The validated lease parameters (distribution.md §4.2, §4.3)."""
-        return self._leases
-
-    @property
-    def launcher(self) -> LauncherSettings:
-        """`[session] launcher`, `launch_concurrency`, `media_inline_max_bytes` and
-        `agents_per_process`, typed."""
-        return LauncherSettings(method=self.value("session", "launcher"),
-                                concurrency=int(self.value("session", "launch_concurrency")),
-                                plugin_paths=tuple(self.value("plugins", "paths")),
-                                media_inline_max_bytes=int(
-                                    self.value("session", "media_inline_max_bytes")),
-                                agents_per_process=int(
-                                    self.value("session", "agents_per_process")))
-
-    @property
-    def metrics(self) -> MetricsAddress | None:
-        """`[node] metrics`, typed: where `flyd serve` serves its metrics, or None."""
-        value = self.value("node", "metrics")
-        return None if value is None else MetricsAddress.parse(value)
-
-    @property
-    def limits(self) -> Limits:
-        return Limits.from_config(dict(self.value("bus", "limits") or {}))
-
-    @property
-    def store(self) -> StoreSettings:
-        """`[bus.store]`, typed (docs/topics.md §5.1)."""
-        return store_settings(self.value("bus", "store"), self.origin("bus", "store"))
-
     def log_settings(self, flags: LogFlags) -> LogSettings:
         """The process's logging: `[node] log_format` and `log_level` as resolved here (flag >
         environment > file > default), `-v` / `-q` shifting the level (`flyd.logs`)."""
@@ -627,23 +672,22 @@ class Config:
     def show(self) -> dict[str, dict[str, Any]]:
         """`section.key` → `{"value", "source"}` for every key, the DSN password redacted."""
         out: dict[str, dict[str, Any]] = {}
+        bus = self.settings.bus
         for section, keys in self._settings.items():
             for key, s in keys.items():
                 if (section, key) == ("bus", "limits"):
                     given = s.value or {}
-                    limits = self.limits
                     for f in fields(Limits):
                         name = snake_case(f.name)
                         out[f"bus.limits.{name}"] = {
-                            "value": getattr(limits, f.name),
+                            "value": getattr(bus.limits, f.name),
                             "source": s.source if name in given else "default"}
                     continue
                 if (section, key) == ("bus", "store"):
                     given = s.value or {}
-                    store = self.store
                     for name in STORE_KEYS:
                         out[f"bus.store.{name}"] = {
-                            "value": getattr(store, name),
+                            "value": getattr(bus.store, name),
                             "source": s.source if name in given else "default"}
                     continue
                 value = s.value
@@ -653,6 +697,57 @@ class Config:
                     value = redact_dsn(value)
                 out[f"{section}.{key}"] = {"value": value, "source": s.source}
         return out
+
+
+def _typed_settings(config: Config, leases: LeaseParams) -> Settings:
+    """Every section as its typed settings; the values are checked already, so nothing here
+    refuses."""
+    import grp
+
+    from flyd.leases.stores.pg import DbSettings
+    from flyd.session.calls import Deadlines
+    from flyd.state.writer import CheckpointSettings
+
+    def section(name: str) -> dict[str, Any]:
+        return {key: config.value(name, key) for key in KEYS[name]}
+
+    node, bus, session = section("node"), section("bus"), section("session")
+    database, checkpoints = section("database"), section("checkpoints")
+    if config.source("checkpoints", "max_pending_effects") == "default":
+        checkpoints["max_pending_effects"] = None
+    group = bus["socket_group"]
+    metrics = node["metrics"]
+    return Settings(
+        node=NodeSettings(
+            name=node["name"], capacity=node["capacity"], threads=node["threads"],
+            coordinator_reservation=node["coordinator_reservation"],
+            state_dir=Path(node["state_dir"]), router=node["router"],
+            metrics=None if metrics is None else MetricsAddress.parse(metrics)),
+        bus=BusSettings(
+            socket=bus["socket"], socket_origin=config.origin("bus", "socket"),
+            socket_group=group, socket_gid=None if group is None else grp.getgrnam(group).gr_gid,
+            allowed_uids=tuple(bus["allowed_uids"]),
+            limits=Limits.from_config(dict(bus["limits"] or {})),
+            policy=None if bus["policy"] is None else Policy.from_config(bus["policy"]),
+            store=store_settings(bus["store"], config.origin("bus", "store"))),
+        database=DatabaseSettings(
+            dsn=database.pop("dsn"), connection=DbSettings(**database)),
+        leases=leases,
+        session=SessionSettings(
+            mode=session["mode"], dispatch=session["dispatch"],
+            realtime=session["pacing"] == "realtime", max_agents=session["max_agents"],
+            launcher=LauncherSettings(
+                method=session["launcher"], concurrency=session["launch_concurrency"],
+                plugin_paths=tuple(config.value("plugins", "paths")),
+                media_inline_max_bytes=session["media_inline_max_bytes"],
+                agents_per_process=session["agents_per_process"]),
+            health=HealthPolicy(probe=session["health_probe_s"], fail=session["health_fail_s"],
+                                boot=session["health_boot_s"]),
+            deadlines=Deadlines(
+                probe=session["probe_s"], resolve=session["resolve_s"],
+                resolve_attempts=session["resolve_attempts"], boot=session["boot_s"],
+                capture=session["capture_s"], durable=checkpoints["durable_timeout_s"])),
+        checkpoints=CheckpointSettings(**checkpoints))
 
 
 def load_config(config_file: Path | None = None, flags: Mapping[str, Any] | None = None,

@@ -415,25 +415,29 @@ class AgentEndpoint(Endpoint):
         self.status.state = WorkerState.COMMITTING
         await self.sleep_fault("commit_delay_ms", k)
 
-        def install() -> int:
+        injected = self.launch.faults.fail_commit_at_step == k
+
+        def install() -> tuple[int, tuple[Telemetry, int] | None]:
+            # one hand-off to the model thread for the whole commit, not one per part: a
+            # threaded model's step then costs two thread switches instead of three
             model.install_input(encoded)
-            return model.mutations()
-
-        self.status.raise_progress(await self._apply(method, install))
-        if self.launch.faults.fail_commit_at_step == k:
-            raise DomainError(ErrorCode.BACKEND_FAILURE, INJECTED_COMMIT_FAILURE,
-                              Mutation.APPLIED)
-
-        def reinforce() -> tuple[Telemetry, int]:
+            installed = model.mutations()
+            if injected:  # the input is installed, nothing after it is
+                return installed, None
             for stimulus in stimulations:
                 model.stimulate(stimulus)
             signal = 0.0
             for reward in rewards:
                 signal += reward.value
             model.reinforce(signal)
-            return self._telemetry(model, accumulator), model.mutations()
+            return installed, (self._telemetry(model, accumulator), model.mutations())
 
-        telemetry, mutations = await self._apply(method, reinforce)
+        installed, reinforced = await self._apply(method, install)
+        self.status.raise_progress(installed)
+        if reinforced is None:
+            raise DomainError(ErrorCode.BACKEND_FAILURE, INJECTED_COMMIT_FAILURE,
+                              Mutation.APPLIED)
+        telemetry, mutations = reinforced
         self.context = next_context
         self.context_digest = typed_digest(next_context)
         self.committed_step = k + 1

@@ -6,7 +6,9 @@ Why: the shared world behind the session's guarantees. The world (a `World`, §4
 the view pipeline, the audio sample budgets, every check of §3 in its order, and the environment
 fault knobs (`advance_delay_ms` and the media faults of §4.9).
 
-View pipeline: exactly one frame rendered per boundary per view; the last `delay+1` frames are
+View pipeline: exactly one frame per boundary per view (a world whose `render` returns None drew
+nothing new: the frame of the previous boundary, rendered or restored, is that boundary's again,
+so the frames are the same whether or not a restore came between); the last `delay+1` frames are
 kept; at boundary `b` the frame produced at `max(0, b − delay)` is served (boundaries `0..delay`
 repeat O[0]). Audio: one chunk per transition per stream, sized by `AudioBudget` (§5.3), none at
 boundary 0, `discontinuity` false. A view or chunk above the launch's `media_inline_max_bytes`
@@ -193,6 +195,15 @@ class ViewPipeline:
                               f"{self.frames[-1][0]}", Mutation.UNKNOWN)
         self.frames.append((boundary, frame))
 
+    def again(self, boundary: int, frame: bytes | None) -> bytes | None:
+        """`frame`, or for None (the world drew nothing new) the frame of `boundary − 1`, which
+        the pipeline always retains (restored with a checkpoint's frames too)."""
+        if frame is not None:
+            return frame
+        if boundary == 0 or not self.frames or self.frames[-1][0] != boundary - 1:
+            return None
+        return self.frames[-1][1]
+
     def served(self, boundary: int) -> tuple[int, bytes]:
         """`(producedStep, frame)` served at `boundary`."""
         produced = max(0, boundary - self.delay)
@@ -289,14 +300,19 @@ class EnvironmentEndpoint(Endpoint):
         faults = self.launch.faults
         views: list[ViewRef] = []
         for spec in self.descriptor.views:
-            frame = self.world.render(spec.view_id, boundary)
+            pipeline = self.pipelines[spec.view_id]
+            frame = pipeline.again(boundary, self.world.render(spec.view_id, boundary))
+            if frame is None:
+                raise DomainError(ErrorCode.BACKEND_FAILURE,
+                                  f"view {spec.view_id} rendered None at boundary {boundary}, "
+                                  "which has no previous frame to serve again",
+                                  Mutation.APPLIED)
             if not isinstance(frame, bytes | bytearray) or len(frame) != spec.byte_length:
                 raise DomainError(ErrorCode.BACKEND_FAILURE,
                                   f"view {spec.view_id} rendered "
                                   f"{len(frame) if isinstance(frame, bytes | bytearray) else 0} "
                                   f"bytes; the descriptor requires {spec.byte_length}",
                                   Mutation.APPLIED)
-            pipeline = self.pipelines[spec.view_id]
             pipeline.push(boundary, bytes(frame))
             self.media.render((spec.view_id, boundary), VIEW_CONTENT_TYPE, bytes(frame))
             produced, data = pipeline.served(boundary)
@@ -784,6 +800,9 @@ class WorldParticipant:
         e = self.endpoint
         try:
             frame = e.world.render(spec.view_id, boundary)
+            if frame is None:  # the frame of k − 1 again: the checkpoint's frame of k is it
+                frame = next(data for step, data in e.pipelines[spec.view_id].frames
+                             if step == boundary)
         except DomainError:
             raise
         except Exception as exc:

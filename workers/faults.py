@@ -14,7 +14,7 @@ and the `fail_*` booleans are standing faults and never fire "once". A `*_at_bou
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass, fields, replace
 from typing import Any, Final, Literal
 
@@ -165,8 +165,3 @@ class Faults:
         allowed = set(role_fields(role))
         return [f.name for f in fields(self) if f.name not in allowed
                 and getattr(self, f.name) not in (None, False)]
-
-
-def faults_from_values(values: Mapping[str, Any]) -> Faults:
-    """A `Faults` from snake_case field values (already validated by the caller)."""
-    return Faults(**dict(values))

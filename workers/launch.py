@@ -2,8 +2,7 @@
 
 Stable API (the launcher, `flyd/launcher.py`, builds on exactly this):
 
-    Role                         "agent" | "environment"         (from workers.faults)
-    Faults                       re-exported from workers.faults (§4.9)
+    (`Role`, "agent" | "environment", and `Faults` (§4.9) come from workers.faults)
     AgentSettings(port_id, model="workers.synthetic:FakeBrain", model_config={},
                   tick=RationalNs(1000000, 1), warmup_ticks=10)
     EnvironmentSettings(ports, world="workers.synthetic:CounterArena", world_config={},
@@ -106,10 +105,8 @@ __all__ = [
     "THREAD_VARIABLES",
     "AgentSettings",
     "EnvironmentSettings",
-    "Faults",
     "LaunchArgsError",
     "LogFormat",
-    "Role",
     "WorkerLaunch",
     "arm_die_with_parent",
     "build_parser",

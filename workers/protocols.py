@@ -324,7 +324,11 @@ class World(Protocol):
 
     def inspection(self, boundary: int) -> TypedValue: ...
 
-    def render(self, view_id: str, boundary: int) -> bytes: ...
+    def render(self, view_id: str, boundary: int) -> bytes | None:
+        """The view's RGBA8 frame of `boundary`, or None when it is the frame of the previous
+        boundary again (never at boundary 0): the endpoint serves that frame once more, so a
+        world that redraws only every K boundaries skips the others' renders."""
+        ...
 
     def audio(self, stream_id: str, frames: int) -> bytes:
         """`frames·channels·4` bytes of little-endian f32 interleaved samples."""

@@ -89,7 +89,7 @@ from flyd.errors import ConfigError
 from flyd.leases import queries
 from flyd.leases.embedded import embedded_dsn_if_running
 from flyd.leases.stores.contract import TERMINAL, SpecMismatch, StoreError
-from flyd.leases.stores.pg import DbSettings, PgStore
+from flyd.leases.stores.pg import PgStore
 from flyd.node.control_protocol import CONTROL_PREFIX, control_service, control_validator
 from flyd.outcome import describe, failure_of, traceback_of
 from flyd.session.runspec import DEFAULT_MAX_AGENTS, FaultSpecError, RunSpec, RunSpecError
@@ -221,11 +221,10 @@ def _config(opts: CtlOptions) -> Config:
 
 def resolve_dsn(opts: CtlOptions, config: Config | None = None) -> str:
     """`--dsn` > `FLYD_DSN` > `[database] dsn` > a running embedded server; never starts one."""
-    config = config or _config(opts)
-    dsn = config.value("database", "dsn")
-    if isinstance(dsn, str) and dsn:
-        return dsn
-    embedded = embedded_dsn_if_running(Path(str(config.value("node", "state_dir"))))
+    settings = (config or _config(opts)).settings
+    if settings.database.dsn is not None:
+        return settings.database.dsn
+    embedded = embedded_dsn_if_running(settings.node.state_dir)
     if embedded is not None:
         return embedded
     raise CtlError("CONFIG", "no database: pass --dsn")
@@ -253,8 +252,8 @@ async def _store(opts: CtlOptions, config: Config) -> AsyncIterator[PgStore]:
     dsn = resolve_dsn(opts, config)
     async with _database(dsn):
         pass  # reachable: the pool below would only retry and log an unreachable server
-    db = {k: v for k, v in config.section("database").items() if k != "dsn"}
-    store = PgStore(dsn, ctl_client_id(), DbSettings.from_section(db), config.leases)
+    settings = config.settings
+    store = PgStore(dsn, ctl_client_id(), settings.database.connection, settings.leases)
     try:
         await store.open()
     except StoreError as exc:
@@ -331,10 +330,11 @@ class _Bus:
 @contextlib.asynccontextmanager
 async def _bus(opts: CtlOptions, config: Config) -> AsyncIterator[_Bus]:
     """Connect as `ctl-<pid>-<8 hex>`; no router → `CONFIG`, a refusal → its bus name (exit 2)."""
-    socket = str(config.value("bus", "socket"))
+    bus = config.settings.bus
+    socket = bus.socket
     try:
         client = await connect(socket, client_id=ctl_client_id(), timeout=CONNECT_S,
-                               socket_gid=config.socket_gid)
+                               socket_gid=bus.socket_gid)
     except UnsafeDirectory as exc:
         raise CtlError(exc.name, f"socket {socket}: {exc.message}", EXIT_CONFIG) from None
     except RouterLost as exc:
@@ -425,7 +425,7 @@ async def _database_status(opts: CtlOptions, config: Config) -> dict[str, Any]:
         run_rows = [r for r in await queries.list_runs(conn) if r["state"] not in TERMINAL]
     if opts.node is not None:
         node_rows = [n for n in node_rows if str(n["nodeId"]).startswith(opts.node)]
-    stale_s = config.leases.node_stale_after_s
+    stale_s = config.settings.leases.node_stale_after_s
     nodes = []
     for n in node_rows:
         mine = [r for r in run_rows if r["ownerNode"] == n["nodeId"] and r["state"] == "running"]
@@ -642,7 +642,7 @@ def _submitted_spec(config: Config, run: RunOptions) -> RunSpec:
     """The spec `flyd run` would build from these options, claimable by any node; import
     paths are checked by the node that claims it (its environment and `[plugins] paths`)."""
     try:
-        doc = build_spec(run.with_host_defaults(config), check_imports=False).to_json()
+        doc = build_spec(run.with_host_defaults(config.settings), check_imports=False).to_json()
         doc.pop("exclusiveToSubmitter", None)
         return RunSpec.validate(doc, max_agents=DEFAULT_MAX_AGENTS)
     except RunUsageError as exc:
@@ -652,7 +652,7 @@ def _submitted_spec(config: Config, run: RunOptions) -> RunSpec:
 
 
 def _max_attempts(config: Config, given: int | None) -> int:
-    attempts = given if given is not None else int(config.value("leases", "max_attempts"))
+    attempts = given if given is not None else config.settings.leases.max_attempts
     if not 1 <= attempts <= 100:
         raise CtlError("USAGE", f"--max-attempts {attempts}: must be in 1..100")
     return attempts
@@ -1054,7 +1054,7 @@ def _import_spec(config: Config, base: dict[str, Any], run: RunOptions, steps_gi
     doc = {k: v for k, v in base.items() if k not in ("startFrom", "exclusiveToSubmitter")}
     if steps_given or "steps" not in doc:
         doc["steps"] = str(run.steps) if run.steps >= 0 else run.steps
-    host = run.with_host_defaults(config)
+    host = run.with_host_defaults(config.settings)
     for key, given, default in (("mode", run.mode, host.mode),
                                 ("dispatch", run.dispatch, host.dispatch)):
         if given is not None or key not in doc:
@@ -1079,7 +1079,7 @@ def _import_spec(config: Config, base: dict[str, Any], run: RunOptions, steps_gi
         doc["agents"] = [{"agentId": a, "portId": f"p{i + 1}", "seed": None}
                          for i, a in enumerate(run.agents)]
     try:
-        spec = RunSpec.validate(doc, max_agents=int(config.value("session", "max_agents")))
+        spec = RunSpec.validate(doc, max_agents=config.settings.session.max_agents)
         return spec.with_faults(list(run.faults)) if run.faults else spec
     except FaultSpecError as exc:
         raise CtlError("USAGE", exc.message) from None

@@ -285,12 +285,12 @@ async def _migrate(config: Config) -> int:
     from flyd.leases.embedded import EmbeddedPostgres
     from flyd.leases.migrate import migrate
 
-    dsn = config.value("database", "dsn")
-    if dsn is not None:
-        return await migrate(dsn)
+    settings = config.settings
+    if settings.database.dsn is not None:
+        return await migrate(settings.database.dsn)
     embedded = EmbeddedPostgres()
     try:
-        await embedded.start(Path(config.value("node", "state_dir")))
+        await embedded.start(settings.node.state_dir)
         return embedded.schema_version
     finally:
         await embedded.stop()

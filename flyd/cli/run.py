@@ -40,8 +40,10 @@ Decisions:
   summary is printed as always.
 - `--record FILE.gif` (`--record-every K`) and `--plot FILE.png` draw pictures of the committed
   boundaries (`flyd.cli.pictures`): the same `USAGE` rule for their paths, and a missing
-  `flyd[pictures]` extra is `USAGE` naming it. What they wrote (or why not) is printed on
-  stderr at the end, in both output modes.
+  `flyd[pictures]` extra is `USAGE` naming it. An adapter world that renders draws only the
+  frames the recording keeps: `--record-every K` sets its config's `render_every` to K when the
+  spec sets none, and refuses one that does not divide K (docs/adapters.md, "Which boundaries
+  render"). What they wrote (or why not) is printed on stderr at the end, in both output modes.
 - The end-of-run poll and the summary's reads use a connection of their own that reconnects
   (`flyd.leases.reconnect`): a PostgreSQL blip that ends it is retried, never a crash that
   would leave the run `running`. A poll that still fails after `POLL_READ_S` is logged
@@ -83,7 +85,7 @@ import psycopg
 import structlog
 
 from flyd.cli.pictures import Pictures, frame_delay_ms, missing_extra
-from flyd.config import Config, load_config
+from flyd.config import Config, Settings, load_config
 from flyd.errors import ConfigError
 from flyd.launch.identities import new_node_id
 from flyd.launch.spawner import add_import_roots
@@ -98,6 +100,7 @@ from flyd.node.process import NodeProcess, NodeSetup, NodeStartError
 from flyd.node.router_child import RouterChildError, choose_socket
 from flyd.outcome import describe, failure_of, traceback_of
 from flyd.session.runspec import (
+    ADAPTER_WORLDS,
     DEFAULT_MAX_AGENTS,
     MAX_AGENTS_LIMIT,
     MAX_SPEC_BYTES,
@@ -168,19 +171,17 @@ class RunOptions:
     #: override the file
     given: frozenset[str] = frozenset()
 
-    def with_host_defaults(self, config: Config) -> RunOptions:
+    def with_host_defaults(self, settings: Settings) -> RunOptions:
         """cli.md §2.3: `[session] mode`, `dispatch`, `pacing` and the `[checkpoints]` cadence
         are the defaults of the run specs this host builds; an option given on the command
         line wins."""
-        pacing = config.value("session", "pacing") == "realtime"
+        session, checkpoints = settings.session, settings.checkpoints
         return dataclasses.replace(
-            self, mode=self.mode or str(config.value("session", "mode")),
-            dispatch=self.dispatch or str(config.value("session", "dispatch")),
-            pace=pacing if self.pace is None else self.pace,
-            checkpoint_every=(int(config.value("checkpoints", "every_steps"))
-                              if self.checkpoint_every is None else self.checkpoint_every),
-            checkpoint_seconds=(float(config.value("checkpoints", "every_seconds"))
-                                if self.checkpoint_seconds is None
+            self, mode=self.mode or session.mode, dispatch=self.dispatch or session.dispatch,
+            pace=session.realtime if self.pace is None else self.pace,
+            checkpoint_every=(checkpoints.every_steps if self.checkpoint_every is None
+                              else self.checkpoint_every),
+            checkpoint_seconds=(checkpoints.every_seconds if self.checkpoint_seconds is None
                                 else self.checkpoint_seconds))
 
 
@@ -198,7 +199,7 @@ def build_spec(opts: RunOptions, max_agents: int = DEFAULT_MAX_AGENTS, *,
         doc = _options_doc(opts)
     else:
         doc = _file_doc(opts, check_imports)
-    doc = _with_shortcuts(doc, opts)
+    doc = _with_render_every(_with_shortcuts(doc, opts), opts)
     try:
         spec = RunSpec.validate(doc, max_agents=max_agents, check_imports=check_imports)
     except RunSpecError as exc:
@@ -344,6 +345,34 @@ def _with_shortcuts(doc: dict[str, Any], opts: RunOptions) -> dict[str, Any]:
     return doc
 
 
+def _with_render_every(doc: dict[str, Any], opts: RunOptions) -> dict[str, Any]:
+    """`--record FILE --record-every K` renders an adapter world's view only at the boundaries
+    the recording keeps: its config gets `render_every: K` when it renders and sets none; a
+    `render_every` that does not divide K is refused (the recording would keep frames the env
+    did not draw at their boundary). The run's behaviour (its views) follows from the spec it
+    records, so the spec says so, not the recorder."""
+    world = doc.get("world")
+    if opts.record is None or not isinstance(world, dict) \
+            or world.get("impl") not in ADAPTER_WORLDS:
+        return doc
+    config = world.get("config")
+    if not isinstance(config, dict) or config.get("render") is not True:
+        return doc
+    every = config.get("render_every")
+    if every is None:
+        if opts.record_every == 1:
+            return doc
+        return {**doc, "world": {**world, "config": {**config, "render_every": opts.record_every}}}
+    if not isinstance(every, int) or isinstance(every, bool) or every < 1 \
+            or opts.record_every % every:
+        raise RunUsageError("USAGE", f"--record-every {opts.record_every}: the world config's "
+                                     f"render_every {every!r} does not divide it, so the "
+                                     "recording would keep frames the env did not draw; drop "
+                                     "render_every from the spec or make it divide "
+                                     f"{opts.record_every}")
+    return doc
+
+
 def _shortcut_error(opts: RunOptions, exc: RunSpecError) -> str:
     """A refusal of a field a shortcut set names the option, else the spec's JSON path."""
     parts = exc.path.split("/")
@@ -357,21 +386,21 @@ def _shortcut_error(opts: RunOptions, exc: RunSpecError) -> str:
 
 def node_setup(opts: RunOptions, config: Config, spec: RunSpec) -> NodeSetup:
     """A capacity-1 node on the §4.1 socket whose budget fits the run."""
+    settings = config.settings
+    bus, node = settings.bus, settings.node
     forced = opts.socket
-    if forced is None and config.source("bus", "socket") in ("file", "env", "flag"):
-        forced = str(config.value("bus", "socket"))
+    if forced is None and bus.socket_given:
+        forced = bus.socket
     socket, private = choose_socket(forced)
-    origin = config.origin("bus", "socket") if forced else "default"
+    origin = bus.socket_origin if forced else "default"
     if private:
         print(f"flyd run: a router answers on the default socket; using the private socket "
               f"{socket}", file=sys.stderr)
     else:
         print(f"flyd run: router socket {socket}", file=sys.stderr)
-    name = str(config.value("node", "name"))
-    reservation = int(config.value("node", "coordinator_reservation"))
-    threads = max(int(config.value("node", "threads")), spec.thread_need(reservation))
-    return NodeSetup(config=config, node_id=new_node_id(name), node_name=name, socket=socket,
-                     state_dir=Path(str(config.value("node", "state_dir"))), capacity=1,
+    threads = max(node.threads, spec.thread_need(node.coordinator_reservation))
+    return NodeSetup(settings=settings, node_id=new_node_id(node.name), node_name=node.name,
+                     socket=socket, state_dir=node.state_dir, capacity=1,
                      threads=threads, router_quiet=config.log_settings(opts.log).router_quiet,
                      socket_origin=origin)
 
@@ -471,9 +500,9 @@ async def run_session(opts: RunOptions) -> int:
             "leases.ttl_s": opts.lease_ttl, "bus.socket": opts.socket,
             "node.log_format": opts.log.format, "plugins.paths": opts.plugin_paths or None})
         config.log_settings(opts.log).apply()
-        add_import_roots(config.launcher.plugin_paths)
-        opts = opts.with_host_defaults(config)
-        spec = build_spec(opts, int(config.value("session", "max_agents")))
+        add_import_roots(config.settings.session.launcher.plugin_paths)
+        opts = opts.with_host_defaults(config.settings)
+        spec = build_spec(opts, config.settings.session.max_agents)
         if opts.trace is not None:
             try:
                 opts.trace.write_bytes(b"")
@@ -487,7 +516,7 @@ async def run_session(opts: RunOptions) -> int:
     except RunUsageError as exc:
         return _error(opts, exc.code, exc.message)
     try:
-        return await _run_node(opts, spec, config, setup, pictures)
+        return await _run_node(opts, spec, setup, pictures)
     finally:
         if pictures is not None:
             for note in pictures.finish():
@@ -526,7 +555,7 @@ def _writable(option: str, path: Path) -> IO[bytes]:
         raise RunUsageError("USAGE", f"{option} {path}: cannot write: {exc.strerror}") from None
 
 
-async def _run_node(opts: RunOptions, spec: RunSpec, config: Config, setup: NodeSetup,
+async def _run_node(opts: RunOptions, spec: RunSpec, setup: NodeSetup,
                     pictures: Pictures | None) -> int:
     signals = _Signals()
     signals.install()
@@ -538,9 +567,9 @@ async def _run_node(opts: RunOptions, spec: RunSpec, config: Config, setup: Node
         except (NodeStartError, RouterChildError, ConfigError, MigrationError,
                 StoreError, psycopg.Error) as exc:
             return _error(opts, "CONFIG", getattr(exc, "message", None) or str(exc))
-        run_id, report, row = await _execute(node, spec, int(config.value(
-            "leases", "max_attempts")), signals, setup.config.leases.drain_timeout_s,
-            opts.trace, pictures)
+        leases = setup.settings.leases
+        run_id, report, row = await _execute(node, spec, leases.max_attempts, signals,
+                                             leases.drain_timeout_s, opts.trace, pictures)
         try:
             ledger = await _fold_ledger(node.dsn, run_id)
             checkpoints = await _count_checkpoints(node.dsn, run_id)

@@ -109,17 +109,15 @@ async def serve(opts: ServeOptions) -> int:
         return _error(opts, str(exc))
     except NotifyError as exc:
         return _error(opts, exc.message)
-    name = str(config.value("node", "name"))
+    settings = config.settings
+    own = settings.node
     setup = NodeSetup(
-        config=config, node_id=new_node_id(name), node_name=name,
-        socket=str(config.value("bus", "socket")),
-        state_dir=Path(str(config.value("node", "state_dir"))),
-        capacity=int(config.value("node", "capacity")),
-        threads=int(config.value("node", "threads")),
-        router=bool(config.value("node", "router")), router_quiet=logging.router_quiet,
-        socket_origin=config.origin("bus", "socket"),
+        settings=settings, node_id=new_node_id(own.name), node_name=own.name,
+        socket=settings.bus.socket, state_dir=own.state_dir, capacity=own.capacity,
+        threads=own.threads, router=own.router, router_quiet=logging.router_quiet,
+        socket_origin=settings.bus.socket_origin,
         sim_clock=opts.sim_clock, time_scale=opts.time_scale, clock_rate=opts.clock_rate,
-        metrics=config.metrics)
+        metrics=own.metrics)
     node = NodeProcess(setup)
     try:
         try:

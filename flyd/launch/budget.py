@@ -35,11 +35,6 @@ def cpus() -> int:
     return len(os.sched_getaffinity(0))
 
 
-def default_capacity() -> int:
-    """`[node] capacity` default: `max(1, cpus // 4)` (cli.md §2.3)."""
-    return max(1, cpus() // 4)
-
-
 class ThreadBudget:
     """`total` threads shared by named holders; a session's coordinator holds a reservation."""
 

@@ -4,7 +4,8 @@ Why: the node probes every live worker with `Worker.Status`, and the same three 
 the launcher's own calls: `probe` (seconds between health checks; also the bound of a
 `Worker.Shutdown` and of the wait for an exit at reap), `fail` (how long one health check or one
 identify attempt may wait for an answer) and `boot` (how long a launch may take to identify).
-They come from `[session] health_probe_s`, `health_fail_s`, `health_boot_s` (cli.md §2.3).
+They come from `[session] health_probe_s`, `health_fail_s`, `health_boot_s` (cli.md §2.3),
+typed by the configuration (`flyd.config.SessionSettings.health`).
 
 Resolved ambiguities:
 - Durations in messages are written by `format_seconds`: whole milliseconds below one second
@@ -15,9 +16,8 @@ Resolved ambiguities:
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Final
 
 from workers.types.domain import DomainError, ErrorCode, Mutation
 
@@ -49,11 +49,6 @@ class HealthPolicy:
                     or not math.isfinite(value) or value <= 0:
                 raise DomainError.invalid(f"[session] {key} must be a number > 0; got {value!r}")
 
-    @classmethod
-    def from_config(cls, session: Mapping[str, Any]) -> HealthPolicy:
-        """From a `[session]` table; absent keys keep their defaults."""
-        values = {name: session[key] for name, key in CONFIG_KEYS.items() if key in session}
-        return cls(**values)
 
 
 def no_answer(method: str, worker_id: str, budget: float) -> DomainError:

@@ -33,12 +33,11 @@ from dataclasses import dataclass, replace
 from typing import Final, Literal
 
 from bus.client_identity import new_incarnation
-from workers.types.domain import MAX_WORKER_ID, DomainError, parse_id, parse_worker_id
+from workers.types.domain import DomainError, parse_id, parse_worker_id
 
 __all__ = [
     "MAX_GENERATION",
     "MAX_TAG",
-    "MAX_WORKER_ID",
     "RUN_TOPIC_PREFIX",
     "Role",
     "SessionNames",

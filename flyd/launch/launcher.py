@@ -131,13 +131,13 @@ from flyd.launch.orphans import SCOPE_VAR, reap, sweep
 from flyd.launch.spawn import ChildProcess, ProcessInfo, process_info, settled_within
 from flyd.launch.spawner import Spawner
 from workers.bodies import EndpointFactory, WorkerThread, run_worker
+from workers.faults import Faults
 from workers.host import HostLaunch
 from workers.launch import (
     CRASHED_EXIT,
     DEFAULT_MEDIA_INLINE_MAX_BYTES,
     AgentSettings,
     EnvironmentSettings,
-    Faults,
     LogFormat,
     WorkerLaunch,
     thread_environment,
@@ -154,7 +154,6 @@ __all__ = [
     "AlreadyGone",
     "Composition",
     "ExecutionMode",
-    "HealthPolicy",
     "LaunchedWorker",
     "Launcher",
     "Plan",
@@ -693,9 +692,6 @@ class Launcher:
     @property
     def client_id(self) -> str:
         return self.client.client_id
-
-    def set_health_policy(self, policy: HealthPolicy) -> None:
-        self.health = policy
 
     def workers(self) -> dict[str, LaunchedWorker]:
         """The live workers by id."""

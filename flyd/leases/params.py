@@ -123,26 +123,6 @@ class LeaseParams:
         return cls(**{k: v if k in INTEGRAL or v is None else float(v)  # type: ignore[arg-type]
                       for k, v in values.items()}).validate()
 
-    @classmethod
-    def from_sections(cls, leases: Mapping[str, object], database: Mapping[str, object],
-                      where: str = "defaults") -> LeaseParams:
-        """Untyped `[leases]` and `[database]` mappings that no configuration checked (a tool's,
-        a test's): every `[leases]` key and the three `[database]` keys §4.3 reads (the other
-        `[database]` keys belong to the store) are checked for name and type, then `of`."""
-        names = {f.name for f in dataclasses.fields(cls)}
-        for key in leases:
-            if key not in names or key in DATABASE_KEYS:
-                raise ConfigError(f"{where}: unknown key [leases] {key}")
-        values = {**leases, **{k: database[k] for k in DATABASE_KEYS if k in database}}
-        for key, value in values.items():
-            integral = key in INTEGRAL
-            ok = isinstance(value, int) if integral else isinstance(value, int | float)
-            if isinstance(value, bool) or not ok:
-                kind = "an integer" if integral else "a number"
-                section = "database" if key in DATABASE_KEYS else "leases"
-                raise ConfigError(f"{where}: [{section}] {key} must be {kind}")
-        return cls.of(values)  # type: ignore[arg-type]
-
     # -- profiles --------------------------------------------------------------------------
     def with_ttl(self, ttl_s: float) -> LeaseParams:
         """`--lease-ttl`: T only; H follows T/5 unless `heartbeat_interval_s` was set."""

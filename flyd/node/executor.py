@@ -70,7 +70,7 @@ from flyd.session.runspec import DEFAULT_MAX_AGENTS, RunSpec, RunSpecError
 from flyd.session.sample import BoundarySample, boundary_sample
 from flyd.session.trace import RecordStream
 from flyd.state.checkpoints import CheckpointStore
-from flyd.state.writer import EventRing, WriterConfig
+from flyd.state.writer import CheckpointSettings, EventRing
 from workers.types.domain import DomainError
 
 __all__ = ["GrantExecutor", "GrantTotals"]
@@ -104,7 +104,7 @@ class GrantExecutor:
 
     def __init__(self, *, socket: str, node: BusClient, node_id: str, budget: ThreadBudget,
                  claim_poll_s: float, checkpoints: CheckpointStore, ledger: LedgerReader,
-                 writer_defaults: WriterConfig, drain_timeout_s: float,
+                 writer_defaults: CheckpointSettings, drain_timeout_s: float,
                  max_agents: int = DEFAULT_MAX_AGENTS, health: HealthPolicy | None = None,
                  deadlines: Deadlines | None = None, spawner: Spawner | None = None,
                  on_progress: Callable[[RunReport], None] | None = None,

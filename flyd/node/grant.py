@@ -138,7 +138,7 @@ from flyd.state.recovery import (
     is_permanent,
     repeats,
 )
-from flyd.state.writer import CheckpointWriter, Committed, EventRing, WriterConfig
+from flyd.state.writer import CheckpointSettings, CheckpointWriter, Committed, EventRing
 from workers.plugins import construct_plugin, load_plugin
 from workers.protocols import (
     EXECUTOR_ATTRIBUTES,
@@ -306,7 +306,7 @@ def launch_refusal_repeats(exc: DomainError | BusError) -> bool:
                                              or repeats(exc))
 
 
-def writer_config(node: WriterConfig, spec: RunSpec) -> WriterConfig:
+def writer_config(node: CheckpointSettings, spec: RunSpec) -> CheckpointSettings:
     """The node's `[checkpoints]` defaults, overridden by the run spec's `checkpoints`."""
     given = {_SPEC_KEYS[k]: v for k, v in spec.checkpoints.items()
              if v is not None and k in _SPEC_KEYS}
@@ -317,7 +317,7 @@ class GrantSession:
     """One grant's session (module rules)."""
 
     def __init__(self, *, host: GrantHost, scope: GrantScope, spec: RunSpec,
-                 report: RunReport, config: WriterConfig, checkpoints: CheckpointStore,
+                 report: RunReport, config: CheckpointSettings, checkpoints: CheckpointStore,
                  ledger: LedgerReader, drain_timeout_s: float) -> None:
         self.host = host
         self.scope = scope

@@ -54,9 +54,8 @@ import structlog
 from bus.client import BusClient, connect
 from bus.errors import BusError
 from bus.ownership import Trust, UnsafeDirectory, check_dir, make_dirs
-from flyd.config import Config
+from flyd.config import Settings
 from flyd.launch.budget import ThreadBudget
-from flyd.launch.health import HealthPolicy
 from flyd.launch.identities import node_client_id
 from flyd.launch.launcher import Launcher
 from flyd.launch.orphans import become_subreaper
@@ -69,18 +68,16 @@ from flyd.leases.fit import ThreadRoom
 from flyd.leases.migrate import migrate
 from flyd.leases.runtime import NodeRuntime
 from flyd.leases.stores.contract import NodeInfo
-from flyd.leases.stores.pg import DbSettings, PgStore
+from flyd.leases.stores.pg import PgStore
 from flyd.node.control import ControlService, RunView
 from flyd.node.executor import GrantExecutor
 from flyd.node.metrics import CONTENT_TYPE, NodeMetrics
 from flyd.node.metrics_http import MetricsAddress, MetricsEndpoint
 from flyd.node.parts import ForkServerPart, Part, PartsWatch, RouterPart
 from flyd.node.router_child import RouterChild, RouterChildError, check_socket_path
-from flyd.session.coordinator import Deadlines
 from flyd.state.checkpoints import PgCheckpointStore
-from flyd.state.writer import WriterConfig
 
-__all__ = ["NodeProcess", "NodeSetup", "NodeStartError", "session_deadlines"]
+__all__ = ["NodeProcess", "NodeSetup", "NodeStartError"]
 
 log = structlog.get_logger("flyd.node.process")
 
@@ -105,9 +102,11 @@ class NodeStartError(Exception):
 
 @dataclass(frozen=True)
 class NodeSetup:
-    """What a node process needs, resolved from configuration and flags."""
+    """What a node process needs, resolved from configuration and flags: the typed settings
+    and the node's own values, which `flyd run` chooses differently from them (socket,
+    capacity, threads)."""
 
-    config: Config
+    settings: Settings
     node_id: str
     node_name: str
     socket: str
@@ -125,18 +124,7 @@ class NodeSetup:
 
     @property
     def dsn(self) -> str | None:
-        value = self.config.value("database", "dsn")
-        return value if isinstance(value, str) and value else None
-
-
-def session_deadlines(config: Config) -> Deadlines:
-    """The coordinator's deadlines (session.md §6.1) from `[session]` and
-    `[checkpoints] durable_timeout_s`; every session this node executes uses them."""
-    session = config.section("session")
-    return Deadlines(probe=float(session["probe_s"]), resolve=float(session["resolve_s"]),
-                     resolve_attempts=int(session["resolve_attempts"]),
-                     boot=float(session["boot_s"]), capture=float(session["capture_s"]),
-                     durable=float(config.value("checkpoints", "durable_timeout_s")))
+        return self.settings.database.dsn
 
 
 def sweep_dead_node_dirs(root: str | None = None) -> list[str]:
@@ -170,7 +158,7 @@ class ControlView:
         self.node_name = setup.node_name
         self.socket = setup.socket
         self.capacity = setup.capacity
-        self.health_fail_s = float(setup.config.value("session", "health_fail_s"))
+        self.health_fail_s = setup.settings.session.health.fail
         self.budget = node.budget
 
     @property
@@ -228,7 +216,7 @@ class NodeProcess:
 
     def __init__(self, setup: NodeSetup) -> None:
         self.setup = setup
-        self.params = setup.config.leases
+        self.params = setup.settings.leases
         swept = sweep_dead_node_dirs()
         if swept:
             log.info("node.temp_swept", count=len(swept), directories=swept)
@@ -248,14 +236,14 @@ class NodeProcess:
         self.watch: PartsWatch | None = None
         self.budget = ThreadBudget.for_this_machine(
             setup.capacity, threads=setup.threads,
-            coordinator_reservation=int(setup.config.value("node", "coordinator_reservation")))
+            coordinator_reservation=setup.settings.node.coordinator_reservation)
 
     # ------------------------------------------------------------------ start
 
     def _prepare_socket_dir(self) -> None:
         """Before anything starts: the socket's directory is created 0700 (0750 with a socket
         group) or must be one no other user controls (wire.md §13); else exit 2 naming it."""
-        setup, gid = self.setup, self.setup.config.socket_gid
+        setup, gid = self.setup, self.setup.settings.bus.socket_gid
         parent = os.path.dirname(os.path.abspath(setup.socket))
         try:
             make_dirs(parent, 0o750 if gid is not None else 0o700, gid)
@@ -283,37 +271,33 @@ class NodeProcess:
         await migrate(self.dsn, sim_clock=setup.sim_clock is not None)
         if setup.router:
             self.router = RouterChild(self.directory, setup.socket)
-            bus: Mapping[str, Any] = {k: v for k, v in setup.config.section("bus").items()
-                                      if v is not None}
-            await self.router.start(bus, capacity=setup.capacity,
-                                    max_agents=int(setup.config.value("session", "max_agents")),
+            await self.router.start(setup.settings.bus, capacity=setup.capacity,
+                                    max_agents=setup.settings.session.max_agents,
                                     quiet=setup.router_quiet)
         try:
             self.client = await connect(setup.socket, client_id=node_client_id(setup.node_id),
-                                        socket_gid=setup.config.socket_gid)
+                                        socket_gid=setup.settings.bus.socket_gid)
         except (BusError, OSError) as exc:
             raise NodeStartError(f"cannot connect to the router on {setup.socket}: "
                                  f"{exc}") from None
-        db = setup.config.section("database")
-        settings = dataclasses.replace(
-            DbSettings.from_section({k: v for k, v in db.items() if k != "dsn"}),
-            time_scale=setup.time_scale)
+        settings = dataclasses.replace(setup.settings.database.connection,
+                                       time_scale=setup.time_scale)
         self.store = PgStore(self.dsn, setup.node_id, settings, self.params,
                              capacity=setup.capacity)
         await self.store.open()
         self.checkpoints = PgCheckpointStore(
             self.dsn, application_name=f"flyd:{setup.node_id}:checkpoints")
-        add_import_roots(setup.config.launcher.plugin_paths)
-        self.spawner = Spawner(setup.config.launcher, socket=setup.socket)
+        session = setup.settings.session
+        add_import_roots(session.launcher.plugin_paths)
+        self.spawner = Spawner(session.launcher, socket=setup.socket)
         self.executor = GrantExecutor(
             socket=setup.socket, node=self.client, node_id=setup.node_id, budget=self.budget,
             claim_poll_s=self.params.claim_poll_s,
             checkpoints=self.checkpoints, ledger=self.read_ledger,
-            writer_defaults=self.writer_defaults(),
+            writer_defaults=setup.settings.checkpoints,
             drain_timeout_s=self.params.drain_timeout_s,
-            max_agents=int(setup.config.value("session", "max_agents")),
-            health=HealthPolicy.from_config(setup.config.section("session")),
-            deadlines=session_deadlines(setup.config),
+            max_agents=session.max_agents, health=session.health,
+            deadlines=session.deadlines,
             spawner=self.spawner)
         self.control = ControlService(ControlView(self))
         await self.control.start()
@@ -332,15 +316,6 @@ class NodeProcess:
             raise NodeStartError(f"cannot serve metrics on {address}: "
                                  f"{exc.strerror or exc}") from None
         log.info("metrics.listening", address=str(bound), host=bound.host, port=bound.port)
-
-    def writer_defaults(self) -> WriterConfig:
-        """`[checkpoints]` of the configuration (a run spec's `checkpoints` overrides it);
-        `max_pending_effects` left to its derived default unless configured."""
-        config = self.setup.config
-        values = {k: v for k, v in config.section("checkpoints").items()
-                  if k != "max_pending_effects"
-                  or config.source("checkpoints", k) != "default"}
-        return WriterConfig.from_section(values, where="[checkpoints]")
 
     async def read_ledger(self, run_id: int, through: int) -> queries.LedgerFold:
         async with await psycopg.AsyncConnection.connect(self.dsn, autocommit=True) as conn:
@@ -404,7 +379,7 @@ class NodeProcess:
             parts.append(RouterPart(lambda: router.process, lambda: self.client))
         if self.spawner is not None:
             parts.append(ForkServerPart(self.spawner))
-        health = HealthPolicy.from_config(self.setup.config.section("session"))
+        health = self.setup.settings.session.health
         executor = self.executor
 
         def on_change(reason: str | None) -> None:
@@ -465,11 +440,9 @@ class NodeProcess:
 
     async def _restart_router(self, router: RouterChild) -> None:
         setup = self.setup
-        bus: Mapping[str, Any] = {k: v for k, v in setup.config.section("bus").items()
-                                  if v is not None}
         await asyncio.to_thread(router.remove_socket)
-        await router.start(bus, capacity=setup.capacity,
-                           max_agents=int(setup.config.value("session", "max_agents")),
+        await router.start(setup.settings.bus, capacity=setup.capacity,
+                           max_agents=setup.settings.session.max_agents,
                            quiet=setup.router_quiet)
         old, self.client = self.client, None
         if old is not None:
@@ -477,7 +450,7 @@ class NodeProcess:
                 async with asyncio.timeout(CLOSE_S):
                     await old.close()
         self.client = await connect(setup.socket, client_id=node_client_id(setup.node_id),
-                                    socket_gid=setup.config.socket_gid)
+                                    socket_gid=setup.settings.bus.socket_gid)
         if self.control is not None:
             self.control.service = None
             await self.control.start()

@@ -43,7 +43,8 @@ import structlog
 from bus.limits import Limits, snake_case
 from bus.policy import GRANT_KINDS, Policy
 from bus.sockets import probe_socket
-from flyd.config import default_socket
+from bus.store import StoreSettings
+from flyd.config import BusSettings, default_socket
 from flyd.errors import ConfigError
 from flyd.launch.spawn import ChildProcess, SpawnedChild
 from flyd.session.runspec import DEFAULT_MAX_AGENTS
@@ -186,25 +187,28 @@ def required_limits(capacity: int = 1, max_agents: int = DEFAULT_MAX_AGENTS) -> 
             "max_active_calls_per_client": 2 * (max_agents + 1)}
 
 
-def router_toml(bus: Mapping[str, Any], node_pid: int, capacity: int = 1,
+def router_toml(bus: BusSettings, node_pid: int, capacity: int = 1,
                 max_agents: int = DEFAULT_MAX_AGENTS) -> str:
-    """The router child's configuration: `bus` (the `[bus]` table of `--config`, socket
-    dropped: the socket is a flag) with `[bus.limits]` raised to `required_limits()` where the
-    configured value, or the router's default when unset, is lower, plus the default policy with
-    the node's pid (session.md §7.2) unless `bus` sets a policy."""
-    table = {k: v for k, v in bus.items() if k != "socket"}
-    limits = dict(table.get("limits", {}))
+    """The router child's configuration: the node's `[bus]` (socket dropped: the socket is a
+    flag) with `[bus.limits]` raised to `required_limits()` where the configured value is lower,
+    plus the default policy with the node's pid (session.md §7.2) unless `bus` sets a policy.
+    Limits and store settings are written where they differ from the router's defaults."""
+    table: dict[str, Any] = {"allowed_uids": list(bus.allowed_uids)}
+    if bus.socket_group is not None:
+        table["socket_group"] = bus.socket_group
+    configured = {snake_case(f.name): getattr(bus.limits, f.name) for f in fields(Limits)}
     defaults = {snake_case(f.name): getattr(Limits(), f.name) for f in fields(Limits)}
+    limits = {key: value for key, value in configured.items() if value != defaults[key]}
     for key, floor in required_limits(capacity, max_agents).items():
-        value = limits.get(key, defaults[key])
-        if isinstance(value, int) and not isinstance(value, bool) and value < floor:
-            log.info("router.limit_raised", key=f"[bus.limits] {key}", configured=value,
-                     used=floor)
+        if configured[key] < floor:
+            log.info("router.limit_raised", key=f"[bus.limits] {key}",
+                     configured=configured[key], used=floor)
             limits[key] = floor
     if limits:
         table["limits"] = limits
-    if "policy" not in table:
-        table["policy"] = _policy_table(Policy.default(node_pid))
+    table["policy"] = _policy_table(bus.policy or Policy.default(node_pid))
+    if bus.store != StoreSettings():
+        table["store"] = {"enabled": bus.store.enabled, "root": bus.store.root}
     lines: list[str] = []
     _toml_table("bus", table, lines)
     return "\n".join(lines) + "\n"
@@ -219,7 +223,7 @@ class RouterChild:
         self.process: ChildProcess | None = None
         self._bound: tuple[int, int] | None = None
 
-    async def start(self, bus: Mapping[str, Any], *, capacity: int = 1,
+    async def start(self, bus: BusSettings, *, capacity: int = 1,
                     max_agents: int = DEFAULT_MAX_AGENTS, quiet: int = 1) -> None:
         config = Path(self.directory) / "router.toml"
         config.write_text(router_toml(bus, os.getpid(), capacity, max_agents))

@@ -64,7 +64,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
-from flyd.state.compat import STATE_FORMAT_ID, Compatibility
+from flyd.state.compat import Compatibility
 from workers.types.canonical import canonical, digest_bytes, is_canonical, parse_strict, plain
 from workers.types.domain import (
     DomainError,
@@ -98,7 +98,6 @@ __all__ = [
     "PAYLOAD_CONTENT_TYPE",
     "PRIOR_INSPECTION",
     "SCHEDULER_ID",
-    "STATE_FORMAT_ID",
     "TABLE_ENTRY_BYTES",
     "TASK_LEDGER",
     "WORLD_PAYLOAD",
@@ -269,11 +268,6 @@ class Envelope:
 
 # --------------------------------------------------------------------------------------------
 # Layout: pack / unpack (R1–R6)
-
-
-def _u32(data: bytes, at: int) -> int:
-    value: int = struct.unpack_from("<I", data, at)[0]
-    return value
 
 
 def _zero(data: bytes, start: int, end: int) -> int | None:

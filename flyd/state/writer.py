@@ -74,6 +74,7 @@ from workers.types.domain import DomainError, ErrorCode, Mutation
 
 __all__ = [
     "CaptureSubmission",
+    "CheckpointSettings",
     "CheckpointWriter",
     "Committed",
     "DeadlineExpired",
@@ -87,7 +88,6 @@ __all__ = [
     "SaveOutcome",
     "SaveTicket",
     "Superseded",
-    "WriterConfig",
     "WriterFaults",
     "WriterStats",
     "audit_line",
@@ -149,7 +149,7 @@ class EnvelopeTooLarge(DomainError):
         self.payload_count = payload_count
 
 @dataclass(frozen=True, slots=True)
-class WriterConfig:
+class CheckpointSettings:
     """TOML `[checkpoints]` (state.md §5.1); `max_pending_effects` None = its derived default."""
 
     every_steps: int = 60
@@ -174,20 +174,6 @@ class WriterConfig:
             if problem is not None:
                 raise ConfigError(f"[checkpoints] {f.name} = {getattr(self, f.name)!r} "
                                   f"must be {problem}")
-
-    @classmethod
-    def from_section(cls, mapping: Mapping[str, object], where: str = "defaults",
-                     base: WriterConfig | None = None) -> WriterConfig:
-        """`base` (defaults) < `mapping`; unknown keys and out-of-range values are refused by
-        name."""
-        names = {f.name for f in dataclasses.fields(cls)}
-        for key in mapping:
-            if key not in names:
-                raise ConfigError(f"{where}: unknown key [checkpoints] {key}")
-        try:
-            return dataclasses.replace(base or cls(), **dict(mapping))  # type: ignore[arg-type]
-        except ConfigError as exc:
-            raise ConfigError(f"{where}: {exc}") from exc
 
     def pending_effects_bound(self) -> int:
         if self.max_pending_effects is not None:
@@ -441,7 +427,7 @@ class _Job:
 class CheckpointWriter:
     """One per session (module rules). Run `run()` in the session's TaskGroup."""
 
-    def __init__(self, store: CheckpointStore, path: CommitPath, config: WriterConfig, *,
+    def __init__(self, store: CheckpointStore, path: CommitPath, config: CheckpointSettings, *,
                  pending: PendingEffects | None = None, head: tuple[str, int] | None = None,
                  faults: WriterFaults | None = None,
                  sink: Callable[[Mapping[str, Any]], None] | None = None) -> None:

@@ -21,6 +21,8 @@
 - `BadRewardLineEnv`: `LineEnv` whose rewards turn to `reward` (NaN by default) at step
   `atStep`.
 - `CrowdEnv`: `LineEnv` with `agents` walkers (a wide run).
+- `TallyLineEnv`: `LineEnv` that appends the count of its steps in the whole run (not reset
+  with its episodes) to the file `renderLog` at every render: which boundaries it drew.
 - `TimedLineEnv`: `LineEnv` with `metadata["render_fps"] = 25`; `DtSlideEnv`: `SlideEnv` with
   `dt = 0.02`.
 - `walk` (a function) and `StubbornPolicy` (a callable object with state) for `LineEnv`;
@@ -308,3 +310,21 @@ class CrowdEnv(LineEnv):
     def __init__(self, agents: int = 2, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.possible_agents = [f"walker_{i}" for i in range(agents)]
+
+
+class TallyLineEnv(LineEnv):
+    """`LineEnv` noting, at every render, its steps in the run in the file `renderLog`."""
+
+    def __init__(self, renderLog: str, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.render_log = renderLog
+        self.clock = 0
+
+    def step(self, actions: dict[str, Any]) -> tuple[dict[str, Any], ...]:
+        self.clock += 1
+        return super().step(actions)
+
+    def render(self) -> np.ndarray:
+        with open(self.render_log, "a") as log:
+            log.write(f"{self.clock}\n")
+        return super().render()

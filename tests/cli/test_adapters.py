@@ -443,3 +443,54 @@ def test_an_inline_policy_model_behaves_as_the_policy_model(tmp: Path) -> None:
         assert code == 0 and summary["state"] == "succeeded", summary
         digests.append(summary["behaviourDigest"])
     assert digests[0] == digests[1]
+
+
+def test_a_recorded_run_renders_only_the_frames_it_keeps_and_recovers_them_exactly(
+        tmp: Path) -> None:
+    """`--record-every 4` gives the adapter world `render_every: 4`: the env renders at
+    boundaries 0, 4, 8, … only, and every other boundary serves the frame before it again. A
+    world killed after a checkpoint at a boundary that is no multiple of 4 serves the frames of
+    the undisturbed run (its trace's view digests, its export and its behaviour digest)."""
+    renders = tmp / "renders.txt"
+    doc = {"sessionId": "tally", "steps": 30, "seed": 5, "agents": agents("walker", 2, "walk"),
+           "world": {"worldId": "line", "impl": PZ_WORLD,
+                     "config": {"env": f"{ENVS}:TallyLineEnv", "render": True, "seed": 3,
+                                "kwargs": {"size": 8, "renderLog": str(renders)}}},
+           "checkpoints": {"everySteps": 5}}
+    spec = write_spec(tmp, "tally", doc)
+    record = ("--record", str(tmp / "run.gif"), "--record-every", "4")
+
+    def run(*args: str) -> tuple[dict[str, Any], list[dict[str, Any]], list[dict[str, Any]],
+                                 str]:
+        trace = tmp / "trace.jsonl"
+        code, summary, err = flyd_run(tmp, "--spec", spec, *PLUGINS, "--mode", "process",
+                                      *record, "--trace", str(trace), *args)
+        assert code == 0 and summary["state"] == "succeeded", (summary, err[-2000:])
+        assert summary["boundary"] == 30
+        lines = [orjson.loads(line) for line in trace.read_bytes().splitlines()]
+        return summary, [line for line in lines if "resume" not in line], \
+            export(tmp, summary["run"]), err
+
+    clean, clean_trace, clean_export, _ = run()
+    assert clean["recoveries"] == 0
+    # the world's first render sizes its view when it is built; then boundaries 0, 4, …, 28
+    assert [int(n) for n in renders.read_text().split()] == [0, *range(0, 30, 4)]
+    frames = [r["observationBoundaries"] for r in clean_trace]
+    assert len(frames) == 30 and all(len(f) == 1 for f in frames)
+    # boundary b serves the frame drawn at b − b % 4 (the pictures do change along the run)
+    assert frames[5 - 1][0]["digest"] == frames[4 - 1][0]["digest"]
+    assert len({f[0]["digest"] for f in frames}) > 2
+
+    summary, trace, lines, err = run("--fault", "kill:line@13")
+    assert summary["recoveries"] == 1 and summary["epochs"] == ["e1", "e2"], summary
+    (resumed,) = events(err, "recovery.resumed")
+    assert int(str(resumed["boundary"])) in (5, 10), resumed  # restored between two renders
+    assert trace == clean_trace
+    assert lines == clean_export
+    assert summary["behaviourDigest"] == clean["behaviourDigest"]
+
+    doc["world"]["config"]["render_every"] = 3
+    code, refused, _ = flyd_run(tmp, "--spec", write_spec(tmp, "tally", doc), *PLUGINS,
+                                *record)
+    assert code == 2 and refused["error"]["code"] == "USAGE"
+    assert "the world config's render_every 3 does not divide it" in refused["error"]["message"]

@@ -20,8 +20,9 @@ from flyd.launch.launcher import composition_plans, host_groups
 from flyd.session.runspec import RunSpec
 from tests.cli.test_run import flyd_run
 from tests.cli.test_run import tmp as tmp
+from workers.faults import Faults
 from workers.host import HostLaunch, parse_host_argv
-from workers.launch import AgentSettings, Faults, WorkerLaunch
+from workers.launch import AgentSettings, WorkerLaunch
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -15,7 +15,7 @@ from flyd.config import KEYS, load_config, redact_dsn, validate_node_name
 from flyd.durations import MAX_DURATION_MS, MAX_DURATION_S
 from flyd.errors import ConfigError
 from flyd.session.runspec import RunSpec, RunSpecError
-from flyd.state.writer import WriterConfig
+from flyd.state.writer import CheckpointSettings
 
 
 def _env(tmp_path: Path, **extra: str) -> dict[str, str]:
@@ -97,7 +97,7 @@ def test_defaults_depend_on_the_machine(tmp_path: Path) -> None:
     assert config.value("checkpoints", "max_pending_effects") == 240
     assert config.value("bus", "socket") == f"{tmp_path}/flyd/bus.sock"
     assert config.config_file is None
-    assert config.leases.T == 15.0 and config.leases.H == 3.0
+    assert config.settings.leases.T == 15.0 and config.settings.leases.H == 3.0
     config = load_config(None, {"node.capacity": 8, "checkpoints.every_steps": 0}, {})
     assert config.value("node", "threads") == max(cpus, 32)
     assert config.value("checkpoints", "max_pending_effects") == 4096
@@ -122,8 +122,8 @@ def test_lease_ttl_sets_t_only_and_names_the_clause(tmp_path: Path) -> None:
     cfg = tmp_path / "flyd.toml"
     cfg.write_text("[leases]\nrenew_timeout_s = 1\n[database]\nconnect_timeout_s = 0\n")
     config = load_config(cfg, {"leases.ttl_s": 20}, {})
-    assert config.leases.T == 20.0 and config.leases.H == 4.0
-    assert config.leases.R == 1.0 and config.leases.safety_margin_s == 3.5
+    assert config.settings.leases.T == 20.0 and config.settings.leases.H == 4.0
+    assert config.settings.leases.R == 1.0 and config.settings.leases.safety_margin_s == 3.5
     with pytest.raises(ConfigError, match=r"§4\.3\.2") as info:
         load_config(cfg, {}, {"FLYD_LEASE_TTL": "4"})
     assert "FLYD_LEASE_TTL" in str(info.value)
@@ -193,7 +193,8 @@ def test_every_duration_key_is_bounded_at_parse_time_by_name(tmp_path: Path) -> 
             load_config(None, {}, {"FLYD_LEASE_TTL": text})
         assert "environment FLYD_LEASE_TTL: [leases] ttl_s" in str(refused.value)
     # the bound itself is a valid duration
-    assert load_config(None, {"leases.ttl_s": MAX_DURATION_S}, {}).leases.T == MAX_DURATION_S
+    leases = load_config(None, {"leases.ttl_s": MAX_DURATION_S}, {}).settings.leases
+    assert leases.T == MAX_DURATION_S
     cfg.write_text(f"[database]\nclient_connection_check_interval_ms = {MAX_DURATION_MS}\n"
                    "[checkpoints]\ndurable_timeout_s = 2147483.647\nevery_seconds = 0\n")
     config = load_config(cfg, {}, {})
@@ -219,4 +220,28 @@ def test_run_spec_durations_share_the_bound(where: str, key: str) -> None:
                           else {"checkpoints": {key: MAX_DURATION_S}})
     RunSpec.validate(ok)
     with pytest.raises(ConfigError, match="durable_timeout_s"):
-        WriterConfig(durable_timeout_s=1e308)
+        CheckpointSettings(durable_timeout_s=1e308)
+
+
+def test_the_settings_are_typed_once_from_every_level(tmp_path: Path) -> None:
+    """`Config.settings` carries each section typed, after precedence: what the node and the
+    commands read instead of the key table."""
+    cfg = tmp_path / "flyd.toml"
+    cfg.write_text('[session]\nprobe_s = 4\nhealth_fail_s = 7\npacing = "realtime"\n'
+                   '[checkpoints]\nevery_steps = 30\ndurable_timeout_s = 9\n'
+                   '[database]\nlock_timeout_ms = 700\n[bus.limits]\nmax_clients = 99\n')
+    config = load_config(cfg, {"bus.socket": str(tmp_path / "b.sock"), "node.capacity": 2},
+                         {"FLYD_STATE_DIR": str(tmp_path / "s")})
+    settings = config.settings
+    assert settings.session.deadlines.probe == 4.0 and settings.session.deadlines.durable == 9.0
+    assert settings.session.health.fail == 7.0 and settings.session.realtime
+    assert settings.checkpoints.every_steps == 30
+    assert settings.checkpoints.max_pending_effects is None  # derived from the run's cadence
+    assert settings.database.dsn is None and settings.database.connection.lock_timeout_ms == 700
+    assert settings.bus.limits.maxClients == 99 and settings.bus.policy is None
+    assert (settings.bus.socket, settings.bus.socket_origin) == (str(tmp_path / "b.sock"),
+                                                                 "flag --socket")
+    assert settings.node.capacity == 2 and settings.node.state_dir == tmp_path / "s"
+    default = load_config(None, {}, {}).settings
+    assert not default.bus.socket_given and default.bus.socket_origin == "default"
+    assert default.checkpoints == CheckpointSettings()

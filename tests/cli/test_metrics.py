@@ -207,8 +207,8 @@ def test_node_metrics_is_checked_where_it_is_set(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"flag --metrics: \[node\] metrics"):
         load_config(None, flags={"node.metrics": "::1:80"}, env={})
     config.write_text('[node]\nmetrics = "0.0.0.0:9464"\n')
-    assert load_config(config, env={}).metrics == MetricsAddress("0.0.0.0", 9464)
-    assert load_config(None, env={}).metrics is None
+    assert load_config(config, env={}).settings.node.metrics == MetricsAddress("0.0.0.0", 9464)
+    assert load_config(None, env={}).settings.node.metrics is None
 
 
 async def _http(port: int, request: bytes) -> bytes:

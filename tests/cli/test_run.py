@@ -374,10 +374,12 @@ def test_router_toml_carries_the_node_pid_and_the_limit_floors() -> None:
     import tomllib
 
     from bus.policy import Policy
+    from flyd.config import load_config
     from flyd.node.router_child import router_toml
 
-    text = router_toml({"socket": "/x.sock", "limits": {"max_clients": 9, "max_services": 99}},
-                       4242)
+    bus = load_config(None, {"bus.socket": "/x.sock",
+                             "bus.limits": {"max_clients": 9, "max_services": 99}}, {})
+    text = router_toml(bus.settings.bus, 4242)
     doc = tomllib.loads(text)
     assert "socket" not in doc["bus"]
     assert doc["bus"]["limits"] == {"max_clients": 15, "max_services": 99}

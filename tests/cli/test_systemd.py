@@ -151,7 +151,7 @@ def test_sd_notify_ready_status_watchdog_stopping(tmp: Path, manager: FakeManage
     assert _schema_version(db_dsn) == 0
     toml = tmp / "flyd.toml"
     toml.write_text("")
-    drain_s = load_config(toml).leases.drain_timeout_s
+    drain_s = load_config(toml).settings.leases.drain_timeout_s
     bus = tmp / "bus.sock"
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("FLYD_", "WATCHDOG_")) and k != "NOTIFY_SOCKET"}
@@ -245,7 +245,7 @@ def test_unit_names_every_directive_and_passes_systemd_analyze_verify(tmp: Path)
     assert {k: service.get(k) for k in REQUIRED} == REQUIRED
     assert unit["Install"]["WantedBy"] == "multi-user.target"
     # the stop timeout covers the drain window D + 5 s (distribution.md §5.8)
-    assert int(service["TimeoutStopSec"]) >= load_config(None).leases.drain_timeout_s + 5
+    assert int(service["TimeoutStopSec"]) >= load_config(None).settings.leases.drain_timeout_s + 5
     analyze = shutil.which("systemd-analyze")
     assert analyze is not None, "systemd-analyze is required (apt-get install systemd)"
     # an alternate root with the host's units, the unit installed and `flyd` where README

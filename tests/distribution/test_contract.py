@@ -51,7 +51,8 @@ from flyd.leases.stores.contract import (
     TerminalState,
     Transient,
 )
-from flyd.leases.stores.mem import MemStore, OpenCommit
+from flyd.leases.stores.mem import OpenCommit
+from tests.admin_store import AdminMemStore
 
 BASE = datetime(2030, 1, 1, tzinfo=UTC)
 A = "node-a-0000000000a1"
@@ -195,7 +196,7 @@ class MemHarness:
 
     def __init__(self) -> None:
         self.clock = ManualClock()
-        self.mem = MemStore(self.clock.now, idle_in_transaction_timeout_s=IDLE_S,
+        self.mem = AdminMemStore(self.clock.now, idle_in_transaction_timeout_s=IDLE_S,
                             epoch_base=BASE)
         self.store: Store = self.mem
 

@@ -1,9 +1,12 @@
-"""Unit tests of the lease core's table and of `LeaseParams.from_sections` (§4.2, §5.2)."""
+"""Unit tests of the lease core's table and of `LeaseParams` from the configuration (§4.2, §5.2)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
+from flyd.config import load_config
 from flyd.errors import ConfigError
 from flyd.leases.core import (
     BEGIN,
@@ -30,19 +33,29 @@ def _active(core: LeaseCore, run: str = "r", epoch: int = 1, t: float = 0.0) -> 
     core.end(run, "start")
 
 
-def test_from_sections() -> None:
-    p = LeaseParams.from_sections({"ttl_s": 30, "claim_batch": 2},
-                                  {"statement_timeout_ms": 1000, "keepalives": 1}, "f.toml")
+def test_lease_params_from_the_configuration(tmp_path: Path) -> None:
+    """`[leases]` and the `[database]` keys of §4.3 become `LeaseParams` in the configuration,
+    which names the file of a bad key; a violated clause is a `LeaseParamsError`."""
+    toml = tmp_path / "f.toml"
+
+    def params(text: str) -> LeaseParams:
+        toml.write_text(text)
+        return load_config(toml, env={}).settings.leases
+
+    p = params("[leases]\nttl_s = 30\nclaim_batch = 2\n"
+               "[database]\nstatement_timeout_ms = 1000\nkeepalives = 1\n")
     assert p.ttl_s == 30.0 and p.H == 6.0 and p.claim_batch == 2 and p.S == 1.0
-    assert LeaseParams.from_sections({}, {}) == LeaseParams()
-    with pytest.raises(ConfigError, match="unknown key"):
-        LeaseParams.from_sections({"ttl": 3}, {})
-    with pytest.raises(ConfigError, match="must be an integer"):
-        LeaseParams.from_sections({"claim_batch": 2.5}, {})
-    with pytest.raises(ConfigError, match="must be a number"):
-        LeaseParams.from_sections({"ttl_s": "15"}, {})
+    assert params("") == LeaseParams()
+    for text, problem in (("ttl = 3", "unknown key"), ("claim_batch = 2.5", "must be an integer"),
+                          ('ttl_s = "15"', "must be a number")):
+        with pytest.raises(ConfigError, match=problem) as refused:
+            params(f"[leases]\n{text}\n")
+        assert str(toml) in str(refused.value)
+    with pytest.raises(ConfigError) as violated:
+        params("[leases]\nttl_s = 4\n")
+    assert "§4.3.2" in str(violated.value)
     with pytest.raises(LeaseParamsError) as info:
-        LeaseParams.from_sections({"ttl_s": 4}, {})
+        LeaseParams.of({"ttl_s": 4})
     assert info.value.clause == "§4.3.2" and isinstance(info.value, ConfigError)
 
 

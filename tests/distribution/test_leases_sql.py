@@ -9,12 +9,14 @@ import dataclasses
 from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import AsyncExitStack, aclosing, asynccontextmanager
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 from typing import Any
 
 import psycopg
 import pytest
 from psycopg.conninfo import conninfo_to_dict
 
+from flyd.config import DatabaseSettings, load_config
 from flyd.errors import ConfigError
 from flyd.leases.migrate import (
     MigrationMismatch,
@@ -877,25 +879,31 @@ async def test_conninfo_settings_reach_the_server(db_dsn: str) -> None:
     assert row == ("100ms", "75ms", "50ms", "50ms", f"flyd:{N1}:work")
 
 
-def test_db_settings_from_section() -> None:
-    assert DbSettings.from_section({}) == DbSettings()
-    got = DbSettings.from_section({"dsn": "postgresql:///flyd", "lock_timeout_ms": 700,
-                                   "connect_timeout_s": 0}, "flyd.toml")
-    assert (got.lock_timeout_ms, got.connect_timeout_s) == (700, 0)
-    bad: list[tuple[dict[str, object], str]] = [
-        ({"lock_timeout": 1}, "[database] lock_timeout"),
-        ({"time_scale": 2.0}, "[database] time_scale"),
-        ({"statement_timeout_ms": "2s"}, "[database] statement_timeout_ms"),
-        ({"keepalives": True}, "[database] keepalives"),
-        ({"keepalives": 2}, "[database] keepalives"),
-        ({"connect_timeout_s": 1}, "[database] connect_timeout_s"),
-        ({"statement_timeout_ms": 0}, "[database] statement_timeout_ms"),
-        ({"dsn": 5}, "[database] dsn"),
-    ]
-    for section, name in bad:
+def test_db_settings_from_the_configuration(tmp_path: Path) -> None:
+    """`[database]` becomes `DbSettings` in the configuration; a bad key is refused naming
+    itself and the file."""
+    toml = tmp_path / "flyd.toml"
+
+    def database(text: str) -> DatabaseSettings:
+        toml.write_text(f"[database]\n{text}\n")
+        return load_config(toml, env={}).settings.database
+
+    assert database("").connection == DbSettings()
+    got = database('dsn = "postgresql:///flyd"\nlock_timeout_ms = 700\nconnect_timeout_s = 0')
+    assert got.dsn == "postgresql:///flyd"
+    assert (got.connection.lock_timeout_ms, got.connection.connect_timeout_s) == (700, 0)
+    bad = [("lock_timeout = 1", "[database] lock_timeout"),
+           ("time_scale = 2.0", "[database] time_scale"),
+           ('statement_timeout_ms = "2s"', "[database] statement_timeout_ms"),
+           ("keepalives = true", "[database] keepalives"),
+           ("keepalives = 2", "[database] keepalives"),
+           ("connect_timeout_s = 1", "[database] connect_timeout_s"),
+           ("statement_timeout_ms = 0", "[database] statement_timeout_ms"),
+           ("dsn = 5", "[database] dsn")]
+    for text, name in bad:
         with pytest.raises(ConfigError) as info:
-            DbSettings.from_section(section, "flyd.toml")
-        assert name in str(info.value) and "flyd.toml" in str(info.value)
+            database(text)
+        assert name in str(info.value) and str(toml) in str(info.value)
 
 
 # error mapping (§2.5, §5.6, §6.4)

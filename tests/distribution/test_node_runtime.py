@@ -38,6 +38,7 @@ from flyd.leases.stores.contract import (
     UnknownOutcome,
 )
 from flyd.leases.stores.mem import MemStore
+from tests.admin_store import AdminMemStore
 from workers.types.canonical import canonical
 
 P = LeaseParams.short_ttl()
@@ -62,7 +63,7 @@ class Groups:
 CommitFault = Callable[["Store", Commit], Awaitable[Committed]]
 
 
-class Store(MemStore):
+class Store(AdminMemStore):
     """MemStore recording calls, with switchable faults."""
 
     def __init__(self, clock: ManualClock) -> None:

@@ -709,9 +709,9 @@ async def test_a_replayed_reply_carries_its_artifacts_again() -> None:
 def test_the_threshold_is_node_configuration() -> None:
     """`[session] media_inline_max_bytes` is read once into the launcher settings and reaches
     every worker's command line; it is not part of the run spec (§16 decision 20)."""
-    assert load_config(None, {}, {}).launcher.media_inline_max_bytes == 16384
+    assert load_config(None, {}, {}).settings.session.launcher.media_inline_max_bytes == 16384
     config = load_config(None, {"session.media_inline_max_bytes": 0}, {})
-    assert config.launcher.media_inline_max_bytes == 0
+    assert config.settings.session.launcher.media_inline_max_bytes == 0
     for bad in (-1, MAX_MEDIA_INLINE_MAX_BYTES + 1):
         with pytest.raises(ValueError, match=r"\[session\] media_inline_max_bytes"):
             load_config(None, {"session.media_inline_max_bytes": bad}, {})

@@ -142,10 +142,10 @@ async def test_the_concurrency_bounds_the_launches_in_flight(launchers: Launcher
 
 
 def test_the_launcher_settings_are_read_from_the_session_section() -> None:
-    assert load_config(None, {}, {}).launcher == LauncherSettings("fork", 8)
+    assert load_config(None, {}, {}).settings.session.launcher == LauncherSettings("fork", 8)
     config = load_config(None, {"session.launcher": "spawn",
                                 "session.launch_concurrency": 3}, {})
-    assert config.launcher == LauncherSettings("spawn", 3)
+    assert config.settings.session.launcher == LauncherSettings("spawn", 3)
     with pytest.raises(ValueError, match=r"\[session\] launcher"):
         load_config(None, {"session.launcher": "exec"}, {})
     with pytest.raises(ValueError, match=r"\[session\] launch_concurrency"):

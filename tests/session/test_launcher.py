@@ -23,6 +23,7 @@ import pytest
 from bus.client_calls import CallResult
 from bus.client_identity import Identity
 from bus.errors import NoService, NotAuthorized, QuotaExceeded, TargetChanged
+from flyd.config import load_config
 from flyd.launch.budget import ThreadBudget
 from flyd.launch.health import HealthPolicy, format_seconds, no_answer
 from flyd.launch.identities import SessionNames
@@ -195,13 +196,15 @@ def test_execution_modes_have_their_labels() -> None:
 
 def test_health_policy_defaults_config_and_messages() -> None:
     assert HealthPolicy() == HealthPolicy(probe=2.0, fail=10.0, boot=30.0)
-    assert HealthPolicy.from_config({"health_fail_s": 0.5, "probe_s": 9}) == HealthPolicy(
-        fail=0.5)
-    for bad in ({"health_probe_s": 0}, {"health_fail_s": -1.0}, {"health_boot_s": True},
-                {"health_boot_s": float("inf")}):
+    configured = load_config(None, {"session.health_fail_s": 0.5, "session.probe_s": 9}, {})
+    assert configured.settings.session.health == HealthPolicy(fail=0.5)
+    bad: list[tuple[dict[str, Any], str]] = [
+        ({"probe": 0}, "health_probe_s"), ({"fail": -1.0}, "health_fail_s"),
+        ({"boot": True}, "health_boot_s"), ({"boot": float("inf")}, "health_boot_s")]
+    for values, key in bad:
         with pytest.raises(DomainError) as err:
-            HealthPolicy.from_config(bad)
-        assert next(iter(bad)) in err.value.message
+            HealthPolicy(**values)
+        assert key in err.value.message
     assert [format_seconds(s) for s in (0.2, 0.05, 10.0, 2.5, 1)] == [
         "200ms", "50ms", "10s", "2.5s", "1s"]
     error = no_answer("Worker.Status", "fly-a", 10.0)

@@ -28,8 +28,6 @@ from workers.synthetic import (
     CounterTask,
     FakeBrain,
     IdentityExecutor,
-    event_id,
-    synthetic_schema,
 )
 from workers.synthetic import schemas as S
 from workers.synthetic.arena import (
@@ -42,7 +40,8 @@ from workers.synthetic.audio import TriangleSource, frame_bytes
 from workers.synthetic.brain import initial_state
 from workers.synthetic.frame import FRAME_BYTES, ROW_STRIDE, render_frame
 from workers.synthetic.readout import decide, rotate_right
-from workers.synthetic.task import Terminal, context
+from workers.synthetic.schemas import synthetic_schema
+from workers.synthetic.task import Terminal, context, event_id
 from workers.types.canonical import typed_digest
 from workers.types.datatypes import (
     EnvironmentDescriptor,

@@ -26,7 +26,6 @@ from flyd.leases.clock import ManualClock
 from flyd.leases.params import LeaseParams
 from flyd.leases.stores import pg as pgstore
 from flyd.leases.stores.contract import Checkpoint, Commit, Effect, LedgerImmutable, Store
-from flyd.leases.stores.mem import MemStore
 from flyd.state.checkpoints import (
     CommitJob,
     DirectCommitPath,
@@ -36,6 +35,7 @@ from flyd.state.checkpoints import (
 )
 from flyd.state.compat import STATE_FORMAT_ID
 from flyd.state.envelope import encode
+from tests.admin_store import AdminMemStore
 from workers.types.canonical import canonical, digest_bytes, digest_of
 from workers.types.ticks import RationalNs
 
@@ -125,7 +125,7 @@ class RunCtx:
     run_id: int
     lease_epoch: int
     path: DirectCommitPath
-    mem: MemStore | None = None
+    mem: AdminMemStore | None = None
     clock: ManualClock | None = None
     dsn: str | None = None
     admin: psycopg.AsyncConnection[Any] | None = None
@@ -227,7 +227,7 @@ async def _pg_ctx(db_dsn: str) -> AsyncIterator[RunCtx]:
 
 async def _mem_ctx() -> AsyncIterator[RunCtx]:
     clock = ManualClock()
-    mem = MemStore(clock.now, idle_in_transaction_timeout_s=0, epoch_base=BASE)
+    mem = AdminMemStore(clock.now, idle_in_transaction_timeout_s=0, epoch_base=BASE)
     run_id = (await mem.submit(None, {}, 3)).run_id
     [grant] = await mem.claim(NODE, 1, TTL)
     yield RunCtx(kind="mem", lease=mem, store=MemoryCheckpointStore(mem), run_id=run_id,

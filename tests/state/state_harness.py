@@ -39,7 +39,7 @@ from flyd.session.phase import Failed
 from flyd.session.restore import StateContext
 from flyd.state.effects import epoch_number
 from flyd.state.envelope import decode, encode
-from flyd.state.writer import CheckpointWriter, Committed, WriterConfig, WriterFaults
+from flyd.state.writer import CheckpointSettings, CheckpointWriter, Committed, WriterFaults
 from tests.session.harness import WAIT, Fixture, SessionHarness, within
 from tests.state.conftest import NODE, RunCtx
 from workers.faults import Faults
@@ -71,9 +71,9 @@ class StateHarness:
     @classmethod
     @asynccontextmanager
     async def start(cls, ctx: RunCtx, fixture: Fixture | None = None,
-                    config: WriterConfig | None = None, faults: WriterFaults | None = None
+                    config: CheckpointSettings | None = None, faults: WriterFaults | None = None
                     ) -> AsyncIterator[StateHarness]:
-        writer = CheckpointWriter(ctx.store, ctx.path, config or WriterConfig(),
+        writer = CheckpointWriter(ctx.store, ctx.path, config or CheckpointSettings(),
                                   faults=faults)
         async with SessionHarness.start(fixture) as h, asyncio.TaskGroup() as tg:
             tg.create_task(writer.run())

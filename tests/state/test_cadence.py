@@ -33,7 +33,7 @@ from flyd.session.trace import EpochRebase
 from flyd.state.cadence import Cadence, CadenceError
 from flyd.state.checkpoints import FinishRun
 from flyd.state.recovery import capture_repeats
-from flyd.state.writer import CheckpointWriter, Committed, WriterConfig, WriterFaults
+from flyd.state.writer import CheckpointSettings, CheckpointWriter, Committed, WriterFaults
 from tests.session.harness import Fixture, SessionHarness
 from tests.state.conftest import RunCtx, effect_rows, run_state
 from workers.faults import Faults
@@ -84,7 +84,7 @@ class Driven:
 
 
 @asynccontextmanager
-async def driven(ctx: RunCtx, config: WriterConfig, faults: WriterFaults | None = None,
+async def driven(ctx: RunCtx, config: CheckpointSettings, faults: WriterFaults | None = None,
                  fixture: Fixture | None = None) -> AsyncIterator[Driven]:
     writer = CheckpointWriter(ctx.store, ctx.path, config, faults=faults)
     durability = Durability(writer, Cadence(config.every_steps, config.every_seconds))
@@ -111,7 +111,7 @@ def boundary_keys(a: int, b: int) -> list[str]:
 
 
 async def test_every_n_steps_captures_at_multiples(mem_run: RunCtx) -> None:
-    async with driven(mem_run, WriterConfig(every_steps=5)) as d:
+    async with driven(mem_run, CheckpointSettings(every_steps=5)) as d:
         await d.run(17)
         await d.settle()
         committed = [line for line in d.h.coordinator.audit.entries()
@@ -146,7 +146,7 @@ def test_every_t_seconds_and_whichever_first() -> None:
 async def test_effects_become_durable_only_with_a_covering_checkpoint(
         backend: str, claimed_run: RunCtx, mem_run: RunCtx) -> None:
     ctx = claimed_run if backend == "pg" else mem_run
-    async with driven(ctx, WriterConfig(every_steps=5)) as d:
+    async with driven(ctx, CheckpointSettings(every_steps=5)) as d:
         await d.run(12)
         await d.settle()
         assert keys(await effect_rows(ctx)) == boundary_keys(1, 10)
@@ -163,7 +163,7 @@ async def test_effects_become_durable_only_with_a_covering_checkpoint(
 async def test_a_busy_writer_defers_the_capture_and_stepping_continues(mem_run: RunCtx) -> None:
     gate = asyncio.Event()
     faults = WriterFaults(gate=gate)
-    async with driven(mem_run, WriterConfig(every_steps=5, queue_capacity=1), faults) as d:
+    async with driven(mem_run, CheckpointSettings(every_steps=5, queue_capacity=1), faults) as d:
         await d.run(5)  # ck-e1-1 reserved, captured and queued; the writer waits at the gate
         async with asyncio.timeout(5):
             await faults.stalled.wait()
@@ -185,7 +185,7 @@ async def test_a_busy_writer_defers_the_capture_and_stepping_continues(mem_run: 
 
 
 async def test_the_pending_effects_bound_forces_a_durable_capture(mem_run: RunCtx) -> None:
-    config = WriterConfig(every_steps=0, max_pending_effects=8)
+    config = CheckpointSettings(every_steps=0, max_pending_effects=8)
     async with driven(mem_run, config) as d:
         await d.run(7)
         assert await effect_rows(mem_run) == [], "cadence 0: nothing durable yet"
@@ -205,7 +205,7 @@ async def test_cadence_never_changes_behaviour(every: int, mem_run: RunCtx) -> N
         await reference.bootstrap()
         await reference.run(20)
         clean = reference.coordinator.trace.behaviour()
-    async with driven(mem_run, WriterConfig(every_steps=every)) as d:
+    async with driven(mem_run, CheckpointSettings(every_steps=every)) as d:
         await d.run(20)
         await d.final()
         assert d.h.coordinator.trace.behaviour() == clean
@@ -238,7 +238,7 @@ def test_cadence_configuration_is_validated(tmp_path: Path, line: str, key: str)
 
 
 def test_a_run_spec_overrides_the_node_cadence() -> None:
-    node = WriterConfig(every_steps=60, keep_generations=3)
+    node = CheckpointSettings(every_steps=60, keep_generations=3)
     spec = RunSpec.validate({"steps": "10", "checkpoints": {"everySteps": 5,
                                                             "keepGenerations": 2}})
     merged = writer_config(node, spec)
@@ -252,7 +252,7 @@ async def test_a_capture_over_the_envelope_limit_names_both_sizes(mem_run: RunCt
     can never commit and raises `CheckpointTooLarge`; a final one returns `TooLarge`; both carry
     the outcome the run ends `failed` with, `{error, byteLength, limit}` (state.md §5.2)."""
     limit = 64
-    config = WriterConfig(every_steps=2, max_pending_effects=6)
+    config = CheckpointSettings(every_steps=2, max_pending_effects=6)
     # The configured floor is 1 MiB (§6); a synthetic capture is a few KiB, so the limit is set
     # below the floor here to make every capture too large.
     object.__setattr__(config, "max_envelope_bytes", limit)
@@ -277,7 +277,7 @@ async def test_a_capture_a_participant_refuses_is_returned_naming_it(mem_run: Ru
     skipped and stepping goes on; a forced one raises `CaptureRefused`, a final one returns the
     `Refusal`; both carry the world's `SessionFailure`, which the grant puts in the run's
     outcome. `BACKEND_FAILURE` may pass on another attempt; `UNSUPPORTED` would not."""
-    config = WriterConfig(every_steps=2, max_pending_effects=6)
+    config = CheckpointSettings(every_steps=2, max_pending_effects=6)
     fixture = Fixture(faults={"arena": Faults(fail_capture=True)})
     async with driven(mem_run, config, fixture=fixture) as d:
         await d.run(5)                     # hot captures at 2 and 4, each refused

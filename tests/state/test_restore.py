@@ -16,11 +16,11 @@ from flyd.session.fence import FENCED_MESSAGE, SessionFailure
 from flyd.session.phase import Failed, Paused, Ready
 from flyd.session.trace import EpochRebase, compare
 from flyd.state.writer import (
+    CheckpointSettings,
     Committed,
     DeadlineExpired,
     ReplyLost,
     Superseded,
-    WriterConfig,
     WriterFaults,
 )
 from flyd.state.writer import (
@@ -212,7 +212,7 @@ async def test_the_checkpoint_queue_under_stress_stays_bounded(
     gate = asyncio.Event()
     faults = WriterFaults(gate=gate)
     async with StateHarness.start(claimed_run, Fixture(mode=mode),
-                                  config=WriterConfig(queue_capacity=2), faults=faults) as s:
+                                  config=CheckpointSettings(queue_capacity=2), faults=faults) as s:
         c, writer = s.coordinator, s.writer
         await s.bootstrap()
         await s.h.run(1)
@@ -363,7 +363,7 @@ async def test_a_queued_replaceable_capture_is_superseded_rather_than_duplicated
         claimed_run: RunCtx) -> None:
     gate = asyncio.Event()
     faults = WriterFaults(gate=gate)
-    async with StateHarness.start(claimed_run, config=WriterConfig(queue_capacity=3),
+    async with StateHarness.start(claimed_run, config=CheckpointSettings(queue_capacity=3),
                                   faults=faults) as s:
         c, writer = s.coordinator, s.writer
         await s.bootstrap()

@@ -29,9 +29,9 @@ from flyd.state.checkpoints import (
 from flyd.state.envelope import EnvelopeError, encode
 from flyd.state.writer import (
     CaptureSubmission,
+    CheckpointSettings,
     CheckpointWriter,
     Failed,
-    WriterConfig,
 )
 from tests.state.conftest import (
     NODE,
@@ -117,7 +117,7 @@ async def test_a_stale_lease_epoch_cannot_commit(run_ctx: RunCtx) -> None:
         await original(*args, **kwargs)
 
     ctx.path.commit = counting  # type: ignore[method-assign]
-    config = WriterConfig(retry="retry", retry_attempts=3, retry_backoff_s=0.01)
+    config = CheckpointSettings(retry="retry", retry_attempts=3, retry_backoff_s=0.01)
     writer = CheckpointWriter(ctx.store, ctx.path, config)
     pending = writer.pending
     for j in range(1, 4):

@@ -19,6 +19,7 @@ from flyd.leases.stores.contract import Checkpoint, Effect, Transient
 from flyd.state.envelope import MAX_PAYLOADS
 from flyd.state.writer import (
     CaptureSubmission,
+    CheckpointSettings,
     CheckpointWriter,
     Committed,
     DeadlineExpired,
@@ -29,7 +30,6 @@ from flyd.state.writer import (
     SaveOutcome,
     SaveTicket,
     Superseded,
-    WriterConfig,
     WriterFaults,
     audit_line,
 )
@@ -87,9 +87,9 @@ async def running(writer: CheckpointWriter) -> AsyncIterator[MiniSession]:
             await writer.shutdown()
 
 
-def gated(**config: Any) -> tuple[WriterConfig, WriterFaults, asyncio.Event]:
+def gated(**config: Any) -> tuple[CheckpointSettings, WriterFaults, asyncio.Event]:
     gate = asyncio.Event()
-    return WriterConfig(**config), WriterFaults(gate=gate), gate
+    return CheckpointSettings(**config), WriterFaults(gate=gate), gate
 
 
 async def stalled(faults: WriterFaults) -> None:
@@ -148,7 +148,7 @@ async def test_a_capture_with_more_payloads_than_an_envelope_holds_is_refused_at
     1024 commits and reads back whole; one with more can never commit, so it is refused at
     submit (`UNSUPPORTED`/`none`, both counts) and nothing is queued. (The widest session, 256
     agents, needs 516: tests/cli/test_wide_runs.py checkpoints it.)"""
-    writer = CheckpointWriter(mem_run.store, mem_run.path, WriterConfig())
+    writer = CheckpointWriter(mem_run.store, mem_run.path, CheckpointSettings())
     async with running(writer) as s:
         s.step()
         manifest, full = make_capture("ck-full", s.boundary, helpers=MAX_PAYLOADS - 4)
@@ -198,7 +198,7 @@ async def test_a_durable_capture_is_never_coalesced(mem_run: RunCtx) -> None:
 
 # 39
 async def test_the_slot_is_free_when_the_outcome_arrives(mem_run: RunCtx) -> None:
-    writer = CheckpointWriter(mem_run.store, mem_run.path, WriterConfig())
+    writer = CheckpointWriter(mem_run.store, mem_run.path, CheckpointSettings())
     seen: list[tuple[bool, int]] = []
     async with running(writer) as s:
         s.step()
@@ -235,7 +235,7 @@ class FlakyPath:
 # 40
 async def test_retry_then_release_repeats_the_whole_transaction(mem_run: RunCtx) -> None:
     path = FlakyPath(mem_run, failures=2)
-    config = WriterConfig(retry="retry", retry_attempts=3, retry_backoff_s=0.01)
+    config = CheckpointSettings(retry="retry", retry_attempts=3, retry_backoff_s=0.01)
     writer = CheckpointWriter(mem_run.store, path, config)
     async with running(writer) as s:
         s.step(2)
@@ -245,7 +245,7 @@ async def test_retry_then_release_repeats_the_whole_transaction(mem_run: RunCtx)
     assert [k for k, _, _ in await effect_rows(mem_run)] == ["boundary-1", "boundary-2"]
 
     path = FlakyPath(mem_run, failures=1)
-    writer = CheckpointWriter(mem_run.store, path, WriterConfig(retry="release"))
+    writer = CheckpointWriter(mem_run.store, path, CheckpointSettings(retry="release"))
     writer.head = ("ck-1", 2)
     async with running(writer) as s:
         s.boundary = 2
@@ -258,7 +258,7 @@ async def test_retry_then_release_repeats_the_whole_transaction(mem_run: RunCtx)
 # 41
 async def test_reply_lost_and_deadline_expired_are_different_facts(mem_run: RunCtx) -> None:
     faults = WriterFaults(drop_reply_for="ck-1")
-    writer = CheckpointWriter(mem_run.store, mem_run.path, WriterConfig(), faults=faults)
+    writer = CheckpointWriter(mem_run.store, mem_run.path, CheckpointSettings(), faults=faults)
     async with running(writer) as s:
         s.step()
         lost = await s.await_durable(s.capture("ck-1"), 5)
@@ -326,7 +326,7 @@ async def test_events_and_audit_follow_the_outcome(mem_run: RunCtx) -> None:
     def broken(event: Mapping[str, Any]) -> None:
         raise OSError("sink gone")
 
-    writer = CheckpointWriter(mem_run.store, mem_run.path, WriterConfig(), sink=broken,
+    writer = CheckpointWriter(mem_run.store, mem_run.path, CheckpointSettings(), sink=broken,
                               head=("ck-3", 3))
     async with running(writer) as s:
         s.boundary = 3
@@ -335,7 +335,7 @@ async def test_events_and_audit_follow_the_outcome(mem_run: RunCtx) -> None:
     assert writer.stats.events_dropped == 2 and writer.stats.committed == 1
 
     ring = EventRing()
-    writer = CheckpointWriter(mem_run.store, mem_run.path, WriterConfig(), sink=ring,
+    writer = CheckpointWriter(mem_run.store, mem_run.path, CheckpointSettings(), sink=ring,
                               head=("ck-5", 4))
     with capture_logs() as logs:
         async with running(writer) as s:

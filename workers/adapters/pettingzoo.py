@@ -2,7 +2,8 @@
 task that turns the environment's rewards and endings into flyd's (docs/adapters.md).
 
 - `ParallelEnvWorld` (world config `{"env": "module:callable", "kwargs": {…}, "render": bool,
-  "seed": int, "episodes": int, "restore": "auto" | "snapshot" | "replay"}`): `env(**kwargs)`
+  "render_every": int, "seed": int, "episodes": int, "restore": "auto" | "snapshot" |
+  "replay"}`): `env(**kwargs)`
   builds the environment. The run's ports bind to the env's `possible_agents` in order (the i-th
   agent of the run spec drives the i-th env agent; the counts must be equal). `reset` resets the
   env with the episode's seed (`seed`, default 0, for episode 0; `episode_seed(seed, e)` for
@@ -14,7 +15,12 @@ task that turns the environment's rewards and endings into flyd's (docs/adapters
   `per-agent-input-v1`: each agent receives only its own observation (binary arrays), reward and
   endings (`adapter.input.v1`), its spaces once at boundary 0; the inspection
   (`adapter.inspection.v2`, rewards and endings, no observations) is the task's. With `render`
-  true the env is built with `render_mode="rgb_array"` and its render is the world's view `frame`.
+  true the env is built with `render_mode="rgb_array"` and its render is the world's view `frame`,
+  drawn at the boundaries b with `b % render_every == 0` only (default 1; `flyd run
+  --record-every K` sets K): at the others `render` returns None and the environment endpoint
+  serves the previous boundary's frame again. So the view keeps one frame per boundary
+  (session.md §3.5) while the env draws only the frames a recording keeps, and a restore at any
+  boundary serves the undisturbed run's frame (the checkpoint holds its boundary's frame).
   The world's step follows the env (`natural_step`: its `dt`, else `1 / metadata["render_fps"]`)
   unless the run spec sets one.
 - `PolicyModel` (model config `{"policy": "module:callable"}`): when its input arrives it calls
@@ -127,11 +133,12 @@ from workers.types.domain import (
 from workers.types.ticks import RationalNs
 
 VIEW_ID: Final = "frame"
-WORLD_FORMAT: Final = "adapter-world-v3"
+WORLD_FORMAT: Final = "adapter-world-v4"
 MODEL_FORMAT: Final = "adapter-policy-v2"
 TASK_FORMAT: Final = "adapter-task-v1"
 TASK_PATH: Final = "workers.adapters.pettingzoo:EnvTask"
-WORLD_KEYS: Final = frozenset({"env", "kwargs", "render", "seed", "episodes", "restore"})
+WORLD_KEYS: Final = frozenset({"env", "kwargs", "render", "render_every", "seed", "episodes",
+                               "restore"})
 #: the largest reward magnitude an env may give (beyond it sums lose every unit digit)
 MAX_REWARD: Final = 1e12
 _IMPORT_PATH: Final = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*")
@@ -267,6 +274,12 @@ class ParallelEnvWorld:
         self.config = dict(config)
         self.builder, self.env_path = self.check_config(self.config)
         self.render_view = parse_bool(self.config.get("render", False), "world config render")
+        #: the env renders at boundaries b with b % render_every == 0 (docs/adapters.md)
+        self.render_every = parse_int(self.config.get("render_every", 1),
+                                      "world config render_every", 1, 2**31 - 1)
+        #: what the env rendered at the current boundary (None until it renders, and after
+        #: every step or reset): the frame a capture's snapshot check compares
+        self.drawn: Any = None
         self.seed = parse_int(self.config.get("seed", 0), "world config seed", 0, 2**63 - 1)
         episodes = self.config.get("episodes")
         self.episodes: int | None = None if episodes is None else \
@@ -294,6 +307,8 @@ class ParallelEnvWorld:
         self.controls = {p: controller(d) for p, d in self.action_spaces.items()}
         self.agents: dict[str, str] = {}
         self.observations: dict[str, Any] = {}
+        #: each port's `observation_digest` of its observation, taken when it arrived
+        self.digests: dict[str, str] = {}
         self.rewards: dict[str, float] = {}
         self.terminated: dict[str, bool] = {}
         self.truncated: dict[str, bool] = {}
@@ -325,12 +340,14 @@ class ParallelEnvWorld:
     def reset_env(self, *, rewards: bool = True) -> None:
         """Reset the env for `self.episode` with that episode's seed."""
         seed = episode_seed(self.seed, self.episode)
+        self.drawn = None
         observations, _ = self.env.reset(seed=seed)
         self.recovery.reset(seed)
         #: the live agents as of the env's last reset or step, read without a call into it
         self.alive = self.live()
         for port, agent in self.env_agents.items():
             self.observations[port] = observations[agent]
+            self.digests[port] = observation_digest(observations[agent])
             if rewards:
                 self.rewards[port] = 0.0
             self.terminated[port] = self.truncated[port] = False
@@ -342,6 +359,10 @@ class ParallelEnvWorld:
             raise DomainError.invalid(f"env {self.env_path}: render() must return an rgb_array "
                                       f"(H×W×3 uint8); got {frame.dtype} {frame.shape}")
         return frame
+
+    def _draw(self) -> Any:
+        self.drawn = self.frame()
+        return self.drawn
 
     # ------------------------------------------------------------------ World
 
@@ -380,9 +401,12 @@ class ParallelEnvWorld:
         live = self.live()
         actions = {self.env_agents[c.port_id]: to_action(self.action_spaces[c.port_id], c)
                    for c in controls if self.names[c.port_id] in live}
+        self.drawn = None
         result = self.env.step(actions)
-        self.recovery.stepped(actions, result)
         observations, rewards, terminations, truncations, _ = result
+        # each observation hashed once, for the inspection and the recovery's record
+        observed = {agent: observation_digest(o) for agent, o in observations.items()}
+        self.recovery.stepped(actions, result, observed)
         self.steps += 1
         for port, agent in self.env_agents.items():
             if self.names[port] not in live:
@@ -390,6 +414,7 @@ class ParallelEnvWorld:
                 continue
             if agent in observations:
                 self.observations[port] = observations[agent]
+                self.digests[port] = observed[agent]
             self.rewards[port] = checked_reward(self.env_path, self.names[port],
                                                 rewards.get(agent, 0.0))
             self.terminated[port] = bool(terminations.get(agent, False))
@@ -414,8 +439,7 @@ class ParallelEnvWorld:
             "rewards": [self.rewards[port] for port in self.ports],
             "terminated": [self.terminated[port] for port in self.ports],
             "truncated": [self.truncated[port] for port in self.ports],
-            "observationDigests": [observation_digest(self.observations[port])
-                                   for port in self.ports]})
+            "observationDigests": [self.digests[port] for port in self.ports]})
 
     def agent_input(self, port_id: str, boundary: int
                     ) -> tuple[TypedValue, Sequence[AgentArray]]:
@@ -434,10 +458,14 @@ class ParallelEnvWorld:
                                "action": self.action_spaces[port_id]}
         return typed(INPUT, value), arrays
 
-    def render(self, view_id: str, boundary: int) -> bytes:
+    def render(self, view_id: str, boundary: int) -> bytes | None:
+        """The env's render at a boundary `render_every` keeps; None (the previous frame
+        again, which the endpoint serves) at the others, without a call into the env."""
         if not self.views or view_id != VIEW_ID:
             raise DomainError.invalid(f"env {self.env_path} has no view {view_id}")
-        frame = self.thread.call(self.frame)
+        if boundary % self.render_every:
+            return None
+        frame = self.thread.call(self._draw)
         view = self.views[0]
         if frame.shape[:2] != (view.height, view.width):
             raise DomainError.invalid(f"env {self.env_path}: a frame of {frame.shape[1]}×"
@@ -459,13 +487,17 @@ class ParallelEnvWorld:
             return None
         return lambda env: observation_digest(self.frame(env))
 
+    def drawn_digest(self) -> str | None:
+        """The digest of what the env rendered at this boundary (None when it drew nothing)."""
+        return None if self.drawn is None else observation_digest(self.drawn)
+
     def capture(self) -> bytes:
         """The world's state and its env's (`workers.adapters.recovery`: a snapshot, or the
         episode's record to replay), made on the env thread."""
         return self.thread.call(self._capture)
 
     def _capture(self) -> bytes:
-        state = {"format": WORLD_FORMAT, "env": self.recovery.capture(self.env, self.picture()),
+        state = {"format": WORLD_FORMAT, "env": self.recovery.capture(self.env, self.drawn_digest),
                  "agents": self.agents, "observations": self.observations,
                  "rewards": self.rewards, "terminated": self.terminated,
                  "truncated": self.truncated, "steps": self.steps, "episode": self.episode,
@@ -499,6 +531,7 @@ class ParallelEnvWorld:
         self.env = self.recovery.restore(state["env"], previous, self.picture())
         self.agents = dict(state["agents"])
         self.observations = dict(state["observations"])
+        self.digests = {p: observation_digest(o) for p, o in self.observations.items()}
         self.rewards = dict(state["rewards"])
         self.terminated = dict(state["terminated"])
         self.truncated = dict(state["truncated"])

@@ -18,9 +18,11 @@ actions for the next `CHECK_STEPS` steps and compares their results. Equal every
 is trusted and later captures are snapshots; a difference, a twin that raises, or an env that
 cannot be pickled makes the world replay from then on. Until the check has passed a capture
 restores by replay, so no checkpoint ever depends on an unchecked snapshot. A trusted snapshot
-keeps the episode's record beside it, and for a world that renders, the digest of the frame
-the env rendered at the capture: a snapshot restored in another process whose render differs
-(an env whose state depends on its process) is dropped and the episode replayed instead.
+keeps the episode's record beside it, and for a world that rendered at the capture's boundary,
+the digest of that frame: a snapshot restored in another process whose render differs (an env
+whose state depends on its process) is dropped and the episode replayed instead. (A capture at
+a boundary the world does not render at, `render_every`, holds no frame digest: the check is
+skipped rather than rendering the env once more.)
 `snapshot` skips the check and never replays: an env that cannot be pickled is refused when
 the world starts (a run that could never be checkpointed fails at once, naming the world), and
 a restored env that diverges is left to the coordinator's restore verification
@@ -97,9 +99,12 @@ class EnvRecovery:
         if self.state == "checking":
             self.state, self.twin = "unchecked", None
 
-    def stepped(self, actions: Mapping[str, Any], result: StepResult) -> None:
-        """The live env stepped with `actions` and returned `result`."""
-        digest = step_digest(result) if self.log is not None or self.twin is not None else ""
+    def stepped(self, actions: Mapping[str, Any], result: StepResult,
+                observed: Mapping[Any, str]) -> None:
+        """The live env stepped with `actions` and returned `result`, whose observations'
+        digests are `observed`."""
+        digest = step_digest(result, observed) \
+            if self.log is not None or self.twin is not None else ""
         if self.log is not None:
             self.log.record(actions, digest)
         if self.state != "checking":
@@ -124,9 +129,11 @@ class EnvRecovery:
 
     # ------------------------------------------------------------------ checkpoints
 
-    def capture(self, env: Any, picture: Picture) -> dict[str, Any]:
+    def capture(self, env: Any, drawn: Callable[[], str | None]) -> dict[str, Any]:
         """The env's part of a world capture: `{state, env: snapshot bytes | None, log,
-        frame: the digest of the env's render | None}`."""
+        frame: the digest of the env's render | None}`; `drawn()` is the digest of what the
+        env rendered at this boundary, None when it drew nothing here (it is not rendered
+        again for the capture: a world renders only at the boundaries its config keeps)."""
         snapshot: bytes | None = None
         if self.state in ("unchecked", "snapshot"):
             try:
@@ -145,7 +152,7 @@ class EnvRecovery:
                 self._replay_from_now(f"its pickle does not load ({type(exc).__name__})")
         log = None if self.log is None else self.log.copy()
         if self.state == "snapshot":
-            frame = picture(env) if picture is not None and log is not None else None
+            frame = drawn() if log is not None else None
             return {"state": "snapshot", "env": snapshot, "log": log, "frame": frame}
         assert log is not None, "a world that replays keeps its episode's record"
         return {"state": self.state, "env": None, "log": log, "frame": None}

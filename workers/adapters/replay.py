@@ -17,7 +17,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Final
 
 import numpy as np
 
@@ -27,7 +27,26 @@ __all__ = ["EpisodeLog", "Replayed", "StepResult", "observation_digest", "replay
 StepResult = Sequence[Mapping[str, Any]]
 
 
+#: what `_feed`'s general rule writes before a float64 or a bool scalar (a 1-element array)
+_F8: Final = f"{np.dtype(np.float64).str}(1,)".encode()
+_B1: Final = f"{np.dtype(np.bool_).str}(1,)".encode()
+
+
 def _feed(h: Any, value: Any) -> None:
+    """Every bit of `value` into `h`. The leaves a step has most (a numeric array, a float64
+    reward, a bool ending) take a short path that writes the bytes of the general rule (the
+    value as a C-order array of at least one dimension) without building that array."""
+    kind = type(value)
+    if kind is np.ndarray and value.ndim and value.dtype.kind != "O":
+        h.update(f"{value.dtype.str}{value.shape}".encode())
+        h.update(value if value.flags.c_contiguous else np.ascontiguousarray(value))
+        return
+    if kind is np.float64:
+        h.update(_F8 + value.tobytes())
+        return
+    if kind is bool:
+        h.update(_B1 + (b"\x01" if value else b"\x00"))
+        return
     if isinstance(value, Mapping):
         h.update(b"{")
         for key in sorted(value, key=str):
@@ -52,12 +71,17 @@ def observation_digest(value: Any) -> str:
     return h.hexdigest()
 
 
-def step_digest(result: StepResult) -> str:
-    """The digest of a step's observations, rewards, terminations and truncations (not the
-    infos, which are free-form)."""
+def step_digest(result: StepResult, observed: Mapping[Any, str] | None = None) -> str:
+    """The digest of a step's observations (each agent's `observation_digest`: `observed`
+    when the caller took them already, so a step's observations are hashed once), rewards,
+    terminations and truncations (not the infos, which are free-form)."""
     observations, rewards, terminations, truncations = result[:4]
+    if observed is None:
+        observed = {k: observation_digest(v) for k, v in observations.items()}
     h = hashlib.sha256()
-    for part in (observations, {k: np.float64(v) for k, v in rewards.items()},
+    for key in sorted(observed, key=str):
+        h.update(f"{key}:{observed[key]}\n".encode())
+    for part in ({k: np.float64(v) for k, v in rewards.items()},
                  {k: bool(v) for k, v in terminations.items()},
                  {k: bool(v) for k, v in truncations.items()}):
         _feed(h, part)

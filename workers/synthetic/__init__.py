@@ -1,9 +1,10 @@
 """The synthetic composition (session.md §4.2–§4.7): `FakeBrain`, `CounterArena`, `CounterTask`,
-`IdentityExecutor` and the schema helpers.
+`IdentityExecutor`; the schema helpers live in `workers.synthetic.schemas`.
 
 Why: the run spec names plugins by import path, and the defaults are `workers.synthetic:FakeBrain`,
-`workers.synthetic:CounterArena` and `workers.synthetic:CounterTask`, so those names are exported
-here; each concept lives in its own module.
+`workers.synthetic:CounterArena`, `workers.synthetic:CounterTask` and
+`workers.synthetic:IdentityExecutor`, so those four names, and only they, are bound here (the one
+allowance of the no-re-export rule, tests/test_layout.py); each concept lives in its own module.
 """
 
 from typing import TYPE_CHECKING
@@ -11,17 +12,13 @@ from typing import TYPE_CHECKING
 from workers.synthetic.arena import CounterArena
 from workers.synthetic.brain import FakeBrain
 from workers.synthetic.executor import IdentityExecutor
-from workers.synthetic.schemas import synthetic_schema
-from workers.synthetic.task import CounterTask, Terminal, event_id
+from workers.synthetic.task import CounterTask
 
 __all__ = [
     "CounterArena",
     "CounterTask",
     "FakeBrain",
     "IdentityExecutor",
-    "Terminal",
-    "event_id",
-    "synthetic_schema",
 ]
 
 if TYPE_CHECKING:  # the type checker proves the synthetic classes implement the protocols

@@ -15,7 +15,7 @@ drift, so time is an exact fraction of nanoseconds and every clock is integer ar
   2^64-1 raises `INTERNAL` (an invariant of a session, not a caller's mistake).
 - `divide_floor(a, b) -> (q, r)` with `a = q·b + r`, `0 <= r < b`; `b = 0` is refused.
 - Comparisons are exact (cross multiplication). Conversion to float is only for display and
-  pacing (`to_float`, `floor_ns`).
+  pacing (`floor_ns`).
 
 `TickAccumulator` (fields `tick > 0`, `remainder` in [0, tick), `executed`, `warmup_offset`):
 
@@ -181,10 +181,6 @@ class RationalNs:
     def floor_ns(self) -> int:
         return self.numerator // self.denominator
 
-    def to_float(self) -> float:
-        """For display and pacing only; never feeds back into exact time."""
-        return self.numerator / self.denominator
-
     # exact comparisons ---------------------------------------------------------------------
 
     def _cross(self, other: RationalNs) -> tuple[int, int]:
@@ -334,10 +330,6 @@ class AudioBudget:
     @property
     def denominator(self) -> int:
         return self.step.denominator * NS_PER_S
-
-    def peek_frames(self) -> int:
-        """The size of the next chunk, without producing it."""
-        return (self.acc + self.sample_rate * self.step.numerator) // self.denominator
 
     def next_chunk(self) -> AudioSpan:
         total = self.acc + self.sample_rate * self.step.numerator

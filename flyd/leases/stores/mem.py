@@ -27,12 +27,11 @@ Rules reproduced from the migrations and statements:
   update that run, or a second open commit on the same run's head, effect keys or checkpoint ids,
   would wait in PostgreSQL; here it raises `Transient` at once (the lock timeout, with no wait).
 - An open commit idle for `idle_in_transaction_timeout_s` or longer (`<= 0` disables) is aborted,
-  checked lazily whenever the store is used; `terminate_backends()` and `end_backend()` abort
-  open commits as a backend kill does. A later `commit()` of an aborted one raises `Transient`:
+  checked lazily whenever the store is used; `end_backend()` aborts an open commit as a
+  backend kill does. A later `commit()` of an aborted one raises `Transient`:
   the server reported the session's end (25P03/57P01), nothing committed.
-- Raw writes outside the protocol (`admin_*`, for tests of the triggers) keep LF003 (terminal is
-  final unless `intervention`), LF004 (ledger rows immutable, `delivered` excepted) and the head's
-  foreign key (deleting the head checkpoint raises `ForeignKeyViolation`, 23503).
+- Raw writes outside the protocol are no part of the store: the tests of the triggers write
+  through a test double (tests/admin_store.py) that keeps LF003 and LF004 as the triggers do.
 - A submit whose key holds another spec raises `SpecMismatch`. An effect key already stored
   (or repeated in the commit) is classified as §6.4 reads the stored rows: the first key with
   another digest is a `ConflictingEffect`, else the first a `DuplicateEffect`, naming the
@@ -60,7 +59,6 @@ from typing import Any, Final
 from flyd.leases.fit import Fit, fitting
 from flyd.leases.params import LeaseParams
 from flyd.leases.stores.contract import (
-    TERMINAL,
     Backend,
     Cancelled,
     Commit,
@@ -72,7 +70,6 @@ from flyd.leases.stores.contract import (
     Grant,
     HeadRegression,
     Held,
-    LedgerImmutable,
     NodeInfo,
     NodeState,
     Reaped,
@@ -81,21 +78,13 @@ from flyd.leases.stores.contract import (
     RunRead,
     RunState,
     SpecMismatch,
-    StoreError,
     Submitted,
-    TerminalFinal,
     TerminalState,
     Transient,
 )
 
 DEFAULT_EPOCH_BASE: Final = datetime(2030, 1, 1, tzinfo=UTC)
 PRUNE_AFTER_S: Final = 86400.0
-
-
-class ForeignKeyViolation(StoreError):
-    """23503: removing the checkpoint the head points at (`run_heads_high_water_fk`)."""
-
-    code = "23503"
 
 
 def _json(value: Any) -> Any:
@@ -237,10 +226,6 @@ class OpenCommit:
     @property
     def run_id(self) -> int:
         return self._plan.run_id
-
-    @property
-    def is_open(self) -> bool:
-        return self.ended is None
 
     async def commit(self) -> Committed:
         """COMMIT: the deferred fence at this instant, then every write at once."""
@@ -754,14 +739,6 @@ class MemStore:
         if h is not None and h.backend == backend:
             self._end(h, "terminated")
 
-    def terminate_backends(self) -> int:
-        """Kill every session with an open commit (a backend-kill fault); returns how many."""
-        self._tick()
-        victims = [self._open[pid] for pid in sorted(self._open)]
-        for h in victims:
-            self._end(h, "terminated")
-        return len(victims)
-
     # ----------------------------------------------------------------------------------------
     # operator requeue
 
@@ -782,12 +759,7 @@ class MemStore:
         return True
 
     # ----------------------------------------------------------------------------------------
-    # admin views and raw writes (tests, oracle)
-
-    def open_commits(self) -> list[OpenCommit]:
-        """Commits whose statements ran and whose COMMIT has not come, by backend pid."""
-        self._tick()
-        return [self._open[pid] for pid in sorted(self._open)]
+    # the tables, as a dump reads them
 
     def dump(self) -> dict[str, list[dict[str, Any]]]:
         """Every table as rows ordered by primary key, instants as timestamps."""
@@ -813,51 +785,3 @@ class MemStore:
                 value = _json(value)
             out[f.name] = value
         return out
-
-    def admin_update_run(self, run_id: int, *, intervention: bool = False,
-                         **changes: Any) -> None:
-        """A raw `UPDATE flyd.runs` (`runs_terminal_is_final`, LF003)."""
-        self._tick()
-        r = self._runs.get(run_id)
-        if r is None:
-            return
-        self._wait_for_row(run_id)
-        if (r.state in TERMINAL and not intervention
-                and (changes.get("state", r.state) != r.state
-                     or changes.get("lease_epoch", r.lease_epoch) != r.lease_epoch)):
-            raise TerminalFinal(f"run {run_id} is terminal ({r.state})")
-        for name, value in changes.items():
-            setattr(r, name, value)
-
-    def admin_update_effect(self, run_id: int, effect_key: str, **changes: Any) -> None:
-        """A raw `UPDATE flyd.effects`: only `delivered` may change (LF004)."""
-        self._tick()
-        e = self._effects.get((run_id, effect_key))
-        if e is None:
-            return
-        if any(name != "delivered" and getattr(e, name) != value
-               for name, value in changes.items()):
-            raise LedgerImmutable("UPDATE on flyd.effects is not allowed")
-        e.delivered = bool(changes.get("delivered", e.delivered))
-
-    def admin_delete_effect(self, run_id: int, effect_key: str) -> None:
-        """A raw `DELETE FROM flyd.effects` (LF004)."""
-        self._tick()
-        if (run_id, effect_key) in self._effects:
-            raise LedgerImmutable("DELETE on flyd.effects is not allowed")
-
-    def admin_update_checkpoint(self, run_id: int, checkpoint_id: str) -> None:
-        """A raw `UPDATE flyd.checkpoints` of any column (LF004)."""
-        self._tick()
-        if (run_id, checkpoint_id) in self._checkpoints:
-            raise LedgerImmutable("UPDATE on flyd.checkpoints is not allowed")
-
-    def admin_delete_checkpoint(self, run_id: int, checkpoint_id: str) -> None:
-        """A raw `DELETE FROM flyd.checkpoints`; the head's generation is protected (23503)."""
-        self._tick()
-        if (run_id, checkpoint_id) not in self._checkpoints:
-            return
-        head = self._heads.get(run_id)
-        if head is not None and head.high_water == checkpoint_id:
-            raise ForeignKeyViolation(f"checkpoint {checkpoint_id} is the head of run {run_id}")
-        del self._checkpoints[(run_id, checkpoint_id)]

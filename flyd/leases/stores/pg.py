@@ -50,8 +50,8 @@ Decisions where the spec is silent:
   50 ms; second settings (libpq and `tcp_keepalives_*` are whole seconds) are divided and
   rounded up, at least 1 s. A value of 0 ("off"/"system default") stays 0. With
   `time_scale == 1` every value is sent as configured.
-- `DbSettings.from_section` accepts `dsn` (a string, kept by the caller) and refuses
-  `time_scale`, which is not a TOML key: the tier-2 harness sets it in code.
+- `DbSettings` is `[database]` less `dsn`, built by the configuration (`flyd.config`, which
+  checks every key); `time_scale` is not a TOML key: the tier-2 harness sets it in code.
 - 23505 on `effects_pkey`: among the commit's keys already stored, the first whose digest
   differs is reported as `ConflictingEffect`, else the first as `DuplicateEffect`; a key
   repeated inside one commit is classified against its earlier copy in that commit.
@@ -80,7 +80,6 @@ Decisions where the spec is silent:
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import math
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import aclosing, asynccontextmanager, nullcontext
@@ -97,7 +96,6 @@ from psycopg.rows import TupleRow
 from psycopg.types.json import Jsonb
 from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
-from flyd.errors import ConfigError
 from flyd.leases.fit import WORKER_THREADS_SQL, Fit
 from flyd.leases.params import LeaseParams
 from flyd.leases.stores.contract import (
@@ -171,38 +169,6 @@ class DbSettings:
         if not (math.isfinite(self.time_scale) and self.time_scale > 0):
             raise ValueError(f"time_scale must be a finite number > 0, not {self.time_scale!r}")
 
-    @classmethod
-    def from_section(cls, mapping: Mapping[str, object], where: str = "defaults") -> DbSettings:
-        """Defaults < TOML `[database]`; unknown keys, wrong types and out-of-range values are
-        refused by name (cli.md §2.3 ranges)."""
-        names = {f.name for f in dataclasses.fields(cls)} - {"time_scale"}
-        values: dict[str, int] = {}
-        for key, value in mapping.items():
-            if key == "dsn":
-                if not isinstance(value, str):
-                    raise ConfigError(f"{where}: [database] dsn must be a string")
-                continue
-            if key not in names:
-                raise ConfigError(f"{where}: unknown key [database] {key}")
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise ConfigError(f"{where}: [database] {key} must be an integer")
-            problem = _range_problem(key, value)
-            if problem is not None:
-                raise ConfigError(f"{where}: [database] {key} = {value} must be {problem}")
-            values[key] = value
-        return cls(**values)
-
-
-def _range_problem(key: str, value: int) -> str | None:
-    if key in ("statement_timeout_ms", "idle_in_transaction_timeout_ms", "lock_timeout_ms"):
-        return None if value > 0 else "> 0"
-    if key == "connect_timeout_s":
-        return None if value == 0 or value >= 2 else "0 (unset) or ≥ 2"
-    if key == "keepalives":
-        return None if value in (0, 1) else "0 or 1"
-    if key.endswith("_ms"):
-        return None if value >= 0 else "≥ 0"
-    return None if value >= 1 else "≥ 1"
 
 
 def _scaled_ms(ms: float, scale: float) -> int:

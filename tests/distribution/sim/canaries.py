@@ -15,7 +15,8 @@ from typing import Final
 
 from flyd.leases.runtime import NodeRuntime
 from flyd.leases.stores.contract import Held, Renewed
-from flyd.leases.stores.mem import MemStore, _Plan
+from flyd.leases.stores.mem import _Plan
+from tests.admin_store import AdminMemStore
 
 from .world import Variant
 
@@ -28,7 +29,7 @@ class NoWatchdogRuntime(NodeRuntime):
             await self._clock.sleep_until(self._clock.now() + SLEEP_S)
 
 
-class FenceOffStore(MemStore):
+class FenceOffStore(AdminMemStore):
     def _fence_ok(self, run_id: int, epoch: int) -> bool:
         return run_id in self._runs
 
@@ -36,7 +37,7 @@ class FenceOffStore(MemStore):
         return True
 
 
-class RenewExpiredStore(MemStore):
+class RenewExpiredStore(AdminMemStore):
     async def renew(self, node_id: str, holds: Sequence[Held], ttl_s: float) -> list[Renewed]:
         now = self._now()
         for h in holds:

@@ -39,6 +39,7 @@ from flyd.leases.params import LeaseParams
 from flyd.leases.runtime import NodeRuntime
 from flyd.leases.stores.contract import TERMINAL, Cancelled, NodeInfo, Transient
 from flyd.leases.stores.mem import MemStore
+from tests.admin_store import AdminMemStore
 
 from .executor import SimExecutor, SimGroups, reference
 from .loop import Gate, SimClock, VirtualTimeLoop
@@ -61,7 +62,7 @@ class Variant:
 
     name: str = "real"
     runtime: type[NodeRuntime] = NodeRuntime
-    store: type[MemStore] = MemStore
+    store: type[AdminMemStore] = AdminMemStore
     behind_head: bool = False
 
 
