@@ -11,9 +11,10 @@ with the next write, batched. Frames in: every frame of a read is handled before
 ask for, so the frames of the tasks they woke leave in one write.
 
 The client's parts (bus/client.py puts them together: calls, serving, topics, artifacts) use
-only this module's public interface: they send with `command`, `send_nowait`, `notify` or a
-frame they encoded (`send_request`, `send_numbered`), take the notifications they own with `on`,
-return credits with `return_credit`, and hear of the end through `on_lost`.
+only this module's public interface: they send with `command`, `send_nowait`,
+`send_notification` or a frame they encoded (`send_request`, `send_numbered`), take the
+notifications they own with `on`, return credits with `return_credit`, and hear of the end
+through `on_lost`.
 """
 
 from __future__ import annotations
@@ -299,7 +300,8 @@ class Connection(asyncio.Protocol):
         self._next_id = rid
         self.write(body)
 
-    def notify(self, method: str, params: dict[str, Any], linger: bool = False) -> None:
+    def send_notification(self, method: str, params: dict[str, Any],
+                          linger: bool = False) -> None:
         """A lean notification (wire.md §21): no id, no response, never waits to drain.
         `linger`: it may wait up to LINGER_S for another frame's write: a frame queued
         meanwhile carries it, in order, so the two cost one write and one wake-up of the
@@ -340,7 +342,7 @@ class Connection(asyncio.Protocol):
             batch = self._consume[:MAX_CONSUME_BATCH]
             del self._consume[:MAX_CONSUME_BATCH]
             if self.lean:
-                self.notify("bus.consumed", {"deliveryIds": batch})
+                self.send_notification("bus.consumed", {"deliveryIds": batch})
             else:
                 self.send_nowait("bus.consumed", {"deliveryIds": batch})
         self._flush_scheduled = False

@@ -225,7 +225,7 @@ class Topics:
                        transfer: bool = False, linger: bool = False) -> None:
         self.connection.check_open()
         self.connection.need_minor(2, "bus.publish")
-        self.connection.notify("bus.publish", _publish_params(
+        self.connection.send_notification("bus.publish", _publish_params(
             topic, payload, expected_incarnation, attachments, transfer), linger)
 
     async def subscribe(self, topic: str, *, mode: str = "latest", window: int = 1,
