@@ -16,14 +16,18 @@ handler, the router's `frames_in` contains `route`, the node's `check_advance` i
 `decision_parse` of the inspection):
 - workers: `frames_in` (`bus.client_connection` reading and dispatching what arrived: decode,
   envelope checks, the handler task's creation), `writes` (the SDK's flush), `handler`
-  (`WorkerShell._on_request`, one whole request, session.md §2.2), its protocol stages `parse`,
-  `params_schema`, `digest`, `admit`, `complete`, `outcome` (`parse_request`, `check_params`,
-  the body digest, the result cache's admission and record, the outcome's JSON), and the
+  (`WorkerShell._on_request`, one whole request, session.md §2.2), its protocol stages `typed`,
+  `parse`, `params_schema`, `digest`, `admit`, `complete`, `outcome` (`parse_typed`: the request
+  and its params checked in one pass, wire.md §22.3; `parse_request` and `check_params`, which
+  run only where the typed pass has no structure or refused; the body digest, the result
+  cache's admission and record, the outcome's JSON), and the
   endpoint's `prepare`, `commit` or `advance` (each includes `params_schema`);
 - router: `frames_in` (a read: frames decoded, checked, routed and the writes they cause) and
   `route` (one frame, `Router._on_frame`);
 - node: `frames_in`, `writes`, `new_call` (a call's request), `call_out` (`Calls._admit`:
-  the call's frame), `check_reply` (a result's outcome and schema), `decision_parse` and
+  the call's frame), `answer` (a reply's outcome: `answer`, or `answer_typed` with the result
+  schema in the same pass), `check_reply` (echo checks, and the result schema when `answer`
+  did not check it), `decision_parse` and
   `telemetry_parse` (a decision's and a commit telemetry's `from_json`), `controls`,
   `check_advance` (the world's observation), `step` (the transition's records), `trace`,
   `effect` and `publish` (the boundary's publication).
@@ -88,7 +92,10 @@ if OUT:
                 f.write(orjson.dumps({"role": role, "stats": stats, "samples": samples}))
 
     def timed(owner, name, stage, is_async=False):
-        original = getattr(owner, name)
+        # a stage the tree lacks is left out, so one bench compares a tree before a change
+        original = getattr(owner, name, None)
+        if original is None:
+            return
         if is_async:
             async def wrapper(*args, **kwargs):
                 if stage == "handler" and len(samples) < 2 and time.monotonic() >= FROM:
@@ -116,17 +123,17 @@ if OUT:
     atexit.register(dump)
     if b"workers.forkserver" in CMDLINE or b"workers.agent" in CMDLINE \
             or b"workers.environment" in CMDLINE:
-        import bus.client_connection as connection
+        import bus.client_connection as client_connection
         import workers.agent as agent
         import workers.environment as environment
         import workers.shell as shell
 
-        timed(connection.Connection, "data_received", "frames_in")
-        timed(connection.Connection, "_flush", "writes")
+        timed(client_connection.Connection, "data_received", "frames_in")
+        timed(client_connection.Connection, "_flush", "writes")
         timed(shell.WorkerShell, "_on_request", "handler", is_async=True)
+        timed(shell, "parse_typed", "typed")
         timed(shell, "parse_request", "parse")
-        for module in (agent, environment):
-            timed(module, "check_params", "params_schema")
+        timed(shell, "check_params", "params_schema")
         timed(shell, "wire_digest", "digest")  # over the payload's wire bytes (wire.md §22.3)
         timed(shell.ResultCache, "admit_step", "admit")
         timed(shell.ResultCache, "complete", "complete")
@@ -135,20 +142,23 @@ if OUT:
         timed(agent.AgentEndpoint, "commit", "commit", is_async=True)
         timed(environment.EnvironmentEndpoint, "advance", "advance", is_async=True)
     elif b"router" in CMDLINE:
+        import bus.connection as connection
         import bus.router as router
 
-        timed(router._Conn, "data_received", "frames_in")
+        timed(connection.Conn, "data_received", "frames_in")
         timed(router.Router, "_on_frame", "route")
     elif b"run" in CMDLINE:
         import bus.client_calls as client_calls
-        import bus.client_connection as connection
+        import bus.client_connection as client_connection
         import flyd.session.calls as calls
         import flyd.session.coordinator as coordinator
 
-        timed(connection.Connection, "data_received", "frames_in")
-        timed(connection.Connection, "_flush", "writes")
+        timed(client_connection.Connection, "data_received", "frames_in")
+        timed(client_connection.Connection, "_flush", "writes")
         timed(client_calls.Calls, "_admit", "call_out")
         timed(calls.CallEngine, "new_call", "new_call")
+        timed(calls, "answer", "answer")  # the outcome's shape, before this tree's typed check
+        timed(calls, "answer_typed", "answer")
         timed(calls.CallEngine, "check_reply", "check_reply")
         timed(coordinator.TypedValue, "from_json", "decision_parse")
         timed(coordinator.Telemetry, "from_json", "telemetry_parse")
@@ -201,6 +211,10 @@ def hot_us(samples: dict[str, Any]) -> dict[str, float]:
     from workers.dedup import wire_digest
     from workers.types.contract import check_params
     from workers.types.rpc import parse_request
+    try:
+        from workers.types.structures import parse_typed
+    except ImportError:  # a tree before the typed decode
+        parse_typed = None
 
     def best_us(fn: Callable[[], object]) -> float:
         return min(timeit.repeat(fn, number=500, repeat=5)) / 500 * 1e6
@@ -213,6 +227,8 @@ def hot_us(samples: dict[str, Any]) -> dict[str, float]:
             samples)
         totals["params_schema"] += best_us(
             partial(check_params, method, request.params)) / len(samples)
+        if parse_typed is not None:
+            totals["typed"] += best_us(partial(parse_typed, method, payload)) / len(samples)
     return {stage: round(us, 1) for stage, us in totals.items()}
 
 

@@ -28,7 +28,6 @@ import mmap
 import os
 import secrets
 import stat
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Final, TypeVar
@@ -131,8 +130,6 @@ class Store:
         self.failed = False
         self.hashing = 0
         self._executor: ThreadPoolExecutor | None = None
-        #: called on the hashing thread before each off-loop hash (tests hold it there)
-        self.hash_hook: Callable[[], None] | None = None
 
     # start and stop ------------------------------------------------------------------------
     @classmethod
@@ -284,13 +281,6 @@ class Store:
         """SHA-256 of a sealed file's bytes through a read-only mapping (any thread)."""
         with mmap.mmap(seal.fd, seal.length, prot=mmap.PROT_READ) as view:
             return hashlib.sha256(view).hexdigest()
-
-    def hash_off_loop(self, seal: SealFile) -> str:
-        """`hash` on the hashing thread, after the test hook."""
-        hook = self.hash_hook
-        if hook is not None:
-            hook()
-        return self.hash(seal)
 
     def finish_seal(self, seal: SealFile, accepted: bool) -> None:
         """Close the seal's fd; a refused hash puts the mode back to 0600 (§5.5 rule 2)."""

@@ -208,10 +208,6 @@ _IMPORT_PATH = re.compile(r"\b[a-z_][a-z0-9_.]*:([A-Za-z_][A-Za-z0-9_]*)")
 #: members of the modules being split (the router, the client, the coordinator); each split
 #: moves its test-only members to test doubles and empties its part of this list
 PENDING_SPLITS: Final = frozenset({
-    "bus/router.py:Router.remembered_incarnations",
-    "bus/router.py:Router.set_hash_hook",
-    "bus/router.py:Router.store_directory",
-    "bus/router.py:Router.transport_of",
     "flyd/session/coordinator.py:Coordinator.acknowledge_replies",
     "flyd/session/coordinator.py:Coordinator.live_view_handles",
     "flyd/session/coordinator.py:Coordinator.pause_handle",

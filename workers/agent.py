@@ -66,7 +66,6 @@ from workers.state import (
     wrapper_object,
 )
 from workers.types.canonical import digest_of, typed_digest
-from workers.types.contract import check_params
 from workers.types.datatypes import (
     VIEW_CONTENT_TYPE,
     AssetRef,
@@ -229,7 +228,7 @@ class AgentEndpoint(Endpoint):
             raise _before(ErrorCode.FUTURE_STEP,
                           f"{method} names step {scope.step}; an agent starts at step 0")
         # 3: params schema, agent id
-        check_params(method, call.params)
+        call.check_params()
         p = call.params
         self._check_agent(method, p["agentId"])
         # 4: threads
@@ -331,7 +330,7 @@ class AgentEndpoint(Endpoint):
                           f"not ready")
         self.check_step(call, scope.step, k)
         # 2: params schema, interval, stimuli
-        check_params(method, call.params)
+        call.check_params()
         p = call.params
         interval = RationalNs.from_json(p["interval"], "params.interval")
         if interval.is_zero():
@@ -389,7 +388,7 @@ class AgentEndpoint(Endpoint):
                           f"not prepared")
         self.check_step(call, scope.step, k)
         # 2: params schema, identities
-        check_params(method, call.params)
+        call.check_params()
         p = call.params
         self._check_agent(method, p["agentId"])
         if p["preparedRequestId"] != self.prepared_request_id:

@@ -93,7 +93,6 @@ from workers.state import (
     wrapper_object,
 )
 from workers.types.canonical import controls_digest, digest_bytes, digest_of
-from workers.types.contract import check_params
 from workers.types.datatypes import (
     ARRAY_CONTENT_TYPE,
     AUDIO_CONTENT_TYPE,
@@ -444,7 +443,7 @@ class EnvironmentEndpoint(Endpoint):
             raise DomainError.before(ErrorCode.FUTURE_STEP,
                                      f"{method} names step {scope.step}; a world starts at 0")
         # 2: params schema, binding count
-        check_params(method, call.params)
+        call.check_params()
         p = call.params
         raw_bindings: list[list[str]] = p["portBindings"]
         if len(raw_bindings) > self.launch.max_agents:
@@ -506,7 +505,7 @@ class EnvironmentEndpoint(Endpoint):
         k = self.boundary
         self.check_step(call, scope.step, k)
         # 2: params schema, batch id
-        check_params(method, call.params)
+        call.check_params()
         p = call.params
         batch_id: str = p["batchId"]
         if batch_id in self.batches:

@@ -109,6 +109,7 @@ from workers.types.domain import (
     short,
 )
 from workers.types.rpc import Outcome, Request, parse_request, unparsable_outcome
+from workers.types.structures import parse_typed
 
 __all__ = [
     "EXIT_ARGS",
@@ -215,6 +216,8 @@ class Call:
     caller: str
     attached: Mapping[str, Attached] = field(default_factory=dict)
     outgoing: list[client_artifacts.Attachment] = field(default_factory=list)
+    #: the params were checked against the method's schema by the typed decode (`parse_typed`)
+    typed: bool = False
 
     @property
     def request_id(self) -> str:
@@ -227,6 +230,11 @@ class Call:
     @property
     def params(self) -> dict[str, Any]:
         return self.request.params
+
+    def check_params(self) -> None:
+        """The params against the method's schema, unless the typed decode checked them."""
+        if not self.typed:
+            check_params(self.method, self.params)
 
 
 Handler = Callable[[Call], Awaitable[dict[str, Any]]]
@@ -530,11 +538,14 @@ class WorkerShell:
     def _front(self, req: client_serving.Request) -> dict[str, Any] | tuple[Call, OpClass]:
         """Steps 1–3b of §2.2, synchronous: an outcome to answer at once, or the call."""
         method = req.method
-        try:
-            request = parse_request(req.payload)
-        except DomainError as exc:
-            return unparsable_outcome(req.payload, exc, self.worker_id,
-                                      self.incarnation_id).to_json()
+        request = parse_typed(method, req.payload)
+        typed = request is not None
+        if request is None:
+            try:
+                request = parse_request(req.payload)
+            except DomainError as exc:
+                return unparsable_outcome(req.payload, exc, self.worker_id,
+                                          self.incarnation_id).to_json()
         op = class_of(method)
         # the endpoint's method table (§3.7): the Worker.* methods and the endpoint's handlers
         if op is None or (method not in self.endpoint.handlers
@@ -553,7 +564,7 @@ class WorkerShell:
                 f"{caller} is not a caller of session {self.launch.session_id}"))
         attached = {} if not req.attachments or self.client is None \
             else open_attached(self.client, req.attachments)
-        return Call(method, request, caller, attached), op
+        return Call(method, request, caller, attached, typed=typed), op
 
     def _on_read_only(self, req: client_serving.Request) -> dict[str, Any]:
         """The inline handler (wire.md §22.2) of the read-only methods that never await
@@ -698,7 +709,7 @@ class WorkerShell:
     def _hello(self, call: Call) -> dict[str, Any]:
         if call.scope is not None:
             raise DomainError.invalid("Worker.Hello takes scope null")
-        check_params(call.method, call.params)
+        call.check_params()
         p = call.params
         launch = self.launch
         if p["sessionId"] != launch.session_id:
@@ -731,11 +742,11 @@ class WorkerShell:
         }
 
     def _status(self, call: Call) -> dict[str, Any]:
-        check_params(call.method, call.params)
+        call.check_params()
         return self.status.to_json()
 
     def _acknowledge(self, call: Call) -> dict[str, Any]:
-        check_params(call.method, call.params)
+        call.check_params()
         ids = [parse_request_id(rid, "requestIds[]") for rid in call.params["requestIds"]]
         acknowledged = self.cache.acknowledge(ids)
         extra = self.launch.faults.acknowledge_extra_id
@@ -744,7 +755,7 @@ class WorkerShell:
         return {"acknowledged": acknowledged}
 
     def _shutdown_check(self, call: Call) -> dict[str, Any]:
-        check_params(call.method, call.params)
+        call.check_params()
         parse_id(call.params["reason"], "reason")
         if call.caller != self.launch.supervisor:
             raise DomainError.before(ErrorCode.IDENTITY_MISMATCH,

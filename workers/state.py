@@ -55,7 +55,6 @@ from typing import Any, Final, Generic, Protocol, TypeVar
 
 from workers.shell import Call, Endpoint, StatusCell, WorkerState
 from workers.types.canonical import canonical, digest_bytes, digest_of, is_canonical, parse_strict
-from workers.types.contract import check_params
 from workers.types.datatypes import EnvironmentDescriptor, MediaBlob
 from workers.types.domain import (
     DomainError,
@@ -296,7 +295,7 @@ class StateService(Generic[S]):
                 "capture needs a quiescent ready worker")
         endpoint.check_step(call, scope.step, k)
         # 4–5: params, fault
-        check_params(method, call.params)
+        call.check_params()
         if endpoint.launch.faults.fail_capture:
             raise DomainError.before(ErrorCode.BACKEND_FAILURE, "injected capture failure")
         # 6: build (read-only)
@@ -350,7 +349,7 @@ class StateService(Generic[S]):
                 f"{method} names epoch {scope.epoch}, which this worker already runs; a restore "
                 "needs a new epoch")
         # 5: params, source step
-        check_params(method, call.params)
+        call.check_params()
         p = call.params
         source = Scope.from_json(p["sourceScope"], "params.sourceScope")
         if source.step != scope.step:
@@ -384,7 +383,7 @@ class StateService(Generic[S]):
         method = call.method
         # 1: scope, session, params
         scope = endpoint.check_scope(call)
-        check_params(method, call.params)
+        call.check_params()
         token: str = call.params["restoreToken"]
         # 2: once only
         if token in self.activated:

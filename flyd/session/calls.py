@@ -85,7 +85,8 @@ from workers.types.domain import (
     Scope,
     format_request_id,
 )
-from workers.types.rpc import CallOutcome, Expired, Outcome, Refused, answer, from_bus_error
+from workers.types.rpc import CallOutcome, Expired, Outcome, Refused, from_bus_error
+from workers.types.structures import answer_typed
 
 __all__ = [
     "RESOLVE_PAUSE",
@@ -265,7 +266,7 @@ class CallEngine:
             self._metrics.observe(call.method, time.perf_counter() - started)
         if result.attachments:
             self._keep_received(call, result.attachments)
-        return answer(call.method, result.outcome)
+        return answer_typed(call.method, result.outcome)
 
     # ------------------------------------------------------------------ attachments (§14.2)
 
@@ -317,7 +318,7 @@ class CallEngine:
         if outcome.error is not None:
             raise outcome.error
         assert outcome.result is not None
-        problem = method_validator(method, "result")(outcome.result)
+        problem = None if outcome.checked else method_validator(method, "result")(outcome.result)
         if problem is not None:
             raise backend_failure(f"{method}: the result does not match its schema: {problem}")
         return outcome.result

@@ -190,9 +190,9 @@ async def router() -> AsyncIterator[RouterFactory]:
 
 def store_dir(r: Router) -> str:
     """The store directory of router `r` (docs/topics.md §17)."""
-    path = r.store_directory()
-    assert path is not None, "the router has no store"
-    return path
+    store = r.artifacts.store
+    assert store is not None, "the router has no store"
+    return store.path
 
 
 def store_files(r: Router) -> list[str]:

@@ -21,8 +21,10 @@ import subprocess
 import sys
 import tempfile
 import threading
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import orjson
 import pytest
@@ -37,6 +39,8 @@ from flyd.config import load_config, router_config
 from flyd.errors import ConfigError
 from tests.bus.bus_raw import answer, call_params, caller, serve
 from tests.bus.conftest import SHM, short_socket_dir, store_dir, store_files
+
+T = TypeVar("T")
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -223,14 +227,32 @@ async def test_seal_ownership(router: Any, raw: Any) -> None:
 
 
 # 148 ---------------------------------------------------------------------------------------
-async def test_large_seal_pauses_only_its_connection(router: Any, raw: Any) -> None:
+class GatedExecutor(ThreadPoolExecutor):
+    """The store's hashing thread as a test double: each job waits for `gate` (at most 8 s)
+    before it runs, so a test observes what proceeds while a hash is under way."""
+
+    def __init__(self, gate: threading.Event) -> None:
+        super().__init__(max_workers=1, thread_name_prefix="bus-hash-gated")
+        self.gate = gate
+
+    def submit(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> Future[T]:
+        def held() -> T:
+            self.gate.wait(8)
+            return fn(*args, **kwargs)
+
+        return super().submit(held)
+
+
+async def test_large_seal_pauses_only_its_connection(router: Any, raw: Any,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """The hash is held on the hashing thread by a gate (no clock): meanwhile another client
     gets its answers and the sealing connection gets nothing; once released, its seal
     response comes before the `bus.stats` it pipelined behind the seal."""
     length = 64 * 1024 * 1024
     r = await router(maxArtifactBytes=length)
     gate = threading.Event()
-    r.set_hash_hook(lambda: gate.wait(8))
+    hashing = GatedExecutor(gate)
+    monkeypatch.setattr(bus_store.Store, "executor", lambda self: hashing)
     s = await caller(raw, r, "sealer")
     other = await caller(raw, r, "other")
     artifact_id = await allocate(s, length)
@@ -249,6 +271,7 @@ async def test_large_seal_pauses_only_its_connection(router: Any, raw: Any) -> N
         assert r.stats()["store"]["hashing"] == 1
     finally:
         gate.set()
+        hashing.shutdown(wait=False)
     # the first frame the sealing connection gets is its seal response: nothing was written
     # to it while the hash was held, and its pipelined request waited behind the seal
     first = await s.recv_obj()

@@ -43,10 +43,10 @@ ROOT = os.path.dirname(os.path.dirname(HERE))
 def _router_conn(r: Router, client_id: str) -> asyncio.Transport:
     """The router's transport of `client_id`'s live connection (to drop it from the router
     side)."""
-    transport = r.transport_of(client_id)
-    if transport is None:
+    conn = r.registry.live.get(client_id)
+    if conn is None or conn.closing or conn.transport is None:
         raise AssertionError(f"{client_id} has no live connection")
-    return transport
+    return conn.transport
 
 
 async def _raises_router_lost(aw: Awaitable[Any]) -> RouterLost:

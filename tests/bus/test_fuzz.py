@@ -1040,8 +1040,8 @@ async def fuzz_router(case: list[list[Script]]) -> None:
         assert stats["connections"] >= 1
         settled = await _settle(r, baseline)
         assert r.fatal is None
-        directory = r.store_directory()
-        assert directory is not None and os.listdir(directory) == []
+        store = r.artifacts.store
+        assert store is not None and os.listdir(store.path) == []
         counters = settled["counters"]
         assert counters["helloOk"] >= 1
         # steer generation towards examples that reach deep into the call lifecycle

@@ -211,16 +211,16 @@ async def test_remembered_incarnations_bounded_per_client(router, raw) -> None:
 
     for k in range(REMEMBERED_INCARNATIONS + 1):
         assert "result" in await hello_and_close(f"win-{k}")
-    remembered = r.remembered_incarnations()["win"]
+    remembered = tuple(r.registry.incarnations["win"])
     assert len(remembered) == REMEMBERED_INCARNATIONS
     assert "win-0" not in remembered and "win-1" in remembered
     # the forgotten one is accepted again and pushes out the next oldest
     assert "result" in await hello_and_close("win-0")
-    remembered = r.remembered_incarnations()["win"]
+    remembered = tuple(r.registry.incarnations["win"])
     assert len(remembered) == REMEMBERED_INCARNATIONS
     assert "win-1" not in remembered
     _error(await hello_and_close("win-2"), "CONFLICT", -32009)
-    assert len(r.remembered_incarnations()) == 1
+    assert len(r.registry.incarnations) == 1
 
 
 async def test_remembered_client_ids_bounded(router, raw, monkeypatch) -> None:
@@ -252,7 +252,7 @@ async def test_remembered_client_ids_bounded(router, raw, monkeypatch) -> None:
     live.writer.write_eof()
     await live.expect_eof()
     _error(await hello_and_close("keep", "keep-1"), "CONFLICT", -32009)
-    assert len(r.remembered_incarnations()) == 3
+    assert len(r.registry.incarnations) == 3
 
 
 async def test_invalid_hello_params_close(router, raw) -> None:

@@ -19,6 +19,7 @@ import pytest
 import bus.client_connection as client_module
 from bus.client_connection import Validators
 from bus.policy import Policy, PolicyEntry
+from tests.bus.conftest import store_dir
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -114,7 +115,7 @@ async def test_hello_announces_minor_2_store_grants_and_limits(router: Any, raw:
     assert result["major"] == 1 and result["minor"] >= 2  # minor 3 (wire.md §22) keeps minor 2
     store = result["store"]  # docs/topics.md §5.1
     assert re.fullmatch(r"store-[0-9a-f]{16}", store["storeId"])
-    assert store["path"] == r.store_directory() and os.stat(store["path"]).st_mode & 0o777 == 0o700
+    assert store["path"] == store_dir(r) and os.stat(store["path"]).st_mode & 0o777 == 0o700
     for kind in ("publish", "subscribe", "manage"):
         assert result["grants"][kind] == ["*"]
     assert set(result["limits"]) == HELLO_LIMIT_KEYS

@@ -45,7 +45,7 @@ Resolved ambiguities:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Final, Literal
 
 from bus.errors import ERROR_NAMES, BusError
@@ -76,6 +76,7 @@ __all__ = [
     "answer",
     "check_outcome",
     "from_bus_error",
+    "holds_bus_key",
     "map_bus_error",
     "parse_request",
     "readable_request_id",
@@ -147,7 +148,7 @@ class Request:
 _SCALARS: Final[frozenset[type]] = frozenset({str, int, float, bool, type(None)})
 
 
-def _has_bus_key(value: Any) -> bool:
+def holds_bus_key(value: Any) -> bool:
     """Whether a bus-only key occurs anywhere inside `value` (no paths built: the common case
     is a clean request, and `_bus_key_path` words the refusal). Exact scalars, most of a
     request, are passed over by type alone."""
@@ -161,7 +162,7 @@ def _has_bus_key(value: Any) -> bool:
         return False
     for item in items:
         if type(item) not in _SCALARS and isinstance(item, (dict, list)) \
-                and _has_bus_key(item):
+                and holds_bus_key(item):
             return True
     return False
 
@@ -197,7 +198,7 @@ def parse_request(payload: Any) -> Request:
     params = payload["params"]
     if not isinstance(params, dict):
         raise DomainError.invalid(f"params must be an object; got {short(params)}")
-    path = _bus_key_path(params, "params") if _has_bus_key(params) else None
+    path = _bus_key_path(params, "params") if holds_bus_key(params) else None
     if path is not None:
         raise DomainError.invalid(f"{path} is a bus-only key and may not appear in params")
     return Request(request_id, scope, params)
@@ -227,6 +228,8 @@ class Outcome:
     scope: Scope | None
     result: dict[str, Any] | None = None
     error: DomainError | None = None
+    #: the result was checked against the method's result schema (`structures.answer_typed`)
+    checked: bool = field(default=False, compare=False)
 
     def __post_init__(self) -> None:
         if (self.result is None) == (self.error is None):
