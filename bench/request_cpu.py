@@ -152,6 +152,7 @@ if OUT:
         import bus.client_connection as client_connection
         import flyd.session.calls as calls
         import flyd.session.coordinator as coordinator
+        import flyd.session.transition as transition
 
         timed(client_connection.Connection, "data_received", "frames_in")
         timed(client_connection.Connection, "_flush", "writes")
@@ -160,10 +161,10 @@ if OUT:
         timed(calls, "answer", "answer")  # the outcome's shape, before this tree's typed check
         timed(calls, "answer_typed", "answer")
         timed(calls.CallEngine, "check_reply", "check_reply")
-        timed(coordinator.TypedValue, "from_json", "decision_parse")
-        timed(coordinator.Telemetry, "from_json", "telemetry_parse")
-        timed(coordinator, "controls_for", "controls")
-        timed(coordinator, "check_advance", "check_advance")
+        timed(transition.TypedValue, "from_json", "decision_parse")
+        timed(transition.Telemetry, "from_json", "telemetry_parse")
+        timed(transition, "controls_for", "controls")
+        timed(transition, "check_advance", "check_advance")
         timed(coordinator, "transition_records", "step")
         timed(coordinator.TraceLog, "record", "trace")
         timed(coordinator.Coordinator, "_append_effect", "effect")

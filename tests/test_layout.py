@@ -208,14 +208,6 @@ _IMPORT_PATH = re.compile(r"\b[a-z_][a-z0-9_.]*:([A-Za-z_][A-Za-z0-9_]*)")
 #: members of the modules being split (the router, the client, the coordinator); each split
 #: moves its test-only members to test doubles and empties its part of this list
 PENDING_SPLITS: Final = frozenset({
-    "flyd/session/coordinator.py:Coordinator.acknowledge_replies",
-    "flyd/session/coordinator.py:Coordinator.live_view_handles",
-    "flyd/session/coordinator.py:Coordinator.pause_handle",
-    "flyd/session/coordinator.py:Coordinator.probe_raw",
-    "flyd/session/coordinator.py:Coordinator.resolve_durable",
-    "flyd/session/coordinator.py:Coordinator.set_deadlines",
-    "flyd/session/coordinator.py:Coordinator.status_json",
-    "flyd/session/coordinator.py:Coordinator.worker_status",
 })
 
 #: what a plugin author or a run spec names and our code never calls
@@ -248,6 +240,7 @@ TEST_ONLY: Final = frozenset({
     "flyd/leases/params.py:LeaseParams.with_ttl",
     "flyd/node/sdnotify.py:notify",
     "flyd/session/audit.py:AuditLog.index_of",
+    "flyd/session/coordinator.py:Coordinator.resolve_durable",
     "flyd/session/durability.py:TooLarge.is_durable",
     "flyd/session/pacing.py:Pacing.deadline_ns",
     "flyd/session/pacing.py:Pacing.period_ns",

@@ -63,7 +63,7 @@ from flyd.launch.spawner import SERVER_START_S, Spawner
 from flyd.leases.runtime import GrantScope
 from flyd.node.grant import GrantSession, LedgerReader, RunAbandoned, RunReport, writer_config
 from flyd.node.parts import PartsWatch
-from flyd.session.coordinator import Deadlines
+from flyd.session.calls import Deadlines
 from flyd.session.outputs import TraceFile
 from flyd.session.run_topic import RunPublisher
 from flyd.session.runspec import DEFAULT_MAX_AGENTS, RunSpec, RunSpecError

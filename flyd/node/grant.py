@@ -109,7 +109,8 @@ from flyd.launch.launcher import ExecutionMode, LaunchedWorker, Launcher, compos
 from flyd.leases.queries import LedgerFold
 from flyd.leases.runtime import GrantScope
 from flyd.outcome import describe
-from flyd.session.coordinator import Coordinator, Deadlines, DispatchOrder, History, Injections
+from flyd.session.calls import Deadlines
+from flyd.session.coordinator import Coordinator
 from flyd.session.durability import (
     CaptureRefused,
     CheckpointTooLarge,
@@ -118,6 +119,7 @@ from flyd.session.durability import (
     TooLarge,
 )
 from flyd.session.fence import SessionFailure
+from flyd.session.injections import Injections
 from flyd.session.outputs import OutputWriteError, TraceFile
 from flyd.session.run_topic import (
     EndState,
@@ -127,7 +129,9 @@ from flyd.session.run_topic import (
     end_run_topic,
 )
 from flyd.session.runspec import RunSpec
+from flyd.session.stepping import History
 from flyd.session.trace import RecordStream
+from flyd.session.transition import DispatchOrder
 from flyd.state.cadence import Cadence
 from flyd.state.checkpoints import CheckpointRecord, CheckpointStore, FinishRun
 from flyd.state.effects import epoch_number
@@ -156,6 +160,7 @@ __all__ = [
     "RunReport",
     "error_json",
     "launch_refusal_repeats",
+    "model_profiles",
     "worker_json",
     "writer_config",
 ]
@@ -398,6 +403,7 @@ class GrantSession:
         coordinator = Coordinator(
             self.spec, self.host.coordinator_client(self.run_id),
             {wid: w.worker_ref() for wid, w in launcher.workers().items()},
+            profiles=model_profiles(self.spec),
             task=task, executor=executor, deadlines=self.host.deadlines,
             order=DispatchOrder.from_label(spec.dispatch), injections=self._injections(),
             epoch=epoch, history=History(entries=HISTORY_ENTRIES,
@@ -1033,6 +1039,18 @@ class GrantSession:
         await self._failed({"code": str(exc.code), "message": exc.message,
                             "checkpointId": checkpoint_id})
 
+
+
+def model_profiles(spec: RunSpec) -> dict[str, dict[str, Any]]:
+    """Each agent's model profile (its `digest` is the profile digest every Prepare carries), by
+    agent id: the model plugins are loaded here, with the grant's other plugins, so that the
+    coordinator is handed values and loads nothing."""
+    profiles: dict[str, dict[str, Any]] = {}
+    for agent in spec.agents:
+        model = load_plugin(agent.model, "model")
+        profiles[agent.agent_id] = model.profile(agent.agent_id, agent.tick, agent.warmup_ticks,
+                                                 dict(agent.model_config)).to_json()
+    return profiles
 
 def error_json(error: DomainError, detail: str, participant: str | None) -> dict[str, Any]:
     """A failure as reports and outcomes show it; `plugin` is the error's plugin fault."""

@@ -3,8 +3,14 @@
 Why a module of its own: each injection re-sends, loses or kills on purpose and logs what the
 workers did about it (`InjectionOutcome`), which is how the spec tests prove replay, conflict
 detection, loss recovery and kills. They run inside the transaction at fixed points but are no
-part of it, so they live here, through the session's call engine (`flyd.session.calls`), and the
-coordinator only decides when (`at_step`, the two lists).
+part of it, so they live here, through the session's call engine (`flyd.session.calls`).
+
+`Injections` is the one hook the transaction calls at those points (`kills_at` and
+`kill_dispatched` in Phase A's dispatch, `after_prepare`, `advance`, `after_advance`,
+`after_commit`; bootstrap reads `duplicate_lifecycle_acknowledge`); each decides from its
+fields whether to act, so `Injections()` does nothing and `advance` is then a plain
+`CallEngine.call`. Outcomes go to the hook's `log` (the session's `injection_log` of §6.13),
+which starts empty for every hook built, `dataclasses.replace` included.
 
 Procedures (the table of §6.13):
 - `duplicate`: re-send a call (same id and body, a new bus call); the code of an error or None,
@@ -23,13 +29,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any, Final
 
 from bus.client_calls import PendingCall
 from bus.errors import BusError
 from flyd.session.calls import RESOLVE_PAUSE, Call, CallEngine
+from flyd.session.slots import AgentSlot
 from workers.types.canonical import canonical
 from workers.types.datatypes import EnvironmentDescriptor, WorldObservation, decode_view
 from workers.types.domain import DomainError, ErrorCode, Mutation
@@ -72,6 +79,42 @@ class Injections:
     lose_advance_result_at: tuple[int, ...] = ()
     kill_at: tuple[tuple[str, int], ...] = ()
     kill: KillCallback | None = None
+    log: list[InjectionOutcome] = field(default_factory=list, init=False, repr=False)
+
+    def kills_at(self, k: int) -> bool:
+        """Whether step `k` kills a worker once its Prepares are dispatched."""
+        return any(step == k for _, step in self.kill_at)
+
+    async def kill_dispatched(self, k: int) -> None:
+        await kill_injection(self, k, self.log)
+
+    async def after_prepare(self, calls: CallEngine, k: int, prepares: Mapping[str, Call],
+                            slots: Mapping[str, AgentSlot]) -> None:
+        agent_id = self.duplicate_prepare
+        if self.at_step == k and agent_id is not None:
+            await duplicate(calls, prepares[agent_id], slots[agent_id].prepared,
+                            "duplicate-prepare", self.log)
+
+    async def advance(self, calls: CallEngine, k: int, advance: Call, batch_id: str,
+                      world_id: str) -> dict[str, Any]:
+        """Phase B's Advance: its result, lost on purpose at the steps named."""
+        if k in self.lose_advance_result_at:
+            return await lose_advance_result(calls, advance, batch_id, world_id, self.log)
+        return await calls.call(advance)
+
+    async def after_advance(self, calls: CallEngine, k: int, advance: Call,
+                            result: dict[str, Any], descriptor: EnvironmentDescriptor,
+                            pending_views: dict[str, bytes]) -> None:
+        if self.at_step == k:
+            await advance_injections(calls, self, advance, result, descriptor, pending_views,
+                                     self.log)
+
+    async def after_commit(self, calls: CallEngine, k: int, commits: list[Call],
+                           results: Mapping[str, dict[str, Any]]) -> None:
+        agent_id = self.duplicate_commit
+        if self.at_step == k and agent_id is not None:
+            call = next(c for c in commits if c.worker_id == agent_id)
+            await duplicate(calls, call, results[agent_id], "duplicate-commit", self.log)
 
 
 async def duplicate(calls: CallEngine, call: Call, original: dict[str, Any] | None, what: str,

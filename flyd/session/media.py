@@ -3,8 +3,8 @@ state.md §7.5). Pure, no I/O.
 
 Why a module of its own: bootstrap checks O[0]'s views, every transition checks O[k+1]'s views
 and audio, and a restore checks the restored observation's views, all with one rule. `Media`
-holds what a boundary decoded (views and audio chunks by id); the coordinator keeps the
-committed boundary's and the in-flight transition's.
+holds what a boundary decoded (views and audio chunks by id); `HeldMedia` is the committed
+boundary's and the in-flight transition's, which the coordinator keeps.
 
 Rules:
 - `check_views`: every declared view is present, produced at `max(0, boundary - delay)`, and
@@ -20,7 +20,7 @@ Rules:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from flyd.session.audio import AudioTimelines
@@ -33,7 +33,7 @@ from workers.types.datatypes import (
 )
 from workers.types.domain import DomainError, ErrorCode, Mutation
 
-__all__ = ["Media", "check_audio", "check_views", "released"]
+__all__ = ["HeldMedia", "Media", "check_audio", "check_views", "released"]
 
 
 @dataclass
@@ -44,6 +44,30 @@ class Media:
 
     def count(self) -> int:
         return len(self.views) + len(self.audio)
+
+
+class HeldMedia:
+    """The committed boundary's media and the in-flight transition's. Replacing either drops
+    (`drop`, the connection's artifact holds, docs/topics.md §14.2 rule 5) the artifact ids
+    that neither of them keeps any more."""
+
+    def __init__(self, drop: Callable[[Sequence[str]], None]) -> None:
+        self.committed = Media()
+        self.pending = Media()
+        self._drop = drop
+
+    def replace(self, *, committed: Media | None = None, pending: Media | None = None) -> None:
+        old = (self.committed, self.pending)
+        if committed is not None:
+            self.committed = committed
+        if pending is not None:
+            self.pending = pending
+        keep = set(self.committed.held) | set(self.pending.held)
+        self._drop([a for media in old for a in media.held if a not in keep])
+
+    def count(self) -> int:
+        """The decoded views and audio chunks held (§6.3: none once an epoch failed)."""
+        return self.committed.count() + self.pending.count()
 
 
 def released(old: Media, new: Media) -> list[str]:

@@ -19,24 +19,32 @@ Rules:
   boundary b and every view was produced at `max(0, b - delay)`; else `BUFFER_INVALID`/`none`.
 - `descriptor_body`: the session, revision, composition digest, scheduler, environment
   descriptor, task schema, agents (port, profile, graph digests, rates, stimuli) and assets.
+- `Publisher` numbers the descriptor revisions and the snapshots (`sequence` from 0) and puts
+  each on the feed and, for a node's run, on the run topic (docs/topics.md §14.1): a boundary's
+  snapshot rides along there only when its large media are by reference.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
-from collections.abc import AsyncIterator, Callable, Sequence
+import functools
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from bus.client import BusClient
+from flyd.session.run_topic import RunPublisher
 from flyd.session.slots import AgentSlot
 from flyd.state.envelope import SCHEDULER_ID
+from workers.artifacts import any_by_reference, referenced_artifacts
 from workers.composition import composition_digest
 from workers.types.contract import contract_digest
 from workers.types.datatypes import (
     AudioRef,
     EnvironmentDescriptor,
     PortControl,
+    Reward,
     Telemetry,
     TypedValue,
     ViewRef,
@@ -48,6 +56,7 @@ __all__ = [
     "AgentValues",
     "Feed",
     "Publication",
+    "Publisher",
     "Subscription",
     "check_publication",
     "descriptor_body",
@@ -137,6 +146,46 @@ class Feed:
             self._publish(Publication("snapshot", self._latest))
         else:
             self._latest, self._build = None, build
+
+
+
+class Publisher:
+    """What one session publishes: on its `feed` and, with `run` (a node's run), on the run
+    topic, through the connection `client()` returns at the time."""
+
+    def __init__(self, feed: Feed, run: RunPublisher | None,
+                 client: Callable[[], BusClient]) -> None:
+        self.feed = feed
+        self.run = run
+        self.client = client
+        self.revision = 0
+        self.sequence = 0
+
+    def descriptor(self, session_id: str, epoch: str, descriptor: EnvironmentDescriptor,
+                   agents: Sequence[tuple[str, AgentSlot]], progress: TypedValue | None) -> None:
+        self.revision += 1
+        body = descriptor_body(session_id, epoch, self.revision, descriptor, agents, progress)
+        self.feed.publish_descriptor(body)
+        if self.run is not None:
+            self.run.descriptor(self.client(), body)
+
+    def snapshot(self, scope: Scope, episode_id: str, observation: WorldObservation,
+                 agents: list[AgentValues], progress: TypedValue | None, event_ids: list[str],
+                 rewards: Callable[[], Mapping[str, Sequence[Reward]]]) -> None:
+        """Boundary `scope.step`; `rewards` are its rewards by agent, asked for only by the run
+        topic."""
+        # the boundary's values, all immutable: the body is built from them only when read
+        body = functools.partial(snapshot_body, self.revision, scope, episode_id, self.sequence,
+                                 observation, agents, progress, tuple(event_ids))
+        self.feed.publish_snapshot_on_read(body)
+        self.sequence += 1
+        if self.run is not None:
+            by_reference = any_by_reference(observation)
+            self.run.boundary(
+                self.client(), scope.step, observation.world_time, rewards(), event_ids,
+                body() if by_reference else None,
+                referenced_artifacts(observation.sensory_views, observation.audio)
+                if by_reference else ())
 
 
 def descriptor_body(session_id: str, epoch: str, revision: int,

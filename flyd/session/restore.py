@@ -75,7 +75,7 @@ import copy
 import hashlib
 import itertools
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Final, Protocol
 
 import structlog
@@ -151,6 +151,19 @@ class StateContext:
     run_id: int
     writer: CheckpointWriter | None = None
     guard: Callable[[], object] | None = None
+
+    @staticmethod
+    def of(state: StateContext | None, store: CheckpointStore | None, run_id: int | None,
+           guard: Callable[[], object] | None) -> StateContext | None:
+        """A restore's context: `store` and `run_id` when both are given (keeping the session's
+        writer), else the session's `state`; `guard`, when given, replaces the session's."""
+        if store is not None and run_id is not None:
+            return StateContext(store, run_id, writer=None if state is None else state.writer,
+                                guard=guard if guard is not None or state is None
+                                else state.guard)
+        if state is not None and guard is not None:
+            return replace(state, guard=guard)
+        return state
 
 
 class RestoreTarget(SessionView, Protocol):

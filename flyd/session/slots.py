@@ -3,8 +3,9 @@
 Why a value of its own: bootstrap fills it, every transition reads and advances it, capture
 records it and restore replaces it; one shape, imported by each of them, keeps those modules
 from reaching into the coordinator for it. The coordinator owns the slots (one per agent,
-created from the agent's spec and model profile) and is the only one that mutates them;
-capture and restore read them.
+created from the agent's spec and model profile) and changes what they hold at a boundary;
+a transition (`flyd.session.transition`) fills only the in-flight fields, which the coordinator
+clears at every boundary and on a failure; capture and restore read them.
 
 Fields: the agent's spec, model profile (`digest` is its profile digest), seed and model
 config; the decision context in force and its digest; the graph and telemetry from
@@ -44,3 +45,10 @@ class AgentSlot:
     commit_request: str | None = None
     last_decision: TypedValue | None = None
     last_controls: PortControl | None = None
+
+    def clear_in_flight(self) -> None:
+        """Forget the in-flight transition's values (at every boundary and on a failure)."""
+        self.prepared = None
+        self.decision = None
+        self.prepare_request = None
+        self.commit_request = None

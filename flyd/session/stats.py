@@ -1,8 +1,8 @@
 """A session's counters and latency histograms (session.md §6.11). Pure, no I/O.
 
 Why a module of its own: the coordinator counts its phases, the call engine (`flyd.session.calls`)
-its resolutions and every call's latency, and `status_json` reports both; one pair of objects,
-shared by reference, keeps them one set of figures.
+its resolutions and every call's latency, and each exports itself as camelCase JSON
+(`to_json`, §6.11); one pair of objects, shared by reference, keeps them one set of figures.
 
 - `ResolutionEnd`: how the last resolution ended (`Answered`, `BudgetExpired`,
   `AttemptsExhausted`).

@@ -28,7 +28,7 @@ from flyd.launch.identities import WorkerRef
 from flyd.launch.launcher import ExecutionMode, Launcher, connect_expected, start_error
 from flyd.launch.spawner import LauncherSettings, Spawner
 from flyd.session.audio import AudioTimeline, AudioTimelines
-from flyd.session.coordinator import SessionFailure
+from flyd.session.fence import SessionFailure
 from flyd.session.runspec import RunSpec
 from tests.session.harness import ALL_MODES, Fixture, SessionHarness
 from tests.session.worker_rig import agent_init_params, control, env_init_params
@@ -202,7 +202,7 @@ async def test_one_shared_image_reaches_both_agents() -> None:
         assert rec.produced("fly-a") == [0, 1, 2, 3]
         assert [data for _, data in rec.sensed["fly-a"]] == [f for _, f in rec.renders]
         # one view and one chunk are held: O[3]'s decoded view and its audio chunk
-        assert c.live_view_handles() == 2
+        assert c.media.count() == 2
         assert c.observation is not None
         assert len(c.observation.sensory_views) == 1 and len(c.observation.audio) == 1
         last = snapshots_of(feed)[-1]
@@ -401,7 +401,7 @@ async def test_a_cadence_that_does_not_divide_the_sample_rate_still_lands_on_who
 async def advance_raw(h: SessionHarness, epoch: str, k: int,
                       ref: WorkerRef | None = None) -> AudioRef:
     """One `Environment.Advance` outside the coordinator (neutral controls); its only chunk."""
-    result = await h.coordinator.probe_raw(
+    result = await h.coordinator.calls.probe(
         "arena", "Environment.Advance", Scope("demo", epoch, k),
         {"batchId": f"batch-{epoch}-{k}", "controls": [control("p1"), control("p2")]}, ref=ref)
     [chunk] = result["observation"]["audio"]
@@ -414,7 +414,7 @@ async def test_a_restored_audio_source_resumes_and_marks_the_discontinuity() -> 
         await h.run(STEPS)
         c = h.coordinator
         descriptor = descriptor_of(h)
-        captured = await c.probe_raw("arena", "State.Capture", Scope("demo", "e1", 3),
+        captured = await c.calls.probe("arena", "State.Capture", Scope("demo", "e1", 3),
                                      {"checkpointId": "ckpt-1"})
         # the uninterrupted stream goes on from 2400 without a discontinuity
         straight = [await advance_raw(h, "e1", k) for k in (3, 4)]
@@ -423,11 +423,11 @@ async def test_a_restored_audio_source_resumes_and_marks_the_discontinuity() -> 
         # a replacement environment restored at boundary 3 resumes the stream at 2400
         ref = (await h.restart_environment()).worker_ref()
         scope = Scope("demo", "e2", 3)
-        staged = await c.probe_raw("arena", "State.StageRestore", scope, {
+        staged = await c.calls.probe("arena", "State.StageRestore", scope, {
             "checkpointId": "ckpt-1", "sourceScope": Scope("demo", "e1", 3).to_json(),
             "compatibilityDigest": captured["compatibilityDigest"],
             "payload": captured["payload"]}, ref=ref)
-        activated = await c.probe_raw("arena", "State.ActivateRestore", scope,
+        activated = await c.calls.probe("arena", "State.ActivateRestore", scope,
                                       {"restoreToken": staged["restoreToken"]}, ref=ref)
         assert activated["observation"]["audio"] == []
         first, second = [await advance_raw(h, "e2", k, ref) for k in (3, 4)]
@@ -581,7 +581,7 @@ async def test_a_persistent_asset_is_identified_by_id_and_digest() -> None:
                        {**profile, "byteLength": str(int(profile["byteLength"]) + 1)}):
             assert edited["id"] == profile["id"]
             with pytest.raises(DomainError) as caught:
-                await c.probe_raw("fly-a", "Agent.Initialize", scope,
+                await c.calls.probe("fly-a", "Agent.Initialize", scope,
                                   {**params, "profile": edited})
             assert (caught.value.code, caught.value.mutation) == ("IDENTITY_MISMATCH", "none")
         world = env_init_params()
@@ -590,7 +590,7 @@ async def test_a_persistent_asset_is_identified_by_id_and_digest() -> None:
                        {**backend, "byteLength": str(int(backend["byteLength"]) + 1)}):
             assert edited["id"] == backend["id"] == "arena-config"
             with pytest.raises(DomainError) as caught:
-                await c.probe_raw("arena", "Environment.Initialize", scope,
+                await c.calls.probe("arena", "Environment.Initialize", scope,
                                   {**world, "backendConfig": edited})
             assert (caught.value.code, caught.value.mutation) == ("IDENTITY_MISMATCH", "none")
         for worker in ("fly-a", "arena"):

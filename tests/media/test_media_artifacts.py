@@ -30,8 +30,8 @@ from bus.limits import Limits
 from bus.store import StoreSettings
 from flyd.config import load_config
 from flyd.launch.launcher import ExecutionMode
-from flyd.session.coordinator import Injections
 from flyd.session.fence import SessionFailure
+from flyd.session.injections import Injections
 from flyd.session.run_topic import RunEnd, end_run_topic
 from flyd.session.runspec import AgentSpec, RunSpec, WorldSpec
 from flyd.session.trace import EpochRebase, compare

@@ -30,7 +30,7 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
@@ -54,17 +54,22 @@ from flyd.launch.launcher import (
     start_error,
 )
 from flyd.launch.spawner import LauncherSettings, Spawner
+from flyd.node.grant import model_profiles
 from flyd.node.router_child import router_answers
-from flyd.session.coordinator import Coordinator, Deadlines, DispatchOrder, Injections, StepReport
+from flyd.session.calls import Deadlines
+from flyd.session.coordinator import Coordinator
+from flyd.session.injections import Injections
 from flyd.session.run_topic import RunPublisher
 from flyd.session.runspec import AgentSpec, RunSpec, TaskSpec
+from flyd.session.stepping import PauseHandle, StepReport
+from flyd.session.transition import DispatchOrder
 from workers.bodies import EndpointFactory
 from workers.faults import Faults
 from workers.launch import DEFAULT_MEDIA_INLINE_MAX_BYTES
 from workers.plugins import load_plugin
 from workers.synthetic.executor import IdentityExecutor
 from workers.synthetic.task import CounterTask
-from workers.types.domain import DomainError
+from workers.types.domain import DomainError, Scope
 
 WAIT = 20.0
 T = TypeVar("T")
@@ -183,6 +188,8 @@ class SessionHarness:
         self.workers: dict[str, LaunchedWorker] = {}
         self.task: CounterTask | None = None
         self.publisher = None if fixture.run_id is None else RunPublisher(fixture.run_id)
+        #: the coordinators' pause request (§6.7): `h.pause.request()`
+        self.pause = PauseHandle()
         self.topic: Topic | None = None
 
     @classmethod
@@ -259,8 +266,9 @@ class SessionHarness:
             injections = replace(injections, kill=self.kill)
         coordinator = Coordinator(
             self.spec, self.coordinator_client, self.refs(), task=self.task,
-            executor=executor, deadlines=fixture.deadlines, order=fixture.order,
-            injections=injections, epoch=epoch, publisher=self.publisher)
+            profiles=model_profiles(self.spec), executor=executor, deadlines=fixture.deadlines,
+            order=fixture.order, injections=injections, epoch=epoch, publisher=self.publisher,
+            pause=self.pause)
         if fixture.pacing == "off":
             coordinator.disable_pacing()
         return coordinator
@@ -344,3 +352,26 @@ class _quiet:
 
 
 HarnessFactory = Callable[..., Awaitable[SessionHarness]]
+
+
+async def worker_status(coordinator: Coordinator, worker_id: str,
+                        ref: WorkerRef | None = None) -> dict[str, Any]:
+    """§6.13 `worker_status`: `Worker.Status` at the committed scope (null before `Ready(0)`)
+    through the full `check_reply`, on the coordinator's call engine; any failure fails the
+    epoch."""
+    boundary = coordinator.committed_boundary()
+    scope = (None if boundary is None
+             else Scope(coordinator.spec.session_id, coordinator.epoch, boundary))
+    calls = coordinator.calls
+    call = calls.new_call(worker_id, "Worker.Status", scope, {}, ref)
+    result: dict[str, Any] = await calls.guarded(lambda: calls.blamed(call))
+    return result
+
+
+async def acknowledge_replies(coordinator: Coordinator, worker_id: str,
+                              ids: Sequence[str]) -> list[str]:
+    """§6.13 `acknowledge_replies`: `Worker.Acknowledge` with the subset rule of §6.5 step 5;
+    any failure fails the epoch."""
+    calls = coordinator.calls
+    result: list[str] = await calls.guarded(lambda: calls.acknowledge(worker_id, ids))
+    return result

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from flyd.session.audit import AuditLog
-from flyd.session.coordinator import Feed, format_duration
+from flyd.session.calls import format_duration
+from flyd.session.publication import Feed
 from flyd.session.trace import TraceLog
 from workers.types.domain import DomainError
 

@@ -14,16 +14,12 @@ import pytest
 from bus.errors import BusError
 from flyd.launch.identities import WorkerRef
 from flyd.launch.launcher import ExecutionMode
-from flyd.session.coordinator import (
-    LOSS_POLLS,
-    Deadlines,
-    InjectionOutcome,
-    Injections,
-    ResolutionEnd,
-    SessionFailure,
-)
+from flyd.session.calls import Deadlines
+from flyd.session.fence import SessionFailure
+from flyd.session.injections import LOSS_POLLS, InjectionOutcome, Injections
 from flyd.session.phase import Failed
-from tests.session.harness import Fixture, SessionHarness, within
+from flyd.session.stats import ResolutionEnd
+from tests.session.harness import Fixture, SessionHarness, within, worker_status
 from tests.session.worker_rig import context_digest, prepare_params
 from workers.faults import Faults
 from workers.types.domain import DomainError, Scope
@@ -51,7 +47,7 @@ async def run_with(fixture: Fixture) -> Run:
         await h.run(STEPS)
         c = h.coordinator
         return Run(c.trace.behaviour(), {a: await h.mutations_of(a) for a in AGENTS},
-                   c.progress().value["counter"], c.stats.advances, list(c.injection_log),
+                   c.progress().value["counter"], c.stats.advances, list(c.injections.log),
                    c.stats.in_progress_replies)
 
 
@@ -129,7 +125,7 @@ async def test_status_polls_after_a_lost_result_end_within_the_resolve_budget() 
         finally:
             os.kill(pid, signal.SIGCONT)
         assert caught.value.participant == "arena"
-        polled = next(o for o in h.coordinator.injection_log if o.what == "status-after-loss")
+        polled = next(o for o in h.coordinator.injections.log if o.what == "status-after-loss")
         assert not polled.identical  # the world never answered: the case bit
         assert h.coordinator.stats.last_resolution is ResolutionEnd.BUDGET_EXPIRED
         # the fenced coordinator swaps its client and has closed the old one when it returns
@@ -198,7 +194,7 @@ async def test_a_reply_from_another_incarnation_is_rejected() -> None:
                         service_incarnation=new.service_incarnation, worker_id="fly-b",
                         domain_incarnation=old.domain_incarnation)
         with pytest.raises(SessionFailure) as caught:
-            await h.coordinator.worker_status("fly-b", ref)
+            await worker_status(h.coordinator, "fly-b", ref)
         assert caught.value.code == "IDENTITY_MISMATCH"
         assert "comes from incarnation" in caught.value.message
         assert h.coordinator.phase == Failed()
@@ -243,7 +239,7 @@ async def test_an_old_epoch_operation_is_refused_with_stale_epoch() -> None:
         assert refused.value.name == "NOT_AUTHORIZED"
         params: dict[str, Any] = prepare_params("fly-a", context_digest(1))
         with pytest.raises(DomainError) as caught:
-            await h.coordinator.probe_raw("fly-a", "Agent.Prepare", Scope("demo", "e0", 1),
+            await h.coordinator.calls.probe("fly-a", "Agent.Prepare", Scope("demo", "e0", 1),
                                           params)
         assert (caught.value.code, caught.value.mutation) == ("STALE_EPOCH", "none")
         assert h.coordinator.stats.advances == 1

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from flyd.session.coordinator import Publication
+from flyd.session.publication import Publication
 from tests.session.harness import Fixture, SessionHarness
 from workers.types.canonical import digest_of
 
@@ -98,6 +98,5 @@ async def test_the_golden_run_matches_the_reference_numbers() -> None:
         assert _telemetry(last, "fly-b")["learning"]["signal"] == 1.0
         assert c.progress().value == {"counter": 3, "transitions": 3, "totalReward": 3.0}
         assert await h.progress_of("arena") == 4
-        status = c.status_json()
-        assert status["phase"] == "Ready(3)" and status["stats"]["advances"] == 3
-        assert status["metrics"]["latencyUs"]["step"]["count"] == 3
+        assert c.phase.label == "Ready(3)" and c.stats.to_json()["advances"] == 3
+        assert c.metrics.to_json()["latencyUs"]["step"]["count"] == 3

@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 
 from flyd.session.audit import AuditLog
-from flyd.session.coordinator import Metrics
 from flyd.session.phase import PhaseMachine, Preparing, Ready
+from flyd.session.stats import Metrics
 from flyd.session.trace import RecordStream, TraceLog
 from workers.environment import BatchSet
 from workers.types.canonical import canonical, digest_of

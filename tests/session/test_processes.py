@@ -15,15 +15,20 @@ from bus.errors import BusError
 from flyd.launch.budget import ThreadBudget
 from flyd.launch.health import HealthPolicy
 from flyd.launch.launcher import AlreadyGone, ExecutionMode, Stopped, Terminated
-from flyd.session.coordinator import (
-    Deadlines,
-    DispatchOrder,
-    Injections,
-    ResolutionEnd,
-    SessionFailure,
-)
+from flyd.session.calls import Deadlines
+from flyd.session.fence import SessionFailure
+from flyd.session.injections import Injections
 from flyd.session.phase import Failed, Ready
-from tests.session.harness import ALL_MODES, Fixture, SessionHarness, within
+from flyd.session.stats import ResolutionEnd
+from flyd.session.transition import DispatchOrder
+from tests.session.harness import (
+    ALL_MODES,
+    Fixture,
+    SessionHarness,
+    acknowledge_replies,
+    within,
+    worker_status,
+)
 from tests.session.worker_rig import agent_init_params, context_digest, prepare_params
 from workers.faults import Faults
 from workers.types.domain import DomainError, ErrorCode, Scope
@@ -72,7 +77,7 @@ async def test_an_acknowledge_that_releases_nothing_is_not_a_failure(mode: Execu
     async with SessionHarness.start(Fixture(mode=mode)) as h:
         await h.bootstrap()
         c = h.coordinator
-        assert await c.acknowledge_replies("fly-a", ["req-1", "req-2", "req-3"]) == []
+        assert await acknowledge_replies(c, "fly-a", ["req-1", "req-2", "req-3"]) == []
         assert not c.fenced and c.phase == Ready(0)
         report = await h.step()
         assert report.boundary == 1 and c.stats.advances == 1
@@ -106,7 +111,7 @@ async def test_a_slow_participant_is_resolved_rather_than_failed(mode: Execution
     async with SessionHarness.start(Fixture(mode=mode, faults=faults)) as h:
         await h.bootstrap()
         c = h.coordinator
-        c.set_deadlines(Deadlines(probe=0.12, resolve=15.0, resolve_attempts=BIG))
+        c.calls.deadlines = Deadlines(probe=0.12, resolve=15.0, resolve_attempts=BIG)
         await h.run(2)
         assert c.phase == Ready(2) and not c.fenced
         assert c.stats.resolutions >= 2
@@ -135,7 +140,7 @@ async def test_a_resolution_says_which_of_its_two_bounds_ended_it(mode: Executio
         async with SessionHarness.start(Fixture(mode=mode, faults=faults)) as h:
             await h.bootstrap()
             c = h.coordinator
-            c.set_deadlines(deadlines)
+            c.calls.deadlines = deadlines
             with pytest.raises(SessionFailure) as caught:
                 await h.step()
             failure = caught.value
@@ -233,7 +238,7 @@ async def test_an_uncertain_advance_never_creates_a_second_batch(mode: Execution
         behaviour = c.trace.behaviour()
         progress = await h.progress_of("arena")
         assert len({t.behaviour["batchId"] for t in c.trace.transitions}) == STEPS
-        lost = next(o for o in c.injection_log if o.what == "lost-advance-result")
+        lost = next(o for o in c.injections.log if o.what == "lost-advance-result")
         assert lost.identical
     clean, clean_progress = await clean_behaviour(mode, STEPS)
     assert behaviour == clean and progress == clean_progress
@@ -274,12 +279,12 @@ async def test_every_participant_answers_its_supervisor(mode: ExecutionMode) -> 
             assert identity.port_id == ports[wid]
             assert (await launcher.health_check(wid))["state"] == "ready"
         c = h.coordinator
-        hello = await c.probe_raw("fly-a", "Worker.Hello", None, {
+        hello = await c.calls.probe("fly-a", "Worker.Hello", None, {
             "sessionId": "demo", "expectedWorkerId": "fly-a", "role": "agent",
             "supportedMajors": [1]})
         assert hello["limits"]["workerThreads"] == launcher.get("fly-a").identity.worker_threads
         with pytest.raises(DomainError) as caught:
-            await c.probe_raw("fly-a", "Worker.Hello", None, {
+            await c.calls.probe("fly-a", "Worker.Hello", None, {
                 "sessionId": "demo", "expectedWorkerId": "fly-z", "role": "agent",
                 "supportedMajors": [1]})
         assert caught.value.code == ErrorCode.IDENTITY_MISMATCH
@@ -311,7 +316,7 @@ async def test_worker_threads_lie_within_the_launcher_allocation(mode: Execution
     async with SessionHarness.start(Fixture(mode=mode)) as h:
         c = h.coordinator
         with pytest.raises(DomainError) as caught:
-            await c.probe_raw("fly-a", "Agent.Initialize", Scope("demo", "e1", 0),
+            await c.calls.probe("fly-a", "Agent.Initialize", Scope("demo", "e1", 0),
                               agent_init_params("fly-a", threads=8))
         assert (caught.value.code, caught.value.mutation) == ("BUSY", "none")
         assert (await h.status_of("fly-a"))["state"] == "uninitialized"
@@ -338,7 +343,7 @@ async def test_a_router_restart_during_a_world_advance_fences_the_epoch() -> Non
         assert failure.detail == "router"
         assert failure.mutation != "none"
         assert c.phase == Failed() and c.fenced
-        assert c.live_view_handles() == 0
+        assert c.media.count() == 0
         assert c.stats.advances == 0
         assert c.audit.index_of("publish:1") is None
         assert c.observation is not None and c.observation.boundary == 0
@@ -358,7 +363,7 @@ async def test_an_old_worker_reply_after_a_restart_is_rejected_on_stale_epoch_or
         assert new.pid != old.pid
         assert new.service_incarnation != old.service_incarnation
         with pytest.raises(SessionFailure) as caught:
-            await c.worker_status("fly-b")
+            await worker_status(c, "fly-b")
         assert caught.value.code == "IDENTITY_MISMATCH"
         assert caught.value.participant == "fly-b"
         assert c.phase == Failed() and c.fenced
@@ -372,11 +377,11 @@ async def test_a_restarted_worker_refuses_an_operation_from_the_old_epoch() -> N
         c = h.coordinator
         new = await h.restart_agent("fly-b")
         with pytest.raises(DomainError) as stale:
-            await c.probe_raw("fly-a", "Agent.Prepare", Scope("demo", "e0", 1),
+            await c.calls.probe("fly-a", "Agent.Prepare", Scope("demo", "e0", 1),
                               prepare_params("fly-a", context_digest(1)))
         assert (stale.value.code, stale.value.mutation) == ("STALE_EPOCH", "none")
         with pytest.raises(DomainError) as phase:
-            await c.probe_raw("fly-b", "Agent.Prepare", Scope("demo", "e1", 1),
+            await c.calls.probe("fly-b", "Agent.Prepare", Scope("demo", "e1", 1),
                               prepare_params("fly-b", context_digest(1)),
                               ref=new.worker_ref())
         assert (phase.value.code, phase.value.mutation) == ("INVALID_PHASE", "none")

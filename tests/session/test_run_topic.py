@@ -131,7 +131,7 @@ async def test_refused_publication_never_fails_the_epoch() -> None:
         assert h.coordinator_client is not None
         await within(h.coordinator_client.stats())
         assert h.publisher.refusals == {"NO_TOPIC": STEPS - 10}
-        assert h.coordinator.status_json()["stats"]["publicationsRefused"] == STEPS - 10
+        assert h.coordinator.stats.to_json()["publicationsRefused"] == STEPS - 10
         assert h.coordinator.last_failure is None and not h.coordinator.fenced
         watched = [t.behaviour for t in h.coordinator.trace.transitions]
     _, unwatched = await unwatched_run(STEPS)

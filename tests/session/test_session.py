@@ -8,9 +8,10 @@ import json
 import pytest
 
 from flyd.session.audit import AuditLog
-from flyd.session.coordinator import DispatchOrder, SessionFailure
+from flyd.session.fence import SessionFailure
 from flyd.session.phase import Paused, Phase, Ready
 from flyd.session.runspec import AgentSpec
+from flyd.session.transition import DispatchOrder
 from tests.session.harness import Fixture, SessionHarness, within
 from workers.faults import Faults
 
@@ -99,7 +100,7 @@ async def test_a_pause_mid_step_completes_the_step_and_pauses_at_the_boundary() 
         assert first.boundary == 1 and not first.paused
         step = asyncio.ensure_future(c.step())
         await asyncio.sleep(0.010)
-        c.pause_handle().request()
+        h.pause.request()
         report = await within(step)
         assert report.boundary == 2 and report.paused
         assert c.phase == Paused(2)

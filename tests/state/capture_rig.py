@@ -1,5 +1,5 @@
 """Shared pieces of the State.* tests (state.md §6): raw capture, stage and activate calls
-through the coordinator's `probe_raw`, and wrapper rewriting."""
+through the coordinator's call engine (`calls.probe`), and wrapper rewriting."""
 
 from __future__ import annotations
 
@@ -48,7 +48,7 @@ async def refused(call: Awaitable[Any], code: ErrorCode, *, contains: str = "") 
 
 async def capture_raw(h: SessionHarness, worker: str, k: int, checkpoint_id: str = "ckpt-1",
                       epoch: str = "e1", ref: WorkerRef | None = None) -> dict[str, Any]:
-    return await h.coordinator.probe_raw(worker, "State.Capture", scope(epoch, k),
+    return await h.coordinator.calls.probe(worker, "State.Capture", scope(epoch, k),
                                          {"checkpointId": checkpoint_id}, ref)
 
 
@@ -82,10 +82,10 @@ def stage_params(captured: dict[str, Any], source: Scope,
 
 async def stage(h: SessionHarness, worker: str, target: Scope | None, params: dict[str, Any],
                 ref: WorkerRef | None = None) -> dict[str, Any]:
-    return await h.coordinator.probe_raw(worker, "State.StageRestore", target, params, ref)
+    return await h.coordinator.calls.probe(worker, "State.StageRestore", target, params, ref)
 
 
 async def activate(h: SessionHarness, worker: str, target: Scope | None, token: str,
                    ref: WorkerRef | None = None) -> dict[str, Any]:
-    return await h.coordinator.probe_raw(worker, "State.ActivateRestore", target,
+    return await h.coordinator.calls.probe(worker, "State.ActivateRestore", target,
                                          {"restoreToken": token}, ref)

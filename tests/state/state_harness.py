@@ -113,7 +113,7 @@ class StateHarness:
         c = self.coordinator
         assert info.value.participant == "fly-a", info.value
         assert isinstance(c.phase, Failed) and c.fenced
-        assert c.live_view_handles() == 0
+        assert c.media.count() == 0
         return info.value
 
     async def replace_all_participants(self, faults: Faults | None = None) -> None:

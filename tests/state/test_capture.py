@@ -46,30 +46,30 @@ async def test_capture_checks_run_in_order() -> None:
         ok = {"checkpointId": "ckpt-1"}
         bad = {"checkpointId": "ckpt-1", "extra": True}
         # 1: scope null, then another session (before the epoch and params checks)
-        await refused(c.probe_raw("fly-a", "State.Capture", None, ok), ErrorCode.INVALID_ARGUMENT)
-        await refused(c.probe_raw("fly-a", "State.Capture", Scope("other", "e9", 2), bad),
+        await refused(c.calls.probe("fly-a", "State.Capture", None, ok), ErrorCode.INVALID_ARGUMENT)
+        await refused(c.calls.probe("fly-a", "State.Capture", Scope("other", "e9", 2), bad),
                       ErrorCode.IDENTITY_MISMATCH)
         # 2: an uninitialized worker, then another epoch (before the step and params checks)
         fresh = await h.restart_agent("fly-a")
-        await refused(c.probe_raw("fly-a", "State.Capture", scope("e9", 7), bad,
+        await refused(c.calls.probe("fly-a", "State.Capture", scope("e9", 7), bad,
                                   fresh.worker_ref()), ErrorCode.INVALID_PHASE,
                       contains="uninitialized")
-        await refused(c.probe_raw("arena", "State.Capture", scope("e9", 7), bad),
+        await refused(c.calls.probe("arena", "State.Capture", scope("e9", 7), bad),
                       ErrorCode.STALE_EPOCH)
         # 3: not quiescent (prepared), then step < k and step > k (before the params check)
         prepared = c.slots["fly-b"].context_digest
-        await c.probe_raw("fly-b", "Agent.Prepare", scope("e1", 2),
+        await c.calls.probe("fly-b", "Agent.Prepare", scope("e1", 2),
                           prepare_params("fly-b", prepared))
-        await refused(c.probe_raw("fly-b", "State.Capture", scope("e1", 9), bad),
+        await refused(c.calls.probe("fly-b", "State.Capture", scope("e1", 9), bad),
                       ErrorCode.INVALID_PHASE, contains="prepared")
-        await refused(c.probe_raw("arena", "State.Capture", scope("e1", 1), bad),
+        await refused(c.calls.probe("arena", "State.Capture", scope("e1", 1), bad),
                       ErrorCode.STALE_STEP)
-        await refused(c.probe_raw("arena", "State.Capture", scope("e1", 3), bad),
+        await refused(c.calls.probe("arena", "State.Capture", scope("e1", 3), bad),
                       ErrorCode.FUTURE_STEP)
         # 4: params schema
-        await refused(c.probe_raw("arena", "State.Capture", scope("e1", 2), bad),
+        await refused(c.calls.probe("arena", "State.Capture", scope("e1", 2), bad),
                       ErrorCode.INVALID_ARGUMENT)
-        await refused(c.probe_raw("arena", "State.Capture", scope("e1", 2),
+        await refused(c.calls.probe("arena", "State.Capture", scope("e1", 2),
                                   {"checkpointId": "Not An Id"}), ErrorCode.INVALID_ARGUMENT)
     async with SessionHarness.start(fixture) as h:
         await h.bootstrap()

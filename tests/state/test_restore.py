@@ -251,7 +251,7 @@ async def test_old_media_cannot_cross_a_recovery(mode: ExecutionMode,
         assert position == 1600
         await s.fail_the_epoch()                       # no media held while fenced
         await s.replace_all_participants()
-        assert c.live_view_handles() == 0
+        assert c.media.count() == 0
         report = await within(c.restore("ckpt-1", "e2"))
         assert report.imported and all(h.startswith("imp-") for h in report.imported)
         assert len(set(report.imported)) == len(report.imported) == 8
@@ -327,7 +327,7 @@ async def test_a_restore_token_activates_only_once(mode: ExecutionMode,
                 ("fly-a", "Agent.Prepare",
                  prepare_params("fly-a", c.slots["fly-a"].context_digest))):
             with pytest.raises(DomainError) as info:
-                await c.probe_raw(worker, method, old, params)
+                await c.calls.probe(worker, method, old, params)
             assert info.value.code in (ErrorCode.STALE_EPOCH, ErrorCode.INVALID_ARGUMENT)
 
 
@@ -398,7 +398,7 @@ async def test_a_capture_is_refused_anywhere_but_a_committed_boundary(
         assert not c.fenced and c.epoch == "e1" and s.writer.outstanding() == 0
         await s.bootstrap()
         await s.h.run(1)
-        c.pause_handle().request()
+        s.h.pause.request()
         await s.h.run(1)
         assert c.phase == Paused(2)
         assert await within(c.checkpoint("ckpt-1")) == Committed("ckpt-1", 2)

@@ -1,5 +1,6 @@
 """Tests 49–57: `State.StageRestore` and `State.ActivateRestore` on the workers, raw calls
-through `probe_raw` (state.md §6.4–§6.6), in-process."""
+through the coordinator's call engine (`calls.probe`, the spec's `probe_raw`; state.md
+§6.4–§6.6), in-process."""
 
 from __future__ import annotations
 
@@ -55,7 +56,7 @@ async def test_stage_checks_run_in_order() -> None:
         await refused(stage(h, "fly-a", Scope("other", "e2", 2), bad),
                       ErrorCode.IDENTITY_MISMATCH)
         # 2: a mid-step (prepared) worker cannot stage, whatever else is wrong
-        await c.probe_raw("fly-b", "Agent.Prepare", SOURCE,
+        await c.calls.probe("fly-b", "Agent.Prepare", SOURCE,
                           prepare_params("fly-b", c.slots["fly-b"].context_digest))
         await refused(stage(h, "fly-b", scope("e1", 2), bad), ErrorCode.INVALID_PHASE,
                       contains="replace it")
@@ -200,7 +201,7 @@ async def test_staged_state_is_invisible_until_activation() -> None:
         assert before["arena"]["currentScope"] == SOURCE.to_json()
         # a staged worker serves nothing of the proposed epoch and no step of the old one
         await refused(capture_raw(h, "arena", 2, epoch="e2"), ErrorCode.STALE_EPOCH)
-        await refused(c.probe_raw("fly-a", "Agent.Prepare", SOURCE,
+        await refused(c.calls.probe("fly-a", "Agent.Prepare", SOURCE,
                                   prepare_params("fly-a", c.slots["fly-a"].context_digest)),
                       ErrorCode.INVALID_PHASE)
 
@@ -249,7 +250,7 @@ async def test_activate_checks_run_in_order() -> None:
         a = await capture_raw(h, "fly-a", 2)
         # 1: scope null; params schema
         await refused(activate(h, "fly-a", None, "rt-x"), ErrorCode.INVALID_ARGUMENT)
-        await refused(h.coordinator.probe_raw("fly-a", "State.ActivateRestore", TARGET,
+        await refused(h.coordinator.calls.probe("fly-a", "State.ActivateRestore", TARGET,
                                               {"restoreToken": "rt-x", "more": 1}),
                       ErrorCode.INVALID_ARGUMENT)
         # 3: nothing staged
