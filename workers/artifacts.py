@@ -44,7 +44,8 @@ from typing import Final, TypeVar
 
 import structlog
 
-from bus.client import Allocation, Attachment, BusClient
+from bus.client import BusClient
+from bus.client_artifacts import Allocation, Attachment
 from bus.errors import BusError
 from workers.types.datatypes import (
     ArrayValue,

@@ -80,6 +80,7 @@ from typing import Any, ClassVar, Final, TypeVar
 import structlog
 
 from bus import client as bus_client
+from bus import client_artifacts, client_serving
 from bus.errors import BusError
 from bus.limits import MAX_ID, result_frame
 from workers.artifacts import open_attached
@@ -214,7 +215,7 @@ class Call:
     request: Request
     caller: str
     attached: Mapping[str, Attached] = field(default_factory=dict)
-    outgoing: list[bus_client.Attachment] = field(default_factory=list)
+    outgoing: list[client_artifacts.Attachment] = field(default_factory=list)
     #: the params were checked against the method's schema by the typed decode (`parse_typed`)
     typed: bool = False
 
@@ -401,9 +402,9 @@ class WorkerShell:
         #: the request id and sealed attachments of the last reply that carried some: this
         #: worker keeps its holds on them until the next such reply, so a replay of that
         #: reply (a re-sent request after a lost result) attaches them again
-        self._kept: tuple[str, tuple[bus_client.Attachment, ...]] | None = None
+        self._kept: tuple[str, tuple[client_artifacts.Attachment, ...]] | None = None
         self.client: bus_client.BusClient | None = None
-        self.service: bus_client.Service | None = None
+        self.service: client_serving.Service | None = None
         self.service_incarnation: str | None = None
         self._log = log.bind(worker_id=launch.worker_id, incarnation_id=launch.incarnation_id)
         endpoint.attach(self)
@@ -534,7 +535,7 @@ class WorkerShell:
         assert result is not None
         return Outcome.success(request, self.worker_id, self.incarnation_id, result).to_json()
 
-    def _front(self, req: bus_client.Request) -> dict[str, Any] | tuple[Call, OpClass]:
+    def _front(self, req: client_serving.Request) -> dict[str, Any] | tuple[Call, OpClass]:
         """Steps 1–3b of §2.2, synchronous: an outcome to answer at once, or the call."""
         method = req.method
         request = parse_typed(method, req.payload)
@@ -565,7 +566,7 @@ class WorkerShell:
             else open_attached(self.client, req.attachments)
         return Call(method, request, caller, attached, typed=typed), op
 
-    def _on_read_only(self, req: bus_client.Request) -> dict[str, Any]:
+    def _on_read_only(self, req: client_serving.Request) -> dict[str, Any]:
         """The inline handler (wire.md §22.2) of the read-only methods that never await
         (`INLINE_METHODS`): §2.2 steps 1–4 on the SDK's reader, no task per request."""
         front = self._front(req)
@@ -575,8 +576,8 @@ class WorkerShell:
         assert op == OpClass.READ_ONLY
         return self._read_only_now(call)
 
-    async def _on_request(self, req: bus_client.Request,
-                          ) -> dict[str, Any] | bus_client.Reply | None:
+    async def _on_request(self, req: client_serving.Request,
+                          ) -> dict[str, Any] | client_serving.Reply | None:
         """The SDK handler: everything up to admission runs before the first await."""
         front = self._front(req)
         if isinstance(front, dict):
@@ -596,7 +597,7 @@ class WorkerShell:
             self._log.info("worker.replay", method=method, request_id=request.request_id)
             kept = self._kept
             if kept is not None and kept[0] == request.request_id:
-                return bus_client.Reply(admission.outcome, attachments=kept[1])
+                return client_serving.Reply(admission.outcome, attachments=kept[1])
             return admission.outcome
         if isinstance(admission, Refuse):
             return self._outcome(request, error=admission.error)
@@ -604,7 +605,7 @@ class WorkerShell:
         self.status.active_request_id = request.request_id
         return await self._execute(admission.ticket, call)
 
-    async def _execute(self, ticket: Ticket, call: Call) -> dict[str, Any] | bus_client.Reply:
+    async def _execute(self, ticket: Ticket, call: Call) -> dict[str, Any] | client_serving.Reply:
         handler = self.endpoint.handlers[call.method]
         error: DomainError | None = None
         result: dict[str, Any] | None = None
@@ -655,7 +656,7 @@ class WorkerShell:
                 self.client.drop_nowait([a.artifact_id for a in self._kept[1]
                                          if a.artifact_id not in still])
             self._kept = (call.request_id, outgoing)
-            return bus_client.Reply(outcome, attachments=outgoing)
+            return client_serving.Reply(outcome, attachments=outgoing)
         return outcome
 
     # Worker.* (§2.5–§2.8) ----------------------------------------------------------------------
@@ -676,7 +677,7 @@ class WorkerShell:
         self.read_only_history.append((call.method, outcome))
         return outcome
 
-    async def _read_only(self, call: Call, req: bus_client.Request) -> dict[str, Any] | None:
+    async def _read_only(self, call: Call, req: client_serving.Request) -> dict[str, Any] | None:
         if call.method != "Worker.Shutdown":
             return self._read_only_now(call)
         try:

@@ -32,7 +32,7 @@ import secrets
 from dataclasses import dataclass, replace
 from typing import Final, Literal
 
-from bus.client import new_incarnation
+from bus.client_identity import new_incarnation
 from workers.types.domain import DomainError, parse_id, parse_worker_id
 
 __all__ = [

@@ -106,7 +106,9 @@ from typing import Any, Final, Protocol
 import psutil
 import structlog
 
-from bus.client import BusClient, CallResult, PublishFailedHook, connect
+from bus.client import BusClient, connect
+from bus.client_calls import CallResult
+from bus.client_topics import PublishFailedHook
 from bus.errors import (
     BusError,
     CallDeadlineExceeded,

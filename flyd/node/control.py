@@ -59,7 +59,8 @@ import psutil
 import psycopg
 import structlog
 
-from bus.client import BusClient, Request, Service
+from bus.client import BusClient
+from bus.client_serving import Request, Service
 from bus.errors import BusError
 from flyd.config import redact_dsn
 from flyd.launch.budget import ThreadBudget

@@ -101,7 +101,8 @@ from typing import Any, Final, Literal, Protocol
 
 import structlog
 
-from bus.client import BusClient, Topic
+from bus.client import BusClient
+from bus.client_topics import Topic
 from bus.errors import BusError
 from flyd.launch.identities import SessionNames
 from flyd.launch.launcher import ExecutionMode, LaunchedWorker, Launcher, composition_plans

@@ -29,7 +29,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from bus.client import Attachment
+from bus.client_artifacts import Attachment
 from flyd.session.calls import (
     Blame,
     Call,

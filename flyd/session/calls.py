@@ -66,7 +66,8 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Final, NoReturn
 
-from bus.client import Attachment, BusClient
+from bus.client import BusClient
+from bus.client_artifacts import Attachment
 from bus.errors import BusError, CallDeadlineExceeded
 from flyd.launch.identities import WorkerRef
 from flyd.session.audit import AuditLog

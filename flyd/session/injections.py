@@ -33,7 +33,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final
 
-from bus.client import PendingCall
+from bus.client_calls import PendingCall
 from bus.errors import BusError
 from flyd.session.calls import RESOLVE_PAUSE, Call, CallEngine
 from flyd.session.slots import AgentSlot

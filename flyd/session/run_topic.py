@@ -20,7 +20,7 @@ Rules:
   same figure whatever its slot skipped.
   A boundary message lingers (the SDK's `linger`): unpaced, the next step's Prepare calls
   follow within the window and carry it in their write, so it costs the step no write and no
-  router wake-up of its own; paced, it leaves alone at most `bus.client.LINGER_S` later.
+  router wake-up of its own; paced, it leaves alone at most `bus.client_connection.LINGER_S` later.
 - `on_publish_failed` is the coordinator connection's hook: it counts the refusal here and in
   the bound `Stats.publications_refused`, and logs the first refusal of each error name.
 - A publication the SDK refuses locally (a closed connection) counts as refused too.
@@ -41,7 +41,8 @@ from typing import Any, Final, Literal
 
 import structlog
 
-from bus.client import BusClient, Topic
+from bus.client import BusClient
+from bus.client_topics import Topic
 from bus.errors import BusError
 from flyd.launch.identities import run_topic
 from flyd.session.stats import Stats
@@ -176,11 +177,10 @@ async def end_run_topic(topic: Topic, end: RunEnd, timeout_s: float,
     its scope must end within the kill bound (distribution.md §5.5), never on the router."""
     if publisher is not None:
         publisher.flush()
-    client = topic.client
-    if client.closed:
+    if topic.closed:
         return
     with contextlib.suppress(BusError, TimeoutError):
-        client.publish_nowait(topic.name, end.to_json(), expected_incarnation=topic.incarnation)
+        topic.publish_nowait(end.to_json())
         if end.state == "released":
             topic.undeclare_nowait()
             return
