@@ -1,4 +1,4 @@
-"""The asyncio client SDK (wire.md §17); works on the default loop and under uvloop.
+"""The asyncio client SDK (design/wire.md §17); works on the default loop and under uvloop.
 
 One `BusClient` is one connection and belongs to one event loop. It is a facade over the
 connection's parts, each owning its state and reached only through its public interface:
@@ -46,7 +46,7 @@ class BusClient:
         self.connection_id = ""
         self.limits: dict[str, int] = {}
         self.grants: dict[str, list[str]] = {}
-        self.store: dict[str, str] | None = None  # docs/topics.md §5.1
+        self.store: dict[str, str] | None = None  # topics.md §5.1
         # the order of the parts is the order a lost connection fails them in
         self._conn = Connection(client_id)
         identities = Identities()
@@ -105,7 +105,7 @@ class BusClient:
                        max_in_flight: int = 4,
                        inline: Mapping[str, InlineHandler] | None = None) -> Service:
         """Register `name`. `inline` maps methods to handlers that complete without awaiting
-        (wire.md §22.2): they run on the reader, no task per request."""
+        (design/wire.md §22.2): they run on the reader, no task per request."""
         return await self._serving.register(name, handler, max_queued=max_queued,
                                             max_in_flight=max_in_flight, inline=inline)
 
@@ -116,7 +116,7 @@ class BusClient:
                                             expected_incarnation=expected_incarnation)
 
     async def call(self, target: str, method: str, payload: dict[str, Any] | bytes, *,
-                   timeout: float | None,  # noqa: ASYNC109 - the SDK contract (wire.md §17)
+                   timeout: float | None,  # noqa: ASYNC109 - the SDK contract (design/wire.md §17)
                    expected_incarnation: str | None = None,
                    attachments: tuple[AttachmentRef, ...] = (), transfer: bool = False,
                    keep_attachments: bool = True) -> CallResult:
@@ -124,7 +124,7 @@ class BusClient:
         covers the whole call, a wait for write credit included, so with a deadline `call`
         returns or raises within `timeout` plus one cancel exchange
         (`client_calls.CANCEL_WAIT_S`). A result's attachments are retained before its credit
-        leaves unless `keep_attachments` is False (docs/topics.md §12); the caller drops
+        leaves unless `keep_attachments` is False (topics.md §12); the caller drops
         them."""
         return await self._calls.call(target, method, payload, timeout=timeout,
                                       expected_incarnation=expected_incarnation,
@@ -147,7 +147,7 @@ class BusClient:
             "ttlMs": max(1, int(ttl * 1000)), "grants": grants})
         return float(result["expiresInMs"]) / 1000.0
 
-    # topics (docs/topics.md §12) ------------------------------------------------------------
+    # topics (topics.md §12) ------------------------------------------------------------
     async def declare(self, topic: str, *, retain: bool = False, max_bounded: int = 0) -> Topic:
         return await self._topics.declare(topic, retain=retain, max_bounded=max_bounded)
 
@@ -182,7 +182,7 @@ class BusClient:
     async def topics(self, prefix: str = "") -> list[dict[str, Any]]:
         return await self._topics.topics(prefix)
 
-    # the artifact store (docs/topics.md §5, §12) --------------------------------------------
+    # the artifact store (topics.md §5, §12) --------------------------------------------
     async def allocate(self, length: int) -> Allocation:
         """`bus.allocate`: an Allocated artifact of `length` bytes, held by this client."""
         return await self._artifacts.allocate(length)
@@ -205,7 +205,7 @@ class BusClient:
     def drop_nowait(self, artifact_ids: list[str]) -> None:
         """`bus.drop` pipelined: sent now, its answer never awaited. `bus.drop` fails only on
         params, so nothing is lost by not waiting; a closed connection dropped every hold
-        already (docs/topics.md §11 step 9), so it is a no-op then."""
+        already (topics.md §11 step 9), so it is a no-op then."""
         self._artifacts.drop_nowait(artifact_ids)
 
 
@@ -225,7 +225,7 @@ class _Connect:
 
     async def _open(self) -> BusClient:
         path, client_id, incarnation, majors, timeout, hook = self._args
-        # wire.md §13: a socket in a directory another user controls may be an impostor's
+        # design/wire.md §13: a socket in a directory another user controls may be an impostor's
         check_socket_dir(path, Trust.client(self._socket_gid))
         client = BusClient(path, client_id, incarnation or new_incarnation(), hook,
                            self._on_publish_failed)
@@ -260,8 +260,8 @@ def connect(path: str, *, client_id: str, client_incarnation: str | None = None,
             on_route_removed: RouteRemovedHook | None = None,
             on_publish_failed: PublishFailedHook | None = None,
             socket_gid: int | None = None) -> _Connect:
-    """Open a connection and complete `bus.hello` (wire.md §17). The socket's directory must be
-    one no other user controls (`bus.ownership.Trust.client`; `socket_gid` is the configured
+    """Open a connection and complete `bus.hello` (design/wire.md §17). The socket's directory must
+    be one no other user controls (`bus.ownership.Trust.client`; `socket_gid` is the configured
     `[bus] socket_group`), else `UnsafeDirectory` (NOT_AUTHORIZED) before any connect."""
     return _Connect(path, client_id, client_incarnation, tuple(supported_majors), timeout,
                     on_route_removed, on_publish_failed, socket_gid)

@@ -1,4 +1,4 @@
-"""The client's side of the artifact store (docs/topics.md §5, §12): the store directory the
+"""The client's side of the artifact store (topics.md §5, §12): the store directory the
 hello names, allocations written and sealed, attachments as deliveries carry them, and this
 client's holds on them (`retain`, `drop`)."""
 
@@ -19,13 +19,13 @@ from bus.store import map_for_write, open_store_dir, read_sealed, write_whole
 
 log = structlog.get_logger("bus.client")
 
-# `bus.drop` takes at most this many ids per frame (docs/topics.md §5.7)
+# `bus.drop` takes at most this many ids per frame (topics.md §5.7)
 MAX_DROP_IDS: Final = 16
 
 
 @dataclass(frozen=True, slots=True)
 class Attachment:
-    """A sealed artifact as a delivery carries it (docs/topics.md §6.1). As an async context
+    """A sealed artifact as a delivery carries it (topics.md §6.1). As an async context
     manager it drops this client's hold on exit (the SDK's `call()` retains result ones)."""
 
     artifact_id: str
@@ -46,7 +46,7 @@ AttachmentRef = str | Attachment
 
 
 def artifact_ids(attachments: Iterable[AttachmentRef]) -> list[str]:
-    """The wire form of attachments given as ids or `Attachment`s (docs/topics.md §12)."""
+    """The wire form of attachments given as ids or `Attachment`s (topics.md §12)."""
     return [a if isinstance(a, str) else a.artifact_id for a in attachments]
 
 
@@ -67,7 +67,7 @@ class Allocation:
         return memoryview(self._map)
 
     def write(self, data: bytes | memoryview) -> None:
-        """The whole contents at once, without a mapping (docs/topics.md §5.4; cheaper than
+        """The whole contents at once, without a mapping (topics.md §5.4; cheaper than
         `view()` for a frame written in one piece). Not while a `view()` mapping is open."""
         if self._map is not None:
             raise BufferError(f"{self.artifact_id} is mapped: write through view()")

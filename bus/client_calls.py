@@ -1,10 +1,10 @@
-"""The client's calls (wire.md §17): each call's record from its `bus.call` to its one terminal
-outcome, the deadline on the caller's monotonic clock, and the result credits calls carry.
+"""The client's calls (design/wire.md §17): each call's record from its `bus.call` to its one
+terminal outcome, the deadline on the caller's monotonic clock, and the result credits calls carry.
 
 At a deadline the SDK cancels and reports the certainty the cancel proved. Against a router of
-minor >= 1 (wire.md §21) `call()` uses the lean notification form, and credits ride inside it:
-a call carries the result deliveries consumed since the last one; result credits no call took
-within CREDIT_DELAY_S leave in one `bus.consumed` notification (§21.6).
+minor >= 1 (design/wire.md §21) `call()` uses the lean notification form, and credits ride inside
+it: a call carries the result deliveries consumed since the last one; result credits no call took
+within CREDIT_DELAY_S leave in one `bus.consumed` notification (design/wire.md §21.6).
 """
 
 from __future__ import annotations
@@ -35,7 +35,8 @@ from bus.errors import (
 from bus.limits import MAX_CONSUME_BATCH
 
 CANCEL_WAIT_S: Final = 0.5
-CREDIT_DELAY_S: Final = 0.005  # result credits wait this long for a call to carry them (§21.6)
+# result credits wait this long for a call to carry them (design/wire.md §21.6)
+CREDIT_DELAY_S: Final = 0.005
 # A credit window with less than this left when its timer fires is due now, not re-armed.
 CREDIT_SLACK_S: Final = 0.0005
 
@@ -56,7 +57,7 @@ class CallResult:
 
     @property
     def outcome_bytes(self) -> bytes:
-        """The outcome as the responder wrote it (wire.md §22.1; against a router of minor
+        """The outcome as the responder wrote it (design/wire.md §22.1; against a router of minor
         < 3, as that router re-encoded it), found in the frame on each use."""
         found = codec.body_bytes(self.frame, "outcome")
         return found if found is not None else codec.encode(self.outcome)
@@ -77,7 +78,7 @@ class CallState:
             self.admitted = loop.create_future()
         self.done: asyncio.Future[CallResult] = loop.create_future()
         self.service_incarnation: str | None = None
-        self.keep = True  # retain a result's attachments (docs/topics.md §12)
+        self.keep = True  # retain a result's attachments (topics.md §12)
 
 
 class _DeadlineReached(Exception):
@@ -104,9 +105,10 @@ def _expire(state: CallState) -> None:
 
 
 def _payload_bytes(payload: bytes) -> bytes:
-    """A payload given as wire bytes (a retry resends what it sent, wire.md §22.3). They get
+    """A payload given as wire bytes (a retry resends what it sent, design/wire.md §22.3). They get
     the router's check, one well-formed JSON object, else InvalidEnvelope and nothing is sent;
-    §3's strictness inside them is the receiver's to check, as for any forwarded body."""
+    design/wire.md §3's strictness inside them is the receiver's to check, as for any forwarded
+    body."""
     problem = codec.body_problem(payload) if payload[:1] == b"{" else "not a JSON object"
     if problem is not None:
         raise InvalidEnvelope(f"payload: {problem}", "not-dispatched")
@@ -175,7 +177,7 @@ class Calls:
         return PendingCall(self, state)
 
     async def call(self, target: str, method: str, payload: dict[str, Any] | bytes, *,
-                   timeout: float | None,  # noqa: ASYNC109 - the SDK contract (wire.md §17)
+                   timeout: float | None,  # noqa: ASYNC109 - the SDK contract (design/wire.md §17)
                    expected_incarnation: str | None = None,
                    attachments: tuple[AttachmentRef, ...] = (), transfer: bool = False,
                    keep_attachments: bool = True) -> CallResult:
@@ -221,7 +223,7 @@ class Calls:
                      expected_incarnation: str | None, lean: bool,
                      attachments: tuple[str, ...] = (), transfer: bool = False) -> bytes:
         """A `bus.call` frame, the notification form when `lean` (its callId is `rid`);
-        a lean router also takes the pending result credits with it (wire.md §21.3).
+        a lean router also takes the pending result credits with it (design/wire.md §21.3).
 
         Only the payload needs the strict encoder's value checks: the envelope around it is
         strings, ints and maybe a null, and the strict encoder would walk the whole value
@@ -236,7 +238,7 @@ class Calls:
         credits = self._credits[:MAX_CONSUME_BATCH] if self._conn.lean else None
         if credits:
             params["consumed"] = credits
-        # last: the router's split (wire.md §22.1); given bytes are sent as they are
+        # last: the router's split (design/wire.md §22.1); given bytes are sent as they are
         params["payload"] = orjson.Fragment(_payload_bytes(payload)) \
             if isinstance(payload, bytes) else payload
         msg: dict[str, Any] = ({"jsonrpc": "2.0", "method": "bus.call", "params": params} if lean
@@ -258,7 +260,7 @@ class Calls:
                attachments: tuple[str, ...] = (), transfer: bool = False,
                keep: bool = True) -> CallState:
         """Send a `bus.call`: the request form (an admission response follows), or with
-        `lean` the notification form, whose only answer is the outcome (wire.md §21.2)."""
+        `lean` the notification form, whose only answer is the outcome (design/wire.md §21.2)."""
         conn = self._conn
         conn.check_open()
         rid = conn.next_id
@@ -350,9 +352,9 @@ class Calls:
 
     def _result(self, state: CallState, params: dict[str, Any], frame: bytes,
                 bad: str | None) -> None:
-        """A call's `bus.result`. An outcome that breaks §3 (wire.md §22.3) fails the call
-        INVALID_PARAMS, `dispatched` (a handler saw the request); a service SDK's refusal
-        (`{"bus.error": ...}`) is raised as that error."""
+        """A call's `bus.result`. An outcome that breaks design/wire.md §3 (design/wire.md §22.3)
+        fails the call INVALID_PARAMS, `dispatched` (a handler saw the request); a service SDK's
+        refusal (`{"bus.error": ...}`) is raised as that error."""
         if bad is not None:
             _deliver(state, InvalidParams(f"call {state.call_id}: the outcome is malformed: "
                                           f"{bad}", "dispatched"))
@@ -372,7 +374,7 @@ class Calls:
             _deliver(state, value=result)
 
     def _keep(self, state: CallState, result: CallResult) -> None:
-        """docs/topics.md §12: retain a result's attachments before its credit leaves (the
+        """topics.md §12: retain a result's attachments before its credit leaves (the
         router handles our frames in order, so the hold exists before the delivery goes)."""
         fut = self._conn.send_nowait(
             "bus.retain", {"artifactIds": [a.artifact_id for a in result.attachments]})
@@ -396,7 +398,7 @@ class Calls:
             settle(state.admitted, err)
             _deliver(state, err)
 
-    # result credits (wire.md §21.6) -----------------------------------------------------------
+    # result credits (design/wire.md §21.6) --------------------------------------------------------
     def _queue_result_credit(self, delivery_id: str) -> None:
         """A consumed `bus.result`. A lean router takes it inside the next `bus.call`; if
         none leaves within CREDIT_DELAY_S of the last result, or MAX_CONSUME_BATCH credits

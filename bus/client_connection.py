@@ -1,9 +1,9 @@
-"""One client connection to the router (wire.md §17): the asyncio protocol, `bus.hello`, the
+"""One client connection to the router (design/wire.md §17): the asyncio protocol, `bus.hello`, the
 frames out and in, the table of requests awaiting their responses, and the connection's end.
 
-It applies the same strict rules to the router's frames as the router applies to ours (§2–§4):
-any violation, EOF, `bus.closing` or a local close fails everything pending with RouterLost
-(`unknown`), because after a lost connection nothing is known about what ran.
+It applies the same strict rules to the router's frames as the router applies to ours
+(design/wire.md §2–§4): any violation, EOF, `bus.closing` or a local close fails everything pending
+with RouterLost (`unknown`), because after a lost connection nothing is known about what ran.
 
 Frames out: frames queued in one loop turn leave in one write (fewer wake-ups on both sides); a
 lingering one may wait up to LINGER_S for another frame's write; returned delivery credits leave
@@ -42,12 +42,14 @@ LINGER_S: Final = 0.002
 CONNECT_RETRY_FIRST_S: Final = 0.005
 CONNECT_RETRY_MAX_S: Final = 0.1
 #: the notifications whose body the router forwards only checked for being well-formed
-#: (wire.md §22.1): a body breaking §3 inside one is that call's fault, not the router's
+#: (design/wire.md §22.1): a body breaking design/wire.md §3 inside one is that call's fault, not
+#: the router's
 FORWARDED: Final = frozenset({"bus.result", "bus.request"})
 _FIRST_MAX_ENVELOPE: Final = 16777216
 
 #: what a part is given for a notification it took with `on`: the params, the frame they came
-#: in, and why the frame's body breaks §3 (None when it does not; only for FORWARDED ones)
+#: in, and why the frame's body breaks design/wire.md §3 (None when it does not; only for FORWARDED
+#: ones)
 NotificationHandler = Callable[[dict[str, Any], bytes, "str | None"], None]
 #: run on a request's result as it is read, before the awaiting task resumes (a request or a
 #: message it announces may follow in the same read)
@@ -102,7 +104,7 @@ class Hello:
     connection_id: str
     limits: dict[str, int]
     grants: dict[str, list[str]]
-    store: dict[str, str] | None  # docs/topics.md §5.1
+    store: dict[str, str] | None  # topics.md §5.1
 
 
 class Connection(asyncio.Protocol):
@@ -111,7 +113,7 @@ class Connection(asyncio.Protocol):
     def __init__(self, client_id: str) -> None:
         self.client_id = client_id
         self.loop = asyncio.get_running_loop()
-        #: what the hello set: the router's minor (wire.md §21.1: >= 1 is lean) and the
+        #: what the hello set: the router's minor (design/wire.md §21.1: >= 1 is lean) and the
         #: largest frame either side may send
         self.minor = 0
         self.lean = False
@@ -133,7 +135,8 @@ class Connection(asyncio.Protocol):
         self._linger_timer: asyncio.TimerHandle | None = None
         self._reading = False
         self._flush_after_read = False
-        #: the frame `_on_notification` is handling, and why its body breaks §3 (wire.md §22.1)
+        #: the frame `_on_notification` is handling, and why its body breaks design/wire.md §3
+        #: (design/wire.md §22.1)
         self._frame = b""
         self._bad_body: str | None = None
         self._drained: asyncio.Future[None] | None = None
@@ -296,13 +299,13 @@ class Connection(asyncio.Protocol):
 
     def send_numbered(self, rid: int, body: bytes) -> None:
         """Send a notification that took the id `rid` (`next_id`) for itself (a lean call's
-        callId, wire.md §21.2): no response follows."""
+        callId, design/wire.md §21.2): no response follows."""
         self._next_id = rid
         self.write(body)
 
     def send_notification(self, method: str, params: dict[str, Any],
                           linger: bool = False) -> None:
-        """A lean notification (wire.md §21): no id, no response, never waits to drain.
+        """A lean notification (design/wire.md §21): no id, no response, never waits to drain.
         `linger`: it may wait up to LINGER_S for another frame's write: a frame queued
         meanwhile carries it, in order, so the two cost one write and one wake-up of the
         router instead of two."""
@@ -370,8 +373,9 @@ class Connection(asyncio.Protocol):
             try:
                 msg = codec.decode(body)
             except BusError as exc:
-                # §22.1: the router forwards bodies it only checked for being well-formed, so
-                # a body may break §3 inside a sound frame: that call's fault, not the router's
+                # design/wire.md §22.1: the router forwards bodies it only checked for being
+                # well-formed, so a body may break design/wire.md §3 inside a sound frame: that
+                # call's fault, not the router's
                 split = split_body(body)
                 if split is None:
                     self._violation(exc.message)
@@ -423,7 +427,8 @@ class Connection(asyncio.Protocol):
         frame, bad = self._frame, self._bad_body
         self._frame, self._bad_body = b"", None
         if bad is not None and method not in FORWARDED:
-            self._violation(f"{method}: {bad}")  # a published payload is held to §3 by the router
+            # a published payload is held to design/wire.md §3 by the router
+            self._violation(f"{method}: {bad}")
             return
         self._handlers[method](params, frame, bad)
 
@@ -433,8 +438,8 @@ class Connection(asyncio.Protocol):
 
 
 def split_body(frame: bytes) -> tuple[Any, str] | None:
-    """A frame that is not strict JSON as a whole: (its envelope, why its body breaks §3)
-    when the envelope is sound and only the body is at fault, else None."""
+    """A frame that is not strict JSON as a whole: (its envelope, why its body breaks
+    design/wire.md §3) when the envelope is sound and only the body is at fault, else None."""
     if b'"payload"' not in frame and b'"outcome"' not in frame:
         return None
     try:

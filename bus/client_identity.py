@@ -1,5 +1,5 @@
 """Who is on the other end of a frame: a peer's `Identity`, the client's cache of them, and a
-fresh client incarnation (wire.md §17).
+fresh client incarnation (design/wire.md §17).
 
 A caller, a responder or a publisher arrives as `{clientId, clientIncarnation}` on every
 delivery; the same few peers recur, so each is built once per connection."""

@@ -1,9 +1,9 @@
-"""The client's services (wire.md §17): registrations, the requests the router delivers to
+"""The client's services (design/wire.md §17): registrations, the requests the router delivers to
 them, the handlers that answer them, and the replies.
 
-Against a router of minor >= 1 (wire.md §21) a handler's returned reply uses the lean
+Against a router of minor >= 1 (design/wire.md §21) a handler's returned reply uses the lean
 notification form and returns its request delivery with it (`consumed: true`). A handler that
-completes without awaiting may be inline (§22.2): it runs on the reader, no task.
+completes without awaiting may be inline (design/wire.md §22.2): it runs on the reader, no task.
 
 Task ownership: every handler task is owned by this part, tracked in `_tasks` and cancelled and
 awaited when the connection ends; the SDK starts no other tasks.
@@ -31,18 +31,18 @@ log = structlog.get_logger("bus.client")
 # How long `close()` waits for cancelled handler tasks to end.
 HANDLER_REAP_S: Final = 2.0
 #: the outcome member a service SDK answers with when it refuses a request's payload itself
-#: (wire.md §22.3): `{"bus.error": <error object>}`; the caller's SDK raises that error
+#: (design/wire.md §22.3): `{"bus.error": <error object>}`; the caller's SDK raises that error
 REFUSAL_KEY: Final = "bus.error"
 
 Handler = Callable[["Request"], Awaitable["dict[str, Any] | Reply | None"]]
-#: a handler that completes without awaiting (wire.md §22.2): run on the reader, no task
+#: a handler that completes without awaiting (design/wire.md §22.2): run on the reader, no task
 InlineHandler = Callable[["Request"], "dict[str, Any] | Reply | None"]
 RouteRemovedHook = Callable[[str, str, str], None]
 
 
 @dataclass(frozen=True, slots=True)
 class Reply:
-    """A handler's outcome with attachments (docs/topics.md §12); `transfer` hands the
+    """A handler's outcome with attachments (topics.md §12); `transfer` hands the
     handler's holds on them to the result."""
 
     outcome: dict[str, Any]
@@ -65,7 +65,8 @@ class Request:
         self.target: str = params["target"]
         self.service_incarnation: str = params["serviceIncarnation"]
         self.method: str = params["method"]
-        #: the value, decoded with §3's strictness; its wire bytes are `payload_bytes`
+        #: the value, decoded with design/wire.md §3's strictness; its wire bytes are
+        #: `payload_bytes`
         self.payload: dict[str, Any] = params["payload"]
         self._frame = frame
         self._payload_bytes: bytes | None = None
@@ -75,7 +76,7 @@ class Request:
 
     @property
     def payload_bytes(self) -> bytes:
-        """The payload exactly as the caller wrote it (wire.md §22.3: what a body digest
+        """The payload exactly as the caller wrote it (design/wire.md §22.3: what a body digest
         hashes), found in the frame on first use."""
         if self._payload_bytes is None:
             found = codec.body_bytes(self._frame, "payload")
@@ -83,7 +84,7 @@ class Request:
         return self._payload_bytes
 
     async def retain(self, ids: list[str] | None = None) -> list[Attachment]:
-        """Keep attachments (all by default) beyond the handler (docs/topics.md §12)."""
+        """Keep attachments (all by default) beyond the handler (topics.md §12)."""
         return await self._serving.artifacts.retain(
             ids if ids is not None else [a.artifact_id for a in self.attachments])
 
@@ -95,7 +96,7 @@ class Request:
         if attachments:
             params["attachments"] = artifact_ids(attachments)
             params["transfer"] = transfer
-        params["outcome"] = outcome  # last: the router's split (wire.md §22.1)
+        params["outcome"] = outcome  # last: the router's split (design/wire.md §22.1)
         result = await self._serving.connection.command("bus.reply", params)
         self.answered = True
         return bool(result["routed"])
@@ -201,7 +202,7 @@ class Serving:
             # Unregistered while the request was in flight: give the capability back.
             self._release_now(req.delivery_id)
             return
-        if bad is not None:  # wire.md §22.3: no handler sees it
+        if bad is not None:  # design/wire.md §22.3: no handler sees it
             self._refuse(req, InvalidParams(f"payload: {bad}", "not-dispatched"))
             return
         inline = svc.inline.get(req.method)
@@ -218,8 +219,8 @@ class Serving:
         self.connection.return_credit(delivery_id)
 
     def _refuse(self, req: Request, error: BusError) -> None:
-        """wire.md §22.3: a request whose payload breaks §3 is refused before any handler saw
-        it; the caller's SDK raises `error` (INVALID_PARAMS, `not-dispatched`)."""
+        """design/wire.md §22.3: a request whose payload breaks design/wire.md §3 is refused before
+        any handler saw it; the caller's SDK raises `error` (INVALID_PARAMS, `not-dispatched`)."""
         # the message may quote the payload (a duplicated key): it goes to the caller only
         log.warning("bus.client.payload_refused", method=req.method, call_id=req.call_id,
                     error=error.name)
@@ -227,9 +228,9 @@ class Serving:
                                                               "not-dispatched")}))
 
     def _run_inline(self, handler: InlineHandler, req: Request) -> None:
-        """wire.md §22.2: an inline handler runs here, on the reader, in arrival order; its
+        """design/wire.md §22.2: an inline handler runs here, on the reader, in arrival order; its
         reply joins the reader's next write. One that raises is released as a handler
-        exception is (§17)."""
+        exception is (design/wire.md §17)."""
         try:
             outcome = handler(req)
         except Exception as exc:
@@ -286,8 +287,8 @@ class Serving:
                 self.connection.return_credit(req.delivery_id)
 
     def _reply_failed(self, params: dict[str, Any], _frame: bytes, _bad: str | None) -> None:
-        """A lean reply was refused (wire.md §21.4, §21.6): the frame changed nothing, so give
-        the capability back (if still held, the caller hears CALL_GONE instead of nothing) and
+        """A lean reply was refused (design/wire.md §21.4, §21.6): the frame changed nothing, so
+        give the capability back (if still held, the caller hears CALL_GONE instead of nothing) and
         return the delivery its `consumed: true` did not."""
         delivery_id: str = params["deliveryId"]
         log.warning("bus.client.reply_refused", delivery_id=delivery_id,
@@ -314,7 +315,7 @@ class Serving:
     def _encode_reply(self, req: Request, reply: Reply, inline: bool = False) -> bool:
         """Queue `bus.reply` for `reply` (InvalidEnvelope, nothing sent, when it cannot be
         encoded or is too large); True when it also returned the delivery (lean
-        `consumed: true`). The outcome goes last, for the router's split (wire.md §22.1)."""
+        `consumed: true`). The outcome goes last, for the router's split (design/wire.md §22.1)."""
         conn = self.connection
         params: dict[str, Any] = {"deliveryId": req.delivery_id}
         if reply.attachments:

@@ -1,4 +1,4 @@
-"""The client's topics (docs/topics.md §12): topics it declares, publications, and its
+"""The client's topics (topics.md §12): topics it declares, publications, and its
 subscriptions with the messages they deliver.
 
 A subscription's message is consumed when the next one is asked for or the subscription is
@@ -26,7 +26,7 @@ PublishFailedHook = Callable[[str, BusError], None]
 
 @dataclass(frozen=True, slots=True)
 class PublishResult:
-    """An accepted publish (docs/topics.md §3.4, request form)."""
+    """An accepted publish (topics.md §3.4, request form)."""
 
     topic: str
     topic_incarnation: str
@@ -37,7 +37,7 @@ class PublishResult:
 
 @dataclass(frozen=True, slots=True)
 class Message:
-    """One `bus.message` of a subscription (docs/topics.md §3.8)."""
+    """One `bus.message` of a subscription (topics.md §3.8)."""
 
     topic: str
     topic_incarnation: str
@@ -238,7 +238,7 @@ class Topics:
         bound: list[Subscription] = []
 
         def bind(result: dict[str, Any]) -> None:
-            # Bind now: its first message may follow in the same read (docs/topics.md §4.2).
+            # Bind now: its first message may follow in the same read (topics.md §4.2).
             sub = Subscription(self, result)
             self._subscriptions[sub.topic_incarnation] = sub
             bound.append(sub)
