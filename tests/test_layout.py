@@ -215,13 +215,27 @@ PLUGIN_API: Final = frozenset({
     "workers/synthetic/brain.py:FakeBrain.draw",
 })
 
-#: the API the design names (design/session.md §6.1, §7.4, design/state.md §4.6): probes and
-#: knobs for harnesses and embedders, which flyd's own node does not call
+#: the API the design names (design/session.md §6.1, §7.4, design/state.md §4.6 and others):
+#: probes, knobs and helpers for harnesses and embedders, which flyd's own node does not call
 SPEC_API: Final = frozenset({
     *(f"flyd/session/coordinator.py:Coordinator.{name}" for name in (
         "acknowledge_replies", "injection_log", "live_view_handles", "pause_handle", "probe_raw",
         "resolve_durable", "set_deadlines", "worker_status")),
     "flyd/launch/launcher.py:Launcher.set_health_policy",
+    # the clocks, save outcomes, phases, audit helpers, the result cache's expiry, the worker
+    # command line and the tick accumulator as design/ names them
+    "flyd/leases/clock.py:LoopClock",
+    "flyd/session/audit.py:AuditLog.index_of",
+    "flyd/session/durability.py:TooLarge.is_durable",
+    "flyd/session/phase.py:PhaseMachine.capture_origin",
+    "flyd/state/writer.py:Committed.is_durable",
+    "flyd/state/writer.py:DeadlineExpired.is_durable",
+    "flyd/state/writer.py:Failed.is_durable",
+    "flyd/state/writer.py:ReplyLost.is_durable",
+    "flyd/state/writer.py:Superseded.is_durable",
+    "workers/dedup.py:ResultCache.expire_step",
+    "workers/launch.py:WorkerLaunch.from_argv",
+    "workers/types/ticks.py:TickAccumulator.brain_time_ms",
 })
 
 #: what the client SDK offers its users (docs/bus.md) and our own code never calls
@@ -237,7 +251,6 @@ TEST_ONLY: Final = frozenset({
     "flyd/launch/budget.py:ThreadBudget.default_need",
     "flyd/launch/identities.py:SessionTags.peek",
     "flyd/launch/launcher.py:start_error",
-    "flyd/leases/clock.py:LoopClock",
     "flyd/leases/clock.py:ManualClock",
     "flyd/leases/clock.py:ManualClock.next_wakeup",
     "flyd/leases/clock.py:SimFileWriter",
@@ -246,12 +259,9 @@ TEST_ONLY: Final = frozenset({
     "flyd/leases/params.py:LeaseParams.short_ttl",
     "flyd/leases/params.py:LeaseParams.with_ttl",
     "flyd/node/sdnotify.py:notify",
-    "flyd/session/audit.py:AuditLog.index_of",
-    "flyd/session/durability.py:TooLarge.is_durable",
     "flyd/session/pacing.py:Pacing.deadline_ns",
     "flyd/session/pacing.py:Pacing.period_ns",
     "flyd/session/phase.py:PhaseMachine.can_move",
-    "flyd/session/phase.py:PhaseMachine.capture_origin",
     "flyd/session/phase.py:phase_of",
     "flyd/session/publication.py:Feed.publish_snapshot",
     "flyd/session/runspec.py:RunSpec.normalise",
@@ -259,21 +269,13 @@ TEST_ONLY: Final = frozenset({
     "flyd/state/checkpoints.py:DirectCommitPath",
     "flyd/state/checkpoints.py:MemoryCheckpointStore",
     "flyd/state/envelope.py:Layout.manifest_text",
-    "flyd/state/writer.py:Committed.is_durable",
-    "flyd/state/writer.py:DeadlineExpired.is_durable",
-    "flyd/state/writer.py:Failed.is_durable",
-    "flyd/state/writer.py:ReplyLost.is_durable",
-    "flyd/state/writer.py:Superseded.is_durable",
-    "workers/dedup.py:ResultCache.expire_step",
     "workers/dedup.py:ResultCache.lifecycle_records",
     "workers/dedup.py:ResultCache.step_records",
     "workers/dedup.py:ResultCache.unacknowledged",
-    "workers/launch.py:WorkerLaunch.from_argv",
     "workers/synthetic/audio.py:frame_bytes",
     "workers/types/datatypes.py:encode_media",
     "workers/types/ticks.py:AudioBudget.set_step",
     "workers/types/ticks.py:RationalNs.millis",
-    "workers/types/ticks.py:TickAccumulator.brain_time_ms",
 })
 
 
