@@ -47,7 +47,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bus import codec  # noqa: E402
-from bus.client import Request, connect  # noqa: E402
+from bus.client import connect  # noqa: E402
+from bus.client_serving import Request  # noqa: E402
 
 PREFIX = struct.Struct("<I")
 PAYLOAD: dict[str, Any] = {

@@ -51,7 +51,8 @@ import uvloop
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bus.client import BusClient, Request, connect  # noqa: E402
+from bus.client import BusClient, connect  # noqa: E402
+from bus.client_serving import Request  # noqa: E402
 from bus.errors import BusError, Conflict  # noqa: E402
 
 CALL_TIMEOUT_S = 60.0
@@ -136,14 +137,15 @@ async def one_client(path: str, client_id: str, calls: int, services: list[str],
     rnd = random.Random(seed)
     frames: Counter[int] = Counter()  # bus.result + bus.callFailed frames per callId
     async with connect(path, client_id=client_id) as bus:
-        on_notification = bus._on_notification
+        connection = bus._conn
+        on_notification = connection._on_notification
 
         def counting(msg: dict[str, Any]) -> None:
             if msg.get("method") in ("bus.result", "bus.callFailed"):
                 frames[msg["params"]["callId"]] += 1
             on_notification(msg)
 
-        bus._on_notification = counting  # type: ignore[method-assign]
+        connection._on_notification = counting  # type: ignore[method-assign]
         async with asyncio.timeout(READY_TIMEOUT_S):
             await start.wait()
         outcomes: dict[int, str] = {}

@@ -14,8 +14,8 @@ role, the CPU per call and per step of one process of that role:
 Stages (some nest: a worker's `handler` contains its protocol stages and its endpoint's
 handler, the router's `frames_in` contains `route`, the node's `check_advance` its
 `decision_parse` of the inspection):
-- workers: `frames_in` (`bus.client` reading and dispatching what arrived: decode, envelope
-  checks, the handler task's creation), `writes` (the SDK's flush), `handler`
+- workers: `frames_in` (`bus.client_connection` reading and dispatching what arrived: decode,
+  envelope checks, the handler task's creation), `writes` (the SDK's flush), `handler`
   (`WorkerShell._on_request`, one whole request, session.md §2.2), its protocol stages `typed`,
   `parse`, `params_schema`, `digest`, `admit`, `complete`, `outcome` (`parse_typed`: the request
   and its params checked in one pass, wire.md §22.3; `parse_request` and `check_params`, which
@@ -24,7 +24,7 @@ handler, the router's `frames_in` contains `route`, the node's `check_advance` i
   endpoint's `prepare`, `commit` or `advance` (each includes `params_schema`);
 - router: `frames_in` (a read: frames decoded, checked, routed and the writes they cause) and
   `route` (one frame, `Router._on_frame`);
-- node: `frames_in`, `writes`, `new_call` (a call's request), `call_out` (`BusClient._admit`:
+- node: `frames_in`, `writes`, `new_call` (a call's request), `call_out` (`Calls._admit`:
   the call's frame), `answer` (a reply's outcome: `answer`, or `answer_typed` with the result
   schema in the same pass), `check_reply` (echo checks, and the result schema when `answer`
   did not check it), `decision_parse` and
@@ -123,13 +123,13 @@ if OUT:
     atexit.register(dump)
     if b"workers.forkserver" in CMDLINE or b"workers.agent" in CMDLINE \
             or b"workers.environment" in CMDLINE:
-        import bus.client as client
+        import bus.client_connection as client_connection
         import workers.agent as agent
         import workers.environment as environment
         import workers.shell as shell
 
-        timed(client._Protocol, "data_received", "frames_in")
-        timed(client.BusClient, "_flush", "writes")
+        timed(client_connection.Connection, "data_received", "frames_in")
+        timed(client_connection.Connection, "_flush", "writes")
         timed(shell.WorkerShell, "_on_request", "handler", is_async=True)
         timed(shell, "parse_typed", "typed")
         timed(shell, "parse_request", "parse")
@@ -148,14 +148,15 @@ if OUT:
         timed(connection.Conn, "data_received", "frames_in")
         timed(router.Router, "_on_frame", "route")
     elif b"run" in CMDLINE:
-        import bus.client as client
+        import bus.client_calls as client_calls
+        import bus.client_connection as client_connection
         import flyd.session.calls as calls
         import flyd.session.coordinator as coordinator
         import flyd.session.transition as transition
 
-        timed(client._Protocol, "data_received", "frames_in")
-        timed(client.BusClient, "_flush", "writes")
-        timed(client.BusClient, "_admit", "call_out")
+        timed(client_connection.Connection, "data_received", "frames_in")
+        timed(client_connection.Connection, "_flush", "writes")
+        timed(client_calls.Calls, "_admit", "call_out")
         timed(calls.CallEngine, "new_call", "new_call")
         timed(calls, "answer", "answer")  # the outcome's shape, before this tree's typed check
         timed(calls, "answer_typed", "answer")

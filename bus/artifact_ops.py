@@ -1,13 +1,13 @@
-"""The artifact store's side of the router (docs/topics.md §5, §6): its ops and its files.
+"""The artifact store's side of the router (topics.md §5, §6): its ops and its files.
 
 `bus/artifacts.py` keeps the books (holds, frame roots, sight, quotas) and says what each step
 collected; `bus/store.py` does the file calls; this module joins them: it answers
 `bus.allocate`, `bus.seal`, `bus.retain` and `bus.drop`, checks attachments for the call and
-topic ops, and unlinks every collected artifact's file in the same step (§5.2 rule 4).
+topic ops, and unlinks every collected artifact's file in the same step (topics.md §5.2 rule 4).
 
 A seal above SEAL_INLINE_BYTES hashes on the store's thread while only its own connection
-stops reading (§5.5 rule 4): the op answers `DEFERRED`, and the hash's callback responds and
-hands the connection back to the router's reader.
+stops reading (topics.md §5.5 rule 4): the op answers `DEFERRED`, and the hash's callback responds
+and hands the connection back to the router's reader.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from bus.store import SEAL_INLINE_BYTES, SealFile, Store, StoreSettings, store_o
 
 log = structlog.get_logger("bus.router")
 
-#: an op whose response comes later (a seal hashing off the loop, §5.5 rule 4)
+#: an op whose response comes later (a seal hashing off the loop, topics.md §5.5 rule 4)
 DEFERRED: Final = object()
 
 
@@ -54,9 +54,9 @@ class ArtifactOps:
         self._resume = resume
         self._euid = os.geteuid()
 
-    # start and stop (§5.1) -------------------------------------------------------------------
+    # start and stop (topics.md §5.1) --------------------------------------------------------------
     def open(self, settings: StoreSettings) -> None:
-        """§5.1: the store directory of this start, or none when disabled. Raises
+        """topics.md §5.1: the store directory of this start, or none when disabled. Raises
         StoreStartError."""
         if not settings.enabled:
             return
@@ -69,7 +69,7 @@ class ArtifactOps:
         log.info("router.store", store_id=store.store_id, path=store.path)
 
     def remove(self) -> None:
-        """§5.1 rule 7: every artifact file and the store directory go."""
+        """topics.md §5.1 rule 7: every artifact file and the store directory go."""
         store, self.store = self.store, None
         if store is None:
             return
@@ -77,7 +77,7 @@ class ArtifactOps:
         store.remove()
 
     def offer(self, conn: Conn) -> dict[str, str] | None:
-        """The hello's `store` member for this peer (§5.1)."""
+        """The hello's `store` member for this peer (topics.md §5.1)."""
         return store_offer(conn.uid, self._euid, self._wire)
 
     def stats(self) -> dict[str, Any] | None:
@@ -92,14 +92,15 @@ class ArtifactOps:
 
     # what the call and topic ops ask -------------------------------------------------------
     def attachable(self, conn: Conn, ids: list[str]) -> tuple[Artifact[Conn], ...]:
-        """Checks A1–A3 of §6.2."""
+        """The artifacts `ids` as `conn` may attach them (checks A1–A3 of design/wire.md §6.2):
+        a connection the store is not offered to gets none."""
         store = self.store
         if store is None or store.failed or conn.uid != self._euid:
             raise ArtifactGone(f"{ids[0]}: no store is offered to this connection")
         return self.ledger.attachable(conn, ids)
 
     def collect(self, arts: list[Artifact[Conn]]) -> None:
-        """§5.2 rule 4: collected artifacts' files are unlinked in the same step."""
+        """topics.md §5.2 rule 4: collected artifacts' files are unlinked in the same step."""
         store = self.store
         if store is None:
             return
@@ -107,25 +108,26 @@ class ArtifactOps:
             store.unlink(art.artifact_id)
 
     def unroot(self, key: Hashable) -> None:
-        """A frame root ends (§5.2 rule 2): what it alone kept is collected."""
+        """A frame root ends (topics.md §5.2 rule 2): what it alone kept is collected."""
         if key in self.ledger.frames:
             self.collect(self.ledger.unroot(key))
 
     def unsee(self, conn: Conn, key: Hashable) -> None:
-        """A delivery's credit returned: its sight and its root end (§5.2 rule 2)."""
+        """A delivery's credit returned: its sight and its root end (topics.md §5.2 rule 2)."""
         if self.ledger.frames:
             self.ledger.unsee(conn, self.ledger.rooted(key))
             self.unroot(key)
 
     def forget_connection(self, conn: Conn) -> None:
-        """§10.2 steps 9 and 10: its holds end, its Allocated artifacts go."""
+        """design/wire.md §10.2 steps 9 and 10: its holds end, its Allocated artifacts go."""
         ledger = self.ledger
         if conn in ledger.holds or conn in ledger.sight:
             self.collect(ledger.forget_connection(conn))
 
-    # ops (§5.3–§5.7) --------------------------------------------------------------------
+    # ops (topics.md §5.3–§5.7) --------------------------------------------------------------------
     def _usable_store(self, conn: Conn) -> Store:
-        """§5.3 checks 2 and 3 (and §5.7's): the store, for a peer of the router's uid."""
+        """topics.md §5.3 checks 2 and 3 (and topics.md §5.7's): the store, for a peer of the
+        router's uid."""
         if conn.uid != self._euid:
             raise NotAuthorized(f"the store is offered to uid {self._euid} only")
         store = self.store
@@ -145,7 +147,7 @@ class ArtifactOps:
         return {"artifactId": artifact_id, "length": length}
 
     def op_seal(self, conn: Conn, p: dict[str, Any], rid: int) -> Any:
-        """§5.5: the file checks in the handler; the hash inline up to SEAL_INLINE_BYTES,
+        """topics.md §5.5: the file checks in the handler; the hash inline up to SEAL_INLINE_BYTES,
         else on the hashing thread with this connection's reading paused."""
         store = self.store
         if store is None or store.failed:
@@ -205,14 +207,16 @@ class ArtifactOps:
         loop.call_soon(self._resume, conn)
 
     def _seal_failed(self, store: Store, seal: SealFile) -> None:
-        """A store syscall failed unexpectedly: the store is failed (§5.1 rule 8)."""
+        """A store syscall failed unexpectedly: the store is failed (topics.md §5.1 rule 8)."""
         store.failed = True
         with contextlib.suppress(OSError):
             store.finish_seal(seal, False)
 
     def _apply_seal(self, conn: Conn, art: Artifact[Conn], seal: SealFile, actual: str,
                     digest: str) -> dict[str, Any]:
-        """§5.5 check 8 and the accept."""
+        """Check 8 of topics.md §5.5 (the declared digest against the bytes hashed), then the
+        accept; a store syscall failing here marks the store failed, since the file's state is
+        then unknown."""
         store = self.store
         assert store is not None
         accepted = actual == digest

@@ -1,4 +1,4 @@
-"""The artifact store's books (docs/topics.md §5.2, §6): states, roots, sight and quotas.
+"""The artifact store's books (topics.md §5.2, §6): states, roots, sight and quotas.
 
 Pure and synchronous: no files, no sockets, no timers. The router (`bus/router.py`) creates,
 checks and unlinks the files (`bus/store.py`) and writes frames; this module decides whether an
@@ -73,7 +73,7 @@ class LedgerError(RuntimeError):
 
 @dataclass(frozen=True, slots=True)
 class StoreLimits:
-    """The store limits of docs/topics.md §8, in wire names' order."""
+    """The store limits of topics.md §8, in wire names' order."""
 
     max_artifact_bytes: int = 16777216
     max_artifacts: int = 65536
@@ -129,7 +129,8 @@ class ArtifactLedger(Generic[C]):
         return f"art-{self.next_serial}"
 
     def check_allocate(self, conn: C, length: int) -> None:
-        """§5.3 checks 4–7."""
+        """The quota checks 4–7 of topics.md §5.3, in that order, so a refused allocation names
+        the first limit it would break and creates nothing."""
         lim = self.limits
         if length > lim.max_artifact_bytes:
             raise QuotaExceeded(f"length {length} is above maxArtifactBytes "
@@ -144,7 +145,7 @@ class ArtifactLedger(Generic[C]):
             raise QuotaExceeded(f"maxStoreBytes ({lim.max_store_bytes}) would be exceeded")
 
     def allocate(self, conn: C, length: int, file: object) -> Artifact[C]:
-        """The accept of §5.3, after `check_allocate` passed and the file exists."""
+        """The accept of topics.md §5.3, after `check_allocate` passed and the file exists."""
         art = Artifact(self.next_id(), length, conn, file)
         self.next_serial += 1
         self.artifacts[art.artifact_id] = art
@@ -156,7 +157,7 @@ class ArtifactLedger(Generic[C]):
         return art
 
     def check_seal(self, conn: C, artifact_id: str) -> Artifact[C]:
-        """§5.5 checks 3–5: the Allocated artifact `conn` may seal."""
+        """topics.md §5.5 checks 3–5: the Allocated artifact `conn` may seal."""
         art = self.artifacts.get(artifact_id)
         if art is None:
             raise ArtifactGone(f"{artifact_id} is not an artifact of this store")
@@ -167,7 +168,7 @@ class ArtifactLedger(Generic[C]):
         return art
 
     def seal(self, art: Artifact[C], digest: str) -> None:
-        """§5.5 accept: the file checks and the hash passed."""
+        """topics.md §5.5 accept: the file checks and the hash passed."""
         self._move(art, SEALED)
         art.digest = digest
         self.allocated -= 1
@@ -176,7 +177,8 @@ class ArtifactLedger(Generic[C]):
 
     # attachments, retain, drop -------------------------------------------------------------
     def attachable(self, conn: C, ids: Sequence[str]) -> tuple[Artifact[C], ...]:
-        """Checks A1–A3 of §6.2, in order over all ids (A1 for every id, then A2, then A3)."""
+        """Checks A1–A3 of topics.md §6.2, in order over all ids (A1 for every id, then A2, then
+        A3)."""
         arts = []
         for artifact_id in ids:
             art = self.artifacts.get(artifact_id)
@@ -197,7 +199,7 @@ class ArtifactLedger(Generic[C]):
                 or artifact_id in self.sight.get(conn, ()))
 
     def retain(self, conn: C, ids: Sequence[str]) -> tuple[Artifact[C], ...]:
-        """§5.7 `bus.retain` checks 4–7 and the accept, all or nothing."""
+        """topics.md §5.7 `bus.retain` checks 4–7 and the accept, all or nothing."""
         arts = self.attachable(conn, ids)
         held = self.holds.get(conn, {})
         new = [a for a in arts if a.artifact_id not in held]
@@ -207,7 +209,7 @@ class ArtifactLedger(Generic[C]):
         return arts
 
     def drop(self, conn: C, ids: Iterable[str]) -> tuple[int, list[Artifact[C]]]:
-        """§5.7 `bus.drop`: (holds ended, artifacts collected). Unknown or unheld ids are
+        """topics.md §5.7 `bus.drop`: (holds ended, artifacts collected). Unknown or unheld ids are
         no-ops; a dropped Allocated artifact is collected (nothing else can root it)."""
         dropped = 0
         collected: list[Artifact[C]] = []
@@ -223,8 +225,8 @@ class ArtifactLedger(Generic[C]):
         return dropped, collected
 
     def transfer(self, conn: C, arts: Iterable[Artifact[C]]) -> list[Artifact[C]]:
-        """§6.3: end `conn`'s holds on `arts` (those it only saw are unaffected); returns the
-        artifacts collected (those the frame did not root)."""
+        """topics.md §6.3: end `conn`'s holds on `arts` (those it only saw are unaffected); returns
+        the artifacts collected (those the frame did not root)."""
         collected: list[Artifact[C]] = []
         held = self.holds.get(conn)
         if held is None:
@@ -281,8 +283,8 @@ class ArtifactLedger(Generic[C]):
             del self.sight[conn]
 
     def forget_connection(self, conn: C) -> list[Artifact[C]]:
-        """Teardown step 9 (§11): its holds end (its Allocated artifacts are collected) and
-        its sight goes; returns the artifacts collected."""
+        """Teardown step 9 (topics.md §11): its holds end (its Allocated artifacts are collected)
+        and its sight goes; returns the artifacts collected."""
         collected: list[Artifact[C]] = []
         self.sight.pop(conn, None)
         for art in list(self.holds.get(conn, {}).values()):

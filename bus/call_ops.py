@@ -1,14 +1,15 @@
-"""The calls' side of the router (wire.md §7.3–§7.7, §9, §10, §21): the call ops and the RPC lane.
+"""The calls' side of the router (design/wire.md §7.3–§7.7, §9, §10, §21): the call ops and the RPC
+lane.
 
 A call's phases and the books they keep (slots, counts, queued bytes) are `bus/call_phases.py`'s
 pure edge table; this module decides when a call moves and does the notices that follow, and a
-move off the table is a broken invariant (§11).
+move off the table is a broken invariant (design/wire.md §11).
 
 Frames are built once: a `bus.request` or `bus.result` is encoded at admission (or reply) with
 the longest possible delivery id, which both proves the worst-case size fits and gives the
 bytes to send; at dispatch only that first id is rewritten (`take_result`, `dispatch`).
 
-Since minor 1 (§21) `bus.call`, `bus.reply` and `bus.consumed` may also arrive as
+Since minor 1 (design/wire.md §21) `bus.call`, `bus.reply` and `bus.consumed` may also arrive as
 notifications: they run the same checks and state changes as the requests, answer nothing on
 success and report a refusal as one `bus.callFailed` or `bus.replyFailed` (or close, when the
 frame names nothing that could be answered), so a routed call costs four frames.
@@ -52,7 +53,7 @@ from bus.topic_ops import TopicOps
 
 MAX_DLV: Final = orjson.dumps(LONGEST_DELIVERY_ID)
 GRANT_CACHE: Final = 1024  # call-grant answers remembered per connection
-#: frame-root keys of a call's request and of its result (docs/topics.md §5.2 rule 2)
+#: frame-root keys of a call's request and of its result (topics.md §5.2 rule 2)
 REQUEST: Final = 0
 RESULT: Final = 1
 
@@ -73,14 +74,15 @@ class CallOps:
         self._reply_params = params["bus.reply"]
         self._consumed_params = params["bus.consumed"]
 
-    # admission (§7.3) -------------------------------------------------------------------
+    # admission (design/wire.md §7.3) --------------------------------------------------------------
     def op_call(self, conn: Conn, p: dict[str, Any], rid: int) -> dict[str, Any]:
         if "callId" in p:
-            raise InvalidParams("bus.call: callId belongs to the notification form (wire.md §21.2)")
+            raise InvalidParams("bus.call: callId belongs to the notification form "
+                                "(design/wire.md §21.2)")
         return self._admit(conn, p, rid)
 
     def lean_call(self, conn: Conn, p: dict[str, Any]) -> None:
-        """§21.2: the callId takes the place of the id (check 4); a refusal is one
+        """design/wire.md §21.2: the callId takes the place of the id (check 4); a refusal is one
         `bus.callFailed`, success sends nothing."""
         call_id = self._in.next_id(conn, p.get("callId"), "callId",
                                    "a bus.call notification needs a callId, an integer in "
@@ -110,7 +112,8 @@ class CallOps:
             })
 
     def _admit(self, conn: Conn, p: dict[str, Any], rid: int) -> dict[str, Any]:
-        """§7.3 checks and admission, after the credits the call carries (§21.3)."""
+        """design/wire.md §7.3 checks and admission, after the credits the call carries
+        (design/wire.md §21.3)."""
         counters = self._out.counters
         consumed = p.get("consumed")
         if consumed:
@@ -150,7 +153,8 @@ class CallOps:
         }
         if arts:
             params["attachments"] = [a.wire() for a in arts]
-        params["payload"] = orjson.Fragment(payload)  # last: the receiver's split (§22.1)
+        # last: the receiver's split (design/wire.md §22.1)
+        params["payload"] = orjson.Fragment(payload)
         frame = orjson.dumps({"jsonrpc": "2.0", "method": "bus.request", "params": params})
         if len(frame) > lim.maxEnvelopeBytes:
             raise InvalidEnvelope(
@@ -169,10 +173,10 @@ class CallOps:
         self._out.mark(svc.owner)
         return {"callId": rid, "serviceIncarnation": svc.incarnation}
 
-    # replies and releases (§7.4, §7.5) --------------------------------------------------------
+    # replies and releases (design/wire.md §7.4, §7.5) ---------------------------------------------
     def lean_reply(self, conn: Conn, p: dict[str, Any]) -> None:
-        """§21.4: a deliveryId that cannot be answered closes; a refusal of one that can is
-        one `bus.replyFailed`; success sends nothing."""
+        """design/wire.md §21.4: a deliveryId that cannot be answered closes; a refusal of one that
+        can is one `bus.replyFailed`; success sends nothing."""
         if self._in.before_hello(conn):
             return
         out = self._out
@@ -233,7 +237,7 @@ class CallOps:
         if call.phase is CallPhase.DETACHED:
             counters["repliesUnrouted"] += 1
             self.ledger.move(call, CallPhase.GONE)
-            if arts and p.get("transfer"):  # the reply roots nothing (§6.3)
+            if arts and p.get("transfer"):  # the reply roots nothing (topics.md §6.3)
                 arts_ops.collect(arts_ops.ledger.transfer(conn, arts))
             return {"routed": False}
         if arts:
@@ -291,12 +295,13 @@ class CallOps:
         self._out.counters["cancels"][state] += 1
         return {"state": state}
 
-    # credits (§7.7) -----------------------------------------------------------------------
+    # credits (design/wire.md §7.7) ----------------------------------------------------------------
     def op_consumed(self, conn: Conn, p: dict[str, Any], rid: int) -> dict[str, Any]:
         return {"released": self._release(conn, p["deliveryIds"])}
 
     def lean_consumed(self, conn: Conn, p: dict[str, Any]) -> None:
-        """§21.5: nothing to answer, so anything wrong closes and releases nothing."""
+        """design/wire.md §21.5: nothing to answer, so anything wrong closes and releases
+        nothing."""
         if self._in.before_hello(conn):
             return
         problem = self._consumed_params(p)
@@ -311,8 +316,8 @@ class CallOps:
         self._out.counters["leanConsumed"] += 1
 
     def _release(self, conn: Conn, ids: list[str]) -> int:
-        """§7.7: all ids issued or nothing released (InvalidParams); returns how many live
-        deliveries were newly released."""
+        """design/wire.md §7.7: all ids issued or nothing released (InvalidParams); returns how many
+        live deliveries were newly released."""
         serials = [int(d[4:]) for d in ids]
         for d_id, serial in zip(ids, serials, strict=True):
             if serial > conn.dlv:
@@ -356,7 +361,7 @@ class CallOps:
             "error": error_object(name, message, dispatch),
         })
 
-    # routes (§7.2, §10.1) -------------------------------------------------------------------
+    # routes (design/wire.md §7.2, §10.1) ----------------------------------------------------------
     def op_unregister(self, conn: Conn, p: dict[str, Any], rid: int) -> dict[str, Any]:
         svc = self._registry.services.get(p["name"])
         if svc is None or svc.owner is not conn or svc.incarnation != p["serviceIncarnation"]:
@@ -365,7 +370,7 @@ class CallOps:
         return {"removed": True}
 
     def remove_route(self, svc: Service[Conn], reason: str) -> None:
-        """wire.md §10.1: free the name, tell attached callers, fail the Queued calls."""
+        """design/wire.md §10.1: free the name, tell attached callers, fail the Queued calls."""
         if not self._registry.remove(svc):
             return
         affected: dict[int, Conn] = {}
@@ -386,7 +391,7 @@ class CallOps:
             self.ledger.move(call, CallPhase.GONE)
             self._arts.unroot((call, REQUEST))
 
-    # the RPC lane (§9.2, §14.2) ----------------------------------------------------------
+    # the RPC lane (design/wire.md §9.2, §14.2) ----------------------------------------------------
     def take_result(self, conn: Conn) -> bytes:
         """The next `bus.result` of the connection's results lane, now a delivery of it."""
         call = conn.results.popleft()
@@ -399,7 +404,7 @@ class CallOps:
         return call.frame.replace(MAX_DLV, b'"dlv-%d"' % serial, 1)
 
     def dispatch(self, conn: Conn, out: list[bytes], budget: int) -> int:
-        """Pull requests round robin across this connection's services (wire.md §9.2, §14.2)
+        """Pull requests round robin across this connection's services (design/wire.md §9.2, §14.2)
         into `out`, prefixed; returns the budget left."""
         limit = self.limits.maxOpenRequestsPerClient
         services = conn.service_list
@@ -441,7 +446,7 @@ class CallOps:
         return any(svc.queue and svc.in_flight < svc.max_in_flight
                    for svc in conn.service_list)
 
-    # teardown (§10.2 steps 2–5) ----------------------------------------------------------
+    # teardown (design/wire.md §10.2 steps 2–5) ----------------------------------------------------
     def forget_connection(self, conn: Conn) -> None:
         """Its services are removed; its deliveries dropped (their roots end) and its
         dispatched, unreplied calls fail; the calls it made move on."""

@@ -1,4 +1,4 @@
-"""The routing core of a call (wire.md §9): its phases as data, and the books they keep.
+"""The routing core of a call (design/wire.md §9): its phases as data, and the books they keep.
 
 Pure and synchronous: no sockets, no timers, no frames written. The router (`bus/router.py`)
 decides when a call moves (a frame arrived, its writer dispatched, a connection ended) and does
@@ -8,7 +8,8 @@ depend on the phase, so the rules live in one table instead of in flags set at e
 Rules (the edge table below is `EDGES`):
 
 1. A call is admitted `Queued` and moves only along `EDGES`. Any other move raises
-   `CallPhaseError` and changes nothing; to the router that is a broken invariant (§11).
+   `CallPhaseError` and changes nothing; to the router that is a broken invariant
+   (design/wire.md §11).
 2. `Queued` → `Dispatched` when the service's writer takes it; → `Gone` on a cancel before
    dispatch, the route's removal or the caller's disconnect.
 3. `Dispatched` → `Replied` on a routed reply; → `Detached` on a cancel after dispatch or the
@@ -18,7 +19,7 @@ Rules (the edge table below is `EDGES`):
    call never notifies anyone.
 5. `Replied` → `Gone` when the caller consumes the result or disconnects. `Gone` is final.
 6. The books follow the phase alone: the caller's active-call slot is held exactly while the
-   phase is in `HOLDS_SLOT` (§9.4); a call counts in `Ledger.calls` until `Gone`, in
+   phase is in `HOLDS_SLOT` (design/wire.md §9.4); a call counts in `Ledger.calls` until `Gone`, in
    `Ledger.detached` while `Detached`, and its payload size in `Ledger.queued_bytes` while
    `Queued`; it is in its caller's `calls` map until `Gone`.
 
@@ -53,7 +54,7 @@ __all__ = [
 
 
 class CallPhase(Enum):
-    """The phases of wire.md §9.1; `Gone` is the call after its last one."""
+    """The phases of design/wire.md §9.1; `Gone` is the call after its last one."""
 
     QUEUED = "Queued"
     DISPATCHED = "Dispatched"
@@ -104,7 +105,7 @@ C = TypeVar("C", bound=Caller)
 
 
 class Service(Generic[C]):
-    """A registration: its FIFO of Queued calls and its in-flight count (§9.2)."""
+    """A registration: its FIFO of Queued calls and its in-flight count (design/wire.md §9.2)."""
 
     __slots__ = ("in_flight", "incarnation", "live", "max_in_flight", "max_queued", "name",
                  "owner", "queue")

@@ -436,7 +436,7 @@ def _has_lone_surrogate(text: str) -> bool:
     return False
 
 
-# --- frames that carry a body (wire.md §22) ---------------------------------------------------
+# --- frames that carry a body (design/wire.md §22) ------------------------------------------------
 
 
 class _BodyMembers(msgspec.Struct):
@@ -459,8 +459,8 @@ PLACEHOLDER: Final = b"{}"
 
 class BodyFrame:
     """A frame whose `params` carries a body member (`payload` or `outcome`), read in the
-    fast path's split: `msg` is the frame strictly decoded (§3) with that member's value
-    replaced by `{}` (when `body` is not None), and `body` the member's wire bytes, untouched.
+    fast path's split: `msg` is the frame strictly decoded (design/wire.md §3) with that member's
+    value replaced by `{}` (when `body` is not None), and `body` the member's wire bytes, untouched.
 
     `problem` is None when the body is one well-formed JSON object (syntax and UTF-8: what
     the router forwards); else it says why not (the envelope around it is still sound).
@@ -479,7 +479,7 @@ class BodyFrame:
 
 
 def decode_body_frame(data: bytes) -> BodyFrame:
-    """Read a frame that may carry a body member (`payload`, else `outcome`: wire.md §22.1)
+    """Read a frame that may carry a body member (`payload`, else `outcome`: design/wire.md §22.1)
     without parsing the body into a value; raises ParseError when the frame around the body
     is not strict JSON.
 
@@ -566,7 +566,8 @@ def _malformed_body_frame(data: bytes) -> BodyFrame:
 
 def body_problem(body: bytes) -> str | None:
     """Why `body` is not one well-formed JSON value (syntax, UTF-8), or None when it is: the
-    check the router makes on a body it forwards (wire.md §22.1), not §3's strictness."""
+    check the router makes on a body it forwards (design/wire.md §22.1), not design/wire.md §3's
+    strictness."""
     try:
         _any_raw.decode(body)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:

@@ -1,4 +1,4 @@
-"""One router connection (wire.md §4): its state as plain fields, its protocol callbacks.
+"""One router connection (design/wire.md §4): its state as plain fields, its protocol callbacks.
 
 The router's parts share this object instead of keeping per-connection maps of their own: the
 hello sets its identity and grants, the call ops its services, calls and deliveries, the topic
@@ -33,7 +33,7 @@ class ConnectionHost(Protocol):
         """Bytes were fed to the connection's decoder: handle the frames they complete."""
 
     def ended(self, conn: Conn, reason: str) -> None:
-        """The connection ends (wire.md §10.2); idempotent."""
+        """The connection ends (design/wire.md §10.2); idempotent."""
 
     def lost(self, conn: Conn) -> None:
         """The transport is closed: forget the connection."""
@@ -80,16 +80,16 @@ class Conn(asyncio.Protocol):
         self.torn_down = False
         self.frames_in = 0
         self.frames_out = 0
-        # topics (docs/topics.md §4): the lane turn, control frames the writer took while the
+        # topics (topics.md §4): the lane turn, control frames the writer took while the
         # connection had subscriptions, and its written, unconsumed message deliveries
         self.lane = LaneTurn()
         self.control_taken = 0
         self.messages: dict[int, tuple[Subscription[Conn], Message]] = {}
-        # the store (docs/topics.md §5): a seal hashing off the loop pauses this connection
+        # the store (topics.md §5): a seal hashing off the loop pauses this connection
         self.sealing = False
 
     def label(self) -> str:
-        """A subscriber as a BACKPRESSURE message names it (docs/topics.md §3.4 check 8)."""
+        """A subscriber as a BACKPRESSURE message names it (topics.md §3.4 check 8)."""
         return self.client_id or self.connection_id
 
     # asyncio.Protocol -------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""Bus error values (wire.md §15).
+"""Bus error values (design/wire.md §15).
 
 Every error the bus reports carries a fixed name, a fixed JSON-RPC code, a human message and a
 dispatch certainty, because callers must decide from the certainty alone whether a request may
@@ -144,7 +144,7 @@ class Conflict(BusError):
 
 
 class NoTopic(BusError):
-    """A publish or subscribe names no declared topic (docs/topics.md §9)."""
+    """A publish or subscribe names no declared topic (topics.md §9)."""
 
     name = "NO_TOPIC"
 
@@ -181,7 +181,7 @@ class StoreFailure(BusError):
 
 
 class AttachmentsNotKept(QuotaExceeded):
-    """`call()` got its result but could not retain its attachments (docs/topics.md §12);
+    """`call()` got its result but could not retain its attachments (topics.md §12);
     `.result` is the call's result."""
 
     def __init__(self, message: str, result: Any, dispatch: Dispatch = "dispatched") -> None:

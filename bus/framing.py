@@ -1,4 +1,4 @@
-"""Length-prefixed framing (wire.md §2), sans-IO.
+"""Length-prefixed framing (design/wire.md §2), sans-IO.
 
 A frame is a u32 little-endian body length N (1 <= N <= maxEnvelopeBytes) followed by N body
 bytes. The decoder validates N before it buffers any body byte, so a hostile prefix can never

@@ -1,10 +1,11 @@
-"""The topic lane's turn (docs/topics.md §4.2 rule 2), as a pure counter.
+"""The topic lane's turn (topics.md §4.2 rule 2), as a pure counter.
 
 Rules:
 
 1. The writer asks `pick(topic_ready, other_ready)` before each frame. The topic lane wins
    when it is ready and either `TOPIC_TURN` control or RPC frames were written since its last
-   frame, or nothing else is ready; otherwise the control and RPC lanes (wire.md §14.2) write.
+   frame, or nothing else is ready; otherwise the control and RPC lanes (design/wire.md §14.2)
+   write.
 2. `pick` counts what it chose: a topic frame resets the count, any other frame adds one. So a
    saturated control or RPC lane still lets one topic frame through after every 16 others,
    and with nothing else to write, messages flow back to back.
@@ -18,12 +19,12 @@ from typing import Final
 
 __all__ = ["TOPIC_TURN", "Lane", "LaneTurn"]
 
-#: control and RPC frames written before a ready topic lane must get a frame (fixed, §8)
+#: control and RPC frames written before a ready topic lane must get a frame (fixed, topics.md §8)
 TOPIC_TURN: Final = 16
 
 
 class Lane(Enum):
-    OTHER = "other"  # control, then RPC, as wire.md §14.2 orders them
+    OTHER = "other"  # control, then RPC, as design/wire.md §14.2 orders them
     TOPIC = "topic"
 
 

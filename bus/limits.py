@@ -1,10 +1,10 @@
-"""Router limits (wire.md §14.1): defaults, ranges, wire names and config names.
+"""Router limits (design/wire.md §14.1): defaults, ranges, wire names and config names.
 
 Limits are plain data, validated once at router start; an out-of-range value names its key so
 the operator can fix the configuration (the router then exits with code 2).
 
 `result_frame(...)` is the one rule for the size a reply counts against `maxEnvelopeBytes`
-(wire.md §7.4 `bus.reply` check 4): the `bus.result` frame with the longest delivery id. The
+(design/wire.md §7.4 `bus.reply` check 4): the `bus.result` frame with the longest delivery id. The
 router builds that frame to check and route a reply; a worker builds it with the longest call
 id too, to check a large reply before sending it.
 """
@@ -18,7 +18,7 @@ from typing import Any, Final
 import orjson
 
 MAX_CONSUME_BATCH: Final = 64
-#: attachments per call, reply or publish (docs/topics.md §8, fixed)
+#: attachments per call, reply or publish (topics.md §8, fixed)
 MAX_ATTACHMENTS: Final = 16
 MAX_JSON_DEPTH: Final = 128
 REMEMBERED_INCARNATIONS: Final = 1024
@@ -54,14 +54,14 @@ class Limits:
     maxExpectations: int = 256
     helloTimeoutMs: int = 5000
     writeHighWaterBytes: int = 262144
-    # topics (docs/topics.md §8)
+    # topics (topics.md §8)
     maxTopics: int = 256
     maxSubscribersPerTopic: int = 64
     maxSubscriptionsPerClient: int = 64
     maxBoundedDepth: int = 64
     maxSubscriptionWindow: int = 16
     maxQueuedTopicBytes: int = 67108864
-    # the artifact store (docs/topics.md §8)
+    # the artifact store (topics.md §8)
     maxAttachments: int = MAX_ATTACHMENTS
     maxArtifactBytes: int = 16777216
     maxArtifacts: int = 65536
@@ -182,7 +182,7 @@ HELLO_KEYS: Final = (
 
 
 def hello_keys(minor: int) -> frozenset[str]:
-    """The limits keys a router of `minor` announces (docs/topics.md §1 rule 3)."""
+    """The limits keys a router of `minor` announces (topics.md §1 rule 3)."""
     return frozenset(HELLO_KEYS if minor >= 2 else HELLO_KEYS_MINOR_1)
 
 
@@ -195,7 +195,7 @@ def result_frame(call_id: int, service_incarnation: str, responder: Any, outcome
     """The `bus.result` frame body of a reply, its delivery id the longest one: its length is
     the size checked against `maxEnvelopeBytes`, whatever delivery id the caller gets.
     `responder` is `{clientId, clientIncarnation}` and `outcome` the reply's outcome, each as a
-    JSON value or an `orjson.Fragment` already encoded; `attachments` (docs/topics.md §6.1) is
+    JSON value or an `orjson.Fragment` already encoded; `attachments` (topics.md §6.1) is
     present only when given."""
     params = {
         "deliveryId": LONGEST_DELIVERY_ID,
@@ -205,16 +205,17 @@ def result_frame(call_id: int, service_incarnation: str, responder: Any, outcome
     }
     if attachments is not None:
         params["attachments"] = attachments
-    params["outcome"] = outcome  # last: the receiver's split (wire.md §22.1)
+    params["outcome"] = outcome  # last: the receiver's split (design/wire.md §22.1)
     return orjson.dumps({"jsonrpc": "2.0", "method": "bus.result", "params": params})
 
 
 def message_frame(delivery_id: str, topic: str, incarnation: str, sequence: int, skipped: int,
                   publisher: Any, payload: Any, attachments: Any = None) -> bytes:
-    """The `bus.message` frame body (docs/topics.md §3.8). With the longest delivery id and
+    """The `bus.message` frame body (topics.md §3.8). With the longest delivery id and
     `skipped` = 2^53-1 its length is the size a publish counts against `maxEnvelopeBytes`
-    (§3.4 check 10), whatever delivery it becomes. `attachments` (§6.1) is present only when
-    given: a frame without attachments stays byte-identical to one of a store-less router."""
+    (topics.md §3.4 check 10), whatever delivery it becomes. `attachments` (topics.md §6.1) is
+    present only when given: a frame without attachments stays byte-identical to one of a store-less
+    router."""
     params = {
         "deliveryId": delivery_id,
         "topic": topic,

@@ -1,14 +1,14 @@
 """What the router sends that no lane schedules: responses, notices and the closing frame.
 
 Every part of the router answers through one `Outbound`: a response or a notice is queued on
-the connection's control lane (wire.md §14.2), the connection is marked, and one flush after
+the connection's control lane (design/wire.md §14.2), the connection is marked, and one flush after
 the wake-up's reads runs each marked connection's writer, so replies from several services to
 one caller (a lockstep phase's fan-in) leave in one write. A control lane that overflows while
 its writer is blocked closes the client; `close` writes `bus.closing` as the connection's last
-frame (wire.md §4) and lingers until the peer's EOF or the grace abort.
+frame (design/wire.md §4) and lingers until the peer's EOF or the grace abort.
 
-The counters of wire.md §16 live here because every part counts through it; `bus/router_stats.py`
-reads them.
+The counters of design/wire.md §16 live here because every part counts through it;
+`bus/router_stats.py` reads them.
 """
 
 from __future__ import annotations
@@ -34,7 +34,8 @@ CANCEL_STATES: Final = (
 
 
 def new_counters() -> dict[str, Any]:
-    """The counters of wire.md §16 at a router's start, in the order `bus.stats` lists them."""
+    """The counters of design/wire.md §16 at a router's start, in the order `bus.stats` lists
+    them."""
     return {
         "accepted": 0, "refusedAtAccept": 0, "helloOk": 0, "helloRefused": 0, "closed": 0,
         "callsAdmitted": 0, "callsRefused": 0, "callsFailed": 0, "repliesRouted": 0,
@@ -49,8 +50,8 @@ def new_counters() -> dict[str, Any]:
 class Outbound:
     """The control lane, the flush of marked connections and the closing frame.
 
-    `pump` is the connection's writer, `teardown` ends a connection (wire.md §10.2) and
-    `broken` handles a broken invariant (§11); the router hands in all three."""
+    `pump` is the connection's writer, `teardown` ends a connection (design/wire.md §10.2) and
+    `broken` handles a broken invariant (design/wire.md §11); the router hands in all three."""
 
     def __init__(self, limits: Limits, pump: Callable[[Conn], None],
                  teardown: Callable[[Conn, str], None],
@@ -127,7 +128,7 @@ class Outbound:
         counters["bytesOut"] += nbytes
 
     def close(self, conn: Conn, name: str, message: str) -> None:
-        """The router ends a connection: `bus.closing` is the last frame (wire.md §4)."""
+        """The router ends a connection: `bus.closing` is the last frame (design/wire.md §4)."""
         if conn.closing:
             return
         self.count_error(name)
@@ -147,7 +148,8 @@ class Outbound:
         if self.serving and transport.can_write_eof():
             # Lingering close: shut our side down once the last frame is flushed, but keep
             # reading (data_received discards it) until the peer's EOF or the grace abort, so
-            # a peer still sending sees its frames, then EOF, instead of a reset (§20 #73).
+            # a peer still sending sees its frames, then EOF, instead of a reset (design/wire.md §20
+            # #73).
             transport.write_eof()
             if conn.read_paused:
                 conn.read_paused = False

@@ -1,4 +1,4 @@
-"""Directories a process may trust: owned by it, writable by nobody else (wire.md §13).
+"""Directories a process may trust: owned by it, writable by nobody else (design/wire.md §13).
 
 Why: a Unix socket or a store file is only as private as the directory that holds it. Whoever
 can write that directory can rename the socket and bind their own in its place, so the node's

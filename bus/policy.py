@@ -1,8 +1,8 @@
-"""Grants and policy (wire.md §12, the flyd default of session.md §7.2).
+"""Grants and policy (design/wire.md §12, the flyd default of design/session.md §7.2).
 
 Policy is fixed router configuration: an entry per clientId (exact, or a `prefix*` pattern),
 each with register/call/expect/delegate grant patterns, and publish/subscribe/manage for topics
-(docs/topics.md §7). Routing never uses patterns; they only gate what a client may register,
+(topics.md §7). Routing never uses patterns; they only gate what a client may register,
 call, pre-bind, publish, subscribe to and declare.
 """
 
@@ -40,8 +40,8 @@ def any_matches(patterns: Iterable[str], name: str) -> bool:
 
 
 def covered_by_delegate(grant: str, delegates: Iterable[str], expected_id: str) -> bool:
-    """wire.md §7.10: equal to a delegate pattern, or starting with a delegate prefix pattern's
-    prefix; `{clientId}` is the expected client's id on both sides."""
+    """design/wire.md §7.10: equal to a delegate pattern, or starting with a delegate prefix
+    pattern's prefix; `{clientId}` is the expected client's id on both sides."""
     grant = substitute(grant, expected_id)
     for raw in delegates:
         pattern = substitute(raw, expected_id)
@@ -94,7 +94,7 @@ class PolicyEntry:
             register=tuple(substitute(p, client_id) for p in self.register),
             call=tuple(substitute(p, client_id) for p in self.call),
             expect=tuple(substitute(p, client_id) for p in self.expect),
-            # wire.md §7.10: {clientId} in a delegate pattern is the *expected* client's id,
+            # design/wire.md §7.10: {clientId} in a delegate pattern is the *expected* client's id,
             # substituted at bus.expect (covered_by_delegate), never the launcher's own.
             delegate=self.delegate,
             publish=tuple(substitute(p, client_id) for p in self.publish),
@@ -133,7 +133,7 @@ class Policy:
 
     @classmethod
     def default(cls, node_pid: int | None = None) -> Policy:
-        """The flyd node's policy (session.md §7.2)."""
+        """The flyd node's policy (design/session.md §7.2)."""
         return cls(
             mode="closed",
             entries=(

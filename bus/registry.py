@@ -1,4 +1,4 @@
-"""Who is on the bus (wire.md §6, §7.1, §8, §14.1): the hello, expectations and services.
+"""Who is on the bus (design/wire.md §6, §7.1, §8, §14.1): the hello, expectations and services.
 
 The books of identity and names, changed synchronously by the frame in hand: the live
 connection of each clientId, the incarnations remembered per clientId (bounded per client and
@@ -33,7 +33,8 @@ log = structlog.get_logger("bus.router")
 
 
 class Expectation:
-    """A pending `bus.expect` (wire.md §8): who may say hello, from which process, with what."""
+    """A pending `bus.expect` (design/wire.md §8): who may say hello, from which process, with
+    what."""
 
     __slots__ = ("client_id", "creator", "grants", "incarnation", "pid", "timer")
 
@@ -63,7 +64,7 @@ class Registry:
         self._svc_next = secrets.randbelow(2**40) + 1
         self._hello_params = validator("ops/bus.hello.params.json")
 
-    # hello (wire.md §6) --------------------------------------------------------------------
+    # hello (design/wire.md §6) --------------------------------------------------------------------
     def hello(self, conn: Conn, params: dict[str, Any]) -> Grants:
         """The hello's checks, then (nothing changed before) the connection's identity and
         grants; returns the grants."""
@@ -96,7 +97,8 @@ class Registry:
         grants = entry.grants_for(client_id)
         if exp is not None:
             if exp.grants is not None:
-                # a missing list grants nothing; {clientId} is this client's id (§6.2)
+                # a missing list grants nothing; {clientId} is this client's id
+                # (design/wire.md §6.2)
                 grants = Grants(
                     register=tuple(substitute(g, client_id)
                                    for g in exp.grants.get("register", ())),
@@ -131,9 +133,9 @@ class Registry:
         return grants
 
     def _forget_clients(self) -> None:
-        """§14.1: over REMEMBERED_CLIENT_IDS clientIds, forget the least recently seen one
-        without a live connection, with its incarnations. maxClients <= 4096 = the bound, and
-        the clientId just added is live, so one without a live connection always exists."""
+        """design/wire.md §14.1: over REMEMBERED_CLIENT_IDS clientIds, forget the least recently
+        seen one without a live connection, with its incarnations. maxClients <= 4096 = the bound,
+        and the clientId just added is live, so one without a live connection always exists."""
         remembered = self.incarnations
         while len(remembered) > limits.REMEMBERED_CLIENT_IDS:
             for client_id in remembered:
@@ -143,7 +145,7 @@ class Registry:
             else:
                 return
 
-    # expectations (wire.md §8) -------------------------------------------------------------
+    # expectations (design/wire.md §8) -------------------------------------------------------------
     def op_expect(self, conn: Conn, p: dict[str, Any], rid: int) -> dict[str, Any]:
         client_id: str = p["clientId"]
         if not any_matches(conn.grants.expect, client_id):
@@ -186,7 +188,7 @@ class Registry:
             del self.expectations[exp.client_id]
         exp.creator.expectations.discard(exp.client_id)
 
-    # services (wire.md §7.1, §7.2) ---------------------------------------------------------
+    # services (design/wire.md §7.1, §7.2) ---------------------------------------------------------
     def op_register(self, conn: Conn, p: dict[str, Any], rid: int) -> dict[str, Any]:
         name: str = p["name"]
         if not any_matches(conn.grants.register, name):
@@ -240,7 +242,7 @@ class Registry:
             })
         return {"services": out}
 
-    # teardown (wire.md §10.2 steps 1 and 6) ------------------------------------------------
+    # teardown (design/wire.md §10.2 steps 1 and 6) ------------------------------------------------
     def forget_live(self, conn: Conn) -> None:
         """Step 1: no longer live (its incarnations stay remembered, as its most recent
         sighting)."""

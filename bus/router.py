@@ -1,22 +1,25 @@
-"""The router (wire.md §1, §4–§16): a thin shell that reads frames and hands each to its part.
+"""The router (design/wire.md §1, §4–§16): a thin shell that reads frames and hands each to its
+part.
 
 The router only routes. All routing state lives on one event loop and every state change is
 synchronous: a handler for one frame never awaits another connection, so a slow or hostile
 peer can only hurt itself. This module binds the socket, accepts and reads connections, runs
-the checks every frame shares (§4) and dispatches each op to the part that owns its concern:
+the checks every frame shares (design/wire.md §4) and dispatches each op to the part that owns its
+concern:
 
     bus/registry.py      the hello, expectations and services (who is on the bus)
     bus/call_ops.py      calls, replies, releases, cancels and credits; the RPC lane
     bus/topic_ops.py     topics and subscriptions; the topic lane
-    bus/artifact_ops.py  the artifact store (docs/topics.md §5, §6)
+    bus/artifact_ops.py  the artifact store (topics.md §5, §6)
     bus/router_stats.py  `bus.stats`, read from the parts' books
     bus/outbound.py      responses, notices and the closing frame; the counters
-    bus/inbound.py       the frame in hand (its body member, §22.1) and checks 4 and 5
+    bus/inbound.py       the frame in hand (its body member, design/wire.md §22.1) and checks 4 and
+    5
 
 Each connection has its own writer (`writable`), which alone looks at that connection's
 transport buffer: control frames (responses and notices) first, then its results, then
 requests pulled lazily from the FIFOs of the services it owns; a connection with
-subscriptions interleaves its topic lane by `LaneTurn` (docs/topics.md §4.2). A call therefore
+subscriptions interleaves its topic lane by `LaneTurn` (topics.md §4.2). A call therefore
 waits Queued (bounded, cancellable) instead of piling up in socket buffers.
 """
 
@@ -137,7 +140,7 @@ class Router:
         }
         self._ops: dict[str, tuple[Validator, Handler]] = {
             name: (params[name], handlers[name]) for name in OPS}
-        # the lean notification forms (wire.md §21): the same params schemas as the requests
+        # the lean notification forms (design/wire.md §21): the same params schemas as the requests
         self._lean: dict[str, Callable[[Conn, dict[str, Any]], None]] = {
             "bus.call": calls.lean_call,
             "bus.reply": calls.lean_reply,
@@ -212,7 +215,7 @@ class Router:
                 os.unlink(staging)
 
     def _open_store(self) -> None:
-        """docs/topics.md §5.1: the store directory of this start, or none when disabled."""
+        """topics.md §5.1: the store directory of this start, or none when disabled."""
         try:
             self.artifacts.open(self.config.store)
         except StoreStartError as exc:
@@ -248,7 +251,7 @@ class Router:
         log.info("router.stale_socket_removed", socket=path)
 
     async def stop(self) -> None:
-        """Orderly stop (wire.md §11): ROUTER_LOST to everyone, unlink the socket."""
+        """Orderly stop (design/wire.md §11): ROUTER_LOST to everyone, unlink the socket."""
         if self._server is None:
             return
         server, self._server = self._server, None
@@ -291,7 +294,7 @@ class Router:
             raise self.fatal
 
     def _invariant_broken(self, exc: BaseException) -> None:
-        """wire.md §11: log, close every connection with ROUTER_LOST, stop serving."""
+        """design/wire.md §11: log, close every connection with ROUTER_LOST, stop serving."""
         log.error("router.invariant_broken", error=repr(exc))
         self.fatal = exc
         if self._server is not None:
@@ -354,7 +357,8 @@ class Router:
         for _ in range(FRAMES_PER_TURN):
             if conn.closing:
                 return
-            if conn.sealing:  # §5.5 rule 4: nothing more from it until its hash is applied
+            # topics.md §5.5 rule 4: nothing more from it until its hash is applied
+            if conn.sealing:
                 if not conn.read_paused and conn.transport is not None:
                     conn.read_paused = True
                     conn.transport.pause_reading()
@@ -453,7 +457,7 @@ class Router:
             out.respond(conn, rid, result)
 
     def _hello(self, conn: Conn, rid: int, params: dict[str, Any]) -> None:
-        """wire.md §6: the registry checks and applies; a refusal is the last frame."""
+        """design/wire.md §6: the registry checks and applies; a refusal is the last frame."""
         out = self.out
         try:
             grants = self.registry.hello(conn, params)
@@ -523,7 +527,7 @@ class Router:
 
     def _write_lanes(self, conn: Conn, transport: asyncio.Transport) -> None:
         """`writable` for a connection with subscriptions: one frame at a time, the topic
-        lane taking its turn by `LaneTurn` (docs/topics.md §4.2) between the control and RPC
+        lane taking its turn by `LaneTurn` (topics.md §4.2) between the control and RPC
         lanes."""
         control = conn.control
         topics = self.topics
@@ -573,7 +577,7 @@ class Router:
             self._all_lost.set()
 
     def ended(self, conn: Conn, reason: str) -> None:
-        """wire.md §10.2, in order. Idempotent; the first reason is the one counted."""
+        """design/wire.md §10.2, in order. Idempotent; the first reason is the one counted."""
         if conn.torn_down:
             return
         conn.torn_down = True
@@ -601,7 +605,8 @@ class Router:
         return self.stats(bool(p.get("detail", False)))
 
     def stats(self, detail: bool = False) -> dict[str, Any]:
-        """wire.md §16; O(connections + services)."""
+        """The `bus.stats` result of design/wire.md §16 with the topic and artifact counters;
+        O(connections + services), so polling it never pauses routing."""
         now = time.monotonic()
         books = Books(self.router_id, self._conns.values(), self.registry, self.calls.ledger,
                       self.topics.table, self.artifacts.ledger, self.artifacts.stats(),

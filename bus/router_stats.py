@@ -1,4 +1,4 @@
-"""`bus.stats` (wire.md §16): the router's gauges and counters, read from the parts' books.
+"""`bus.stats` (design/wire.md §16): the router's gauges and counters, read from the parts' books.
 
 Pure: a function of the books handed in, computed in O(connections + services) when asked,
 so no gauge is kept beside the state it measures. The key order is the one `bus.stats` has
@@ -33,7 +33,7 @@ class Books:
 
 
 def stats(books: Books, uptime_s: float, now: float, detail: bool) -> dict[str, Any]:
-    """wire.md §16; `now` is the monotonic clock a connection's age is measured against."""
+    """design/wire.md §16; `now` is the monotonic clock a connection's age is measured against."""
     conns = books.conns
     clients = sum(1 for c in conns if c.client_id is not None and not c.closing)
     open_conns = sum(1 for c in conns if not c.closing)

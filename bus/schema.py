@@ -1,8 +1,8 @@
-"""Bus wire schemas (wire.md §18): loading, the contract digest and a compiled validator.
+"""Bus wire schemas (design/wire.md §18): loading, the contract digest and a compiled validator.
 
 The JSON Schema files under `schemas/bus/` are the single source of truth for the shape of every
-bus message: the router validates each request's params with them (check 7 of wire.md §4), the
-SDK checks router frames with them, and the SHA-256 of their canonical JSON is the
+bus message: the router validates each request's params with them (check 7 of design/wire.md §4),
+the SDK checks router frames with them, and the SHA-256 of their canonical JSON is the
 `contractDigest` both sides compare at hello. Nothing here restates a field rule by hand.
 
 `jsonschema` is too slow for a per-request check, so `compile_schema` turns the subset of Draft
@@ -132,7 +132,7 @@ def _default_digest() -> str:
 
 
 def contract_digest(root: Path = SCHEMA_ROOT) -> str:
-    """Lowercase hex SHA-256 of the canonical JSON of `load_schemas(root)` (wire.md §6.2).
+    """Lowercase hex SHA-256 of the canonical JSON of `load_schemas(root)` (design/wire.md §6.2).
 
     Canonical: keys sorted, no whitespace, UTF-8 with non-ASCII kept as is. The value for the
     installed `schemas/bus/` is computed once and cached.

@@ -1,4 +1,4 @@
-"""The artifact store's files (docs/topics.md §5): the router's side and the clients' helpers.
+"""The artifact store's files (topics.md §5): the router's side and the clients' helpers.
 
 The router side (`Store`) owns one directory on a memory file system per router start: it
 creates and locks it, sweeps the directories of dead routers, creates files with their pages
@@ -8,11 +8,11 @@ on an orderly stop. Every file operation is relative to the store directory's fd
 artifact lives, who may see it) are `bus/artifacts.py`'s; this module only does the syscalls.
 
 The client side (`open_store_dir`, `map_for_write`, `write_whole`, `read_sealed`) is what the
-SDK uses to write an allocation and read an attachment (§5.4, §5.6), with the same no-follow
-rules. A frame-sized artifact is written with one `pwrite` and read with one `pread` rather than
-mapped: for 256 KiB on tmpfs that costs about a third of mapping the file, faulting in its 64
-pages, copying and unmapping it (docs/performance.md, "Media"), and the reader gets bytes that
-no later change of the file can touch. Larger artifacts are mapped, so nothing copies them
+SDK uses to write an allocation and read an attachment (topics.md §5.4, §5.6), with the same
+no-follow rules. A frame-sized artifact is written with one `pwrite` and read with one `pread`
+rather than mapped: for 256 KiB on tmpfs that costs about a third of mapping the file, faulting in
+its 64 pages, copying and unmapping it (docs/performance.md, "Media"), and the reader gets bytes
+that no later change of the file can touch. Larger artifacts are mapped, so nothing copies them
 whole.
 """
 
@@ -84,7 +84,7 @@ class StoreSettings:
 
 
 def memory_fs(f_type: int) -> bool:
-    """A `statfs` type on which the store may live (§5.1 rule 1): tmpfs or ramfs."""
+    """A `statfs` type on which the store may live (topics.md §5.1 rule 1): tmpfs or ramfs."""
     return f_type in (TMPFS_MAGIC, RAMFS_MAGIC)
 
 
@@ -106,7 +106,7 @@ def statfs_type(path: str) -> int:
 
 
 def store_offer(peer_uid: int, router_euid: int, store: T) -> T | None:
-    """The hello's store for a peer (§5.1 rule 6): only the router's uid can use the 0700
+    """The hello's store for a peer (topics.md §5.1 rule 6): only the router's uid can use the 0700
     directory, so any other uid is offered none."""
     return store if peer_uid == router_euid else None
 
@@ -134,7 +134,7 @@ class Store:
     # start and stop ------------------------------------------------------------------------
     @classmethod
     def open(cls, root: str) -> Store:
-        """§5.1 rules 1–5; StoreStartError says what is wrong."""
+        """topics.md §5.1 rules 1–5; StoreStartError says what is wrong."""
         try:
             f_type = statfs_type(root)
         except OSError as exc:
@@ -200,13 +200,13 @@ class Store:
             os.unlink(PROBE_NAME, dir_fd=self.dir_fd)
 
     def executor(self) -> ThreadPoolExecutor:
-        """The one hashing thread (§5.5 rule 4), started on first use."""
+        """The one hashing thread (topics.md §5.5 rule 4), started on first use."""
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bus-hash")
         return self._executor
 
     def remove(self) -> None:
-        """§5.1 rule 7: unlink every file, remove the directory, let the lock go."""
+        """topics.md §5.1 rule 7: unlink every file, remove the directory, let the lock go."""
         if self._executor is not None:
             # never wait on the loop: a hash still running reads its own open fd to the end
             self._executor.shutdown(wait=False, cancel_futures=True)
@@ -231,7 +231,7 @@ class Store:
 
     # files ---------------------------------------------------------------------------------
     def create(self, artifact_id: str, length: int) -> tuple[int, int]:
-        """§5.3 check 8: the file with `length` bytes reserved; its `(st_dev, st_ino)`.
+        """topics.md §5.3 check 8: the file with `length` bytes reserved; its `(st_dev, st_ino)`.
         Any failure unlinks the partial file and raises StoreFailure."""
         self._check_alive()
         try:
@@ -251,8 +251,8 @@ class Store:
         return st.st_dev, st.st_ino
 
     def open_for_seal(self, artifact_id: str, length: int, file: object) -> SealFile:
-        """§5.5 checks 6 and 7, in order; on success the file is 0444 with no writer and the
-        returned fd reads it. A refusal leaves mode 0600."""
+        """topics.md §5.5 checks 6 and 7, in order; on success the file is 0444 with no writer and
+        the returned fd reads it. A refusal leaves mode 0600."""
         self._check_alive()
         try:
             fd = os.open(artifact_id, READ_FLAGS, dir_fd=self.dir_fd)
@@ -283,7 +283,8 @@ class Store:
             return hashlib.sha256(view).hexdigest()
 
     def finish_seal(self, seal: SealFile, accepted: bool) -> None:
-        """Close the seal's fd; a refused hash puts the mode back to 0600 (§5.5 rule 2)."""
+        """Close the seal's fd; a refused hash puts the mode back to 0600 (topics.md §5.5 rule
+        2)."""
         try:
             if not accepted:
                 os.fchmod(seal.fd, 0o600)
@@ -303,7 +304,7 @@ class Store:
 
 
 def _sweep(parent_fd: int) -> None:
-    """§5.1 rule 3: remove every `store-*` directory no live router holds locked; never
+    """topics.md §5.1 rule 3: remove every `store-*` directory no live router holds locked; never
     follow a symlink, never touch another entry."""
     for name in os.listdir(parent_fd):
         if not name.startswith("store-"):
@@ -326,7 +327,7 @@ def _sweep(parent_fd: int) -> None:
             os.close(fd)
 
 
-# client helpers (§5.4, §5.6, §12) -----------------------------------------------------------
+# client helpers (topics.md §5.4, §5.6, §12) -------------------------------------------------------
 def open_store_dir(path: str) -> int:
     """The hello's store directory, opened once: a directory of this euid, mode 0700."""
     try:
@@ -350,7 +351,8 @@ def _open_artifact(dir_fd: int, artifact_id: str, flags: int) -> int:
 
 
 def map_for_write(dir_fd: int, artifact_id: str, length: int) -> mmap.mmap:
-    """§5.4: a shared writable mapping of an Allocated artifact's `length` bytes (fd closed)."""
+    """topics.md §5.4: a shared writable mapping of an Allocated artifact's `length` bytes (fd
+    closed)."""
     fd = _open_artifact(dir_fd, artifact_id, WRITE_FLAGS)
     try:
         st = os.fstat(fd)
@@ -363,8 +365,8 @@ def map_for_write(dir_fd: int, artifact_id: str, length: int) -> mmap.mmap:
 
 
 def write_whole(dir_fd: int, artifact_id: str, length: int, data: bytes | memoryview) -> None:
-    """§5.4 without a mapping: the Allocated artifact's whole contents in `pwrite` calls, the fd
-    closed before returning (a writer still open makes the seal refuse)."""
+    """topics.md §5.4 without a mapping: the Allocated artifact's whole contents in `pwrite` calls,
+    the fd closed before returning (a writer still open makes the seal refuse)."""
     if len(data) != length:
         raise ValueError(f"{artifact_id} holds {length} bytes; got {len(data)} to write")
     fd = _open_artifact(dir_fd, artifact_id, WRITE_FLAGS)
@@ -381,7 +383,7 @@ def write_whole(dir_fd: int, artifact_id: str, length: int, data: bytes | memory
 
 
 def read_sealed(dir_fd: int, artifact_id: str, length: int) -> memoryview:
-    """§5.6: a read-only view of a sealed artifact's bytes that stays readable after its
+    """topics.md §5.6: a read-only view of a sealed artifact's bytes that stays readable after its
     collection: a private copy (one `pread`) up to READ_COPY_MAX bytes, a mapping above."""
     fd = _open_artifact(dir_fd, artifact_id, READ_FLAGS)
     try:

@@ -1,9 +1,9 @@
-"""The topics' side of the router (docs/topics.md §3, §4): the topic ops and the topic lane.
+"""The topics' side of the router (topics.md §3, §4): the topic ops and the topic lane.
 
 `bus/topics.py` is the pure core (topics, subscriptions, their queues and credits); this module
 checks grants, builds the `bus.message` and `bus.topicRemoved` frames the topic lane writes,
 wakes the writers of the connections a step made ready, and roots a message's attachments
-until nothing references it (§5.2 rule 3).
+until nothing references it (topics.md §5.2 rule 3).
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ class TopicOps:
         self._publish_params = publish_params
 
     def lean_publish(self, conn: Conn, p: dict[str, Any]) -> None:
-        """§3.4 notification form: success sends nothing; a refusal is one
+        """topics.md §3.4 notification form: success sends nothing; a refusal is one
         `bus.publishFailed`; a frame naming no topic cannot be answered and closes."""
         if self._in.before_hello(conn):
             return
@@ -92,7 +92,7 @@ class TopicOps:
         return {"removed": removed}
 
     def op_publish(self, conn: Conn, p: dict[str, Any], rid: int) -> dict[str, Any]:
-        """§3.4; every refusal after the params counts in `publishRefused`."""
+        """topics.md §3.4; every refusal after the params counts in `publishRefused`."""
         try:
             return self._publish(conn, p)
         except BusError:
@@ -147,7 +147,8 @@ class TopicOps:
                                 "with latest")
         if not any_matches(conn.grants.subscribe, name):
             raise NotAuthorized(f"no subscribe grant for {name}")
-        # its messages wait until the writer took the response enqueued right after (§4.2 r4)
+        # its messages wait until the writer took the response enqueued right after (topics.md §4.2
+        # r4)
         gate = conn.control_taken + len(conn.control) + 1
         sub, retained = self.table.subscribe(conn, name, mode, p.get("depth", 1),
                                              p.get("window", 1), p.get("retained", True), gate)
@@ -184,7 +185,7 @@ class TopicOps:
         return {"topics": out}
 
     def release_message(self, conn: Conn, serial: int) -> int:
-        """A message delivery's credit returns (§4.3); 1 if it was live, else 0."""
+        """A message delivery's credit returns (topics.md §4.3); 1 if it was live, else 0."""
         entry = conn.messages.pop(serial, None)
         if entry is None:
             return 0
@@ -200,7 +201,8 @@ class TopicOps:
         return 1
 
     def messages_released(self, released: tuple[Message, ...] | list[Message]) -> None:
-        """Messages nothing references any more release their attachments (§5.2 rule 3)."""
+        """Messages nothing references any more release their attachments (topics.md §5.2 rule
+        3)."""
         if self._arts.ledger.frames:
             for msg in released:
                 self._arts.unroot(msg)
@@ -227,8 +229,8 @@ class TopicOps:
                              [a.wire() for a in arts] if arts else None)
 
     def forget_connection(self, conn: Conn) -> None:
-        """§10.2 steps 7 and 8: its subscriptions and written messages; the topics it owns
-        (docs/topics.md §11)."""
+        """design/wire.md §10.2 steps 7 and 8: its subscriptions and written messages; the topics it
+        owns (topics.md §11)."""
         deliveries = list(conn.messages.values())
         conn.messages.clear()
         table = self.table

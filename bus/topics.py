@@ -1,4 +1,4 @@
-"""Declared pub/sub topics (docs/topics.md §3, §4): the books, as a pure state machine.
+"""Declared pub/sub topics (topics.md §3, §4): the books, as a pure state machine.
 
 Pure and synchronous: no sockets, no timers, no frames written. The router (`bus/router.py`)
 checks grants, sizes frames, assigns delivery ids and writes; this module decides whether a
@@ -58,7 +58,7 @@ class TopicError(RuntimeError):
 
 @dataclass(frozen=True, slots=True)
 class TopicLimits:
-    """The topic limits of docs/topics.md §8, in wire names' order."""
+    """The topic limits of topics.md §8, in wire names' order."""
 
     max_topics: int = 256
     max_subscribers_per_topic: int = 64
@@ -128,7 +128,7 @@ class Subscription(Generic[C]):
         self.reason: Reason = "undeclared"
 
     def ready(self, taken: int) -> bool:
-        """The topic lane may write for it now (§4.2 rule 1 and 4); `taken` is the control
+        """The topic lane may write for it now (topics.md §4.2 rule 1 and 4); `taken` is the control
         frames the writer has taken on its connection."""
         if taken < self.gate:
             return False
@@ -190,7 +190,7 @@ class TopicTable(Generic[C]):
 
     # topics --------------------------------------------------------------------------------
     def declare(self, owner: C, name: str, retain: bool, max_bounded: int) -> Topic[C]:
-        """§3.2 checks 3–5 (the router checked params and the grant)."""
+        """topics.md §3.2 checks 3–5 (the router checked params and the grant)."""
         lim = self.limits
         if max_bounded > lim.max_subscribers_per_topic:
             raise QuotaExceeded(f"maxBounded {max_bounded} is above maxSubscribersPerTopic "
@@ -207,7 +207,7 @@ class TopicTable(Generic[C]):
 
     def undeclare(self, owner: C, name: str, incarnation: str) -> tuple[bool, tuple[C, ...],
                                                                       tuple[Message, ...]]:
-        """§3.3: (removed, connections to wake, messages released)."""
+        """topics.md §3.3: (removed, connections to wake, messages released)."""
         topic = self.topics.get(name)
         if topic is None or topic.owner != owner or topic.incarnation != incarnation:
             return False, (), ()
@@ -242,7 +242,7 @@ class TopicTable(Generic[C]):
 
     # publish -------------------------------------------------------------------------------
     def check_publish(self, name: str, expected: str | None, size: int) -> Topic[C]:
-        """§3.4 checks 3, 4, 8 and 9; raises before any change."""
+        """topics.md §3.4 checks 3, 4, 8 and 9; raises before any change."""
         topic = self.topics.get(name)
         if topic is None:
             raise NoTopic(f"no topic declared under {name}")
@@ -260,7 +260,7 @@ class TopicTable(Generic[C]):
 
     def accept_publish(self, topic: Topic[C], publisher: object,
                        payload: bytes) -> PublishOutcome[C]:
-        """The accept steps of §3.4, after `check_publish` passed for the same payload."""
+        """The accept steps of topics.md §3.4, after `check_publish` passed for the same payload."""
         if not topic.live:
             raise TopicError(f"publish to removed topic {topic.name}")
         topic.sequence += 1
@@ -299,8 +299,9 @@ class TopicTable(Generic[C]):
     # subscriptions -------------------------------------------------------------------------
     def subscribe(self, conn: C, name: str, mode: Mode, depth: int, window: int,
                   retained: bool, gate: int) -> tuple[Subscription[C], bool]:
-        """§3.5 checks 3–8 and the accept; returns the subscription and whether the retained
-        value was put in it. `gate`: the control frames the writer must have taken first."""
+        """topics.md §3.5 checks 3–8 and the accept; returns the subscription and whether the
+        retained value was put in it. `gate`: the control frames the writer must have taken
+        first."""
         lim = self.limits
         if window > lim.max_subscription_window:
             raise QuotaExceeded(f"window {window} is above maxSubscriptionWindow "
@@ -342,7 +343,7 @@ class TopicTable(Generic[C]):
         return sub, put
 
     def unsubscribe(self, conn: C, name: str) -> tuple[bool, tuple[Message, ...]]:
-        """§3.6: (removed, messages released). Written deliveries stay."""
+        """topics.md §3.6: (removed, messages released). Written deliveries stay."""
         reader = self.readers.get(conn)
         sub = None if reader is None else reader.by_topic.get(name)
         if sub is None:
@@ -404,7 +405,7 @@ class TopicTable(Generic[C]):
 
     def forget_connection(self, conn: C, deliveries: list[tuple[Subscription[C], Message]]
                           ) -> tuple[tuple[C, ...], tuple[Message, ...]]:
-        """Teardown steps 7 and 8 (§11): drop `conn`'s subscriptions (undelivered messages
+        """Teardown steps 7 and 8 (topics.md §11): drop `conn`'s subscriptions (undelivered messages
         count in `dropped`) and written deliveries, then remove the topics it owns. Returns
         the connections to wake and the messages released."""
         released: list[Message] = []

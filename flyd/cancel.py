@@ -4,7 +4,7 @@ Why: a retry loop catches what one attempt may raise and tries again after a pau
 3.11 a cancellation can be absorbed on its way out of an attempt (a connection closed on cancel
 that raises its own error, an `asyncio.timeout` whose deadline passes in the same iteration),
 and the loop then goes on retrying for a task its owner cancelled: a lost lease's checkpoint
-writer went on retrying its read for seconds, past the kill bound of distribution.md §5.5, so
+writer went on retrying its read for seconds, past the kill bound of design/distribution.md §5.5, so
 its scope ended late. `Task.cancelling()` still counts the request, so every retry loop asks
 `raise_if_cancelled()` before its pause.
 """

@@ -1,32 +1,34 @@
-"""Configuration: the key table of cli.md §2.3, its sources and the router's view (wire.md §12–§14).
+"""Configuration: the key table of design/cli.md §2.3, its sources and the router's view
+(design/wire.md §12–§14).
 
 Rules:
-- Precedence is built-in defaults < config file < environment < flags (cli.md §2.1); every value
-  remembers its source (`default`, `file`, `env`, `flag`) for `flyd config show`.
+- Precedence is built-in defaults < config file < environment < flags (design/cli.md §2.1); every
+  value remembers its source (`default`, `file`, `env`, `flag`) for `flyd config show`.
 - Strict by design: an unknown section or key, a wrong type or an out-of-range value is a
   `ConfigError` naming the key and where it came from (the file, the environment variable or the
   flag), never silently ignored. Related keys are checked together: `[node] threads` against the
   coordinator reservation, `[bus]` by the router's own checks, and the lease invariant of
-  distribution.md §4.3 through `LeaseParams` (its clause named).
+  design/distribution.md §4.3 through `LeaseParams` (its clause named).
 - The config file is `--config PATH`, else `FLYD_CONFIG`, else `/etc/flyd/flyd.toml` if it
   exists, else none.
 - Every duration key (`*_s`, `*_ms`), from the file, the environment or a flag, is finite and
   at most 2^31−1 ms (`flyd.durations`); keepalive times and counts stay within what Linux
   accepts. NaN, infinities, negative and absurd values are refused naming the key.
 - `--lease-ttl` / `FLYD_LEASE_TTL` / `[leases] ttl_s` set T only: H follows T/5 unless
-  `[leases] heartbeat_interval_s` is set (distribution.md §4.2).
+  `[leases] heartbeat_interval_s` is set (design/distribution.md §4.2).
 - Read once, typed: `load_config` builds `Settings` (one typed value per section) beside the
   key table; the node and the commands read those, and no module but this one reads a key by its
   section's name. The key table (`Config.value`, `source`, `origin`) serves `flyd config show`
   and error messages.
 
 Decisions where the spec is silent:
-- "Given explicitly" for the `<name>` subdirectory rule of §2.2 means a node name from the file,
-  the environment or a flag; systemd's `RUNTIME_DIRECTORY` / `STATE_DIRECTORY` never gain it.
+- "Given explicitly" for the `<name>` subdirectory rule of design/cli.md §2.2 means a node name from
+  the file, the environment or a flag; systemd's `RUNTIME_DIRECTORY` / `STATE_DIRECTORY` never gain
+  it.
 - Derived defaults (`[node] threads`, `[leases] heartbeat_interval_s`,
   `[checkpoints] max_pending_effects`) are shown with their computed value and source `default`.
 - `flyd config show` lists every `[bus.limits]` key as `bus.limits.<key>`; `bus.policy` is the
-  table from the file or the string `"default"` (session.md §7.2's policy).
+  table from the file or the string `"default"` (design/session.md §7.2's policy).
 - Values read from the environment or given as strings on flags are parsed by the key's type.
 - `[plugins] paths` (import roots of plugin packages): a relative entry is resolved against the
   directory of the config file that names it (not the working directory of whoever starts the
@@ -92,7 +94,7 @@ Source = Literal["default", "file", "env", "flag"]
 
 
 def default_socket(node_name: str | None = None) -> str:
-    """cli.md §2.2: systemd's runtime dir, XDG runtime dir, /run for root, else /tmp."""
+    """design/cli.md §2.2: systemd's runtime dir, XDG runtime dir, /run for root, else /tmp."""
     return _default_socket(os.environ, node_name)
 
 
@@ -108,7 +110,7 @@ def _default_socket(env: Mapping[str, str], node_name: str | None) -> str:
 
 
 def _default_state_dir(env: Mapping[str, str], node_name: str | None) -> str:
-    """cli.md §2.2: systemd's state dir, /var/lib/flyd for root, else the XDG state home."""
+    """design/cli.md §2.2: systemd's state dir, /var/lib/flyd for root, else the XDG state home."""
     sub = (node_name,) if node_name else ()
     if env.get("STATE_DIRECTORY"):
         return env["STATE_DIRECTORY"]
@@ -121,7 +123,7 @@ def _default_state_dir(env: Mapping[str, str], node_name: str | None) -> str:
 
 def host_node_name() -> str:
     """The host name, lower-cased, other characters than `[a-z0-9-]` mapped to `-`, leading
-    `-` dropped, truncated to 32; empty gives `node` (cli.md §2.2)."""
+    `-` dropped, truncated to 32; empty gives `node` (design/cli.md §2.2)."""
     name = re.sub(r"[^a-z0-9-]", "-", socketlib.gethostname().lower()).lstrip("-")[:32]
     return name or "node"
 
@@ -165,8 +167,8 @@ def router_config(config_file: Path | None, socket_path: str | None,
     """Build the router's configuration: defaults < file < flags.
 
     The router reads only `[bus]`, but the file is checked whole, as every other command checks
-    it (cli.md §2.1): a typo in another section stops the router too instead of being ignored.
-    A socket path over sun_path names where it came from (flag, environment or file)."""
+    it (design/cli.md §2.1): a typo in another section stops the router too instead of being
+    ignored. A socket path over sun_path names where it came from (flag, environment or file)."""
     bus: Mapping[str, Any] = {}
     where = str(config_file) if config_file else "defaults"
     if config_file is not None:
@@ -220,7 +222,7 @@ def router_config(config_file: Path | None, socket_path: str | None,
 
 
 def store_settings(table: object, where: str) -> StoreSettings:
-    """`[bus.store]` as typed settings (docs/topics.md §5.1); a bad key names itself."""
+    """`[bus.store]` as typed settings (topics.md §5.1); a bad key names itself."""
     if table is None:
         return StoreSettings()
     if not isinstance(table, Mapping):
@@ -246,7 +248,7 @@ def _check_group(where: str, group: str) -> None:
         raise ConfigError(f"{where}: [bus] socket_group {group!r} is not a group") from None
 
 
-# -- the key table (cli.md §2.3) -------------------------------------------------------------
+# -- the key table (design/cli.md §2.3) ------------------------------------------------------------
 
 Kind = Literal["str", "int", "number", "bool", "path", "choice", "uids", "table", "dsn",
                "dirs"]
@@ -254,7 +256,8 @@ Kind = Literal["str", "int", "number", "bool", "path", "choice", "uids", "table"
 
 @dataclass(frozen=True, slots=True)
 class Key:
-    """One key of cli.md §2.3: its type, default (None: absent or derived), range and overrides."""
+    """One key of design/cli.md §2.3: its type, default (None: absent or derived), range and
+    overrides."""
 
     kind: Kind
     default: Any = None
@@ -321,9 +324,9 @@ KEYS: Final[dict[str, dict[str, Key]]] = {
                       f"at most {SUN_PATH_MAX} bytes", env="FLYD_SOCKET", flag="--socket"),
         "socket_group": Key("str", None, rule="an existing group"),
         "allowed_uids": Key("uids", None, rule="a list of uids"),
-        "limits": Key("table", None, rule="wire.md §14.1"),
-        "policy": Key("table", None, rule="wire.md §12"),
-        "store": Key("table", None, rule="docs/topics.md §5.1: enabled (bool), root (path)"),
+        "limits": Key("table", None, rule="design/wire.md §14.1"),
+        "policy": Key("table", None, rule="design/wire.md §12"),
+        "store": Key("table", None, rule="topics.md §5.1: enabled (bool), root (path)"),
     },
     "database": {
         "dsn": Key("dsn", None, rule="libpq conninfo or URI", env="FLYD_DSN", flag="--dsn"),
@@ -573,7 +576,7 @@ class BusSettings:
     socket_origin: str
     socket_group: str | None
     #: the gid of `socket_group` (checked to exist at load): the group that may share the
-    #: socket's directory (wire.md §13, `bus.ownership`)
+    #: socket's directory (design/wire.md §13, `bus.ownership`)
     socket_gid: int | None
     allowed_uids: tuple[int, ...]
     limits: Limits
@@ -583,7 +586,7 @@ class BusSettings:
 
     @property
     def socket_given(self) -> bool:
-        """The path was named (flag, environment or file): cli.md §4.1 uses it as given."""
+        """The path was named (flag, environment or file): design/cli.md §4.1 uses it as given."""
         return self.socket_origin != "default"
 
 
@@ -629,7 +632,7 @@ class Settings:
 
 
 class Config:
-    """The effective configuration: every key of cli.md §2.3 with its value and source (for
+    """The effective configuration: every key of design/cli.md §2.3 with its value and source (for
     `flyd config show` and error messages), and the same values typed (`settings`)."""
 
     def __init__(self, table: dict[str, dict[str, Setting]], config_file: Path | None,
@@ -868,7 +871,8 @@ def _check_related(settings: dict[str, dict[str, Setting]],
 
 def _lease_params(settings: dict[str, dict[str, Setting]],
                   where: Mapping[tuple[str, str], str]) -> LeaseParams:
-    """LeaseParams from the effective values; a violated §4.3 clause names what was set."""
+    """LeaseParams from the effective values; a violated design/distribution.md §4.3 clause names
+    what was set."""
     from flyd.leases.params import DATABASE_KEYS, LeaseParams, LeaseParamsError
 
     values = {k: s.value for k, s in settings["leases"].items()

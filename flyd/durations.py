@@ -1,4 +1,5 @@
-"""The bound on every configured duration (cli.md §2.3, session.md §4.10, state.md §5.1).
+"""The bound on every configured duration (design/cli.md §2.3, design/session.md §4.10,
+design/state.md §5.1).
 
 Why: a duration is handed to PostgreSQL (`statement_timeout`, `make_interval(secs => …)` added to
 `now()`), to the event loop's timers and to the node's clock. An absurd value (`--lease-ttl

@@ -1,4 +1,4 @@
-"""structlog configuration, once per process (cli.md §9).
+"""structlog configuration, once per process (design/cli.md §9).
 
 JSON lines (orjson renderer) when stderr is not a TTY or the format is forced to json; the
 console renderer otherwise. Every line carries `event`, `level` and `ts`. Payload bytes are
@@ -70,7 +70,7 @@ def configure(fmt: LogFormat | None = None, level: str | None = None) -> None:
 
 
 def shift_level(base: str, verbose: int, quiet: int) -> str:
-    """`-v` / `-q` move the level one step each (cli.md §1)."""
+    """`-v` / `-q` move the level one step each (design/cli.md §1)."""
     index = LEVELS.index(base) - verbose + quiet
     return LEVELS[max(0, min(len(LEVELS) - 1, index))]
 

@@ -1,9 +1,10 @@
 """Why a run ended other than `succeeded`, as one `{error, …}` value and one line of text. Pure.
 
-Why: a run's `outcome` column has several shapes (state.md §9.3, distribution.md §3.7): the
-session's own `{error: …}` values, the reaper's `{reaped: …}`, a refused restore's
-`{code, message, checkpointId}`, a cancellation's counters. `flyd run` (summary, stderr) and
-`flyctl runs show` must name the reason whatever the shape, so both go through `failure_of`.
+Why: a run's `outcome` column has several shapes (design/state.md §9.3,
+design/distribution.md §3.7): the session's own `{error: …}` values, the reaper's `{reaped: …}`, a
+refused restore's `{code, message, checkpointId}`, a cancellation's counters. `flyd run` (summary,
+stderr) and `flyctl runs show` must name the reason whatever the shape, so both go through
+`failure_of`.
 
 Rules:
 - `failure_of(state, outcome, …)` is None for `succeeded`; otherwise the outcome with an `error`

@@ -10,10 +10,9 @@
   named in `PRIVATE_IN_TESTS` with their reasons.
 - No dead code: every function, class, constant and method of flyd, workers and bus is used by
   their own code (by name, as vulture judges). Runtime callbacks are named in `CALLBACKS`;
-  members only tests use are named in `TEST_ONLY` until each becomes a test double, members of
-  the modules being split in `PENDING_SPLITS`, plugin API in `PLUGIN_API`, the coordinator's
-  designed API in `SPEC_API`; a named member that is used again or gone fails the check too, so
-  the lists only shrink.
+  members only tests use are named in `TEST_ONLY` until each becomes a test double, plugin API
+  in `PLUGIN_API`, the client SDK's API in `SDK_API`, the designed API in `SPEC_API`; a named
+  member that is used again or gone fails the check too, so the lists only shrink.
 - No re-exports: a name imported from another module of these packages is there to be used. One
   that the module's body never uses (it appears in nothing but its import), or that the module
   lists in `__all__`, is exposed on another module's behalf, and a reader following it lands on
@@ -22,13 +21,17 @@
   by a section's name (`config.value("session", "probe_s")`, `session["probe_s"]`,
   `bus.get("limits")`); it is read once into typed settings (`flyd.config.Settings`) where the
   node is assembled, and those are handed down.
+- Every `§` reference in the code names a document under docs/ and a section heading it has
+  (docs/design/README.md), and no docstring is only a reference.
 """
 
 from __future__ import annotations
 
 import ast
+import io
 import re
 import sys
+import tokenize
 from collections.abc import Iterator
 from functools import cache
 from pathlib import Path
@@ -205,12 +208,6 @@ _PLAIN_DECORATORS = frozenset({"property", "cached_property", "staticmethod", "c
 _IMPORT_PATH = re.compile(r"\b[a-z_][a-z0-9_.]*:([A-Za-z_][A-Za-z0-9_]*)")
 
 
-#: members of the modules being split (the router, the client, the coordinator); each split
-#: moves its test-only members to test doubles and empties its part of this list
-PENDING_SPLITS: Final = frozenset({
-    "bus/client.py:CallResult.outcome_bytes",
-})
-
 #: what a plugin author or a run spec names and our code never calls
 PLUGIN_API: Final = frozenset({
     "workers/adapters/pettingzoo.py:InlinePolicyModel",
@@ -218,13 +215,32 @@ PLUGIN_API: Final = frozenset({
     "workers/synthetic/brain.py:FakeBrain.draw",
 })
 
-#: the API the design names (design/session.md §6.1, §7.4, design/state.md §4.6): probes and
-#: knobs for harnesses and embedders, which flyd's own node does not call
+#: the API the design names (design/session.md §6.1, §7.4, design/state.md §4.6 and others):
+#: probes, knobs and helpers for harnesses and embedders, which flyd's own node does not call
 SPEC_API: Final = frozenset({
     *(f"flyd/session/coordinator.py:Coordinator.{name}" for name in (
         "acknowledge_replies", "injection_log", "live_view_handles", "pause_handle", "probe_raw",
         "resolve_durable", "set_deadlines", "worker_status")),
     "flyd/launch/launcher.py:Launcher.set_health_policy",
+    # the clocks, save outcomes, phases, audit helpers, the result cache's expiry, the worker
+    # command line and the tick accumulator as design/ names them
+    "flyd/leases/clock.py:LoopClock",
+    "flyd/session/audit.py:AuditLog.index_of",
+    "flyd/session/durability.py:TooLarge.is_durable",
+    "flyd/session/phase.py:PhaseMachine.capture_origin",
+    "flyd/state/writer.py:Committed.is_durable",
+    "flyd/state/writer.py:DeadlineExpired.is_durable",
+    "flyd/state/writer.py:Failed.is_durable",
+    "flyd/state/writer.py:ReplyLost.is_durable",
+    "flyd/state/writer.py:Superseded.is_durable",
+    "workers/dedup.py:ResultCache.expire_step",
+    "workers/launch.py:WorkerLaunch.from_argv",
+    "workers/types/ticks.py:TickAccumulator.brain_time_ms",
+})
+
+#: what the client SDK offers its users (docs/bus.md) and our own code never calls
+SDK_API: Final = frozenset({
+    "bus/client_calls.py:CallResult.outcome_bytes",
 })
 
 #: members only the tests use, each to become a test double under tests/ (clocks, stores,
@@ -235,7 +251,6 @@ TEST_ONLY: Final = frozenset({
     "flyd/launch/budget.py:ThreadBudget.default_need",
     "flyd/launch/identities.py:SessionTags.peek",
     "flyd/launch/launcher.py:start_error",
-    "flyd/leases/clock.py:LoopClock",
     "flyd/leases/clock.py:ManualClock",
     "flyd/leases/clock.py:ManualClock.next_wakeup",
     "flyd/leases/clock.py:SimFileWriter",
@@ -244,33 +259,22 @@ TEST_ONLY: Final = frozenset({
     "flyd/leases/params.py:LeaseParams.short_ttl",
     "flyd/leases/params.py:LeaseParams.with_ttl",
     "flyd/node/sdnotify.py:notify",
-    "flyd/session/audit.py:AuditLog.index_of",
-    "flyd/session/durability.py:TooLarge.is_durable",
     "flyd/session/pacing.py:Pacing.deadline_ns",
     "flyd/session/pacing.py:Pacing.period_ns",
     "flyd/session/phase.py:PhaseMachine.can_move",
-    "flyd/session/phase.py:PhaseMachine.capture_origin",
     "flyd/session/phase.py:phase_of",
     "flyd/session/publication.py:Feed.publish_snapshot",
     "flyd/session/runspec.py:RunSpec.normalise",
     "flyd/session/trace.py:TraceLog.phases",
     "flyd/state/checkpoints.py:DirectCommitPath",
     "flyd/state/envelope.py:Layout.manifest_text",
-    "flyd/state/writer.py:Committed.is_durable",
-    "flyd/state/writer.py:DeadlineExpired.is_durable",
-    "flyd/state/writer.py:Failed.is_durable",
-    "flyd/state/writer.py:ReplyLost.is_durable",
-    "flyd/state/writer.py:Superseded.is_durable",
-    "workers/dedup.py:ResultCache.expire_step",
     "workers/dedup.py:ResultCache.lifecycle_records",
     "workers/dedup.py:ResultCache.step_records",
     "workers/dedup.py:ResultCache.unacknowledged",
-    "workers/launch.py:WorkerLaunch.from_argv",
     "workers/synthetic/audio.py:frame_bytes",
     "workers/types/datatypes.py:encode_media",
     "workers/types/ticks.py:AudioBudget.set_step",
     "workers/types/ticks.py:RationalNs.millis",
-    "workers/types/ticks.py:TickAccumulator.brain_time_ms",
 })
 
 
@@ -324,7 +328,7 @@ def test_no_dead_code() -> None:
     unused = {where for name, where in defined
               if name not in used and name not in CALLBACKS
               and not (name.startswith("__") and name.endswith("__"))}
-    named = PENDING_SPLITS | PLUGIN_API | SPEC_API | TEST_ONLY
+    named = PLUGIN_API | SDK_API | SPEC_API | TEST_ONLY
     dead = sorted(unused - named)
     assert not dead, "defined but never used by bus, workers or flyd:\n" + "\n".join(dead)
     stale = sorted(named - unused)
@@ -497,3 +501,129 @@ def test_configuration_is_read_only_in_config() -> None:
     found = [read for path in _sources() if path != ROOT / "flyd" / "config.py"
              for read in keyed_config_reads(path)]
     assert not found, "keyed configuration reads outside flyd/config.py:\n" + "\n".join(found)
+
+
+# A `§` reference names its document as a path under docs/ (`design/wire.md §3.2`); a chain
+# (`§6.2/§14.1`, `§4–§16`, `§3.1 step 7, §3.3`) names it once, at its head.
+REFERENCE = re.compile(r"§§?(\d+(?:\.\d+)*)")
+HEAD = re.compile(r"([\w/.-]+\.md)(?:\s*\n\s*#:?)?\s+$")
+CHAIN_GAP = re.compile(r"[^().;:§\n]{0,20}")
+# a clause label is a value, not a reference: a string that is only one ("§4.3.2"), or one quoted
+# in backticks in a docstring or comment (`§4.3.2`)
+CLAUSE_CODE = re.compile(r"""^[rbuf]*(['"])§\d+(?:\.\d+)*\1$""")
+DOCS = ROOT / "docs"
+
+
+@cache
+def doc_sections(doc: str) -> frozenset[str] | None:
+    """The section numbers the headings of docs/<doc> carry, or None when there is no such
+    document."""
+    path = DOCS / doc
+    if not path.is_file():
+        return None
+    return frozenset(m.group(1) for m in re.finditer(
+        r"^#+\s+§?(\d+(?:\.\d+)*)\.?\s", path.read_text(), re.M))
+
+
+def _reference_texts(path: Path) -> Iterator[tuple[int, str]]:
+    """(first line, text) of each string and each run of full-line comments holding a `§`."""
+    source = path.read_text()
+    lines = source.splitlines()
+    run: list[tokenize.TokenInfo] = []
+
+    def flush() -> Iterator[tuple[int, str]]:
+        text = "\n".join(t.string for t in run)
+        if "§" in text:
+            yield run[0].start[0], text
+        run.clear()
+
+    for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+        if tok.type == tokenize.NL:
+            continue
+        if tok.type == tokenize.COMMENT and lines[tok.start[0] - 1].lstrip().startswith("#") \
+                and (not run or (run[-1].start[0] == tok.start[0] - 1
+                                 and run[-1].start[1] == tok.start[1])):
+            run.append(tok)
+            continue
+        yield from flush()
+        if tok.type == tokenize.COMMENT:
+            run.append(tok)
+        elif tok.type == tokenize.STRING and "§" in tok.string \
+                and not CLAUSE_CODE.match(tok.string):
+            yield tok.start[0], tok.string
+    yield from flush()
+
+
+def references(path: Path) -> Iterator[tuple[int, str | None, str]]:
+    """(line, document or None, section) of every `§` reference in one source file."""
+    for first, text in _reference_texts(path):
+        last_end: int | None = None
+        doc: str | None = None
+        for m in REFERENCE.finditer(text):
+            if text[:m.start()].endswith("`"):
+                continue  # a quoted clause label (`§4.3.2`) is a value, not a reference
+            head = HEAD.search(text[:m.start()])
+            if head:
+                doc = head.group(1)
+            elif last_end is None or doc is None or not CHAIN_GAP.fullmatch(
+                    re.sub(r"\n\s*(#:? ?)?", " ", text[last_end:m.start()])):
+                doc = None
+            yield first + text[:m.start()].count("\n"), doc, m.group(1).rstrip(".")
+            last_end = m.end()
+
+
+def test_references_name_a_document_and_a_section() -> None:
+    """Every `§` reference in the code names a document under docs/ and a section that document
+    has, so a reader can follow it."""
+    found: list[str] = []
+    count = 0
+    for path in _sources():
+        for line, doc, section in references(path):
+            count += 1
+            where = f"{path.relative_to(ROOT)}:{line}: §{section}"
+            sections = doc_sections(doc) if doc else None
+            if doc is None:
+                found.append(f"{where} names no document (write `design/<doc>.md §{section}`)")
+            elif sections is None:
+                found.append(f"{where}: docs/{doc} does not exist")
+            elif section not in sections:
+                found.append(f"{where}: docs/{doc} has no section {section}")
+    assert count > 500, f"only {count} references found: is the pattern still right?"
+    assert not found, "unresolved references:\n" + "\n".join(found)
+
+
+def test_no_docstring_is_only_a_reference() -> None:
+    """A reference says where the rule is written; the docstring still says what the code does and
+    why, in a few words of its own."""
+    found: list[str] = []
+    for path in _sources():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if not isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef,
+                                     ast.AsyncFunctionDef)):
+                continue
+            doc = ast.get_docstring(node, clean=False)
+            if not doc or "§" not in doc:
+                continue
+            words = re.findall(r"[A-Za-z]{2,}", re.sub(
+                r"[\w/.-]+\.md|§§?[\d.]+(?:[–-]§?[\d.]+)?", "", doc))
+            if len(words) < 4:
+                found.append(f"{path.relative_to(ROOT)}:{getattr(node, 'lineno', 1)}: {doc!r}")
+    assert not found, "docstrings that are only a reference:\n" + "\n".join(found)
+
+
+def test_the_reference_check_sees_bare_and_dangling_references(tmp_path: Path) -> None:
+    """The check above can fail: a bare reference has no document, a chain inherits its head's,
+    a quoted clause label is no reference, and a section is looked up in its document."""
+    source = tmp_path / "sample.py"
+    source.write_text(
+        '"""Bare §3.2; design/wire.md §6.2/§14.1 and §99; a label `§4.3.2`."""\n'
+        "# design/state.md §2.6 checks R1–R8,\n"
+        "# §4.5 step 2\n"
+        'CODE = "§4.3.2"\n')
+    found = [(doc, section) for _, doc, section in references(source)]
+    assert found == [(None, "3.2"), ("design/wire.md", "6.2"), ("design/wire.md", "14.1"),
+                     ("design/wire.md", "99"), ("design/state.md", "2.6"),
+                     ("design/state.md", "4.5")]
+    wire = doc_sections("design/wire.md")
+    assert wire is not None and "14.1" in wire and "99" not in wire
+    assert doc_sections("design/nowhere.md") is None

@@ -1,18 +1,18 @@
-"""The agent endpoint: `Agent.Initialize`, `Agent.Prepare`, `Agent.Commit` (session.md §3.1–§3.3);
-`python -m workers.agent …` (§7.5, §7.7).
+"""The agent endpoint: `Agent.Initialize`, `Agent.Prepare`, `Agent.Commit`
+(design/session.md §3.1–§3.3); `python -m workers.agent …` (design/session.md §7.5, §7.7).
 
-Why: one simulated brain behind the session's guarantees. The model (an `AgentModel`, §4.1,
-named by `--model`) only computes; this endpoint owns the phases `Ready(k)` / `Prepared(k)`, the
-tick accumulator, the decision context, every check of §3 in its order, and the agent fault
-knobs (`prepare_delay_ms`, `commit_delay_ms`, `fail_commit_at_step`).
+Why: one simulated brain behind the session's guarantees. The model (an `AgentModel`,
+design/session.md §4.1, named by `--model`) only computes; this endpoint owns the phases `Ready(k)`
+/ `Prepared(k)`, the tick accumulator, the decision context, every check of design/session.md §3 in
+its order, and the agent fault knobs (`prepare_delay_ms`, `commit_delay_ms`, `fail_commit_at_step`).
 
 Phases map onto the status cell: `uninitialized`; `ready` = Ready(k); `preparing`; `prepared` =
 Prepared(k); `committing`; `failed` (any error with mutation ≠ `none`, set by the shell). `k` is
 `committed_step`; `currentScope.step` is always `k`.
 
 Resolved ambiguities:
-- An agent never receives the environment descriptor, so "views decode" (§3.1 step 7, §3.3
-  step 3) is `decode_media` with content type `image/x-rgba8` (base64, length, digest) plus
+- An agent never receives the environment descriptor, so "views decode" (design/session.md §3.1 step
+  7, §3.3 step 3) is `decode_media` with content type `image/x-rgba8` (base64, length, digest) plus
   `producedStep ≤ input boundary`; the `rowStride·height` length check is the coordinator's.
 - The model is built with the launch's `threads` and the shell's executor; `workerThreads` only
   has to fit (`BUSY` when it exceeds the launch's `threads`).
@@ -21,13 +21,13 @@ Resolved ambiguities:
   a `DomainError` raised there keeps its own code and mutation, anything else is
   `BACKEND_FAILURE`/`none`. Failures inside Prepare and Commit after the first model call are
   `BACKEND_FAILURE`/`unknown` (partial mutation), except the injected commit failure
-  (`applied`, §3.3).
+  (`applied`, design/session.md §3.3).
 - Learning is switched off explicitly before the warm-up (a plugin may start with it on).
-- A reward sum is formed left to right in binary64 starting at 0.0 (§3.3).
+- A reward sum is formed left to right in binary64 starting at 0.0 (design/session.md §3.3).
 - The model class is checked when the worker starts (`workers.protocols.check_plugin`): a
   missing method or version fails the start with a message naming the class and attribute.
-- `State.*` (state.md §6, `workers.state`) is served, and `checkpoint-v1` advertised, only when
-  the model class declares `model_version` and `plasticity_version` (its identity needs them);
+- `State.*` (design/state.md §6, `workers.state`) is served, and `checkpoint-v1` advertised, only
+  when the model class declares `model_version` and `plasticity_version` (its identity needs them);
   both explicitly `None` opt out of checkpointing.
   A staged restore builds a fresh model with the checkpoint's seed and restores the saved brain
   into it; the seed is compared only once this incarnation knows its own (after Initialize or an
@@ -173,7 +173,7 @@ class AgentEndpoint(Endpoint):
     def _decode(self, sensory: SensoryInput, what: str,
                 attached: Mapping[str, Attached]) -> list[DecodedView]:
         """The input's views, inline or by reference to the request's attachments (read
-        during the handler, never kept: docs/topics.md §14.2 rule 5)."""
+        during the handler, never kept: topics.md §14.2 rule 5)."""
         views: list[DecodedView] = []
         for view in sensory.views:
             if view.produced_step > sensory.boundary:
@@ -217,7 +217,7 @@ class AgentEndpoint(Endpoint):
             raise DomainError(ErrorCode.BACKEND_FAILURE, f"{what} failed: {fault.summary()}",
                               Mutation.UNKNOWN, fault) from None
 
-    # Agent.Initialize (§3.1) -------------------------------------------------------------------
+    # Agent.Initialize (design/session.md §3.1) ----------------------------------------------------
 
     async def initialize(self, call: Call) -> dict[str, Any]:
         method = call.method
@@ -316,7 +316,7 @@ class AgentEndpoint(Endpoint):
             "graph": self.graph.to_json(),
         }
 
-    # Agent.Prepare (§3.2) ----------------------------------------------------------------------
+    # Agent.Prepare (design/session.md §3.2) -------------------------------------------------------
 
     async def prepare(self, call: Call) -> dict[str, Any]:
         method = call.method
@@ -374,7 +374,7 @@ class AgentEndpoint(Endpoint):
             "decision": decision.to_json(),
         }
 
-    # Agent.Commit (§3.3) -----------------------------------------------------------------------
+    # Agent.Commit (design/session.md §3.3) --------------------------------------------------------
 
     async def commit(self, call: Call) -> dict[str, Any]:
         method = call.method
@@ -454,7 +454,7 @@ class AgentEndpoint(Endpoint):
 
 
 # --------------------------------------------------------------------------------------------
-# State.* (state.md §6.3, §6.4)
+# State.* (design/state.md §6.3, §6.4)
 
 
 @dataclass(frozen=True)
@@ -509,8 +509,8 @@ class AgentParticipant:
         }
 
     def _check_identity(self, recorded: Any) -> int:
-        """The checkpoint's identity against this worker's, the first difference named (§3);
-        the recorded seed."""
+        """The checkpoint's identity against this worker's, the first difference named
+        (design/state.md §3); the recorded seed."""
         own = self.identity()
         if not isinstance(recorded, dict) or set(recorded) != set(IDENTITY_FIELDS):
             raise incompatible("the agent payload's identity is not an AgentIdentity")
@@ -594,7 +594,8 @@ class AgentParticipant:
         return observation
 
     def observation_digests(self, boundary: int) -> None:
-        """An agent observes nothing of its own (state.md §6.5: `observationDigests` null)."""
+        """An agent observes nothing of its own (design/state.md §6.5: `observationDigests`
+        null)."""
         return None
 
     def install(self, staged: StagedAgent, scope: Scope) -> None:

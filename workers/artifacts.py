@@ -1,4 +1,4 @@
-"""Media by reference (docs/topics.md §14.2): the producer's `MediaSink` and the consumers'
+"""Media by reference (topics.md §14.2): the producer's `MediaSink` and the consumers'
 `open_attached`.
 
 Why: a 256×256 view is 256 KiB; inline it is base64-encoded, hashed and decoded at every hop.
@@ -21,7 +21,7 @@ Rules:
   with the reply (the worker shell keeps its holds until its next reply with attachments, so a
   replay can attach them again). A refused allocate or seal (QUOTA_EXCEEDED, STORE_FAILURE,
   NOT_AUTHORIZED, any store error) sends that blob inline instead, logged once per reason
-  (docs/topics.md §16 decision 21); an allocation already made for it is dropped.
+  (topics.md §16 decision 21); an allocation already made for it is dropped.
 - While a reply's seals are in flight, the sink allocates the next boundary's artifacts of the
   same lengths (spares), so a boundary costs one store round trip. A store operation not
   answered within `STORE_OP_S` counts as a refusal.
@@ -44,7 +44,8 @@ from typing import Final, TypeVar
 
 import structlog
 
-from bus.client import Allocation, Attachment, BusClient
+from bus.client import BusClient
+from bus.client_artifacts import Allocation, Attachment
 from bus.errors import BusError
 from workers.types.datatypes import (
     ArrayValue,
@@ -68,7 +69,7 @@ log = structlog.get_logger("workers.artifacts")
 
 _STAGED: Final = "staged-"
 #: a world holds the last reply's artifacts, the ones it seals and the spares for the next,
-#: and a view's d earlier frames on top (docs/topics.md §14.2 rule 3)
+#: and a view's d earlier frames on top (topics.md §14.2 rule 3)
 HELD_BOUNDARIES: Final = 3
 #: every store operation of a reply is answered within this (a lost router answers at once)
 STORE_OP_S: Final = 10.0

@@ -61,7 +61,8 @@ def start_endpoint(launch: WorkerLaunch, endpoint_factory: EndpointFactory) -> E
 
 
 class WorkerThread:
-    """Thread mode (§7.1): `run_worker` on its own uvloop event loop in a dedicated OS thread.
+    """Thread mode (design/session.md §7.1): `run_worker` on its own uvloop event loop in a
+    dedicated OS thread.
 
     `start()` returns at once. `stop()` aborts the connection (no reply, no unregister) and
     `cancel()` cancels the worker's task; both are thread-safe and hold when called before the

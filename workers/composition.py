@@ -1,4 +1,5 @@
-"""Composition-wide identities: config assets, seeds, composition digest (session.md §4.6, §4.7).
+"""Composition-wide identities: config assets, seeds, composition digest (design/session.md §4.6,
+§4.7).
 
 Why: these are model-agnostic facts about a composition that the coordinator, the run spec and
 the worlds must compute identically; they are pure functions of their inputs.

@@ -1,11 +1,11 @@
-"""The worker's result cache: admission, replay and retention (session.md §2.3, §2.4). Pure.
+"""The worker's result cache: admission, replay and retention (design/session.md §2.3, §2.4). Pure.
 
 A reply can be lost and a call re-sent; the worker must then answer from memory and never run a
 mutation twice. The cache decides, for every StepMutation or Lifecycle request, before any
 handler runs: **Execute** (a `Ticket`), **Replay** (a stored `Record`) or **Refuse** (a
 `DomainError`). It holds no I/O and no clock; the shell calls it synchronously in the reader.
 
-Operation classes (§2.3, `METHOD_CLASSES`):
+Operation classes (design/session.md §2.3, `METHOD_CLASSES`):
 
     StepMutation  Agent.Prepare, Agent.Commit, Environment.Advance
                   key (sessionId, epoch, step, method, workerId); records of the current and
@@ -47,7 +47,7 @@ Eviction never re-enables execution: the watermarks decide.
 Violations of the protocol by the caller (completing a ticket that is not the active one,
 adopting an epoch twice) raise `DomainError` `INTERNAL`/`none`; the cache is then unchanged.
 
-Body digest (wire.md §22.3): `wire_digest(method, payload_bytes)`, the SHA-256 of the method
+Body digest (design/wire.md §22.3): `wire_digest(method, payload_bytes)`, the SHA-256 of the method
 and the request's payload exactly as the caller wrote it (the router forwards those bytes
 untouched). A retry resends the bytes it sent, so it matches; the same value spelled otherwise
 under the same id is a mismatch (CONFLICT), as a different body always was. Nothing is parsed or

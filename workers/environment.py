@@ -1,24 +1,25 @@
-"""The environment endpoint: `Environment.Initialize`, `Environment.Advance` (session.md §3.4,
-§3.5); `python -m workers.environment …` (§7.5, §7.7).
+"""The environment endpoint: `Environment.Initialize`, `Environment.Advance`
+(design/session.md §3.4, §3.5); `python -m workers.environment …` (design/session.md §7.5, §7.7).
 
-Why: the shared world behind the session's guarantees. The world (a `World`, §4.1, named by
-`--world`) keeps only its own state; this endpoint owns the boundary, world time, the batch set,
-the view pipeline, the audio sample budgets, every check of §3 in its order, and the environment
-fault knobs (`advance_delay_ms` and the media faults of §4.9).
+Why: the shared world behind the session's guarantees. The world (a `World`, design/session.md §4.1,
+named by `--world`) keeps only its own state; this endpoint owns the boundary, world time, the batch
+set, the view pipeline, the audio sample budgets, every check of design/session.md §3 in its order,
+and the environment fault knobs (`advance_delay_ms` and the media faults of design/session.md §4.9).
 
 View pipeline: exactly one frame per boundary per view (a world whose `render` returns None drew
 nothing new: the frame of the previous boundary, rendered or restored, is that boundary's again,
 so the frames are the same whether or not a restore came between); the last `delay+1` frames are
 kept; at boundary `b` the frame produced at `max(0, b − delay)` is served (boundaries `0..delay`
-repeat O[0]). Audio: one chunk per transition per stream, sized by `AudioBudget` (§5.3), none at
-boundary 0, `discontinuity` false. A view or chunk above the launch's `media_inline_max_bytes`
-travels by reference (docs/topics.md §14.2, `workers.artifacts.MediaSink`): staged while
-rendering, sealed before the reply of `Environment.Initialize` or `Environment.Advance`, and
-attached to it (the shell keeps the holds until the next such reply, for a replay); a failed
-reply drops what it sealed. A view's frame is sealed with the reply of the boundary that
-rendered it and kept while the pipeline retains it, so a delayed view is served as the one
-artifact sealed at its render. `State.ActivateRestore`'s observation does the same (docs/topics.md
-§14.2 rule 7: the restored frames become new artifacts of the current store).
+repeat O[0]). Audio: one chunk per transition per stream, sized by `AudioBudget`
+(design/session.md §5.3), none at boundary 0, `discontinuity` false. A view or chunk above the
+launch's `media_inline_max_bytes` travels by reference (topics.md §14.2,
+`workers.artifacts.MediaSink`): staged while rendering, sealed before the reply of
+`Environment.Initialize` or `Environment.Advance`, and attached to it (the shell keeps the holds
+until the next such reply, for a replay); a failed reply drops what it sealed. A view's frame is
+sealed with the reply of the boundary that rendered it and kept while the pipeline retains it, so a
+delayed view is served as the one artifact sealed at its render. `State.ActivateRestore`'s
+observation does the same (topics.md §14.2 rule 7: the restored frames become new artifacts of the
+current store).
 
 Media faults at boundary B (applied to whichever observation has that boundary, O[0] included):
 `omit_view_at_boundary` serves no sensory view (the frame is still rendered and kept);
@@ -32,26 +33,26 @@ Resolved ambiguities:
 - The world class is checked first (`workers.protocols.check_plugin`: a missing method fails the
   start naming the class and attribute).
 - The world is built when the endpoint is (at launch), from the launch's world settings; its
-  descriptor must be valid (§1.8), declare exactly the launch's ports in launch order and the
-  launch's step, else the launch is refused (`INVALID_ARGUMENT`).
+  descriptor must be valid (design/session.md §1.8), declare exactly the launch's ports in launch
+  order and the launch's step, else the launch is refused (`INVALID_ARGUMENT`).
 - `broadcastViews` lists every sensory view served (v1 carries no second copy of the bytes).
 - `engineFrame` is `world.engine_frame(boundary)` when the world offers it, else null.
 - `Environment.Initialize` also refuses (`INVALID_ARGUMENT`) an agent bound to two ports; the
   `taskConfig` asset is parsed but not compared (the task is coordinator-local).
 - A world failure while resetting or applying is `BACKEND_FAILURE`/`unknown`; a render failure
-  after the step was applied is `BACKEND_FAILURE`/`applied` (§3.5 step 6), also at Initialize
-  (the episode was reset). A rendered frame or audio chunk of the wrong size is a render failure,
-  and so is an observation whose reply would exceed the router's `maxEnvelopeBytes` (checked
-  with the router's own frame rule, `Endpoint.reply_frame`): sent anyway, the router would
+  after the step was applied is `BACKEND_FAILURE`/`applied` (design/session.md §3.5 step 6), also at
+  Initialize (the episode was reset). A rendered frame or audio chunk of the wrong size is a render
+  failure, and so is an observation whose reply would exceed the router's `maxEnvelopeBytes`
+  (checked with the router's own frame rule, `Endpoint.reply_frame`): sent anyway, the router would
   refuse it and the coordinator learn only that the call went without a reply.
 - `Environment.Initialize` also refuses (`UNSUPPORTED`, before the reset) a world whose smallest
   capture — one frame of each view, base64 inside a payload that travels base64 — exceeds
   `maxEnvelopeBytes`: every run ends with a durable capture, so that world could never finish.
-- `State.*` (state.md §6, `workers.state`): a staged restore builds a fresh world from the
+- `State.*` (design/state.md §6, `workers.state`): a staged restore builds a fresh world from the
   launch's settings, resets it to the checkpoint's episode and bindings and restores the saved
   world into it (the staging copy); activation swaps it in with the recorded frames and audio
   positions. The first chunk of each audio stream after an activation is marked
-  `discontinuity`. The activation also reports `observationDigests` (session.md §6.12,
+  `discontinuity`. The activation also reports `observationDigests` (design/session.md §6.12,
   amendment 2026-12-07): each view's frame of k rendered again from the restored world, for the
   coordinator to compare with its record (a delayed view, served from an older frame, is
   compared by the world itself with the checkpoint's frame of k:
@@ -135,9 +136,9 @@ _BATCH_ID: Final = re.compile(r"(batch-e[1-9][0-9]*-)(0|[1-9][0-9]*)")
 
 
 class BatchSet:
-    """The batch ids applied in the current epoch (§3.5 step 2) in memory that does not grow
-    with the number of steps: ids of the coordinator's form `batch-<epoch>-<k>` are kept as
-    ranges of k per prefix (a session applies k = 0, 1, 2, … so one range), any other id as
+    """The batch ids applied in the current epoch (design/session.md §3.5 step 2) in memory that
+    does not grow with the number of steps: ids of the coordinator's form `batch-<epoch>-<k>` are
+    kept as ranges of k per prefix (a session applies k = 0, 1, 2, … so one range), any other id as
     itself. Membership is exact either way."""
 
     def __init__(self) -> None:
@@ -251,7 +252,7 @@ class EnvironmentEndpoint(Endpoint):
         self.last_served: dict[str, ViewRef] = {}
         self.budgets: dict[str, AudioBudget] = {}
         self.resumed_streams: set[str] = set()
-        #: views and audio above the launch's threshold go by reference (docs/topics.md §14.2)
+        #: views and audio above the launch's threshold go by reference (topics.md §14.2)
         self.media = MediaSink(launch.media_inline_max_bytes)
         self.handlers = {
             "Environment.Initialize": self.initialize,
@@ -432,7 +433,7 @@ class EnvironmentEndpoint(Endpoint):
         assert status.current_scope is not None
         status.current_scope = status.current_scope.at(self.boundary)
 
-    # Environment.Initialize (§3.4) -------------------------------------------------------------
+    # Environment.Initialize (design/session.md §3.4) ----------------------------------------------
 
     async def initialize(self, call: Call) -> dict[str, Any]:
         method = call.method
@@ -496,7 +497,7 @@ class EnvironmentEndpoint(Endpoint):
         return self._fitting(call, 0, {"descriptor": self.descriptor.to_json(),
                                        "observation": observation.to_json()})
 
-    # Environment.Advance (§3.5) ----------------------------------------------------------------
+    # Environment.Advance (design/session.md §3.5) -------------------------------------------------
 
     async def advance(self, call: Call) -> dict[str, Any]:
         method = call.method
@@ -545,7 +546,7 @@ class EnvironmentEndpoint(Endpoint):
 
 
 # --------------------------------------------------------------------------------------------
-# State.* (state.md §6.3, §6.4)
+# State.* (design/state.md §6.3, §6.4)
 
 
 @dataclass(frozen=True)
@@ -764,7 +765,7 @@ class WorldParticipant:
         return observation.to_json()
 
     def observation_digests(self, boundary: int) -> list[dict[str, str]]:
-        """What the restored world observes now, in the behaviour record's form (state.md
+        """What the restored world observes now, in the behaviour record's form (design/state.md
         §6.5, `observationDigests`): per declared view, by view id, the step and digest of the
         frame served at `boundary`. Every view's frame of `boundary` is rendered again from the
         restored world, not read from the checkpoint. An undelayed view serves that frame, so

@@ -1,4 +1,4 @@
-"""Fault knobs of a worker launch: `Faults` and the knob table (session.md §4.9).
+"""Fault knobs of a worker launch: `Faults` and the knob table (design/session.md §4.9).
 
 Why here: faults travel with a launch (`WorkerLaunch`, `workers/launch.py`, which re-exports
 `Faults`) and are executed by the worker shell, so they must live in `workers/`; the run spec and
@@ -25,7 +25,8 @@ ROLES: Final[tuple[Role, ...]] = ("agent", "environment")
 
 @dataclass(frozen=True)
 class Knob:
-    """One row of the §4.9 table."""
+    """One fault knob of design/session.md §4.9: its name, the roles that have it and the type of
+    its value, so the CLI, the run spec and the launch parse it the same way."""
 
     name: str
     roles: frozenset[Role]
@@ -82,7 +83,7 @@ def role_fields(role: Role) -> tuple[str, ...]:
 
 @dataclass(frozen=True)
 class Faults:
-    """The faults of one launch; None or False when unset (§4.9)."""
+    """The faults of one launch; None or False when unset (design/session.md §4.9)."""
 
     prepare_delay_ms: int | None = None
     prepare_delay_at_step: int | None = None
@@ -150,7 +151,8 @@ class Faults:
         return replace(self, **changes)
 
     def to_json(self, role: Role) -> dict[str, Any]:
-        """The run-spec form (§4.10): every camelCase key of the role, steps as U64 strings."""
+        """The run-spec form (design/session.md §4.10): every camelCase key of the role, steps as
+        U64 strings."""
         out: dict[str, Any] = {}
         for name in role_fields(role):
             value = getattr(self, name)

@@ -1,5 +1,5 @@
 """The fork server: one process per node that has imported the worker modules and forks every
-process-mode worker from itself (session.md §7.5; docs/launcher.md).
+process-mode worker from itself (design/session.md §7.5; docs/launcher.md).
 
 Why: a worker started with `python -m workers.agent` pays the interpreter's start and the
 imports, about 0.4 s of CPU and a full private copy of every module; 64 of them at once starved

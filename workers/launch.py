@@ -1,9 +1,9 @@
-"""One worker launch's settings and its command line (session.md §2.1, §7.5, §7.7).
+"""One worker launch's settings and its command line (design/session.md §2.1, §7.5, §7.7).
 
 Stable API (the launcher, `flyd/launcher.py`, builds on exactly this):
 
-    (`Role`, "agent" | "environment", and `Faults` (§4.9) come from workers.faults)
-    AgentSettings(port_id, model="workers.synthetic:FakeBrain", model_config={},
+    (`Role`, "agent" | "environment", and `Faults` (design/session.md §4.9) come from
+    workers.faults) AgentSettings(port_id, model="workers.synthetic:FakeBrain", model_config={},
                   tick=RationalNs(1000000, 1), warmup_ticks=10)
     EnvironmentSettings(ports, world="workers.synthetic:CounterArena", world_config={},
                         step=RationalNs(50000000, 3), observation_delay_steps=0)
@@ -12,24 +12,25 @@ Stable API (the launcher, `flyd/launcher.py`, builds on exactly this):
                  faults=Faults(), parent_pid=None, log_format="json")
         .role                    "agent" when settings is AgentSettings, else "environment"
         .module                  "workers.agent" | "workers.environment" (for `python -m`)
-        .to_argv() -> list[str]  the flags of §7.7 (no interpreter, no module)
+        .to_argv() -> list[str]  the flags of design/session.md §7.7 (no interpreter, no module)
         .from_argv(argv, role=None) -> WorkerLaunch   (classmethod; raises LaunchArgsError)
         .command(python=sys.executable) -> list[str]  [python, "-m", module, *to_argv()]
     LaunchArgsError(ValueError)  a refused command line; `.exit_code == 2`
     build_parser(role) -> argparse.ArgumentParser   the entry points' parser (never exits)
     parse_worker_argv(role, argv) -> WorkerLaunch    what `python -m workers.<role>` runs
-    thread_environment(threads) -> dict[str, str]    OMP/OPENBLAS/MKL/NUMEXPR_NUM_THREADS (§2.1)
-    die_with_parent(argv, **popen_kwargs) -> Popen   spawn armed with PR_SET_PDEATHSIG (§7.5)
-    arm_die_with_parent(parent_pid) -> None          the child's re-arm at the top of main()
-    START_GATE = b"go\\n"                             the line the launcher writes to stdin
-    REFUSED_LAUNCH = "worker.refused_launch"          the log event of a worker that cannot
+    thread_environment(threads) -> dict[str, str]    OMP/OPENBLAS/MKL/NUMEXPR_NUM_THREADS
+    (design/session.md §2.1) die_with_parent(argv, **popen_kwargs) -> Popen   spawn armed with
+    PR_SET_PDEATHSIG (design/session.md §7.5) arm_die_with_parent(parent_pid) -> None          the
+    child's re-arm at the top of main() START_GATE = b"go\\n"                             the line
+    the launcher writes to stdin REFUSED_LAUNCH = "worker.refused_launch"          the log event of
+    a worker that cannot
                                                       start; its `error` field is the refusal's
                                                       wire `error` object, data included
 
 Construction validates everything (`DomainError` `INVALID_ARGUMENT`/`none`), so a launch that
 exists is one the worker accepts, and `from_argv(to_argv(x)) == x` for every launch.
 
-Command line (§7.7), in the order `to_argv` writes it:
+Command line (design/session.md §7.7), in the order `to_argv` writes it:
 
     common  --socket PATH --session ID --worker ID --incarnation ID --client-id ID
             --service NAME --supervisor ID --callers ID,ID,... --threads N --max-agents N
@@ -51,7 +52,7 @@ Resolved ambiguities:
 - A fault flag is written only when the knob is set (a `*_delay_ms` of None is not 0), so the
   round trip is exact; `--prepare-delay-ms` etc. are optional on the command line. `N@K` sets
   the delay and its `*_at_step`; an `*_at_step` without its delay is refused.
-- `--media-inline-max-bytes` (0..2^30, `[session] media_inline_max_bytes`, docs/topics.md
+- `--media-inline-max-bytes` (0..2^30, `[session] media_inline_max_bytes`, topics.md
   §14.2) is written only when it is not the default 16384: media above it travel by reference.
 - `--parent-pid` is written only when set (process mode); a worker given one re-arms
   die-with-parent and exits 1 when its parent is already someone else.
@@ -88,7 +89,7 @@ from workers.types.domain import (
 )
 from workers.types.ticks import RationalNs
 
-#: `[session] media_inline_max_bytes` (docs/topics.md §14.2): blobs above it travel by reference
+#: `[session] media_inline_max_bytes` (topics.md §14.2): blobs above it travel by reference
 DEFAULT_MEDIA_INLINE_MAX_BYTES: Final = 16384
 MAX_MEDIA_INLINE_MAX_BYTES: Final = 2**30
 
@@ -184,7 +185,7 @@ def _positive(value: Any, what: str) -> RationalNs:
 
 @dataclass(frozen=True)
 class AgentSettings:
-    """The agent role's settings (§7.7 agent flags)."""
+    """The agent role's settings (design/session.md §7.7 agent flags)."""
 
     port_id: str
     model: str = DEFAULT_MODEL
@@ -202,7 +203,7 @@ class AgentSettings:
 
 @dataclass(frozen=True)
 class EnvironmentSettings:
-    """The environment role's settings (§7.7 environment flags)."""
+    """The environment role's settings (design/session.md §7.7 environment flags)."""
 
     ports: tuple[str, ...]
     world: str = DEFAULT_WORLD
@@ -230,7 +231,7 @@ Settings = AgentSettings | EnvironmentSettings
 
 @dataclass(frozen=True)
 class WorkerLaunch:
-    """Everything one worker incarnation is started with (§2.1, §7.7)."""
+    """Everything one worker incarnation is started with (design/session.md §2.1, §7.7)."""
 
     socket: str
     session_id: str
@@ -246,7 +247,7 @@ class WorkerLaunch:
     faults: Faults = field(default_factory=Faults)
     parent_pid: int | None = None
     log_format: LogFormat = "json"
-    #: transport, not behaviour: media above it travel by reference (docs/topics.md §14.2)
+    #: transport, not behaviour: media above it travel by reference (topics.md §14.2)
     media_inline_max_bytes: int = DEFAULT_MEDIA_INLINE_MAX_BYTES
 
     def __post_init__(self) -> None:
@@ -311,7 +312,7 @@ class WorkerLaunch:
         return frozenset(self.callers) | {self.supervisor}
 
     def command(self, python: str = sys.executable) -> list[str]:
-        """`[python, "-m", module, *to_argv()]` (§7.5)."""
+        """`[python, "-m", module, *to_argv()]` (design/session.md §7.5)."""
         return [python, "-m", self.module, *self.to_argv()]
 
     def to_argv(self) -> list[str]:
@@ -603,7 +604,7 @@ def parse_worker_argv(role: Role, argv: Sequence[str]) -> WorkerLaunch:
 
 
 def thread_environment(threads: int) -> dict[str, str]:
-    """The child environment's thread variables (§2.1), each set to `threads`."""
+    """The child environment's thread variables (design/session.md §2.1), each set to `threads`."""
     _int(threads, "threads", 1, MAX_THREADS)
     return dict.fromkeys(THREAD_VARIABLES, str(threads))
 

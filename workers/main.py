@@ -75,7 +75,8 @@ def read_start_gate(stream: Any = None, timeout: float = GATE_TIMEOUT_S) -> bool
 
 def main(role: Role, argv: Sequence[str] | None = None, *,
          endpoint_factory: EndpointFactory) -> int:
-    """`python -m workers.agent|environment …` (§7.5): exit 0/1/2/3/4 as documented."""
+    """`python -m workers.agent|environment …` (design/session.md §7.5): exit 0/1/2/3/4 as
+    documented."""
     args = list(sys.argv[1:] if argv is None else argv)
     if args in (["--help"], ["-h"]):
         build_parser(role).print_help()

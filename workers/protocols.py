@@ -1,4 +1,4 @@
-"""Plugin protocols: `AgentModel`, `World`, `Task`, `ActionExecutor` (session.md §4.1).
+"""Plugin protocols: `AgentModel`, `World`, `Task`, `ActionExecutor` (design/session.md §4.1).
 
 Why: users put their own model and world behind the session's guarantees by implementing these
 and naming the class by import path in the run spec; the synthetic classes implement the same
@@ -6,9 +6,10 @@ protocols. The worker shell owns dedup, phases, scope checks, clocks, media chec
 a plugin only implements the model. Models are not thread-safe: the shell calls them only under
 its endpoint lock.
 
-Values are the frozen dataclasses of `workers.types.datatypes` (§1.8); this module adds the records
-§4.1 names that are not wire types of §1.8: `DecodedView`, `ControllerIntent`, `TaskEvent`,
-`AgentOutcome`, `Bootstrap`, `Evaluation`, `EpisodeRequest`.
+Values are the frozen dataclasses of `workers.types.datatypes` (design/session.md §1.8); this module
+adds the records design/session.md §4.1 names that are not wire types of design/session.md §1.8:
+`DecodedView`, `ControllerIntent`, `TaskEvent`, `AgentOutcome`, `Bootstrap`, `Evaluation`,
+`EpisodeRequest`.
 
 Resolved ambiguities:
 - `Task.bootstrap(inspection, bindings)` carries no epoch, yet the bootstrap event id is minted
@@ -359,7 +360,8 @@ class Task(Protocol):
     def evaluations(self) -> int: ...
 
     def minted_ids(self, epoch: str, step: int) -> list[str]:
-        """Every event id the task could mint at `step` of `epoch` (trace rebasing, §6.12)."""
+        """Every event id the task could mint at `step` of `epoch` (trace rebasing,
+        design/session.md §6.12)."""
         ...
 
     def capture(self) -> bytes: ...

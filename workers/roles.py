@@ -1,5 +1,5 @@
-"""Which endpoint serves a role (session.md §3, §7.1): the one map from a launch's role to its
-endpoint class.
+"""Which endpoint serves a role (design/session.md §3, §7.1): the one map from a launch's role to
+its endpoint class.
 
 Why: the shell (`workers.shell`) is the base layer every endpoint builds on, so it must not
 import them; whoever starts a worker without an endpoint of its own (the fork server, the

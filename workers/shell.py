@@ -1,5 +1,5 @@
 """The worker shell: bus connection, registration, admission, `Worker.*`, status cell
-(session.md §2.1–§2.8).
+(design/session.md §2.1–§2.8).
 
 Why: every agent and environment must refuse, replay and report the same way, whatever model or
 world it runs; the shell owns all of that and an endpoint (`workers.agent`, `workers.environment`)
@@ -7,7 +7,7 @@ only implements its own methods' checks and effects.
 
 API:
 
-    WorkerState                      the 11 states of §2.6 (StrEnum, wire values)
+    WorkerState                      the 11 states of design/session.md §2.6 (StrEnum, wire values)
     StatusCell                       what `Worker.Status` reports; `raise_progress(n)` only rises
     Call                             one admitted request as an endpoint handler sees it
     Endpoint                         base class of the agent and environment endpoints
@@ -17,25 +17,26 @@ API:
 The bodies that run a shell are `workers.bodies` (in-process and thread mode) and
 `workers.main` (the process); the contract's identities and schemas are `workers.types.contract`.
 
-Start (§2.1): (process mode) arm die-with-parent, read the start gate line `go` from stdin;
-connect with `clientIncarnation = incarnationId`; register `maxQueued 16, maxInFlight 8`,
-retrying a bus `CONFLICT` every 5 ms for up to 30 s (then exit 4); serve until `Worker.Shutdown`
-was answered (exit 0) or the connection is lost (exit 3). The shell never reconnects.
+Start (design/session.md §2.1): (process mode) arm die-with-parent, read the start gate line `go`
+from stdin; connect with `clientIncarnation = incarnationId`; register
+`maxQueued 16, maxInFlight 8`, retrying a bus `CONFLICT` every 5 ms for up to 30 s (then exit 4);
+serve until `Worker.Shutdown` was answered (exit 0) or the connection is lost (exit 3). The shell
+never reconnects.
 
-Request pipeline (§2.2), for each delivered request in arrival order: the SDK starts one task per
-`bus.request` in arrival order, and everything up to admission runs synchronously at the start of
-that task, so admission order is arrival order; `Worker.Hello`, `Worker.Status` and
-`Worker.Acknowledge` never await and run inline on the SDK's reader (wire.md §22.2). 1 parse (§1.3)
-→ `INVALID_ARGUMENT`; 2 method table → `UNSUPPORTED`; 3 class, StepMutation with scope null →
-`INVALID_ARGUMENT`; 3b caller ∉ `--callers` ∪ {supervisor} → `IDENTITY_MISMATCH`; 4 ReadOnly →
-answered at once from the status cell (never waits for the endpoint lock); 5 admission by the
-`ResultCache` with `wire_digest(method, payload bytes)` (wire.md §22.3: the bytes the caller sent):
-Replay (the stored outcome JSON, a fresh bus reply), Refuse, or Execute (`activeRequestId`, the
-endpoint handler behind the endpoint lock in the request's own task); 6 a success or an error with
-mutation ≠ `none` is stored in the cache before the reply (`lastCompletedRequestId`; mutation ≠
-`none` makes the worker `failed`), an error with `none` abandons the key; `activeRequestId` is
-cleared either way. The endpoint lock is released before the reply is sent (the SDK sends the
-returned outcome), so it is never held across bus I/O.
+Request pipeline (design/session.md §2.2), for each delivered request in arrival order: the SDK
+starts one task per `bus.request` in arrival order, and everything up to admission runs
+synchronously at the start of that task, so admission order is arrival order; `Worker.Hello`,
+`Worker.Status` and `Worker.Acknowledge` never await and run inline on the SDK's reader
+(design/wire.md §22.2). 1 parse (design/session.md §1.3) → `INVALID_ARGUMENT`; 2 method table →
+`UNSUPPORTED`; 3 class, StepMutation with scope null → `INVALID_ARGUMENT`; 3b caller ∉ `--callers` ∪
+{supervisor} → `IDENTITY_MISMATCH`; 4 ReadOnly → answered at once from the status cell (never waits
+for the endpoint lock); 5 admission by the `ResultCache` with `wire_digest(method, payload bytes)`
+(design/wire.md §22.3: the bytes the caller sent): Replay (the stored outcome JSON, a fresh bus
+reply), Refuse, or Execute (`activeRequestId`, the endpoint handler behind the endpoint lock in the
+request's own task); 6 a success or an error with mutation ≠ `none` is stored in the cache before
+the reply (`lastCompletedRequestId`; mutation ≠ `none` makes the worker `failed`), an error with
+`none` abandons the key; `activeRequestId` is cleared either way. The endpoint lock is released
+before the reply is sent (the SDK sends the returned outcome), so it is never held across bus I/O.
 
 Resolved ambiguities:
 - The effective caller set is `--callers` plus the supervisor (its `Worker.Shutdown` must get
@@ -80,6 +81,7 @@ from typing import Any, ClassVar, Final, TypeVar
 import structlog
 
 from bus import client as bus_client
+from bus import client_artifacts, client_serving
 from bus.errors import BusError
 from bus.limits import MAX_ID, result_frame
 from workers.artifacts import open_attached
@@ -147,15 +149,15 @@ SELECTED_MINOR: Final = 0
 
 WORKER_METHODS: Final = ("Worker.Hello", "Worker.Status", "Worker.Acknowledge", "Worker.Shutdown")
 #: methods whose whole pipeline completes without awaiting: the SDK runs them inline on its
-#: reader (wire.md §22.2). The step mutations await the endpoint lock, the model thread, media
-#: seals and delay faults, and Shutdown awaits its own reply: they keep a task each.
+#: reader (design/wire.md §22.2). The step mutations await the endpoint lock, the model thread,
+#: media seals and delay faults, and Shutdown awaits its own reply: they keep a task each.
 INLINE_METHODS: Final = ("Worker.Hello", "Worker.Status", "Worker.Acknowledge")
 
 T = TypeVar("T")
 
 
 # --------------------------------------------------------------------------------------------
-# status (§2.6)
+# status (design/session.md §2.6)
 
 
 class WorkerState(StrEnum):
@@ -206,7 +208,7 @@ class StatusCell:
 @dataclass(frozen=True, slots=True)
 class Call:
     """One admitted request as its handler sees it. `attached`: the request's attachments,
-    opened (by-reference media, docs/topics.md §14.2); a handler appends to `outgoing` the
+    opened (by-reference media, topics.md §14.2); a handler appends to `outgoing` the
     sealed artifacts its result names, and they leave with the reply (the shell keeps its holds
     until the next reply with attachments, for a replay)."""
 
@@ -214,7 +216,7 @@ class Call:
     request: Request
     caller: str
     attached: Mapping[str, Attached] = field(default_factory=dict)
-    outgoing: list[bus_client.Attachment] = field(default_factory=list)
+    outgoing: list[client_artifacts.Attachment] = field(default_factory=list)
     #: the params were checked against the method's schema by the typed decode (`parse_typed`)
     typed: bool = False
 
@@ -265,7 +267,7 @@ class Endpoint:
 
     def kept_artifacts(self) -> frozenset[str]:
         """Artifact ids this endpoint holds for a later reply (a world's delayed frames,
-        docs/topics.md §14.2 rule 3): the shell never drops those with its replay holds."""
+        topics.md §14.2 rule 3): the shell never drops those with its replay holds."""
         return frozenset()
 
     @property
@@ -309,7 +311,7 @@ class Endpoint:
         limit: int = client.limits.get("maxEnvelopeBytes", 0) if client is not None else 0
         return limit
 
-    # the common checks of §3 -----------------------------------------------------------------
+    # the common checks of design/session.md §3 ----------------------------------------------------
 
     def check_scope(self, call: Call) -> Scope:
         """Checks 1–2: scope present, same session."""
@@ -401,9 +403,9 @@ class WorkerShell:
         #: the request id and sealed attachments of the last reply that carried some: this
         #: worker keeps its holds on them until the next such reply, so a replay of that
         #: reply (a re-sent request after a lost result) attaches them again
-        self._kept: tuple[str, tuple[bus_client.Attachment, ...]] | None = None
+        self._kept: tuple[str, tuple[client_artifacts.Attachment, ...]] | None = None
         self.client: bus_client.BusClient | None = None
-        self.service: bus_client.Service | None = None
+        self.service: client_serving.Service | None = None
         self.service_incarnation: str | None = None
         self._log = log.bind(worker_id=launch.worker_id, incarnation_id=launch.incarnation_id)
         endpoint.attach(self)
@@ -427,7 +429,7 @@ class WorkerShell:
     # running ----------------------------------------------------------------------------------
 
     async def run(self, *, stop_event: asyncio.Event | None = None) -> int:
-        """Connect, register, serve; the exit code of §2.1."""
+        """Connect, register, serve; the exit code of design/session.md §2.1."""
         try:
             return await self._run(stop_event)
         finally:
@@ -525,7 +527,7 @@ class WorkerShell:
                 f"{what} did not finish within {MODEL_CALL_TIMEOUT_S:g} s", Mutation.UNKNOWN,
             ) from None
 
-    # the request pipeline (§2.2) -------------------------------------------------------------
+    # the request pipeline (design/session.md §2.2) ------------------------------------------------
 
     def _outcome(self, request: Request, *, result: dict[str, Any] | None = None,
                  error: DomainError | None = None) -> dict[str, Any]:
@@ -534,8 +536,9 @@ class WorkerShell:
         assert result is not None
         return Outcome.success(request, self.worker_id, self.incarnation_id, result).to_json()
 
-    def _front(self, req: bus_client.Request) -> dict[str, Any] | tuple[Call, OpClass]:
-        """Steps 1–3b of §2.2, synchronous: an outcome to answer at once, or the call."""
+    def _front(self, req: client_serving.Request) -> dict[str, Any] | tuple[Call, OpClass]:
+        """Steps 1–3b of design/session.md §2.2, synchronous: an outcome to answer at once, or the
+        call."""
         method = req.method
         request = parse_typed(method, req.payload)
         typed = request is not None
@@ -546,7 +549,8 @@ class WorkerShell:
                 return unparsable_outcome(req.payload, exc, self.worker_id,
                                           self.incarnation_id).to_json()
         op = class_of(method)
-        # the endpoint's method table (§3.7): the Worker.* methods and the endpoint's handlers
+        # the endpoint's method table (design/session.md §3.7): the Worker.* methods and the
+        # endpoint's handlers
         if op is None or (method not in self.endpoint.handlers
                           and method not in WORKER_METHODS):
             return self._outcome(request, error=DomainError.before(
@@ -565,9 +569,10 @@ class WorkerShell:
             else open_attached(self.client, req.attachments)
         return Call(method, request, caller, attached, typed=typed), op
 
-    def _on_read_only(self, req: bus_client.Request) -> dict[str, Any]:
-        """The inline handler (wire.md §22.2) of the read-only methods that never await
-        (`INLINE_METHODS`): §2.2 steps 1–4 on the SDK's reader, no task per request."""
+    def _on_read_only(self, req: client_serving.Request) -> dict[str, Any]:
+        """The inline handler (design/wire.md §22.2) of the read-only methods that never await
+        (`INLINE_METHODS`): design/session.md §2.2 steps 1–4 on the SDK's reader, no task per
+        request."""
         front = self._front(req)
         if isinstance(front, dict):
             return front
@@ -575,8 +580,8 @@ class WorkerShell:
         assert op == OpClass.READ_ONLY
         return self._read_only_now(call)
 
-    async def _on_request(self, req: bus_client.Request,
-                          ) -> dict[str, Any] | bus_client.Reply | None:
+    async def _on_request(self, req: client_serving.Request,
+                          ) -> dict[str, Any] | client_serving.Reply | None:
         """The SDK handler: everything up to admission runs before the first await."""
         front = self._front(req)
         if isinstance(front, dict):
@@ -596,7 +601,7 @@ class WorkerShell:
             self._log.info("worker.replay", method=method, request_id=request.request_id)
             kept = self._kept
             if kept is not None and kept[0] == request.request_id:
-                return bus_client.Reply(admission.outcome, attachments=kept[1])
+                return client_serving.Reply(admission.outcome, attachments=kept[1])
             return admission.outcome
         if isinstance(admission, Refuse):
             return self._outcome(request, error=admission.error)
@@ -604,7 +609,7 @@ class WorkerShell:
         self.status.active_request_id = request.request_id
         return await self._execute(admission.ticket, call)
 
-    async def _execute(self, ticket: Ticket, call: Call) -> dict[str, Any] | bus_client.Reply:
+    async def _execute(self, ticket: Ticket, call: Call) -> dict[str, Any] | client_serving.Reply:
         handler = self.endpoint.handlers[call.method]
         error: DomainError | None = None
         result: dict[str, Any] | None = None
@@ -655,13 +660,14 @@ class WorkerShell:
                 self.client.drop_nowait([a.artifact_id for a in self._kept[1]
                                          if a.artifact_id not in still])
             self._kept = (call.request_id, outgoing)
-            return bus_client.Reply(outcome, attachments=outgoing)
+            return client_serving.Reply(outcome, attachments=outgoing)
         return outcome
 
-    # Worker.* (§2.5–§2.8) ----------------------------------------------------------------------
+    # Worker.* (design/session.md §2.5–§2.8) -------------------------------------------------------
 
     def _read_only_now(self, call: Call) -> dict[str, Any]:
-        """Hello, Status or Acknowledge (§2.5–§2.7): answered from the status cell at once."""
+        """Hello, Status or Acknowledge (design/session.md §2.5–§2.7): answered from the status cell
+        at once."""
         try:
             result = self.READ_ONLY_HANDLERS[call.method](self, call)
         except DomainError as exc:
@@ -676,7 +682,7 @@ class WorkerShell:
         self.read_only_history.append((call.method, outcome))
         return outcome
 
-    async def _read_only(self, call: Call, req: bus_client.Request) -> dict[str, Any] | None:
+    async def _read_only(self, call: Call, req: client_serving.Request) -> dict[str, Any] | None:
         if call.method != "Worker.Shutdown":
             return self._read_only_now(call)
         try:

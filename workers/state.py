@@ -1,5 +1,5 @@
 """Worker-side `State.*`: capture, staged restore, activation, restore token, payload wrappers
-(state.md §6).
+(design/state.md §6).
 
 Why: a checkpoint is only as good as the participants' promise that a capture reads without
 mutating, that a restore is built beside the live state and installed in one step, and that an
@@ -11,17 +11,17 @@ Rules (state machine of the staged slot, in the style of h11's `_state.py`):
 
 1. `State.Capture` runs only at a quiescent `Ready(k)` of the current epoch; it moves the status
    `ready → capturing → ready` and changes neither progress nor live state. Checks in the order
-   of §6.2 (`CAPTURE_CHECKS`).
+   of design/state.md §6.2 (`CAPTURE_CHECKS`).
 2. There is at most one staged restore (`StagedRestore`). `State.StageRestore` fills the slot
    from `uninitialized` or `ready` (status `staged-restore`, scope and progress untouched); a
    second stage while one is held is `CONFLICT` and keeps the first. Checks in the order of
-   §6.4.
+   design/state.md §6.4.
 3. `State.ActivateRestore` empties the slot into the live state (`staged-restore → restoring →
    ready`), adopts the proposed epoch and adds the token to the incarnation's activated set; the
-   token can never activate again. Checks in the order of §6.5. Its result also carries
-   `observationDigests` (`Participant.observation_digests`: the environment's views as its
+   token can never activate again. Checks in the order of design/state.md §6.5. Its result also
+   carries `observationDigests` (`Participant.observation_digests`: the environment's views as its
    restored world renders them now; null for an agent), which the coordinator compares with
-   the checkpoint (session.md §6.12, amendment 2026-12-07). A `RESTORE_DIVERGED` raised while
+   the checkpoint (design/session.md §6.12, amendment 2026-12-07). A `RESTORE_DIVERGED` raised while
    installing keeps its code; any other failure there is `BACKEND_FAILURE`/`unknown`.
    `fail_activate_restore` keeps the slot and makes the worker `failed`.
 4. `TRANSITIONS` lists the status edges each method may take; every move goes through `_move`,
@@ -30,13 +30,13 @@ Rules (state machine of the staged slot, in the style of h11's `_state.py`):
 
 Resolved ambiguities:
 - "Staged" and "restoring" are worker states, not phases: a staged worker refuses Prepare,
-  Advance and Commit (they need `ready`), and Capture (§6.2 step 3).
+  Advance and Commit (they need `ready`), and Capture (design/state.md §6.2 step 3).
 - The stage's epoch check compares with the epoch this incarnation adopted (none for an
   uninitialized worker); re-adopting an older epoch is the cache's `INTERNAL` refusal, which the
-  coordinator's fresh-epoch rule (§7.1) already prevents.
+  coordinator's fresh-epoch rule (design/state.md §7.1) already prevents.
 - A wrapper whose member set is not exactly the documented one is `INCOMPATIBLE_STATE` (checked
   right after `payloadVersion`/`kind`): it is some other producer's state, not a bad request.
-- The reply-size limit (§6.2 step 7) is the router's worst-case `bus.result` frame
+- The reply-size limit (design/state.md §6.2 step 7) is the router's worst-case `bus.result` frame
   (`bus.limits.result_frame`, the router's own rule) with the longest call id, this worker's
   responder and service incarnation; the limit is the `maxEnvelopeBytes` the router announced
   at hello (`Endpoint.reply_frame`, which the environment's observations use too).
@@ -122,14 +122,16 @@ def _move(status: StatusCell, method: str, target: WorkerState) -> None:
 
 def restore_token(checkpoint_id: str, scope: Scope, payload_digest: str,
                   incarnation_id: str) -> str:
-    """`"rt-"` + 32 hex of SHA-256 over the token text of §6.6 (the proposed scope)."""
+    """`"rt-"` + 32 hex of SHA-256 over the token text of design/state.md §6.6 (the proposed
+    scope)."""
     text = (f"{TOKEN_DOMAIN}{checkpoint_id}\n{scope.session_id}\n{scope.epoch}\n{scope.step}\n"
             f"{payload_digest}\n{incarnation_id}\n")
     return "rt-" + digest_bytes(text.encode("utf-8"))[:32]
 
 
 def compatibility_block(descriptor: EnvironmentDescriptor) -> dict[str, Any]:
-    """The §3 block of a descriptor (the environment's side of `Compatibility.of`)."""
+    """The design/state.md §3 block of a descriptor (the environment's side of
+    `Compatibility.of`)."""
     raw = descriptor.to_json()
     return {
         "stateFormatId": STATE_FORMAT_ID,
@@ -166,7 +168,7 @@ def decode_plugin_blob(value: Any, what: str) -> bytes:
 
 
 def common_members(kind: str, checkpoint_id: str, scope: Scope) -> dict[str, Any]:
-    """The members every participant wrapper starts with (§6.3)."""
+    """The members every participant wrapper starts with (design/state.md §6.3)."""
     return {"payloadVersion": PAYLOAD_VERSION, "kind": kind, "checkpointId": checkpoint_id,
             "committedStep": format_u64(scope.step), "sourceScope": scope.to_json()}
 
@@ -222,12 +224,12 @@ class Participant(Protocol[S]):
     def identity(self) -> dict[str, Any] | None: ...
 
     def capture_wrapper(self, checkpoint_id: str, scope: Scope) -> dict[str, Any]:
-        """The §6.3 wrapper (model thread; read-only)."""
+        """The design/state.md §6.3 wrapper (model thread; read-only)."""
         ...
 
     def stage_wrapper(self, data: bytes, params: Mapping[str, Any], scope: Scope) -> S:
-        """Validate the wrapper in its §6.4 order and build the staged state beside the live
-        one (model thread)."""
+        """Validate the wrapper in its design/state.md §6.4 order and build the staged state beside
+        the live one (model thread)."""
         ...
 
     def install(self, staged: S, scope: Scope) -> dict[str, Any] | None:
@@ -237,7 +239,7 @@ class Participant(Protocol[S]):
     async def seal_media(self, call: Call, observation: dict[str, Any] | None,
                          ) -> dict[str, Any] | None:
         """The reply's observation with the media `install` staged sealed and attached
-        (docs/topics.md §14.2 rule 7; on the loop)."""
+        (topics.md §14.2 rule 7; on the loop)."""
         ...
 
     def observation_digests(self, boundary: int) -> list[dict[str, str]] | None:
@@ -270,7 +272,7 @@ class StateService(Generic[S]):
         return {"State.Capture": self.capture, "State.StageRestore": self.stage,
                 "State.ActivateRestore": self.activate}
 
-    # State.Capture (§6.2) ----------------------------------------------------------------------
+    # State.Capture (design/state.md §6.2) ---------------------------------------------------------
 
     async def capture(self, call: Call) -> dict[str, Any]:
         endpoint, participant = self.endpoint, self.participant
@@ -321,7 +323,7 @@ class StateService(Generic[S]):
                 f"{limit})")
         return result
 
-    # State.StageRestore (§6.4) -----------------------------------------------------------------
+    # State.StageRestore (design/state.md §6.4) ----------------------------------------------------
 
     async def stage(self, call: Call) -> dict[str, Any]:
         endpoint, participant = self.endpoint, self.participant
@@ -376,7 +378,7 @@ class StateService(Generic[S]):
         self.staged = StagedRestore(checkpoint_id, scope, token, built)
         return {"checkpointId": checkpoint_id, "restoreToken": token}
 
-    # State.ActivateRestore (§6.5) --------------------------------------------------------------
+    # State.ActivateRestore (design/state.md §6.5) -------------------------------------------------
 
     async def activate(self, call: Call) -> dict[str, Any]:
         endpoint, participant = self.endpoint, self.participant
@@ -433,8 +435,8 @@ class StateService(Generic[S]):
 
 
 def _payload_bytes(blob: MediaBlob) -> bytes:
-    """§6.4 steps 6–7: content type and base64 (`BUFFER_INVALID`), then length and digest
-    (`INCOMPATIBLE_STATE`)."""
+    """design/state.md §6.4 steps 6–7: content type and base64 (`BUFFER_INVALID`), then length and
+    digest (`INCOMPATIBLE_STATE`)."""
     if blob.content_type != PAYLOAD_CONTENT_TYPE:
         raise DomainError.before(ErrorCode.BUFFER_INVALID,
                                  f"the payload has content type {blob.content_type!r}; expected "

@@ -1,4 +1,4 @@
-"""Options and logging set-up shared by the commands of `flyd` and `flyctl` (cli.md §1, §7).
+"""Options and logging set-up shared by the commands of `flyd` and `flyctl` (design/cli.md §1, §7).
 
 Why: every `flyctl` command takes the same connection, output and logging options, and the
 run-spec commands the same spec options; declaring them once keeps their names, defaults and
@@ -88,8 +88,8 @@ def global_options(fn: click.decorators.FC) -> click.decorators.FC:
 
 
 def ctl_options(*, node: bool = False) -> Callable[[Callable[..., None]], Callable[..., None]]:
-    """`--socket`, `--dsn`, `--json` and the global options (cli.md §7), plus `--node` for the
-    commands that address one node; the command receives them as `call: CtlCall`."""
+    """`--socket`, `--dsn`, `--json` and the global options (design/cli.md §7), plus `--node` for
+    the commands that address one node; the command receives them as `call: CtlCall`."""
 
     def decorate(command: Callable[..., None]) -> Callable[..., None]:
         @functools.wraps(command)
@@ -144,7 +144,7 @@ def spec_file_options(fn: click.decorators.FC) -> click.decorators.FC:
     (README, "Your own run spec")."""
     for option in reversed([
         click.option("--spec", "spec_file", type=click.Path(dir_okay=False, path_type=Path),
-                     help="Run spec JSON file (session.md §4.10; a partial document is "
+                     help="Run spec JSON file (design/session.md §4.10; a partial document is "
                           "completed with the defaults). Options given on the command line "
                           "override it."),
         click.option("--model", metavar="IMPORT:PATH",

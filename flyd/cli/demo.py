@@ -19,7 +19,8 @@ from typing import Any
 
 import orjson
 
-from bus.client import Request, connect
+from bus.client import connect
+from bus.client_serving import Request
 from bus.errors import BusError
 
 POLICY = """\

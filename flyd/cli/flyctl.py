@@ -1,9 +1,9 @@
-"""`flyctl`: inspect and steer running nodes (cli.md §7).
+"""`flyctl`: inspect and steer running nodes (design/cli.md §7).
 
 Why: live facts (workers, phases, leases as the node sees them) come from the nodes' control
-services on the bus (cli.md §8); queue facts come from PostgreSQL. Every command is one coroutine
-here returning a `Result` (JSON object, human lines, exit code) or raising `CtlError`; the click
-commands in `flyd.cli.flyd` only parse options.
+services on the bus (design/cli.md §8); queue facts come from PostgreSQL. Every command is one
+coroutine here returning a `Result` (JSON object, human lines, exit code) or raising `CtlError`; the
+click commands in `flyd.cli.flyd` only parse options.
 
 Rules:
 - Bus: one connection to the socket as `ctl-<pid>-<8 hex>`; nodes are found by `bus.services`
@@ -23,10 +23,10 @@ Decisions where the spec is silent:
 - `status`'s database view lists the registered nodes and the runs that are not terminal; the
   fields only a node knows are null (`router`, `uptimeMs`, `threads`, `phase`, workers empty).
   An `active` node whose last heartbeat (by the database clock) is older than `[leases]
-  node_stale_after_s` is shown `silent` (distribution.md §4.2: status only).
+  node_stale_after_s` is shown `silent` (design/distribution.md §4.2: status only).
 - `runs submit` builds the spec exactly as `flyd run` does, without `exclusiveToSubmitter`, so
   any serve node may claim it; `[session] mode`, `dispatch`, `pacing` and the `[checkpoints]`
-  cadence of this host's configuration are its defaults (cli.md §2.3), a flag wins.
+  cadence of this host's configuration are its defaults (design/cli.md §2.3), a flag wins.
 - Checkpoint commands use the checkpoint store (`flyd.state.checkpoints`, imported by those commands
   only, so the other commands never depend on the state layer); its database failures
   (`BACKEND_FAILURE`) are `CONFIG` (exit 2), its refusals (a missing generation, a failing S-check
@@ -50,7 +50,7 @@ Decisions where the spec is silent:
 - `runs show` asks the holder (when the run is `running` and its owner's control service answers
   on this socket) for the run's phase (`Control.Status`) and event ring (`Control.RunEvents`);
   otherwise both are null.
-- `watch` (docs/topics.md §15) resolves the run through `Control.Watch` (without RUN: the one run
+- `watch` (topics.md §15) resolves the run through `Control.Watch` (without RUN: the one run
   the nodes' `Control.Status` list), subscribes to its run topic with a latest slot of window 1
   and prints each boundary as it reads it, flushed; the final state is the command's result
   (exit 0 succeeded, 1 failed or cancelled). A `released` end, or the topic's removal without
@@ -132,7 +132,7 @@ EXIT_INTERRUPTED: Final = 130
 CONNECT_S: Final = 5.0
 DB_CONNECT_S: Final = 5
 CALL_S: Final = 30.0
-#: how often `flyctl watch` resolves a run that changed hands (docs/topics.md §15 rule 5)
+#: how often `flyctl watch` resolves a run that changed hands (topics.md §15 rule 5)
 WATCH_RESOLVE_S: Final = 1.0
 #: how long `flyctl watch` waits for a lost router to come back before it gives up
 WATCH_ROUTER_S: Final = 60.0
@@ -140,7 +140,7 @@ ACTOR_PREFIX: Final = "flyctl"
 
 
 class CtlError(Exception):
-    """A refused command: a code of cli.md §1 and the exit code that goes with it."""
+    """A refused command: a code of design/cli.md §1 and the exit code that goes with it."""
 
     def __init__(self, code: str, message: str, exit_code: int | None = None) -> None:
         super().__init__(message)
@@ -166,7 +166,9 @@ class Result:
 
 
 def ctl_client_id() -> str:
-    """`ctl-<pid>-<8 hex>` (session.md §7.2)."""
+    """A fresh `flyctl` client id, `ctl-<pid>-<8 hex>` (design/session.md §7.2): the default
+    policy lets `ctl-*` clients call the control service only, and the random part keeps a reused
+    pid from colliding with a connection still closing."""
     return f"ctl-{os.getpid()}-{os.urandom(4).hex()}"
 
 
@@ -471,7 +473,7 @@ async def drain(opts: CtlOptions) -> Result:
 
 
 # --------------------------------------------------------------------------------------------
-# watch (docs/topics.md §15)
+# watch (topics.md §15)
 
 
 @dataclass(frozen=True)
@@ -524,8 +526,8 @@ async def watch(opts: CtlOptions, run_id: int | None, as_json: bool) -> Result:
 
 async def _watch_target(bus: _Bus, opts: CtlOptions, config: Config, run_id: int | None, *,
                         following: bool) -> _Watched | Result | None:
-    """Rule 1 of §15: the node holding the run (or the only held run), else the final line of
-    a terminal run from the database; None while `following` a run no node holds yet."""
+    """Rule 1 of topics.md §15: the node holding the run (or the only held run), else the final line
+    of a terminal run from the database; None while `following` a run no node holds yet."""
     try:
         nodes = await bus.nodes(opts.node)
     except BusError as exc:
@@ -897,7 +899,7 @@ async def runs_requeue(opts: CtlOptions, run_id: int) -> Result:
 
 
 # --------------------------------------------------------------------------------------------
-# checkpoints (cli.md §7.3; store semantics: state.md §4.7)
+# checkpoints (design/cli.md §7.3; store semantics: design/state.md §4.7)
 
 
 @contextlib.asynccontextmanager
@@ -1044,7 +1046,8 @@ async def _source_spec(conn: psycopg.AsyncConnection[Any],
 def _import_spec(config: Config, base: dict[str, Any], run: RunOptions, steps_given: bool,
                  origin: str) -> RunSpec:
     """`base` under the options: a flag given wins, then the base's own value, then this
-    host's default (cli.md §2.3); never exclusive to a submitter, `startFrom` is the store's."""
+    host's default (design/cli.md §2.3); never exclusive to a submitter, `startFrom` is the
+    store's."""
     doc = {k: v for k, v in base.items() if k not in ("startFrom", "exclusiveToSubmitter")}
     if steps_given or "steps" not in doc:
         doc["steps"] = str(run.steps) if run.steps >= 0 else run.steps

@@ -1,7 +1,7 @@
 """The `flyd` and `flyctl` command groups (cli.md).
 
 Results go to stdout (human text, or one JSON object with `--json`); logs, notes and error lines
-go to stderr, so `flyctl runs list | grep running` works. Exit codes follow cli.md §1:
+go to stderr, so `flyctl runs list | grep running` works. Exit codes follow design/cli.md §1:
 0 success, 1 the work failed, 2 usage or configuration error, 3 timeout, 130 interrupted.
 """
 

@@ -1,16 +1,16 @@
-"""`flyd run`: one session on this host through the queue, start to finish (cli.md §4).
+"""`flyd run`: one session on this host through the queue, start to finish (design/cli.md §4).
 
 Why: `flyd run` is the main job (the README's quick start). It is a node of capacity 1 that
 submits one run and claims only that run, so its work is leased, fenced and recorded in the
 effects ledger exactly as a `flyd serve` node's would be.
 
 Sequence: build and validate the run spec from the options (exit 2, `USAGE`, naming the JSON
-path or the fault spec) → resolve the configuration (cli.md §2; `CONFIG` on a bad key) → pick
-the socket (§4.1) → start the node (`flyd.node.process.NodeProcess`: embedded PostgreSQL under
-`<state-dir>/pg` when no DSN is configured, migrations, router child, node connection, store)
-→ submit the spec with `exclusiveToSubmitter: true` → run the lease runtime with `only` = that
-run id until the run is terminal in the database → summary (§4.2) from the run row, its effects
-and what this node saw → stop everything.
+path or the fault spec) → resolve the configuration (design/cli.md §2; `CONFIG` on a bad key) → pick
+the socket (design/cli.md §4.1) → start the node (`flyd.node.process.NodeProcess`: embedded
+PostgreSQL under `<state-dir>/pg` when no DSN is configured, migrations, router child, node
+connection, store) → submit the spec with `exclusiveToSubmitter: true` → run the lease runtime with
+`only` = that run id until the run is terminal in the database → summary (design/cli.md §4.2) from
+the run row, its effects and what this node saw → stop everything.
 
 Decisions:
 - `--spec FILE` (also `flyctl runs submit`): the file is normalised first, so its errors name
@@ -23,8 +23,8 @@ Decisions:
   names the option (docs/cli.md, "A run spec from a file").
 - `wallSeconds` is the whole command; `stepsPerSecond` is `advances` over the stepping time of
   the grant that finished the run (from `Ready(0)` to its last committed boundary).
-- `behaviourDigest` and `epochs` come from the ledger (the `effects` payloads, cli.md §4.2). A
-  failed run has no boundary effects (state.md §9.3); its digest is that of the behaviour
+- `behaviourDigest` and `epochs` come from the ledger (the `effects` payloads, design/cli.md §4.2).
+  A failed run has no boundary effects (design/state.md §9.3); its digest is that of the behaviour
   records this node committed up to the failure, so a diagnosis can still compare runs.
 - `checkpoints` counts the checkpoint generations the run committed (`0` until checkpoints are
   taken by the node).
@@ -50,7 +50,7 @@ Decisions:
   (`run.poll_failed`) and tried again at the next poll; the cancel request of a SIGINT is sent
   again at each poll until it is acknowledged. When the summary's ledger reads still fail after
   `SUMMARY_READ_S`, the summary is built from what this node saw (`run.summary_read_failed`).
-- Human summary and progress go to stderr (cli.md §1); with `--json` the summary is the only
+- Human summary and progress go to stderr (design/cli.md §1); with `--json` the summary is the only
   stdout output.
 - `outcome` (summary key) is why the run did not succeed, `{error, …}` (`flyd.outcome`), null
   for a succeeded run; an `attempts exhausted` run adds the reason this node lost its last
@@ -59,8 +59,8 @@ Decisions:
   `flyd run: outcome: <JSON>`.
 - Progress: on a TTY a one-line bar on stderr, redrawn at most every 0.1 s; otherwise a
   `run.progress` log line every 5 s (step, steps, steps_per_s, epoch, recoveries).
-- SIGINT: the first requests cancellation of the run (distribution.md §3.8); the node sees the
-  flag in its next renewal and finishes the run `cancelled` at the next boundary; `flyd run`
+- SIGINT: the first requests cancellation of the run (design/distribution.md §3.8); the node sees
+  the flag in its next renewal and finishes the run `cancelled` at the next boundary; `flyd run`
   waits up to `[leases] drain_timeout_s` for that, stops everything and exits 130. A second
   SIGINT, or the wait running out, abandons at once (exit 130; a reaper ends the run). SIGTERM
   abandons at once, exit 143. The router and worker processes are reaped in every case (they
@@ -171,8 +171,8 @@ class RunOptions:
     given: frozenset[str] = frozenset()
 
     def with_host_defaults(self, settings: Settings) -> RunOptions:
-        """cli.md §2.3: `[session] mode`, `dispatch`, `pacing` and the `[checkpoints]` cadence
-        are the defaults of the run specs this host builds; an option given on the command
+        """design/cli.md §2.3: `[session] mode`, `dispatch`, `pacing` and the `[checkpoints]`
+        cadence are the defaults of the run specs this host builds; an option given on the command
         line wins."""
         session, checkpoints = settings.session, settings.checkpoints
         return dataclasses.replace(
@@ -190,7 +190,7 @@ class RunOptions:
 
 def build_spec(opts: RunOptions, max_agents: int = DEFAULT_MAX_AGENTS, *,
                check_imports: bool = True) -> RunSpec:
-    """The validated run spec of the options (cli.md §4 seeds), or of `--spec FILE` with the
+    """The validated run spec of the options (design/cli.md §4 seeds), or of `--spec FILE` with the
     options given on the command line laid over it, for a host whose `[session] max_agents` is
     `max_agents`; `RunUsageError` otherwise. `check_imports` is the node's rule (every import
     path's module can be found here); a submitter that is no node leaves it to the node."""
@@ -384,7 +384,7 @@ def _shortcut_error(opts: RunOptions, exc: RunSpecError) -> str:
 
 
 def node_setup(opts: RunOptions, config: Config, spec: RunSpec) -> NodeSetup:
-    """A capacity-1 node on the §4.1 socket whose budget fits the run."""
+    """A capacity-1 node on the design/cli.md §4.1 socket whose budget fits the run."""
     settings = config.settings
     bus, node = settings.bus, settings.node
     forced = opts.socket
@@ -405,7 +405,7 @@ def node_setup(opts: RunOptions, config: Config, spec: RunSpec) -> NodeSetup:
 
 
 class Progress:
-    """A bar on a TTY, else a `run.progress` log line every 5 s (cli.md §4)."""
+    """A bar on a TTY, else a `run.progress` log line every 5 s (design/cli.md §4)."""
 
     def __init__(self, total: int, tty: bool) -> None:
         self.total = total
@@ -721,8 +721,8 @@ def _summary(spec: RunSpec, run_id: int, row: dict[str, Any] | None, report: Run
 
 
 def _print_recovery(report: RunReport, info: dict[str, Any]) -> None:
-    """cli.md §4: one line per recovery naming the failed participant, the failure code and the
-    checkpoint boundary restored."""
+    """design/cli.md §4: one line per recovery naming the failed participant, the failure code and
+    the checkpoint boundary restored."""
     who = info.get("participant") or "the session"
     print(f"flyd run: recovered run {report.run_id} from {info['code']} of {who}: resumed at "
           f"boundary {info['boundary']} in epoch {info['epoch']}", file=sys.stderr, flush=True)

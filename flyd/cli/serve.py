@@ -1,4 +1,4 @@
-"""`flyd serve`: the node service (cli.md §5; distribution.md §5).
+"""`flyd serve`: the node service (design/cli.md §5; design/distribution.md §5).
 
 Why: a host joins the shared queue by running this. It resolves the configuration (defaults <
 file < environment < flags), starts the node (`flyd.node.process.NodeProcess`), registers it,
@@ -13,7 +13,7 @@ malformed `$NOTIFY_SOCKET`) exit 2 with code `CONFIG`, as JSON on stdout under `
 With `--metrics ADDR` (or `[node] metrics`) the node serves Prometheus metrics on ADDR
 (`flyd.node.metrics`, docs/operations.md); an address that cannot be bound exits 2.
 
-Under systemd (cli.md §5.2, §10; `flyd.node.sdnotify`), while serving:
+Under systemd (design/cli.md §5.2, §10; `flyd.node.sdnotify`), while serving:
 - `READY=1` (with the first `STATUS=`) once `node.start()` returned, i.e. the router accepts and
   the database is migrated. It is sent from the status task's first step, which runs only after
   `node.serve()` has installed its SIGTERM/SIGINT handlers and suspended, so a stop request that
@@ -27,7 +27,7 @@ Under systemd (cli.md §5.2, §10; `flyd.node.sdnotify`), while serving:
   (`NodeProcess.impaired`): the node cannot launch runs, and a restart of the whole unit is
   the remedy left; the `STATUS=` line then reads `impaired: <reason>`.
 - `STOPPING=1` once, when the first drain request arrives (SIGTERM, SIGINT, `Control.Drain`:
-  `NodeProcess.drain_listeners`), i.e. at step 1 of distribution.md §5.8.
+  `NodeProcess.drain_listeners`), i.e. at step 1 of design/distribution.md §5.8.
 The notification variables are removed from the environment at start, so the router and the
 workers never speak for the unit.
 """

@@ -1,4 +1,4 @@
-"""`ThreadBudget`: the node's worker-thread allocations (session.md §7.3).
+"""`ThreadBudget`: the node's worker-thread allocations (design/session.md §7.3).
 
 Why: every session's workers and its coordinator get threads from one per-node budget, so a node
 never oversubscribes its CPUs; the budget is pure bookkeeping (no I/O) so the node, the launcher
@@ -8,7 +8,7 @@ threads are not there.
 
 Resolved ambiguities:
 - `for_this_machine(capacity)` also takes the configured `[node] threads` and
-  `[node] coordinator_reservation` (keywords); without them it uses the cli.md §2.3 defaults.
+  `[node] coordinator_reservation` (keywords); without them it uses the design/cli.md §2.3 defaults.
   Range checks of those keys (`threads ≥ reservation + 3`) belong to configuration loading.
 - A session's coordinator holds its reservation under the name `coordinator-<tag>`; worker
   holders are their worker ids, so two sessions' workers must be named apart by the caller.

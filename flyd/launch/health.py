@@ -1,10 +1,10 @@
-"""`HealthPolicy`: the launcher's supervision budgets (session.md §7.4). Pure.
+"""`HealthPolicy`: the launcher's supervision budgets (design/session.md §7.4). Pure.
 
 Why: the node probes every live worker with `Worker.Status`, and the same three numbers bound
 the launcher's own calls: `probe` (seconds between health checks; also the bound of a
 `Worker.Shutdown` and of the wait for an exit at reap), `fail` (how long one health check or one
 identify attempt may wait for an answer) and `boot` (how long a launch may take to identify).
-They come from `[session] health_probe_s`, `health_fail_s`, `health_boot_s` (cli.md §2.3),
+They come from `[session] health_probe_s`, `health_fail_s`, `health_boot_s` (design/cli.md §2.3),
 typed by the configuration (`flyd.config.SessionSettings.health`).
 
 Resolved ambiguities:

@@ -1,4 +1,4 @@
-"""Session identities and bus names (session.md §7.2). Pure.
+"""Session identities and bus names (design/session.md §7.2). Pure.
 
 Why: every name a session puts on the bus (client ids, services, incarnations) and every grant
 the node connection hands out through `bus.expect` is derived here, once, so the launcher, the
@@ -7,9 +7,9 @@ coordinator, the harness and the node agree byte for byte, and the default close
 
 | item | form |
 | --- | --- |
-| node connection | `node.<node_id>` (node id `<name>-<12 hex>`, fresh per start, cli.md §2.2) |
-| session tag | `s<n>`: random first tag in 1..900000, then +1; `s999999` is followed by `s1` |
-| coordinator / launcher | `<tag>.coordinator` / `<tag>.launcher` |
+| node connection | `node.<node_id>` (node id `<name>-<12 hex>`, fresh per start,
+design/cli.md §2.2) | | session tag | `s<n>`: random first tag in 1..900000, then +1; `s999999` is
+followed by `s1` | | coordinator / launcher | `<tag>.coordinator` / `<tag>.launcher` |
 | worker client id | `<tag>.<workerId>.g<gen>` |
 | service | `<tag>.agent.<agentId>` / `<tag>.env.<worldId>` |
 | domain incarnation | `<workerId>-inc-<gen>`, generation 1 first |
@@ -19,8 +19,8 @@ Resolved ambiguities:
 - Tags and generations are validated at construction (`s1..s999999`, generations 1..9999, worker
   ids by `workers.types.domain.parse_worker_id`, the run spec's rule too), so every derived name is
   a valid bus Id (≤ 64 characters) and every service a valid service name.
-- `WorkerRef` (the coordinator's pinned reference, §6.1) lives here rather than in the
-  coordinator because the launcher produces it (`LaunchedWorker.worker_ref()`) and imports go
+- `WorkerRef` (the coordinator's pinned reference, design/session.md §6.1) lives here rather than in
+  the coordinator because the launcher produces it (`LaunchedWorker.worker_ref()`) and imports go
   downward only.
 """
 
@@ -32,7 +32,7 @@ import secrets
 from dataclasses import dataclass, replace
 from typing import Final, Literal
 
-from bus.client import new_incarnation
+from bus.client_identity import new_incarnation
 from workers.types.domain import DomainError, parse_id, parse_worker_id
 
 __all__ = [
@@ -105,7 +105,7 @@ class SessionTags:
 
 
 def new_node_id(node_name: str) -> str:
-    """`<name>-<12 hex>`, fresh at every start (cli.md §2.2)."""
+    """`<name>-<12 hex>`, fresh at every start (design/cli.md §2.2)."""
     if not isinstance(node_name, str) or _NODE_NAME.fullmatch(node_name) is None:
         raise DomainError.invalid(f"{node_name!r} is not a node name ([a-z0-9][a-z0-9-]{{0,31}})")
     return f"{node_name}-{os.urandom(6).hex()}"
@@ -156,7 +156,7 @@ def session_client_grants(tag: str) -> dict[str, list[str]]:
 
 
 def run_topic(run_id: int) -> str:
-    """`flyd.run.<run>`: the topic a node declares for a run it holds (docs/topics.md §14.1)."""
+    """`flyd.run.<run>`: the topic a node declares for a run it holds (topics.md §14.1)."""
     return f"{RUN_TOPIC_PREFIX}{run_id}"
 
 
@@ -191,7 +191,8 @@ class SessionNames:
 
     @property
     def callers(self) -> tuple[str, str, str]:
-        """Who may call a worker (`--callers`, §2.2 step 3b): coordinator, launcher, node."""
+        """Who may call a worker (`--callers`, design/session.md §2.2 step 3b): coordinator,
+        launcher, node."""
         return (self.coordinator_client_id, self.launcher_client_id, self.node_client_id)
 
     def client_grants(self) -> dict[str, list[str]]:
@@ -199,7 +200,7 @@ class SessionNames:
 
     def coordinator_grants(self, run_id: int | None) -> dict[str, list[str]]:
         """The client grants, and for a node's run the right to publish on its run topic
-        (docs/topics.md §14.1 rule 3); declaring it stays with the node."""
+        (topics.md §14.1 rule 3); declaring it stays with the node."""
         grants = session_client_grants(self.tag)
         if run_id is not None:
             grants["publish"] = [run_topic(run_id)]
@@ -216,7 +217,7 @@ class SessionNames:
 
 @dataclass(frozen=True, slots=True)
 class WorkerIdentity:
-    """Who one launch of a worker is (§7.2)."""
+    """Who one launch of a worker is (design/session.md §7.2)."""
 
     session_id: str
     tag: str
@@ -274,8 +275,9 @@ class WorkerIdentity:
 
 @dataclass(frozen=True, slots=True)
 class WorkerRef:
-    """A pinned reference to one live worker (§6.1): calls pin `service_incarnation`, replies
-    are checked against `worker_id` and `domain_incarnation` (skipped while None)."""
+    """A pinned reference to one live worker (design/session.md §6.1): calls pin
+    `service_incarnation`, replies are checked against `worker_id` and `domain_incarnation` (skipped
+    while None)."""
 
     service: str
     service_incarnation: str

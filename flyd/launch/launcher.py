@@ -1,10 +1,10 @@
-"""The launcher: start, identify, supervise and stop a session's workers (session.md §7).
+"""The launcher: start, identify, supervise and stop a session's workers (design/session.md §7).
 
-Why: a session's workers must run with exactly the identities the bus admits (§7.2), within the
-node's thread budget (§7.3), under health supervision (§7.4), and nothing of them may outlive the
-node. One `Launcher` per session does that on the node's event loop, with its own bus connection
-(`<tag>.launcher`) for `Worker.*` calls and the node connection (`node.<node_id>`) for every
-`bus.expect`.
+Why: a session's workers must run with exactly the identities the bus admits
+(design/session.md §7.2), within the node's thread budget (design/session.md §7.3), under health
+supervision (design/session.md §7.4), and nothing of them may outlive the node. One `Launcher` per
+session does that on the node's event loop, with its own bus connection (`<tag>.launcher`) for
+`Worker.*` calls and the node connection (`node.<node_id>`) for every `bus.expect`.
 
 API (all coroutines run on the node's loop):
 
@@ -12,8 +12,8 @@ API (all coroutines run on the node's loop):
                   spawner=) -> Launcher
     launcher.launch(identity, settings, mode, *, faults=None) -> LaunchedWorker
     launcher.launch_composition(spec, mode) -> dict[workerId, LaunchedWorker]
-    launcher.health_check(worker_id) -> dict        the `Worker.Status` result (§2.6)
-    launcher.reap(worker_id, reason) -> Stopped | Terminated | AlreadyGone
+    launcher.health_check(worker_id) -> dict        the `Worker.Status` result
+    (design/session.md §2.6) launcher.reap(worker_id, reason) -> Stopped | Terminated | AlreadyGone
     launcher.reap_all(reason) -> dict[workerId, outcome]
     launcher.kill(worker_id) -> Terminated | AlreadyGone
     launcher.restart(worker_id, settings=None, *, faults=None) -> LaunchedWorker
@@ -24,7 +24,7 @@ API (all coroutines run on the node's loop):
     launcher.close()                                 kills every remaining body; idempotent
     connect_expected(node, socket, client_id, grants=, ttl=) -> BusClient
 
-Execution modes (§7.1), all over the Unix socket:
+Execution modes (design/session.md §7.1), all over the Unix socket:
 - `PROCESS`: the worker's `main` with `<argv>` in its own session and process group, started by
   the node's `Spawner` (`flyd.launch.spawner`): forked from the fork server, or
   `python -m workers.agent|workers.environment <argv>` spawned on the spawner's thread, never on
@@ -63,7 +63,7 @@ Resolved ambiguities:
 - After SIGKILL (or a cancel) the launcher waits up to `KILL_WAIT_S` (5 s) for the body to end;
   a child stuck beyond that is logged `process-did-not-exit` (its pidfd watcher still reaps
   it later), a thread `thread-did-not-stop` and left as a daemon thread; both are `Terminated`.
-- `abandon()` is the lost lease's kill (distribution.md §5.5 step 3): every child group is
+- `abandon()` is the lost lease's kill (design/distribution.md §5.5 step 3): every child group is
   SIGKILLed and from then on no process exit is waited for (kills, `close()`, a cancelled
   launch's cleanup). Why: a process's exit is learnt from the fork server's report (or the
   pidfd), which a loaded host schedules late, and the scope must end within the lease bound
@@ -88,8 +88,8 @@ Resolved ambiguities:
   agents' ports in the spec's (sorted) agent order. Any failure kills the launched ones.
 - Every `bus.expect` is bounded by `fail`.
 - Start errors (`start_error`): `BUSY` → `QUOTA_EXCEEDED`, `IDENTITY_MISMATCH` →
-  `NOT_AUTHORIZED`, anything else → `NO_SERVICE` (§7.3), for callers (the harness) that report
-  a failed start as a bus error.
+  `NOT_AUTHORIZED`, anything else → `NO_SERVICE` (design/session.md §7.3), for callers (the harness)
+  that report a failed start as a bus error.
 """
 
 from __future__ import annotations
@@ -106,7 +106,9 @@ from typing import Any, Final, Protocol
 import psutil
 import structlog
 
-from bus.client import BusClient, CallResult, PublishFailedHook, connect
+from bus.client import BusClient, connect
+from bus.client_calls import CallResult
+from bus.client_topics import PublishFailedHook
 from bus.errors import (
     BusError,
     CallDeadlineExceeded,
@@ -247,8 +249,8 @@ ReapOutcome = Stopped | Terminated | AlreadyGone
 
 @dataclass(slots=True)
 class LaunchedWorker:
-    """One identified, live launch (§7.2). `peak_rss_kib` is sampled at health checks and reap
-    (process mode)."""
+    """One identified, live launch (design/session.md §7.2). `peak_rss_kib` is sampled at health
+    checks and reap (process mode)."""
 
     identity: WorkerIdentity
     mode: ExecutionMode
@@ -284,8 +286,8 @@ class WorkerInfo:
 
 
 def start_error(error: DomainError) -> BusError:
-    """The bus error a failed start reports (§7.3): BUSY → QUOTA_EXCEEDED, IDENTITY_MISMATCH →
-    NOT_AUTHORIZED, anything else → NO_SERVICE."""
+    """The bus error a failed start reports (design/session.md §7.3): BUSY → QUOTA_EXCEEDED,
+    IDENTITY_MISMATCH → NOT_AUTHORIZED, anything else → NO_SERVICE."""
     if error.code == ErrorCode.BUSY:
         return QuotaExceeded(error.message)
     if error.code == ErrorCode.IDENTITY_MISMATCH:
@@ -307,8 +309,9 @@ async def connect_expected(node: BusClient, socket: str, client_id: str, *,
                            timeout: float = 5.0,  # noqa: ASYNC109
                            on_publish_failed: PublishFailedHook | None = None) -> BusClient:
     """Have the node connection expect `client_id` from this process with a fresh `inc-<hex>`
-    incarnation and `grants`, then connect it (coordinator and launcher clients, §7.2);
-    `on_publish_failed` hears its refused lean publications (the coordinator's run topic)."""
+    incarnation and `grants`, then connect it (coordinator and launcher clients,
+    design/session.md §7.2); `on_publish_failed` hears its refused lean publications (the
+    coordinator's run topic)."""
     incarnation = new_client_incarnation()
     await expect(node, client_id, os.getpid(), incarnation, grants, ttl=ttl, timeout=timeout)
     return await connect(socket, client_id=client_id, client_incarnation=incarnation,
@@ -531,8 +534,8 @@ class _ProcessBody(_Body):
 
 class _ThreadBody(_Body):
     """A `WorkerThread`: a dedicated OS thread with its own uvloop loop running `run_worker`
-    (§7.1). `abort()` stops and cancels it (thread-safe); its last act resolves `ended` on the
-    owner loop."""
+    (design/session.md §7.1). `abort()` stops and cancels it (thread-safe); its last act resolves
+    `ended` on the owner loop."""
 
     mode = ExecutionMode.THREAD
 
@@ -744,7 +747,7 @@ class Launcher:
 
     def worker_launch(self, identity: WorkerIdentity, settings: Settings, faults: Faults,
                       mode: ExecutionMode, parent_pid: int | None = None) -> WorkerLaunch:
-        """The `WorkerLaunch` this launcher writes for a launch (§7.7)."""
+        """The `WorkerLaunch` this launcher writes for a launch (design/session.md §7.7)."""
         return worker_launch(self.names, identity, settings, faults, mode, socket=self.socket,
                              supervisor=self.client_id, max_agents=self.max_agents,
                              log_format=self.log_format, parent_pid=parent_pid,
@@ -803,7 +806,8 @@ class Launcher:
     async def launch(self, identity: WorkerIdentity, settings: Settings,
                      mode: ExecutionMode = ExecutionMode.PROCESS, *,
                      faults: Faults | None = None) -> LaunchedWorker:
-        """Allocate threads, start the body, identify it with `Worker.Hello` (§7.5)."""
+        """Allocate threads, start the body, identify it with `Worker.Hello`
+        (design/session.md §7.5)."""
         self._check_launch(identity, settings)
         faults = faults if faults is not None else Faults()
         wid = identity.worker_id
@@ -1111,7 +1115,8 @@ class Launcher:
                 live.launched.peak_rss_kib = max(old, info.peak_rss_kib)
 
     async def health_check(self, worker_id: str) -> dict[str, Any]:
-        """`Worker.Status` pinned to the service incarnation, bounded by `fail` (§7.4)."""
+        """`Worker.Status` pinned to the service incarnation, bounded by `fail`
+        (design/session.md §7.4)."""
         live = self._workers.get(worker_id)
         if live is None:
             raise DomainError.before(ErrorCode.IDENTITY_MISMATCH,
@@ -1149,8 +1154,8 @@ class Launcher:
 
     async def reap(self, worker_id: str, reason: str, *, sweep: bool = True) -> ReapOutcome:
         """`Worker.Shutdown {reason}` bounded by `probe`, then wait ≤ `probe` for the end;
-        else stop by force (§7.6). Then what the worker started is killed, unless `sweep` is
-        False (the caller sweeps the whole session once)."""
+        else stop by force (design/session.md §7.6). Then what the worker started is killed, unless
+        `sweep` is False (the caller sweeps the whole session once)."""
         live = self._workers.get(worker_id)
         if live is None:
             return AlreadyGone(worker_id)
@@ -1239,7 +1244,7 @@ class Launcher:
         return await self.launch_all(plans, mode)
 
     def kill_process_groups(self) -> list[int]:
-        """SIGKILL every child process group now (synchronous; distribution.md §5.5 step 3).
+        """SIGKILL every child process group now (synchronous; design/distribution.md §5.5 step 3).
         Returns the groups signalled; the bodies stay in the table until reaped or closed."""
         for live in self._workers.values():
             live.stopping = True  # an exit now is ours, not a failure to report

@@ -1,9 +1,10 @@
-"""Worker child processes: spawn, exit watch, output forwarding, kill, psutil info (§7.5, §7.6).
+"""Worker child processes: spawn, exit watch, output forwarding, kill, psutil info
+(design/session.md §7.5, §7.6).
 
 Why: the launcher's process mode needs a handful of careful OS mechanics that have nothing to do
 with sessions: a child in its own session and process group (pgid = pid) with a start-gate pipe
 on stdin, the child's stdout and stderr forwarded line by line into our log with the worker's
-identity attached (cli.md §9), and `killpg(SIGKILL)` of the whole group. `ChildProcess` owns
+identity attached (design/cli.md §9), and `killpg(SIGKILL)` of the whole group. `ChildProcess` owns
 that for one child; `SpawnedChild` adds the start through `workers.launch.die_with_parent`
 (`spawn_worker`) and an exit watch that costs no thread (a pidfd registered with the event
 loop). A worker forked by the fork server is `flyd.launch.forkserver.ForkedChild`.
@@ -23,8 +24,8 @@ Decisions:
   wire `error` with its plugin fault) and its last `TAIL_LINES` (5) output lines, each cut to
   `TAIL_LINE` (240) characters (a crash that wrote only a traceback). `drained(timeout)` waits
   (bounded) for the end of the output, since the exit can be seen before the last lines.
-- `kill()` is synchronous (distribution.md §5.5 step 3 runs it before any await); `wait()` is the
-  bounded asynchronous part.
+- `kill()` is synchronous (design/distribution.md §5.5 step 3 runs it before any await); `wait()` is
+  the bounded asynchronous part.
 - `info()` reads psutil and `VmHWM` (peak RSS) from `/proc/<pid>/status`; a gone process gives
   None fields rather than an exception.
 """
@@ -92,8 +93,8 @@ def groups_running(pgids: Iterable[int]) -> bool:
 
     `killpg(pgid, 0)` also succeeds for a group of zombies, and a killed worker's own children
     are orphans whose zombies only init reaps, on its own schedule (or never, when init does
-    not reap). A zombie executes nothing, so for "the run's processes are dead" (distribution.md
-    §5.5) it counts as dead.
+    not reap). A zombie executes nothing, so for "the run's processes are dead"
+    (design/distribution.md §5.5) it counts as dead.
 
     The node's lease runtime asks this on its event loop every `WORKER_POLL_S` while a lost
     scope's workers die, so it must stay cheap however many processes the host runs (a pass
@@ -389,7 +390,7 @@ def spawn_worker(argv: Sequence[str], env: Mapping[str, str]) -> subprocess.Pope
     """Start `argv` (no shell) in a new session with die-with-parent; stdin is the start-gate
     pipe, stdout and stderr one output pipe. Blocking (fork, then the wait for exec): callers
     run it on a thread that lives as long as the node (the death signal follows the forking
-    thread, §7.5), never on the event loop."""
+    thread, design/session.md §7.5), never on the event loop."""
     return die_with_parent(
         list(argv), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT, env=dict(env), start_new_session=True, close_fds=True)

@@ -80,7 +80,7 @@ class LauncherSettings:
     #: absolute directories searched for plugin packages before the installed ones
     plugin_paths: tuple[str, ...] = ()
     #: `[session] media_inline_max_bytes`: every worker's threshold for media by reference
-    #: (docs/topics.md §14.2); transport, so not part of the run spec
+    #: (topics.md §14.2); transport, so not part of the run spec
     media_inline_max_bytes: int = DEFAULT_MEDIA_INLINE_MAX_BYTES
     #: `[session] agents_per_process`: agents per process-mode worker process (an agent host,
     #: `workers.host`; docs/launcher.md, "Agent hosts"); 1 is one process per agent

@@ -1,4 +1,4 @@
-"""Node clocks (distribution.md §4.1 R2, §5.1): `now()` in seconds, `sleep_until(t)`.
+"""Node clocks (design/distribution.md §4.1 R2, §5.1): `now()` in seconds, `sleep_until(t)`.
 
 Rules:
 - The lease core never reads a clock; the runtime reads one of these and passes the number.
@@ -8,10 +8,10 @@ Rules:
 - `LoopClock`: the running loop's clock (tests and tools that want loop time).
 - `ManualClock`: virtual time for tests; it moves only by `advance`/`set`, and sleepers whose
   deadline has come are woken then. Nothing sleeps in real time.
-- `SimFileClock` (§7.3.4, `flyd serve --sim-clock PATH`): the harness clock's file, read with
-  `mmap`, never the database, so a partitioned node still sees time pass. Layout (16 bytes,
-  little-endian): `u64` seqlock counter (odd while the writer is inside), `i64` sim time in ns.
-  A reader retries until it sees the same even counter before and after reading the time.
+- `SimFileClock` (design/distribution.md §7.3.4, `flyd serve --sim-clock PATH`): the harness clock's
+  file, read with `mmap`, never the database, so a partitioned node still sees time pass. Layout (16
+  bytes, little-endian): `u64` seqlock counter (odd while the writer is inside), `i64` sim time in
+  ns. A reader retries until it sees the same even counter before and after reading the time.
   `sleep_until` polls every `SIM_POLL_S` of real time (the harness advances in 5 ms ticks).
   `rate` (`--clock-rate`, the clock-skew scenario) scales elapsed sim time since the first
   reading, so a node's clock can run fast or slow against the server's.
@@ -109,7 +109,8 @@ class ManualClock:
 
 
 class SimFileClock:
-    """The harness clock as seen by a node (§7.3.4): seconds of sim time, optionally skewed."""
+    """The harness clock as seen by a node (design/distribution.md §7.3.4): seconds of sim time,
+    optionally skewed."""
 
     def __init__(self, path: Path | str, rate: float = 1.0) -> None:
         fd = os.open(path, os.O_RDONLY)

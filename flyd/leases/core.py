@@ -1,4 +1,5 @@
-"""The lease core: per-grant bookkeeping, self-fence decisions, the guard (distribution.md §5.2).
+"""The lease core: per-grant bookkeeping, self-fence decisions, the guard
+(design/distribution.md §5.2).
 
 Sans-IO and synchronous: no sockets, no tasks, no clock reads. Every input that depends on time
 carries the node's own clock reading (R2: `CLOCK_BOOTTIME`, or the harness clock under test).
@@ -10,12 +11,14 @@ Rules:
   row (`on_granted`, `on_renewed`); `on_renew_unknown` extends nothing. Never shortened.
 - A hold is *final* in `DONE` or `LOST`; a final hold is never renewed, extended or revived.
 - `renew_batch(now)` holds the STARTING/ACTIVE/COMMITTING holds with `safe_until > now`
-  (FINISHING and RELEASING are left out: their own statement holds the row, §5.4).
+  (FINISHING and RELEASING are left out: their own statement holds the row,
+  design/distribution.md §5.4).
 - A row missing from a renew reply is a loss (`CancelScope(renew_missing)`) only if the hold
   still has the batch's epoch and is still in a renewable phase (STARTING/ACTIVE/COMMITTING);
   a hold that moved to FINISHING/RELEASING/DONE/LOST meanwhile is left alone.
 - `expire_due(now)`: every non-final hold with `now ≥ safe_until` is lost
-  (`CancelScope(safe_until)`); `next_deadline()` is the earliest such instant (watchdog, §5.4).
+  (`CancelScope(safe_until)`); `next_deadline()` is the earliest such instant (watchdog,
+  design/distribution.md §5.4).
 - Guard: `check(run, epoch, now, min_remaining)` raises `LeaseLost` when there is no such
   hold, it is final, or `now + min_remaining ≥ safe_until`. It mutates nothing.
 - LeasePhase changes follow `TRANSITIONS` (data, below); any other `begin`/`end` is a
@@ -23,7 +26,7 @@ Rules:
   lost hold is a no-op (the scope may unwind after its cancellation).
 - Entering LOST emits exactly one `CancelScope`; `scope_gone` on a LOST hold emits
   `Relinquish` then `Forget`, once; entering DONE emits `Forget`. Every hold, LOST included,
-  takes capacity until forgotten (§5.5: a stuck scope keeps its capacity).
+  takes capacity until forgotten (design/distribution.md §5.5: a stuck scope keeps its capacity).
 - `free_capacity(now)` is 0 unless a renewal was acknowledged (reply received, empty batch
   included) with `now − t_send ≤ 2·H`.
 - A cancel request seen in a grant or renew row emits `StopForCancel` once per hold.
@@ -34,9 +37,10 @@ Ambiguities resolved:
   grant at an epoch not above an existing hold's is a `LeaseCoreError` (M1: epochs only grow).
 - "a phase it had when the batch was built" is read as "a renewable phase": ACTIVE →
   COMMITTING after the batch was built is still a loss (an open group commit never blocks
-  renew, §8 test 12), while FINISHING/RELEASING may have ended the lease legitimately.
-- `begin`/`end` take the run only (§5.2); they address the run's unique non-final hold, or
-  the newest one when all are final.
+  renew, design/distribution.md §8 test 12), while FINISHING/RELEASING may have ended the lease
+  legitimately.
+- `begin`/`end` take the run only (design/distribution.md §5.2); they address the run's unique
+  non-final hold, or the newest one when all are final.
 - Outcomes of `end`: `committed`, `failed` (not committed for certain: back to the previous
   working phase, except a release, which stays RELEASING to be sent again), `lost`
   (`CancelScope(unknown_outcome_lost)`).
@@ -116,7 +120,8 @@ class LeaseError(Exception):
 
 
 class LeaseLost(LeaseError):
-    """Guard refusal (§5.4): raised before any byte is written, so mutation is `none`."""
+    """Guard refusal (design/distribution.md §5.4): raised before any byte is written, so mutation
+    is `none`."""
 
     code = "LEASE_LOST"
 
@@ -209,7 +214,8 @@ Action = StartScope | CancelScope | StopForCancel | Relinquish | Forget
 
 
 class LeaseCore:
-    """§5.2. `capacity` is the number of holds the node may keep (including lost, unforgotten)."""
+    """design/distribution.md §5.2. `capacity` is the number of holds the node may keep (including
+    lost, unforgotten)."""
 
     def __init__(self, params: LeaseParams, node_id: str, capacity: int = 1) -> None:
         self.params = params.validate()

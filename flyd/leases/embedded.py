@@ -1,4 +1,4 @@
-"""The embedded PostgreSQL default (distribution.md §5.9): pgserver's bundled binaries.
+"""The embedded PostgreSQL default (design/distribution.md §5.9): pgserver's bundled binaries.
 
 Rules:
 - `<state_dir>/run` (mode 0700) is created first and `XDG_RUNTIME_DIR` points at it while pgserver
@@ -30,7 +30,7 @@ Decisions where the spec is silent:
   first line naming a full disk, then a permission, then any PostgreSQL error is the cause
   (`start_failure_cause`).
 - `embedded_dsn_if_running` reads `postmaster.pid` only; it never starts or connects to anything
-  (`flyctl`, cli.md §7.1).
+  (`flyctl`, design/cli.md §7.1).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""Claims fit first: which runs a node can take now, decided inside the claim (distribution.md
-§3.3, §5.7; docs/distribution.md, "Claims fit first").
+"""Claims fit first: which runs a node can take now, decided inside the claim
+(design/distribution.md §3.3, §5.7; docs/distribution.md, "Claims fit first").
 
 Why: a node used to claim the next run, find in its executor that the run's threads did not fit
 its remaining budget, and release it with refund. Each such round bumped the run's lease epoch
@@ -31,7 +31,7 @@ from typing import Any, Final
 __all__ = ["DEFAULT_AGENT_COUNT", "MAX_COUNTED_THREADS", "WORKER_THREADS_SQL", "Fit",
            "ThreadRoom", "fitting", "worker_threads"]
 
-#: a stored spec without `agents` has the two default agents (session.md §4.7)
+#: a stored spec without `agents` has the two default agents (design/session.md §4.7)
 DEFAULT_AGENT_COUNT: Final = 2
 #: a `threads` above this is malformed (the spec allows 1..256) and counts 0
 MAX_COUNTED_THREADS: Final = 9_999_999

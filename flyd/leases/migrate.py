@@ -1,8 +1,9 @@
-"""Schema migrations for the ``flyd`` PostgreSQL schema (distribution.md §2.1).
+"""Schema migrations for the ``flyd`` PostgreSQL schema (design/distribution.md §2.1).
 
 The shipped files ``flyd/leases/migrations/NNNN_<name>.sql`` are applied in one transaction
-under the advisory lock of §2.5; each applied file is recorded in ``flyd.schema_migrations``
-with its SHA-256, so re-running is a no-op and a failure leaves the database unchanged.
+under the advisory lock of design/distribution.md §2.5; each applied file is recorded in
+``flyd.schema_migrations`` with its SHA-256, so re-running is a no-op and a failure leaves the
+database unchanged.
 """
 
 from __future__ import annotations
@@ -53,7 +54,8 @@ class ServerTooOld(MigrationError):
 
 
 class ClockModeMismatch(MigrationError):
-    """A ``flyd.sim_clock`` row exists iff the node was started with a sim clock (§2.1)."""
+    """A ``flyd.sim_clock`` row exists iff the node was started with a sim clock
+    (design/distribution.md §2.1)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,20 +1,24 @@
-"""Lease timing parameters and their invariant (distribution.md §4.2, §4.3).
+"""Lease timing parameters and their invariant (design/distribution.md §4.2, §4.3).
 
 Rules:
-- Every `[leases]` key of §4.2 is a field with its default; the three `[database]` values the
-  §4.3 invariant reads (S, I, `connect_timeout`) are fields too, in the units of their keys.
+- Every `[leases]` key of design/distribution.md §4.2 is a field with its default; the three
+  `[database]` values the design/distribution.md §4.3 invariant reads (S, I, `connect_timeout`) are
+  fields too, in the units of their keys.
 - `heartbeat_interval_s = None` means H = T/5; `with_ttl(T)` (`--lease-ttl`) sets T only, so H
   follows T/5 unless it was set, and every other key keeps its value.
-- `validate()` refuses a parameter set violating §4.3 with one `LeaseParamsError` naming the
-  clause (`§4.3.<n>`); `violations()` lists every violated clause, in clause order.
-- The comparisons of §4.3 are made on the decimal values as written (`Fraction(repr(x))`), so
-  the boundary cases the spec quotes (1.75 ≥ 1.75, 2 + 1.5 ≤ 3.5, 0.75 ≥ 0.5 + 0.25) hold
-  exactly and never flip on binary rounding.
+- `validate()` refuses a parameter set violating design/distribution.md §4.3 with one
+  `LeaseParamsError` naming the clause (`§4.3.<n>`); `violations()` lists every violated clause, in
+  clause order.
+- The comparisons of design/distribution.md §4.3 are made on the decimal values as written
+  (`Fraction(repr(x))`), so the boundary cases the spec quotes (1.75 ≥ 1.75, 2 + 1.5 ≤ 3.5, 0.75 ≥
+  0.5 + 0.25) hold exactly and never flip on binary rounding.
 
 Ambiguities resolved:
 - Values that are not finite, or negative (zero where a period or bound must be positive,
-  `connect_timeout_s` excepted: 0 = unset), are refused as clause `§4.2` (range) before §4.3.
-- `connect_timeout_s = 0` is "unset" and exempt from clause 6 (§4.2 says so for tests).
+  `connect_timeout_s` excepted: 0 = unset), are refused as clause `§4.2` (range) before
+  design/distribution.md §4.3.
+- `connect_timeout_s = 0` is "unset" and exempt from clause 6 (design/distribution.md §4.2 says so
+  for tests).
 - "G > 0" is part of clause 1.
 """
 
@@ -31,7 +35,7 @@ from flyd.errors import ConfigError
 
 DATABASE_KEYS: Final = ("statement_timeout_ms", "idle_in_transaction_timeout_ms",
                         "connect_timeout_s")
-"""The `[database]` keys the §4.3 invariant reads."""
+"""The `[database]` keys the design/distribution.md §4.3 invariant reads."""
 INTEGRAL: Final = frozenset({"claim_batch", "max_attempts", "connect_timeout_s"})
 
 CLAUSES: Final = {
@@ -62,7 +66,8 @@ def _q(x: float) -> Fraction:
 
 @dataclass(frozen=True, slots=True)
 class LeaseParams:
-    """§4.2 `[leases]` (plus the `[database]` values §4.3 reads); seconds unless suffixed."""
+    """design/distribution.md §4.2 `[leases]` (plus the `[database]` values
+    design/distribution.md §4.3 reads); seconds unless suffixed."""
 
     ttl_s: float = 15.0
     heartbeat_interval_s: float | None = None
@@ -83,7 +88,7 @@ class LeaseParams:
     idle_in_transaction_timeout_ms: float = 1500.0
     connect_timeout_s: int = 2
 
-    # -- symbols of §4.2 -------------------------------------------------------------------
+    # -- symbols of design/distribution.md §4.2 ----------------------------------------------------
     @property
     def T(self) -> float:
         return self.ttl_s
@@ -130,7 +135,8 @@ class LeaseParams:
 
     @classmethod
     def short_ttl(cls) -> LeaseParams:
-        """§4.2 short-TTL profile (tests): T = 4; W, K and ρ at their defaults."""
+        """design/distribution.md §4.2 short-TTL profile (tests): T = 4; W, K and ρ at their
+        defaults."""
         return cls(
             ttl_s=4.0, heartbeat_interval_s=0.6, renew_timeout_s=0.5, safety_margin_s=1.75,
             statement_timeout_ms=500.0, idle_in_transaction_timeout_ms=500.0,

@@ -1,9 +1,9 @@
-"""Read-only views of the queue for people and summaries (cli.md §4.2, §7.2, §7.4).
+"""Read-only views of the queue for people and summaries (design/cli.md §4.2, §7.2, §7.4).
 
-Why apart from the `Store`: the node's protocol statements (§3) are what the runtime may send;
-these reads serve `flyd run`'s summary, `flyctl runs list|show` and `flyctl status`'s database
-view. They never take locks and never write. Rows come back as camelCase dicts ready to print
-as JSON (cli.md §1), timestamps as ISO 8601 strings.
+Why apart from the `Store`: the node's protocol statements (design/distribution.md §3) are what the
+runtime may send; these reads serve `flyd run`'s summary, `flyctl runs list|show` and
+`flyctl status`'s database view. They never take locks and never write. Rows come back as camelCase
+dicts ready to print as JSON (design/cli.md §1), timestamps as ISO 8601 strings.
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ async def run_row(conn: Conn, run_id: int) -> dict[str, Any] | None:
 
 
 async def list_runs(conn: Conn, state: str | None = None) -> list[dict[str, Any]]:
-    """cli.md §7.2 `runs list`: state, lease epoch, attempts, owner, expiry, boundary."""
+    """design/cli.md §7.2 `runs list`: state, lease epoch, attempts, owner, expiry, boundary."""
     return [_camel(r) for r in await _rows(conn, """
         SELECT r.run_id AS run, r.state::text AS state, r.lease_epoch, r.attempt,
                r.max_attempts, r.owner_node, r.lease_expires_at, h.boundary
@@ -92,7 +92,7 @@ async def effects(conn: Conn, run_id: int) -> list[dict[str, Any]]:
 
 
 def behaviour(rows: list[dict[str, Any]]) -> tuple[str, list[str]]:
-    """`(behaviourDigest, epochs)` of cli.md §4.2 from a run's effect rows: the digest of the
+    """`(behaviourDigest, epochs)` of design/cli.md §4.2 from a run's effect rows: the digest of the
     boundary payloads in boundary order, and the raw session epochs in order of first boundary."""
     boundary_rows = [r for r in rows if r["boundary"] is not None]
     boundary_rows.sort(key=lambda r: int(r["boundary"]))

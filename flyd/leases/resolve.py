@@ -1,4 +1,5 @@
-"""Deciding an unknown commit outcome from the read of §3.10 (distribution.md §5.6).
+"""Deciding an unknown commit outcome from the read of design/distribution.md §3.10
+(design/distribution.md §5.6).
 
 Pure: the caller ended the old backend and read the run; this module only judges the read.
 
@@ -30,7 +31,8 @@ Decision = Literal["committed", "retry", "lost"]
 
 def decide(read: RunRead | None, *, lease_epoch: int, node_id: str, checkpoint_id: str | None,
            final: TerminalState | None) -> Decision:
-    """Judge one §3.10 read for the commit of (`lease_epoch`, `node_id`); see the module rules."""
+    """Judge one design/distribution.md §3.10 read for the commit of (`lease_epoch`, `node_id`); see
+    the module rules."""
     if read is None:
         return "lost"
     if checkpoint_id is not None and read.checkpoint_committed:

@@ -1,4 +1,5 @@
-"""The node's lease runtime (distribution.md §5): heartbeat, watchdog, claimer, reaper, scopes.
+"""The node's lease runtime (design/distribution.md §5): heartbeat, watchdog, claimer, reaper,
+scopes.
 
 Production and the tier-1 simulator run this same class; it is given its store, clock, session
 executor and process-group killer, and keeps every lease decision in the sans-IO `LeaseCore`.
@@ -8,40 +9,42 @@ Rules:
   `clock.sleep_until`; every random draw comes from `random.Random(seed)`. Store calls are
   bounded by `asyncio.timeout` (R for renew and registry writes, C for everything else), which is
   loop time: virtual under the tier-1 loop, and never a lease decision (the core decides those).
-- `cancel_scope` (§5.5) runs steps 1–4 synchronously, before any await: the core marks the hold
-  LOST, the scope's fence callbacks run, `groups.kill(run)`, the scope task is cancelled. A
-  cleanup task then confirms the workers dead (K) and the task ended (5 s), logs
+- `cancel_scope` (design/distribution.md §5.5) runs steps 1–4 synchronously, before any await: the
+  core marks the hold LOST, the scope's fence callbacks run, `groups.kill(run)`, the scope task is
+  cancelled. A cleanup task then confirms the workers dead (K) and the task ended (5 s), logs
   `scope_cancelled`, relinquishes once (skipped at `attempt >= max_attempts`, the run's own
   budget from its grant, not `[leases] max_attempts`) and forgets.
 - The guard runs synchronously immediately before each write for a grant: `check(B)` before a
   group commit (and before resending one), `check(C)` before the fault mark and while resolving
   an unknown outcome, `check(0)` before a graceful release; a relinquish is exempt.
-- Every event of §7.3.6 (and the runtime's own: `scope_error`, `scope_stuck`, `loop_lag`,
-  `node_fatal`, ...) is logged through structlog and appended to the optional `events` sink as a
-  dict with `event`, the local clock time `t`, `node` and snake_case fields.
+- Every event of design/distribution.md §7.3.6 (and the runtime's own: `scope_error`, `scope_stuck`,
+  `loop_lag`, `node_fatal`, ...) is logged through structlog and appended to the optional `events`
+  sink as a dict with `event`, the local clock time `t`, `node` and snake_case fields.
 
 Decisions where the spec is silent:
-- Registration at start (§3.1) is tried up to `REGISTER_ATTEMPTS` (5) times, each bounded by R
-  and logged `register_failed` (with `attempt`) when it fails, `claim_poll` apart; `run()`
-  returns 1 only when every attempt failed. One slow reply at start (a loaded host, a server
+- Registration at start (design/distribution.md §3.1) is tried up to `REGISTER_ATTEMPTS` (5) times,
+  each bounded by R and logged `register_failed` (with `attempt`) when it fails, `claim_poll` apart;
+  `run()` returns 1 only when every attempt failed. One slow reply at start (a loaded host, a server
   still starting) is no reason for a node to exit, and a service manager restarting it would
   only take longer; five attempts still end a start against a server that is truly gone.
-- The heartbeat reconnects eagerly (§5.4 "close, reconnect within the next slot"): right after
-  an abandoned renewal it calls `store.reconnect_heartbeat()` under its own bound R
-  (`heartbeat_reconnected` / `heartbeat_reconnect_failed`), then renews at the next slot, or at
-  once when the reconnect overran the slot. Why: with latency near R, a reconnect (one round
+- The heartbeat reconnects eagerly (design/distribution.md §5.4 "close, reconnect within the next
+  slot"): right after an abandoned renewal it calls `store.reconnect_heartbeat()` under its own
+  bound R (`heartbeat_reconnected` / `heartbeat_reconnect_failed`), then renews at the next slot, or
+  at once when the reconnect overran the slot. Why: with latency near R, a reconnect (one round
   trip) and the renewal's statement (another) do not both fit in one renewal's R, so a lazy
   reconnect inside the renewal would let no renewal succeed after the first abandonment.
   Renewals still never overlap (one task does both in turn), safe_until still comes only from
   an acknowledged renewal's `t_send`, and a renewal whose session is still down (the reconnect
   failed) reconnects inside its own bound R, as before.
-- An unknown commit outcome is resolved by reading (§3.10) only when the store named the backend
-  to end first; without one (`UnknownOutcome(backend=None)` or the client bound C expiring) a read
-  cannot prove the old COMMIT will not land later, so the outcome is `lost`.
-- The own-grant sweep (§3.9) never releases a (run, epoch) this node ever held: a lost hold whose
-  relinquish was skipped (attempts exhausted) stays `running` for this node until the reaper
-  fails it, and refunding it would undo that. Claims and sweeps are serialised by one lock, so a
-  sweep never mistakes a grant whose claim reply is still being processed for an unseen one.
+- An unknown commit outcome is resolved by reading (design/distribution.md §3.10) only when the
+  store named the backend to end first; without one (`UnknownOutcome(backend=None)` or the client
+  bound C expiring) a read cannot prove the old COMMIT will not land later, so the outcome is
+  `lost`.
+- The own-grant sweep (design/distribution.md §3.9) never releases a (run, epoch) this node ever
+  held: a lost hold whose relinquish was skipped (attempts exhausted) stays `running` for this node
+  until the reaper fails it, and refunding it would undo that. Claims and sweeps are serialised by
+  one lock, so a sweep never mistakes a grant whose claim reply is still being processed for an
+  unseen one.
 - A grant of a run for which an older local scope is still being cleaned up waits (K + 5 s at
   most) for that cleanup, so the old scope's kill never reaches the new scope's workers.
 - A scope that returns without finishing or releasing, or raises, is relinquished after its
@@ -53,8 +56,9 @@ Decisions where the spec is silent:
 - A release answered with no row (the grant is no longer this node's) is evidence of loss:
   `cancel_scope(fenced)`. LF003/LF004 on a commit are bugs: logged, `cancel_scope(fenced)`.
 - `finish` accepts an optional final checkpoint (a succeeded run commits it with its last
-  effects, §6.3). A run failed by the runtime (§6.4) records `boundaries` = the head boundary
-  and the last session epoch the scope committed (0 if none).
+  effects, design/distribution.md §6.3). A run failed by the runtime (design/distribution.md §6.4)
+  records `boundaries` = the head boundary and the last session epoch the scope committed (0 if
+  none).
 - `stop()` (and the death of heartbeat or watchdog) fences every hold locally (`node_fatal`:
   kill, cancel) without relinquishing; the leases expire in the database. A second `drain()`
   sets `drain_hurry` on every scope (release now, no checkpoint) and cuts the remaining drain
@@ -158,7 +162,8 @@ def sha256_hex(value: Any) -> str:
 
 def finish_effect(state: TerminalState, outcome: Mapping[str, Any], *, boundaries: int,
                   session_epoch: int) -> Effect:
-    """§6.1: key `finish`, payload `{state, boundaries, outcomeDigest}`, boundary NULL."""
+    """design/distribution.md §6.1: key `finish`, payload `{state, boundaries, outcomeDigest}`,
+    boundary NULL."""
     payload = {"state": state, "boundaries": boundaries, "outcomeDigest": sha256_hex(outcome)}
     return Effect(key="finish", session_epoch=session_epoch, boundary=None, payload=payload,
                   digest=hashlib.sha256(canonical(payload)).digest())
@@ -194,28 +199,32 @@ class GrantScope:
         return (self.run_id, self.lease_epoch)
 
     def on_fence(self, callback: Callable[[str], None]) -> None:
-        """Called synchronously, with the reason, when the hold is lost (§5.5 step 2)."""
+        """Called synchronously, with the reason, when the hold is lost (design/distribution.md §5.5
+        step 2)."""
         self._fence_callbacks.append(callback)
 
     async def commit(self, effects: Sequence[Effect], checkpoint: Checkpoint | None = None) -> None:
-        """A fenced group commit (§3.5); raises `LeaseLost` or the store's error."""
+        """A fenced group commit (design/distribution.md §3.5); raises `LeaseLost` or the store's
+        error."""
         await self._rt.write(self, tuple(effects), checkpoint, None, "commit")
 
     async def finish(self, state: TerminalState, outcome: Mapping[str, Any],
                      effects: Sequence[Effect] = (), *, boundaries: int, session_epoch: int,
                      checkpoint: Checkpoint | None = None) -> None:
-        """The final commit: effects + `finish` effect + `finish_run`, one transaction (§6.3)."""
+        """The final commit: effects + `finish` effect + `finish_run`, one transaction
+        (design/distribution.md §6.3)."""
         fin = finish_effect(state, outcome, boundaries=boundaries, session_epoch=session_epoch)
         await self._rt.write(self, (*effects, fin), checkpoint, Finish(state, outcome), "finish")
 
     async def release(self, *, refund: bool, backoff_s: float = 0.0) -> None:
-        """Hand the run back (§3.6); sent again on an unknown outcome while the guard allows."""
+        """Hand the run back (design/distribution.md §3.6); sent again on an unknown outcome while
+        the guard allows."""
         await self._rt.release(self, refund=refund, backoff_s=backoff_s)
 
     async def retry_later(self) -> bool:
         """Hand the run back charged, `claim_poll` from now, when this grant is not its last
-        attempt (as a relinquish would be, §3.6); False, with nothing sent, when it is: the
-        caller then ends the run itself."""
+        attempt (as a relinquish would be, design/distribution.md §3.6); False, with nothing sent,
+        when it is: the caller then ends the run itself."""
         if self.attempt >= self.max_attempts:
             return False
         await self.release(refund=False, backoff_s=self._rt.params.claim_poll_s)
@@ -227,7 +236,8 @@ class GrantScope:
         await self.release(refund=True, backoff_s=self._rt.params.claim_poll_s)
 
     async def mark_faults_fired(self, faults: Sequence[str]) -> tuple[str, ...]:
-        """§3.11: the merged set; a grant no longer live is a loss (`LeaseLost`)."""
+        """design/distribution.md §3.11: the merged set; a grant no longer live is a loss
+        (`LeaseLost`)."""
         return await self._rt.mark_faults(self, tuple(faults))
 
 
@@ -245,7 +255,8 @@ class _Services:
 
 
 class NodeRuntime:
-    """§5: one node's lease runtime. `run()` returns the exit code (0 after drain or stop)."""
+    """design/distribution.md §5: one node's lease runtime. `run()` returns the exit code (0 after
+    drain or stop)."""
 
     def __init__(self, *, params: LeaseParams, store: Store, clock: LeaseClock,
                  executor: GrantHandler,
@@ -316,7 +327,8 @@ class NodeRuntime:
 
     # -- control -----------------------------------------------------------------------------
     def drain(self) -> None:
-        """§5.8; idempotent. A second call hurries the scopes and cuts the window to ≤ B."""
+        """design/distribution.md §5.8; idempotent. A second call hurries the scopes and cuts the
+        window to ≤ B."""
         self._drains += 1
         if self._drains > 1:
             for sc in self._scopes.values():
@@ -360,8 +372,8 @@ class NodeRuntime:
         self.stop()
 
     async def _register(self) -> bool:
-        """§3.1 at start: up to `REGISTER_ATTEMPTS` attempts, each bounded by R, `claim_poll`
-        apart (module docstring); False when every attempt failed."""
+        """design/distribution.md §3.1 at start: up to `REGISTER_ATTEMPTS` attempts, each bounded by
+        R, `claim_poll` apart (module docstring); False when every attempt failed."""
         for attempt in range(1, REGISTER_ATTEMPTS + 1):
             try:
                 async with asyncio.timeout(self._p.R):
@@ -376,7 +388,8 @@ class NodeRuntime:
         return False
 
     async def run(self) -> int:
-        """Register, run every task of §5.3 in one TaskGroup until drained or stopped."""
+        """Register, run every task of design/distribution.md §5.3 in one TaskGroup until drained or
+        stopped."""
         if not await self._register():
             return 1
         try:
@@ -418,7 +431,7 @@ class NodeRuntime:
                 sc._task.cancel()
 
     async def _drain(self) -> None:
-        """§5.8 steps 1–3; step 4 (`stopped`) follows in `run`."""
+        """design/distribution.md §5.8 steps 1–3; step 4 (`stopped`) follows in `run`."""
         self._event("drain_started")
         await self._set_state("draining", self.claims_held)
         try:
@@ -526,11 +539,12 @@ class NodeRuntime:
         sc._task.add_done_callback(lambda _t: sc._task_done.set())
 
     def cancel_scope(self, run_id: int, epoch: int, reason: Reason) -> None:
-        """§5.5: evidence of loss. Steps 1–4 happen here, synchronously; idempotent."""
+        """design/distribution.md §5.5: evidence of loss. Steps 1–4 happen here, synchronously;
+        idempotent."""
         self._perform(self._core.fence(run_id, epoch, reason))
 
     def _on_lost(self, run_id: int, epoch: int, reason: Reason) -> None:
-        """Steps 2–4 of §5.5 (the core did step 1), then the cleanup task."""
+        """Steps 2–4 of design/distribution.md §5.5 (the core did step 1), then the cleanup task."""
         self._event("lease_lost", run=run_id, epoch=epoch, reason=reason)
         self.stats.losses[reason] += 1
         sc = self._scopes.get((run_id, epoch))
@@ -596,7 +610,7 @@ class NodeRuntime:
                 async with asyncio.timeout(self._p.commit_timeout_s):
                     got = await self._store.release(run_id, epoch, self._node_id, refund=False,
                                                     backoff_s=0.0)
-            except Exception as exc:  # unknown: send again (§5.6)
+            except Exception as exc:  # unknown: send again (design/distribution.md §5.6)
                 self._event("write_result", run=run_id, epoch=epoch, kind="relinquish",
                             result="unknown", error=repr(exc))
                 await self._clock.sleep_until(self._clock.now() + self._p.watchdog_tick_s)
@@ -605,7 +619,7 @@ class NodeRuntime:
                         result="released" if got is not None else "none")
             return
 
-    # -- heartbeat and watchdog (§5.4) -------------------------------------------------------
+    # -- heartbeat and watchdog (design/distribution.md §5.4) --------------------------------------
     async def _heartbeat(self) -> None:
         """Renew every H ± 10 %, bounded by R; after an abandoned renewal, reconnect the
         heartbeat session at once, on its own bound R (module docstring), then renew at the
@@ -622,7 +636,7 @@ class NodeRuntime:
             try:
                 async with asyncio.timeout(p.R):
                     rows = await self._store.renew(self._node_id, held, p.T)
-            except Exception as exc:  # unknown renewal (§5.6): nothing
+            except Exception as exc:  # unknown renewal (design/distribution.md §5.6): nothing
                 self._event("renew_unknown", error=repr(exc))
                 self.stats.renew_unknown += 1
                 actions = self._core.on_renew_unknown(batch)
@@ -676,7 +690,7 @@ class NodeRuntime:
             if lag > LAG_LOG_S:
                 self._event("loop_lag", level="warning", lag_s=lag)
 
-    # -- claim loop, listener, reaper (§5.7) -------------------------------------------------
+    # -- claim loop, listener, reaper (design/distribution.md §5.7) --------------------------------
     async def _claimer(self) -> None:
         """Claim, then wait for a notification, freed capacity or `claim_poll` ± 20 %."""
         p = self._p
@@ -713,7 +727,7 @@ class NodeRuntime:
         except Transient as exc:
             self._event("claim_failed", level="warning", error=repr(exc))
             return False
-        except Exception as exc:  # unknown claim outcome (§5.6)
+        except Exception as exc:  # unknown claim outcome (design/distribution.md §5.6)
             self._event("claim_unknown", level="warning", error=repr(exc))
             await self._sweep()
             return False
@@ -809,7 +823,7 @@ class NodeRuntime:
             # the hold lost; a hold whose session stopped here is relinquished, not kept
             # renewed forever. A hold already LOST is left to its cleanup.
             await self._scope_error(sc, repr(exc))
-        except Exception as exc:  # a failing session is relinquished (§5.6)
+        except Exception as exc:  # a failing session is relinquished (design/distribution.md §5.6)
             await self._scope_error(sc, repr(exc))
         else:
             if not sc._ended:
@@ -857,8 +871,9 @@ class NodeRuntime:
     async def write(self, sc: GrantScope, effects: tuple[Effect, ...],
                     checkpoint: Checkpoint | None, finish: Finish | None, kind: Kind, *,
                     failing: bool = False) -> None:
-        """One group commit (§3.5) of a scope's, with the §5.6 error handling
-        (`GrantScope.commit` and `GrantScope.finish` are how a grant's handler asks for it)."""
+        """One group commit (design/distribution.md §3.5) of a scope's, with the
+        design/distribution.md §5.6 error handling (`GrantScope.commit` and `GrantScope.finish` are
+        how a grant's handler asks for it)."""
         run, epoch = sc.run_id, sc.lease_epoch
         commit = Commit(run, epoch, self._node_id, effects, checkpoint, finish, keep=sc.keep)
         ckpt = checkpoint.checkpoint_id if checkpoint is not None else None
@@ -938,8 +953,8 @@ class NodeRuntime:
                        cause: BaseException | None) -> None:
         """A write's reply that arrives after its grant was fenced (the watchdog passed
         safe_until while it was in flight) is not acted on or logged: after `lease_lost` the
-        node logs nothing more for the grant but the cleanup (§7.3.6, S6). What the write did is
-        the database's to tell; the grant's next holder reads it."""
+        node logs nothing more for the grant but the cleanup (design/distribution.md §7.3.6, S6).
+        What the write did is the database's to tell; the grant's next holder reads it."""
         if self._lost_on_wake(run, epoch):
             raise LeaseLost(f"{run}@{epoch}: lost while its {kind} was in flight") from cause
 
@@ -954,7 +969,8 @@ class NodeRuntime:
     async def _fail_run(self, sc: GrantScope,
                         exc: DuplicateEffect | ConflictingEffect | HeadRegression,
                         checkpoint: Checkpoint | None) -> None:
-        """§6.4: fail the run through a final commit without checkpoint, effects or retry."""
+        """design/distribution.md §6.4: fail the run through a final commit without checkpoint,
+        effects or retry."""
         if isinstance(exc, HeadRegression):
             outcome: dict[str, Any] = {"error": "head_regression", "message": exc.message,
                                        "checkpointId": checkpoint.checkpoint_id
@@ -968,7 +984,8 @@ class NodeRuntime:
         await self.write(sc, (fin,), None, Finish("failed", outcome), "finish", failing=True)
 
     async def _resolve(self, sc: GrantScope, commit: Commit, backend: Backend | None) -> Decision:
-        """§5.6 / §3.10: end the old backend, read, decide; only while `check(C)` passes."""
+        """design/distribution.md §5.6 / §3.10: end the old backend, read, decide; only while
+        `check(C)` passes."""
         run, epoch = sc.run_id, sc.lease_epoch
         if backend is None:
             if not self._lost_on_wake(run, epoch):
@@ -1016,7 +1033,7 @@ class NodeRuntime:
         return h is None or h.phase in FINAL
 
     async def release(self, sc: GrantScope, *, refund: bool, backoff_s: float) -> None:
-        """Hand a scope's run back (§3.6; `GrantScope.release`)."""
+        """Hand a scope's run back (design/distribution.md §3.6; `GrantScope.release`)."""
         self._live(sc)
         self._core.begin(sc.run_id, "release")
         await self._send_release(sc, refund=refund, backoff_s=backoff_s)
@@ -1031,7 +1048,7 @@ class NodeRuntime:
                 async with asyncio.timeout(self._p.commit_timeout_s):
                     got = await self._store.release(run, epoch, self._node_id, refund=refund,
                                                     backoff_s=backoff_s)
-            except Exception as exc:  # unknown release: send again (§5.6)
+            except Exception as exc:  # unknown release: send again (design/distribution.md §5.6)
                 self._event("write_result", run=run, epoch=epoch, kind="release",
                             result="unknown", error=repr(exc))
                 self._perform(self._core.end(run, "release", "failed"))
@@ -1049,7 +1066,7 @@ class NodeRuntime:
             return
 
     async def mark_faults(self, sc: GrantScope, faults: tuple[str, ...]) -> tuple[str, ...]:
-        """§3.11 for a scope's run (`GrantScope.mark_faults_fired`)."""
+        """design/distribution.md §3.11 for a scope's run (`GrantScope.mark_faults_fired`)."""
         run, epoch = sc.run_id, sc.lease_epoch
         self._live(sc)
         self._core.check(run, epoch, self._clock.now(), self._p.commit_timeout_s)

@@ -1,17 +1,17 @@
-"""The node's control service `flyd.control.<node_id>` (cli.md §8).
+"""The node's control service `flyd.control.<node_id>` (design/cli.md §8).
 
 Why: `flyctl` steers a node through the bus, never through signals or files, so the router's
-policy decides who may steer (session.md §7.2: `ctl-*` clients and node connections only) and
+policy decides who may steer (design/session.md §7.2: `ctl-*` clients and node connections only) and
 every answer is a domain outcome a caller can check like any other.
 
 Rules:
 - Registered on the node connection `node.<node_id>` with `maxQueued 16`, `maxInFlight 4`.
-- Envelope: the request and outcome objects of session.md §1.3/§1.4. The scope must be null;
+- Envelope: the request and outcome objects of design/session.md §1.3/§1.4. The scope must be null;
   an outcome's `workerId` is the node id and its `incarnationId` the node connection's client
   incarnation. An unparsable request is answered `INVALID_ARGUMENT` with scope null and the
   readable request id (else `req-0`).
 - Params and results are validated against `schemas/control/<method>.{params,result}.json`
-  (those files are part of the session contract digest, session.md §2.5).
+  (those files are part of the session contract digest, design/session.md §2.5).
 - Errors are domain errors with mutation `none`: malformed params → `INVALID_ARGUMENT`; an unknown
   method → `UNSUPPORTED`; a run this node does not hold → `IDENTITY_MISMATCH` ("run <r> is not
   held by node <id>"); `run: null` naming a worker of several held runs → `INVALID_ARGUMENT`
@@ -40,7 +40,7 @@ Decisions where the spec is silent:
 - Status: `recoveries` counts the recoveries the executor reports for the run's current grant.
 - RunEvents: the executor's checkpoint event ring of the run (oldest first, at most 256); a held
   run without a ring yet (still launching) has an empty one.
-- Watch (docs/topics.md §14.3): `run: null` picks the only held run (none → `IDENTITY_MISMATCH`,
+- Watch (topics.md §14.3): `run: null` picks the only held run (none → `IDENTITY_MISMATCH`,
   several → `INVALID_ARGUMENT` naming them); a held run whose topic declare was refused, or
   whose grant has not declared it yet, answers `UNSUPPORTED`.
 """
@@ -59,7 +59,8 @@ import psutil
 import psycopg
 import structlog
 
-from bus.client import BusClient, Request, Service
+from bus.client import BusClient
+from bus.client_serving import Request, Service
 from bus.errors import BusError
 from flyd.config import redact_dsn
 from flyd.launch.budget import ThreadBudget
@@ -86,7 +87,7 @@ MAX_EVENTS: Final = 256
 class RunView:
     """What the control service shows of one run the node executes: its coordinator's epoch
     and phase (None before there is a coordinator), its boundary and its recoveries; its run
-    topic and incarnation (None while it has none, docs/topics.md §14.1 rule 2) and the current
+    topic and incarnation (None while it has none, topics.md §14.1 rule 2) and the current
     descriptor body (None before bootstrap)."""
 
     epoch: str | None
@@ -419,7 +420,7 @@ class ControlService:
     # ------------------------------------------------------------------ Control.Watch
 
     async def watch(self, params: dict[str, Any]) -> dict[str, Any]:
-        """The run topic of a held run (docs/topics.md §14.3): `flyctl watch` subscribes to it."""
+        """The run topic of a held run (topics.md §14.3): `flyctl watch` subscribes to it."""
         run: int | None = params["run"]
         held = sorted(self.held())
         if run is None:

@@ -1,4 +1,4 @@
-"""The control service's wire names and shapes (cli.md §8), shared by the service
+"""The control service's wire names and shapes (design/cli.md §8), shared by the service
 (`flyd.node.control`) and its client (`flyctl`).
 
 Why here: `flyctl` needs the service name, the method names and the schemas to check what it

@@ -1,4 +1,5 @@
-"""`GrantExecutor`: what a node does with one grant (distribution.md §5.7, §6; session.md §7).
+"""`GrantExecutor`: what a node does with one grant (design/distribution.md §5.7, §6;
+design/session.md §7).
 
 Why: the lease runtime (`flyd.leases.runtime`) knows grants, not sessions. This module checks a
 claimed run, owns the processes and bus clients of its session, and hands the session itself to
@@ -7,9 +8,9 @@ transaction). It also answers the runtime's `ProcessGroups` questions, so a lost
 the run's workers synchronously.
 
 Sequence per grant:
-1. Validate the claimed spec (session.md §4.10) against this node's limits; invalid → `finish`
-   `failed` with `{error: "invalid run spec", path, reason}`; nothing is launched. The stored
-   document is validated as it is (a JSON array, string or null written straight into
+1. Validate the claimed spec (design/session.md §4.10) against this node's limits; invalid →
+   `finish` `failed` with `{error: "invalid run spec", path, reason}`; nothing is launched. The
+   stored document is validated as it is (a JSON array, string or null written straight into
    `flyd.runs` is refused at path "" on the first claim, not coerced or retried), and a
    `startFrom` whose checkpoint the run has no head for (a spec inserted without
    `flyctl checkpoints import`) is refused at `/startFrom` rather than started from 0.
@@ -21,10 +22,11 @@ Sequence per grant:
    session's clients closed, whatever happened.
 
 Decisions:
-- Effect payloads are the behaviour records rebased onto `e1` (state.md §9.2); the committed ones
-  are read back from `flyd.effects` when a run's outcome needs every record (`behaviourDigest`).
-- The checkpoint event ring of each run (state.md §5.6) stays readable after the grant ends, for
-  `Control.RunEvents`, until the node executes the run again.
+- Effect payloads are the behaviour records rebased onto `e1` (design/state.md §9.2); the committed
+  ones are read back from `flyd.effects` when a run's outcome needs every record
+  (`behaviourDigest`).
+- The checkpoint event ring of each run (design/state.md §5.6) stays readable after the grant ends,
+  for `Control.RunEvents`, until the node executes the run again.
 - A run's `RunReport` (its behaviour records, its coordinator) is dropped when the grant's
   execution ends, so a long-lived `flyd serve` node holds nothing of the runs it finished (the
   soak measured a steady RSS growth per run before); `flyd run`, which reads its one run's report
@@ -156,8 +158,9 @@ class GrantExecutor:
     # ------------------------------------------------------------------ ProcessGroups
 
     def kill(self, run_id: int) -> None:
-        """SIGKILL every process group of the run's workers, synchronously (§5.5 step 3); the
-        launcher is abandoned, so the scope's teardown waits for no worker's exit report."""
+        """SIGKILL every process group of the run's workers, synchronously
+        (design/distribution.md §5.5 step 3); the launcher is abandoned, so the scope's teardown
+        waits for no worker's exit report."""
         launcher = self._launchers.get(run_id)
         if launcher is not None:
             self._groups.setdefault(run_id, set()).update(launcher.abandon())
@@ -232,7 +235,7 @@ class GrantExecutor:
                 await self._read_world(scope.run_id, spec, report)
             await self._teardown(scope.run_id, spec, report)
 
-    # ------------------------------------------------------------------ router loss (§8.2 step 0)
+    # ---------------------------------------------------- router loss (design/state.md §8.2 step 0)
 
     def router_lost(self) -> None:
         """The router exited: sessions wait for `router_back` before reconnecting.

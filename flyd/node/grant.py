@@ -3,25 +3,25 @@
 Why: a grant is the node's right to execute a run for a while. Within it the session must
 advance from the head (or from zero), make its work durable in checkpoint-sized steps, survive
 the loss of any worker by restoring every participant from the head into a new epoch, and end
-the run with exactly one fenced transaction. This module is that sequence (state.md §8, §9;
-distribution.md §5.7, §6); the executor (`flyd.node.executor`) validates the spec and owns the
-processes, the coordinator steps, the durability layer (`flyd.session.durability`) captures and
+the run with exactly one fenced transaction. This module is that sequence (design/state.md §8, §9;
+design/distribution.md §5.7, §6); the executor (`flyd.node.executor`) validates the spec and owns
+the processes, the coordinator steps, the durability layer (`flyd.session.durability`) captures and
 commits.
 
 Sequence:
 1. Launch the composition (the spec's faults minus those already fired) and the coordinator
-   client. Without a head: bootstrap in `e1`. With a head at `e<h>` (§8.5): bootstrap in
-   `e<h+1>`, install the head with `restore(None, e<h+2>)` from that unstepped `Ready(0)`,
-   resume. The writer's head is the claimed head; its first commit inserts only later
+   client. Without a head: bootstrap in `e1`. With a head at `e<h>` (design/state.md §8.5):
+   bootstrap in `e<h+1>`, install the head with `restore(None, e<h+2>)` from that unstepped
+   `Ready(0)`, resume. The writer's head is the claimed head; its first commit inserts only later
    boundaries.
 2. Step to the target. Before `step()` from `Ready(k)` the step-addressed faults of step k not
-   yet fired are recorded as fired (§3.11) and dropped from the coordinator's injections, so
-   they never recur, recoveries included. Each committed transition's behaviour record,
-   rebased onto `e1`, joins the pending effects; captures follow the cadence.
+   yet fired are recorded as fired (design/distribution.md §3.11) and dropped from the coordinator's
+   injections, so they never recur, recoveries included. Each committed transition's behaviour
+   record, rebased onto `e1`, joins the pending effects; captures follow the cadence.
 3. A `SessionFailure` (a worker's death, a health failure, a partial commit, …) starts automatic
-   recovery (§8.2): drain the writer and read the head, drop the abandoned range, replace every
-   participant, take the next epoch, restore the head (or, with none, bootstrap a fresh
-   coordinator), resume. Attempts are bounded (`flyd.state.recovery`); an incompatible head is
+   recovery (design/state.md §8.2): drain the writer and read the head, drop the abandoned range,
+   replace every participant, take the next epoch, restore the head (or, with none, bootstrap a
+   fresh coordinator), resume. Attempts are bounded (`flyd.state.recovery`); an incompatible head is
    refused at once.
    A launch that fails (a worker that dies or does not identify within the boot budget) hands
    the run back charged, `claim_poll` from now, for another attempt here or elsewhere; on the
@@ -35,8 +35,8 @@ Sequence:
    {plugin, stage, exception, message, frames, repeats}}` (`workers.types.domain.PluginFault`) and
    logs `run.plugin_failed`. Every `failure` value of a report or an outcome carries the
    `plugin` key when its error had a plugin fault.
-4. End (§9.3): the target → a final durable capture carrying the remaining effects, `finish`
-   and `finish_run(succeeded)` in one transaction; a cancel request → the pending effects,
+4. End (design/state.md §9.3): the target → a final durable capture carrying the remaining effects,
+   `finish` and `finish_run(succeeded)` in one transaction; a cancel request → the pending effects,
    `finish` and `finish_run(cancelled)` without a checkpoint; exhausted or refused recovery, or a
    final or forced capture too large → `finish` and `finish_run(failed)` only, outcome
    `{error: "checkpoint too large", byteLength, limit}`; a drain → a durable capture
@@ -52,8 +52,8 @@ Sequence:
 Decisions:
 - The guard of restore precondition 4 is the runtime's own (every commit checks it); a lost
   lease cancels this task through the scope, never through recovery.
-- A router death never costs a recovery attempt: an attempt reconnects first (§8.2 step 0)
-  when any of the coordinator's, the node's or the launcher's connection is closed, and an
+- A router death never costs a recovery attempt: an attempt reconnects first (design/state.md §8.2
+  step 0) when any of the coordinator's, the node's or the launcher's connection is closed, and an
   attempt that fails while one of them is closed, or during which the router exited (the
   executor's `router_exits`; its workers may report the loss only after the router is back,
   as an exit with code 3), is given back (`recovery.attempt_interrupted`) and started again
@@ -101,7 +101,8 @@ from typing import Any, Final, Literal, Protocol
 
 import structlog
 
-from bus.client import BusClient, Topic
+from bus.client import BusClient
+from bus.client_topics import Topic
 from bus.errors import BusError
 from flyd.launch.identities import SessionNames
 from flyd.launch.launcher import ExecutionMode, LaunchedWorker, Launcher, composition_plans
@@ -191,7 +192,7 @@ _SPEC_KEYS: Final = {
 
 
 def worker_json(w: LaunchedWorker) -> dict[str, Any]:
-    """cli.md §4.2's `workers` entry (the node's own pid in thread and in-process modes)."""
+    """design/cli.md §4.2's `workers` entry (the node's own pid in thread and in-process modes)."""
     return {"workerId": w.worker_id, "role": w.identity.role,
             "incarnationId": w.identity.incarnation_id,
             "pid": w.pid if w.pid is not None else os.getpid(),
@@ -220,12 +221,13 @@ class RunReport:
     recoveries: list[dict[str, Any]] = field(default_factory=list)
     coordinator: Coordinator | None = None
     lost_reason: str | None = None
-    #: the run topic while the grant's session has one (docs/topics.md §14.1)
+    #: the run topic while the grant's session has one (topics.md §14.1)
     topic: Topic | None = None
     ended: asyncio.Event = field(default_factory=asyncio.Event)
 
     def fence(self, reason: str) -> None:
-        """The lease is lost (§5.5 step 2): the session dispatches nothing more."""
+        """The lease is lost (design/distribution.md §5.5 step 2): the session dispatches nothing
+        more."""
         self.lost_reason = reason
         if self.coordinator is not None:
             self.coordinator.fence_now(f"lease lost ({reason})")
@@ -349,7 +351,7 @@ class GrantSession:
         #: the boundary the current epoch began stepping from (a resume, a restart or the grant)
         self._stepped_from = 0
         self.fresh_launcher = False
-        #: the run topic (docs/topics.md §14.1), declared when the session starts; None leaves
+        #: the run topic (topics.md §14.1), declared when the session starts; None leaves
         #: the run unwatched
         self.topic: Topic | None = None
         self.publisher: RunPublisher | None = None
@@ -371,7 +373,7 @@ class GrantSession:
         return self.durability
 
     def _rlog(self) -> Any:
-        """The grant's logger with the session's current epoch (state.md §8.4: every
+        """The grant's logger with the session's current epoch (design/state.md §8.4: every
         `recovery.*` line has `run`, `epoch`, `node`)."""
         epoch = self.coordinator.epoch if self.coordinator is not None else None
         return self.log.bind(epoch=epoch)
@@ -453,7 +455,8 @@ class GrantSession:
                     await self._lifecycle(head)
                 except BaseException:
                     # a lost lease cancels this task: nothing of this grant may be written any
-                    # more, so the writer's current job is cancelled, not awaited (§5.5)
+                    # more, so the writer's current job is cancelled, not awaited
+                    # (design/distribution.md §5.5)
                     writer_task.cancel()
                     raise
                 await writer.shutdown()
@@ -461,8 +464,8 @@ class GrantSession:
             await self._end_topic()
 
     async def _end_topic(self) -> None:
-        """The run topic's `end` (§14.1 rule 4), then its removal. A grant that ends without
-        a final state (abandoned, a lost lease) is `released`: another node may go on."""
+        """The run topic's `end` (topics.md §14.1 rule 4), then its removal. A grant that ends
+        without a final state (abandoned, a lost lease) is `released`: another node may go on."""
         topic, self.topic = self.topic, None
         self.report.topic = None
         if topic is None:
@@ -674,7 +677,8 @@ class GrantSession:
                 report.trace.append(step.boundary, data)
             self.host.progressed(report)
             if step.terminal or step.paused or step.boundary >= self.spec.steps:
-                break  # the final capture replaces a cadence capture due here (§9.1)
+                # the final capture replaces a cadence capture due here (design/state.md §9.1)
+                break
             await durability.after_boundary(coordinator, step.boundary)
             report.records.settle(durability.head_boundary - self._first_local())
             if report.trace is not None:
@@ -701,7 +705,7 @@ class GrantSession:
             coordinator.injections, kill_at=kills, lose_advance_result_at=lost)
         self.log.info("faults.fired", faults=sorted(due))
 
-    # ------------------------------------------------------------------ recovery (§8.2)
+    # -------------------------------------------------------------- recovery (design/state.md §8.2)
 
     async def _recover(self, failure: SessionFailure) -> bool:
         """Recover until the session steps again (False) or the run ended here (True)."""
@@ -778,9 +782,9 @@ class GrantSession:
         return list(tainted()) if callable(tainted) else []
 
     async def _reconnect(self) -> None:
-        """§8.2 step 0, per session: the router was lost; once the node is reconnected, open a
-        new launcher and coordinator client (new incarnations; the old expectations died with
-        the old connections)."""
+        """design/state.md §8.2 step 0, per session: the router was lost; once the node is
+        reconnected, open a new launcher and coordinator client (new incarnations; the old
+        expectations died with the old connections)."""
         if not await self.host.router_ready(self.config.durable_timeout_s):
             down = self.host.parts_down()
             if down is not None:
@@ -872,8 +876,8 @@ class GrantSession:
         return self.scope.grant.boundary
 
     async def _replace_all(self) -> None:
-        """§8.2 step 5: every participant killed and replaced by its next generation (after a
-        router loss, launched by the new launcher)."""
+        """design/state.md §8.2 step 5: every participant killed and replaced by its next generation
+        (after a router loss, launched by the new launcher)."""
         launcher, coordinator = self.launcher, self._coordinator()
         assert launcher is not None and self.names is not None
         spec = self.live_spec
@@ -898,7 +902,7 @@ class GrantSession:
                               new_incarnation=replacements[wid].identity.incarnation_id,
                               reap="killed")
 
-    # ------------------------------------------------------------------ endings (§9.3)
+    # --------------------------------------------------------------- endings (design/state.md §9.3)
 
     async def _end(self, ending: Ending) -> None:
         if ending == "succeeded":

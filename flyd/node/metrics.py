@@ -251,7 +251,7 @@ class NodeCollector(Collector):
                                   "Lease renewals abandoned without a reply.",
                                   value=s.renew_unknown)
         yield _labelled(CounterMetricFamily, "flyd_lease_losses",
-                        "Holds this node lost, by reason (distribution.md §5.5).", "reason",
+                        "Holds this node lost, by reason (design/distribution.md §5.5).", "reason",
                         {**dict.fromkeys(get_args(Reason), 0), **s.losses})
         if s.checkpoint_commit is not None:
             yield _histogram("flyd_checkpoint_commit_seconds",

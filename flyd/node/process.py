@@ -1,19 +1,19 @@
 """The node process: database, router child, node connection, store, lease runtime, executor.
 
-Why: `flyd serve` and `flyd run` are the same node (distribution.md §5, cli.md §4–§5); they
-differ only in what they claim (`only`: `flyd run` claims the one run it submitted) and in when
+Why: `flyd serve` and `flyd run` are the same node (design/distribution.md §5, design/cli.md §4–§5);
+they differ only in what they claim (`only`: `flyd run` claims the one run it submitted) and in when
 they stop. This module wires the parts in order and takes them down in reverse, each step
 bounded:
 
 start: the socket path checked (`flyd.node.router_child.check_socket_path`: nothing that is not
 the node's is ever touched) → embedded PostgreSQL under `<state-dir>/pg` when no DSN is
-configured (§5.9) → migrations → router child on the socket (cli.md §5.1; `--no-router`
-connects to a router managed separately) → node connection `node.<node_id>` → `PgStore` →
-`GrantExecutor`.
+configured (design/distribution.md §5.9) → migrations → router child on the socket
+(design/cli.md §5.1; `--no-router` connects to a router managed separately) → node connection
+`node.<node_id>` → `PgStore` → `GrantExecutor`.
 serve: `NodeRuntime(...).run()` until drained or stopped; SIGTERM/SIGINT drain (a second one
-skips the checkpoints, §5.8). Beside it, the router's supervisor and the parts watch
-(`flyd.node.parts`): a router or fork server that misses its liveness probe is killed and
-replaced like a dead one; a part that cannot be brought back holds the node's claims
+skips the checkpoints, design/distribution.md §5.8). Beside it, the router's supervisor and the
+parts watch (`flyd.node.parts`): a router or fork server that misses its liveness probe is killed
+and replaced like a dead one; a part that cannot be brought back holds the node's claims
 (`NodeRuntime.hold_claims`: it stops claiming and hands its runs back, `flyctl status` shows
 `draining` with the reason) until the part answers again.
 close: metrics endpoint, control service, store, node connection, router (SIGTERM, SIGKILL
@@ -242,7 +242,7 @@ class NodeProcess:
 
     def _prepare_socket_dir(self) -> None:
         """Before anything starts: the socket's directory is created 0700 (0750 with a socket
-        group) or must be one no other user controls (wire.md §13); else exit 2 naming it."""
+        group) or must be one no other user controls (design/wire.md §13); else exit 2 naming it."""
         setup, gid = self.setup, self.setup.settings.bus.socket_gid
         parent = os.path.dirname(os.path.abspath(setup.socket))
         try:
@@ -396,9 +396,10 @@ class NodeProcess:
     # ------------------------------------------------------------------ router supervision
 
     async def supervise_router(self) -> None:
-        """cli.md §5.1: restart a router child that exited (backoff from 0.1 s doubling to
+        """design/cli.md §5.1: restart a router child that exited (backoff from 0.1 s doubling to
         5 s, reset after 60 s of uptime), reconnect the node connection with a new incarnation,
-        re-register the control service; the sessions recover through state.md §8.2 step 0."""
+        re-register the control service; the sessions recover through design/state.md §8.2 step
+        0."""
         router = self.router
         if router is None:
             return
@@ -457,9 +458,9 @@ class NodeProcess:
             self.executor.router_back(self.client)
 
     def drain(self) -> None:
-        """Start (a second call: hurry) the drain of §5.8, for SIGTERM, SIGINT and
-        `Control.Drain` alike; each of `drain_listeners` hears every call first (`flyd serve`
-        sends `STOPPING=1`)."""
+        """Start (a second call: hurry) the drain of design/distribution.md §5.8, for SIGTERM,
+        SIGINT and `Control.Drain` alike; each of `drain_listeners` hears every call first
+        (`flyd serve` sends `STOPPING=1`)."""
         for listener in self.drain_listeners:
             listener()
         if self.runtime is not None:

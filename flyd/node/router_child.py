@@ -1,21 +1,21 @@
-"""The node's router child process (cli.md §5.1, §4.1) and its configuration.
+"""The node's router child process (design/cli.md §5.1, §4.1) and its configuration.
 
 Why: `flyd serve` and `flyd run` both run `flyd router` as a child with die-with-parent, so a
 killed node takes its router with it; the child gets a TOML file written here: the `[bus]` table
 of the node's configuration (socket dropped: the socket is a flag), `[bus.limits]` raised to
-cli.md §5.1's floors for the node's capacity and `max_agents`, and the default policy of
-session.md §7.2 with the node's pid unless `[bus.policy]` is set.
+design/cli.md §5.1's floors for the node's capacity and `max_agents`, and the default policy of
+design/session.md §7.2 with the node's pid unless `[bus.policy]` is set.
 
-Socket choice (§4.1): a forced path is used as given; otherwise the default socket, unless a
-router already answers there, in which case a private `run-<pid>.sock` beside it.
+Socket choice (design/cli.md §4.1): a forced path is used as given; otherwise the default socket,
+unless a router already answers there, in which case a private `run-<pid>.sock` beside it.
 
 A node never touches a path it did not bind (`check_socket_path`, `RouterChild.stop`):
 - Before anything starts, the socket path is refused (`SocketPathError`, exit 2, `CONFIG`)
   when something other than a socket is there (a regular file, a directory, a symbolic link,
   ...), when a router already answers on it, and, for a path the user named (flag,
   environment, config file), when its directory does not exist: a mistyped path is an error,
-  not a tree created and left behind. Only the default socket's directory (cli.md §2.2) is the
-  node's to create.
+  not a tree created and left behind. Only the default socket's directory (design/cli.md §2.2) is
+  the node's to create.
 - The router child's socket is removed by the node only if the path still holds the very socket
   (device and inode) that child bound, so a refused start, or a file that replaced the socket
   meanwhile, is left as it is.
@@ -111,7 +111,7 @@ def router_answers(path: str) -> bool:
 
 
 def choose_socket(forced: str | None) -> tuple[str, bool]:
-    """cli.md §4.1: `(path, private)`; the default socket unless a router answers there, then
+    """design/cli.md §4.1: `(path, private)`; the default socket unless a router answers there, then
     `run-<pid>.sock` beside it; a forced path is used as given."""
     if forced:
         return forced, False
@@ -174,7 +174,7 @@ def _policy_table(policy: Policy) -> dict[str, Any]:
 
 
 def required_limits(capacity: int = 1, max_agents: int = DEFAULT_MAX_AGENTS) -> dict[str, int]:
-    """cli.md §5.1: the `[bus.limits]` floors a node needs (snake_case keys). Expectations
+    """design/cli.md §5.1: the `[bus.limits]` floors a node needs (snake_case keys). Expectations
     follow the clients' floor: every client of a session (workers, launcher, coordinator) is
     expected before it connects, and all of a composition's launches are in flight at once.
     A coordinator holds up to two calls per participant (every agent and the world) at once: a
@@ -191,7 +191,7 @@ def router_toml(bus: BusSettings, node_pid: int, capacity: int = 1,
                 max_agents: int = DEFAULT_MAX_AGENTS) -> str:
     """The router child's configuration: the node's `[bus]` (socket dropped: the socket is a
     flag) with `[bus.limits]` raised to `required_limits()` where the configured value is lower,
-    plus the default policy with the node's pid (session.md §7.2) unless `bus` sets a policy.
+    plus the default policy with the node's pid (design/session.md §7.2) unless `bus` sets a policy.
     Limits and store settings are written where they differ from the router's defaults."""
     table: dict[str, Any] = {"allowed_uids": list(bus.allowed_uids)}
     if bus.socket_group is not None:

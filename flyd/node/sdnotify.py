@@ -1,4 +1,5 @@
-"""A minimal sd_notify client (cli.md §5.2, §10): datagrams over `$NOTIFY_SOCKET`, no libsystemd.
+"""A minimal sd_notify client (design/cli.md §5.2, §10): datagrams over `$NOTIFY_SOCKET`, no
+libsystemd.
 
 Why: under `Type=notify` systemd learns readiness, status, liveness and shutdown from one-line
 `KEY=value` datagrams sent to the socket it names in `$NOTIFY_SOCKET`; a few lines of `socket`

@@ -1,4 +1,4 @@
-"""Phases B and C of a transition (session.md §6.6): the controls an `Environment.Advance`
+"""Phases B and C of a transition (design/session.md §6.6): the controls an `Environment.Advance`
 sends, and the checks of what it returns.
 
 Why a module of its own: these are the two places where a transition turns decisions into world

@@ -1,11 +1,11 @@
 """The coordinator's audio timelines: every declared stream's position across transitions and
 restores.
 
-Why the session owns them: a restore must never restart a stream at 0 silently (state.md §7.2
+Why the session owns them: a restore must never restart a stream at 0 silently (design/state.md §7.2
 step 8 names `AudioTimelines.restored`); the environment marks the first chunk after an
 activation (`workers/environment.py`), and these objects are the checking side. They read only
-the §1.8 `AudioRef` and `EnvironmentDescriptor`, so they hold for any world that declares audio,
-not only the synthetic arena's. Rules:
+the design/session.md §1.8 `AudioRef` and `EnvironmentDescriptor`, so they hold for any world that
+declares audio, not only the synthetic arena's. Rules:
 - `AudioTimeline` (one declared stream): the stream position and whether the epoch has accepted
   a chunk yet. A chunk below the position overlaps; at the position it must not set
   `discontinuity`, except as the epoch's first chunk (optional when fresh, required after a

@@ -1,4 +1,4 @@
-"""`AuditLog`: the coordinator's ordered list of audit strings (session.md §6.10). Pure.
+"""`AuditLog`: the coordinator's ordered list of audit strings (design/session.md §6.10). Pure.
 
 Exact forms: `hello:<worker>`, `environment.initialize`, `task.bootstrap`,
 `agent.initialize:<agent>`, `acknowledge.lifecycle`, `publish:descriptor`,

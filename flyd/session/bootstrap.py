@@ -1,13 +1,13 @@
-"""Bootstrap (session.md §6.5): the checks of each step that brings a session to `Ready(0)`.
+"""Bootstrap (design/session.md §6.5): the checks of each step that brings a session to `Ready(0)`.
 
 Why a module of its own: bootstrap is the one place where the coordinator learns who its
 workers are (their pinned incarnations), what the world declares (descriptor, O[0]) and what
 each agent starts from (graph, telemetry, ticks). Each step here sends through the session's
-call engine (`flyd.session.calls`), checks the reply exactly as §6.5 says and returns what it
-learnt; the coordinator runs the steps in order and keeps the results, so what it installs is
-visible in one place.
+call engine (`flyd.session.calls`), checks the reply exactly as design/session.md §6.5 says and
+returns what it learnt; the coordinator runs the steps in order and keeps the results, so what it
+installs is visible in one place.
 
-Steps (numbers of §6.5):
+Steps (numbers of design/session.md §6.5):
 1. `hello`: `Worker.Hello` (scope null), `workerId` and `role` as expected, the coordinator's
    `contractDigest`, the role's step capability (else `IDENTITY_MISMATCH`/`UNSUPPORTED`,
    blamed on `Worker.Hello`); pins the returned incarnation.
@@ -29,7 +29,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from bus.client import Attachment
+from bus.client_artifacts import Attachment
 from flyd.session.calls import (
     Blame,
     Call,

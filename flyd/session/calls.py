@@ -1,5 +1,5 @@
-"""The coordinator's call engine (session.md §6.3, §6.4, §6.8): every worker call of a session
-and every failure of its epoch go through one `CallEngine`.
+"""The coordinator's call engine (design/session.md §6.3, §6.4, §6.8): every worker call of a
+session and every failure of its epoch go through one `CallEngine`.
 
 Why an engine of its own: bootstrap, the transaction, capture and restore all send requests,
 check replies, resolve uncertain calls and fail the epoch, and they must do so one way. Kept
@@ -18,30 +18,30 @@ Rules:
    bus or deadline failures: it returns `Expired` (the caller's deadline passed; uncertain) or
    `Refused` (a definite bus failure or a malformed outcome), else `Answered`; every send's
    latency is observed under its method (`Metrics`).
-3. `check_reply` (§6.4): the reply's worker, incarnation (when pinned), scope and request id
-   must echo the call (`IDENTITY_MISMATCH`/`none`); a domain error outcome is raised; the
+3. `check_reply` (design/session.md §6.4): the reply's worker, incarnation (when pinned), scope and
+   request id must echo the call (`IDENTITY_MISMATCH`/`none`); a domain error outcome is raised; the
    result must match the method's result schema (`BACKEND_FAILURE`/`unknown`).
 4. `settle` turns a sent call's outcome into a result: check an answer, raise a refusal,
    resolve an expiry. `call` is `send` then `settle`.
-5. `resolve` (§6.8) re-sends the same request (deadline `probe`, pause `RESOLVE_PAUSE` after an
-   expiry or an `IN_PROGRESS` reply) until it answers, its budget (`resolve` seconds) runs out
-   (`BudgetExpired`) or its attempts do (`AttemptsExhausted`): then `BACKEND_FAILURE`/`unknown`.
-   A refusal during resolution keeps its code with mutation `unknown`. It audits
-   `resolve:<worker>:<method>` and counts in `Stats`.
+5. `resolve` (design/session.md §6.8) re-sends the same request (deadline `probe`, pause
+   `RESOLVE_PAUSE` after an expiry or an `IN_PROGRESS` reply) until it answers, its budget
+   (`resolve` seconds) runs out (`BudgetExpired`) or its attempts do (`AttemptsExhausted`): then
+   `BACKEND_FAILURE`/`unknown`. A refusal during resolution keeps its code with mutation `unknown`.
+   It audits `resolve:<worker>:<method>` and counts in `Stats`.
 6. `blamed` is `call` whose `DomainError` becomes a `Blame` naming the method (or a given
    detail) and the worker; `acknowledge` is `Worker.Acknowledge`, blamed, whose answer may only
    name ids it was asked about (else `Blame` detail `acknowledge`). `probe` is one request
-   whose outcome is returned or raised as it is (§6.13 `probe_raw`).
-7. `fail` (§6.3) is the one way an epoch fails: the phase label as it was, `Failed` (the fence
-   closes), the owner's uncommitted state dropped (`on_fail`), `fail:<detail>[:<participant>]`
-   audited, `last_failure` set, `SessionFailure` raised. `move` takes a phase edge or fails
-   with the machine's refusal.
+   whose outcome is returned or raised as it is (design/session.md §6.13 `probe_raw`).
+7. `fail` (design/session.md §6.3) is the one way an epoch fails: the phase label as it was,
+   `Failed` (the fence closes), the owner's uncommitted state dropped (`on_fail`),
+   `fail:<detail>[:<participant>]` audited, `last_failure` set, `SessionFailure` raised. `move`
+   takes a phase edge or fails with the machine's refusal.
 8. `guarded` runs a body so that nothing escapes unfenced: a `Blame` fails with its detail
    (`router` instead when the engine's own connection is closed and the error is
    `BACKEND_FAILURE`), a `SessionFailure` passes, any other exception fails with `step`
    (`INTERNAL`/`unknown` unless it is a `DomainError`), and a cancellation away from a committed
    boundary fails (`BACKEND_FAILURE`/`unknown`) before it propagates.
-9. Attachments (docs/topics.md §14.2): a `Call` may carry artifact ids, sent without transfer.
+9. Attachments (topics.md §14.2): a `Call` may carry artifact ids, sent without transfer.
    The SDK holds a result's attachments; those of a world's media results
    (`Environment.Initialize`, `Environment.Advance`, `State.ActivateRestore`) wait for
    `take_attachments`, any other's
@@ -66,7 +66,8 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Final, NoReturn
 
-from bus.client import Attachment, BusClient
+from bus.client import BusClient
+from bus.client_artifacts import Attachment
 from bus.errors import BusError, CallDeadlineExceeded
 from flyd.launch.identities import WorkerRef
 from flyd.session.audit import AuditLog
@@ -100,14 +101,16 @@ __all__ = [
 ]
 
 RESOLVE_PAUSE: Final = 0.002
-#: methods whose results carry a world's media, possibly by reference (docs/topics.md §14.2)
+#: methods whose results carry a world's media, possibly by reference (topics.md §14.2)
 MEDIA_METHODS: Final = frozenset({"Environment.Initialize", "Environment.Advance",
                                   "State.ActivateRestore"})
 
 
 @dataclass(frozen=True)
 class Deadlines:
-    """Seconds (§6.1)."""
+    """The coordinator's call deadlines in seconds (design/session.md §6.1): each call's initial
+    deadline by kind, the resolution budget and attempt guard, and the wait for a durable
+    capture."""
 
     probe: float = 2.0
     resolve: float = 8.0
@@ -118,7 +121,7 @@ class Deadlines:
 
 
 def format_duration(seconds: float) -> str:
-    """`8s`, `200ms`, `250us`, else `<n>ns` (§6.8)."""
+    """`8s`, `200ms`, `250us`, else `<n>ns` (design/session.md §6.8)."""
     ns = round(seconds * 1_000_000_000)
     if ns % 1_000_000_000 == 0:
         return f"{ns // 1_000_000_000}s"
@@ -169,7 +172,7 @@ class Call:
     request_id: str
     scope: Scope | None
     params: dict[str, Any]
-    #: artifacts the request carries (by-reference views, docs/topics.md §14.2); the engine's
+    #: artifacts the request carries (by-reference views, topics.md §14.2); the engine's
     #: client holds them, and never transfers them
     attachments: tuple[str, ...] = ()
 
@@ -225,7 +228,7 @@ class CallEngine:
         self._refs[worker_id] = ref
         self._serials[worker_id] = 0
 
-    # ------------------------------------------------------------------ calls (§6.4)
+    # --------------------------------------------------------------- calls (design/session.md §6.4)
 
     def new_call(self, worker_id: str, method: str, scope: Scope | None,
                  params: dict[str, Any], ref: WorkerRef | None = None,
@@ -267,7 +270,7 @@ class CallEngine:
             self._keep_received(call, result.attachments)
         return answer_typed(call.method, result.outcome)
 
-    # ------------------------------------------------------------------ attachments (§14.2)
+    # ---------------------------------------------------------------- attachments (topics.md §14.2)
 
     def _keep_received(self, call: Call, attachments: tuple[Attachment, ...]) -> None:
         """The SDK holds a result's attachments; only a world's media results are kept for
@@ -295,8 +298,8 @@ class CallEngine:
         self.drop([a.artifact_id for atts in received.values() for a in atts])
 
     def check_reply(self, call: Call, outcome: Outcome) -> dict[str, Any]:
-        """Identity and echo checks (§6.4); a domain error outcome is raised; the result is
-        validated against the method's result schema."""
+        """Identity and echo checks (design/session.md §6.4); a domain error outcome is raised; the
+        result is validated against the method's result schema."""
         method = call.method
         if outcome.worker_id != call.ref.worker_id:
             raise identity_mismatch(f"{method}: the reply names worker {outcome.worker_id}, "
@@ -377,7 +380,7 @@ class CallEngine:
         assert outcome.outcome.result is not None
         return outcome.outcome.result
 
-    # ------------------------------------------------------------------ resolution (§6.8)
+    # ---------------------------------------------------------- resolution (design/session.md §6.8)
 
     async def resolve(self, call: Call) -> dict[str, Any]:
         """Re-send the same request until it answers, or fail with the bound that ran out.
@@ -419,7 +422,7 @@ class CallEngine:
         raise backend_failure(f"{call.method}: {call.worker_id} never resolved; {why} of "
                               f"{bound} ran out and the operation's outcome is unknown")
 
-    # ------------------------------------------------------------------ the fence (§6.3)
+    # ----------------------------------------------------------- the fence (design/session.md §6.3)
 
     @property
     def machine(self) -> PhaseMachine:

@@ -1,4 +1,4 @@
-"""Coordinator capture (state.md §5.7): every participant's `State.Capture` at one committed
+"""Coordinator capture (design/state.md §5.7): every participant's `State.Capture` at one committed
 boundary, validated per role, plus the coordinator's own ledgers, as a manifest and its payloads.
 
 Why: a checkpoint is one boundary of the whole session or nothing. The coordinator asks only at a
@@ -21,22 +21,23 @@ Rules, in order (`capture`):
    a bus failure or a worker error with mutation ≠ `none` fails the epoch (detail `capture`).
    A worker error with `none` abandons the capture without failing the epoch: back to the
    origin phase, audit `not-durable:failed:<id>@<k>`, raise.
-5. Build the coordinator payloads for k (§6.3) and the manifest (§2.4); `Worker.Acknowledge`
-   the capture replies (one call per participant, concurrently); audit `captured:<id>@<k>`;
-   the last trace record's operational `captures` gets `{checkpointId, boundary, kind}`.
+5. Build the coordinator payloads for k (design/state.md §6.3) and the manifest
+   (design/state.md §2.4); `Worker.Acknowledge` the capture replies (one call per participant,
+   concurrently); audit `captured:<id>@<k>`; the last trace record's operational `captures` gets
+   `{checkpointId, boundary, kind}`.
 6. Back to the origin phase; return the `Capture`.
 
 Refusals that leave the epoch intact are `SessionFailure`s whose `fenced` state is unchanged
 (like a paused step's episode refusal): the caller reads `coordinator.fenced`.
 
 Resolved ambiguities:
-- The writer's `reserve()` and `submit()` (§5.2) wrap this function (`save`: a slot reserved
-  before anyone is asked, the capture submitted after; a refusal of either audits
+- The writer's `reserve()` and `submit()` (design/state.md §5.2) wrap this function (`save`: a slot
+  reserved before anyone is asked, the capture submitted after; a refusal of either audits
   `capture-refused:<id>` and raises `SessionFailure` detail `capture` without failing the
   epoch); without a writer, `Coordinator.capture` returns the `Capture` itself (manifest and
   payloads), which is exactly what `submit` takes.
 - A participant without `checkpoint-v1` answers `State.Capture` with `UNSUPPORTED`/`none`
-  (session.md §3.7), which abandons the capture without failing the epoch (rule 4).
+  (design/session.md §3.7), which abandons the capture without failing the epoch (rule 4).
 - `brainTicks` and `remainder` of an `AgentEntry` and an executor slot are the agent's captured
   accumulator (`executed`, `remainder`): the coordinator holds no newer record of them at k.
 - `eventWatermarks.issued` counts the task events of transitions 1..k (the trace's `eventIds`);
@@ -158,7 +159,8 @@ def _mismatch(message: str) -> DomainError:
 def validate_reply(result: Mapping[str, Any], *, worker_id: str, checkpoint_id: str, k: int,
                    compatibility_digest: str | None,
                    slot_identity: Mapping[str, Any] | None) -> tuple[bytes, dict[str, Any]]:
-    """§5.7 step 5 for one reply: the payload bytes and decoded wrapper, or a `DomainError`.
+    """design/state.md §5.7 step 5 for one reply: the payload bytes and decoded wrapper, or a
+    `DomainError`.
 
     `compatibility_digest` is the live block's digest for the environment (None for an agent);
     `slot_identity` the agent slot's `{agentId, profileDigest, seed, datasetDigest,
@@ -299,7 +301,7 @@ async def capture(coordinator: CaptureSource, calls: CallEngine, checkpoint_id: 
 
 async def save(coordinator: CaptureSource, calls: CallEngine, writer: CheckpointWriter,
                checkpoint_id: str, *, kind: CaptureKind = "durable") -> SaveTicket:
-    """`capture` through `writer` (§5.7 steps 2 and 7): the ticket."""
+    """`capture` through `writer` (design/state.md §5.7 steps 2 and 7): the ticket."""
     phase = calls.phase
     try:
         reservation = writer.reserve()
@@ -360,7 +362,8 @@ def _head(kind: str, checkpoint_id: str, k: int) -> dict[str, Any]:
 
 def _assemble(coordinator: CaptureSource, checkpoint_id: str, k: int, scope: Scope,
               live: Compatibility, replies: Mapping[str, _Reply], kind: CaptureKind) -> Capture:
-    """The coordinator payloads (§6.3) and the manifest (§2.4), in write order (§2.5)."""
+    """The coordinator payloads (design/state.md §6.3) and the manifest (design/state.md §2.4), in
+    write order (design/state.md §2.5)."""
     descriptor = coordinator.descriptor
     observation = coordinator.observation
     assert descriptor is not None and observation is not None

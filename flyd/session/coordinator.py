@@ -1,26 +1,29 @@
-"""The session coordinator (session.md §6): the session's state between boundaries, and the
+"""The session coordinator (design/session.md §6): the session's state between boundaries, and the
 order of its phases.
 
 One `Coordinator` per session, an asyncio object on the node's loop with its own bus connection.
 The task and the action executor are local objects; agents and the world are bus services
 reached through pinned `WorkerRef`s. The parts with rules of their own are modules it calls:
 every call and every failure of the epoch go through its `CallEngine` (`calls`,
-`flyd.session.calls`, §6.3, §6.4, §6.8), bootstrap's checks are `flyd.session.bootstrap`
-(§6.5), one transition up to its commit `flyd.session.transition` (§6.6), publication
-`flyd.session.publication` (§6.9), injections the `Injections` hook (§6.13), capture
-`flyd.session.capture` (state.md §5.7) and restore `flyd.session.restore` (state.md §7). Those
-read the coordinator's public side and return what they learnt; the coordinator adopts it.
+`flyd.session.calls`, design/session.md §6.3, §6.4, §6.8), bootstrap's checks are
+`flyd.session.bootstrap` (design/session.md §6.5), one transition up to its commit
+`flyd.session.transition` (design/session.md §6.6), publication `flyd.session.publication`
+(design/session.md §6.9), injections the `Injections` hook (design/session.md §6.13), capture
+`flyd.session.capture` (design/state.md §5.7) and restore `flyd.session.restore`
+(design/state.md §7). Those read the coordinator's public side and return what they learnt; the
+coordinator adopts it.
 
-API (§6.1): `bootstrap()`, `step()`, `run(n)`, `pause_handle()`, `resume()`, the probes
-(`probe_raw`, `worker_status`, `acknowledge_replies`), `replace_participant`, `replace_client`,
-`set_deadlines`, `disable_pacing`; `capture`, `save`, `restore`, `reset` (state.md §5.7, §7).
-Each agent's model profile is handed in (`profiles`, read by the grant); without it the
-coordinator reads them itself (`flyd.session.profiles`). The decisions taken where §6 is silent
-are listed in docs/coordinator.md ("Decisions"); the ones a reader of this class needs:
+API (design/session.md §6.1): `bootstrap()`, `step()`, `run(n)`, `pause_handle()`, `resume()`, the
+probes (`probe_raw`, `worker_status`, `acknowledge_replies`), `replace_participant`,
+`replace_client`, `set_deadlines`, `disable_pacing`; `capture`, `save`, `restore`, `reset`
+(design/state.md §5.7, §7). Each agent's model profile is handed in (`profiles`, read by the grant);
+without it the coordinator reads them itself (`flyd.session.profiles`). The decisions taken where
+design/session.md §6 is silent are listed in docs/coordinator.md ("Decisions"); the ones a reader of
+this class needs:
 - `step()` at `Paused(k)` with a stored episode request raises `SessionFailure`
-  (`INVALID_PHASE`/`none`, detail `episode`) *without* failing the epoch: §6.7 says the session
-  stays paused until a reset. Without an episode request, a step from `Paused` fails the epoch
-  (detail `step`), as does any step from a phase other than `Ready`.
+  (`INVALID_PHASE`/`none`, detail `episode`) *without* failing the epoch: design/session.md §6.7
+  says the session stays paused until a reset. Without an episode request, a step from `Paused`
+  fails the epoch (detail `step`), as does any step from a phase other than `Ready`.
 - A `BACKEND_FAILURE` seen while the coordinator's own connection is closed gets detail `router`
   (participant: the worker whose call was pending).
 """
@@ -92,11 +95,13 @@ from workers.types.domain import DomainError, ErrorCode, Mutation, Scope
 
 __all__ = ["FIRST_EPOCH", "Coordinator"]
 
-#: The epoch every ledger row is rebased onto (state.md §9.2).
+#: The epoch every ledger row is rebased onto (design/state.md §9.2).
 FIRST_EPOCH: Final = "e1"
 
 class Coordinator:
-    """One session's coordinator (§6)."""
+    """One session's coordinator (design/session.md §6): it owns the phase machine and runs the
+    bootstrap, each transition's transaction, the resolution of uncertain calls and the fence
+    over the workers' bus services."""
 
     def __init__(self, spec: RunSpec, client: BusClient, refs: Mapping[str, WorkerRef], *,
                  task: Task, executor: ActionExecutor, deadlines: Deadlines | None = None,
@@ -123,7 +128,8 @@ class Coordinator:
                                      f"no worker reference for {', '.join(missing)}")
         bound = history or History()
         self._machine = PhaseMachine(log_limit=bound.entries)
-        #: a pause request, honoured at the next boundary (§6.7); its caller holds the handle
+        #: a pause request, honoured at the next boundary (design/session.md §6.7); its caller holds
+        #: the handle
         self._pause = pause or PauseHandle()
         self._pacing: Pacing | None = None
         if spec.pace_s is not None:
@@ -133,7 +139,7 @@ class Coordinator:
         self.audit = AuditLog(limit=bound.entries)
         self.stats = Stats()
         self.metrics = Metrics(window=bound.entries)
-        #: every call and every failure of the epoch; probes (§6.13 `probe_raw` is
+        #: every call and every failure of the epoch; probes (design/session.md §6.13 `probe_raw` is
         #: `calls.probe`) and the deadlines in force (`calls.deadlines`) too
         self.calls = CallEngine(client, refs, deadlines or Deadlines(), self._machine,
                                 audit=self.audit, stats=self.stats, metrics=self.metrics,
@@ -238,7 +244,8 @@ class Coordinator:
         return [(self._slots[a].spec.port_id, a) for a in self.agent_ids]
 
     def tainted(self) -> list[str]:
-        """Workers that took part in an abandoned install (state.md §7.4), environment first."""
+        """Workers that took part in an abandoned install (design/state.md §7.4), environment
+        first."""
         return [w for w in self.participants() if w in self._tainted]
 
     def was_replaced(self, worker_id: str) -> bool:
@@ -259,10 +266,10 @@ class Coordinator:
     def disable_pacing(self) -> None:
         self._pacing = None
 
-    # ------------------------------------------------------------------ §6.1's probes and knobs
+    # ---------------------------------------------------- design/session.md §6.1's probes and knobs
 
     def pause_handle(self) -> PauseHandle:
-        """The pause request (§6.7), safe from any task or thread."""
+        """The pause request (design/session.md §6.7), safe from any task or thread."""
         return self._pause
 
     def set_deadlines(self, deadlines: Deadlines) -> None:
@@ -283,8 +290,8 @@ class Coordinator:
                                        else self._scope(boundary), ref)
 
     async def acknowledge_replies(self, worker_id: str, ids: list[str]) -> list[str]:
-        """`Worker.Acknowledge` with the subset rule of §6.5 step 5; any failure fails the
-        epoch."""
+        """`Worker.Acknowledge` with the subset rule of design/session.md §6.5 step 5; any failure
+        fails the epoch."""
         result: list[str] = await self.calls.guarded(lambda: self.calls.acknowledge(worker_id, ids))
         return result
 
@@ -293,7 +300,7 @@ class Coordinator:
         """One request with a fresh serial (`CallEngine.probe`); session state untouched."""
         return await self.calls.probe(worker_id, method, scope, params, ref)
 
-    # ------------------------------------------------------------------ fence (§6.3)
+    # --------------------------------------------------------------- fence (design/session.md §6.3)
 
     def _drop_uncommitted(self) -> None:
         """What a failed epoch forgets (the call engine's `on_fail`): the in-flight transition
@@ -304,7 +311,7 @@ class Coordinator:
         self.calls.drop_received()
 
     def fence_now(self, message: str) -> None:
-        """Close the fence from outside, synchronously (a lost lease, distribution.md §5.5
+        """Close the fence from outside, synchronously (a lost lease, design/distribution.md §5.5
         step 2): nothing more is dispatched. Unlike a failed step it raises nothing here; the
         next `step()` refuses. Already fenced: no change."""
         if self._machine.fenced:
@@ -313,8 +320,8 @@ class Coordinator:
             self.calls.fail(DomainError.before(ErrorCode.INVALID_PHASE, message), Detail.FENCED)
 
     def health_failure(self, worker_id: str, error: DomainError) -> SessionFailure | None:
-        """A supervisor's report (§7.4): fail the epoch (detail `health`) unless already
-        fenced; returns the failure recorded, or None when the epoch was already fenced."""
+        """A supervisor's report (design/session.md §7.4): fail the epoch (detail `health`) unless
+        already fenced; returns the failure recorded, or None when the epoch was already fenced."""
         if self._machine.fenced:
             return None
         try:
@@ -346,7 +353,7 @@ class Coordinator:
     def _scope(self, step: int) -> Scope:
         return Scope(self.spec.session_id, self.epoch, step)
 
-    # ------------------------------------------------------------------ bootstrap (§6.5)
+    # ----------------------------------------------------------- bootstrap (design/session.md §6.5)
 
     async def bootstrap(self) -> None:
         self.calls.refuse_if_fenced()
@@ -400,7 +407,7 @@ class Coordinator:
         self._publish_descriptor()
         self._publish_snapshot(0)
 
-    # ------------------------------------------------------------------ one transition (§6.6)
+    # ------------------------------------------------------ one transition (design/session.md §6.6)
 
     async def run(self, n: int) -> list[StepReport]:
         reports: list[StepReport] = []
@@ -498,7 +505,7 @@ class Coordinator:
             paused = True
         return StepReport(boundary, paused, self.episode_request is not None)
 
-    # ------------------------------------------------------------------ publication (§6.9)
+    # --------------------------------------------------------- publication (design/session.md §6.9)
 
     def _publish_descriptor(self) -> None:
         assert self.descriptor is not None
@@ -531,7 +538,7 @@ class Coordinator:
         self.audit.add(f"publish:{b}")
         self.stats.publications += 1
 
-    # ------------------------------------------------------------------ capture (state.md §5.7)
+    # --------------------------------------------------------------- capture (design/state.md §5.7)
 
     async def capture(self, checkpoint_id: str, *, kind: CaptureKind = "durable") -> Capture:
         """Every participant's state and the coordinator's ledgers at the committed boundary
@@ -539,13 +546,14 @@ class Coordinator:
         return await capture_boundary(self, self.calls, checkpoint_id, kind=kind)
 
     async def save(self, checkpoint_id: str, *, kind: CaptureKind = "durable") -> SaveTicket:
-        """`capture` through the session's writer (state.md §5.7 steps 2 and 7,
+        """`capture` through the session's writer (design/state.md §5.7 steps 2 and 7,
         `flyd.session.capture.save`): the ticket."""
         return await save_capture(self, self.calls, self._writer(), checkpoint_id, kind=kind)
 
     async def await_durable(self, ticket: SaveTicket, budget: float | None = None
                             ) -> SaveOutcome:
-        """The save's outcome (state.md §5.5), audited; `Committed` moves the durable mark."""
+        """The save's outcome (design/state.md §5.5), audited; `Committed` moves the durable
+        mark."""
         writer = self._writer()
         outcome = await writer.wait(ticket, self.calls.deadlines.durable if budget is None
                                     else budget)
@@ -560,8 +568,8 @@ class Coordinator:
         return await self.await_durable(await self.save(checkpoint_id, kind=kind))
 
     async def resolve_durable(self, checkpoint_id: str) -> CheckpointRecord | None:
-        """A lost or late save reply, resolved by id (state.md §4.6): the stored record, adopted
-        as the durable mark when newer; None when it is not stored (nothing changes)."""
+        """A lost or late save reply, resolved by id (design/state.md §4.6): the stored record,
+        adopted as the durable mark when newer; None when it is not stored (nothing changes)."""
         if self.state is None:
             raise DomainError.before(ErrorCode.UNSUPPORTED, "this session has no checkpoint store")
         record = await self.state.store.lookup(self.state.run_id, checkpoint_id)
@@ -582,7 +590,7 @@ class Coordinator:
             self._durable = (checkpoint_id, boundary)
 
     def effect_records(self) -> tuple[dict[str, Any], dict[str, Any]]:
-        """The last transition's behaviour record and result, rebased onto `e1` (state.md
+        """The last transition's behaviour record and result, rebased onto `e1` (design/state.md
         §9.2): what its ledger row holds (`flyd.session.records`)."""
         if self._last_transition is None:
             raise DomainError(ErrorCode.INTERNAL, "no transition has committed in this epoch",
@@ -597,7 +605,7 @@ class Coordinator:
                 result_record(k, self.agent_ids, new, evaluation, ids))
 
     def _append_effect(self) -> None:
-        """§9.2: the last transition k → k+1's records, pending under k+1."""
+        """design/state.md §9.2: the last transition k → k+1's records, pending under k+1."""
         writer = None if self.state is None else self.state.writer
         if writer is None:
             return
@@ -605,7 +613,7 @@ class Coordinator:
         record, result = self.effect_records()
         writer.pending.append(self._last_transition[0] + 1, self.epoch, record, result)
 
-    # ------------------------------------------------------------------ restore (state.md §7)
+    # ----------------------------------------------------------------- restore (design/state.md §7)
 
     async def restore(self, checkpoint_id: str | None, proposed_epoch: str, *,
                       store: CheckpointStore | None = None, run_id: int | None = None,
@@ -646,7 +654,7 @@ class Coordinator:
         return report
 
     def _adopt(self, installed: Installed) -> None:
-        """Make an install's state the session's (state.md §7.2 steps 8–10)."""
+        """Make an install's state the session's (design/state.md §7.2 steps 8–10)."""
         k = installed.boundary
         for agent_id, agent in installed.agents.items():
             slot = self._slots[agent_id]
@@ -673,12 +681,13 @@ class Coordinator:
         self._replaced.clear()
 
     def reset(self) -> None:
-        """An episode reset: not in v1 (a terminal episode ends a node run, state.md §9.3)."""
+        """An episode reset: not in v1 (a terminal episode ends a node run,
+        design/state.md §9.3)."""
         raise DomainError.before(ErrorCode.UNSUPPORTED,
                                  "episode reset is not supported in v1; a terminal episode ends "
                                  "the run")
 
-    # ------------------------------------------------------------------ pause and resume (§6.7)
+    # ---------------------------------------------------- pause and resume (design/session.md §6.7)
 
     def resume(self) -> None:
         phase = self._machine.phase

@@ -1,4 +1,5 @@
-"""One session's durability: cadence captures, pending effects and the writer (state.md §5.7, §9).
+"""One session's durability: cadence captures, pending effects and the writer (design/state.md §5.7,
+§9).
 
 Why: the coordinator knows boundaries, the writer knows commits; something must decide after
 each committed transition whether a capture is due, keep the transition's effect pending until
@@ -20,7 +21,8 @@ Rules:
   `UNSUPPORTED` (too large for `max_envelope_bytes`, or more payloads than an envelope holds,
   `MAX_PAYLOADS`) is returned as `TooLarge` with both sizes, never retried; a
   forced capture raises it as `CheckpointTooLarge`, which ends the run. A payload-count refusal's
-  outcome adds `payloadCount` and `payloadLimit` to §5.2's `{error, byteLength, limit}`.
+  outcome adds `payloadCount` and `payloadLimit` to design/state.md §5.2's
+  `{error, byteLength, limit}`.
 - A durable capture a participant refused with the epoch intact is returned as `Refusal`: the
   id and the participant's `SessionFailure` (who, code, message), so the grant can end the run
   naming it (`flyd.node.grant`); a forced one raises it as `CaptureRefused`. Every refusal is
@@ -66,7 +68,8 @@ SLOT_POLL_S: Final = 0.05
 
 @dataclass(frozen=True, slots=True)
 class TooLarge:
-    """A durable capture the writer refused as larger than `max_envelope_bytes` (§5.2)."""
+    """A durable capture the writer refused as larger than `max_envelope_bytes`
+    (design/state.md §5.2)."""
 
     checkpoint_id: str
     message: str
@@ -78,8 +81,8 @@ class TooLarge:
         return False
 
     def outcome(self) -> dict[str, object]:
-        """The failed run's outcome (§5.2); a capture refused for its payload count adds
-        `payloadCount` and `payloadLimit` (module rules)."""
+        """The failed run's outcome (design/state.md §5.2); a capture refused for its payload count
+        adds `payloadCount` and `payloadLimit` (module rules)."""
         outcome: dict[str, object] = {"error": "checkpoint too large",
                                       "byteLength": self.byte_length, "limit": self.limit}
         if self.payload_count is not None:
@@ -88,7 +91,8 @@ class TooLarge:
 
 
 class CheckpointTooLarge(Exception):
-    """A forced capture can never commit: the session ends the run `failed` (§5.2, §9.3)."""
+    """A forced capture can never commit: the session ends the run `failed` (design/state.md §5.2,
+    §9.3)."""
 
     def __init__(self, refused: TooLarge) -> None:
         super().__init__(refused.message)
@@ -165,7 +169,8 @@ class Durability:
             ticket.add_done_callback(self._count)
 
     async def forced(self, coordinator: Coordinator) -> None:
-        """Stop stepping until a durable capture commits (§9.2); retries after a failure."""
+        """Stop stepping until a durable capture commits (design/state.md §9.2); retries after a
+        failure."""
         backoff = self.writer.config.recovery_backoff_s
         while True:
             outcome = await self.durable(coordinator, "forced")

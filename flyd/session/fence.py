@@ -1,4 +1,4 @@
-"""The fence's pure part and `SessionFailure` (session.md §6.3). Pure, synchronous, no I/O.
+"""The fence's pure part and `SessionFailure` (design/session.md §6.3). Pure, synchronous, no I/O.
 
 Why: once an epoch failed, nothing may step, bootstrap, capture or publish until a coherent group
 restore installs a new epoch; a half-committed transition must never be continued. The
@@ -20,11 +20,11 @@ Whether the fence is closed is `PhaseMachine.fenced` (`flyd.session.phase`): `fa
 and only the `Restoring(k) -> Paused(k)` edge lifts it, so it cannot disagree with the phase.
 
 Resolved ambiguities:
-- `phase` is the remembered *label* (`"Committing(1)"`), as §6.3 step 1 says; it must be a
-  well-formed label.
-- `detail` is one of the fixed values of §6.3 (`Detail`) or a domain method name (the failed
-  worker call); anything else is a flyd bug (`DomainError` `INTERNAL`/`none`), as is a
-  participant that is not an `Id` (`coordinator` is one, state.md §7.3).
+- `phase` is the remembered *label* (`"Committing(1)"`), as design/session.md §6.3 step 1 says; it
+  must be a well-formed label.
+- `detail` is one of the fixed values of design/session.md §6.3 (`Detail`) or a domain method name
+  (the failed worker call); anything else is a flyd bug (`DomainError` `INTERNAL`/`none`), as is a
+  participant that is not an `Id` (`coordinator` is one, design/state.md §7.3).
 - A `SessionFailure` is a value like `DomainError`: equal when its four fields are equal.
 - The refusal of `check_replacement` is not worded by the spec; it names the worker and the
   phase: `"replace_participant(<id>) needs a fenced epoch or an unstepped Ready(0); the session is
@@ -54,7 +54,8 @@ FENCED_MESSAGE: Final = "the epoch is fenced; only a coherent restore resumes pl
 
 
 class Detail(StrEnum):
-    """The fixed failure details of §6.3; a failed worker call uses its method name instead."""
+    """The fixed failure details of design/session.md §6.3; a failed worker call uses its method
+    name instead."""
 
     COMMIT = "commit"
     ACKNOWLEDGE = "acknowledge"
@@ -100,7 +101,8 @@ class SessionFailure(Exception):
         if not isinstance(phase, str) or _LABEL.fullmatch(phase) is None:
             raise _bug(f"a session failure names a phase label; got {phase!r}")
         if detail not in _DETAILS:
-            raise _bug(f"{detail!r} is not a failure detail (§6.3) or a domain method")
+            raise _bug(f"{detail!r} is not a failure detail (design/session.md §6.3) or a domain "
+                       f"method")
         if participant is not None and not is_id(participant):
             raise _bug(f"a failure's participant is a worker id; got {participant!r}")
         self.error = error
@@ -163,7 +165,8 @@ def refuse_if_fenced(machine: PhaseMachine) -> None:
 
 
 def check_replacement(machine: PhaseMachine, worker_id: str) -> None:
-    """`replace_participant` needs a closed fence or an unstepped `Ready(0)` (§6.3)."""
+    """`replace_participant` needs a closed fence or an unstepped `Ready(0)`
+    (design/session.md §6.3)."""
     if machine.fenced or machine.is_unstepped_zero():
         return
     raise DomainError(

@@ -1,6 +1,6 @@
 """What a run spec must be to start from an imported checkpoint (`flyctl checkpoints import`).
 
-Why: a FLYSESS1 file carries the identities of the composition that wrote it (state.md §2.4,
+Why: a FLYSESS1 file carries the identities of the composition that wrote it (design/state.md §2.4,
 §3: agents, ports, seeds, model versions, profile, dataset and index digests, the world's
 compatibility block), not its run spec. A run submitted with another composition is accepted
 and then fails its restore (`INCOMPATIBLE_STATE`), on a node, after the submitter has gone.
@@ -17,7 +17,7 @@ Rules:
   injections, `steps`, `startFrom` and `exclusiveToSubmitter` never carry over: they belong to
   a run, not to a composition. Session and episode ids: the source's, else the manifest's.
 - `mismatch(spec, manifest)` checks, in order: the agent set, each agent's port, the world's
-  id; then each agent's identity (state.md §3, `AgentIdentity` order) computed as the agent
+  id; then each agent's identity (design/state.md §3, `AgentIdentity` order) computed as the agent
   worker computes it (`profile`, `graph`, the class's `model_version` and
   `plasticity_version`, the effective seed); then the world's compatibility block, from the
   descriptor of the world built as the environment worker builds it. The answer is a
@@ -44,7 +44,7 @@ from workers.types.domain import DomainError
 
 __all__ = ["Mismatch", "Unchecked", "mismatch", "rebuild"]
 
-#: The spec field behind each compared identity (state.md §3).
+#: The spec field behind each compared identity (design/state.md §3).
 AGENT_FIELD_PATHS: Final = {"profileDigest": "", "datasetDigest": "/modelConfig",
                             "indexDigest": "/modelConfig", "modelVersion": "/model",
                             "plasticityVersion": "/model", "seed": "/seed"}

@@ -1,4 +1,5 @@
-"""Test injections (session.md §6.13): faults the coordinator provokes in its own transaction.
+"""Test injections (design/session.md §6.13): faults the coordinator provokes in its own
+transaction.
 
 Why a module of its own: each injection re-sends, loses or kills on purpose and logs what the
 workers did about it (`InjectionOutcome`), which is how the spec tests prove replay, conflict
@@ -9,10 +10,10 @@ part of it, so they live here, through the session's call engine (`flyd.session.
 `kill_dispatched` in Phase A's dispatch, `after_prepare`, `advance`, `after_advance`,
 `after_commit`; bootstrap reads `duplicate_lifecycle_acknowledge`); each decides from its
 fields whether to act, so `Injections()` does nothing and `advance` is then a plain
-`CallEngine.call`. Outcomes go to the hook's `log` (the session's `injection_log` of §6.13),
-which starts empty for every hook built, `dataclasses.replace` included.
+`CallEngine.call`. Outcomes go to the hook's `log` (the session's `injection_log` of
+design/session.md §6.13), which starts empty for every hook built, `dataclasses.replace` included.
 
-Procedures (the table of §6.13):
+Procedures (the table of design/session.md §6.13):
 - `duplicate`: re-send a call (same id and body, a new bus call); the code of an error or None,
   identical = the result JSON equals the original.
 - `advance_injections`, after a successful Advance: `altered_advance_controls` re-sends the
@@ -33,7 +34,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final
 
-from bus.client import PendingCall
+from bus.client_calls import PendingCall
 from bus.errors import BusError
 from flyd.session.calls import RESOLVE_PAUSE, Call, CallEngine
 from flyd.session.slots import AgentSlot
@@ -68,7 +69,7 @@ KillCallback = Callable[[str], Awaitable[Any]]
 
 @dataclass
 class Injections:
-    """Test injections (§6.13); the per-step ones act at `at_step`."""
+    """Test injections (design/session.md §6.13); the per-step ones act at `at_step`."""
 
     at_step: int | None = None
     duplicate_prepare: str | None = None

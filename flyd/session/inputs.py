@@ -1,5 +1,5 @@
-"""What each agent receives of a world observation: its `SensoryInput` (session.md §6.5 step 4,
-§6.6 D). Pure.
+"""What each agent receives of a world observation: its `SensoryInput` (design/session.md §6.5 step
+4, §6.6 D). Pure.
 
 Why a module: bootstrap's `Agent.Initialize` and every transition's `Agent.Commit` build the
 same input by one rule, and the behaviour record digests what was delivered.

@@ -1,5 +1,5 @@
-"""The decoded media of one boundary, and the checks that produce them (session.md §6.5, §6.6;
-state.md §7.5). Pure, no I/O.
+"""The decoded media of one boundary, and the checks that produce them (design/session.md §6.5,
+§6.6; design/state.md §7.5). Pure, no I/O.
 
 Why a module of its own: bootstrap checks O[0]'s views, every transition checks O[k+1]'s views
 and audio, and a restore checks the restored observation's views, all with one rule. `Media`
@@ -11,7 +11,7 @@ Rules:
   decodes against its declaration; else `BUFFER_INVALID` with the caller's mutation.
 - `check_audio`: every declared stream produced a chunk that decodes (`BUFFER_INVALID`/
   `unknown`), and the chunks continue their timelines (`AudioTimelines.check`).
-- By reference (docs/topics.md §14.2): `attached` are the result's attachments, opened; a
+- By reference (topics.md §14.2): `attached` are the result's attachments, opened; a
   by-reference blob decodes only from the attachment it names, of its length and digest
   (`workers.types.datatypes.decode_media`). `Media.held` are the artifact ids the coordinator's
   connection holds for these media: whoever replaces a `Media` drops the ids the new one does
@@ -48,7 +48,7 @@ class Media:
 
 class HeldMedia:
     """The committed boundary's media and the in-flight transition's. Replacing either drops
-    (`drop`, the connection's artifact holds, docs/topics.md §14.2 rule 5) the artifact ids
+    (`drop`, the connection's artifact holds, topics.md §14.2 rule 5) the artifact ids
     that neither of them keeps any more."""
 
     def __init__(self, drop: Callable[[Sequence[str]], None]) -> None:
@@ -66,7 +66,8 @@ class HeldMedia:
         self._drop([a for media in old for a in media.held if a not in keep])
 
     def count(self) -> int:
-        """The decoded views and audio chunks held (§6.3: none once an epoch failed)."""
+        """The decoded views and audio chunks held (design/session.md §6.3: none once an epoch
+        failed)."""
         return self.committed.count() + self.pending.count()
 
 

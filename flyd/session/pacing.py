@@ -1,4 +1,5 @@
-"""Real-time pacing of transitions (session.md §5.4). Pure: it reads a clock, it never sleeps.
+"""Real-time pacing of transitions (design/session.md §5.4). Pure: it reads a clock, it never
+sleeps.
 
 A realtime session should start one transition per world step, without drift and without
 catch-up bursts after a slow step. World time stays exact (`RationalNs`); only the *sleeping*

@@ -1,4 +1,4 @@
-"""The coordinator's phase machine (session.md §6.2). Pure, synchronous, no I/O.
+"""The coordinator's phase machine (design/session.md §6.2). Pure, synchronous, no I/O.
 
 Why a machine of its own: a lockstep session is only coherent if every transition k → k+1 runs
 Prepare, Apply, Observe and Commit in that order, and pauses, captures, restores and resets only
@@ -23,12 +23,12 @@ Rules (in the style of h11's `_state.py`):
    any j. `Restoring(k)` lands only on `Paused(k)`; `Resetting(k)` only on `Ready(0)`.
 6. Every taken edge appends `(from, to)` to `phase_log`; `phase_path()` renders them as
    `"<from> -> <to>"`.
-7. The fence (§6.3), in its pure part: `fail()` closes it; only the `Restoring(k) → Paused(k)`
-   edge lifts it. It is closed exactly while the phase is `Failed` or a `Restoring(k)` entered
-   from `Failed`. What a fenced coordinator refuses, and `SessionFailure`, are in
-   `flyd.session.fence`.
+7. The fence (design/session.md §6.3), in its pure part: `fail()` closes it; only the
+   `Restoring(k) → Paused(k)` edge lifts it. It is closed exactly while the phase is `Failed` or a
+   `Restoring(k)` entered from `Failed`. What a fenced coordinator refuses, and `SessionFailure`,
+   are in `flyd.session.fence`.
 
-The edge table (§6.2), as `EDGES`:
+The edge table (design/session.md §6.2), as `EDGES`:
 
     Starting        -> Ready(0)
     Ready(k)        -> Preparing(k), Paused(k), Capturing(k);
@@ -58,9 +58,10 @@ hashable; `label`; `step` on the `Stepped` ones; `step_of`, `phase_of`); `PhaseM
 
 Resolved ambiguities:
 - "No transition was ever started" means `Preparing(k)` was never entered in this machine's
-  lifetime. The mark is sticky: neither a reset to `Ready(0)` (§8 test 26) nor a restore clears
-  it. A session that reached `Ready(0)` through a restore at step 0 and never stepped may still
-  cold-install; choosing a fresh epoch is the coordinator's concern (state.md §7.1).
+  lifetime. The mark is sticky: neither a reset to `Ready(0)` (design/session.md §8 test 26) nor a
+  restore clears it. A session that reached `Ready(0)` through a restore at step 0 and never stepped
+  may still cold-install; choosing a fresh epoch is the coordinator's concern
+  (design/state.md §7.1).
 - `move(Failed())` is refused with the ordinary message: the failure edges exist only through
   `fail()`, so the coordinator cannot enter `Failed` without its fail path. `fail()` from
   `Failed` is refused as `"Failed -> Failed is not an edge"`.
@@ -115,7 +116,7 @@ __all__ = [
 
 
 class PhaseName(StrEnum):
-    """The eleven phases of §6.2; the value is the label's name part."""
+    """The eleven phases of design/session.md §6.2; the value is the label's name part."""
 
     STARTING = "Starting"
     READY = "Ready"
@@ -337,7 +338,8 @@ class Via(Enum):
 
 @dataclass(frozen=True, slots=True)
 class Edge:
-    """One row of the §6.2 table: source kind → target kind, step rule, guard, entry point."""
+    """One row of the design/session.md §6.2 table: source kind → target kind, step rule, guard,
+    entry point."""
 
     source: PhaseName
     target: PhaseName
@@ -384,7 +386,8 @@ TRANSITIONS: Final[Mapping[PhaseName, tuple[Edge, ...]]] = {
 
 
 def not_an_edge(source: Phase, target: Phase) -> DomainError:
-    """The one error of this module: `INVALID_PHASE`/`none`, naming both phases (§6.2)."""
+    """The one error of this module: `INVALID_PHASE`/`none`, naming both phases
+    (design/session.md §6.2)."""
     return DomainError(
         ErrorCode.INVALID_PHASE, f"{source.label} -> {target.label} is not an edge", Mutation.NONE
     )
@@ -426,7 +429,8 @@ class PhaseMachine:
 
     @property
     def fenced(self) -> bool:
-        """Closed by `fail()`; lifted only by `Restoring(k) -> Paused(k)` (§6.3)."""
+        """Closed by `fail()`; lifted only by `Restoring(k) -> Paused(k)`
+        (design/session.md §6.3)."""
         return self._fenced
 
     @property

@@ -1,4 +1,4 @@
-"""Each agent's model profile, read from its model plugin (session.md §6.1).
+"""Each agent's model profile, read from its model plugin (design/session.md §6.1).
 
 Why a module of its own: the grant loads its plugins in one place and hands the coordinator
 values (`profiles=`), and a coordinator built with the spec's constructor alone, as harnesses and

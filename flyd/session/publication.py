@@ -1,4 +1,4 @@
-"""Local publication (session.md §6.9): the session's feed, and the descriptor and snapshot
+"""Local publication (design/session.md §6.9): the session's feed, and the descriptor and snapshot
 bodies it carries.
 
 Why a module of its own: publication is the one view of a session that observers (the control
@@ -15,12 +15,13 @@ Rules:
   on the first read of `latest`. Its builder (`snapshot_body` with the boundary's values) holds
   only immutable values, so the body is the same either way and an unwatched session builds
   none per step.
-- `check_publication` (§6.9): the agents' ports are the descriptor's, the observation is of
-  boundary b and every view was produced at `max(0, b - delay)`; else `BUFFER_INVALID`/`none`.
+- `check_publication` (design/session.md §6.9): the agents' ports are the descriptor's, the
+  observation is of boundary b and every view was produced at `max(0, b - delay)`; else
+  `BUFFER_INVALID`/`none`.
 - `descriptor_body`: the session, revision, composition digest, scheduler, environment
   descriptor, task schema, agents (port, profile, graph digests, rates, stimuli) and assets.
 - `Publisher` numbers the descriptor revisions and the snapshots (`sequence` from 0) and puts
-  each on the feed and, for a node's run, on the run topic (docs/topics.md §14.1): a boundary's
+  each on the feed and, for a node's run, on the run topic (topics.md §14.1): a boundary's
   snapshot rides along there only when its large media are by reference.
 """
 

@@ -1,10 +1,10 @@
-"""The trace records of one transition (session.md §6.12).
+"""The trace records of one transition (design/session.md §6.12).
 
 Why a module of its own: the behaviour record is what the golden runs compare byte for byte
 (their `behaviourDigest`) and what a durable checkpoint's effects carry; its fields, and the
 operational record beside it, are written down here once, from the transition's values.
 
-- behaviour (v2, session.md §6.12 and its amendment of 2026-12-07): the scope of k; per agent
+- behaviour (v2, design/session.md §6.12 and its amendment of 2026-12-07): the scope of k; per agent
   (by id) its profile digest, the Prepare's `ticksAdvanced`, `brainTicks` and `remainder`, the
   decision's digest and the committed step; the batch id, the controls' digest, the
   acknowledged boundary (k+1), per view (by view id) its produced step and the digest of its
@@ -86,7 +86,7 @@ def transition_records(scope: Scope, agent_ids: Sequence[str], slots: Mapping[st
 def observation_entries(observation: WorldObservation) -> list[dict[str, str]]:
     """`observationBoundaries`: per view, by view id, its produced step and the digest of its
     bytes as delivered. A restored world reports its `observationDigests` in this form
-    (state.md §6.5) and a checkpoint's prior inspection records its views in it."""
+    (design/state.md §6.5) and a checkpoint's prior inspection records its views in it."""
     return [{"viewId": v.view_id, "producedStep": str(v.produced_step),
              "digest": v.pixels.digest}
             for v in sorted(observation.sensory_views, key=lambda v: v.view_id)]

@@ -1,5 +1,5 @@
-"""The coordinator's group install (state.md §7): one checkpoint into every participant and the
-coordinator, as a group, into a new epoch, or nothing.
+"""The coordinator's group install (design/state.md §7): one checkpoint into every participant and
+the coordinator, as a group, into a new epoch, or nothing.
 
 Why a group: a lockstep session is one state. A world restored without its agents, or agents
 activated beside a world that refused, would run half a session; so every participant stages
@@ -26,16 +26,17 @@ Rules:
   3. no tainted participant (environment first, then agents sorted) — else `INVALID_PHASE`;
   4. `guard()` (the node's lease guard; `LeaseLost` propagates unchanged);
   5. `store.select(run, id, for_restore=True)` and `store.read` (S1–S5);
-  6. the recorded compatibility block equals the live one (§3);
+  6. the recorded compatibility block equals the live one (design/state.md §3);
   7. shape: environment worker, agent set, port map, `helperState == []`, then each agent's
      agentId, profileDigest and seed against the configuration — `INCOMPATIBLE_STATE`;
   8. every payload fits one bus frame as `StageRestoreParams` — else `UNSUPPORTED`;
   9. each participant replaced since the failure passes `Worker.Hello` with the bootstrap
      checks plus `checkpoint-v1`.
 - Install, after `→ Restoring(k)`: import, stage (environment first, then
-  agents by id, one at a time), validate the coordinator ledgers (§7.3), activate (same order),
-  check the results, acknowledge, install the coordinator state, publish, `→ Paused(k)`.
-- Verified restore (session.md §6.12, amendment 2026-12-07): the environment's activation
+  agents by id, one at a time), validate the coordinator ledgers (design/state.md §7.3), activate
+  (same order), check the results, acknowledge, install the coordinator state, publish,
+  `→ Paused(k)`.
+- Verified restore (design/session.md §6.12, amendment 2026-12-07): the environment's activation
   reports `observationDigests`, its views as its restored world renders them now, in the
   behaviour record's form; they and the restored inspection are compared with the checkpoint's
   record of boundary k (the prior inspection ledger, whose views are exactly the last
@@ -52,8 +53,8 @@ Rules:
   dropped; nothing is installed in the coordinator.
 
 Decisions where the spec is silent:
-- A proposed epoch must have the form `e<N>` (flyd sessions always do, state.md §0); another Id
-  is refused `INVALID_ARGUMENT` at precondition 2.
+- A proposed epoch must have the form `e<N>` (flyd sessions always do, design/state.md §0); another
+  Id is refused `INVALID_ARGUMENT` at precondition 2.
 - An epoch counts as used once the session entered `Restoring(k)` with it (a worker may have
   adopted it), even when the install then failed; precondition refusals use nothing.
 - Precondition 8 measures `canonical(StageRestoreParams)` plus `FRAME_OVERHEAD` bytes for the
@@ -143,8 +144,8 @@ _handles = itertools.count(1)
 
 @dataclass(frozen=True)
 class StateContext:
-    """What a session's coordinator needs of the state layer (session.md §6.1): the store, the
-    writer (None: no captures are submitted), the node's lease guard (None in tests and
+    """What a session's coordinator needs of the state layer (design/session.md §6.1): the store,
+    the writer (None: no captures are submitted), the node's lease guard (None in tests and
     tools) and the run whose generations it installs."""
 
     store: CheckpointStore
@@ -178,7 +179,7 @@ class RestoreTarget(SessionView, Protocol):
 
 @dataclass(frozen=True)
 class ImportedBuffer:
-    """One payload as a fresh immutable buffer of this node (§7.2 step 2)."""
+    """One payload as a fresh immutable buffer of this node (design/state.md §7.2 step 2)."""
 
     handle: str
     name: str
@@ -188,7 +189,9 @@ class ImportedBuffer:
 
 @dataclass(frozen=True)
 class RestoreReport:
-    """§7.2 step 11."""
+    """What a group install returns (design/state.md §7.2 step 11): the checkpoint and boundary
+    installed, the new epoch, who staged and activated with their tokens, the imported buffers
+    and the abandoned range, for recovery to log and count."""
 
     checkpoint_id: str
     boundary: int
@@ -240,7 +243,7 @@ class Install:
     results: dict[str, dict[str, Any]] = field(default_factory=dict)
     buffers: dict[str, ImportedBuffer] = field(default_factory=dict)
     uncertain: set[str] = field(default_factory=set)
-    #: the restored media by reference (docs/topics.md §14.2 rule 7): the world's activation
+    #: the restored media by reference (topics.md §14.2 rule 7): the world's activation
     #: result's attachments, opened, and the ids the engine's connection holds for them
     attached: dict[str, Attached] = field(default_factory=dict)
     held: tuple[str, ...] = ()
@@ -269,8 +272,8 @@ class InstalledAgent:
 
 @dataclass(frozen=True)
 class Installed:
-    """What a successful install leaves the coordinator to adopt (§7.2 steps 8–10): the
-    boundary's observation, decoded views and audio timelines, the task's progress, every
+    """What a successful install leaves the coordinator to adopt (design/state.md §7.2 steps 8–10):
+    the boundary's observation, decoded views and audio timelines, the task's progress, every
     agent's slot, the durable mark, the new epoch, and the report. The task, the trace and the
     writer's pending effects are already restored to k."""
 
@@ -295,7 +298,7 @@ class Installed:
 
 
 # --------------------------------------------------------------------------------------------
-# preconditions (§7.1)
+# preconditions (design/state.md §7.1)
 
 
 def _refuse(calls: CallEngine, error: DomainError,
@@ -421,7 +424,8 @@ async def _hello(target: RestoreTarget, calls: CallEngine, worker: str) -> None:
 
 async def prepare(target: RestoreTarget, calls: CallEngine, checkpoint_id: str | None,
                   proposed: str, state: StateContext) -> Install:
-    """The preconditions (§7.1), in order; the install they admit (nothing is changed yet)."""
+    """The preconditions (design/state.md §7.1), in order; the install they admit (nothing is
+    changed yet)."""
     _check_phase(calls)
     _check_epoch(target, calls, proposed)
     _check_taint(target, calls)
@@ -444,7 +448,7 @@ async def prepare(target: RestoreTarget, calls: CallEngine, checkpoint_id: str |
 
 
 # --------------------------------------------------------------------------------------------
-# the install (§7.2)
+# the install (design/state.md §7.2)
 
 
 def _import(install: Install) -> None:
@@ -511,7 +515,7 @@ async def _activate(install: Install) -> None:
         target.audit.add(f"activated:{worker}")
 
 
-# -- §7.3 ledgers
+# -- design/state.md §7.3 ledgers
 
 
 def _ledger(install: Install, name: str, kind: str) -> dict[str, Any]:
@@ -607,7 +611,7 @@ def _validate_ledgers(install: Install) -> _Ledgers:
     return _Ledgers(task, inspection, executors, admission, task_state)
 
 
-# -- §7.2 step 6
+# -- design/state.md §7.2 step 6
 
 
 def _check_results(install: Install, ledgers: _Ledgers) -> WorldObservation:
@@ -648,7 +652,7 @@ def _check_results(install: Install, ledgers: _Ledgers) -> WorldObservation:
 def _diverged(install: Install, world: str, what: str,
               method: str = "State.ActivateRestore",
               mutation: Mutation = Mutation.UNKNOWN) -> _Abort:
-    """`RESTORE_DIVERGED` naming the world and what differs (session.md §6.12 amendment)."""
+    """`RESTORE_DIVERGED` naming the world and what differs (design/session.md §6.12 amendment)."""
     return _Abort(DomainError(
         ErrorCode.RESTORE_DIVERGED,
         f"{method}: restored world {world} diverged from checkpoint "
@@ -727,7 +731,7 @@ async def _acknowledge(install: Install) -> None:
             raise _Abort(error, worker) from None
 
 
-# -- §7.2 steps 8–10
+# -- design/state.md §7.2 steps 8–10
 
 
 def _installed(install: Install, ledgers: _Ledgers, observation: WorldObservation,
@@ -780,9 +784,10 @@ def recovered(session_id: str, old_epoch: str, report: RestoreReport) -> dict[st
 
 
 async def install(plan: Install, state: StateContext) -> Installed:
-    """§7.2 steps 2–10 of an install `prepare` admitted, once the session is `Restoring(k)`:
-    what to install; a failure raises `InstallAborted` (any other exception propagates, and
-    `plan.tainted` says whom it taints). The imported buffers are dropped either way."""
+    """design/state.md §7.2 steps 2–10 of an install `prepare` admitted, once the session is
+    `Restoring(k)`: what to install; a failure raises `InstallAborted` (any other exception
+    propagates, and `plan.tainted` says whom it taints). The imported buffers are dropped either
+    way."""
     try:
         _import(plan)
         await _stage(plan)

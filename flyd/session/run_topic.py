@@ -1,4 +1,4 @@
-"""The coordinator's side of the run topic (docs/topics.md §14.1): descriptor and boundary
+"""The coordinator's side of the run topic (topics.md §14.1): descriptor and boundary
 messages published to `flyd.run.<run>`, the node declares and ends it.
 
 Why a module of its own: the run topic is how observers (`flyctl watch`) follow a run while it
@@ -14,13 +14,13 @@ Rules:
   boundary, worldTime, stepsPerSecond, rewards, eventIds}`, plus `snapshot` (the boundary's
   snapshot body) with the boundary's artifacts attached (no transfer: the coordinator keeps its
   holds) when some medium of the boundary travels by reference, the rest being small
-  (docs/topics.md §14.2, §16 decision 31: large inline media would cost a base64 snapshot per
+  (topics.md §14.2, §16 decision 31: large inline media would cost a base64 snapshot per
   step). `stepsPerSecond` is the rate over the boundaries published in the last second of
   wall time (and the one before them), 0 before the second; every watcher therefore shows the
   same figure whatever its slot skipped.
   A boundary message lingers (the SDK's `linger`): unpaced, the next step's Prepare calls
   follow within the window and carry it in their write, so it costs the step no write and no
-  router wake-up of its own; paced, it leaves alone at most `bus.client.LINGER_S` later.
+  router wake-up of its own; paced, it leaves alone at most `bus.client_connection.LINGER_S` later.
 - `on_publish_failed` is the coordinator connection's hook: it counts the refusal here and in
   the bound `Stats.publications_refused`, and logs the first refusal of each error name.
 - A publication the SDK refuses locally (a closed connection) counts as refused too.
@@ -41,7 +41,8 @@ from typing import Any, Final, Literal
 
 import structlog
 
-from bus.client import BusClient, Topic
+from bus.client import BusClient
+from bus.client_topics import Topic
 from bus.errors import BusError
 from flyd.launch.identities import run_topic
 from flyd.session.stats import Stats
@@ -62,7 +63,7 @@ EndState = Literal["succeeded", "failed", "cancelled", "released"]
 
 @dataclass(frozen=True)
 class RunEnd:
-    """The node's last message on the run topic when its grant ends (§14.1 rule 4);
+    """The node's last message on the run topic when its grant ends (topics.md §14.1 rule 4);
     `released`: this node gave the run up (a drain, a lost lease), another may continue it."""
 
     run: int
@@ -153,8 +154,8 @@ class RunPublisher:
 
 
 async def declare_run_topic(node: BusClient, run_id: int, timeout_s: float) -> Topic | None:
-    """The node declares the run's topic (§14.1 rules 1–2): retained, no bounded subscriber.
-    A refusal or no answer leaves the run unwatched: logged once, never a failure."""
+    """The node declares the run's topic (topics.md §14.1 rules 1–2): retained, no bounded
+    subscriber. A refusal or no answer leaves the run unwatched: logged once, never a failure."""
     try:
         async with asyncio.timeout(timeout_s):
             return await node.declare(run_topic(run_id), retain=True, max_bounded=0)
@@ -169,18 +170,17 @@ async def end_run_topic(topic: Topic, end: RunEnd, timeout_s: float,
                         publisher: RunPublisher | None) -> None:
     """Publish the run's `end` on the node connection, then undeclare the topic: the router
     takes one connection's frames in order, so `end` is accepted before the removal and every
-    subscriber reads it before `bus.topicRemoved` (§3.3). The publisher's lingering boundary
-    message is written first, so it is not accepted after the end. A lost router already
+    subscriber reads it before `bus.topicRemoved` (topics.md §3.3). The publisher's lingering
+    boundary message is written first, so it is not accepted after the end. A lost router already
     removed the topic.
     A `released` end (a lost lease, an abandoned grant) does not wait for the removal's answer:
-    its scope must end within the kill bound (distribution.md §5.5), never on the router."""
+    its scope must end within the kill bound (design/distribution.md §5.5), never on the router."""
     if publisher is not None:
         publisher.flush()
-    client = topic.client
-    if client.closed:
+    if topic.closed:
         return
     with contextlib.suppress(BusError, TimeoutError):
-        client.publish_nowait(topic.name, end.to_json(), expected_incarnation=topic.incarnation)
+        topic.publish_nowait(end.to_json())
         if end.state == "released":
             topic.undeclare_nowait()
             return

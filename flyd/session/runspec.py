@@ -1,4 +1,4 @@
-"""The run spec: normalisation, validation and the fault grammar (session.md §4.9, §4.10).
+"""The run spec: normalisation, validation and the fault grammar (design/session.md §4.9, §4.10).
 
 Why: a run is a JSON document stored in PostgreSQL and claimed by any node, so the document must
 have one canonical form (every default filled, lists sorted: equal specs compare equal under
@@ -24,8 +24,9 @@ Resolved ambiguities:
 - Duplicate `injections.kill` entries (same worker and step) and duplicate
   `loseAdvanceResultAt` steps are refused, as a knob given twice is; `kill` is sorted by step,
   then worker.
-- "Ports declared by the world" (§7.2) cannot be checked from the document: the counter arena
-  declares exactly the agents' ports; a plugin world's descriptor is checked at bootstrap.
+- "Ports declared by the world" (design/session.md §7.2) cannot be checked from the document: the
+  counter arena declares exactly the agents' ports; a plugin world's descriptor is checked at
+  bootstrap.
 - `terminal` is in the task's own grammar (`workers.protocols`): the spec checks it is a string
   of 1..200 printable ASCII characters, and for the synthetic task
   (`workers.synthetic:CounterTask`) its grammar (`never`, `counter:N` signed, `after:N` U64),
@@ -133,7 +134,8 @@ START_KEYS: Final = ("checkpointId", "envelopeDigest")
 
 _INT: Final = "int"
 _NUMBER: Final = "number"
-#: camelCase key → (kind, low, high, exclusive low); the `[checkpoints]` keys of state.md §5.1.
+#: camelCase key → (kind, low, high, exclusive low); the `[checkpoints]` keys of
+#: design/state.md §5.1.
 CHECKPOINT_KEYS: Final[dict[str, tuple[str, float, float, bool]]] = {
     "everySteps": (_INT, 0, MAX_SAFE, False),
     "everySeconds": (_NUMBER, 0, MAX_DURATION_S, False),
@@ -211,7 +213,7 @@ class RunSpecError(DomainError):
         self.reason = reason
 
     def outcome(self) -> dict[str, str]:
-        """The run's outcome when a node refuses the spec (distribution.md §3.5)."""
+        """The run's outcome when a node refuses the spec (design/distribution.md §3.5)."""
         return {"error": "invalid run spec", "path": self.path, "reason": self.reason}
 
 
@@ -626,7 +628,7 @@ def _start_from(value: Any, path: str) -> StartFrom | None:
 
 
 def _default_agents() -> tuple[AgentSpec, ...]:
-    """fly-a/p1/seed 7 and fly-b/p2/seed 11 (§4.7 defaults)."""
+    """fly-a/p1/seed 7 and fly-b/p2/seed 11 (design/session.md §4.7 defaults)."""
     return tuple(AgentSpec(agent_id=a, port_id=p, seed=s) for a, p, s in DEFAULT_AGENTS)
 
 
@@ -644,7 +646,8 @@ def _module_exists(import_path: str) -> bool:
 
 @dataclass(frozen=True)
 class RunSpec:
-    """A validated run spec (§4.10); `to_json()` is its normalised, canonical form."""
+    """A validated run spec (design/session.md §4.10); `to_json()` is its normalised, canonical
+    form."""
 
     spec_version: int = SPEC_VERSION
     session_id: str = "demo"
@@ -794,8 +797,8 @@ class RunSpec:
             "checkpoints": {key: checkpoints.get(key) for key in CHECKPOINT_KEYS},
             "injections": self.injections.to_json(),
             "startFrom": None if self.start_from is None else self.start_from.to_json(),
-            # an addition to §4.10's keys, present only when set: the normal form of every
-            # spec without it stays the same
+            # an addition to design/session.md §4.10's keys, present only when set: the normal form
+            # of every spec without it stays the same
             **({} if self.agents_per_process is None
                else {"agentsPerProcess": self.agents_per_process}),
         }
@@ -813,12 +816,13 @@ class RunSpec:
         raise DomainError.before("IDENTITY_MISMATCH", f"no agent {agent_id} in the run spec")
 
     def seed_of(self, agent_id: str) -> int:
-        """The agent's configured seed, or the one derived from the master seed (§4.7)."""
+        """The agent's configured seed, or the one derived from the master seed
+        (design/session.md §4.7)."""
         agent = self.agent(agent_id)
         return agent.seed if agent.seed is not None else derive_seed(self.seed, agent_id)
 
     def thread_need(self, coordinator_reservation: int) -> int:
-        """`coordinator reservation + world threads + Σ agent threads` (§7.3)."""
+        """`coordinator reservation + world threads + Σ agent threads` (design/session.md §7.3)."""
         return coordinator_reservation + self.world.threads + sum(a.threads for a in self.agents)
 
     def faults_of(self, worker_id: str) -> Faults:
@@ -826,7 +830,7 @@ class RunSpec:
             return self.world.faults
         return self.agent(worker_id).faults
 
-    # ------------------------------------------------------------------ one-shot faults (§4.9)
+    # ----------------------------------------------------- one-shot faults (design/session.md §4.9)
 
     def one_shot_faults(self) -> list[tuple[str, int]]:
         """`(fault id, step)` of every step-addressed fault: worker knobs, kills, lost results."""
@@ -862,7 +866,7 @@ class RunSpec:
         )
 
     def with_faults(self, specs: Sequence[str]) -> RunSpec:
-        """Merge `--fault SPEC`s (cli.md §3); `FaultSpecError` naming the refused spec."""
+        """Merge `--fault SPEC`s (design/cli.md §3); `FaultSpecError` naming the refused spec."""
         parsed = parse_faults(specs, agents=[a.agent_id for a in self.agents],
                               world=self.world.world_id)
         doc = self.to_json()
@@ -901,7 +905,7 @@ def _merge(doc: dict[str, Any], fault: FaultSpec, world_id: str) -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# Fault grammar (§4.9, cli.md §3)
+# Fault grammar (design/session.md §4.9, design/cli.md §3)
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""`AgentSlot`: what the coordinator holds of one agent (session.md §6.1, §6.6).
+"""`AgentSlot`: what the coordinator holds of one agent (design/session.md §6.1, §6.6).
 
 Why a value of its own: bootstrap fills it, every transition reads and advances it, capture
 records it and restore replaces it; one shape, imported by each of them, keeps those modules

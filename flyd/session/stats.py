@@ -1,8 +1,9 @@
-"""A session's counters and latency histograms (session.md §6.11). Pure, no I/O.
+"""A session's counters and latency histograms (design/session.md §6.11). Pure, no I/O.
 
 Why a module of its own: the coordinator counts its phases, the call engine (`flyd.session.calls`)
 its resolutions and every call's latency, and each exports itself as camelCase JSON
-(`to_json`, §6.11); one pair of objects, shared by reference, keeps them one set of figures.
+(`to_json`, design/session.md §6.11); one pair of objects, shared by reference, keeps them one set
+of figures.
 
 - `ResolutionEnd`: how the last resolution ended (`Answered`, `BudgetExpired`,
   `AttemptsExhausted`).
@@ -25,7 +26,7 @@ __all__ = ["Metrics", "ResolutionEnd", "Stats"]
 
 
 class ResolutionEnd(StrEnum):
-    """How the last resolution of an uncertain call ended (§6.8)."""
+    """How the last resolution of an uncertain call ended (design/session.md §6.8)."""
 
     ANSWERED = "Answered"
     BUDGET_EXPIRED = "BudgetExpired"
@@ -36,7 +37,7 @@ class ResolutionEnd(StrEnum):
 class Stats:
     advances: int = 0
     publications: int = 0
-    #: run-topic publications the router refused (docs/topics.md §14.1 rule 3)
+    #: run-topic publications the router refused (topics.md §14.1 rule 3)
     publications_refused: int = 0
     prepares: int = 0
     commits: int = 0

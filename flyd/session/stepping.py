@@ -1,5 +1,5 @@
-"""What a caller steers a session's coordinator with, and what a step tells it (session.md §6.1,
-§6.7).
+"""What a caller steers a session's coordinator with, and what a step tells it
+(design/session.md §6.1, §6.7).
 
 Why a module of its own: these are the plain values at the coordinator's edge — a node or a test
 builds a `History` and holds a `PauseHandle`, and reads `StepReport`s — with no rule of the
@@ -9,7 +9,7 @@ transaction in them; stating them apart keeps the coordinator to the session's s
 - `StepReport`: the boundary a step reached, whether the session paused there, and whether the
   episode ended (a terminal report is also a paused one).
 - `PauseHandle`: a pause request, settable from any task or thread; the coordinator reads and
-  clears it only at a committed boundary (§6.7).
+  clears it only at a committed boundary (design/session.md §6.7).
 """
 
 from __future__ import annotations

@@ -21,10 +21,11 @@ fault, and the same task fed the same inputs produces the same value again, so:
   the run `failed` at once (`{error: "plugin failed", …}`) without spending a recovery attempt;
   any other exception keeps the retried `as_domain_error` form.
 
-Code: `INVALID_ARGUMENT` (session.md §1.6: a value out of range or schema), mutation `unknown`:
-it is a local coordinator error raised after the world advanced (for a transition) and §1.6
-lets such errors carry a before-mutation code with `unknown`. That it repeats is the fault's
-flag, as for every other deterministic plugin failure (`flyd.state.recovery.repeats`).
+Code: `INVALID_ARGUMENT` (design/session.md §1.6: a value out of range or schema), mutation
+`unknown`: it is a local coordinator error raised after the world advanced (for a transition) and
+design/session.md §1.6 lets such errors carry a before-mutation code with `unknown`. That it repeats
+is the fault's flag, as for every other deterministic plugin failure
+(`flyd.state.recovery.repeats`).
 """
 
 from __future__ import annotations

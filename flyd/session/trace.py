@@ -1,4 +1,4 @@
-"""`TraceLog`, the trace comparator and `EpochRebase` (session.md §6.12). Pure.
+"""`TraceLog`, the trace comparator and `EpochRebase` (design/session.md §6.12). Pure.
 
 A `TransitionTrace` has a **behaviour** record (canonical JSON, compared across runs) and an
 **operational** record (wall time, request ids, bus ids, capture schedule: recorded, never
@@ -78,7 +78,7 @@ class TraceLog:
     transitions: list[TransitionTrace] = field(default_factory=list)
     phase_source: Callable[[], list[str]] | None = None
     abandoned: list[TransitionTrace] = field(default_factory=list)
-    """Transitions a restore cut off (beyond its boundary, state.md §7.2 step 8)."""
+    """Transitions a restore cut off (beyond its boundary, design/state.md §7.2 step 8)."""
     keep: int | None = None
     horizon: int | None = None
     _tally: collections.deque[tuple[int, int]] = field(default_factory=collections.deque)

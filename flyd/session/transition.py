@@ -1,4 +1,4 @@
-"""One transition k → k+1 up to its commit (session.md §6.6, phases A to D).
+"""One transition k → k+1 up to its commit (design/session.md §6.6, phases A to D).
 
 Why a module of its own: the transaction is the part of the coordinator a reader comes for, and
 it reads best as its steps in order — Prepare every agent, turn the decisions into controls,
@@ -20,13 +20,14 @@ Rules:
   failure of the task is detail `task-evaluate`, `flyd.session.task_output`).
 - Phase D: `Agent.Commit` to every agent with its next input (`flyd.session.inputs`), checked:
   the committed step is k+1 and the decision context digest is the evaluation's. Every
-  failure, an unresolved Commit included, uses detail `commit` (more specific than §6.8 step 3).
+  failure, an unresolved Commit included, uses detail `commit` (more specific than
+  design/session.md §6.8 step 3).
 - The executor's `clock` argument is the world time of boundary k.
 - Structured input: when the world's `Worker.Hello` listed `structured-observation-v1`
   (`workers.protocols.STRUCTURED_OBSERVATION`), the inspection of boundary b is every agent's
   `structured` input of b (Initialize and Commit); otherwise it is null.
-- Injections (§6.13) act through the session's `Injections` hook at the points the table names;
-  the hook does nothing unless a test or a run spec's faults asked for it.
+- Injections (design/session.md §6.13) act through the session's `Injections` hook at the points the
+  table names; the hook does nothing unless a test or a run spec's faults asked for it.
 """
 
 from __future__ import annotations
@@ -59,7 +60,8 @@ __all__ = ["DispatchOrder", "NextBoundary", "Transition", "TransitionSource"]
 
 
 class DispatchOrder(Enum):
-    """How per-agent calls leave (§6.1); results are always read in agent-id order."""
+    """How per-agent calls leave (design/session.md §6.1); results are always read in agent-id
+    order."""
 
     CONCURRENT = "concurrent"
     SEQUENTIAL = "sequential"

@@ -1,4 +1,4 @@
-"""Checkpoint cadence and capture ids (state.md §9.1). Pure: the caller passes the time.
+"""Checkpoint cadence and capture ids (design/state.md §9.1). Pure: the caller passes the time.
 
 Rules:
 - After each committed transition (boundary k) a capture is *due* when `every_steps > 0` and

@@ -1,5 +1,5 @@
-"""The checkpoint store (state.md §4): records, select, read with integrity checks, the fenced
-durable commit, unknown-outcome resolution, export, import, list and verify.
+"""The checkpoint store (design/state.md §4): records, select, read with integrity checks, the
+fenced durable commit, unknown-outcome resolution, export, import, list and verify.
 
 Rules:
 - Reads (`lookup`, `head`, `select`, `read`, `list`) never write. `list` and records carry no
@@ -8,23 +8,23 @@ Rules:
   (the row agrees with the manifest), each failure an `IntegrityError`
   (`INCOMPATIBLE_STATE`/`none`, "checkpoint <id> of run <r>: S<n>: <reason>").
 - The write path never bypasses the fence: `commit(job, path)` sends the group commit of
-  distribution.md §3.5 through a `CommitPath`, which is either the node's `Scope` (its
+  design/distribution.md §3.5 through a `CommitPath`, which is either the node's `Scope` (its
   `commit`/`finish`: the guard, the hold's COMMITTING phase and the node's own handling of
   fenced, duplicate and unknown outcomes) or a `DirectCommitPath` over a lease `Store` bound to
   one (run, lease epoch, node) (tools and tests). The store decides what an outcome means for a
   checkpoint: `CommitFailure` values with a `reason` and whether the retry policy may repeat
-  the attempt (state.md §5.4); success returns the committed record and adds 1 to `commits`.
-- Unknown outcomes (§4.6) are resolved by checkpoint id: the old backend (when named) is ended,
-  then distribution.md §3.10 is read and `flyd.leases.resolve.decide` judges it: committed →
-  the record; `retry` → the identical commit again (same id, same effects, same attempt);
-  `lost` → `CommitFailure("grant lost")`. A real unknown without a named backend is `lost`,
-  as the node decides (a read cannot prove the old COMMIT will not land later).
-- The reads after a sent commit (the §3.10 resolution, with ending the old backend, and the
-  lookup of a committed record) are repeated with backoff (50 ms doubling to 1 s) while the
-  database does not answer (`BACKEND_FAILURE`), for up to `RESOLVE_S` (30 s): a commit that
-  may have landed must not be reported failed, or the writer would send its effects again
+  the attempt (design/state.md §5.4); success returns the committed record and adds 1 to `commits`.
+- Unknown outcomes (design/state.md §4.6) are resolved by checkpoint id: the old backend (when
+  named) is ended, then design/distribution.md §3.10 is read and `flyd.leases.resolve.decide` judges
+  it: committed → the record; `retry` → the identical commit again (same id, same effects, same
+  attempt); `lost` → `CommitFailure("grant lost")`. A real unknown without a named backend is
+  `lost`, as the node decides (a read cannot prove the old COMMIT will not land later).
+- The reads after a sent commit (the design/distribution.md §3.10 resolution, with ending the old
+  backend, and the lookup of a committed record) are repeated with backoff (50 ms doubling to 1 s)
+  while the database does not answer (`BACKEND_FAILURE`), for up to `RESOLVE_S` (30 s): a commit
+  that may have landed must not be reported failed, or the writer would send its effects again
   under the next checkpoint id (`effect_duplicate`) after, e.g., a server restart. A lost
-  lease cancels the writer meanwhile (distribution.md §5.5); past the bound the error stands.
+  lease cancels the writer meanwhile (design/distribution.md §5.5); past the bound the error stands.
 - A `Transient` failure while a row with the job's id exists is a reused id: `INTERNAL`,
   never retried (PostgreSQL reports 23505 on the checkpoint key as an ordinary server error).
 - Rotation, the head move and the effect rows are the lease layer's statement. `keep` (1..100)
@@ -128,7 +128,7 @@ T = TypeVar("T")
 
 @dataclass(frozen=True, slots=True)
 class CheckpointRecord:
-    """One generation without its bytes (§4.2); `session_epoch` is the Id `e<N>`."""
+    """One generation without its bytes (design/state.md §4.2); `session_epoch` is the Id `e<N>`."""
 
     run_id: int
     checkpoint_id: str
@@ -145,7 +145,7 @@ class CheckpointRecord:
     is_head: bool
 
     def to_json(self) -> dict[str, Any]:
-        """The camelCase row of `flyctl checkpoints list --json` (cli.md §1)."""
+        """The camelCase row of `flyctl checkpoints list --json` (design/cli.md §1)."""
         return {"runId": self.run_id, "checkpointId": self.checkpoint_id,
                 "leaseEpoch": self.lease_epoch, "nodeId": self.node_id,
                 "sessionId": self.session_id, "sessionEpoch": self.session_epoch,
@@ -157,7 +157,7 @@ class CheckpointRecord:
 
 @dataclass(frozen=True, slots=True)
 class FinishRun:
-    """The terminal transition a final commit carries (§4.3 step 6)."""
+    """The terminal transition a final commit carries (design/state.md §4.3 step 6)."""
 
     state: TerminalState
     outcome: Mapping[str, Any]
@@ -167,7 +167,8 @@ class FinishRun:
 
 @dataclass(frozen=True, slots=True)
 class CommitJob:
-    """§4.3's job: one checkpoint, the effects (h.boundary, c], rotation, optional finish."""
+    """design/state.md §4.3's job: one checkpoint, the effects (h.boundary, c], rotation, optional
+    finish."""
 
     run_id: int
     lease_epoch: int
@@ -202,7 +203,7 @@ class CommitFaults:
 
 
 class IntegrityError(DomainError):
-    """A stored generation failed S1–S5 (§4.5); `check` names which."""
+    """A stored generation failed S1–S5 (design/state.md §4.5); `check` names which."""
 
     def __init__(self, check: str, run_id: int, checkpoint_id: str, reason: str) -> None:
         self.check = check
@@ -213,7 +214,7 @@ class IntegrityError(DomainError):
 
 class CommitFailure(DomainError):
     """The commit did not land (or landed for nobody): `reason` is the `Failed` reason;
-    `retryable` says whether `RetryThenRelease` may send it again (§5.4)."""
+    `retryable` says whether `RetryThenRelease` may send it again (design/state.md §5.4)."""
 
     def __init__(self, reason: str, message: str, *, retryable: bool = False,
                  code: ErrorCode = ErrorCode.BACKEND_FAILURE,
@@ -245,7 +246,7 @@ class CommitPath(Protocol):
 class DirectCommitPath:
     """The lease `Store`'s group commit for one (run, lease epoch, node), without a node
     runtime. Errors are the store's, raised as they come, except that a duplicate or
-    conflicting effect or a head regression first fails the run (distribution.md §6.4, the
+    conflicting effect or a head regression first fails the run (design/distribution.md §6.4, the
     node's rule) with a finish-only commit, then is re-raised."""
 
     def __init__(self, store: Store, run_id: int, lease_epoch: int, node_id: str, *,
@@ -303,7 +304,8 @@ class DirectCommitPath:
 
 
 def write_file(path: Path, data: bytes) -> None:
-    """`FILE.tmp` beside FILE, fsync, rename, fsync the directory (§4.7); blocking."""
+    """`FILE.tmp` beside FILE, fsync, rename, fsync the directory (design/state.md §4.7);
+    blocking."""
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "wb") as f:
         f.write(data)
@@ -336,8 +338,9 @@ def _manifest_row(env: Envelope) -> tuple[str, str, int, str, str]:
 
 
 class CheckpointStore:
-    """§4.2–§4.7 over a lease `Store` (`PgStore` in production, `MemStore` in tests), which
-    owns the connections, the reconnect and the SQL; this class owns what the rows mean."""
+    """design/state.md §4.2–§4.7 over a lease `Store` (`PgStore` in production, `MemStore` in
+    tests), which owns the connections, the reconnect and the SQL; this class owns what the rows
+    mean."""
 
     def __init__(self, store: Store) -> None:
         self.store = store
@@ -372,7 +375,8 @@ class CheckpointStore:
 
     async def select(self, run_id: int, checkpoint_id: str | None = None, *,
                      for_restore: bool = False) -> CheckpointRecord:
-        """The named generation or the head (§4.2); a restore may only take the head (§4.5)."""
+        """The named generation or the head (design/state.md §4.2); a restore may only take the head
+        (design/state.md §4.5)."""
         if checkpoint_id is None:
             record = await self.head(run_id)
             if record is None:
@@ -392,7 +396,7 @@ class CheckpointStore:
         return record
 
     async def read(self, record: CheckpointRecord) -> Envelope:
-        """S1–S5 (§4.5), in order; the decoded envelope."""
+        """S1–S5 (design/state.md §4.5), in order; the decoded envelope."""
         return (await self.read_bytes(record))[1]
 
     async def read_bytes(self, record: CheckpointRecord) -> tuple[bytes, Envelope]:
@@ -432,8 +436,8 @@ class CheckpointStore:
 
     async def export(self, run_id: int, path: Path,
                      checkpoint_id: str | None = None) -> CheckpointRecord:
-        """§4.7: select (head by default), read (S1–S5), write atomically; nothing is written
-        when a check fails."""
+        """design/state.md §4.7: select (head by default), read (S1–S5), write atomically; nothing
+        is written when a check fails."""
         record = await self.select(run_id, checkpoint_id)
         data, _ = await self.read_bytes(record)
         await asyncio.to_thread(write_file, path, data)
@@ -449,7 +453,8 @@ class CheckpointStore:
     # -- the durable commit ----------------------------------------------------------------
     async def commit(self, job: CommitJob, path: CommitPath,
                      faults: CommitFaults | None = None) -> CheckpointRecord:
-        """§4.3 through `path`; the committed record, else `CommitFailure` (module rules)."""
+        """design/state.md §4.3 through `path`; the committed record, else `CommitFailure` (module
+        rules)."""
         if (job.run_id, job.lease_epoch) != (path.run_id, path.lease_epoch):
             raise DomainError(ErrorCode.INTERNAL, f"job for {job.run_id}@{job.lease_epoch} "
                               f"sent through {path.run_id}@{path.lease_epoch}", Mutation.NONE)
@@ -549,7 +554,7 @@ class CheckpointStore:
 
     async def _resolve(self, job: CommitJob, path: CommitPath, backend: Backend | None, *,
                        simulated: bool) -> str:
-        """§4.6: end the old backend, read §3.10, decide."""
+        """design/state.md §4.6: end the old backend, read design/distribution.md §3.10, decide."""
         if backend is None and not simulated:
             return "lost"
         if backend is not None:
@@ -565,8 +570,8 @@ class CheckpointStore:
     async def import_envelope(self, data: bytes, *, spec: Mapping[str, Any] | None = None,
                               run_id: int | None = None, submit_key: str | None = None,
                               max_attempts: int = 3, keep: int = 3) -> CheckpointRecord:
-        """§4.7 import: R1–R8, then the lease store's one transaction: submit the run (unless
-        `run_id` names a pending one), insert the row at lease epoch 0, move the head,
+        """design/state.md §4.7 import: R1–R8, then the lease store's one transaction: submit the
+        run (unless `run_id` names a pending one), insert the row at lease epoch 0, move the head,
         rotate. The fence refuses lease epoch 0 once the run has been granted
         (`CommitFailure` "fenced")."""
         if len(data) > MAX_ENVELOPE_BYTES:

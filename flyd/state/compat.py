@@ -1,4 +1,4 @@
-"""The compatibility block and agent identities of a checkpoint (state.md §3).
+"""The compatibility block and agent identities of a checkpoint (design/state.md §3).
 
 Why: a checkpoint can only be installed into a composition that would have produced it — same
 world build, content, configuration, controllers and inspection parser, same agents with the same
@@ -32,10 +32,10 @@ Rules:
 Decisions where the spec is silent:
 
 - `Compatibility.from_json` refuses a malformed block with `INCOMPATIBLE_STATE`/`none`: blocks
-  come only from checkpoints, and a bad checkpoint is `INCOMPATIBLE_STATE` (state.md §0). The
+  come only from checkpoints, and a bad checkpoint is `INCOMPATIBLE_STATE` (design/state.md §0). The
   block is closed: a missing or extra key is refused like a malformed value.
 - `AgentIdentity.from_json` refuses with `INVALID_ARGUMENT`/`none`: the identity is a wire shape
-  (`CaptureResult.agentIdentity`, state.md §6.1), and wire shapes are refused that way.
+  (`CaptureResult.agentIdentity`, design/state.md §6.1), and wire shapes are refused that way.
 - `compare` takes the checkpoint id as a keyword argument: the block does not carry it, the
   message needs it.
 - This module is pure (no I/O, no clock); `workers` cannot import `flyd`, so the environment's
@@ -105,7 +105,7 @@ def _closed(value: Any, fields: tuple[tuple[str, str], ...], what: str) -> Mappi
 
 @dataclass(frozen=True, slots=True)
 class Compatibility:
-    """What a world must match to install a checkpoint (state.md §3)."""
+    """What a world must match to install a checkpoint (design/state.md §3)."""
 
     state_format_id: str
     backend_digest: str
@@ -172,7 +172,7 @@ class Compatibility:
 
 @dataclass(frozen=True, slots=True)
 class AgentIdentity:
-    """What an agent worker must match to install an agent payload (state.md §3)."""
+    """What an agent worker must match to install an agent payload (design/state.md §3)."""
 
     agent_id: str
     profile_digest: str

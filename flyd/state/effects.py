@@ -1,4 +1,5 @@
-"""`PendingEffects`: committed boundaries whose ledger rows are not durable yet (state.md §9.2).
+"""`PendingEffects`: committed boundaries whose ledger rows are not durable yet
+(design/state.md §9.2).
 
 Rules:
 - `append(boundary, session_epoch, payload)` is called once per committed transition k → k+1
@@ -14,7 +15,7 @@ Rules:
   behaviour digest does not depend on it.
 - `covering(after, through)` is the tuple of `flyd.effects` rows for boundaries in
   (after, through], `boundary-<j>` in order; a boundary missing from the buffer is `INTERNAL`
-  (state.md §4.3 step 3), checked before anything is sent.
+  (design/state.md §4.3 step 3), checked before anything is sent.
 - `prune(through)` drops every boundary ≤ through, after the commit that covered them.
 - `rewind(head)` drops every boundary > head (an automatic recovery restores the head into a
   new epoch; the re-executed boundaries are appended again).
@@ -23,9 +24,9 @@ Rules:
 
 Decision where the spec is silent: a capture job never owns effects. The writer reads
 (head, c] from this buffer when it sends the commit and prunes only after a durable commit, so
-"taken by a job, returned on failure, handed to a superseding job" (distribution.md §6.2) holds
-by construction: a failed or superseded job leaves the buffer as it was, and the next committed
-job (whose boundary is not lower) covers every boundary the earlier one would have.
+"taken by a job, returned on failure, handed to a superseding job" (design/distribution.md §6.2)
+holds by construction: a failed or superseded job leaves the buffer as it was, and the next
+committed job (whose boundary is not lower) covers every boundary the earlier one would have.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ EPOCH_ID: Final = re.compile(r"e([1-9][0-9]*)")
 
 
 def epoch_number(session_epoch: str) -> int:
-    """N of a flyd session epoch `e<N>` (state.md §0); anything else is a caller bug."""
+    """N of a flyd session epoch `e<N>` (design/state.md §0); anything else is a caller bug."""
     m = EPOCH_ID.fullmatch(session_epoch)
     if m is None:
         raise DomainError(ErrorCode.INTERNAL, f"session epoch {session_epoch!r} is not e<N>",
@@ -122,7 +123,7 @@ class PendingEffects:
         return entry.payload
 
     def covering(self, after: int, through: int) -> tuple[Effect, ...]:
-        """The ledger rows for boundaries in (after, through] (state.md §4.3 step 3)."""
+        """The ledger rows for boundaries in (after, through] (design/state.md §4.3 step 3)."""
         rows: list[Effect] = []
         for j in range(after + 1, through + 1):
             entry = self._entries.get(j)

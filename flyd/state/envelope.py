@@ -1,4 +1,4 @@
-"""The FLYSESS1 checkpoint envelope: byte layout, manifest, reader checks (state.md §2).
+"""The FLYSESS1 checkpoint envelope: byte layout, manifest, reader checks (design/state.md §2).
 
 Why: a checkpoint outlives the processes, releases and hosts that wrote it, so its bytes are a
 format with exactly one valid spelling (`encode(decode(b)) == b`), and a reader refuses a
@@ -29,7 +29,8 @@ Reader checks, in this order (each failure is `EnvelopeError(check, reason)`, a 
     R6 tail      align8(last end) = F and the bytes between are zero
     R7 shape     an object with exactly the 14 fields (`MANIFEST_FIELDS`); envelopeVersion the
                  integer 1; `payloads` repeats the table item by item
-    R8 values    `validate_manifest`: the types of §2.4, sorting, port map, §2.5 names and
+    R8 values    `validate_manifest`: the types of design/state.md §2.4, sorting, port map,
+    design/state.md §2.5 names and
                  order, every reference resolved and every entry referenced exactly once,
                  lastSourceStep <= sourceScope.step
 
@@ -552,7 +553,7 @@ def _check_coordinator(value: Any, agent_ids: list[str], step: int) -> None:
 
 
 def payload_names(agent_ids: Sequence[str], helper_state: Sequence[str] = ()) -> list[str]:
-    """The §2.5 write order for these agents (sorted) and helper payloads."""
+    """The design/state.md §2.5 write order for these agents (sorted) and helper payloads."""
     return ([WORLD_PAYLOAD] + [f"agent-{a}" for a in agent_ids]
             + [f"executor-{a}" for a in agent_ids]
             + [TASK_LEDGER, PRIOR_INSPECTION, COORDINATOR_ADMISSION] + list(helper_state))
@@ -572,7 +573,8 @@ def _check_references(names: list[str], table: list[str]) -> None:
         if name not in seen:
             raise DomainError.invalid(f"payload {name} is in the table but nothing references it")
     if names != table:
-        raise DomainError.invalid(f"the payloads are not in write order (§2.5): {table} should "
+        raise DomainError.invalid(f"the payloads are not in write order (design/state.md §2.5): "
+                                  f"{table} should "
                                   f"be {names}")
 
 
@@ -615,7 +617,7 @@ def _check_values(manifest: dict[str, Any]) -> None:
 
 
 def validate_manifest(manifest: Any) -> None:
-    """R7's closed field set and envelopeVersion, then R8 (the values of §2.4)."""
+    """R7's closed field set and envelopeVersion, then R8 (the values of design/state.md §2.4)."""
     checked = _check_fields(manifest)
     try:
         _check_values(checked)

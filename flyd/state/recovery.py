@@ -1,31 +1,31 @@
-"""Automatic recovery as node policy: attempts, backoff, classification (state.md §8.1–§8.3).
+"""Automatic recovery as node policy: attempts, backoff, classification (design/state.md §8.1–§8.3).
 
 Pure and synchronous: the node's grant session (`flyd.node.grant`) performs the attempt; this module
 decides whether there may be one, how long to wait first, and whether a failure is permanent.
 
 Rules:
-- Triggers (§8.1): any `SessionFailure` of a session the node holds. Not a lost lease, a
-  cancellation or a drain (the caller never asks then).
+- Triggers (design/state.md §8.1): any `SessionFailure` of a session the node holds. Not a lost
+  lease, a cancellation or a drain (the caller never asks then).
 - `start()` begins an attempt: `attempt += 1`; past `max_attempts` → `Exhausted`. Attempts count
   consecutive recoveries without a durable commit between them: `committed()` (a `Committed`
   outcome after a resume) resets the count and the backoff. `refund()` gives back an attempt
   interrupted by a router death (the grant session reconnects and starts it again).
 - Backoff before a retry of a failed attempt: `recovery_backoff_s`, doubling per failed attempt up
   to `recovery_backoff_max_s`.
-- Permanent (§8.2 step 9): `INCOMPATIBLE_STATE` from the restore's preconditions 5–7, a stage or
-  the ledger validation → `recovery.refused`, the run ends `failed` with `{code, message,
-  checkpointId}`, no further attempt.
+- Permanent (design/state.md §8.2 step 9): `INCOMPATIBLE_STATE` from the restore's preconditions
+  5–7, a stage or the ledger validation → `recovery.refused`, the run ends `failed` with
+  `{code, message, checkpointId}`, no further attempt.
 - Also permanent: a plugin failure that repeats (`repeats`: the error's `PluginFault` says so,
   for a model, world or task that cannot be imported, lacks its class, or raises in its
   constructor). The next attempt would build the same plugin from the same spec and fail the
   same way, so the run ends `failed` at once (`flyd.node.grant`: `{error: "plugin failed", …}`)
   without spending a recovery attempt. The mark is a flag in the error's data rather than a
-  new error code: the §1.6 codes say what kind of failure it is (`INVALID_ARGUMENT` for an
-  import, `BACKEND_FAILURE` for a constructor), the flag whether trying again can help.
-  A plugin's exception in a later call (`stage: call`) is retried: a restore from the head may
-  not reach the same inputs. Everything else is retried.
+  new error code: the design/session.md §1.6 codes say what kind of failure it is
+  (`INVALID_ARGUMENT` for an import, `BACKEND_FAILURE` for a constructor), the flag whether trying
+  again can help. A plugin's exception in a later call (`stage: call`) is retried: a restore from
+  the head may not reach the same inputs. Everything else is retried.
 - `RESTORE_DIVERGED` (a restored world that does not observe what its checkpoint recorded,
-  session.md §6.12 amendment 2026-12-07) fails the attempt and is retried, never continued:
+  design/session.md §6.12 amendment 2026-12-07) fails the attempt and is retried, never continued:
   the checkpoint itself is sound, and a world may restore differently on the next attempt (an
   adapter falling back to replay). Once the attempts are spent the run ends `recovery attempts
   exhausted` with it as `lastFailure`, naming the world and the view.
@@ -34,8 +34,8 @@ Rules:
   (`capture_repeats`: its state does not fit one bus frame, an env that cannot be pickled, a
   participant without `checkpoint-v1`) would be refused on every attempt: the next one resumes
   the same deterministic run to the same boundary. The run ends `failed` at once, like a capture
-  too large for the writer (§5.2). Any other refusal hands the run back for another attempt
-  (`flyd.node.grant`).
+  too large for the writer (design/state.md §5.2). Any other refusal hands the run back for another
+  attempt (`flyd.node.grant`).
 """
 
 from __future__ import annotations
@@ -98,8 +98,8 @@ def repeats(error: DomainError) -> bool:
 
 
 def is_permanent(error: DomainError) -> bool:
-    """§8.2 step 9: an incompatible head can never be installed; a plugin failure that repeats
-    recurs on every attempt. Retrying cannot help either."""
+    """design/state.md §8.2 step 9: an incompatible head can never be installed; a plugin failure
+    that repeats recurs on every attempt. Retrying cannot help either."""
     return error.code == ErrorCode.INCOMPATIBLE_STATE or repeats(error)
 
 

@@ -1,4 +1,4 @@
-"""The bounded checkpoint writer (state.md §5): reserve, submit, one writer loop, outcomes.
+"""The bounded checkpoint writer (design/state.md §5): reserve, submit, one writer loop, outcomes.
 
 Rules:
 - `reserve()` runs before any `State.Capture` is sent; at `queue_capacity` outstanding captures
@@ -12,8 +12,8 @@ Rules:
 - Job life, as data (`JOB_TRANSITIONS`): queued → taken (the writer took it from the front; it
   can no longer be superseded) → ended; queued → ended (superseded, refused at shutdown). An
   ended job has delivered exactly one outcome or closed its ticket without one.
-- The loop, per job (§5.3): wait at the `gate` fault while it is installed and closed;
-  `queued_bytes −= bytes`; in a worker thread check every payload against the manifest and
+- The loop, per job (design/state.md §5.3): wait at the `gate` fault while it is installed and
+  closed; `queued_bytes −= bytes`; in a worker thread check every payload against the manifest and
   encode; `store.commit` under the retry policy; count; publish the event; release the slot and
   drop the bytes; deliver (or, for `drop_reply_for`, close the ticket without an outcome).
 - The writer keeps the head h exactly: one job at a time, and a commit's unknown outcome is
@@ -25,14 +25,15 @@ Rules:
   cancelled), ends every queued job `Failed` "writer stopped" (counted as failed) with its
   reservation released, and waits for the loop to end. A dying loop closes every open ticket
   and releases every reservation it holds.
-- Events (§5.6) are telemetry: `{event, run, leaseEpoch, checkpointId, sessionId, epoch,
-  episodeId, boundary, byteLength}` (+ `reason` / `supersededBy`) handed to the sink; a sink
-  that raises adds 1 to `events_dropped` and is not retried. `EventRing` is the v1 sink: a
-  structlog line `checkpoint.<event>` with snake_case fields and a 256-entry ring.
+- Events (design/state.md §5.6) are telemetry:
+  `{event, run, leaseEpoch, checkpointId, sessionId, epoch, episodeId, boundary, byteLength}` (+
+  `reason` / `supersededBy`) handed to the sink; a sink that raises adds 1 to `events_dropped` and
+  is not retried. `EventRing` is the v1 sink: a structlog line `checkpoint.<event>` with snake_case
+  fields and a 256-entry ring.
 
 Decisions where the spec is silent:
-- `byteLength` in events is the job's payload bytes (the sum §5.2 budgets), known at every
-  event; the envelope adds a few hundred bytes of header, table and manifest.
+- `byteLength` in events is the job's payload bytes (the sum design/state.md §5.2 budgets), known at
+  every event; the envelope adds a few hundred bytes of header, table and manifest.
 - `Failed` reasons: `fenced`, `grant lost`, `aborted before commit`, `writer stopped`,
   `effect_duplicate`, `effect_conflict`, `head regression`, `reused id`, `transient` (the last
   attempt's error is logged), `payload <name> is not the content its capture declared`, and
@@ -97,7 +98,7 @@ RING_SIZE: Final = 256
 MIB: Final = 1 << 20
 
 # --------------------------------------------------------------------------------------------
-# Configuration (§5.1)
+# Configuration (design/state.md §5.1)
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,10 +133,10 @@ RetryPolicy = ReleaseAndReport | RetryThenRelease
 
 class EnvelopeTooLarge(DomainError):
     """`UNSUPPORTED`/`none` at submit: the capture's payload bytes exceed `max_envelope_bytes`,
-    or it has more payloads than an envelope holds (`MAX_PAYLOADS`, §2.1: a session needs 4 plus
-    2 per agent, 516 at `[session] max_agents` 256); the sizes travel with it because a forced
-    or final capture ends the run with them (§5.2). Either can never commit, so neither is
-    retried."""
+    or it has more payloads than an envelope holds (`MAX_PAYLOADS`, design/state.md §2.1: a session
+    needs 4 plus 2 per agent, 516 at `[session] max_agents` 256); the sizes travel with it because a
+    forced or final capture ends the run with them (design/state.md §5.2). Either can never commit,
+    so neither is retried."""
 
     def __init__(self, byte_length: int, limit: int, payload_count: int | None = None) -> None:
         if payload_count is None:
@@ -150,7 +151,8 @@ class EnvelopeTooLarge(DomainError):
 
 @dataclass(frozen=True, slots=True)
 class CheckpointSettings:
-    """TOML `[checkpoints]` (state.md §5.1); `max_pending_effects` None = its derived default."""
+    """TOML `[checkpoints]` (design/state.md §5.1); `max_pending_effects` None = its derived
+    default."""
 
     every_steps: int = 60
     every_seconds: float = 0.0
@@ -225,7 +227,7 @@ def _problem(name: str, value: object) -> str | None:
 
 
 # --------------------------------------------------------------------------------------------
-# Outcomes (§5.5)
+# Outcomes (design/state.md §5.5)
 
 
 @dataclass(frozen=True, slots=True)
@@ -275,7 +277,8 @@ SaveOutcome = Committed | Failed | Superseded | ReplyLost | DeadlineExpired
 
 
 def audit_line(outcome: SaveOutcome, boundary: int) -> str:
-    """The audit string `await_durable` records for an outcome at boundary k (§5.5)."""
+    """The audit string `await_durable` records for an outcome at boundary k
+    (design/state.md §5.5)."""
     cid = outcome.checkpoint_id
     if isinstance(outcome, Committed):
         return f"durable:{cid}@{boundary}"
@@ -363,7 +366,7 @@ class Reservation:
 
 @dataclass(frozen=True, slots=True)
 class CaptureSubmission:
-    """§5.2: a validated capture; `session_epoch` is the Id `e<N>`."""
+    """design/state.md §5.2: a validated capture; `session_epoch` is the Id `e<N>`."""
 
     checkpoint_id: str
     boundary: int
@@ -466,7 +469,7 @@ class CheckpointWriter:
 
     # -- reserve / submit ----------------------------------------------------------------
     def reserve(self) -> Reservation:
-        """A slot before any participant is asked (§5.2)."""
+        """A slot before any participant is asked (design/state.md §5.2)."""
         cap = self.config.queue_capacity
         if self._stopping:
             self.stats.rejected += 1
@@ -481,7 +484,7 @@ class CheckpointWriter:
         return Reservation(self)
 
     def submit(self, reservation: Reservation, sub: CaptureSubmission) -> SaveTicket:
-        """Queue a validated capture (§5.2); refusals release the reservation."""
+        """Queue a validated capture (design/state.md §5.2); refusals release the reservation."""
         if reservation.released or reservation._writer is not self:
             raise DomainError(ErrorCode.INTERNAL, f"capture {sub.checkpoint_id} submitted "
                               "without a live reservation of this writer", Mutation.NONE)
@@ -524,8 +527,8 @@ class CheckpointWriter:
         return job.ticket
 
     async def wait(self, ticket: SaveTicket, budget: float | None = None) -> SaveOutcome:
-        """§5.5: the outcome, `DeadlineExpired` when the budget runs out, `ReplyLost` when the
-        ticket closed without one."""
+        """design/state.md §5.5: the outcome, `DeadlineExpired` when the budget runs out,
+        `ReplyLost` when the ticket closed without one."""
         seconds = self.config.durable_timeout_s if budget is None else budget
         try:
             async with asyncio.timeout(seconds):
@@ -622,7 +625,7 @@ class CheckpointWriter:
         return Committed(sub.checkpoint_id, sub.boundary)
 
     def _end(self, job: _Job, outcome: SaveOutcome | None) -> None:
-        """Release the slot and drop the bytes, then deliver (§5.3 steps 6–7)."""
+        """Release the slot and drop the bytes, then deliver (design/state.md §5.3 steps 6–7)."""
         job.move("ended")
         job.reservation.release()
         job.payloads = ()
@@ -667,8 +670,8 @@ class CheckpointWriter:
 
 def _encode_checked(manifest: Mapping[str, Any], payloads: Sequence[tuple[str, bytes]]
                     ) -> tuple[bytes, bytes]:
-    """§5.3 step 3 (in a worker thread): every payload is what the manifest declares; the
-    envelope and its SHA-256."""
+    """design/state.md §5.3 step 3 (in a worker thread): every payload is what the manifest
+    declares; the envelope and its SHA-256."""
     declared = {str(p["name"]): p for p in manifest["payloads"]}
     for name, data in payloads:
         entry = declared.get(name)

@@ -30,7 +30,8 @@ import orjson
 import pytest
 
 from bus import store as bus_store
-from bus.client import Reply, Request, Validators
+from bus.client_connection import Validators
+from bus.client_serving import Reply, Request
 from bus.errors import ArtifactGone, ArtifactMismatch, AttachmentsNotKept, RouterLost
 from bus.router import RouterStartError
 from bus.store import StoreSettings

@@ -19,7 +19,9 @@ import orjson
 import pytest
 import uvloop
 
-from bus.client import HANDLER_REAP_S, BusClient, CallResult, Request, connect
+from bus.client import BusClient, connect
+from bus.client_calls import CallResult
+from bus.client_serving import HANDLER_REAP_S, Request
 from bus.errors import (
     CallDeadlineExceeded,
     CallGone,

@@ -17,7 +17,8 @@ import orjson
 import pytest
 
 from bus import codec
-from bus.client import BusClient, Request
+from bus.client import BusClient
+from bus.client_serving import Request
 from bus.errors import InvalidParams
 from tests.bus.bus_raw import caller, serve
 from tests.session.worker_rig import (

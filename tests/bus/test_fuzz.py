@@ -61,7 +61,7 @@ from hypothesis.stateful import (
 )
 
 from bus import codec
-from bus.client import Validators
+from bus.client_connection import Validators
 from bus.errors import BusError
 from bus.limits import REMEMBERED_INCARNATIONS, Limits, snake_case
 from bus.policy import Policy

@@ -18,7 +18,8 @@ from typing import Any
 
 import pytest
 
-from bus.client import PendingCall, Request
+from bus.client_calls import PendingCall
+from bus.client_serving import Request
 from bus.errors import RouterLost
 from bus.router import SUN_PATH_MAX, staging_path
 

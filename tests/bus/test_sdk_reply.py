@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from bus import codec
-from bus.client import Request
+from bus.client_serving import Request
 from bus.errors import CallGone
 
 LONG_ID = "r" * 64  # the longest Id: the bus.result frame grows with the responder identity

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import structlog
 
-from bus.client import Request
+from bus.client_serving import Request
 from bus.errors import CallGone, Conflict, NoService, NotAuthorized, TargetChanged
 from bus.policy import Policy, PolicyEntry
 

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from bus.client import Validators
+from bus.client_connection import Validators
 
 pytestmark = pytest.mark.timeout(10)
 

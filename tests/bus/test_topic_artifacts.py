@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from bus.client import Validators
+from bus.client_connection import Validators
 from tests.bus.bus_raw import caller
 from tests.bus.conftest import store_dir, store_files
 

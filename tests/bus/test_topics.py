@@ -16,8 +16,8 @@ from typing import Any
 import orjson
 import pytest
 
-import bus.client as client_module
-from bus.client import Validators
+import bus.client_connection as client_module
+from bus.client_connection import Validators
 from bus.policy import Policy, PolicyEntry
 from tests.bus.conftest import store_dir
 

@@ -36,7 +36,8 @@ from typing import Any
 import orjson
 import pytest
 
-from bus.client import BusClient, Request, connect
+from bus.client import BusClient, connect
+from bus.client_serving import Request
 from bus.errors import Backpressure, QuotaExceeded
 from flyd.node.router_child import router_answers
 

@@ -23,7 +23,8 @@ from typing import Any
 import orjson
 import pytest
 
-from bus.client import BusClient, CallResult, connect
+from bus.client import BusClient, connect
+from bus.client_calls import CallResult
 from bus.errors import BusError
 from bus.limits import Limits
 from bus.store import StoreSettings

@@ -35,7 +35,8 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
-from bus.client import BusClient, Topic, connect
+from bus.client import BusClient, connect
+from bus.client_topics import Topic
 from bus.limits import Limits
 from bus.policy import Policy
 from bus.router import Router, RouterConfig

@@ -20,7 +20,8 @@ from typing import TYPE_CHECKING, Any, Literal
 import psutil
 import pytest
 
-from bus.client import CallResult, Identity
+from bus.client_calls import CallResult
+from bus.client_identity import Identity
 from bus.errors import NoService, NotAuthorized, QuotaExceeded, TargetChanged
 from flyd.config import load_config
 from flyd.launch.budget import ThreadBudget

@@ -17,7 +17,8 @@ from typing import Any
 
 import pytest
 
-from bus.client import Message, Subscription, connect
+from bus.client import connect
+from bus.client_topics import Message, Subscription
 from bus.errors import NotAuthorized, QuotaExceeded
 from flyd.session.run_topic import EndState, RunEnd, end_run_topic
 from tests.cli.test_flyctl_runs import Site, serve, submit, wait_state

@@ -29,7 +29,8 @@ from typing import Any
 import pytest
 from jsonschema import Draft202012Validator
 
-from bus.client import BusClient, CallResult, connect
+from bus.client import BusClient, connect
+from bus.client_calls import CallResult
 from bus.errors import CallGone, NoService
 from bus.policy import Policy
 from bus.router import Router, RouterConfig

@@ -19,8 +19,8 @@ task that turns the environment's rewards and endings into flyd's (docs/adapters
   drawn at the boundaries b with `b % render_every == 0` only (default 1; `flyd run
   --record-every K` sets K): at the others `render` returns None and the environment endpoint
   serves the previous boundary's frame again. So the view keeps one frame per boundary
-  (session.md §3.5) while the env draws only the frames a recording keeps, and a restore at any
-  boundary serves the undisturbed run's frame (the checkpoint holds its boundary's frame).
+  (design/session.md §3.5) while the env draws only the frames a recording keeps, and a restore at
+  any boundary serves the undisturbed run's frame (the checkpoint holds its boundary's frame).
   The world's step follows the env (`natural_step`: its `dt`, else `1 / metadata["render_fps"]`)
   unless the run spec sets one.
 - `PolicyModel` (model config `{"policy": "module:callable"}`): when its input arrives it calls

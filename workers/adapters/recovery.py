@@ -160,7 +160,7 @@ class EnvRecovery:
     def restore(self, part: Mapping[str, Any], env: Any, picture: Picture) -> Any:
         """The env of a capture's part: unpickled, or `env` (freshly built) replayed. Raises
         `RESTORE_DIVERGED` naming the first step that replays differently: the checkpoint is
-        sound, the env did not come back (session.md §6.12, the world's own verification)."""
+        sound, the env did not come back (design/session.md §6.12, the world's own verification)."""
         state, snapshot, log = part["state"], part["env"], part["log"]
         if state == "snapshot":
             restored = loads(snapshot)

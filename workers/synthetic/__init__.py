@@ -1,5 +1,5 @@
-"""The synthetic composition (session.md §4.2–§4.7): `FakeBrain`, `CounterArena`, `CounterTask`,
-`IdentityExecutor`; the schema helpers live in `workers.synthetic.schemas`.
+"""The synthetic composition (design/session.md §4.2–§4.7): `FakeBrain`, `CounterArena`,
+`CounterTask`, `IdentityExecutor`; the schema helpers live in `workers.synthetic.schemas`.
 
 Why: the run spec names plugins by import path, and the defaults are `workers.synthetic:FakeBrain`,
 `workers.synthetic:CounterArena`, `workers.synthetic:CounterTask` and

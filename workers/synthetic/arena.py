@@ -1,18 +1,18 @@
-"""`CounterArena`: the synthetic world (session.md §4.6).
+"""`CounterArena`: the synthetic world (design/session.md §4.6).
 
 Why: the smallest world with every feature the session checks — per-port controls, an inspection
 the task reads, one view whose bytes depend on counter and boundary, and one audio stream whose
 phase persists — so that lost, repeated or reordered steps are visible.
 
 The world keeps only `counter` and the audio phase: the worker shell owns the boundary, the batch
-set, the view pipeline and the audio sample budget (§3.5) and passes the boundary in. Its config
-object takes two optional keys, `width` and `height` of the `arena` view (1..4096 each, default
-32×24), so that the media path can be measured and tested with large frames; its config asset is
-`"<worldId>-config"` over that object as given.
+set, the view pipeline and the audio sample budget (design/session.md §3.5) and passes the boundary
+in. Its config object takes two optional keys, `width` and `height` of the `arena` view (1..4096
+each, default 32×24), so that the media path can be measured and tested with large frames; its
+config asset is `"<worldId>-config"` over that object as given.
 
-Decision: the configuration digest is the spec's text (§4.6) for the default size and gains
-`width=<w>\nheight=<h>\n` for any other, so the golden vectors stand and a checkpoint of one
-frame size is refused (`patchDigest`) by a world of another instead of failing on its media.
+Decision: the configuration digest is the spec's text (design/session.md §4.6) for the default size
+and gains `width=<w>\nheight=<h>\n` for any other, so the golden vectors stand and a checkpoint of
+one frame size is refused (`patchDigest`) by a world of another instead of failing on its media.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ CONTROLS: Final = ControllerSchema(CONTROLLER, ("inc", "dec"),
 _BUTTON_DELTA: Final = {"inc": 1, "dec": -1}
 _SAFE_INT: Final = 2**53 - 1
 CONFIG_KEYS: Final = ("width", "height")
-#: the largest view side an `EnvironmentDescriptor` allows (session.md §1.8)
+#: the largest view side an `EnvironmentDescriptor` allows (design/session.md §1.8)
 MAX_SIDE: Final = 4096
 
 

@@ -1,4 +1,4 @@
-"""Audio of the synthetic arena: its `arena` stream, an exact binary32 triangle (session.md
+"""Audio of the synthetic arena: its `arena` stream, an exact binary32 triangle (design/session.md
 §4.6). The coordinator's side, the timelines that check any world's chunks, is
 `flyd.session.audio`.
 

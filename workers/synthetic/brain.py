@@ -1,4 +1,4 @@
-"""`FakeBrain`: the synthetic agent model (session.md §4.2), all arithmetic mod 2^64.
+"""`FakeBrain`: the synthetic agent model (design/session.md §4.2), all arithmetic mod 2^64.
 
 Why: a deterministic, cheap stand-in for a neural model that still has every property the session
 layer must preserve — state that changes with every tick, input, stimulus and reinforcement, a
@@ -6,9 +6,9 @@ monotonic mutation count, and decisions that depend on all of it — so that a r
 operation is visible in the numbers.
 
 Resolved ambiguity: in `reinforce(x)` the assignment `signal = x` is unconditional (it follows the
-`if learning` clause after a semicolon in §4.2), so telemetry reports the last signal even while
-learning is off; the golden run cannot tell the two readings apart because learning is on for
-every reinforcement there.
+`if learning` clause after a semicolon in design/session.md §4.2), so telemetry reports the last
+signal even while learning is off; the golden run cannot tell the two readings apart because
+learning is on for every reinforcement there.
 """
 
 from __future__ import annotations
@@ -152,7 +152,7 @@ class FakeBrain:
     def mutations(self) -> int:
         return self._mutations
 
-    # ----------------------------------------------------------------- checkpoint (state.md §6.3)
+    # ------------------------------------------------------------ checkpoint (design/state.md §6.3)
 
     def capture(self) -> bytes:
         return canonical({

@@ -1,4 +1,4 @@
-"""`IdentityExecutor`: the v1 action executor (session.md §4.1), the run spec's default
+"""`IdentityExecutor`: the v1 action executor (design/session.md §4.1), the run spec's default
 `executor`.
 
 Why: the synthetic brain already decides in controller terms, so the executor only checks the

@@ -1,4 +1,4 @@
-"""The counter arena's `arena` view: one RGBA8 frame, top-left origin (session.md §4.6).
+"""The counter arena's `arena` view: one RGBA8 frame, top-left origin (design/session.md §4.6).
 
 Why: the frame carries the counter (red), the column ramp (green) and a boundary marker column
 (blue), so a stale, truncated or wrongly ordered frame changes bytes a test can check.

@@ -1,4 +1,4 @@
-"""Profile and graph of the synthetic agent model (session.md §4.7).
+"""Profile and graph of the synthetic agent model (design/session.md §4.7).
 
 Why: the profile asset and graph identify what an agent runs; the coordinator publishes and
 checks them, so they are pure functions of the agent id, its clock and the model config.

@@ -1,4 +1,4 @@
-"""Encoder, readout and telemetry of the fake brain (session.md §4.3).
+"""Encoder, readout and telemetry of the fake brain (design/session.md §4.3).
 
 Why a separate module: these are pure functions of the brain's 64-bit state, so a test or a
 coordinator-side check can compute decisions and telemetry without a model instance, and the

@@ -1,4 +1,4 @@
-"""Schema references of the synthetic composition (session.md §4.4).
+"""Schema references of the synthetic composition (design/session.md §4.4).
 
 Why: every typed value the synthetic models exchange names its schema by id, version and digest,
 and a receiver compares the whole reference; deriving the digest from the name and version keeps

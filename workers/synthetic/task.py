@@ -1,4 +1,4 @@
-"""`CounterTask`: the synthetic task and its event ids (session.md §4.5).
+"""`CounterTask`: the synthetic task and its event ids (design/session.md §4.5).
 
 Why: the task turns world inspections into rewards, stimulations, events and decision contexts,
 coordinator-side and deterministically; event ids are minted from `(epoch, step, rule, ordinal)`

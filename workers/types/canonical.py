@@ -1,4 +1,4 @@
-"""Canonical JSON and digests (session.md §1.5, state.md §1).
+"""Canonical JSON and digests (design/session.md §1.5, design/state.md §1).
 
 Digests name bodies, contexts, controls and checkpoints across processes and releases, so one
 JSON value must have exactly one byte form. The form is RFC 8785 compatible:
@@ -20,7 +20,7 @@ an object with a `to_json()` method (the frozen dataclasses of `workers.types.da
 `RationalNs`) is written as what that method returns. Nesting deeper than 128 is refused, as
 the strict parser refuses it. Every refusal is `DomainError` `INVALID_ARGUMENT`/`none`.
 
-`parse_strict(bytes)` is the matching strict reader (state.md §1): valid UTF-8 without a BOM,
+`parse_strict(bytes)` is the matching strict reader (design/state.md §1): valid UTF-8 without a BOM,
 no duplicate keys at any depth, no NaN/Infinity, no lone surrogate escapes, depth <= 128,
 nothing after the value. "Canonical bytes" are bytes `b` with `canonical(parse_strict(b)) == b`.
 

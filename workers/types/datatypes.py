@@ -1,4 +1,4 @@
-"""Shared data types of the domain RPC (session.md §1.8) and media validation. Pure.
+"""Shared data types of the domain RPC (design/session.md §1.8) and media validation. Pure.
 
 Agents, the environment and the coordinator exchange the same few shapes; parsing them in one
 place means a worker and the coordinator refuse the same things with the same words.
@@ -14,7 +14,7 @@ Rules for every type here:
   obeys it, whoever built it).
 - Media (`decode_media`, `decode_view`, `decode_audio`): standard base64 with padding (strict:
   it must re-encode to the same text), decoded length = `byteLength`, SHA-256 = `digest`; or,
-  by reference (`ArtifactBlob`, docs/topics.md §14.2), an attachment of the frame with the same
+  by reference (`ArtifactBlob`, topics.md §14.2), an attachment of the frame with the same
   `artifactId`, `length` = `byteLength` and `digest` = `digest`, its bytes not hashed again (the
   router checked the digest once, at seal),
   content type `image/x-rgba8` (views) or `audio/x-f32le` (audio), a view's length =
@@ -351,7 +351,7 @@ class MediaBlob:
 
 @dataclass(frozen=True, slots=True)
 class ArtifactBlob:
-    """Media by reference (docs/topics.md §14.2): the bytes are the sealed artifact
+    """Media by reference (topics.md §14.2): the bytes are the sealed artifact
     `artifactId` attached to the same frame. A second key set rather than a nullable member of
     `MediaBlob`, so inline frames stay byte-identical."""
 
@@ -429,8 +429,9 @@ def decode_media(
     blob: MediaValue, content_type: str, name: str, mutation: Mutation | str = Mutation.NONE,
     attached: Mapping[str, Attached] | None = None,
 ) -> bytes:
-    """The blob's bytes after every check of §1.8; `name` is "view <id>" or "audio stream <id>";
-    `attached`: the frame's attachments by artifact id (a by-reference blob needs one)."""
+    """The blob's bytes after every check of design/session.md §1.8; `name` is "view <id>" or "audio
+    stream <id>"; `attached`: the frame's attachments by artifact id (a by-reference blob needs
+    one)."""
     if blob.content_type != content_type:
         raise _buffer_invalid(
             f"{name} has content type {short(blob.content_type)}; expected {content_type}",
@@ -456,7 +457,7 @@ def decode_media(
 
 def _referenced(blob: ArtifactBlob, name: str, mutation: Mutation | str,
                 attached: Mapping[str, Attached]) -> bytes:
-    """docs/topics.md §14.2 rule 4: the attachment must be the one the blob names, of its length
+    """topics.md §14.2 rule 4: the attachment must be the one the blob names, of its length
     and digest; the router hashed it at seal, so the bytes are only copied."""
     found = attached.get(blob.artifact_id)
     if found is None:

@@ -1,15 +1,15 @@
-"""The domain vocabulary: scalars, error codes, `DomainError` (session.md §1.2, §1.6).
+"""The domain vocabulary: scalars, error codes, `DomainError` (design/session.md §1.2, §1.6).
 
 Every domain message is built from a handful of scalars, and every refusal is one value, so a
 worker, the result cache and the coordinator all say "no" the same way.
 
-Scalars (§1.2) — each `parse_*` returns the Python value or raises `DomainError`
+Scalars (design/session.md §1.2) — each `parse_*` returns the Python value or raises `DomainError`
 `INVALID_ARGUMENT`/`none` naming what was wrong:
 
     Id          str   ^[a-z0-9][a-z0-9._-]{0,63}$
     WorkerId    str   an Id of at most 48 characters without an empty dot-separated segment
                       (no `..`, no trailing `.`): it ends the worker's bus service name
-                      `<tag>.agent.<id>` / `<tag>.env.<id>` (wire.md §5), so a run spec that
+                      `<tag>.agent.<id>` / `<tag>.env.<id>` (design/wire.md §5), so a run spec that
                       validates always launches
     RequestId   str   req-<U64>, canonical decimal, >= 1 (req-0 only as an outcome's fallback)
     U64         int   JSON *string* "0" or [1-9][0-9]{0,19}, value <= 2^64-1
@@ -20,7 +20,7 @@ Scalars (§1.2) — each `parse_*` returns the Python value or raises `DomainErr
 Plain JSON integers (dimensions, counts) are never booleans and never floats (`100.0` is
 refused where an integer is expected); numbers that must be finite refuse NaN/±Infinity.
 
-Error codes (§1.6), as data in `CODES`: number, mutation rule. Rules:
+Error codes (design/session.md §1.6), as data in `CODES`: number, mutation rule. Rules:
 
 - Codes 1-11 and 13 are *before-mutation* codes (`BEFORE_MUTATION`): a worker reply carrying
   one of them MUST say `none`. Local coordinator errors (mapped bus failures, Phase C media
@@ -43,14 +43,16 @@ most `FAULT_LINE` (240) code points, the exception's message clipped like an err
 spec fails the same way on every attempt (an import, a missing attribute, a constructor's
 exception); `flyd.state.recovery.is_permanent` reads it, so such a run is not retried.
 
-The spec's module map names this module as the home of the whole §1 surface (request and
-outcome codec, canonical JSON, digests, shared types). Each of those concepts lives in its own
-module (`workers.types.canonical`, `workers.types.rpc`, `workers.types.datatypes`,
+The spec's module map names this module as the home of the whole design/session.md §1 surface
+(request and outcome codec, canonical JSON, digests, shared types). Each of those concepts lives in
+its own module (`workers.types.canonical`, `workers.types.rpc`, `workers.types.datatypes`,
 `workers.types.ticks`); they raise `DomainError`, so they import this one, and this one
-imports none of them: the dependency runs one way, from the §1 modules down to this leaf.
+imports none of them: the dependency runs one way, from the design/session.md §1 modules down to
+this leaf.
 
 Resolved ambiguities:
-- `RequestId` parsing refuses `req-0` unless `allow_zero=True` (outcomes only, §1.4).
+- `RequestId` parsing refuses `req-0` unless `allow_zero=True` (outcomes only,
+  design/session.md §1.4).
 - `RESULT_EXPIRED` with a mutation other than `unknown` is refused by `from_json` (the table
   fixes its mutation), and `DomainError.before(RESULT_EXPIRED, …)` is an `INTERNAL` error.
 """
@@ -115,7 +117,7 @@ _DIGEST: Final = re.compile(r"[0-9a-f]{64}")
 
 
 # --------------------------------------------------------------------------------------------
-# Error codes and mutation certainty (§1.6)
+# Error codes and mutation certainty (design/session.md §1.6)
 
 
 class ErrorCode(StrEnum):
@@ -150,7 +152,8 @@ MutationRule = Literal["none", "unknown", "explicit"]
 
 @dataclass(frozen=True, slots=True)
 class CodeRule:
-    """One row of §1.6: the code's number and the mutation a worker reply must carry."""
+    """One row of design/session.md §1.6: the code's number and the mutation a worker reply must
+    carry."""
 
     number: int
     mutation: MutationRule
@@ -173,8 +176,8 @@ CODES: Final[dict[ErrorCode, CodeRule]] = {
     ErrorCode.INCOMPATIBLE_STATE: CodeRule(13, "none"),
     ErrorCode.BACKEND_FAILURE: CodeRule(14, "explicit"),
     ErrorCode.INTERNAL: CodeRule(15, "explicit"),
-    # a restored world observes other than its checkpoint recorded (session.md §6.12 amendment
-    # 2026-12-07): found after activation, so the state was installed (`unknown` from the
+    # a restored world observes other than its checkpoint recorded (design/session.md §6.12
+    # amendment 2026-12-07): found after activation, so the state was installed (`unknown` from the
     # coordinator); a world that checks itself while staging may say `none`
     ErrorCode.RESTORE_DIVERGED: CodeRule(16, "explicit"),
 }
@@ -185,7 +188,8 @@ BEFORE_MUTATION: Final[frozenset[ErrorCode]] = frozenset(
 
 
 def clip_message(message: str) -> str:
-    """At most 512 code points: a longer message keeps 511 and ends with `…` (§1.4)."""
+    """At most 512 code points: a longer message keeps 511 and ends with `…`
+    (design/session.md §1.4)."""
     if len(message) <= MAX_MESSAGE_CODE_POINTS:
         return message
     return message[: MAX_MESSAGE_CODE_POINTS - 1] + "…"
@@ -375,7 +379,7 @@ class DomainError(Exception):
 
 
 # --------------------------------------------------------------------------------------------
-# Scalars (§1.2)
+# Scalars (design/session.md §1.2)
 
 
 # Ids that matched `_ID`: a process checks the same few (worker, schema, view, port ids) in
@@ -502,7 +506,7 @@ def format_request_id(number: int) -> str:
 
 @dataclass(frozen=True, slots=True)
 class Scope:
-    """Where a domain operation belongs: session, epoch and step (§1.2)."""
+    """Where a domain operation belongs: session, epoch and step (design/session.md §1.2)."""
 
     session_id: str
     epoch: str

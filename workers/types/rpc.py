@@ -1,4 +1,5 @@
-"""Domain requests, outcomes, bus-failure mapping and call outcomes (session.md §1.3, §1.4, §1.7).
+"""Domain requests, outcomes, bus-failure mapping and call outcomes (design/session.md §1.3, §1.4,
+§1.7).
 
 A domain call rides inside one `bus.call` (`payload` = the request) and its `bus.reply`
 (`outcome`); the router never reads either. This module is the codec on both ends. Pure.
@@ -15,14 +16,15 @@ Outcome (`outcome`), rules a receiver checks (`check_outcome`):
       result: type, requestId, workerId, incarnationId, scope, result (an object)
       error:  type, requestId, workerId, incarnationId, scope, error {code, message, mutation}
 - `requestId` is a RequestId (`req-0` allowed), `workerId`/`incarnationId` are Ids, `scope` a
-  Scope or null; the error's code is a §1.6 code, its mutation `none`/`applied`/`unknown`, its
-  message at most 512 code points, and a before-mutation code says `none`.
+  Scope or null; the error's code is a design/session.md §1.6 code, its mutation
+  `none`/`applied`/`unknown`, its message at most 512 code points, and a before-mutation code says
+  `none`.
 - An invalid outcome is a Refused call: `BACKEND_FAILURE`/`unknown`,
   `"<method>: malformed outcome: <why>"`.
 - Echo checks (worker id, incarnation, scope, request id against the call) are the caller's
-  `check_reply` (session.md §6.4), not shape validation.
+  `check_reply` (design/session.md §6.4), not shape validation.
 
-Bus failures (§1.7), as data in `BUS_CODES` and `DISPATCH_MUTATION`:
+Bus failures (design/session.md §1.7), as data in `BUS_CODES` and `DISPATCH_MUTATION`:
 
     TARGET_CHANGED, NO_SERVICE          -> IDENTITY_MISMATCH
     BACKPRESSURE, QUOTA_EXCEEDED        -> BUSY
@@ -36,7 +38,8 @@ outcome, success or domain error), `Expired()` (the deadline passed: uncertain, 
 
 Resolved ambiguities:
 - A `result` must be a JSON object (every method's result is one).
-- `RESULT_EXPIRED` with a mutation other than `unknown` is malformed (§1.6 fixes it).
+- `RESULT_EXPIRED` with a mutation other than `unknown` is malformed (design/session.md §1.6 fixes
+  it).
 - A numeric bus code is named by `bus.errors.ERROR_NAMES` in the message (`-32700` ->
   `PARSE_ERROR`); an unnamed number is printed as is.
 - A closed client surfaces from the SDK as `ROUTER_LOST` (dispatch `unknown`), which maps to
@@ -205,7 +208,7 @@ def parse_request(payload: Any) -> Request:
 
 
 def readable_request_id(payload: Any) -> str:
-    """The payload's request id when it is a valid one, else `req-0` (§1.4)."""
+    """The payload's request id when it is a valid one, else `req-0` (design/session.md §1.4)."""
     if isinstance(payload, dict):
         try:
             return parse_request_id(payload.get("requestId"))

@@ -1,5 +1,6 @@
 """Typed structures of the domain messages, generated from `schemas/session/` at import
-(wire.md §22.3: the schemas stay the one source), and the step path's one-pass checks with them.
+(design/wire.md §22.3: the schemas stay the one source), and the step path's one-pass checks with
+them.
 
 Why: the compiled Python validator (`bus.schema.compile_schema`) walks a message with one Python
 call per keyword, after `parse_request`/`rpc.answer` walked its envelope; `msgspec.convert` into
@@ -24,12 +25,12 @@ Anything else (`uniqueItems`, `if`, `propertyNames`, ...) stays on the slow path
 typed `Any` and the struct's `__post_init__` runs `bus.schema`'s compiled validator on that field
 alone. So every rule of the schema is checked and nothing is restated by hand.
 
-The input is a tree the SDK's strict decode produced (wire.md §3: duplicate keys, non-finite
+The input is a tree the SDK's strict decode produced (design/wire.md §3: duplicate keys, non-finite
 numbers, depth and integer ranges were refused there, in the one pass over the frame's bytes),
 so the check adds no second parse. A refusal is not worded here: `parse_typed` and
 `answer_typed` return None/fall back, and `parse_request`, `check_params` and `rpc.answer` word
-it as before (the messages do not change). A bus-only key (session.md §1.3) can only hide in a
-params field typed `Any`: only those fields are searched for one, not the whole params.
+it as before (the messages do not change). A bus-only key (design/session.md §1.3) can only hide in
+a params field typed `Any`: only those fields are searched for one, not the whole params.
 """
 
 from __future__ import annotations
@@ -112,7 +113,7 @@ class _Generator:
 
     def __init__(self, root: Mapping[str, Any], name: str, *, bus_keys: bool = False) -> None:
         self.name = name
-        #: a request's params: no bus-only key at any depth (session.md §1.3)
+        #: a request's params: no bus-only key at any depth (design/session.md §1.3)
         self.bus_keys = bus_keys
         self.defs: dict[str, Any] = dict(root.get("$defs", {}))
         self.done: dict[str, tuple[Any, str]] = {}

@@ -1,4 +1,4 @@
-"""Exact time: `RationalNs`, `TickAccumulator`, `AudioBudget` (session.md §5.1-§5.3). Pure.
+"""Exact time: `RationalNs`, `TickAccumulator`, `AudioBudget` (design/session.md §5.1-§5.3). Pure.
 
 The spec's module map calls this module `workers/clock.py`; it is named for the ticks it counts,
 so it is not mistaken for the lease clock (`flyd.leases.clock`), which reads the system clock.

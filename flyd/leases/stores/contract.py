@@ -1,8 +1,8 @@
-"""The `Store` contract: distribution.md §3 as async methods with typed results and errors.
+"""The `Store` contract: design/distribution.md §3 as async methods with typed results and errors.
 
-Why: the node runtime (§5) must run unchanged against PostgreSQL (`PgStore`, production and
-tier 2) and against `MemStore` (virtual time, tier 1). Both implement this protocol and are
-held to the same behaviour by `tests/distribution/test_contract.py`.
+Why: the node runtime (design/distribution.md §5) must run unchanged against PostgreSQL (`PgStore`,
+production and tier 2) and against `MemStore` (virtual time, tier 1). Both implement this protocol
+and are held to the same behaviour by `tests/distribution/test_contract.py`.
 
 Rules every implementation keeps:
 - Expiry is judged only by the store, at its own clock (`app_now()`, R1); callers never pass a
@@ -12,10 +12,11 @@ Rules every implementation keeps:
   `Fenced` (LF001) and the other server refusals are `none` (nothing committed, for certain);
   `Transient` is `none` too (the server reported an error, or the request never left);
   `UnknownOutcome` is `unknown` (the reply was lost after COMMIT was sent) and carries the
-  `Backend` to end before reading the outcome (§3.10).
-- `commit` is the fenced group commit of §3.5; a plain INSERT of every effect, never
-  `ON CONFLICT`: a key already present raises `DuplicateEffect` (same digest) or
-  `ConflictingEffect` (another digest), classified by reading the existing row (§6.4).
+  `Backend` to end before reading the outcome (design/distribution.md §3.10).
+- `commit` is the fenced group commit of design/distribution.md §3.5; a plain INSERT of every
+  effect, never `ON CONFLICT`: a key already present raises `DuplicateEffect` (same digest) or
+  `ConflictingEffect` (another digest), classified by reading the existing row
+  (design/distribution.md §6.4).
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ class Fenced(StoreError):
 
 
 class HeadRegression(StoreError):
-    """LF002: the head would move backwards (a bug; the run fails, §6.4)."""
+    """LF002: the head would move backwards (a bug; the run fails, design/distribution.md §6.4)."""
 
     code = "LF002"
 
@@ -85,7 +86,8 @@ class _EffectClash(StoreError):
         super().__init__(message)
 
     def outcome(self) -> dict[str, Any]:
-        """The run's failure outcome (§6.4): `{error, key, existingEpoch, digest}`."""
+        """The run's failure outcome (design/distribution.md §6.4):
+        `{error, key, existingEpoch, digest}`."""
         return {"error": self.error, "key": self.key, "existingEpoch": self.existing_epoch,
                 "digest": self.digest.hex()}
 
@@ -109,7 +111,8 @@ class Transient(StoreError):
 
 
 class UnknownOutcome(StoreError):
-    """The connection failed after COMMIT was sent: resolve by reading (§3.10, §5.6)."""
+    """The connection failed after COMMIT was sent: resolve by reading
+    (design/distribution.md §3.10, §5.6)."""
 
     code = "UNKNOWN_OUTCOME"
     mutation = "unknown"
@@ -120,7 +123,8 @@ class UnknownOutcome(StoreError):
 
 
 class SpecMismatch(StoreError):
-    """Submit with a key already used for another spec (§3.2: a client error)."""
+    """Submit with a key already used for another spec (design/distribution.md §3.2: a client
+    error)."""
 
     code = "SUBMIT_KEY_CONFLICT"
 
@@ -156,7 +160,8 @@ class Submitted:
 
 @dataclass(frozen=True, slots=True)
 class Grant:
-    """One row of claim (§3.3): the node resumes from `high_water`, fresh when None."""
+    """One row of claim (design/distribution.md §3.3): the node resumes from `high_water`, fresh
+    when None."""
 
     run_id: int
     lease_epoch: int
@@ -215,9 +220,9 @@ class CanonicalPayload(Mapping[str, Any]):
 
 @dataclass(frozen=True, slots=True)
 class Effect:
-    """A ledger row to insert: `boundary-<k>` or `finish` (§6.1). `result` is what the
-    boundary produced (`flyd.effects.result`, the line `flyctl runs export` prints), outside
-    the digest; None for `finish` and for writers that keep none."""
+    """A ledger row to insert: `boundary-<k>` or `finish` (design/distribution.md §6.1). `result` is
+    what the boundary produced (`flyd.effects.result`, the line `flyctl runs export` prints),
+    outside the digest; None for `finish` and for writers that keep none."""
 
     key: str
     session_epoch: int
@@ -253,8 +258,8 @@ class Finish:
 
 @dataclass(frozen=True, slots=True)
 class Commit:
-    """One fenced transaction (§3.5): effects, optionally a checkpoint + head move + rotation,
-    optionally `finish_run` last."""
+    """One fenced transaction (design/distribution.md §3.5): effects, optionally a checkpoint + head
+    move + rotation, optionally `finish_run` last."""
 
     run_id: int
     lease_epoch: int
@@ -320,7 +325,9 @@ class Committed:
 
 @dataclass(frozen=True, slots=True)
 class RunRead:
-    """§3.10's read of one run."""
+    """What design/distribution.md §3.10 reads after an unknown commit outcome: the run's state
+    and epoch, whether its lease is live, its head, and whether the checkpoint committed, which
+    is all the decision needs."""
 
     state: RunState
     lease_epoch: int
@@ -333,7 +340,7 @@ class RunRead:
 
 @dataclass(frozen=True, slots=True)
 class StoredCheckpoint:
-    """A `flyd.checkpoints` row and whether its run's head names it (state.md §4.2);
+    """A `flyd.checkpoints` row and whether its run's head names it (design/state.md §4.2);
     `envelope` is None unless the read asked for the bytes."""
 
     run_id: int
@@ -354,7 +361,7 @@ class StoredCheckpoint:
 
 @dataclass(frozen=True, slots=True)
 class Import:
-    """state.md §4.7's import, one transaction: `checkpoint` at lease epoch 0 (node id
+    """design/state.md §4.7's import, one transaction: `checkpoint` at lease epoch 0 (node id
     `import`) on the pending run `run_id`, or on a new run submitted with `submit_key`, `spec`
     and `max_attempts`; the head moves to it and rotation keeps `keep`."""
 
@@ -391,58 +398,65 @@ class Held:
 
 
 class Store(Protocol):
-    """§3 behind one interface; every method is one round trip unless written otherwise."""
+    """design/distribution.md §3 behind one interface; every method is one round trip unless written
+    otherwise."""
 
     async def register_node(self, node: NodeInfo) -> None:
-        """§3.1: insert or re-activate the registry row."""
+        """design/distribution.md §3.1: insert or re-activate the registry row."""
 
     async def set_node_state(self, node_id: str, state: NodeState,
                              reason: str | None = None) -> None:
-        """§3.1 / §5.8: `draining`, or `stopped` (which also sets `held = 0`); `reason` says
-        why a node holds its claims (status only; None clears it)."""
+        """design/distribution.md §3.1 / §5.8: `draining`, or `stopped` (which also sets
+        `held = 0`); `reason` says why a node holds its claims (status only; None clears it)."""
 
     async def submit(self, key: str | None, spec: Mapping[str, Any],
                      max_attempts: int) -> Submitted:
-        """§3.2 (idempotent by key; repeats once when racing an insert of the same key)."""
+        """design/distribution.md §3.2 (idempotent by key; repeats once when racing an insert of the
+        same key)."""
 
     async def claim(self, node_id: str, n: int, ttl_s: float,
                     only: int | None = None, fit: Fit | None = None) -> list[Grant]:
-        """§3.3: up to `n` grants; `only` restricts to one run (exclusive runs); with `fit`,
-        only runs whose need fits its room, together (`flyd.leases.fit`)."""
+        """design/distribution.md §3.3: up to `n` grants; `only` restricts to one run (exclusive
+        runs); with `fit`, only runs whose need fits its room, together (`flyd.leases.fit`)."""
 
     async def renew(self, node_id: str, holds: Sequence[Held], ttl_s: float) -> list[Renewed]:
-        """§3.4: exactly the pairs still held come back."""
+        """design/distribution.md §3.4: exactly the pairs still held come back."""
 
     async def reconnect_heartbeat(self) -> None:
-        """§5.4: re-establish the heartbeat session (closed after an abandoned renewal) now,
-        outside any renewal; a no-op when it is up or the store has no sessions."""
+        """design/distribution.md §5.4: re-establish the heartbeat session (closed after an
+        abandoned renewal) now, outside any renewal; a no-op when it is up or the store has no
+        sessions."""
 
     async def release(self, run_id: int, lease_epoch: int, node_id: str, *, refund: bool,
                       backoff_s: float) -> Released | None:
-        """§3.6: None when the grant was no longer this node's (nothing changed)."""
+        """design/distribution.md §3.6: None when the grant was no longer this node's (nothing
+        changed)."""
 
     async def reap(self, n: int) -> list[Reaped]:
-        """§3.7."""
+        """design/distribution.md §3.7: end the expired runs that have no attempts left or a
+        cancel request, and say which; any node may run it, since it is idempotent."""
 
     async def cancel(self, run_id: int, actor: str) -> Cancelled | None:
-        """§3.8: None when the run is unknown or already terminal."""
+        """design/distribution.md §3.8: None when the run is unknown or already terminal."""
 
     async def own_grants(self, node_id: str) -> list[Held]:
-        """§3.9: runs the store shows `running` for this node."""
+        """design/distribution.md §3.9: runs the store shows `running` for this node."""
 
     async def mark_faults_fired(self, run_id: int, lease_epoch: int, node_id: str,
                                 faults: Sequence[str]) -> tuple[str, ...] | None:
-        """§3.11: the merged set, or None when the grant is not live."""
+        """design/distribution.md §3.11: the merged set, or None when the grant is not live."""
 
     async def commit(self, commit: Commit) -> Committed:
-        """§3.5: one fenced transaction; raises the typed errors of this module."""
+        """design/distribution.md §3.5: one fenced transaction; raises the typed errors of this
+        module."""
 
     async def read_run(self, run_id: int, lease_epoch: int,
                        checkpoint_id: str | None) -> RunRead | None:
-        """§3.10's read (after `end_backend`); None for an unknown run."""
+        """design/distribution.md §3.10's read (after `end_backend`); None for an unknown run."""
 
     async def end_backend(self, backend: Backend) -> None:
-        """§3.10: terminate the server session that ran a commit of unknown outcome."""
+        """design/distribution.md §3.10: terminate the server session that ran a commit of unknown
+        outcome."""
 
     async def read_checkpoints(self, run_id: int, checkpoint_id: str | None, *,
                                with_envelope: bool) -> list[StoredCheckpoint]:
@@ -453,11 +467,11 @@ class Store(Protocol):
         """`run_heads.high_water` of the run (None without a head or without the run)."""
 
     async def import_checkpoint(self, imp: Import) -> int | None:
-        """state.md §4.7: the run the checkpoint now heads; None when `imp.submit_key` is
+        """design/state.md §4.7: the run the checkpoint now heads; None when `imp.submit_key` is
         already used. A run that has been granted is `Fenced`."""
 
     async def requeue(self, run_id: int, actor: str) -> bool:
         """Operator requeue of a `failed` run (logged intervention)."""
 
     async def prune_nodes(self) -> int:
-        """Delete registry rows silent for a day (§3.1)."""
+        """Delete registry rows silent for a day (design/distribution.md §3.1)."""

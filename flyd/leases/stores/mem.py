@@ -1,8 +1,9 @@
-"""`MemStore`: the `Store` contract in memory, at virtual instants (distribution.md §7.2).
+"""`MemStore`: the `Store` contract in memory, at virtual instants (design/distribution.md §7.2).
 
 Why: tier 1 runs the production node runtime against this store on a virtual-time loop; it must
-give the results and typed errors `PgStore` gives for the SQL of §2–§3, at the instants `now()`
-returns (sim seconds). `tests/distribution/test_contract.py` holds both to the same behaviour.
+give the results and typed errors `PgStore` gives for the SQL of design/distribution.md §2–§3, at
+the instants `now()` returns (sim seconds). `tests/distribution/test_contract.py` holds both to the
+same behaviour.
 
 Rules reproduced from the migrations and statements:
 - Tables `runs`, `run_attempts`, `nodes`, `checkpoints`, `run_heads`, `effects`, `interventions`
@@ -12,15 +13,15 @@ Rules reproduced from the migrations and statements:
   `epoch_base + t` (UTC); `not_before = '-infinity'` is reported as `datetime.min` (UTC).
 - `run_id` and `intervention_id` come from identity counters; like PostgreSQL's
   `INSERT ... ON CONFLICT DO NOTHING`, every submit draws a run id even when the key exists.
-- A group commit (§3.5) runs in two steps. `open_commit` runs the statements at the current
-  instant, in the order of §3.5: `assert_fence` (except for a finish-only commit, which is
-  `finish_run` alone: it fences itself and answers `'already'` to a retry, §3.5, §8 test 32),
-  checkpoint insert, effect inserts, head move (a lower boundary raises
-  `HeadRegression`), rotation keeping the newest `keep`, `finish_run`. `OpenCommit.commit()`
-  repeats the fence at the instant of COMMIT for every written row (the deferred triggers), where
-  a terminal run passes only if this very commit finished it at that epoch (the `flyd.finished`
-  marker), then applies everything atomically (rotation never selects the new head, so the
-  head's deferred foreign key cannot fail here).
+- A group commit (design/distribution.md §3.5) runs in two steps. `open_commit` runs the statements
+  at the current instant, in the order of design/distribution.md §3.5: `assert_fence` (except for a
+  finish-only commit, which is `finish_run` alone: it fences itself and answers `'already'` to a
+  retry, design/distribution.md §3.5, §8 test 32), checkpoint insert, effect inserts, head move (a
+  lower boundary raises `HeadRegression`), rotation keeping the newest `keep`, `finish_run`.
+  `OpenCommit.commit()` repeats the fence at the instant of COMMIT for every written row (the
+  deferred triggers), where a terminal run passes only if this very commit finished it at that epoch
+  (the `flyd.finished` marker), then applies everything atomically (rotation never selects the new
+  head, so the head's deferred foreign key cannot fail here).
 - Locks: an open commit that passed the fence holds the run's key-share lock, so claim and reap
   skip that run (SKIP LOCKED) while renew, release, cancel and the fault mark proceed. An open
   commit that ran `finish_run` also holds the row's no-key-update lock: a statement that would
@@ -33,14 +34,14 @@ Rules reproduced from the migrations and statements:
 - Raw writes outside the protocol are no part of the store: the tests of the triggers write
   through a test double (tests/admin_store.py) that keeps LF003 and LF004 as the triggers do.
 - A submit whose key holds another spec raises `SpecMismatch`. An effect key already stored
-  (or repeated in the commit) is classified as §6.4 reads the stored rows: the first key with
-  another digest is a `ConflictingEffect`, else the first a `DuplicateEffect`, naming the
-  stored row's epoch and digest.
-- The reap (§3.7 as `PgStore` sends it) also ends a running submitter-exclusive run whose lease
-  expired while its owner (the submitter's node) has no registry row, is `stopped`, or has not
-  beaten for `node_stale_after_s` (a constructor argument, default `LeaseParams`'): `failed`,
-  `{error: "submitter gone"}`, unless a cancel was asked (`cancelled`) or its attempts were
-  exhausted (that outcome).
+  (or repeated in the commit) is classified as design/distribution.md §6.4 reads the stored rows:
+  the first key with another digest is a `ConflictingEffect`, else the first a `DuplicateEffect`,
+  naming the stored row's epoch and digest.
+- The reap (design/distribution.md §3.7 as `PgStore` sends it) also ends a running
+  submitter-exclusive run whose lease expired while its owner (the submitter's node) has no registry
+  row, is `stopped`, or has not beaten for `node_stale_after_s` (a constructor argument, default
+  `LeaseParams`'): `failed`, `{error: "submitter gone"}`, unless a cancel was asked (`cancelled`) or
+  its attempts were exhausted (that outcome).
 - A statement PostgreSQL would refuse for another reason (a CHECK constraint, a duplicate
   checkpoint id) raises `Transient`: a server error, nothing committed.
 """
@@ -240,7 +241,8 @@ class OpenCommit:
 
 
 class MemStore:
-    """The §3 statements over in-memory tables at the instants `now()` returns."""
+    """The design/distribution.md §3 statements over in-memory tables at the instants `now()`
+    returns."""
 
     def __init__(self, now: Callable[[], float], *, idle_in_transaction_timeout_s: float = 1.5,
                  epoch_base: datetime = DEFAULT_EPOCH_BASE,
@@ -306,7 +308,7 @@ class MemStore:
         return r.lease_expires_at is not None and r.lease_expires_at > now
 
     # ----------------------------------------------------------------------------------------
-    # §3.1 registry
+    # design/distribution.md §3.1 registry
 
     async def register_node(self, node: NodeInfo) -> None:
         now = self._tick()
@@ -339,7 +341,7 @@ class MemStore:
         return len(gone)
 
     # ----------------------------------------------------------------------------------------
-    # §3.2 submit
+    # design/distribution.md §3.2 submit
 
     async def submit(self, key: str | None, spec: Mapping[str, Any],
                      max_attempts: int) -> Submitted:
@@ -362,7 +364,8 @@ class MemStore:
         return Submitted(run_id=run_id, created=True, same_spec=True)
 
     # ----------------------------------------------------------------------------------------
-    # §3.3 claim, §3.4 renew, §3.6 release, §3.7 reap, §3.8 cancel, §3.9 sweep, §3.11 faults
+    # design/distribution.md §3.3 claim, §3.4 renew, §3.6 release, §3.7 reap, §3.8 cancel, §3.9
+    # sweep, §3.11 faults
 
     @staticmethod
     def _exclusive(spec: Any) -> bool:
@@ -549,7 +552,7 @@ class MemStore:
         return tuple(r.faults_fired)
 
     # ----------------------------------------------------------------------------------------
-    # §3.5 group commit
+    # design/distribution.md §3.5 group commit
 
     def _fence_ok(self, run_id: int, epoch: int) -> bool:
         """`flyd.assert_fence` without the finish marker (a missing run counts as fenced)."""
@@ -568,7 +571,8 @@ class MemStore:
         return f"fenced: run {run_id} epoch {epoch} (live epoch {live}, state {state})"
 
     def open_commit(self, commit: Commit) -> OpenCommit:
-        """Run the statements of §3.5 now; COMMIT is `await handle.commit()`."""
+        """Run the statements of design/distribution.md §3.5 now; COMMIT is
+        `await handle.commit()`."""
         now = self._tick()
         plan = self._statements(commit, now)
         backend = Backend(pid=next(self._pids), backend_start=self.dt(now))
@@ -612,9 +616,9 @@ class MemStore:
         return plan
 
     def _check_effect_keys(self, c: Commit) -> None:
-        """23505 on `effects_pkey`, classified as §6.4 reads the stored rows: among the
-        commit's keys already recorded (or repeated inside it), the first with another digest
-        is a conflict, else the first is a duplicate; the error names the stored row."""
+        """23505 on `effects_pkey`, classified as design/distribution.md §6.4 reads the stored rows:
+        among the commit's keys already recorded (or repeated inside it), the first with another
+        digest is a conflict, else the first is a duplicate; the error names the stored row."""
         seen: dict[str, bytes] = {}
         clashes: list[tuple[str, int, bytes, bool]] = []
         for e in c.effects:
@@ -721,7 +725,7 @@ class MemStore:
                 a.end_reason = "finished"
 
     # ----------------------------------------------------------------------------------------
-    # §3.10 unknown outcomes
+    # design/distribution.md §3.10 unknown outcomes
 
     async def read_run(self, run_id: int, lease_epoch: int,
                        checkpoint_id: str | None) -> RunRead | None:
@@ -743,7 +747,7 @@ class MemStore:
             self._end(h, "terminated")
 
     # ----------------------------------------------------------------------------------------
-    # checkpoint reads and import (state.md §4.2, §4.7)
+    # checkpoint reads and import (design/state.md §4.2, §4.7)
 
     async def read_checkpoints(self, run_id: int, checkpoint_id: str | None, *,
                                with_envelope: bool) -> list[StoredCheckpoint]:

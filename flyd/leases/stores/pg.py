@@ -1,18 +1,19 @@
-"""`PgStore`: the statements of distribution.md §3 on PostgreSQL (psycopg 3 async, psycopg_pool).
+"""`PgStore`: the statements of design/distribution.md §3 on PostgreSQL (psycopg 3 async,
+psycopg_pool).
 
 Rules:
-- The SQL is §3's, verbatim, except the `picked` step of the claim (3.3), which finds the same
-  rows in the same order with the same locks without walking held runs (docs/leases.md, "Claim
-  order"; migration 0004 adds its index), and the reap (3.7), which also ends a
-  submitter-exclusive run whose submitter's node is gone (docs/leases.md, "Reap"); every
+- The SQL is design/distribution.md §3's, verbatim, except the `picked` step of the claim (3.3),
+  which finds the same rows in the same order with the same locks without walking held runs
+  (docs/leases.md, "Claim order"; migration 0004 adds its index), and the reap (3.7), which also
+  ends a submitter-exclusive run whose submitter's node is gone (docs/leases.md, "Reap"); every
   method is one round trip (the group commit is one pipeline), READ COMMITTED, autocommit
   unless written as a transaction.
-- Connections (§5.3): a work pool (`:work`), a dedicated heartbeat connection (`:heartbeat`,
-  statement timeout R) for renew and node registration, closed after any failure and
+- Connections (design/distribution.md §5.3): a work pool (`:work`), a dedicated heartbeat connection
+  (`:heartbeat`, statement timeout R) for renew and node registration, closed after any failure and
   reconnected by `reconnect_heartbeat()` (the node calls it right after an abandoned renewal)
   or, failing that, lazily by the next call, and a dedicated listener connection (`:listen`)
   per `listen()` iterator. Each work connection records its `Backend` (pid, backend_start)
-  when it opens, so an unknown commit names the session to end (§3.10).
+  when it opens, so an unknown commit names the session to end (design/distribution.md §3.10).
 - A work call first takes a live session: a pooled one that answers an empty statement. A dead
   one (a PostgreSQL blip ended it) is closed and handed back, the pool opens a replacement at
   once, and the next is tried. Taking a session is bounded by half of C (never more than the
@@ -26,8 +27,8 @@ Rules:
   the holds pass safe_until.
 - Errors are classified by `sqlstate`, never by message text: LF001..LF004 map to their typed
   errors; 23505 on `effects_pkey` is classified by reading the existing rows in a new call
-  after the failed transaction was rolled back (§6.4); any other server error with the
-  session still up is `Transient` (not committed, for certain, COMMIT included). A lost
+  after the failed transaction was rolled back (design/distribution.md §6.4); any other server error
+  with the session still up is `Transient` (not committed, for certain, COMMIT included). A lost
   session (class 08, 57P01..57P03, a broken socket) or a call that overran its client bound
   is `Transient` if the writing statement (the COMMIT of a transaction, the statement itself
   in autocommit) was not yet sent, else `UnknownOutcome` carrying the backend; reads are
@@ -43,11 +44,11 @@ Decisions where the spec is silent:
 - Client bounds: every work call is bounded by C (`commit_timeout_s`), renew and node
   registration by R including a lazy reconnect, `reconnect_heartbeat()` by R on its own, the
   pool wait included; all divided by
-  `time_scale` like the server-side timeouts (§4.2), floor 50 ms.
-- Scaling (§4.2): the scaled durations are S (or R for the heartbeat session), I, the lock
-  timeout, `tcp_user_timeout` (both sides), the keepalive idle/interval times (both sides)
-  and `client_connection_check_interval`. Millisecond settings are divided and floored at
-  50 ms; second settings (libpq and `tcp_keepalives_*` are whole seconds) are divided and
+  `time_scale` like the server-side timeouts (design/distribution.md §4.2), floor 50 ms.
+- Scaling (design/distribution.md §4.2): the scaled durations are S (or R for the heartbeat
+  session), I, the lock timeout, `tcp_user_timeout` (both sides), the keepalive idle/interval times
+  (both sides) and `client_connection_check_interval`. Millisecond settings are divided and floored
+  at 50 ms; second settings (libpq and `tcp_keepalives_*` are whole seconds) are divided and
   rounded up, at least 1 s. A value of 0 ("off"/"system default") stays 0. With
   `time_scale == 1` every value is sent as configured.
 - `DbSettings` is `[database]` less `dsn`, built by the configuration (`flyd.config`, which
@@ -57,11 +58,11 @@ Decisions where the spec is silent:
   repeated inside one commit is classified against its earlier copy in that commit.
 - `listen()` probes its connection (bound R) after each quiet period of `claim_poll_s`, so a
   dead listener ends the iterator (`Transient`) rather than waiting forever; losing it only
-  slows wake-ups (§5.3). The probe reads when another node's reclaimable lease expires next
-  (database time, divided by `time_scale`); when that is within `claim_poll_s`, the listener
-  waits exactly that long (plus 10 ms) and yields that run id, so the claimer tries the reclaim
-  at the expiry instead of up to one poll period later. The wake-up only triggers a claim, which
-  decides expiry in SQL as always (R1): a lease renewed meanwhile is simply not granted.
+  slows wake-ups (design/distribution.md §5.3). The probe reads when another node's reclaimable
+  lease expires next (database time, divided by `time_scale`); when that is within `claim_poll_s`,
+  the listener waits exactly that long (plus 10 ms) and yields that run id, so the claimer tries the
+  reclaim at the expiry instead of up to one poll period later. The wake-up only triggers a claim,
+  which decides expiry in SQL as always (R1): a lease renewed meanwhile is simply not granted.
 - The heartbeat session never prepares its statements (`prepare_threshold=None`): psycopg
   would prepare renew on its sixth run, and preparing is a round trip of its own (Parse, wait,
   then Bind/Execute), so that one renewal would need two round trips inside R. A renew costs
@@ -73,10 +74,10 @@ Decisions where the spec is silent:
   with it. Those few extra round trips are small beside the transfer of such an envelope.
 - A commit carrying only `finish_run` (no effects, no checkpoint) skips `assert_fence`:
   `finish_run` fences itself and answers `'already'` for a run already terminal in that state
-  at that epoch (§3.5), which a fenced transaction could never report.
+  at that epoch (design/distribution.md §3.5), which a fenced transaction could never report.
 - Operator requeue records `{"fromState": "failed", "leaseEpoch": e}` as its detail.
 
-Checkpoint reads (state.md §4.2) and reads that outlive their connection:
+Checkpoint reads (design/state.md §4.2) and reads that outlive their connection:
 - `read_checkpoints` and `read_head` run on a session of their own, `:checkpoints`, opened
   lazily (the raw DSN with that application name, as an operator and the blip tests see it),
   through a `ReadConnection` bounded by `CHECKPOINT_READ_S`: a PostgreSQL blip (a server
@@ -177,7 +178,8 @@ log = structlog.get_logger("flyd.leases.stores.pg")
 
 @dataclass(frozen=True, slots=True)
 class DbSettings:
-    """`[database]` of cli.md §2.3 (except `dsn`), plus the harness's `time_scale` (§4.2)."""
+    """`[database]` of design/cli.md §2.3 (except `dsn`), plus the harness's `time_scale`
+    (design/distribution.md §4.2)."""
 
     statement_timeout_ms: int = 2000
     idle_in_transaction_timeout_ms: int = 1500
@@ -202,7 +204,8 @@ class DbSettings:
 
 
 def _scaled_ms(ms: float, scale: float) -> int:
-    """§4.2: a millisecond duration enforced outside flyd's clock; 0 (off) stays 0."""
+    """design/distribution.md §4.2: a millisecond duration enforced outside flyd's clock; 0 (off)
+    stays 0."""
     if ms == 0 or scale == 1:
         return round(ms)
     return max(SCALE_FLOOR_MS, round(ms / scale))
@@ -217,8 +220,9 @@ def _scaled_s(s: int, scale: float) -> int:
 
 def conninfo(dsn: str, node_id: str, role: Role, settings: DbSettings,
              statement_timeout_ms: float | None = None) -> str:
-    """§5.3 conninfo for one session: application name, read-write target, the client
-    keepalive settings and `options` carrying the server settings of §4.2.
+    """design/distribution.md §5.3 conninfo for one session: application name, read-write target,
+    the client keepalive settings and `options` carrying the server settings of
+    design/distribution.md §4.2.
 
     `statement_timeout_ms` overrides S (the heartbeat session passes R). Options already in
     `dsn` are kept, ahead of ours."""
@@ -320,7 +324,8 @@ class ClosingConnection(psycopg.AsyncConnection[TupleRow]):
 
 
 async def _record_backend(conn: ClosingConnection) -> None:
-    """Pool `configure`: pid and backend_start of the session (§3.10 guards pid reuse)."""
+    """Pool `configure`: pid and backend_start of the session (design/distribution.md §3.10 guards
+    pid reuse)."""
     cur = await conn.execute(
         "SELECT pid, backend_start FROM pg_stat_activity WHERE pid = pg_backend_pid()")
     row = await cur.fetchone()
@@ -385,7 +390,7 @@ def _bound_s(seconds: float, scale: float) -> float:
 
 
 # --------------------------------------------------------------------------------------------
-# SQL of §3 (verbatim)
+# SQL of design/distribution.md §3 (verbatim)
 
 REGISTER_NODE: Final = """
 INSERT INTO flyd.nodes (node_id, node_name, host, pid, version, capacity)
@@ -414,16 +419,16 @@ SELECT run_id, false, spec = %(spec)s FROM flyd.runs
  WHERE submit_key = %(key)s AND NOT EXISTS (SELECT 1 FROM ins);
 """
 
-# §3.3 with its `picked` rewritten (docs/leases.md, "Claim order"): the same rows, locked the
-# same way and in the same order, found without visiting held runs. `candidate` yields the
-# claimable run ids of the statement's snapshot in ascending order, one index probe each
+# design/distribution.md §3.3 with its `picked` rewritten (docs/leases.md, "Claim order"): the same
+# rows, locked the same way and in the same order, found without visiting held runs. `candidate`
+# yields the claimable run ids of the statement's snapshot in ascending order, one index probe each
 # (`runs_claim_order` for pending runs, the few expired ones from `runs_leased`), and is read
-# lazily; each candidate is re-checked against §3.3's predicate and locked with FOR UPDATE SKIP
-# LOCKED in the lateral subquery, and LIMIT stops the walk after n locked rows. No ORDER BY on
-# `picked`: an explicit sort would lock every candidate before limiting. The re-check also
-# requires `attempt < max_attempts` of a pending run (docs/leases.md, "Attempts"): a run is never
-# granted beyond its own budget, whatever handed it back. The claim returns `max_attempts` too,
-# so the node compares with the run's budget, not its own `[leases] max_attempts`.
+# lazily; each candidate is re-checked against design/distribution.md §3.3's predicate and locked
+# with FOR UPDATE SKIP LOCKED in the lateral subquery, and LIMIT stops the walk after n locked rows.
+# No ORDER BY on `picked`: an explicit sort would lock every candidate before limiting. The re-check
+# also requires `attempt < max_attempts` of a pending run (docs/leases.md, "Attempts"): a run is
+# never granted beyond its own budget, whatever handed it back. The claim returns `max_attempts`
+# too, so the node compares with the run's budget, not its own `[leases] max_attempts`.
 CLAIM: Final = """
 WITH RECURSIVE expired AS MATERIALIZED (
   SELECT coalesce(array_agg(run_id ORDER BY run_id), '{}') AS ids
@@ -512,14 +517,14 @@ INSERT INTO flyd.checkpoints (run_id, checkpoint_id, lease_epoch, node_id, sessi
                               byte_length, envelope)
 VALUES (%(run)s, %(ckpt)s, %(epoch)s, %(node)s, %(session_id)s, %(session_epoch)s,
         %(episode_id)s, %(boundary)s, %(compat)s, %(env_digest)s, %(byte_length)s, %(envelope)s);
-"""  # noqa: E501 (verbatim §3)
+"""  # noqa: E501 (verbatim design/distribution.md §3)
 
-# §3.5's effect insert with the payloads as one JSON array (`payload_document`) instead of a
-# `jsonb[]` (module decisions, "Large group commits"): the same rows, in one statement. The
-# four arrays go in binary format (`%(…)b`): the text format quotes every element through a
-# regular expression, several times the cost of the binary dump. The results ride along as a
-# second JSON array (`result_document`, JSON null → SQL NULL), so the export's lines are written
-# by the very statement that writes their ledger rows.
+# design/distribution.md §3.5's effect insert with the payloads as one JSON array
+# (`payload_document`) instead of a `jsonb[]` (module decisions, "Large group commits"): the same
+# rows, in one statement. The four arrays go in binary format (`%(…)b`): the text format quotes
+# every element through a regular expression, several times the cost of the binary dump. The results
+# ride along as a second JSON array (`result_document`, JSON null → SQL NULL), so the export's lines
+# are written by the very statement that writes their ledger rows.
 INSERT_EFFECTS: Final = """
 INSERT INTO flyd.effects (run_id, effect_key, lease_epoch, node_id, session_epoch, boundary,
                           checkpoint_id, payload, payload_digest, result)
@@ -570,9 +575,10 @@ UPDATE flyd.run_attempts a
 RETURNING a.run_id, a.lease_epoch;
 """
 
-# §3.7 with one more case (docs/leases.md, "Reap"): a submitter-exclusive run whose lease
-# expired while its submitter's node is gone (no registry row, `stopped`, or no heartbeat for
-# `stale` seconds) can be taken by no node, so it is failed `{error: "submitter gone"}`.
+# design/distribution.md §3.7 with one more case (docs/leases.md, "Reap"): a submitter-exclusive run
+# whose lease expired while its submitter's node is gone (no registry row, `stopped`, or no
+# heartbeat for `stale` seconds) can be taken by no node, so it is failed
+# `{error: "submitter gone"}`.
 REAP: Final = """
 WITH picked AS MATERIALIZED (
   SELECT run_id, lease_expires_at AS prev_expiry, cancel_requested AS cancelled,
@@ -637,9 +643,10 @@ SELECT r.state, r.lease_epoch, r.owner_node,
                   AND c.checkpoint_id = %(ckpt)s AND c.lease_epoch = %(epoch)s) AS checkpoint_committed
   FROM flyd.runs r JOIN flyd.run_heads h USING (run_id)
  WHERE r.run_id = %(run)s;
-"""  # noqa: E501 (verbatim §3)
+"""  # noqa: E501 (verbatim design/distribution.md §3)
 
-# state.md §4.2's checkpoint reads and §4.7's import (not §3's)
+# the checkpoint reads and the import of design/state.md §4.2 and §4.7 (no statement of
+# design/distribution.md §3)
 CHECKPOINT_ROWS: Final = """
 SELECT c.run_id, c.checkpoint_id, c.lease_epoch, c.node_id, c.session_id, c.session_epoch,
        c.episode_id, c.boundary, c.compatibility_digest, c.envelope_digest, c.byte_length,
@@ -680,8 +687,9 @@ INSERT INTO flyd.interventions (actor, kind, run_id, detail)
 VALUES (%(actor)s, 'requeue', %(run)s, %(detail)s)
 """
 
-# Not §3: the listener's probe. The reclaimable lease of another node that expires next, and
-# how long until then in database time; its holder renews it long before unless it is gone.
+# Not design/distribution.md §3: the listener's probe. The reclaimable lease of another node that
+# expires next, and how long until then in database time; its holder renews it long before unless it
+# is gone.
 NEXT_EXPIRY: Final = """
 SELECT run_id, extract(epoch FROM lease_expires_at - flyd.app_now())::float8
   FROM flyd.runs
@@ -699,7 +707,7 @@ DELETE FROM flyd.nodes WHERE heartbeat_at < flyd.app_now() - interval '1 day'
 
 
 class PgStore:
-    """The `Store` protocol on PostgreSQL (§3, §5.3, §5.6)."""
+    """The `Store` protocol on PostgreSQL (design/distribution.md §3, §5.3, §5.6)."""
 
     def __init__(self, dsn: str, node_id: str, settings: DbSettings, params: LeaseParams,
                  capacity: int = 1) -> None:
@@ -873,8 +881,9 @@ class PgStore:
         return conn
 
     async def reconnect_heartbeat(self) -> None:
-        """Connect the heartbeat session now if it is down, bounded by R on its own (§5.4):
-        under latency near R a reconnect and a statement do not both fit in one renewal's R."""
+        """Connect the heartbeat session now if it is down, bounded by R on its own
+        (design/distribution.md §5.4): under latency near R a reconnect and a statement do not both
+        fit in one renewal's R."""
         try:
             async with asyncio.timeout(self._renew_s):
                 async with self._heartbeat_lock:
@@ -882,7 +891,7 @@ class PgStore:
         except (psycopg.Error, TimeoutError, OSError) as exc:
             raise classify(exc, sent=False, backend=None, what="heartbeat reconnect") from exc
 
-    # -- §3.1 ------------------------------------------------------------------------------
+    # -- design/distribution.md §3.1 ---------------------------------------------------------------
     async def register_node(self, node: NodeInfo) -> None:
         await self._heartbeat_call("register node", REGISTER_NODE, {
             "node": node.node_id, "name": node.node_name, "host": node.host, "pid": node.pid,
@@ -899,7 +908,7 @@ class PgStore:
             return cur.rowcount
         return await self._call("prune nodes", op)
 
-    # -- §3.2 ------------------------------------------------------------------------------
+    # -- design/distribution.md §3.2 ---------------------------------------------------------------
     async def submit(self, key: str | None, spec: Mapping[str, Any],
                      max_attempts: int) -> Submitted:
         params = {"key": key, "spec": Jsonb(dict(spec)), "max_attempts": max_attempts}
@@ -912,7 +921,7 @@ class PgStore:
                 return Submitted(run_id=int(run_id), created=bool(created), same_spec=True)
         raise Transient(f"submit key {key!r}: no row after one repeat")
 
-    # -- §3.3 ------------------------------------------------------------------------------
+    # -- design/distribution.md §3.3 ---------------------------------------------------------------
     async def claim(self, node_id: str, n: int, ttl_s: float,
                     only: int | None = None, fit: Fit | None = None) -> list[Grant]:
         rows = await self._fetchall("claim", CLAIM, {
@@ -925,7 +934,7 @@ class PgStore:
                       max_attempts=int(r[9]))
                 for r in rows]
 
-    # -- §3.4 ------------------------------------------------------------------------------
+    # -- design/distribution.md §3.4 ---------------------------------------------------------------
     async def renew(self, node_id: str, holds: Sequence[Held], ttl_s: float) -> list[Renewed]:
         rows = await self._heartbeat_call("renew", RENEW, {
             "node": node_id, "ttl": float(ttl_s),
@@ -933,7 +942,7 @@ class PgStore:
         return [Renewed(run_id=int(r[0]), lease_epoch=int(r[1]), lease_expires_at=r[2],
                         cancel_requested=bool(r[3])) for r in rows]
 
-    # -- §3.5 ------------------------------------------------------------------------------
+    # -- design/distribution.md §3.5 ---------------------------------------------------------------
     async def commit(self, commit: CommitRequest) -> Committed:
         """One pipeline (statement by statement past `PIPELINE_MAX_BYTES` of parameters):
         BEGIN, fence, [checkpoint], [effects], [head + rotation], [finish], COMMIT. `sent`
@@ -1011,8 +1020,8 @@ class PgStore:
         return Committed(finished=finished, backend=backend)
 
     async def _effect_clash(self, c: CommitRequest, exc: psycopg.Error) -> StoreError:
-        """§6.4: read the stored rows of the commit's keys once the failed transaction is gone
-        (rolled back; the read is a new call, on any pooled session)."""
+        """design/distribution.md §6.4: read the stored rows of the commit's keys once the failed
+        transaction is gone (rolled back; the read is a new call, on any pooled session)."""
         keys = [e.key for e in c.effects]
         rows = await self._fetchall("read existing effects", EXISTING_EFFECTS,
                                     {"run": c.run_id, "keys": keys}, writes=False)
@@ -1033,7 +1042,7 @@ class PgStore:
         return cls(key, epoch, digest, f"run {c.run_id} effect {key!r} already recorded at "
                    f"epoch {epoch} with {'the same' if same else 'another'} digest")
 
-    # -- §3.6 ------------------------------------------------------------------------------
+    # -- design/distribution.md §3.6 ---------------------------------------------------------------
     async def release(self, run_id: int, lease_epoch: int, node_id: str, *, refund: bool,
                       backoff_s: float) -> Released | None:
         rows = await self._fetchall("release", RELEASE, {
@@ -1041,26 +1050,26 @@ class PgStore:
             "backoff": float(backoff_s)})
         return Released(run_id=int(rows[0][0]), lease_epoch=int(rows[0][1])) if rows else None
 
-    # -- §3.7 ------------------------------------------------------------------------------
+    # -- design/distribution.md §3.7 ---------------------------------------------------------------
     async def reap(self, n: int) -> list[Reaped]:
         rows = await self._fetchall("reap", REAP, {
             "n": n, "stale": float(self._params.node_stale_after_s)})
         return [Reaped(run_id=int(r[0]), lease_epoch=int(r[1]),
                        state=cast(TerminalState, str(r[2]))) for r in rows]
 
-    # -- §3.8 ------------------------------------------------------------------------------
+    # -- design/distribution.md §3.8 ---------------------------------------------------------------
     async def cancel(self, run_id: int, actor: str) -> Cancelled | None:
         rows = await self._fetchall("cancel", CANCEL, {"run": run_id, "actor": actor})
         if not rows:
             return None
         return Cancelled(run_id=int(rows[0][0]), state=cast(RunState, str(rows[0][1])))
 
-    # -- §3.9 ------------------------------------------------------------------------------
+    # -- design/distribution.md §3.9 ---------------------------------------------------------------
     async def own_grants(self, node_id: str) -> list[Held]:
         rows = await self._fetchall("own grants", OWN_GRANTS, {"node": node_id}, writes=False)
         return [Held(run_id=int(r[0]), lease_epoch=int(r[1])) for r in rows]
 
-    # -- §3.10 -----------------------------------------------------------------------------
+    # -- design/distribution.md §3.10 --------------------------------------------------------------
     async def end_backend(self, backend: Backend) -> None:
         wait_ms = max(SCALE_FLOOR_MS, round(self._call_s * 1000 / 2))
         await self._fetchall("end backend", END_BACKEND, {
@@ -1078,7 +1087,7 @@ class PgStore:
                        live=bool(r[3]), high_water=r[4], boundary=int(r[5]),
                        checkpoint_committed=bool(r[6]))
 
-    # -- checkpoints (state.md §4.2, §4.7) ---------------------------------------------------
+    # -- checkpoints (design/state.md §4.2, §4.7) ------------------------------------------
     async def _checkpoint_read(self, what: str, query: str, params: Mapping[str, Any], *,
                                binary: bool = False) -> list[TupleRow]:
         """A read on the `:checkpoints` session, repeated while the session is lost (module
@@ -1142,7 +1151,7 @@ class PgStore:
         return await self._call("import", op, allowance_s=_bound_s(allowance, scale)
                                 if allowance > 0 else 0.0)
 
-    # -- §3.11 -----------------------------------------------------------------------------
+    # -- design/distribution.md §3.11 --------------------------------------------------------------
     async def mark_faults_fired(self, run_id: int, lease_epoch: int, node_id: str,
                                 faults: Sequence[str]) -> tuple[str, ...] | None:
         rows = await self._fetchall("mark faults fired", MARK_FAULTS, {
@@ -1168,8 +1177,8 @@ class PgStore:
 
     # -- LISTEN ----------------------------------------------------------------------------
     async def listen(self) -> AsyncGenerator[int, None]:
-        """Run ids from `flyd_claimable` notifications (§2.4) on a dedicated `:listen`
-        session, and the run id of another node's lease at the instant it expires (expiry
+        """Run ids from `flyd_claimable` notifications (design/distribution.md §2.4) on a dedicated
+        `:listen` session, and the run id of another node's lease at the instant it expires (expiry
         sends no notification); ends with `Transient` when the session is lost. Close it with
         `aclose()` (or `contextlib.aclosing`) to release the session."""
         info = conninfo(self._dsn, self._node_id, "listen", self._settings)
