@@ -23,6 +23,7 @@
   node is assembled, and those are handed down.
 - Every `§` reference in the code names a document under docs/ and a section heading it has
   (docs/design/README.md), and no docstring is only a reference.
+- Sizes: every class in bus/ within 650 lines and 35 methods, coordinator.py within 700 lines.
 """
 
 from __future__ import annotations
@@ -627,3 +628,35 @@ def test_the_reference_check_sees_bare_and_dangling_references(tmp_path: Path) -
     wire = doc_sections("design/wire.md")
     assert wire is not None and "14.1" in wire and "99" not in wire
     assert doc_sections("design/nowhere.md") is None
+
+
+# --------------------------------------------------------------------------------------------
+# sizes
+
+#: a class of the bus a reader takes in at one sitting (trio's largest is ~530 lines)
+BUS_CLASS_MAX_LINES: Final = 650
+BUS_CLASS_MAX_METHODS: Final = 35
+#: the coordinator reads in one sitting; its parts with rules of their own are modules of theirs
+COORDINATOR_MAX_LINES: Final = 700
+
+
+def test_bus_classes_and_the_coordinator_stay_readable() -> None:
+    """Every class in bus/ stays within 650 lines and 35 methods, and coordinator.py within 700
+    lines: past them, a part with its own concern is hiding inside (docs/layout.md)."""
+    over = []
+    for path in sorted((ROOT / "bus").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if not isinstance(node, ast.ClassDef):
+                continue
+            lines = (node.end_lineno or node.lineno) - node.lineno + 1
+            methods = sum(isinstance(x, ast.FunctionDef | ast.AsyncFunctionDef)
+                          for x in node.body)
+            if lines > BUS_CLASS_MAX_LINES or methods > BUS_CLASS_MAX_METHODS:
+                over.append(f"{path.relative_to(ROOT)}:{node.name} {lines} lines, "
+                            f"{methods} methods")
+    coordinator = ROOT / "flyd" / "session" / "coordinator.py"
+    length = len(coordinator.read_text(encoding="utf-8").splitlines())
+    if length > COORDINATOR_MAX_LINES:
+        over.append(f"flyd/session/coordinator.py {length} lines")
+    assert not over, (f"over {BUS_CLASS_MAX_LINES} lines or {BUS_CLASS_MAX_METHODS} methods "
+                      f"(coordinator.py: {COORDINATOR_MAX_LINES} lines):\n" + "\n".join(over))
