@@ -275,8 +275,10 @@ def _freeze(x: Any) -> Any:
     return ("?", repr(x))
 
 
-def _ecma_pattern(pattern: str) -> re.Pattern[str]:
-    """Compile an ECMA-262 style pattern: an unescaped `$` outside a class becomes `\\Z`."""
+def ecma_source(pattern: str) -> str:
+    """An ECMA-262 style pattern as Python's `re` reads it: every unescaped `$` outside a class
+    becomes `\\Z` (ECMA's `$` never matches before a final newline), classes ASCII (`(?a)`).
+    The one translation: every checker of these schemas compiles its patterns through it."""
     out: list[str] = []
     in_class = False
     i = 0
@@ -287,16 +289,20 @@ def _ecma_pattern(pattern: str) -> re.Pattern[str]:
             i += 2
             continue
         if in_class:
-            if ch == "]":
-                in_class = False
+            in_class = ch != "]"
         elif ch == "[":
             in_class = True
         elif ch == "$":
             ch = r"\Z"
         out.append(ch)
         i += 1
+    return "(?a)" + "".join(out)
+
+
+def _ecma_pattern(pattern: str) -> re.Pattern[str]:
+    """Compile an ECMA-262 style pattern (`ecma_source`)."""
     try:
-        return re.compile("".join(out), re.ASCII)
+        return re.compile(ecma_source(pattern))
     except re.error as exc:
         raise SchemaError(f"invalid pattern {pattern!r}: {exc}") from None
 

@@ -45,7 +45,7 @@ from typing import Annotated, Any, Final, Literal, Union
 import msgspec
 import orjson
 
-from bus.schema import SchemaError, Validator, compile_schema
+from bus.schema import SchemaError, Validator, compile_schema, ecma_source
 from workers.types.contract import METHOD_SCHEMAS
 from workers.types.domain import Scope
 from workers.types.rpc import (
@@ -83,29 +83,6 @@ _Variants = tuple[tuple[tuple[frozenset[str], frozenset[str]], ...], bool]
 
 class _Unsupported(Exception):
     """A subschema msgspec cannot state exactly: it is checked by the compiled validator."""
-
-
-def _ecma(pattern: str) -> str:
-    """The pattern with every unescaped `$` outside a class as `\\Z` (ASCII classes, as
-    `bus.schema` compiles it)."""
-    out: list[str] = []
-    in_class = False
-    i = 0
-    while i < len(pattern):
-        ch = pattern[i]
-        if ch == "\\":
-            out.append(pattern[i : i + 2])
-            i += 2
-            continue
-        if in_class:
-            in_class = ch != "]"
-        elif ch == "[":
-            in_class = True
-        elif ch == "$":
-            ch = r"\Z"
-        out.append(ch)
-        i += 1
-    return "(?a)" + "".join(out)
 
 
 class _Generator:
@@ -213,7 +190,7 @@ class _Generator:
         if kind == "null":
             return None, "null"
         if kind == "string":
-            meta = {"pattern": _ecma(schema["pattern"]) if "pattern" in schema else None,
+            meta = {"pattern": ecma_source(schema["pattern"]) if "pattern" in schema else None,
                     "min_length": schema.get("minLength"), "max_length": schema.get("maxLength")}
             return self.annotated(str, meta), "str"
         bounds = {"ge": schema.get("minimum"), "le": schema.get("maximum"),
@@ -321,7 +298,7 @@ class _Pattern:
     KEPT: Final = 4096
 
     def __init__(self, pattern: str) -> None:
-        self.search = re.compile(_ecma(pattern)).search
+        self.search = re.compile(ecma_source(pattern)).search
         self.pattern = pattern
         self.matched: set[str] = set()
 
