@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections import Counter
 
+import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -238,4 +239,6 @@ class LedgerMachine(RuleBasedStateMachine):
 LedgerMachine.TestCase.settings = settings(
     max_examples=150, stateful_step_count=40, deadline=None,
     suppress_health_check=[HealthCheck.too_slow])
-test_artifact_ledger_state_machine = LedgerMachine.TestCase
+#: the pure ledger, not a wire test: 150 programs of 40 steps take seconds on a quiet host and
+#: more under load, so its budget is its own (a hang still fails), not the wire tests' 10 s
+test_artifact_ledger_state_machine = pytest.mark.timeout(120)(LedgerMachine.TestCase)
